@@ -1,0 +1,38 @@
+# `make demo` and `make test` set everything up themselves in .venv (pip only).
+PYTHON ?= python3
+VENV   ?= .venv
+NRANKS ?= 1 2 3 4 5
+BIN    := $(VENV)/bin
+# Abort every rank when one fails instead of leaving the others waiting.
+MPIRUN := $(BIN)/mpiexec
+
+.PHONY: demo test test-unit test-mpi lint clean
+
+$(BIN)/activate:
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+
+$(VENV)/.installed: $(BIN)/activate setup.py pyproject.toml
+	$(BIN)/python -m pip install -q -e ".[test]"
+	touch $@
+
+demo: $(VENV)/.installed
+	$(BIN)/python -m jobs.codec_tour
+
+test: test-unit test-mpi
+
+test-unit: $(VENV)/.installed
+	$(BIN)/python -m pytest -q
+
+test-mpi: $(VENV)/.installed
+	@set -e; for n in $(NRANKS); do \
+	  echo "== multi-rank tests on $$n ranks"; \
+	  $(MPIRUN) -n $$n $(BIN)/python -m mpi4py -m pytest -q --with-mpi -m mpi -p no:cacheprovider; \
+	done
+
+lint: $(VENV)/.installed
+	$(BIN)/python -m pip install -q ruff
+	$(BIN)/ruff check . && $(BIN)/ruff format --check .
+
+clean:
+	rm -rf $(VENV) build *.egg-info .pytest_cache

@@ -1,0 +1,1 @@
+"""Hand-written mpi4py collectives on raw buffers (numpy or cupy)."""

@@ -1,0 +1,1 @@
+"""Device code of mpicomp: numba CPU kernels (``cpu``) and CUDA sources (``cuda``)."""

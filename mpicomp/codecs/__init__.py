@@ -1,0 +1,8 @@
+"""Compression codecs, one module per paper (and one for the baselines); pure array code, no MPI."""
+
+from mpicomp.codecs import baselines, fastsgd, fft, qsgd, signsgd, threelc  # noqa: F401  (register)
+from mpicomp.codecs._base import Codec, available
+from mpicomp.codecs._base import make as codec
+from mpicomp.codecs.feedback import ErrorFeedback
+
+__all__ = ["Codec", "ErrorFeedback", "available", "codec"]

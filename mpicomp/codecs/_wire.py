@@ -1,0 +1,124 @@
+"""The fixed header every mpicomp payload starts with, and its validation.
+
+Layout (little-endian), 16 bytes then one uint64 per dimension::
+
+    0  2s   magic b"MC"
+    2  u8   format version (1)
+    3  u8   codec id (see CODEC_IDS)
+    4  u8   ndim (0..8)
+    5  u8   flags (codec-specific)
+    6  u16  reserved, 0
+    8  u32  Adler-32 of the body
+    12 u32  body length in bytes
+    16 u64  x ndim: the shape
+
+The body (codec-specific) follows. Adler-32 is used because it is in the
+standard library (zlib) and, unlike CRC-32, is a sum that a GPU can compute
+with two parallel reductions.
+"""
+
+from __future__ import annotations
+
+import struct
+import zlib
+
+import numpy as np
+
+from mpicomp.errors import PayloadError
+
+MAGIC = b"MC"
+VERSION = 1
+MAX_NDIM = 8
+# Refuse shapes whose decode would allocate more than 2^40 elements: a corrupted
+# length field must not turn into an unbounded allocation.
+MAX_NUMEL = 1 << 40
+
+CODEC_IDS = {
+    "none": 0,
+    "fp16": 1,
+    "qsgd_maxnorm": 2,
+    "qsgd_maxnorm_multiscale": 3,
+    "grandk_maxnorm": 4,
+    "grandk_maxnorm_multiscale": 5,
+    "threelc": 6,
+    "fft": 7,
+    "signsgd": 8,
+    "fastsgd": 9,
+    "topk": 10,
+}
+
+_FIXED = struct.Struct("<2sBBBBHII")
+FIXED_SIZE = _FIXED.size  # 16
+
+
+def header_size(ndim: int) -> int:
+    """Return the header size in bytes for an array of ``ndim`` dimensions."""
+    return FIXED_SIZE + 8 * ndim
+
+
+def pack(codec: str, shape: tuple[int, ...], body: np.ndarray, flags: int = 0) -> np.ndarray:
+    """Return header + ``body`` (a 1-D uint8 array) as one 1-D uint8 payload."""
+    body = np.ascontiguousarray(body, dtype=np.uint8).reshape(-1)
+    ndim = len(shape)
+    out = np.empty(header_size(ndim) + body.size, dtype=np.uint8)
+    _FIXED.pack_into(
+        out, 0, MAGIC, VERSION, CODEC_IDS[codec], ndim, flags, 0, zlib.adler32(body), body.size
+    )
+    if ndim:
+        out[FIXED_SIZE : header_size(ndim)] = np.asarray(shape, dtype="<u8").view(np.uint8)
+    out[header_size(ndim) :] = body
+    return out
+
+
+def unpack(codec: str, payload) -> tuple[tuple[int, ...], int, np.ndarray]:
+    """Validate a payload made by ``codec``; return (shape, flags, body view).
+
+    Raises:
+        PayloadError: wrong type, truncated, wrong magic, version or codec id,
+            inconsistent body length, bad checksum or an impossible shape.
+    """
+    if not isinstance(payload, np.ndarray) or payload.dtype != np.uint8 or payload.ndim != 1:
+        raise PayloadError(
+            f"{codec} payload must be a 1-D uint8 array, got {type(payload).__name__}"
+            + (f" of dtype {payload.dtype} and ndim {payload.ndim}" if hasattr(payload, "dtype") else "")
+        )
+    if payload.size < FIXED_SIZE:
+        raise PayloadError(f"{codec} payload truncated: {payload.size} bytes < {FIXED_SIZE}-byte header")
+    magic, version, codec_id, ndim, flags, reserved, checksum, body_len = _FIXED.unpack_from(
+        payload, 0
+    )
+    if magic != MAGIC:
+        raise PayloadError(f"not an mpicomp payload: magic {magic!r}, expected {MAGIC!r}")
+    if version != VERSION:
+        raise PayloadError(f"unsupported payload format version {version}, this build reads {VERSION}")
+    if codec_id != CODEC_IDS[codec]:
+        names = {v: k for k, v in CODEC_IDS.items()}
+        raise PayloadError(
+            f"payload was made by codec {names.get(codec_id, codec_id)!r}, not {codec!r}"
+        )
+    if ndim > MAX_NDIM or reserved != 0:
+        raise PayloadError(f"{codec} payload header corrupted: ndim={ndim}, reserved={reserved}")
+    start = header_size(ndim)
+    if payload.size != start + body_len:
+        raise PayloadError(
+            f"{codec} payload length {payload.size} does not match header "
+            f"({start}-byte header + {body_len}-byte body)"
+        )
+    shape = tuple(int(d) for d in payload[FIXED_SIZE:start].view("<u8")) if ndim else ()
+    numel = 1
+    for d in shape:
+        numel *= d
+        if numel > MAX_NUMEL:
+            raise PayloadError(f"{codec} payload shape {shape} is implausibly large")
+    body = payload[start:]
+    if zlib.adler32(body) != checksum:
+        raise PayloadError(f"{codec} payload body fails its checksum (corrupted in transit?)")
+    return shape, flags, body
+
+
+def numel_of(shape: tuple[int, ...]) -> int:
+    """Return the number of elements of ``shape`` (1 for a 0-d shape)."""
+    n = 1
+    for d in shape:
+        n *= d
+    return n

