@@ -34,4 +34,5 @@ def as_gradient(x, what: str = "x"):
     dt = x.dtype
     if dt != np.float32 and dt not in _ACCEPTED and dt.name != "bfloat16":
         raise TypeError(f"{what} must be a floating-point array, got dtype {dt!r}")
-    return xp.ascontiguousarray(x, dtype=np.float32)
+    # asarray(order='C'), not ascontiguousarray, which makes a 0-d array 1-d.
+    return xp.asarray(x, dtype=np.float32, order="C")

@@ -14,7 +14,9 @@ def register(cls: type[Codec]) -> type[Codec]:
     return cls
 
 
-def check_number(name: str, value, lo=None, hi=None, *, integer=False, lo_open=False, hi_open=False):
+def check_number(
+    name: str, value, lo=None, hi=None, *, integer=False, lo_open=False, hi_open=False
+):
     """Return ``value`` if it is a number in the interval, else raise ValueError naming ``name``.
 
     ``lo``/``hi`` are inclusive unless ``lo_open``/``hi_open``.
@@ -23,7 +25,11 @@ def check_number(name: str, value, lo=None, hi=None, *, integer=False, lo_open=F
     lo_b = "(" if lo_open else "["
     hi_b = ")" if hi_open else "]"
     allowed = f"{lo_b}{'-inf' if lo is None else lo}, {'inf' if hi is None else hi}{hi_b}"
-    if isinstance(value, bool) or not isinstance(value, (int, float)) and not hasattr(value, "__index__"):
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, (int, float))
+        and not hasattr(value, "__index__")
+    ):
         raise ValueError(f"{name} must be {kind} in {allowed}, got {value!r}")
     if integer:
         if isinstance(value, float) and not value.is_integer():

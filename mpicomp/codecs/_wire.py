@@ -80,17 +80,25 @@ def unpack(codec: str, payload) -> tuple[tuple[int, ...], int, np.ndarray]:
     if not isinstance(payload, np.ndarray) or payload.dtype != np.uint8 or payload.ndim != 1:
         raise PayloadError(
             f"{codec} payload must be a 1-D uint8 array, got {type(payload).__name__}"
-            + (f" of dtype {payload.dtype} and ndim {payload.ndim}" if hasattr(payload, "dtype") else "")
+            + (
+                f" of dtype {payload.dtype} and ndim {payload.ndim}"
+                if hasattr(payload, "dtype")
+                else ""
+            )
         )
     if payload.size < FIXED_SIZE:
-        raise PayloadError(f"{codec} payload truncated: {payload.size} bytes < {FIXED_SIZE}-byte header")
+        raise PayloadError(
+            f"{codec} payload truncated: {payload.size} bytes < {FIXED_SIZE}-byte header"
+        )
     magic, version, codec_id, ndim, flags, reserved, checksum, body_len = _FIXED.unpack_from(
         payload, 0
     )
     if magic != MAGIC:
         raise PayloadError(f"not an mpicomp payload: magic {magic!r}, expected {MAGIC!r}")
     if version != VERSION:
-        raise PayloadError(f"unsupported payload format version {version}, this build reads {VERSION}")
+        raise PayloadError(
+            f"unsupported payload format version {version}, this build reads {VERSION}"
+        )
     if codec_id != CODEC_IDS[codec]:
         names = {v: k for k, v in CODEC_IDS.items()}
         raise PayloadError(

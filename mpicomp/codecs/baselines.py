@@ -1,1 +1,171 @@
-"""(being written)"""
+"""Baselines every comparison needs: no compression, float16, and top-k sparsification."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from mpicomp._backend import as_gradient
+from mpicomp.codecs import _wire
+from mpicomp.codecs._base import Codec, check_number, register
+from mpicomp.errors import PayloadError
+from mpicomp.kernels.cpu import topk as _k
+
+_FP16_MAX = float(np.finfo(np.float16).max)
+
+
+@register
+class NoCompression(Codec):
+    """float32 as it is: the baseline every ratio is measured against."""
+
+    name = "none"
+    aggregation = "sum"
+    wire_dtype = np.float32
+
+    def __init__(self):
+        super().__init__()
+
+    def to_wire(self, x):
+        """Return ``x`` as the float32 array MPI sums."""
+        return as_gradient(x)
+
+    def from_wire(self, total, nranks: int = 1, shape=None):
+        """Return the average over ``nranks`` of the summed wire array, float32."""
+        out = np.asarray(total, dtype=np.float32) / np.float32(nranks)
+        return out.reshape(shape) if shape is not None else out
+
+    def encode(self, x) -> np.ndarray:
+        """Return the payload of ``x``: header + float32 values, little-endian."""
+        x = as_gradient(x)
+        return _wire.pack(self.name, x.shape, x.astype("<f4", copy=False).reshape(-1).view(np.uint8))
+
+    def decode(self, payload) -> np.ndarray:
+        """Return the float32 array carried by ``payload``."""
+        shape, _, body = _wire.unpack(self.name, payload)
+        if body.size != 4 * _wire.numel_of(shape):
+            raise PayloadError(
+                f"none payload body is {body.size} bytes, shape {shape} needs 4 per element"
+            )
+        return body.view("<f4").astype(np.float32).reshape(shape)
+
+
+@register
+class Float16(Codec):
+    """Round to float16 on the wire; a value beyond float16's range is an error, not an Inf."""
+
+    name = "fp16"
+    aggregation = "sum"
+    wire_dtype = np.float16
+
+    def __init__(self):
+        super().__init__()
+
+    def to_wire(self, x):
+        """Return ``x`` rounded to float16.
+
+        Raises:
+            ValueError: ``x`` holds NaN/Inf, or a value float16 cannot hold (|x| > 65504).
+        """
+        x = as_gradient(x)
+        amax = float(np.abs(x).max()) if x.size else 0.0
+        if not math.isfinite(amax):
+            raise ValueError("fp16: input holds NaN or Inf")
+        if amax > _FP16_MAX:
+            raise ValueError(
+                f"fp16: max |x| = {amax:.6g} overflows float16 (max {_FP16_MAX:g}); "
+                "scale the gradient or use codec 'none'"
+            )
+        return x.astype(np.float16)
+
+    def from_wire(self, total, nranks: int = 1, shape=None):
+        """Return the average over ``nranks`` of the summed float16 (or float32) wire array."""
+        out = np.asarray(total).astype(np.float32) / np.float32(nranks)
+        return out.reshape(shape) if shape is not None else out
+
+    def encode(self, x) -> np.ndarray:
+        """Return the payload of ``x``: header + float16 values, little-endian."""
+        x = as_gradient(x)
+        return _wire.pack(self.name, x.shape, self.to_wire(x).astype("<f2").reshape(-1).view(np.uint8))
+
+    def decode(self, payload) -> np.ndarray:
+        """Return the float32 array carried by ``payload``."""
+        shape, _, body = _wire.unpack(self.name, payload)
+        if body.size != 2 * _wire.numel_of(shape):
+            raise PayloadError(
+                f"fp16 payload body is {body.size} bytes, shape {shape} needs 2 per element"
+            )
+        return body.view("<f2").astype(np.float32).reshape(shape)
+
+
+@register
+class TopK(Codec):
+    """Keep the k = ceil(ratio * n) largest magnitudes, as (index, value) pairs.
+
+    Body: uint64 k, then k uint32 indices (uint64 when n > 2**32), strictly
+    increasing, then k float32 values; all little-endian. Ties in magnitude keep
+    the lower index (a stable sort), so every rank and re-run keeps the same set.
+    """
+
+    name = "topk"
+    aggregation = "gather"
+
+    def __init__(self, ratio: float = 0.01):
+        ratio = check_number("ratio", ratio, 0.0, 1.0, lo_open=True)
+        super().__init__(ratio=ratio)
+
+    def kept(self, n: int) -> int:
+        """Return how many of ``n`` elements are kept."""
+        return min(n, math.ceil(self.params["ratio"] * n))
+
+    @staticmethod
+    def _index_dtype(n: int):
+        return np.dtype("<u4") if n <= 1 << 32 else np.dtype("<u8")
+
+    def encode(self, x) -> np.ndarray:
+        """Return the payload of ``x``'s top-k entries.
+
+        Raises:
+            ValueError: ``x`` holds NaN or Inf.
+        """
+        x = as_gradient(x)
+        flat = x.reshape(-1)
+        n, k = flat.size, self.kept(flat.size)
+        if n and not _k.mpicomp_topk_check_finite(flat):
+            raise ValueError("topk: input holds NaN or Inf")
+        if k == n:
+            idx = np.arange(n, dtype=np.int64)
+        else:
+            # argpartition on -|x| picks a top-k set; its ties are arbitrary, so
+            # re-select the boundary magnitude with a stable rule (lowest index first).
+            mag = np.abs(flat)
+            thresh = np.partition(mag, n - k)[n - k]
+            above = np.flatnonzero(mag > thresh)
+            at = np.flatnonzero(mag == thresh)[: k - above.size]
+            idx = np.union1d(above, at)
+        idt = self._index_dtype(n)
+        body = np.empty(8 + k * (idt.itemsize + 4), dtype=np.uint8)
+        body[:8] = np.array([k], dtype="<u8").view(np.uint8)
+        body[8 : 8 + k * idt.itemsize] = idx.astype(idt).view(np.uint8)
+        body[8 + k * idt.itemsize :] = flat[idx].astype("<f4").view(np.uint8)
+        return _wire.pack(self.name, x.shape, body)
+
+    def decode(self, payload) -> np.ndarray:
+        """Return the dense float32 array of ``payload`` (zeros where nothing was kept)."""
+        shape, _, body = _wire.unpack(self.name, payload)
+        n = _wire.numel_of(shape)
+        if body.size < 8:
+            raise PayloadError(f"topk payload body truncated: {body.size} bytes")
+        k = int(body[:8].view("<u8")[0])
+        idt = self._index_dtype(n)
+        if k > n or body.size != 8 + k * (idt.itemsize + 4):
+            raise PayloadError(f"topk payload holds k={k} for n={n} in a {body.size}-byte body")
+        idx = body[8 : 8 + k * idt.itemsize].view(idt)
+        vals = body[8 + k * idt.itemsize :].view("<f4")
+        out = np.zeros(n, dtype=np.float32)
+        err = _k.mpicomp_topk_scatter(idx, vals, n, out)
+        if err == 1:
+            raise PayloadError("topk payload indices are out of range or not increasing")
+        if err == 2:
+            raise PayloadError("topk payload holds a NaN or Inf value")
+        return out.reshape(shape)

@@ -1,1 +1,53 @@
-"""(being written)"""
+"""Error feedback: residual memory per tensor, so a biased codec's error is sent later
+instead of lost (paper 001 §3.1)."""
+
+from __future__ import annotations
+
+from mpicomp._backend import as_gradient, get_array_module
+
+
+class ErrorFeedback:
+    """Wrap a gather codec with one residual buffer per tensor name.
+
+    ``encode(x, name)`` compresses ``x + residual[name]`` and keeps what the
+    payload failed to carry as the new residual. Codecs that can update the
+    residual in their own encode pass (``fused_feedback = True``, e.g. 3LC) do
+    so; for the others the residual is ``corrected - decode(payload)``. The
+    residual lives on the device of the gradient.
+    """
+
+    def __init__(self, codec):
+        if getattr(codec, "aggregation", None) != "gather":
+            raise TypeError(f"error feedback wraps gather codecs, not {codec!r}")
+        self.codec = codec
+        self._memory = {}
+
+    def encode(self, x, name: str = ""):
+        """Return the payload of ``x`` plus the residual of ``name``; update the residual."""
+        x = as_gradient(x)
+        xp = get_array_module(x)
+        r = self._memory.get(name)
+        if r is None or r.shape != x.shape or get_array_module(r) is not xp:
+            r = self._memory[name] = xp.zeros(x.shape, dtype=xp.float32)
+        if getattr(self.codec, "fused_feedback", False):
+            return self.codec.encode(x, residual=r)
+        corrected = x + r
+        payload = self.codec.encode(corrected)
+        r[...] = corrected - self.codec.decode(payload)
+        return payload
+
+    def decode(self, payload):
+        """Return the decoded array of ``payload`` (the wrapped codec's decode)."""
+        return self.codec.decode(payload)
+
+    def residual(self, name: str = ""):
+        """Return the residual of ``name`` (None before its first encode)."""
+        return self._memory.get(name)
+
+    def state_dict(self) -> dict:
+        """Return the residuals, keyed by tensor name, for a checkpoint."""
+        return dict(self._memory)
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restore residuals saved by ``state_dict``."""
+        self._memory = {k: as_gradient(v, what=f"residual {k!r}").copy() for k, v in state.items()}

@@ -1,0 +1,55 @@
+"""Shared fixtures: every codec test runs on each backend present (NumPy always, CuPy
+where a GPU is found) and compares bytes with the NumPy run."""
+
+import os
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, settings
+
+settings.register_profile(
+    "mpicomp",
+    deadline=None,
+    max_examples=int(os.environ.get("MPICOMP_HYPOTHESIS_EXAMPLES", "40")),
+    suppress_health_check=[HealthCheck.too_slow],
+)
+settings.load_profile("mpicomp")
+
+
+def _backends():
+    names = ["numpy"]
+    try:
+        import cupy
+
+        if cupy.cuda.runtime.getDeviceCount() > 0:
+            names.append("cupy")
+    except Exception:  # no CuPy, or CuPy without a usable GPU
+        pass
+    return names
+
+
+BACKENDS = _backends()
+
+
+@pytest.fixture(params=BACKENDS)
+def xp(request):
+    """The array module of one backend present: numpy, then cupy where a GPU is found."""
+    if request.param == "cupy":
+        import cupy
+
+        return cupy
+    return np
+
+
+def to_numpy(a):
+    """Return ``a`` as a NumPy array, wherever it lives."""
+    return a.get() if hasattr(a, "get") else np.asarray(a)
+
+
+def gradient_like(n, seed=0, dtype=np.float32):
+    """Return a gradient-shaped test vector: mostly small values, a few large ones."""
+    rng = np.random.default_rng(seed)
+    g = rng.standard_normal(n).astype(dtype) * dtype(1e-3)
+    if n:
+        g[rng.integers(0, n, max(1, n // 100))] *= dtype(20)
+    return g

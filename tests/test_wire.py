@@ -1,0 +1,67 @@
+"""The common payload header: layout, and every way a header can be wrong."""
+
+import struct
+import zlib
+
+import numpy as np
+import pytest
+
+import mpicomp
+from mpicomp.codecs import _wire
+
+
+def test_header_layout_is_as_documented():
+    body = np.arange(10, dtype=np.uint8)
+    p = _wire.pack("topk", (3, 4), body, flags=5)
+    assert p.dtype == np.uint8 and p.ndim == 1
+    assert p.size == 16 + 2 * 8 + 10
+    magic, ver, cid, ndim, flags, res, adler, blen = struct.unpack_from("<2sBBBBHII", p.tobytes())
+    assert (magic, ver, cid, ndim, flags, res) == (b"MC", 1, 10, 2, 5, 0)
+    assert adler == zlib.adler32(body.tobytes()) and blen == 10
+    assert struct.unpack_from("<2Q", p.tobytes(), 16) == (3, 4)
+    shape, fl, b = _wire.unpack("topk", p)
+    assert shape == (3, 4) and fl == 5
+    np.testing.assert_array_equal(b, body)
+
+
+def test_zero_dim_shape_round_trips():
+    shape, _, body = _wire.unpack("none", _wire.pack("none", (), np.zeros(4, np.uint8)))
+    assert shape == () and body.size == 4 and _wire.numel_of(shape) == 1
+
+
+@pytest.mark.parametrize(
+    "mutate, message",
+    [
+        (lambda p: p[:10], "truncated"),
+        (lambda p: p[:-1], "length"),
+        (lambda p: np.concatenate([p, np.zeros(1, np.uint8)]), "length"),
+        (lambda p: _set(p, 0, 0x4E), "magic"),
+        (lambda p: _set(p, 2, 9), "version"),
+        (lambda p: _set(p, 3, 6), "threelc"),
+        (lambda p: _set(p, 3, 200), "200"),
+        (lambda p: _set(p, 4, 9), "ndim"),
+        (lambda p: _set(p, 6, 1), "reserved"),
+        (lambda p: _set(p, p.size - 1, p[-1] ^ 1), "checksum"),
+    ],
+)
+def test_bad_headers_raise_payload_error(mutate, message):
+    p = _wire.pack("topk", (5,), np.arange(12, dtype=np.uint8))
+    with pytest.raises(mpicomp.PayloadError, match=message):
+        _wire.unpack("topk", mutate(p.copy()))
+
+
+def test_huge_shape_is_refused_before_allocation():
+    p = _wire.pack("none", (1 << 30, 1 << 30), np.zeros(0, np.uint8))
+    with pytest.raises(mpicomp.PayloadError, match="implausibly large"):
+        _wire.unpack("none", p)
+
+
+@pytest.mark.parametrize("bad", [b"MC\x01", [1, 2, 3], np.zeros(20, np.int8), np.zeros((4, 5), np.uint8)])
+def test_non_payload_objects_raise_payload_error(bad):
+    with pytest.raises(mpicomp.PayloadError, match="1-D uint8"):
+        _wire.unpack("topk", bad)
+
+
+def _set(p, i, v):
+    p[i] = v
+    return p
