@@ -35,3 +35,14 @@ def test_pack_round_trip_any_length(n, width, seed):
     back = np.empty(n, dtype=np.uint32)
     mpicomp_bits_unpack(out, width, back)
     np.testing.assert_array_equal(back, codes)
+
+
+def test_rng_key_from_python_gives_the_same_draws_as_inside_numba():
+    from mpicomp.kernels.cpu import rng
+
+    key = rng.mpicomp_key(7, 3, 1)  # a Python int, typed int64 or uint64 by numba on the way back
+    inside = rng.uniform_array(7, 3, 1, 4096)
+    outside = np.array([rng.mpicomp_uniform(key, i) for i in range(4096)], np.float32)
+    np.testing.assert_array_equal(inside, outside)
+    top_bits = np.array([rng.mpicomp_bits(key, i) >> 63 for i in range(4096)])
+    assert 1800 < top_bits.sum() < 2300

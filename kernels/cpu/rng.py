@@ -29,7 +29,8 @@ def mpicomp_key(seed, step, stream):
 @nb.njit(inline="always", cache=True)
 def mpicomp_bits(key, index):
     """Return 64 random bits for element ``index`` under ``key``."""
-    return mpicomp_mix64(key + (np.uint64(index) + np.uint64(1)) * _GOLDEN)
+    # A key passed from Python arrives as int64; int64 + uint64 would promote to float64.
+    return mpicomp_mix64(np.uint64(key) + (np.uint64(index) + np.uint64(1)) * _GOLDEN)
 
 
 @nb.njit(inline="always", cache=True)
