@@ -8,7 +8,7 @@ Layout (little-endian), 16 bytes then one uint64 per dimension::
     4  u8   ndim (0..8)
     5  u8   flags (codec-specific)
     6  u16  reserved, 0
-    8  u32  Adler-32 of the body
+    8  u32  Adler-32 of every other byte of the payload (bytes 0-7, then 12-end)
     12 u32  body length in bytes
     16 u64  x ndim: the shape
 
@@ -51,6 +51,11 @@ _FIXED = struct.Struct("<2sBBBBHII")
 FIXED_SIZE = _FIXED.size  # 16
 
 
+def _checksum(payload: np.ndarray) -> int:
+    # Chained over the two spans around the checksum field: no copy of the body.
+    return zlib.adler32(payload[12:], zlib.adler32(payload[:8]))
+
+
 def header_size(ndim: int) -> int:
     """Return the header size in bytes for an array of ``ndim`` dimensions."""
     return FIXED_SIZE + 8 * ndim
@@ -61,17 +66,19 @@ def pack(codec: str, shape: tuple[int, ...], body: np.ndarray, flags: int = 0) -
     body = np.ascontiguousarray(body, dtype=np.uint8).reshape(-1)
     ndim = len(shape)
     out = np.empty(header_size(ndim) + body.size, dtype=np.uint8)
-    _FIXED.pack_into(
-        out, 0, MAGIC, VERSION, CODEC_IDS[codec], ndim, flags, 0, zlib.adler32(body), body.size
-    )
+    _FIXED.pack_into(out, 0, MAGIC, VERSION, CODEC_IDS[codec], ndim, flags, 0, 0, body.size)
     if ndim:
         out[FIXED_SIZE : header_size(ndim)] = np.asarray(shape, dtype="<u8").view(np.uint8)
     out[header_size(ndim) :] = body
+    struct.pack_into("<I", out, 8, _checksum(out))
     return out
 
 
-def unpack(codec: str, payload) -> tuple[tuple[int, ...], int, np.ndarray]:
+def unpack(codec: str, payload, known_flags: int = 0) -> tuple[tuple[int, ...], int, np.ndarray]:
     """Validate a payload made by ``codec``; return (shape, flags, body view).
+
+    ``known_flags`` is the mask of flag bits the codec defines; any other set bit
+    is corruption.
 
     Raises:
         PayloadError: wrong type, truncated, wrong magic, version or codec id,
@@ -104,8 +111,10 @@ def unpack(codec: str, payload) -> tuple[tuple[int, ...], int, np.ndarray]:
         raise PayloadError(
             f"payload was made by codec {names.get(codec_id, codec_id)!r}, not {codec!r}"
         )
-    if ndim > MAX_NDIM or reserved != 0:
-        raise PayloadError(f"{codec} payload header corrupted: ndim={ndim}, reserved={reserved}")
+    if ndim > MAX_NDIM or reserved != 0 or flags & ~known_flags:
+        raise PayloadError(
+            f"{codec} payload header corrupted: ndim={ndim}, flags={flags:#x}, reserved={reserved}"
+        )
     start = header_size(ndim)
     if payload.size != start + body_len:
         raise PayloadError(
@@ -118,10 +127,9 @@ def unpack(codec: str, payload) -> tuple[tuple[int, ...], int, np.ndarray]:
         numel *= d
         if numel > MAX_NUMEL:
             raise PayloadError(f"{codec} payload shape {shape} is implausibly large")
-    body = payload[start:]
-    if zlib.adler32(body) != checksum:
-        raise PayloadError(f"{codec} payload body fails its checksum (corrupted in transit?)")
-    return shape, flags, body
+    if _checksum(payload) != checksum:
+        raise PayloadError(f"{codec} payload fails its checksum (corrupted in transit?)")
+    return shape, flags, payload[start:]
 
 
 def numel_of(shape: tuple[int, ...]) -> int:
