@@ -51,9 +51,7 @@ class ThreeLC(Codec):
         sparsity = float(check_number("sparsity", sparsity, 1, 2, hi_open=True))
         # M is computed in float32: an s that rounds up to 2.0 there is out of range.
         if np.float32(sparsity) >= 2:
-            raise ValueError(
-                f"sparsity must be a number in [1, 2) (as float32), got {sparsity!r}"
-            )
+            raise ValueError(f"sparsity must be a number in [1, 2) (as float32), got {sparsity!r}")
         if not isinstance(zero_run, (bool, np.bool_)):
             raise ValueError(f"zero_run must be a bool, got {zero_run!r}")
         super().__init__(sparsity=sparsity, zero_run=bool(zero_run))
@@ -110,9 +108,7 @@ class ThreeLC(Codec):
             PayloadError: the payload is truncated, corrupted, made by another
                 codec, or its body is inconsistent with its shape.
         """
-        shape, flags, body = _wire.unpack(self.name, payload)
-        if flags & ~FLAG_ZERO_RUN:
-            raise PayloadError(f"threelc payload has unknown header flags {flags:#04x}")
+        shape, flags, body = _wire.unpack(self.name, payload, known_flags=FLAG_ZERO_RUN)
         n = _wire.numel_of(shape)
         n_bytes = _quartic_length(n)
         if body.size < _SCALE_BYTES:
