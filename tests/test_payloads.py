@@ -15,7 +15,7 @@ PAYLOAD_CODECS = ["none", "fp16", "topk", "signsgd", "threelc", "fft", "fastsgd"
 SHAPES = [(), (0,), (1,), (2,), (5,), (8,), (13,), (3, 5), (2, 3, 4), (1000,)]
 
 
-@pytest.fixture(params=PAYLOAD_CODECS)
+@pytest.fixture(params=PAYLOAD_CODECS, scope="module")
 def codec(request):
     return mpicomp.codec(request.param)
 

@@ -20,7 +20,7 @@ def test_header_layout_is_as_documented():
     raw = p.tobytes()
     assert adler == zlib.adler32(raw[:8] + raw[12:]) and blen == 10
     assert struct.unpack_from("<2Q", p.tobytes(), 16) == (3, 4)
-    shape, fl, b = _wire.unpack("topk", p)
+    shape, fl, b = _wire.unpack("topk", p, known_flags=0b111)
     assert shape == (3, 4) and fl == 5
     np.testing.assert_array_equal(b, body)
 
@@ -68,3 +68,10 @@ def test_non_payload_objects_raise_payload_error(bad):
 def _set(p, i, v):
     p[i] = v
     return p
+
+
+def test_undefined_flag_bits_are_corruption():
+    p = _wire.pack("topk", (5,), np.zeros(3, np.uint8), flags=0b10)
+    assert _wire.unpack("topk", p, known_flags=0b11)[1] == 0b10
+    with pytest.raises(mpicomp.PayloadError, match="flags=0x2"):
+        _wire.unpack("topk", p, known_flags=0b01)

@@ -1,0 +1,637 @@
+"""QSGD-MaxNorm family (paper 000 §3.1-3.4) against plain NumPy references.
+
+The references below re-derive everything from the paper, DESIGN.md and the RNG's
+published schedule (splitmix64 of seed, step, stream, index); none calls our kernels.
+Statistical tests use fixed seeds and tolerances of 5-6 standard errors computed from
+the exact variance, so they are deterministic and still fail on a bias or a wrong scale.
+"""
+
+import math
+
+import numpy as np
+import pytest
+from conftest import gradient_like
+from hypothesis import given
+from hypothesis import strategies as st
+
+import mpicomp
+
+M64 = (1 << 64) - 1
+GOLDEN, M1, M2 = 0x9E3779B97F4A7C15, 0xBF58476D1CE4E5B9, 0x94D049BB133111EB
+STEP_MUL, STREAM_MUL = 0xD6E8FEB86659FD93, 0xA0761D6478BD642F
+COORDINATE_STREAM = M64
+
+
+# ---------------------------------------------------------------- references
+
+
+def ref_mix(z):
+    """splitmix64 finalizer on Python ints or numpy uint64 arrays (wrapping)."""
+    if isinstance(z, int):
+        z = ((z ^ (z >> 30)) * M1) & M64
+        z = ((z ^ (z >> 27)) * M2) & M64
+        return z ^ (z >> 31)
+    z = (z ^ (z >> np.uint64(30))) * np.uint64(M1)
+    z = (z ^ (z >> np.uint64(27))) * np.uint64(M2)
+    return z ^ (z >> np.uint64(31))
+
+
+def ref_key(seed, step, stream):
+    k = ref_mix(seed ^ ((step * STEP_MUL) & M64))
+    return ref_mix(k ^ ((stream * STREAM_MUL) & M64))
+
+
+def ref_bits(key, index):
+    index = np.asarray(index, dtype=np.uint64)
+    return ref_mix(np.uint64(key) + (index + np.uint64(1)) * np.uint64(GOLDEN))
+
+
+def ref_uniform(key, index):
+    return (ref_bits(key, index) >> np.uint64(40)).astype(np.float32) * np.float32(2.0**-24)
+
+
+def ref_norm(x):
+    return float(np.float32(math.sqrt(float(np.sum(x.astype(np.float64) ** 2)))))
+
+
+def ref_unit(x, norm):
+    """a = |x| / norm in float32, clamped to 1 (0 where norm is 0)."""
+    norm = np.float32(norm)
+    if norm == 0:
+        return np.zeros(x.shape, np.float32)
+    return np.minimum(np.abs(x) / norm, np.float32(1))
+
+
+def ref_codes(x, a, s, u):
+    """Stochastic rounding of a * s: floor, plus one with probability of the fraction."""
+    y = a * np.float32(s)
+    low = np.floor(y)
+    code = (low + (u < y - low)).astype(np.int64)
+    return np.where(x < 0, -code, code)
+
+
+def ref_quantize(x, norm, bits, seed, step, stream, index=None):
+    index = np.arange(x.size) if index is None else index
+    v = x.reshape(-1)[index]
+    u = ref_uniform(ref_key(seed, step, stream), index)
+    return ref_codes(v, ref_unit(v, norm), 2 ** (bits - 1) - 1, u)
+
+
+def ref_scale_index(v, norm, levels):
+    """Eq. (11): the largest scale s with |v| / norm * s <= s_min (index 0 = s_min)."""
+    a = ref_unit(v, norm)
+    idx = np.zeros(v.size, np.int64)
+    for k, s in enumerate(levels):
+        idx[a * np.float32(s) <= np.float32(levels[0])] = k
+    return idx
+
+
+def ref_ms_quantize(v, norm, levels, sidx, seed, step, stream, index):
+    u = ref_uniform(ref_key(seed, step, stream), index)
+    s = np.array(levels, np.float32)[sidx]
+    return ref_codes(v, ref_unit(v, norm), s, u)
+
+
+def ref_coordinates(n, k, seed, step):
+    """Floyd's algorithm: for j = n-k..n-1 take t = bits * (j+1) >> 64 unless taken, then j."""
+    key = ref_key(seed, step, COORDINATE_STREAM)
+    bits = ref_bits(key, np.arange(n - k, n))
+    chosen = set()
+    for j, b in zip(range(n - k, n), bits.tolist(), strict=True):
+        t = (b * (j + 1)) >> 64
+        chosen.add(j if t in chosen else t)
+    return np.array(sorted(chosen), dtype=np.int64)
+
+
+def levels_of(bits):
+    return 2 ** (bits - 1) - 1
+
+
+# ---------------------------------------------------------------- QSGD-MaxNorm
+
+
+@given(n=st.integers(0, 10**5), seed=st.integers(0, 2**32 - 1), bits=st.integers(2, 16))
+def test_quantize_matches_reference_any_length(n, seed, bits):
+    x = gradient_like(n, seed=seed)
+    c = mpicomp.codec("qsgd_maxnorm", bits=bits, seed=seed)
+    norm = c.local_norm(x)
+    assert norm == pytest.approx(ref_norm(x), rel=1e-6, abs=0)
+    codes = c.quantize(x, norm, step=seed % 97, stream=3)
+    assert codes.dtype == (np.int8 if bits <= 8 else np.int16) and codes.shape == (n,)
+    np.testing.assert_array_equal(codes, ref_quantize(x, norm, bits, seed, seed % 97, 3))
+    assert np.abs(codes.astype(np.int64)).max(initial=0) <= c.bound == levels_of(bits)
+    back = c.dequantize(codes, norm)
+    # one quantization interval: |Q(v) - v| <= norm / s, plus float32 rounding
+    assert np.all(np.abs(back - x) <= norm / c.levels * (1 + 1e-5) + 1e-30)
+
+
+def test_attributes_follow_the_bits():
+    for bits, dtype in [(2, np.int8), (8, np.int8), (9, np.int16), (16, np.int16)]:
+        c = mpicomp.codec("qsgd_maxnorm", bits=bits)
+        assert c.levels == c.bound == 2 ** (bits - 1) - 1
+        assert c.code_dtype == dtype
+        assert c.aggregation == "integer_sum"
+        assert np.iinfo(c.code_dtype).max >= c.bound
+
+
+@pytest.mark.parametrize("shape", [(), (0,), (3, 0), (1,), (7,), (4, 5, 3)])
+def test_round_trip_keeps_shape(xp, shape):
+    if xp is not np:
+        pytest.skip("the CUDA twins of the qsgd kernels are not written yet")
+    n = math.prod(shape)
+    x = (gradient_like(max(n, 1), seed=5)[:n] * np.float32(100)).reshape(shape)
+    c = mpicomp.codec("qsgd_maxnorm", bits=12)
+    norm = c.local_norm(x)
+    codes = c.quantize(x, norm)
+    assert codes.shape == (n,)
+    back = c.dequantize(codes, norm, shape=shape)
+    assert back.shape == shape and back.dtype == np.float32
+    np.testing.assert_allclose(back, x, rtol=0, atol=norm / c.levels * 1.0001)
+
+
+def test_dtype_conversion_and_zero_norm():
+    c = mpicomp.codec("qsgd_maxnorm", bits=6)
+    x = gradient_like(1000, seed=1)
+    norm = c.local_norm(x)
+    for other in (np.float16, np.float64):
+        y = x.astype(other)
+        np.testing.assert_array_equal(c.quantize(y, norm), c.quantize(y.astype(np.float32), norm))
+    zeros = np.zeros(50, np.float32)
+    assert c.local_norm(zeros) == 0.0
+    assert not c.quantize(zeros, 0.0).any()
+    assert not c.dequantize(np.zeros(50, np.int32), 0.0).any()
+
+
+def test_reproducible_for_same_counters_and_independent_across_streams():
+    x = gradient_like(20_000, seed=2)
+    c = mpicomp.codec("qsgd_maxnorm", bits=4, seed=11)
+    norm = c.local_norm(x)
+    a = c.quantize(x, norm, step=5, stream=1)
+    np.testing.assert_array_equal(
+        a, mpicomp.codec("qsgd_maxnorm", bits=4, seed=11).quantize(x, norm, step=5, stream=1)
+    )
+    for other in (
+        c.quantize(x, norm, step=5, stream=2),
+        c.quantize(x, norm, step=6, stream=1),
+        mpicomp.codec("qsgd_maxnorm", bits=4, seed=12).quantize(x, norm, step=5, stream=1),
+    ):
+        assert np.count_nonzero(other != a) > 100  # the rounding noise changes
+
+
+def test_unbiased_mean_of_many_quantizations():
+    # s = 3 levels: a biased rounding would be off by up to norm / (2 s), many sigmas here.
+    bits, steps, n = 3, 1000, 500
+    x = gradient_like(n, seed=3)
+    x[:50] = np.linspace(-0.05, 0.05, 50, dtype=np.float32)
+    c = mpicomp.codec("qsgd_maxnorm", bits=bits)
+    norm = c.local_norm(x) * 1.5  # another rank's larger norm
+    acc = np.zeros(n)
+    for t in range(steps):
+        acc += c.dequantize(c.quantize(x, norm, step=t, stream=0), norm)
+    mean = acc / steps
+    y = ref_unit(x, norm) * np.float32(c.levels)
+    p = (y - np.floor(y)).astype(np.float64)
+    sigma = norm / c.levels * np.sqrt(p * (1 - p) / steps)  # exact per-element std of the mean
+    assert np.all(np.abs(mean - x) <= 6 * sigma + 1e-6 * norm / c.levels)
+    assert abs(np.sum(mean - x)) <= 5 * np.sqrt(np.sum(sigma**2)) + 1e-6 * norm
+
+
+@pytest.mark.parametrize("bits", [2, 3, 4, 8])
+def test_lemma_1_variance_bound(bits):
+    n, steps = 2000, 200
+    v = gradient_like(n, seed=bits)
+    c = mpicomp.codec("qsgd_maxnorm", bits=bits, seed=1)
+    w = 1.25 * c.local_norm(v)  # ‖w‖: the largest norm over ranks
+    s = c.levels
+    errs = np.array(
+        [
+            np.sum((c.dequantize(c.quantize(v, w, step=t), w) - v).astype(np.float64) ** 2)
+            for t in range(steps)
+        ]
+    )
+    measured = errs.mean()
+    lemma = (1 + min(n / s**2, math.sqrt(n) / s)) * w**2
+    assert measured <= lemma
+    # and it is the exact variance sum_i (w/s)^2 p_i (1 - p_i), within 5 standard errors
+    y = ref_unit(v, w) * np.float32(s)
+    p = (y - np.floor(y)).astype(np.float64)
+    exact = np.sum((w / s) ** 2 * p * (1 - p))
+    se = math.sqrt(np.sum((w / s) ** 4 * p * (1 - p) * (1 - 2 * p) ** 2) / steps)
+    assert abs(measured - exact) <= 5 * se + 1e-4 * exact
+
+
+def test_codes_stay_bounded_with_a_norm_a_little_short():
+    c = mpicomp.codec("qsgd_maxnorm", bits=2)
+    x = np.array([1.0, -1.0, 0.5, 0.0], np.float32)
+    short = float(np.float32(1.0) * np.float32(1 - 5e-7))  # within the 1e-6 slack
+    for t in range(50):
+        codes = c.quantize(x, short, step=t)
+        assert np.abs(codes).max() <= c.bound
+        assert codes[0] == 1 and codes[1] == -1
+    with pytest.raises(ValueError, match="norm"):
+        c.quantize(x, 0.99)
+
+
+@pytest.mark.parametrize("nranks", [1, 2, 3, 5])
+def test_sum_over_ranks_dequantizes_to_the_mean(nranks):
+    n = 3001
+    grads = [gradient_like(n, seed=10 + r) * np.float32(1 + r) for r in range(nranks)]
+    c = mpicomp.codec("qsgd_maxnorm", bits=5)
+    norm = max(c.local_norm(g) for g in grads)  # MaxAllReduce
+    codes = [c.quantize(g, norm, step=4, stream=r) for r, g in enumerate(grads)]
+    total = np.sum([q.astype(np.int32) for q in codes], axis=0, dtype=np.int32)
+    assert np.abs(total).max() <= nranks * c.bound
+    mean = np.mean([c.dequantize(q, norm) for q in codes], axis=0, dtype=np.float64)
+    avg = c.dequantize(total, norm, nranks=nranks)
+    np.testing.assert_allclose(avg, mean, rtol=0, atol=4e-7 * norm)
+    expected = ((total.astype(np.float32) * np.float32(norm)) / np.float32(c.levels)) / np.float32(
+        nranks
+    )
+    np.testing.assert_array_equal(avg, expected)  # the documented float32 op order
+
+
+@pytest.mark.parametrize("name", ["qsgd_maxnorm", "qsgd_maxnorm_multiscale"])
+def test_parallel_chunks_give_the_bytes_of_the_reference(name):
+    n = 3 * (1 << 16) + 11  # four chunks of the parallel drivers, the last one short
+    x = gradient_like(n, seed=12)
+    c = mpicomp.codec(name, bits=4, seed=5)
+    norm = c.local_norm(x)
+    assert norm == pytest.approx(ref_norm(x), rel=1e-6, abs=0)
+    assert norm == c.local_norm(x.copy())  # fixed summation order
+    if name == "qsgd_maxnorm":
+        codes = c.quantize(x, norm, step=3, stream=1)
+        np.testing.assert_array_equal(codes, ref_quantize(x, norm, 4, 5, 3, 1))
+        expected = (codes.astype(np.float32) * np.float32(norm)) / np.float32(7)
+        np.testing.assert_array_equal(c.dequantize(codes, norm), expected / np.float32(1))
+        return
+    levels = c.scale_levels
+    sidx = c.scale_index(x, norm)
+    np.testing.assert_array_equal(sidx, ref_scale_index(x, norm, levels))
+    codes = c.quantize(x, norm, sidx, step=3, stream=1)
+    ref = ref_ms_quantize(x, norm, levels, sidx, 5, 3, 1, np.arange(n))
+    np.testing.assert_array_equal(codes, ref)
+    s = np.array(levels, np.float32)[sidx]
+    expected = ((codes.astype(np.float32) * np.float32(norm)) / s) / np.float32(1)
+    np.testing.assert_array_equal(c.dequantize(codes, norm, sidx), expected)
+
+
+# ---------------------------------------------------------------- multi-scale
+
+
+def simulated_shared_index(codec, grads, norm, **kw):
+    return np.minimum.reduce([codec.scale_index(g, norm, **kw) for g in grads])  # MinAllReduce
+
+
+@given(
+    n=st.integers(0, 10**5),
+    seed=st.integers(0, 2**32 - 1),
+    bits=st.integers(2, 12),
+    extra=st.lists(st.integers(0, 12), max_size=4),
+)
+def test_multiscale_matches_reference_any_length(n, seed, bits, extra):
+    scales = [bits + e for e in extra]
+    c = mpicomp.codec("qsgd_maxnorm_multiscale", bits=bits, scales=scales, seed=seed)
+    levels = [levels_of(b) for b in sorted(set(scales) | {bits})]
+    assert c.scale_levels == tuple(levels) and c.n_scales == len(levels)
+    assert c.index_bits == math.ceil(math.log2(len(levels)))
+    x = gradient_like(n, seed=seed)
+    norm = c.local_norm(x)
+    sidx = c.scale_index(x, norm)
+    assert sidx.dtype == np.uint8
+    np.testing.assert_array_equal(sidx, ref_scale_index(x, norm, levels))
+    codes = c.quantize(x, norm, sidx, step=2, stream=1)
+    ref = ref_ms_quantize(x, norm, levels, sidx, seed, 2, 1, np.arange(n))
+    np.testing.assert_array_equal(codes, ref)
+    assert np.abs(codes.astype(np.int64)).max(initial=0) <= c.bound == levels[0]
+    back = c.dequantize(codes, norm, sidx)
+    step_size = norm / np.array(levels, np.float64)[sidx]
+    assert np.all(np.abs(back - x) <= step_size * (1 + 1e-5) + 1e-30)
+
+
+def test_multiscale_defaults_and_index_order():
+    c = mpicomp.codec("qsgd_maxnorm_multiscale")
+    assert c.params["scales"] == (8, 12) and c.scale_levels == (127, 2047)
+    assert c.bound == 127 and c.code_dtype == np.int8 and c.index_bits == 1
+    c = mpicomp.codec("qsgd_maxnorm_multiscale", bits=2, scales=(10, 6, 6))
+    assert c.params["scales"] == (2, 6, 10) and c.index_bits == 2
+    x = np.array([1.0, 0.5, 0.02, 0.001, 0.0], np.float32)
+    # a = 1 -> only s_min = 1 fits; 0.5 * 31 > 1 -> s_min; 0.02 * 31 <= 1 < 0.02 * 511; tiny -> finest
+    np.testing.assert_array_equal(c.scale_index(x, 1.0), [0, 0, 1, 2, 2])
+
+
+def test_multiscale_min_over_ranks_is_safe_and_unbiased():
+    n, steps, nranks = 400, 600, 3
+    grads = [gradient_like(n, seed=20 + r) * np.float32(r + 1) for r in range(nranks)]
+    c = mpicomp.codec("qsgd_maxnorm_multiscale", bits=3, scales=(3, 6, 9))
+    norm = max(c.local_norm(g) for g in grads)
+    shared = simulated_shared_index(c, grads, norm)
+    own = [c.scale_index(g, norm) for g in grads]
+    assert len({tuple(o) for o in own}) > 1  # the ranks disagree somewhere
+    acc = np.zeros(n)
+    for t in range(steps):
+        total = np.zeros(n, np.int32)
+        for r, g in enumerate(grads):
+            q = c.quantize(g, norm, shared, step=t, stream=r)
+            assert np.abs(q).max() <= c.bound
+            total += q
+        acc += c.dequantize(total, norm, shared, nranks=nranks)
+    mean = acc / steps
+    target = np.mean(grads, axis=0, dtype=np.float64)
+    # per rank and element |Q - v| <= norm / s; the variance of the average is at most
+    # sum_r (norm / s_i)^2 / 4 / nranks^2 per step
+    sigma = norm / np.array(c.scale_levels, np.float64)[shared] / 2 / math.sqrt(nranks * steps)
+    assert np.all(np.abs(mean - target) <= 6 * sigma + 1e-6 * norm)
+    with pytest.raises(ValueError, match="scale_index"):
+        finer = np.full(n, c.n_scales - 1, np.uint8)
+        c.quantize(grads[2] * 0 + norm, norm, finer)  # |v| = norm needs the coarsest scale
+
+
+def test_multiscale_error_below_single_scale_at_the_same_bits():
+    x = gradient_like(50_000, seed=4)  # mostly 1e-3, a few 2e-2: a wide dynamic range
+    single = mpicomp.codec("qsgd_maxnorm", bits=4)
+    multi = mpicomp.codec("qsgd_maxnorm_multiscale", bits=4)  # scales (4, 8)
+    norm = single.local_norm(x)
+    sidx = multi.scale_index(x, norm)
+    err_single = err_multi = 0.0
+    for t in range(4):
+        err_single += np.sum((single.dequantize(single.quantize(x, norm, t), norm) - x) ** 2)
+        codes = multi.quantize(x, norm, sidx, t)
+        assert np.abs(codes).max() <= single.bound  # the same code width
+        err_multi += np.sum((multi.dequantize(codes, norm, sidx) - x) ** 2)
+    assert err_multi < 0.25 * err_single
+    n, s_hat = x.size, multi.scale_levels[0]
+    assert err_multi / 4 <= (1 + min(n / s_hat**2, math.sqrt(n) / s_hat)) * norm**2  # Lemma 2
+
+
+# ---------------------------------------------------------------- GlobalRandK
+
+
+@given(
+    n=st.integers(0, 10**5),
+    k=st.integers(1, 3000),
+    seed=st.integers(0, 2**64 - 1),
+    step=st.integers(0, 2**64 - 1),
+)
+def test_coordinates_match_floyd_reference(n, k, seed, step):
+    c = mpicomp.codec("grandk_maxnorm", k=k, seed=seed)
+    idx = c.coordinates(n, step)
+    assert idx.dtype == np.int64 and idx.size == min(k, n) == c.num_coordinates(n)
+    np.testing.assert_array_equal(idx, ref_coordinates(n, min(k, n), seed, step))
+
+
+@pytest.mark.parametrize("n, k", [(1000, 10), (1000, 500), (1000, 1000), (65, 1), (64, 1)])
+def test_coordinates_both_sort_paths(n, k):
+    idx = mpicomp.codec("grandk_maxnorm", k=k, seed=9).coordinates(n, 2)
+    np.testing.assert_array_equal(idx, ref_coordinates(n, k, 9, 2))
+    assert np.all(np.diff(idx) > 0) and (idx.size == 0 or (idx[0] >= 0 and idx[-1] < n))
+
+
+def test_coordinates_shared_by_ranks_and_fresh_each_step():
+    a = mpicomp.codec("grandk_maxnorm", k=100, seed=3)
+    b = mpicomp.codec("grandk_maxnorm", k=100, seed=3)
+    np.testing.assert_array_equal(a.coordinates(10_000, 7), b.coordinates(10_000, 7))
+    assert not np.array_equal(a.coordinates(10_000, 7), a.coordinates(10_000, 8))
+    assert not np.array_equal(
+        a.coordinates(10_000, 7),
+        mpicomp.codec("grandk_maxnorm", k=100, seed=4).coordinates(10_000, 7),
+    )
+    # uniform: 10 of 50 coordinates per step, so over 2000 steps each is chosen
+    # 400 times on average, with variance 2000 * 0.2 * 0.8 = 320
+    u = mpicomp.codec("grandk_maxnorm", k=10, seed=3)
+    counts = np.zeros(50)
+    for t in range(2000):
+        counts[u.coordinates(50, t)] += 1
+    assert np.all(np.abs(counts - 400) <= 6 * math.sqrt(320))
+
+
+def test_k_as_count_or_fraction():
+    assert mpicomp.codec("grandk_maxnorm").num_coordinates(10**6) == 10_000  # the paper's K
+    assert mpicomp.codec("grandk_maxnorm", k=50).num_coordinates(20) == 20
+    assert (
+        mpicomp.codec("grandk_maxnorm", k=0.3).num_coordinates(10) == 3
+    )  # not ceil(3.0000000000000004)
+    assert mpicomp.codec("grandk_maxnorm", k=0.25).num_coordinates(9) == 3
+    assert mpicomp.codec("grandk_maxnorm", k=0.1).num_coordinates(5000) == 500
+    assert mpicomp.codec("grandk_maxnorm", k=1.0).num_coordinates(7) == 7
+    assert mpicomp.codec("grandk_maxnorm", k=0.01).num_coordinates(0) == 0
+
+
+@given(n=st.integers(0, 10**5), seed=st.integers(0, 2**32 - 1), k=st.integers(1, 3000))
+def test_grandk_quantize_matches_reference_any_length(n, seed, k):
+    x = gradient_like(n, seed=seed)
+    c = mpicomp.codec("grandk_maxnorm", bits=6, k=k, seed=seed)
+    idx = c.coordinates(n, 5)
+    norm = c.local_norm(x, step=5)
+    assert norm == pytest.approx(ref_norm(x[idx]), rel=1e-6, abs=0)  # the selected sub-vector
+    codes = c.quantize(x, norm, step=5, stream=2)
+    np.testing.assert_array_equal(codes, ref_quantize(x, norm, 6, seed, 5, 2, index=idx))
+    out = c.dequantize(codes, norm, shape=x.shape, step=5)
+    expected = np.zeros(n, np.float32)
+    if idx.size:
+        vals = ((codes.astype(np.float32) * np.float32(norm)) / np.float32(c.levels)) / np.float32(
+            1
+        )
+        expected[idx] = vals * np.float32(n / idx.size)
+    np.testing.assert_array_equal(out, expected)
+
+
+def test_grandk_unbiased_with_n_over_k_rescaling():
+    n, k, steps = 200, 50, 2000
+    x = gradient_like(n, seed=6) * np.float32(10)
+    c = mpicomp.codec("grandk_maxnorm", bits=3, k=k)
+    acc = np.zeros(n)
+    for t in range(steps):
+        norm = c.local_norm(x, step=t)
+        acc += c.dequantize(c.quantize(x, norm, step=t), norm, shape=(n,), step=t)
+    mean = acc / steps
+    # out_i is (n/K) Q(v_i) with probability K/n, else 0, and |Q(v_i)| <= |v_i| + ‖x‖/s:
+    # its variance is below (n/K) (|v_i| + ‖x‖/s)^2
+    bound = np.abs(x.astype(np.float64)) + np.linalg.norm(x.astype(np.float64)) / c.levels
+    sigma = np.sqrt(n / k * bound**2 / steps)
+    assert np.all(np.abs(mean - x) <= 6 * sigma)
+    assert abs(np.sum(mean - x)) <= 5 * math.sqrt(np.sum(sigma**2))
+    assert abs(np.sum(mean * x) / np.sum(x.astype(np.float64) ** 2) - 1) < 0.1  # not K/n = 0.25
+
+
+@pytest.mark.parametrize("name", ["grandk_maxnorm", "grandk_maxnorm_multiscale"])
+def test_grandk_sum_over_ranks_dequantizes_to_the_mean(name):
+    n, nranks = 5000, 3
+    grads = [gradient_like(n, seed=30 + r) for r in range(nranks)]
+    c = mpicomp.codec(name, bits=5, k=0.1, seed=2)
+    norm = max(c.local_norm(g, step=9) for g in grads)
+    extra = ()
+    if name.endswith("multiscale"):
+        extra = (simulated_shared_index(c, grads, norm, step=9),)
+        assert extra[0].size == c.num_coordinates(n) == 500
+    codes = [c.quantize(g, norm, *extra, step=9, stream=r) for r, g in enumerate(grads)]
+    total = np.sum([q.astype(np.int32) for q in codes], axis=0, dtype=np.int32)
+    each = [c.dequantize(q, norm, *extra, shape=(n,), step=9) for q in codes]
+    avg = c.dequantize(total, norm, *extra, nranks=nranks, shape=(n,), step=9)
+    np.testing.assert_allclose(avg, np.mean(each, axis=0), rtol=0, atol=1e-6 * norm * n / 500)
+    assert np.count_nonzero(avg[np.setdiff1d(np.arange(n), c.coordinates(n, 9))]) == 0
+
+
+@given(n=st.integers(0, 10**5), seed=st.integers(0, 2**32 - 1), k=st.integers(1, 3000))
+def test_grandk_multiscale_matches_reference_any_length(n, seed, k):
+    x = gradient_like(n, seed=seed)
+    c = mpicomp.codec("grandk_maxnorm_multiscale", bits=4, scales=(8, 12), k=k, seed=seed)
+    levels = [levels_of(b) for b in (4, 8, 12)]
+    idx = c.coordinates(n, 1)
+    norm = c.local_norm(x, step=1)
+    sidx = c.scale_index(x, norm, step=1)
+    np.testing.assert_array_equal(sidx, ref_scale_index(x[idx], norm, levels))
+    codes = c.quantize(x, norm, sidx, step=1, stream=4)
+    np.testing.assert_array_equal(
+        codes, ref_ms_quantize(x[idx], norm, levels, sidx, seed, 1, 4, idx)
+    )
+    assert np.abs(codes.astype(np.int64)).max(initial=0) <= c.bound
+    out = c.dequantize(codes, norm, sidx, shape=(n,), step=1)
+    assert out.shape == (n,) and np.count_nonzero(out) <= idx.size
+
+
+# ---------------------------------------------------------------- bad parameters and inputs
+
+
+@pytest.mark.parametrize(
+    "name, params, param",
+    [
+        ("qsgd_maxnorm", {"bits": 1}, "bits"),
+        ("qsgd_maxnorm", {"bits": 17}, "bits"),
+        ("qsgd_maxnorm", {"bits": 4.5}, "bits"),
+        ("qsgd_maxnorm", {"bits": "8"}, "bits"),
+        ("qsgd_maxnorm", {"seed": -1}, "seed"),
+        ("qsgd_maxnorm", {"seed": 2**64}, "seed"),
+        ("qsgd_maxnorm_multiscale", {"bits": 0}, "bits"),
+        ("qsgd_maxnorm_multiscale", {"bits": 8, "scales": (4, 12)}, "scales"),
+        ("qsgd_maxnorm_multiscale", {"scales": (8, 25)}, "scales"),
+        ("qsgd_maxnorm_multiscale", {"scales": 12}, "scales"),
+        ("qsgd_maxnorm_multiscale", {"scales": "12"}, "scales"),
+        ("qsgd_maxnorm_multiscale", {"scales": (8, 10.5)}, "scales"),
+        ("grandk_maxnorm", {"k": 0}, "k"),
+        ("grandk_maxnorm", {"k": -3}, "k"),
+        ("grandk_maxnorm", {"k": 0.0}, "k"),
+        ("grandk_maxnorm", {"k": 1.5}, "k"),
+        ("grandk_maxnorm", {"k": float("nan")}, "k"),
+        ("grandk_maxnorm", {"k": "10"}, "k"),
+        ("grandk_maxnorm", {"k": True}, "k"),
+        ("grandk_maxnorm", {"bits": 17}, "bits"),
+        ("grandk_maxnorm_multiscale", {"k": 0}, "k"),
+        ("grandk_maxnorm_multiscale", {"bits": 6, "scales": (5,)}, "scales"),
+    ],
+)
+def test_bad_parameter_names_the_parameter(name, params, param):
+    with pytest.raises(ValueError, match=param):
+        mpicomp.codec(name, **params)
+
+
+@pytest.mark.parametrize(
+    "name",
+    ["qsgd_maxnorm", "qsgd_maxnorm_multiscale", "grandk_maxnorm", "grandk_maxnorm_multiscale"],
+)
+def test_unknown_keyword_is_a_type_error(name):
+    with pytest.raises(TypeError):
+        mpicomp.codec(name, level=3)
+
+
+@pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf])
+def test_nan_or_inf_is_reported(bad):
+    x = gradient_like(1000, seed=8)
+    x[537] = bad
+    c = mpicomp.codec("qsgd_maxnorm")
+    m = mpicomp.codec("qsgd_maxnorm_multiscale")
+    g = mpicomp.codec("grandk_maxnorm", k=1.0)
+    for call in (
+        lambda: c.local_norm(x),
+        lambda: c.quantize(x, 1.0),
+        lambda: m.scale_index(x, 1.0),
+        lambda: m.quantize(x, 1.0, np.zeros(1000, np.uint8)),
+        lambda: g.local_norm(x),
+        lambda: g.quantize(x, 1.0),
+    ):
+        with pytest.raises(ValueError, match="NaN or Inf"):
+            call()
+
+
+def test_norm_must_bound_x_and_be_a_finite_number():
+    c = mpicomp.codec("qsgd_maxnorm")
+    x = np.array([3.0, -4.0], np.float32)
+    assert c.local_norm(x) == 5.0
+    for bad in (3.9, 0.0):
+        with pytest.raises(ValueError, match="norm"):
+            c.quantize(x, bad)
+    for bad in (-1.0, np.nan, np.inf, 1e39):
+        with pytest.raises(ValueError, match="norm"):
+            c.quantize(x, bad)
+        with pytest.raises(ValueError, match="norm"):
+            c.dequantize(np.zeros(2, np.int8), bad)
+    with pytest.raises(TypeError, match="norm"):
+        c.quantize(x, "5")
+    np.testing.assert_array_equal(c.quantize(x, np.array([5.0])), c.quantize(x, 5.0))
+    with pytest.raises(ValueError, match="overflows"):
+        c.local_norm(np.full(4, 3e38, np.float32))
+
+
+def test_counters_are_checked():
+    c = mpicomp.codec("qsgd_maxnorm")
+    x = np.ones(4, np.float32)
+    for kw, name in [
+        ({"step": -1}, "step"),
+        ({"stream": -1}, "stream"),
+        ({"stream": 2**64 - 1}, "stream"),
+    ]:
+        with pytest.raises(ValueError, match=name):
+            c.quantize(x, 2.0, **kw)
+    with pytest.raises(ValueError, match="nranks"):
+        c.dequantize(np.zeros(4, np.int8), 2.0, nranks=0)
+
+
+def test_dequantize_rejects_wrong_arrays():
+    c = mpicomp.codec("qsgd_maxnorm", bits=4)
+    with pytest.raises(TypeError, match="code_sum"):
+        c.dequantize(np.zeros(4, np.float32), 1.0)
+    with pytest.raises(TypeError, match="code_sum"):
+        c.dequantize([1, 2, 3], 1.0)
+    with pytest.raises(TypeError, match="code_sum"):
+        c.dequantize(np.zeros(4, np.uint8), 1.0)
+    with pytest.raises(ValueError, match="1-D"):
+        c.dequantize(np.zeros((2, 2), np.int8), 1.0)
+    with pytest.raises(ValueError, match="elements"):
+        c.dequantize(np.zeros(4, np.int8), 1.0, shape=(5,))
+    with pytest.raises(ValueError, match="nranks"):
+        c.dequantize(np.array([0, 8, 0], np.int16), 1.0)  # beyond 1 * s = 7
+    assert c.dequantize(np.array([0, 14, -14], np.int16), 1.0, nranks=2)[1] == 1.0
+    with pytest.raises(TypeError):
+        c.quantize(np.arange(4), 10.0)  # integer gradients are not floats
+
+
+def test_scale_index_arrays_are_checked():
+    c = mpicomp.codec("qsgd_maxnorm_multiscale", bits=4)
+    x = gradient_like(100, seed=1)
+    norm = c.local_norm(x)
+    sidx = c.scale_index(x, norm)
+    with pytest.raises(ValueError, match="scale_index"):
+        c.quantize(x, norm, sidx[:-1])
+    with pytest.raises(ValueError, match="outside the scale set"):
+        c.quantize(x, norm, np.full(100, 2, np.uint8))
+    with pytest.raises(TypeError, match="scale_index"):
+        c.quantize(x, norm, sidx.astype(np.float32))
+    codes = c.quantize(x, norm, sidx)
+    with pytest.raises(ValueError, match="outside the scale set"):
+        c.dequantize(codes, norm, np.full(100, 5, np.uint8))
+    with pytest.raises(ValueError, match="scale_index"):
+        c.dequantize(codes, norm, sidx[:50])
+
+
+def test_grandk_dequantize_needs_the_full_shape_and_k_codes():
+    c = mpicomp.codec("grandk_maxnorm", k=10)
+    x = gradient_like(100, seed=2)
+    norm = c.local_norm(x, step=1)
+    codes = c.quantize(x, norm, step=1)
+    assert codes.size == 10
+    with pytest.raises(ValueError, match="shape"):
+        c.dequantize(codes, norm, step=1)
+    with pytest.raises(ValueError, match="code_sum"):
+        c.dequantize(codes[:9], norm, shape=(100,), step=1)
+    out = c.dequantize(codes, norm, shape=(10, 10), step=1)
+    assert out.shape == (10, 10)
+    np.testing.assert_array_equal(np.flatnonzero(out), c.coordinates(100, 1)[codes != 0])
