@@ -100,3 +100,10 @@ def test_decode_refuses_stray_bits_and_bad_scale():
     neg = np.concatenate([np.array([-1.0], "<f4").view(np.uint8), np.array([1], np.uint8)])
     with pytest.raises(mpicomp.PayloadError, match="scale"):
         c.decode(_wire.pack("signsgd", (3,), neg))
+
+
+@pytest.mark.parametrize("step", range(12))
+def test_majority_works_for_every_step_key(step):
+    # Keys >= 2**63 once overflowed on their way back into numba.
+    bits = mpicomp.codec("signsgd", seed=step).majority(np.full(64, 1, np.int8), 2, step=step)
+    assert bits.size == 8

@@ -90,7 +90,8 @@ class SignSGD(Codec):
         if counts.size and (counts.min() < 0 or counts.max() > nranks):
             raise ValueError(f"vote counts must lie in [0, {nranks}]")
         out = np.empty((counts.size + 7) // 8, dtype=np.uint8)
-        key = _rng.mpicomp_key(self.params["seed"], step, 0)
+        # Keys come back from numba as Python ints; keep them uint64 on the way back in.
+        key = np.uint64(_rng.mpicomp_key(self.params["seed"], step, 0))
         _k.mpicomp_signsgd_majority(counts, nranks, _TIES[self.params["tie"]], key, offset, out)
         return out
 
