@@ -84,7 +84,7 @@ def one_rank_round_trip(codec, x: np.ndarray):
         return codec.dequantize(codes, state["norm"], *state["extra"], shape=x.shape)
 
     def wire():
-        index_bytes = x.size * codec.index_bits / 8 if multiscale else 0
+        index_bytes = state["ncodes"] * codec.index_bits / 8 if multiscale else 0
         return state["packed"].size + index_bytes + 4
 
     return enc, dec, wire
@@ -145,7 +145,9 @@ def main(argv=None) -> int:
         print(f"{name:<28}{label:<16}{bits:>10.3f}{32 / bits:>8.1f}x{err:>10.4f}"
               f"{gb / t_enc:>10.2f}{gb / t_dec:>10.2f}", flush=True)  # fmt: skip
     print("bits/elem: payload (header included) or ring codes of one rank, per element; "
-          "rel.err: ||decode(encode(g)) - g|| / ||g||, one rank, no error feedback.")  # fmt: skip
+          "rel.err: ||decode(encode(g)) - g|| / ||g||, one rank, no error feedback\n"
+          "(QSGD/GRandK are unbiased: their error averages down over ranks and steps; "
+          "3LC, top-k, FFT and FastSGD carry theirs to the next step by error feedback).")  # fmt: skip
     return 0
 
 
