@@ -26,7 +26,9 @@ def as_gradient(x, what: str = "x"):
         TypeError: ``x`` is not an array, or its dtype is not a floating type.
     """
     if not isinstance(x, np.ndarray) and get_array_module(x) is np:
-        if hasattr(x, "__dlpack__"):
+        if isinstance(x, np.generic):  # a NumPy scalar: treat as a 0-d array
+            x = np.asarray(x)
+        elif hasattr(x, "__dlpack__"):
             x = np.from_dlpack(x)
         else:
             raise TypeError(f"{what} must be an array, got {type(x).__name__}")

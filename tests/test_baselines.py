@@ -110,3 +110,21 @@ def test_topk_payload_body_errors():
         with pytest.raises(mpicomp.PayloadError):
             c.decode(_wire.pack("topk", (10,), b))
         assert what
+
+
+def test_numpy_scalars_and_dlpack_objects_are_accepted():
+    c = mpicomp.codec("none")
+    assert c.decode(c.encode(np.float32(3.5))).shape == ()
+
+    class Tensor:  # a minimal __dlpack__ producer, like a PyTorch CPU tensor
+        def __init__(self, a):
+            self.a = a
+
+        def __dlpack__(self, **kw):
+            return self.a.__dlpack__(**kw)
+
+        def __dlpack_device__(self):
+            return self.a.__dlpack_device__()
+
+    x = np.arange(6, dtype=np.float32).reshape(2, 3)
+    np.testing.assert_array_equal(c.decode(c.encode(Tensor(x))), x)

@@ -95,7 +95,11 @@ def ref_body_size(x, flag_bits=2, bucket=DEFAULT_BUCKET, base=1.1, tau=127):
     for start in range(0, flat.size, size):
         v = flat[start : start + size].astype(np.float64)
         s = ref_abs_sum(v)
-        keys = np.flatnonzero(np.abs(v) >= s / ref_powers(base, tau)[tau]) if s else np.zeros(0, np.int64)
+        keys = (
+            np.flatnonzero(np.abs(v) >= s / ref_powers(base, tau)[tau])
+            if s
+            else np.zeros(0, np.int64)
+        )
         deltas = np.diff(keys, prepend=0)
         W = int(deltas.max()).bit_length() if keys.size else 0
         nflags = 2**flag_bits
@@ -124,7 +128,9 @@ def test_bytes_match_reference(bucket, flag_bits):
     x = gradient_like(5003, seed=bucket + flag_bits)
     x[::3] = 0.0
     c = mpicomp.codec("fastsgd", flag_bits=flag_bits, bucket=bucket)
-    np.testing.assert_array_equal(body_of(c.encode(x), 1), ref_body(x, flag_bits=flag_bits, bucket=bucket))
+    np.testing.assert_array_equal(
+        body_of(c.encode(x), 1), ref_body(x, flag_bits=flag_bits, bucket=bucket)
+    )
 
 
 @given(
@@ -217,7 +223,8 @@ def test_keys_round_trip_exactly(n, seed, flag_bits, gap):
     rng = np.random.default_rng(seed)
     idx = np.unique(np.minimum(np.cumsum(rng.geometric(1 / gap, size=n // gap + 1)) - 1, n - 1))
     x = np.zeros(n, np.float32)
-    x[idx] = rng.choice([-1.0, 1.0], idx.size) * (1 + rng.random(idx.size)).astype(np.float32)
+    # Magnitudes in [1, 1.5): even 10^5 of them sum to less than 1.1^127, so all are kept.
+    x[idx] = rng.choice([-1.0, 1.0], idx.size) * (1 + rng.random(idx.size) / 2).astype(np.float32)
     c = mpicomp.codec("fastsgd", flag_bits=flag_bits, bucket=0)
     np.testing.assert_array_equal(np.flatnonzero(c.decode(c.encode(x))), idx)
 
@@ -232,7 +239,9 @@ def test_sum_is_rounded_once_to_float32():
     assert sum_field(np.array([1.0, half_ulp], np.float32)) == 1.0
     assert sum_field(np.array([1.0, half_ulp, 2.0**-100], np.float32)) == 1.0 + 2**-23
     assert sum_field(np.array([1.0 + 2**-23, half_ulp], np.float32)) == 1.0 + 2**-22
-    assert sum_field(np.array([-(2.0**-149), 2.0**-149, 2.0**-130], np.float32)) == 2**-130 + 2**-148
+    assert (
+        sum_field(np.array([-(2.0**-149), 2.0**-149, 2.0**-130], np.float32)) == 2**-130 + 2**-148
+    )
     big = np.full(4, FLT_MAX, np.float32)
     assert sum_field(big) == FLT_MAX  # saturates instead of overflowing
     y = mpicomp.codec("fastsgd").decode(mpicomp.codec("fastsgd").encode(big))
@@ -317,8 +326,8 @@ def test_sparse_linear_model_gradient_compresses_by_a_large_factor():
 
 def test_bucket_zero_keeps_almost_nothing_of_a_dense_gradient():
     x = gradient_like(1 << 20, seed=6)
-    kept_all = np.count_nonzero(mpicomp.codec("fastsgd", bucket=0).decode(
-        mpicomp.codec("fastsgd", bucket=0).encode(x)))  # fmt: skip
+    whole = mpicomp.codec("fastsgd", bucket=0)
+    kept_all = np.count_nonzero(whole.decode(whole.encode(x)))
     c = mpicomp.codec("fastsgd")
     kept_default = np.count_nonzero(c.decode(c.encode(x)))
     assert kept_all < 0.02 * x.size
@@ -414,7 +423,7 @@ def test_payload_decodes_with_any_codec_parameters():
         (lambda b: edit(b, 14, "<H", 1), "reserved"),
         (lambda b: edit(b, 8, "<I", 2**29 + 1), "bucket"),
         (lambda b: edit(b, 8, "<I", 1), "cannot hold"),
-        (lambda b: edit(b, 8, "<I", 100), "runs past|W|inconsistent"),
+        (lambda b: edit(b, 8, "<I", 100), "more values"),  # bucket 2 holds 199 of 100
         (lambda b: np.concatenate([b, [0]]), "follow the last"),
         (lambda b: b[:-1], "runs past"),
         (lambda b: edit(b, 16, "<f", float("nan")), "sum"),
@@ -424,16 +433,13 @@ def test_payload_decodes_with_any_codec_parameters():
         (lambda b: edit(b, 20, "<I", 2**32 - 1), "more values"),
         (lambda b: edit(b, 24, "<I", 2**32 - 1), "key byte count"),
         (lambda b: edit(b, 28, "B", 9), "key width"),
-        (lambda b: edit(b, 29, "B", 0x7F), "exceeds tau"),
+        (lambda b: edit(b, 12, "B", 1), "exceeds tau"),  # tau 1 < the L codes sent
     ],
 )
 def test_forged_bodies_are_payload_errors(mutate, match):
     _, p = valid()
-    body = body_of(p, 1)
-    tau_small = edit(body, 12, "B", 100)  # codes above 100 are then out of range
-    for b in (body,) if match != "exceeds tau" else (tau_small,):
-        with pytest.raises(mpicomp.PayloadError, match=match):
-            mpicomp.codec("fastsgd").decode(forge(mutate(b), (600,)))
+    with pytest.raises(mpicomp.PayloadError, match=match):
+        mpicomp.codec("fastsgd").decode(forge(mutate(body_of(p, 1)), (600,)))
 
 
 def one_bucket(keys_stream, d, W, n=64, codes=None):

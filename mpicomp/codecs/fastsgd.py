@@ -1,1 +1,197 @@
-"""(being written)"""
+"""FastSGD (paper 004 §3): reciprocal mapper, logarithm quantization and threshold filter for
+the values, adaptive delta-key binary encoding for the keys, applied per bucket.
+
+Body after the common header (see docs/codecs/fastsgd.md)::
+
+    prefix (16 bytes)  f64 base | u32 bucket | u8 tau | u8 flag_bits | u16 reserved (0)
+    per bucket         f32 sum | u32 d | u32 key_bytes | u8 W | d x u8 L code | key bit stream
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from mpicomp._backend import as_gradient, get_array_module
+from mpicomp.codecs import _wire
+from mpicomp.codecs._base import Codec, check_number, register
+from mpicomp.errors import PayloadError
+from mpicomp.kernels.cpu import fastsgd as _k
+
+# The largest base keeps sum / b^tau well inside float64 for every float32 sum.
+MAX_BASE = 16.0
+# Keeps about half of a dense gradient (docs/codecs/fastsgd.md has the table).
+DEFAULT_BUCKET = 1 << 17
+_PREFIX = np.dtype(
+    [("base", "<f8"), ("bucket", "<u4"), ("tau", "u1"), ("flag_bits", "u1"), ("reserved", "<u2")]
+)
+
+_DECODE_ERRORS = {
+    _k.ERR_TRUNCATED: "a bucket runs past the end of the body",
+    _k.ERR_TRAILING: "bytes follow the last bucket",
+    _k.ERR_SUM: "a bucket sum is negative, NaN or Inf, or 0 with values kept",
+    _k.ERR_COUNT: "a bucket keeps more values than it holds",
+    _k.ERR_WIDTH: "a bucket's key width W or key byte count is inconsistent",
+    _k.ERR_CODE: "an L code exceeds tau",
+    _k.ERR_KEY_BITS: "a key stream ends before its last key",
+    _k.ERR_KEY_ORDER: "a key is outside its bucket or not strictly increasing",
+    _k.ERR_KEY_FLAG: "a length flag is not the smallest one for its delta",
+    _k.ERR_KEY_TAIL: "a key stream has extra bytes, non-zero padding, or the wrong W",
+}
+
+
+@register
+class FastSGD(Codec):
+    """FastSGD: per bucket, sign and L = ceil(log_b(sum|v| / |v|)) in one byte for each
+    |v| >= sum|v| / b^tau, keys as adaptive-width deltas.
+
+    Decoding gives sign(v) * sum / b^L: never larger than |v|, and above |v| / b (up to
+    float32 rounding). Dropped values decode to 0; the codec is biased, so pair it with
+    ``ErrorFeedback``.
+
+    Args:
+        base: the logarithm base b in (1, 16]; paper 004 §4.2 recommends about 1.1.
+        tau: the threshold tau, an integer in [1, 127]: values below sum / b^tau are
+            dropped and L <= tau fits 7 bits beside the sign. The paper's 128 does
+            not fit its own byte; 127 is the nearest that does.
+        flag_bits: the length-flag size l, an integer in [1, 5]; 2^l delta widths
+            (paper 004 Table VI recommends 2).
+        bucket: elements per bucket, an integer in [0, 2**29]; each bucket has its
+            own sum and key stream. 0 is one bucket for the whole tensor (the paper's
+            exact algorithm), which keeps almost nothing of a large dense gradient,
+            as the threshold grows with the bucket's sum. The default 2**17 keeps
+            about half of a dense gradient.
+
+    Raises:
+        ValueError: a parameter outside its range.
+    """
+
+    name = "fastsgd"
+    aggregation = "gather"
+
+    def __init__(
+        self,
+        base: float = 1.1,
+        tau: int = 127,
+        flag_bits: int = 2,
+        bucket: int = DEFAULT_BUCKET,
+    ):
+        base = float(check_number("base", base, 1, MAX_BASE, lo_open=True))
+        tau = check_number("tau", tau, 1, _k.MAX_TAU, integer=True)
+        flag_bits = check_number("flag_bits", flag_bits, 1, _k.MAX_FLAG_BITS, integer=True)
+        bucket = check_number("bucket", bucket, 0, _k.MAX_BUCKET, integer=True)
+        super().__init__(base=base, tau=tau, flag_bits=flag_bits, bucket=bucket)
+        self._powers = _k.mpicomp_fastsgd_powers(base, tau)
+
+    def encode(self, x) -> np.ndarray:
+        """Return the FastSGD payload of ``x``.
+
+        Args:
+            x: a float array of any shape (float16/bfloat16/float64 are converted
+                to float32 once).
+
+        Raises:
+            ValueError: ``x`` holds NaN or Inf, or ``bucket`` is 0 and ``x`` has
+                more than 2**29 elements.
+            RuntimeError: ``x`` is not on the CPU (the CUDA kernels come later).
+        """
+        x = as_gradient(x)
+        if get_array_module(x) is not np:
+            raise RuntimeError("fastsgd has no CUDA kernels yet; pass a NumPy array")
+        flat = x.reshape(-1)
+        n = flat.size
+        p = self.params
+        bucket = self._bucket_length(p["bucket"], n)
+        if bucket is None:
+            raise ValueError(
+                f"fastsgd with bucket=0 takes at most {_k.MAX_BUCKET} elements, got {n}; set bucket"
+            )
+        nbuckets = -(-n // bucket) if n else 0
+        sums = np.empty(nbuckets, np.uint32)
+        counts = np.empty(nbuckets, np.int64)
+        widths = np.empty(nbuckets, np.int64)
+        key_bits = np.empty(nbuckets, np.int64)
+        ok = _k.mpicomp_fastsgd_plan(
+            flat, flat.view(np.uint32), bucket, self._powers, p["flag_bits"],
+            sums, counts, widths, key_bits,
+        )  # fmt: skip
+        if not ok:
+            raise ValueError("fastsgd cannot encode x: it contains NaN or Inf")
+        offsets = np.empty(nbuckets + 1, np.int64)
+        offsets[0] = _k.PREFIX_BYTES
+        np.cumsum(_k.BUCKET_HEAD_BYTES + counts + (key_bits + 7) // 8, out=offsets[1:])
+        offsets[1:] += _k.PREFIX_BYTES
+        body = np.empty(int(offsets[-1]), np.uint8)
+        body[: _k.PREFIX_BYTES] = self._prefix().view(np.uint8)
+        _k.mpicomp_fastsgd_encode(
+            flat, bucket, self._powers, p["flag_bits"], sums, counts, widths, offsets, body
+        )
+        return _wire.pack(self.name, x.shape, body)
+
+    def decode(self, payload) -> np.ndarray:
+        """Return the float32 array of ``payload``: sign * sum / b^L where kept, 0 elsewhere.
+
+        The base, tau, flag size and bucket come from the payload, so any FastSGD
+        codec decodes any FastSGD payload.
+
+        Raises:
+            PayloadError: the payload is truncated, corrupted, made by another
+                codec, or its body is inconsistent with its shape.
+        """
+        shape, _, body = _wire.unpack(self.name, payload)
+        n = _wire.numel_of(shape)
+        if body.size < _k.PREFIX_BYTES:
+            raise PayloadError(
+                f"fastsgd payload body truncated: {body.size} bytes < {_k.PREFIX_BYTES}-byte prefix"
+            )
+        pre = body[: _k.PREFIX_BYTES].view(_PREFIX)[0]
+        base, tau, flag_bits = float(pre["base"]), int(pre["tau"]), int(pre["flag_bits"])
+        if not 1.0 < base <= MAX_BASE or not 1 <= tau <= _k.MAX_TAU:
+            raise PayloadError(f"fastsgd payload has base={base!r}, tau={tau}: out of range")
+        if not 1 <= flag_bits <= _k.MAX_FLAG_BITS or pre["reserved"] != 0:
+            raise PayloadError(
+                f"fastsgd payload prefix corrupted: flag_bits={flag_bits}, "
+                f"reserved={int(pre['reserved'])}"
+            )
+        param = int(pre["bucket"])
+        bucket = self._bucket_length(param, n) if param <= _k.MAX_BUCKET else None
+        if bucket is None:
+            raise PayloadError(f"fastsgd payload bucket {param} is impossible for shape {shape}")
+        nbuckets = -(-n // bucket) if n else 0
+        # Every bucket takes at least its header: bound the per-bucket arrays by the body.
+        if nbuckets * _k.BUCKET_HEAD_BYTES > body.size - _k.PREFIX_BYTES:
+            raise PayloadError(
+                f"fastsgd payload body of {body.size} bytes cannot hold {nbuckets} buckets"
+            )
+        offsets = np.empty(nbuckets + 1, np.int64)
+        sums = np.empty(nbuckets, np.uint32)
+        err = _k.mpicomp_fastsgd_scan(body, n, bucket, flag_bits, offsets, sums)
+        if err:
+            raise PayloadError(f"fastsgd payload is inconsistent: {_DECODE_ERRORS[err]}")
+        powers = (
+            self._powers
+            if (base, tau) == (self.params["base"], self.params["tau"])
+            else _k.mpicomp_fastsgd_powers(base, tau)
+        )
+        out = np.zeros(n, np.float32)
+        errs = np.zeros(nbuckets, np.int64)
+        _k.mpicomp_fastsgd_decode(body, n, bucket, powers, flag_bits, offsets, sums, out, errs)
+        bad = np.flatnonzero(errs)
+        if bad.size:
+            k = int(bad[0])
+            raise PayloadError(
+                f"fastsgd payload is inconsistent in bucket {k}: {_DECODE_ERRORS[int(errs[k])]}"
+            )
+        return out.reshape(shape)
+
+    def _prefix(self) -> np.ndarray:
+        p = self.params
+        return np.array([(p["base"], p["bucket"], p["tau"], p["flag_bits"], 0)], dtype=_PREFIX)
+
+    @staticmethod
+    def _bucket_length(param: int, n: int) -> int | None:
+        """Return the elements per bucket for parameter ``param`` (None if n is too large)."""
+        if param:
+            return param
+        if n > _k.MAX_BUCKET:
+            return None
+        return max(n, 1)
