@@ -40,8 +40,7 @@ setup(
         "mpicomp.collectives": "collectives",
     },
     package_data={"mpicomp.kernels": ["cuda/*.cu"]},
-    install_requires=["numpy>=1.24", "numba>=0.59", "mpi4py>=4.0", "h5py>=3.8"]
-    + _MPI_WHEELS[_mpi],
+    install_requires=["numpy>=1.24", "numba>=0.59", "mpi4py>=4.0", "h5py>=3.8"] + _MPI_WHEELS[_mpi],
     extras_require={
         "cuda": ["cupy-cuda12x"],
         "test": ["pytest>=8", "pytest-mpi>=0.6", "hypothesis>=6"],

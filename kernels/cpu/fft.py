@@ -83,15 +83,6 @@ def mpicomp_fft_magnitude(spec, mag2):
 
 
 @nb.njit(cache=True)
-def mpicomp_fft_all_finite(x):
-    """Return True if every element of float32 ``x`` is finite."""
-    acc = np.float32(0)
-    for i in range(x.size):
-        acc += x[i] * np.float32(0)  # NaN*0 and Inf*0 are NaN: one pass, no branch
-    return acc == acc
-
-
-@nb.njit(cache=True)
 def mpicomp_fft_select_pack(spec, mag2, thresh, k, bitmap, dense, hist):
     """Mark the k bins with mag2 > thresh, then mag2 == thresh by index; pack them densely.
 

@@ -5,15 +5,6 @@ import numpy as np
 
 
 @nb.njit(cache=True)
-def mpicomp_topk_check_finite(x):
-    """Return True if every element of ``x`` is finite."""
-    acc = np.float32(0)
-    for i in range(x.size):
-        acc += x[i] * np.float32(0)  # NaN*0 and Inf*0 are NaN: one pass, no branch
-    return acc == acc
-
-
-@nb.njit(cache=True)
 def mpicomp_topk_scatter(indices, values, n, out):
     """Scatter ``values`` at strictly increasing ``indices`` < n into zeroed ``out``.
 

@@ -11,55 +11,60 @@ from mpicomp.codecs import _wire
 from mpicomp.codecs._base import Codec, check_number, register
 from mpicomp.errors import PayloadError
 from mpicomp.kernels.cpu import topk as _k
+from mpicomp.kernels.cpu.checks import mpicomp_all_finite
 
 _FP16_MAX = float(np.finfo(np.float16).max)
 
 
-@register
-class NoCompression(Codec):
-    """float32 as it is: the baseline every ratio is measured against."""
+class _Dense(Codec):
+    """A dense array on the wire, summed by MPI: ``wire_dtype`` says which."""
 
-    name = "none"
     aggregation = "sum"
-    wire_dtype = np.float32
+    wire_dtype: np.dtype
 
     def __init__(self):
         super().__init__()
 
     def to_wire(self, x):
-        """Return ``x`` as the float32 array MPI sums."""
-        return as_gradient(x)
+        """Return ``x`` as the array MPI sums."""
+        return as_gradient(x).astype(self.wire_dtype, copy=False)
 
     def from_wire(self, total, nranks: int = 1, shape=None):
-        """Return the average over ``nranks`` of the summed wire array, float32."""
-        out = np.asarray(total, dtype=np.float32) / np.float32(nranks)
+        """Return the float32 average over ``nranks`` of the summed wire array."""
+        out = np.asarray(total).astype(np.float32) / np.float32(nranks)
         return out.reshape(shape) if shape is not None else out
 
     def encode(self, x) -> np.ndarray:
-        """Return the payload of ``x``: header + float32 values, little-endian."""
+        """Return the payload of ``x``: header + the wire values, little-endian."""
         x = as_gradient(x)
-        return _wire.pack(self.name, x.shape, x.astype("<f4", copy=False).reshape(-1).view(np.uint8))
+        wire = self.to_wire(x).astype(self.wire_dtype.newbyteorder("<"), copy=False)
+        return _wire.pack(self.name, x.shape, wire.reshape(-1).view(np.uint8))
 
     def decode(self, payload) -> np.ndarray:
         """Return the float32 array carried by ``payload``."""
         shape, _, body = _wire.unpack(self.name, payload)
-        if body.size != 4 * _wire.numel_of(shape):
+        size = self.wire_dtype.itemsize
+        if body.size != size * _wire.numel_of(shape):
             raise PayloadError(
-                f"none payload body is {body.size} bytes, shape {shape} needs 4 per element"
+                f"{self.name} payload body is {body.size} bytes, shape {shape} needs {size} per element"
             )
-        return body.view("<f4").astype(np.float32).reshape(shape)
+        return body.view(self.wire_dtype.newbyteorder("<")).astype(np.float32).reshape(shape)
 
 
 @register
-class Float16(Codec):
+class NoCompression(_Dense):
+    """float32 as it is: the baseline every ratio is measured against."""
+
+    name = "none"
+    wire_dtype = np.dtype(np.float32)
+
+
+@register
+class Float16(_Dense):
     """Round to float16 on the wire; a value beyond float16's range is an error, not an Inf."""
 
     name = "fp16"
-    aggregation = "sum"
-    wire_dtype = np.float16
-
-    def __init__(self):
-        super().__init__()
+    wire_dtype = np.dtype(np.float16)
 
     def to_wire(self, x):
         """Return ``x`` rounded to float16.
@@ -77,25 +82,6 @@ class Float16(Codec):
                 "scale the gradient or use codec 'none'"
             )
         return x.astype(np.float16)
-
-    def from_wire(self, total, nranks: int = 1, shape=None):
-        """Return the average over ``nranks`` of the summed float16 (or float32) wire array."""
-        out = np.asarray(total).astype(np.float32) / np.float32(nranks)
-        return out.reshape(shape) if shape is not None else out
-
-    def encode(self, x) -> np.ndarray:
-        """Return the payload of ``x``: header + float16 values, little-endian."""
-        x = as_gradient(x)
-        return _wire.pack(self.name, x.shape, self.to_wire(x).astype("<f2").reshape(-1).view(np.uint8))
-
-    def decode(self, payload) -> np.ndarray:
-        """Return the float32 array carried by ``payload``."""
-        shape, _, body = _wire.unpack(self.name, payload)
-        if body.size != 2 * _wire.numel_of(shape):
-            raise PayloadError(
-                f"fp16 payload body is {body.size} bytes, shape {shape} needs 2 per element"
-            )
-        return body.view("<f2").astype(np.float32).reshape(shape)
 
 
 @register
@@ -131,7 +117,7 @@ class TopK(Codec):
         x = as_gradient(x)
         flat = x.reshape(-1)
         n, k = flat.size, self.kept(flat.size)
-        if n and not _k.mpicomp_topk_check_finite(flat):
+        if n and not mpicomp_all_finite(flat):
             raise ValueError("topk: input holds NaN or Inf")
         if k == n:
             idx = np.arange(n, dtype=np.int64)

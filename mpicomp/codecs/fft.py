@@ -19,6 +19,7 @@ from mpicomp.codecs import _wire
 from mpicomp.codecs._base import Codec, check_number, register
 from mpicomp.errors import PayloadError
 from mpicomp.kernels.cpu import fft as _k
+from mpicomp.kernels.cpu.checks import mpicomp_all_finite
 
 # eps (float32 bit pattern), m, N, reserved, k: the fixed part of the body.
 _BODY = struct.Struct("<IBBHQ")
@@ -152,7 +153,7 @@ class FFTCodec(Codec):
             out = np.fft.irfft(spec, n=n).astype(np.float32, copy=False)
         # Finite codes can still sum past float32's range in the inverse transform;
         # no encoder makes such a payload, so it is refused rather than returned as Inf.
-        if not _k.mpicomp_fft_all_finite(out):
+        if not mpicomp_all_finite(out):
             raise PayloadError("fft payload decodes to values beyond float32's range")
         return out.reshape(shape)
 
