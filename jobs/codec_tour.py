@@ -130,7 +130,11 @@ def main(argv=None) -> int:
     print(f"mpicomp {mpicomp.__version__} codec tour: gradient {x.shape} float32 "
           f"({x.size:,} elements, {x.nbytes / 2**20:.1f} MiB), one process, "
           f"median of {args.reps} after a warm-up", flush=True)  # fmt: skip
-    header = f"{'codec':<28}{'params':<16}{'bits/elem':>10}{'ratio':>9}{'rel.err':>10}{'enc GB/s':>10}{'dec GB/s':>10}"
+    dst = np.empty_like(x)
+    memcpy = gb / _median_seconds(lambda: np.copyto(dst, x), args.reps)
+    print(f"memcpy of the same buffer, same run: {memcpy:.2f} GB/s "
+          "(the x/memcpy columns divide by it)")  # fmt: skip
+    header = f"{'codec':<28}{'params':<16}{'bits/elem':>10}{'ratio':>9}{'rel.err':>10}{'enc GB/s':>10}{'x/memcpy':>9}{'dec GB/s':>10}{'x/memcpy':>9}"
     print(header)
     print("-" * len(header))
     for name, params in TOUR:
@@ -143,7 +147,8 @@ def main(argv=None) -> int:
         bits = 8 * wire() / x.size
         label = ",".join(f"{k}={v}" for k, v in params.items())
         print(f"{name:<28}{label:<16}{bits:>10.3f}{32 / bits:>8.1f}x{err:>10.4f}"
-              f"{gb / t_enc:>10.2f}{gb / t_dec:>10.2f}", flush=True)  # fmt: skip
+              f"{gb / t_enc:>10.2f}{gb / t_enc / memcpy:>9.2f}{gb / t_dec:>10.2f}{gb / t_dec / memcpy:>9.2f}",
+              flush=True)  # fmt: skip
     print("bits/elem: payload (header included) or ring codes of one rank, per element; "
           "rel.err: ||decode(encode(g)) - g|| / ||g||, one rank, no error feedback\n"
           "(QSGD/GRandK are unbiased: their error averages down over ranks and steps; "
