@@ -1,0 +1,142 @@
+"""How each aggregation kind is averaged across ranks, one function per kind.
+
+Every path starts with an *agreement*: one small message in which each rank says
+how many elements it brings and whether its local encode failed. Ranks that
+disagree or fail make every rank raise the same error before any bulk data moves,
+so a bad tensor on one rank never leaves the others waiting.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from mpi4py import MPI
+
+from mpicomp.collectives.allgather import allgather_bytes
+from mpicomp.collectives.maxallreduce import max_allreduce
+from mpicomp.collectives.ring import ring_allreduce_bounded, ring_allreduce_min
+
+
+class RankError(RuntimeError):
+    """Another rank failed, or ranks disagree, in the same collective call."""
+
+
+def _agree(comm, n: int, error: Exception | None, value: float = 0.0, tracer=None) -> float:
+    """Check that all ranks bring n elements and none failed; return the max of ``value``.
+
+    One MaxAllReduce of [value, n, -n, failed_rank + 1]: float64 holds n exactly
+    up to 2^53. Raises the local error on the rank that failed and RankError elsewhere.
+    """
+    failed = comm.rank + 1 if error is not None else 0
+    vec = np.array([value, n, -n, failed], dtype=np.float64)
+    top = max_allreduce(comm, vec, tracer=tracer)
+    if top[3]:
+        if error is not None:
+            raise error
+        raise RankError(f"rank {int(top[3]) - 1} failed in the same call (see its error)")
+    if top[1] != -top[2]:
+        raise RankError(
+            f"ranks disagree on the tensor size: from {int(-top[2])} to {int(top[1])} "
+            f"elements (this rank: {n})"
+        )
+    return float(top[0])
+
+
+def _attempt(fn, *args, **kwargs):
+    """Return (fn(...), None), or (None, error) for a ValueError/TypeError of local input."""
+    try:
+        return fn(*args, **kwargs), None
+    except (ValueError, TypeError) as e:
+        return None, e
+
+
+def reduce_sum(comm, codec, flat, tracer=None) -> np.ndarray:
+    """Average by MPI sum of ``codec.to_wire`` (float32 as it is, or float16)."""
+    wire, err = _attempt(codec.to_wire, flat)
+    _agree(comm, flat.size, err, tracer=tracer)
+    if wire.dtype == np.float16:
+        total = np.empty_like(wire)
+        comm.Allreduce(wire, [total, MPI.UINT16_T], op=_float16_sum())
+        if not np.all(np.isfinite(total)):
+            raise RankError("fp16: the sum over ranks overflows float16; use codec 'none'")
+    else:
+        total = np.empty_like(wire)
+        comm.Allreduce(wire, total, op=MPI.SUM)
+    if tracer is not None:
+        tracer.record("mpi.allreduce", 1, wire.nbytes, wire.nbytes, 8 * wire.itemsize)
+    return codec.from_wire(total, comm.size)
+
+
+_F16_SUM = None
+
+
+def _float16_sum():
+    # MPI has no float16 type: sum 2-byte words as float16, accumulating in float32.
+    global _F16_SUM
+    if _F16_SUM is None:
+
+        def add(inbuf, inoutbuf, datatype):
+            a = np.frombuffer(inbuf, dtype=np.float16)
+            b = np.frombuffer(inoutbuf, dtype=np.float16)
+            b[...] = (a.astype(np.float32) + b.astype(np.float32)).astype(np.float16)
+
+        _F16_SUM = MPI.Op.Create(add, commute=True)
+    return _F16_SUM
+
+
+def reduce_integer(comm, codec, flat, step: int, tracer=None) -> np.ndarray:
+    """Average QSGD-MaxNorm codes: MaxAllReduce of norms, [MinAllReduce of scale
+    indices], exact ring sum of the codes, dequantize."""
+    sparse = hasattr(codec, "coordinates")  # GlobalRandK: K coordinates drawn per step
+    at = {"step": step} if sparse else {}
+    norm, err = _attempt(codec.local_norm, flat, **at)
+    norm = _agree(comm, flat.size, err, value=norm or 0.0, tracer=tracer)
+    extra = ()
+    if hasattr(codec, "scale_index"):
+        sidx = codec.scale_index(flat, norm, **at)
+        if codec.index_bits:
+            sidx = ring_allreduce_min(comm, sidx, codec.index_bits, tracer=tracer)
+        extra = (sidx.astype(codec.index_dtype, copy=False),)
+    codes = codec.quantize(flat, norm, *extra, step=step, stream=comm.rank)
+    total = ring_allreduce_bounded(comm, codes, codec.bound, tracer=tracer)
+    if sparse:
+        return codec.dequantize(total, norm, *extra, nranks=comm.size, shape=flat.shape, step=step)
+    return codec.dequantize(total, norm, *extra, nranks=comm.size)
+
+
+def reduce_majority(comm, codec, flat, step: int, tracer=None) -> np.ndarray:
+    """signSGD: ring sum of votes, majority decided by each chunk's owner, ±mean scale."""
+    votes, err = _attempt(codec.votes, flat)
+    scale = codec.scale(flat) if err is None else 0.0
+    _agree(comm, flat.size, err, tracer=tracer)
+    # Every rank's mean |x|, summed in rank order: the same float on every rank.
+    scales = np.empty(comm.size, dtype=np.float64)
+    comm.Allgather(np.array([scale], dtype=np.float64), scales)
+    if tracer is not None:
+        tracer.record("mpi.allgather", 1, 8, 8 * (comm.size - 1), 64)
+
+    def decide(counts, offset):
+        return codec.majority(counts, comm.size, step=step, offset=offset)
+
+    bits = ring_allreduce_bounded(comm, votes, 1, majority=decide, signed=False, tracer=tracer)
+    return codec.expand(bits, flat.size, float(scales.sum() / comm.size))
+
+
+def reduce_gather(comm, codec, flat, encode, tracer=None) -> np.ndarray:
+    """Allgather every rank's payload; every rank decodes all and averages in rank order."""
+    payload, err = _attempt(encode, flat)
+    try:
+        payloads = allgather_bytes(comm, payload, tracer=tracer)
+    except ValueError:
+        if err is not None:
+            raise err from None
+        raise
+    total = np.zeros(flat.size, dtype=np.float32)
+    for rank, p in enumerate(payloads):
+        y = codec.decode(p).reshape(-1)
+        if y.size != flat.size:
+            raise RankError(
+                f"ranks disagree on the tensor size: rank {rank} sent {y.size} elements, "
+                f"this rank has {flat.size}"
+            )
+        total += y
+    return total / np.float32(comm.size)
