@@ -14,6 +14,7 @@ from mpi4py import MPI
 from mpicomp.collectives.allgather import allgather_bytes
 from mpicomp.collectives.maxallreduce import max_allreduce
 from mpicomp.collectives.ring import ring_allreduce_bounded, ring_allreduce_min
+from mpicomp.collectives.sharded import alltoall_bytes, shard_bounds
 
 
 class RankError(RuntimeError):
@@ -124,19 +125,50 @@ def reduce_majority(comm, codec, flat, step: int, tracer=None) -> np.ndarray:
 def reduce_gather(comm, codec, flat, encode, tracer=None) -> np.ndarray:
     """Allgather every rank's payload; every rank decodes all and averages in rank order."""
     payload, err = _attempt(encode, flat)
+    payloads = _exchange(allgather_bytes, comm, payload, err, tracer)
+    return _decode_mean(codec, payloads, flat.size)
+
+
+def reduce_sharded(comm, codec, flat, encode_push, encode_pull, tracer=None) -> np.ndarray:
+    """3LC's push/pull: shard s is averaged by rank s, compressed once more, pulled by all.
+
+    ``encode_push(shard, s)`` compresses this rank's shard s (worker residual s);
+    ``encode_pull(avg_shard)`` compresses the owner's average (server residual).
+    """
+    bounds = shard_bounds(flat.size, comm.size)
+    pushed, err = _attempt(lambda: [encode_push(flat[a:b], s) for s, (a, b) in enumerate(bounds)])
+    received = _exchange(alltoall_bytes, comm, pushed, err, tracer)
+    a, b = bounds[comm.rank]
+    mine = _decode_mean(codec, received, b - a)
+    pulled = _exchange(allgather_bytes, comm, encode_pull(mine), None, tracer)
+    parts = [codec.decode(p).reshape(-1) for p in pulled]
+    for (a, b), part in zip(bounds, parts, strict=True):
+        if part.size != b - a:
+            raise RankError(
+                f"ranks disagree on the tensor size: shard of {part.size}, expected {b - a}"
+            )
+    return np.concatenate(parts) if parts else np.zeros(0, np.float32)
+
+
+def _exchange(collective, comm, data, err, tracer):
+    """Run a byte collective; a rank whose encode failed takes part with None."""
     try:
-        payloads = allgather_bytes(comm, payload, tracer=tracer)
-    except ValueError:
+        return collective(comm, data, tracer=tracer)
+    except ValueError as e:
         if err is not None:
             raise err from None
-        raise
-    total = np.zeros(flat.size, dtype=np.float32)
+        raise RankError(str(e)) from e
+
+
+def _decode_mean(codec, payloads, n: int) -> np.ndarray:
+    """Decode every payload, check its size, and average in rank order (the same on every rank)."""
+    total = np.zeros(n, dtype=np.float32)
     for rank, p in enumerate(payloads):
         y = codec.decode(p).reshape(-1)
-        if y.size != flat.size:
+        if y.size != n:
             raise RankError(
                 f"ranks disagree on the tensor size: rank {rank} sent {y.size} elements, "
-                f"this rank has {flat.size}"
+                f"this rank has {n}"
             )
         total += y
-    return total / np.float32(comm.size)
+    return total / np.float32(len(payloads))

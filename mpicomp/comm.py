@@ -29,6 +29,10 @@ class CompressedComm:
             into buckets of up to this many elements, one collective call each.
         error_feedback: keep per-tensor residuals (default: on for the biased gather
             codecs 3LC, top-k, FFT and FastSGD, off otherwise).
+        sharded: gather codecs only: reduce through shard owners (3LC's push/pull,
+            an alltoallv then an allgather) instead of allgathering whole payloads;
+            each rank receives O(1) compressed tensors instead of N - 1. With error
+            feedback, workers keep a residual per shard and owners one per tensor.
         **codec_params: parameters of the codec when ``codec`` is a name.
 
     Every rank must make the same calls in the same order with tensors of the same
@@ -44,6 +48,7 @@ class CompressedComm:
         min_numel: int = 1024,
         bucket_numel: int = 1 << 22,
         error_feedback: bool | None = None,
+        sharded: bool = False,
         **codec_params,
     ):
         if isinstance(codec, str):
@@ -61,7 +66,13 @@ class CompressedComm:
             raise ValueError(
                 f"error_feedback applies to gather codecs; {codec.name!r} is {codec.aggregation!r}"
             )
+        if sharded and codec.aggregation != "gather":
+            raise ValueError(
+                f"sharded applies to gather codecs; {codec.name!r} is {codec.aggregation!r}"
+            )
+        self.sharded = bool(sharded)
         self._feedback = ErrorFeedback(codec) if error_feedback else None
+        self._server_feedback = ErrorFeedback(codec) if error_feedback and sharded else None
         self._plain = make_codec("none")
         self._comm = comm.Dup()
         self.rank = self._comm.rank
@@ -119,13 +130,16 @@ class CompressedComm:
     def state_dict(self) -> dict:
         """Return the error-feedback residuals and the step, for a checkpoint."""
         residuals = self._feedback.state_dict() if self._feedback else {}
-        return {"step": self._calls, "residuals": residuals}
+        server = self._server_feedback.state_dict() if self._server_feedback else {}
+        return {"step": self._calls, "residuals": residuals, "server_residuals": server}
 
     def load_state_dict(self, state: dict) -> None:
         """Restore what ``state_dict`` returned (same codec, same tensor names)."""
         self._calls = int(state["step"])
         if self._feedback is not None:
             self._feedback.load_state_dict(state["residuals"])
+        if self._server_feedback is not None:
+            self._server_feedback.load_state_dict(state["server_residuals"])
 
     def close(self) -> None:
         """Release the duplicated communicator. Safe to call twice."""
@@ -159,10 +173,16 @@ class CompressedComm:
             return _reduce.reduce_integer(comm, codec, flat, step, tracer)
         if codec.aggregation == "majority":
             return _reduce.reduce_majority(comm, codec, flat, step, tracer)
+        if self.sharded:
+            if self._feedback is not None:
+                push = lambda f, s: self._feedback.encode(f, f"{name}#shard{s}")  # noqa: E731
+                pull = lambda f: self._server_feedback.encode(f, name)  # noqa: E731
+            else:
+                push, pull = (lambda f, s: codec.encode(f)), codec.encode
+            return _reduce.reduce_sharded(comm, codec, flat, push, pull, tracer)
+        encode = codec.encode
         if self._feedback is not None:
             encode = lambda f: self._feedback.encode(f, name)  # noqa: E731
-        else:
-            encode = codec.encode
         return _reduce.reduce_gather(comm, codec, flat, encode, tracer)
 
 

@@ -1,0 +1,65 @@
+"""Push/pull through shard owners (3LC's parameter-server design, paper 001 §2-3, on MPI).
+
+Rank s serves shard s of the flat tensor. *Push*: every rank sends its compressed
+shard s to rank s (one Alltoallv of variable-length byte payloads). The owner
+averages the N payloads of its shard and compresses the result once; *pull*: an
+allgather of the owners' payloads. Each rank receives about 2·(N−1)/N of one
+compressed tensor instead of the N−1 whole payloads of an allgather. This module
+moves bytes; what is compressed, and with which residual, is the caller's.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from mpi4py import MPI
+
+
+def shard_bounds(n: int, nshards: int) -> list[tuple[int, int]]:
+    """Return [start, stop) of each of ``nshards`` near-equal contiguous shards of ``n`` elements."""
+    base, extra = divmod(n, nshards)
+    bounds, start = [], 0
+    for s in range(nshards):
+        stop = start + base + (1 if s < extra else 0)
+        bounds.append((start, stop))
+        start = stop
+    return bounds
+
+
+def alltoall_bytes(comm, payloads, *, tracer=None) -> list[np.ndarray]:
+    """Send ``payloads[d]`` to rank d; return the payload each rank sent here, in rank order.
+
+    Sizes go first (one Alltoall of int64), then one Alltoallv. A rank whose input is
+    not N 1-D uint8 arrays announces size -1, and every rank raises the same ValueError.
+
+    Raises:
+        ValueError: a rank's payloads are malformed (named), or a size overflows MPI's counts.
+    """
+    size = comm.size
+    ok = (
+        isinstance(payloads, (list, tuple))
+        and len(payloads) == size
+        and all(isinstance(p, np.ndarray) and p.dtype == np.uint8 and p.ndim == 1 for p in payloads)
+    )
+    send_sizes = np.array([p.size for p in payloads] if ok else [-1] * size, dtype=np.int64)
+    recv_sizes = np.empty(size, dtype=np.int64)
+    comm.Alltoall(send_sizes, recv_sizes)
+    bad = [r for r in range(size) if recv_sizes[r] < 0]
+    if not ok or bad:
+        who = comm.rank if not ok else bad[0]
+        raise ValueError(
+            f"alltoall_bytes: rank {who} did not pass {size} 1-D uint8 payloads (one per rank)"
+        )
+    if max(send_sizes.sum(), recv_sizes.sum()) > np.iinfo(np.int32).max:
+        raise ValueError("alltoall_bytes: more than 2**31-1 bytes per rank; use smaller buckets")
+    send = np.concatenate(payloads) if size else np.empty(0, np.uint8)
+    sdispl = np.concatenate([[0], np.cumsum(send_sizes)[:-1]])
+    rdispl = np.concatenate([[0], np.cumsum(recv_sizes)[:-1]])
+    recv = np.empty(int(recv_sizes.sum()), dtype=np.uint8)
+    comm.Alltoallv([send, send_sizes, sdispl, MPI.BYTE], [recv, recv_sizes, rdispl, MPI.BYTE])
+    if tracer is not None:
+        me = comm.rank
+        tracer.record("sharded.sizes", 1, 8 * (size - 1), 8 * (size - 1), 64)
+        sent = int(send_sizes.sum() - send_sizes[me])
+        got = int(recv_sizes.sum() - recv_sizes[me])
+        tracer.record("sharded.push", 1, sent, got, 8)
+    return [recv[d : d + s] for d, s in zip(rdispl, recv_sizes, strict=True)]
