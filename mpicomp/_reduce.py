@@ -56,7 +56,7 @@ def reduce_sum(comm, codec, flat, tracer=None) -> np.ndarray:
     _agree(comm, flat.size, err, tracer=tracer)
     if wire.dtype == np.float16:
         total = np.empty_like(wire)
-        comm.Allreduce(wire, [total, MPI.UINT16_T], op=_float16_sum())
+        comm.Allreduce([wire, MPI.UINT16_T], [total, MPI.UINT16_T], op=_float16_sum())
         if not np.all(np.isfinite(total)):
             raise RankError("fp16: the sum over ranks overflows float16; use codec 'none'")
     else:
