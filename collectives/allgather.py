@@ -1,0 +1,145 @@
+"""Allgather of variable-length byte payloads (sparse FFT, 3LC, FastSGD, top-k).
+
+Both variants share one core: every rank announces its payload size (one Allgather
+of an int64; -1 means "my input is not a 1-D uint8 array", so a bad input raises the
+same ValueError on every rank instead of leaving the others waiting), then the bytes
+move into one receive buffer, rank after rank, and every rank gets one view per rank.
+
+- ``allgather_bytes``: the bytes move in one ``Allgatherv``; the MPI library picks the
+  algorithm. Traces record the logical bytes (what this rank contributes and what it
+  gets from the others), not the library's internal traffic.
+- ``allgather_bytes_ring``: the same result by a hand-written ring, N-1 steps, each
+  forwarding to the right neighbour the payload received from the left one in the
+  step before. Traces record the exact bytes of each step.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import numpy as np
+from mpi4py import MPI
+
+# Bytes one message may carry: the 32-bit count of MPI before version 4 (mpi4py >= 4
+# calls the MPI-4 large-count routines where the library has them). Tests shrink both.
+_COUNT_LIMIT = np.iinfo(np.int64).max if MPI.Get_version() >= (4, 0) else 2**31 - 1
+# Bytes per ring message: a step's payload is split into messages of at most this.
+_RING_CHUNK = 2**31 - 1
+_TAG = 0x4147  # ring messages; run on a communicator of your own (comm.Dup())
+
+
+def _array_module(x):
+    # The one dispatch point: numpy, or cupy for a CuPy array (CUDA-aware MPI takes it).
+    if type(x).__module__.startswith("cupy"):
+        import cupy
+
+        return cupy
+    return np
+
+
+def _payload_problem(payload) -> TypeError | None:
+    """Return why ``payload`` is not a 1-D uint8 array, or None."""
+    xp = _array_module(payload)
+    if not isinstance(payload, xp.ndarray):
+        return TypeError(f"payload must be a 1-D uint8 array, got {type(payload).__name__}")
+    if payload.dtype != np.uint8 or payload.ndim != 1:
+        return TypeError(
+            f"payload must be a 1-D uint8 array, got dtype {payload.dtype} shape {payload.shape}"
+        )
+    return None
+
+
+def _exchange_sizes(comm, payload, tracer, op: str) -> np.ndarray:
+    """Return every rank's payload size; raise on every rank if one rank's input is bad."""
+    problem = _payload_problem(payload)
+    sizes = np.empty(comm.size, dtype=np.int64)
+    comm.Allgather(np.array([-1 if problem else payload.size], dtype=np.int64), sizes)
+    if tracer is not None:
+        tracer.record(f"{op}.sizes", 1, 8, 8 * (comm.size - 1), 64)
+    bad = np.flatnonzero(sizes < 0).tolist()
+    if bad:
+        who = f"rank {bad[0]}" if len(bad) == 1 else f"ranks {', '.join(map(str, bad))}"
+        raise ValueError(f"{op}: {who} passed an invalid payload (not a 1-D uint8 array)") from (
+            problem
+        )
+    return sizes
+
+
+def _by_allgatherv(comm, payload, buf, sizes, displs, tracer, op: str) -> None:
+    """Move the bytes in one Allgatherv."""
+    total = int(sizes.sum())
+    if total > _COUNT_LIMIT:
+        raise ValueError(
+            f"{op}: the payloads total {total} bytes, more than MPI %d.%d can count "
+            f"({_COUNT_LIMIT}); use allgather_bytes_ring, which splits messages" % MPI.Get_version()
+        )
+    comm.Allgatherv(payload, [buf, sizes, displs, MPI.BYTE])
+    if tracer is not None:
+        mine = int(sizes[comm.rank])
+        tracer.record(f"{op}.data", 1, mine, total - mine, 8)
+
+
+def _by_ring(comm, payload, buf, sizes, displs, tracer, op: str) -> None:
+    """Move the bytes around a ring: N-1 steps, each a nonblocking send and receive."""
+    size, rank = comm.size, comm.rank
+    right, left = (rank + 1) % size, (rank - 1) % size
+    chunk = min(_RING_CHUNK, _COUNT_LIMIT)
+    buf[displs[rank] : displs[rank] + sizes[rank]] = payload
+    for step in range(1, size):
+        # Send what arrived in the step before (own payload first); receive the block
+        # one rank further left. Sizes are known, so each side knows its message count.
+        out, into = (rank - step + 1) % size, (rank - step) % size
+        send = buf[displs[out] : displs[out] + sizes[out]]
+        recv = buf[displs[into] : displs[into] + sizes[into]]
+        reqs = [comm.Irecv(recv[lo : lo + chunk], left, _TAG) for lo in range(0, recv.size, chunk)]
+        reqs += [
+            comm.Isend(send[lo : lo + chunk], right, _TAG) for lo in range(0, send.size, chunk)
+        ]
+        MPI.Request.Waitall(reqs)
+        if tracer is not None:
+            tracer.record(f"{op}.data", step, int(send.size), int(recv.size), 8)
+
+
+def _allgather(comm, payload, tracer, exchange: Callable, op: str) -> list[np.ndarray]:
+    """Exchange sizes, allocate one receive buffer, let ``exchange`` fill it; return views."""
+    sizes = _exchange_sizes(comm, payload, tracer, op)
+    xp = _array_module(payload)
+    payload = xp.ascontiguousarray(payload)
+    displs = np.zeros(comm.size, dtype=np.int64)
+    np.cumsum(sizes[:-1], out=displs[1:])
+    buf = xp.empty(int(sizes.sum()), dtype=np.uint8)
+    exchange(comm, payload, buf, sizes, displs, tracer, op)
+    return [buf[d : d + s] for d, s in zip(displs.tolist(), sizes.tolist(), strict=True)]
+
+
+def allgather_bytes(comm, payload, *, tracer=None) -> list[np.ndarray]:
+    """Gather every rank's byte payload on every rank: sizes, then one Allgatherv.
+
+    Args:
+        comm: an ``mpi4py.MPI.Intracomm``.
+        payload: this rank's bytes, a 1-D uint8 array (any length, zero included).
+        tracer: gets ``record("allgather.sizes", 1, 8, 8*(N-1), 64)`` and
+            ``record("allgather.data", 1, own size, sum of the others' sizes, 8)``.
+
+    Returns:
+        One uint8 view per rank, in rank order (this rank's own included), all into
+        one new receive buffer.
+
+    Raises:
+        ValueError: on every rank, when some rank's payload is not a 1-D uint8 array
+            (those ranks are named; on them the local TypeError is the cause), or the
+            total exceeds what this MPI can count (2**31-1 bytes before MPI 4).
+    """
+    return _allgather(comm, payload, tracer, _by_allgatherv, "allgather")
+
+
+def allgather_bytes_ring(comm, payload, *, tracer=None) -> list[np.ndarray]:
+    """Gather every rank's byte payload on every rank by a hand-written ring.
+
+    The same arguments, result and checks as ``allgather_bytes``, without the count
+    limit (ring messages are split at ``_RING_CHUNK`` bytes). The tracer gets
+    ``record("allgather_ring.sizes", 1, 8, 8*(N-1), 64)`` and, for each step
+    i = 1..N-1, ``record("allgather_ring.data", i, sent, received, 8)`` with the exact
+    bytes: rank r sends the payload of rank (r-i+1) mod N and receives that of (r-i) mod N.
+    """
+    return _allgather(comm, payload, tracer, _by_ring, "allgather_ring")
