@@ -1,0 +1,419 @@
+"""Bit-width-growing ring all-reduce of bounded integer codes (paper 003 §3, generalized).
+
+A ring reduce-scatter followed by a ring allgather, over N chunks of the vector. A
+partial sum over i ranks of codes bounded by ``bound`` needs only
+ceil(log2(2*i*bound + 1)) bits (ceil(log2(i*bound + 1)) for unsigned codes), so the
+message of reduce-scatter step i is packed at exactly that width: the width grows
+along the ring instead of being fixed at the width of the full sum. With
+``majority``, the owner of each chunk turns the vote counts into one decision bit per
+element and the allgather moves 1 bit per element (signSGD with majority vote).
+``ring_allreduce_min`` runs the same ring at a constant width with MIN as the combine.
+
+All values travel in an unsigned domain: a signed code c becomes c + bound, so a partial
+over i ranks is its signed sum plus i*bound, in [0, 2*i*bound]; adding the next rank's
+shifted code keeps that invariant, and the owner subtracts N*bound at the end.
+
+Layout, the same on every rank: N chunks, chunk c = [c*C, min(n, (c+1)*C)) with C =
+ceil(ceil(n/N) / CHUNK_ALIGN) * CHUNK_ALIGN; chunk boundaries are multiples of 8 elements,
+so packed chunks concatenate on byte boundaries at any width. Schedule: at
+reduce-scatter step i (1..N-1) rank r sends its partial of chunk (r-i) mod N to r+1 and
+receives chunk (r-i-1) mod N from r-1; after N-1 steps rank r owns chunk r. At allgather
+step j (1..N-1) it sends chunk (r-j+1) mod N and receives chunk (r-j) mod N, forwarding
+the packed bytes unchanged. Empty chunks (n small against N) are still exchanged, as
+empty messages, so every rank takes the same 2*(N-1) steps.
+
+Callers should pass a communicator of their own (``CompressedComm`` keeps a ``Dup()``):
+messages use a fixed tag and would otherwise be matched against the user's.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import numpy as np
+
+from mpicomp.kernels.cpu import bits as _bits
+
+#: Chunk boundaries fall on multiples of this many elements; a multiple of 8, so a packed
+#: chunk starts on a byte boundary at any width. Tests raise it to move the chunk edges.
+CHUNK_ALIGN = 8
+
+#: Widest code the packing kernels take.
+MAX_WIDTH = 32
+
+_TAG = 0x3C3  # one tag for both phases: MPI keeps messages between two ranks in order
+
+_RS, _AG = "reduce_scatter", "allgather"
+
+
+# --- the one dispatch point on array types -------------------------------------------------
+
+
+class _Backend(NamedTuple):
+    """Array module and bit-packing kernels of one backend."""
+
+    xp: Any
+    pack: Callable  # pack(codes_uint32, width, out_uint8)
+    unpack: Callable  # unpack(stream_uint8, width, out_uint32)
+
+
+_NUMPY = _Backend(np, _bits.mpicomp_bits_pack, _bits.mpicomp_bits_unpack)
+
+
+def _backend(x) -> _Backend:
+    """Return the backend that owns ``x``; the only place that looks at array types."""
+    if type(x).__module__.startswith("cupy"):
+        # A CuPy twin of the packing kernels and (CUDA-aware or staged) buffers go here.
+        raise TypeError("ring collectives take NumPy arrays; CuPy arrays are not supported yet")
+    return _NUMPY
+
+
+# --- layout -------------------------------------------------------------------------------
+
+
+def _packed(n: int, width: int) -> int:
+    return (n * width + 7) // 8
+
+
+def _width(max_value: int) -> int:
+    """Return ceil(log2(max_value + 1)): the bits that hold every integer in [0, max_value]."""
+    return int(max_value).bit_length()
+
+
+def _chunk_size(n: int, nranks: int) -> int:
+    """Return C, the elements per chunk: ceil(n/N) rounded up to a multiple of CHUNK_ALIGN."""
+    align = CHUNK_ALIGN
+    if align <= 0 or align % 8:
+        raise ValueError(f"CHUNK_ALIGN must be a positive multiple of 8, got {align!r}")
+    per_rank = -(-n // nranks)
+    return align * -(-per_rank // align)
+
+
+# --- the core -----------------------------------------------------------------------------
+
+
+def _ring_allreduce(
+    comm,
+    sendrecv: Callable,
+    local,
+    be: _Backend,
+    width_of_step: Callable[[int], int],
+    combine: Callable,
+    finish: Callable,
+    final_width: int,
+    tracer,
+    name: str,
+):
+    """Reduce ``local`` around the ring; return the packed allgathered result.
+
+    Args:
+        comm: the communicator; rank r talks to (r+1) % N and (r-1) % N only.
+        sendrecv: the MPI primitive, ``comm.Sendrecv`` or a drop-in with its signature.
+        local: this rank's values in the unsigned domain, uint32, contiguous, length n.
+        be: the backend owning ``local``.
+        width_of_step: bits per element of a partial over i ranks (reduce-scatter step i).
+        combine: ``combine(acc, mine)`` folds this rank's values into ``acc`` in place.
+        finish: ``finish(full_chunk_uint32, start, out_uint8)`` writes the owned chunk,
+            reduced over all ranks, into ``out`` at ``final_width`` bits per element.
+        final_width: bits per element of the allgather phase.
+        tracer: None, or an object with ``record(op, step, sent, recv, bits)``.
+        name: prefix of the traced op names.
+
+    Returns:
+        uint8 array of packed_size(n, final_width) bytes: the whole reduced vector.
+    """
+    xp = be.xp
+    size, rank = comm.Get_size(), comm.Get_rank()
+    n = local.size
+    C = _chunk_size(n, size)
+    longest = min(C, n)
+    right, left = (rank + 1) % size, (rank - 1) % size
+
+    def span(c):
+        c %= size
+        return min(n, c * C), min(n, (c + 1) * C)
+
+    # Buffers for the whole call, sized for the widest step: no allocation inside the loop.
+    widest = max((width_of_step(i) for i in range(1, size)), default=0)
+    sendbuf = xp.empty(_packed(longest, widest), dtype=np.uint8)
+    recvbuf = xp.empty(_packed(longest, widest), dtype=np.uint8)
+    acc = xp.empty(longest if size > 1 else 0, dtype=np.uint32)
+
+    if size > 1:
+        lo, hi = span(rank - 1)
+        width = width_of_step(1)
+        be.pack(local[lo:hi], width, sendbuf[: _packed(hi - lo, width)])
+    for i in range(1, size):
+        width = width_of_step(i)
+        s_lo, s_hi = span(rank - i)
+        r_lo, r_hi = span(rank - i - 1)
+        sent, got = _packed(s_hi - s_lo, width), _packed(r_hi - r_lo, width)
+        sendrecv(sendbuf[:sent], right, _TAG, recvbuf[:got], left, _TAG)
+        if tracer is not None:
+            tracer.record(f"{name}.{_RS}", i, sent, got, width)
+        part = acc[: r_hi - r_lo]
+        be.unpack(recvbuf[:got], width, part)
+        combine(part, local[r_lo:r_hi])
+        if i < size - 1:  # the chunk just completed over i+1 ranks is the next one sent
+            nxt = width_of_step(i + 1)
+            be.pack(part, nxt, sendbuf[: _packed(part.size, nxt)])
+
+    # Chunk c of the result starts at byte c*C*final_width/8: C is a multiple of 8.
+    out = xp.empty(_packed(n, final_width), dtype=np.uint8)
+
+    def region(c):
+        lo, hi = span(c)
+        start = lo * final_width // 8
+        return start, start + _packed(hi - lo, final_width)
+
+    lo, hi = span(rank)
+    start, stop = region(rank)
+    finish(acc[: hi - lo] if size > 1 else local, lo, out[start:stop])
+    for j in range(1, size):
+        s_start, s_stop = region(rank - j + 1)
+        r_start, r_stop = region(rank - j)
+        sendrecv(out[s_start:s_stop], right, _TAG, out[r_start:r_stop], left, _TAG)
+        if tracer is not None:
+            tracer.record(f"{name}.{_AG}", j, s_stop - s_start, r_stop - r_start, final_width)
+    return out
+
+
+# --- argument checks, agreed across ranks -------------------------------------------------
+
+
+def _as_codes(codes, fname: str):
+    """Return ``codes`` as a contiguous 1-D integer array of its backend, and the backend."""
+    be = _backend(codes)
+    codes = be.xp.asarray(codes)
+    if not np.issubdtype(codes.dtype, np.integer):
+        raise TypeError(f"{fname}: codes must have an integer dtype, got {codes.dtype!r}")
+    if codes.ndim != 1:
+        raise ValueError(f"{fname}: codes must be 1-D, got shape {codes.shape!r}")
+    return be.xp.ascontiguousarray(codes), be
+
+
+def _as_int(value, what: str, fname: str) -> int:
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
+        raise TypeError(f"{fname}: {what} must be an integer, got {value!r}")
+    return int(value)
+
+
+def _extremes(codes) -> tuple[int, int]:
+    """Return (min, max) of ``codes`` as Python ints; (0, 0) when empty."""
+    if codes.size == 0:
+        return 0, 0
+    return int(codes.min()), int(codes.max())
+
+
+_I64 = np.iinfo(np.int64)
+
+
+def _agree(comm, fname, err, n, param, pname, mode, lo, hi, allowed):
+    """Check, in one Allreduce(MAX) of 10 int64, what every rank must agree on.
+
+    Agreed: no rank rejected its arguments (``err``), equal n, equal ``param`` (bound or
+    width), equal mode, and every code of every rank inside ``allowed`` = (min, max). The
+    same ValueError is raised on every rank where another rank is at fault.
+    """
+    from mpi4py import MPI
+
+    rank = comm.Get_rank()
+    vec = np.zeros(10, dtype=np.int64)
+    if err is not None:
+        vec[8] = rank + 1  # MAX names the highest rank at fault
+    else:
+        out_of_range = lo < allowed[0] or hi > allowed[1]
+        # Extremes may exceed int64 (uint64 codes): clip, they are only compared to allowed.
+        hi, lo = min(hi, int(_I64.max)), max(lo, -int(_I64.max))
+        vec[:8] = [n, -n, param, -param, mode, -mode, hi, -lo]
+        vec[9] = rank + 1 if out_of_range else 0
+    comm.Allreduce(MPI.IN_PLACE, vec, op=MPI.MAX)
+    if err is not None:
+        raise err
+    if vec[8]:
+        raise ValueError(f"{fname}: rank {vec[8] - 1} rejected its arguments (see its error)")
+    if vec[0] != -vec[1]:
+        raise ValueError(f"{fname}: ranks disagree on the length of codes: {-vec[1]} vs {vec[0]}")
+    if vec[2] != -vec[3]:
+        raise ValueError(f"{fname}: ranks disagree on {pname}: {-vec[3]} vs {vec[2]}")
+    if vec[4] != -vec[5]:
+        raise ValueError(f"{fname}: ranks disagree on signed/majority")
+    if vec[9]:
+        raise ValueError(
+            f"{fname}: codes lie in [{-vec[7]}, {vec[6]}] across ranks (rank {vec[9] - 1} "
+            f"among them), outside the allowed [{allowed[0]}, {allowed[1]}] for {pname}={param}"
+        )
+
+
+# --- public wrappers ----------------------------------------------------------------------
+
+_MODE_SIGNED, _MODE_UNSIGNED, _MODE_MAJORITY = 0, 1, 2
+
+
+def ring_allreduce_bounded(comm, codes, bound, majority=False, *, signed=True, tracer=None):
+    """Sum bounded integer codes over ranks, or take their majority, on a width-growing ring.
+
+    Args:
+        comm: an ``mpi4py.MPI.Comm`` (intracommunicator), best a private ``Dup()``.
+        codes: 1-D integer array, the same length on every rank; each |code| <= bound
+            (``signed=True``) or 0 <= code <= bound (``signed=False``).
+        bound: the largest |code|, >= 1, the same on every rank; the full sum must fit
+            32 bits: 2*N*bound < 2**32 (signed) or N*bound < 2**32 (unsigned).
+        majority: False (sum); True (signSGD majority: bit = 2*count > N, ties give 0);
+            or a callable ``decide(counts_int64_chunk, offset) -> uint8`` returning the
+            packed decision bits (LSB-first, ceil(len/8) bytes) of the chunk that starts at
+            global index ``offset``. Needs votes: ``signed=False`` and ``bound=1``.
+        signed: codes lie in [-bound, bound] when True, in [0, bound] when False.
+        tracer: None, or an object with ``record(op, step, sent, recv, bits)``; called
+            once per step with ops ``"ring.reduce_scatter"`` and ``"ring.allgather"``.
+
+    Returns:
+        Without ``majority``: the exact sums, int64, length n, identical on every rank.
+        With ``majority``: uint8, ceil(n/8) bytes, decision bit i at bit i % 8 of byte
+        i // 8, identical on every rank.
+
+    Raises:
+        TypeError: codes not an integer array, bound not an integer, majority neither a
+            bool nor callable (on the rank at fault; the others raise ValueError).
+        ValueError: codes not 1-D, bound < 1, full-sum width above 32 bits, majority with
+            signed codes or bound != 1; and on every rank: n, bound or mode differing
+            between ranks, or a code outside the bound on any rank.
+    """
+    fname = "ring_allreduce_bounded"
+    size = comm.Get_size()
+    err, n, b, lo, hi, mode = None, 0, 0, 0, 0, _MODE_SIGNED
+    try:
+        x, be = _as_codes(codes, fname)
+        n = x.size
+        b = _as_int(bound, "bound", fname)
+        if b < 1:
+            raise ValueError(f"{fname}: bound must be >= 1, got {b!r}")
+        if not (isinstance(majority, (bool, np.bool_)) or callable(majority)):
+            raise TypeError(f"{fname}: majority must be a bool or a callable, got {majority!r}")
+        if callable(majority) or majority:
+            if signed or b != 1:
+                raise ValueError(
+                    f"{fname}: majority needs unsigned votes (signed=False, bound=1), "
+                    f"got signed={signed!r}, bound={b!r}"
+                )
+            mode = _MODE_MAJORITY
+        elif not signed:
+            mode = _MODE_UNSIGNED
+        top = (2 if signed else 1) * size * b
+        if _width(top) > MAX_WIDTH:
+            raise ValueError(
+                f"{fname}: sums of bound={b} over N={size} ranks need {_width(top)} bits, "
+                f"more than {MAX_WIDTH}; use bound <= {(2**MAX_WIDTH - 1) // (top // b)}"
+            )
+        lo, hi = _extremes(x)
+    except (TypeError, ValueError) as exc:
+        err = exc
+    allowed = (-b, b) if signed else (0, b)
+    _agree(comm, fname, err, n, b, "bound", mode, lo, hi, allowed)
+
+    # Shift into [0, 2*bound]; uint32 wraps, so negative codes land right after the add.
+    local = x.astype(np.uint32)
+    if signed:
+        local += np.uint32(b)
+    span = 2 * b if signed else b
+    final_width = 1 if mode == _MODE_MAJORITY else _width(size * span)
+    xp = be.xp
+
+    def add(acc, mine):
+        xp.add(acc, mine, out=acc)
+
+    if mode == _MODE_MAJORITY:
+        decide = majority if callable(majority) else _paper_majority(xp, size)
+
+        def finish(full, start, out):
+            bits = xp.asarray(decide(full.astype(np.int64), start), dtype=np.uint8).reshape(-1)
+            if bits.size != out.size:
+                raise ValueError(
+                    f"{fname}: decide returned {bits.size} bytes for {full.size} elements, "
+                    f"expected {out.size}"
+                )
+            out[...] = bits
+
+    else:
+
+        def finish(full, start, out):
+            be.pack(full, final_width, out)
+
+    packed = _ring_allreduce(
+        comm,
+        comm.Sendrecv,
+        local,
+        be,
+        lambda i: _width(i * span),
+        add,
+        finish,
+        final_width,
+        tracer,
+        "ring",
+    )
+    if mode == _MODE_MAJORITY:
+        return packed
+    full = xp.empty(n, dtype=np.uint32)
+    be.unpack(packed, final_width, full)
+    result = xp.empty(n, dtype=np.int64)
+    xp.subtract(full, np.int64(size * b if signed else 0), out=result)
+    return result
+
+
+def _paper_majority(xp, nranks: int):
+    """Return paper 003's rule: bit = 1 where more than half of ``nranks`` voted +1."""
+
+    def decide(counts, offset):
+        return xp.packbits(2 * counts > nranks, bitorder="little")
+
+    return decide
+
+
+def ring_allreduce_min(comm, codes, width, *, tracer=None):
+    """Take the elementwise minimum over ranks of unsigned codes, ``width`` bits on the wire.
+
+    Args:
+        comm: an ``mpi4py.MPI.Comm`` (intracommunicator), best a private ``Dup()``.
+        codes: 1-D integer array, the same length on every rank, each in [0, 2**width).
+        width: bits per code, 1..32, the same on every rank.
+        tracer: None, or an object with ``record(op, step, sent, recv, bits)``; called
+            once per step with ops ``"ring_min.reduce_scatter"`` and ``"ring_min.allgather"``.
+
+    Returns:
+        int64 array of length n, the minima, identical on every rank.
+
+    Raises:
+        TypeError: codes not an integer array, width not an integer (on the rank at
+            fault; the others raise ValueError).
+        ValueError: codes not 1-D, width outside 1..32; and on every rank: n or width
+            differing between ranks, or a code outside [0, 2**width) on any rank.
+    """
+    fname = "ring_allreduce_min"
+    err, n, w, lo, hi = None, 0, 0, 0, 0
+    try:
+        x, be = _as_codes(codes, fname)
+        n = x.size
+        w = _as_int(width, "width", fname)
+        if not 1 <= w <= MAX_WIDTH:
+            raise ValueError(f"{fname}: width must lie in [1, {MAX_WIDTH}], got {w!r}")
+        lo, hi = _extremes(x)
+    except (TypeError, ValueError) as exc:
+        err = exc
+    _agree(comm, fname, err, n, w, "width", 0, lo, hi, (0, 2**w - 1))
+
+    xp = be.xp
+    local = x.astype(np.uint32)
+
+    def smallest(acc, mine):
+        xp.minimum(acc, mine, out=acc)
+
+    def finish(full, start, out):
+        be.pack(full, w, out)
+
+    packed = _ring_allreduce(
+        comm, comm.Sendrecv, local, be, lambda i: w, smallest, finish, w, tracer, "ring_min"
+    )
+    result = xp.empty(n, dtype=np.uint32)
+    be.unpack(packed, w, result)
+    return result.astype(np.int64)
