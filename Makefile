@@ -3,8 +3,9 @@ PYTHON ?= python3
 VENV   ?= .venv
 NRANKS ?= 1 2 3 4 5
 BIN    := $(VENV)/bin
-# Abort every rank when one fails instead of leaving the others waiting.
 MPIRUN := $(BIN)/mpiexec
+# One numba thread per rank: N ranks x all-core thread pools would oversubscribe the cores.
+MPIENV := NUMBA_NUM_THREADS=1
 
 .PHONY: demo test test-unit test-mpi lint clean
 
@@ -27,7 +28,7 @@ test-unit: $(VENV)/.installed
 test-mpi: $(VENV)/.installed
 	@set -e; for n in $(NRANKS); do \
 	  echo "== multi-rank tests on $$n ranks"; \
-	  $(MPIRUN) -n $$n $(BIN)/python -m mpi4py -m pytest -q --with-mpi -m mpi -p no:cacheprovider; \
+	  $(MPIENV) $(MPIRUN) -n $$n $(BIN)/python -m mpi4py -m pytest -q --with-mpi -m mpi -p no:cacheprovider; \
 	done
 
 lint: $(VENV)/.installed
