@@ -29,7 +29,7 @@ def as_gradient(x, what: str = "x"):
         if isinstance(x, np.generic):  # a NumPy scalar: treat as a 0-d array
             x = np.asarray(x)
         elif hasattr(x, "__dlpack__"):
-            x = np.from_dlpack(x)
+            x = _from_dlpack(x, what)
         else:
             raise TypeError(f"{what} must be an array, got {type(x).__name__}")
     xp = get_array_module(x)
@@ -38,3 +38,14 @@ def as_gradient(x, what: str = "x"):
         raise TypeError(f"{what} must be a floating-point array, got dtype {dt!r}")
     # asarray(order='C'), not ascontiguousarray, which makes a 0-d array 1-d.
     return xp.asarray(x, dtype=np.float32, order="C")
+
+
+def _from_dlpack(x, what: str):
+    """Import a DLPack producer without a copy; convert once where NumPy cannot hold its dtype."""
+    try:
+        return np.from_dlpack(x)
+    except (RuntimeError, BufferError, TypeError) as e:
+        # NumPy has no bfloat16: a PyTorch bfloat16 tensor is converted by its own .float().
+        if callable(getattr(x, "float", None)):
+            return np.from_dlpack(x.float())
+        raise TypeError(f"{what}: cannot import {type(x).__name__} through DLPack ({e})") from e

@@ -128,3 +128,28 @@ def test_numpy_scalars_and_dlpack_objects_are_accepted():
 
     x = np.arange(6, dtype=np.float32).reshape(2, 3)
     np.testing.assert_array_equal(c.decode(c.encode(Tensor(x))), x)
+
+
+def test_dlpack_producer_of_a_dtype_numpy_lacks_converts_once():
+    class Bfloat16Tensor:  # like torch.bfloat16: NumPy refuses its DLPack dtype
+        def __init__(self, a):
+            self.a = a
+
+        def __dlpack__(self, **kw):
+            raise BufferError("unsupported dtype")
+
+        def __dlpack_device__(self):
+            return self.a.__dlpack_device__()
+
+        def float(self):
+            return self.a
+
+    x = np.linspace(-1, 1, 7, dtype=np.float32)
+    c = mpicomp.codec("none")
+    np.testing.assert_array_equal(c.decode(c.encode(Bfloat16Tensor(x))), x)
+
+    class Opaque(Bfloat16Tensor):
+        float = None
+
+    with pytest.raises(TypeError, match="cannot import Opaque through DLPack"):
+        c.encode(Opaque(x))
