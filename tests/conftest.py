@@ -53,3 +53,17 @@ def gradient_like(n, seed=0, dtype=np.float32):
     if n:
         g[rng.integers(0, n, max(1, n // 100))] *= dtype(20)
     return g
+
+
+def world():
+    """Return MPI.COMM_WORLD (mpi4py imported here, so collection works without MPI)."""
+    from mpi4py import MPI
+
+    return MPI.COMM_WORLD
+
+
+def gather_all(comm, x):
+    """Return every rank's ``x`` stacked in rank order (a plain buffer Allgather)."""
+    out = np.empty((comm.size,) + x.shape, dtype=x.dtype)
+    comm.Allgather(np.ascontiguousarray(x), out)
+    return out

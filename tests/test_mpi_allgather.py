@@ -4,6 +4,7 @@ rank rebuilds from the sender's rank. Run with
 
 import numpy as np
 import pytest
+from conftest import world
 
 # Payload size of rank r in a world of n ranks, per pattern.
 SIZES = {
@@ -13,12 +14,6 @@ SIZES = {
     "one_large": lambda r, n: 1 << 20 if r == n - 1 else 3 * r + 5,
     "equal": lambda r, n: 17,
 }
-
-
-def _world():
-    from mpi4py import MPI
-
-    return MPI.COMM_WORLD
 
 
 def _module():
@@ -52,7 +47,7 @@ def _assert_same(got, expected):
 @pytest.mark.parametrize("kind", ["allgatherv", "ring"])
 @pytest.mark.parametrize("pattern", sorted(SIZES))
 def test_every_rank_gets_every_payload_in_rank_order(kind, pattern):
-    comm = _world()
+    comm = world()
     sizes = SIZES[pattern]
     mine = _payload(comm.rank, sizes(comm.rank, comm.size))
     before = mine.copy()
@@ -67,7 +62,7 @@ def test_every_rank_gets_every_payload_in_rank_order(kind, pattern):
 @pytest.mark.mpi
 @pytest.mark.parametrize("pattern", sorted(SIZES))
 def test_ring_gives_what_allgatherv_gives(pattern):
-    comm = _world()
+    comm = world()
     mine = _payload(comm.rank, SIZES[pattern](comm.rank, comm.size))
     fns = _functions()
     _assert_same(fns["ring"](comm, mine), fns["allgatherv"](comm, mine))
@@ -100,7 +95,7 @@ def _messages(nbytes, chunk):
 @pytest.mark.mpi
 @pytest.mark.parametrize("chunk", [1, 7, 63, 64, 65, 1000])
 def test_ring_splits_steps_into_chunks_at_every_edge(monkeypatch, chunk):
-    comm = _world()
+    comm = world()
     monkeypatch.setattr(_module(), "_RING_CHUNK", chunk)
 
     def sizes(r, n):
@@ -118,7 +113,7 @@ def test_ring_splits_steps_into_chunks_at_every_edge(monkeypatch, chunk):
 @pytest.mark.mpi
 @pytest.mark.parametrize("kind", ["allgatherv", "ring"])
 def test_a_strided_payload_is_taken(kind):
-    comm = _world()
+    comm = world()
     whole = _payload(comm.rank, 2 * (40 + comm.rank))
     got = _functions()[kind](comm, whole[::2])
     expected = [_payload(r, 2 * (40 + r))[::2] for r in range(comm.size)]
@@ -130,7 +125,7 @@ def test_a_strided_payload_is_taken(kind):
 def test_traced_bytes_of_allgatherv_are_the_logical_bytes(pattern):
     from mpicomp.collectives.traffic import Traffic
 
-    comm = _world()
+    comm = world()
     n, rank = comm.size, comm.rank
     s = [SIZES[pattern](r, n) for r in range(n)]
     t = Traffic()
@@ -146,7 +141,7 @@ def test_traced_bytes_of_allgatherv_are_the_logical_bytes(pattern):
 def test_traced_bytes_of_the_ring_are_the_exact_bytes_of_each_step(pattern):
     from mpicomp.collectives.traffic import Traffic
 
-    comm = _world()
+    comm = world()
     n, rank = comm.size, comm.rank
     s = [SIZES[pattern](r, n) for r in range(n)]
     t = Traffic()
@@ -168,7 +163,7 @@ def test_traced_bytes_of_the_ring_are_the_exact_bytes_of_each_step(pattern):
 def test_a_total_beyond_the_count_limit_raises_on_every_rank_and_the_ring_still_works(
     monkeypatch,
 ):
-    comm = _world()
+    comm = world()
     mod = _module()
     monkeypatch.setattr(mod, "_COUNT_LIMIT", 100)
 
@@ -196,7 +191,7 @@ BAD = {
 @pytest.mark.parametrize("kind", ["allgatherv", "ring"])
 @pytest.mark.parametrize("bad", sorted(BAD))
 def test_a_bad_payload_on_one_rank_raises_on_every_rank_naming_it(kind, bad):
-    comm = _world()
+    comm = world()
     payload = BAD[bad] if comm.rank == 1 else _payload(comm.rank, 10)
     fn = _functions()[kind]
     with pytest.raises(ValueError, match=r": rank 1 passed an invalid payload") as info:
@@ -212,7 +207,7 @@ def test_a_bad_payload_on_one_rank_raises_on_every_rank_naming_it(kind, bad):
 
 @pytest.mark.mpi
 def test_bad_payloads_on_several_ranks_are_all_named():
-    comm = _world()
+    comm = world()
     bad_ranks = [r for r in range(comm.size) if r % 2 == 0]  # rank 0 at least
     payload = BAD["float32"] if comm.rank in bad_ranks else _payload(comm.rank, 3)
     who = (

@@ -4,18 +4,12 @@ every rank's input. Run with ``mpiexec -n N python -m mpi4py -m pytest --with-mp
 
 import numpy as np
 import pytest
-from conftest import gradient_like
+from conftest import gather_all, gradient_like, world
 
 import mpicomp
 
 GATHER = ["none", "fp16", "topk", "signsgd", "threelc", "fft", "fastsgd"]
 N = 10_007  # not divisible by 2, 3, 4, 5 or 8
-
-
-def _world():
-    from mpi4py import MPI
-
-    return MPI.COMM_WORLD
 
 
 def _allgather_payloads(comm, payload):
@@ -30,16 +24,10 @@ def _allgather_payloads(comm, payload):
     return [buf[d : d + s] for d, s in zip(displs, sizes, strict=True)]
 
 
-def _gather_all(comm, x):
-    out = np.empty((comm.size,) + x.shape, dtype=x.dtype)
-    comm.Allgather(np.ascontiguousarray(x), out)
-    return out
-
-
 @pytest.mark.mpi
 @pytest.mark.parametrize("name", GATHER)
 def test_gathered_payloads_decode_to_the_mean_of_every_ranks_decode(name):
-    comm = _world()
+    comm = world()
     codec = mpicomp.codec(name)
     x = gradient_like(N, seed=100 + comm.rank)
     payload = codec.encode(x)
@@ -48,18 +36,18 @@ def test_gathered_payloads_decode_to_the_mean_of_every_ranks_decode(name):
     np.testing.assert_array_equal(gathered[comm.rank], payload)
     mean = np.mean([codec.decode(p) for p in gathered], axis=0, dtype=np.float64)
     # Reference: every rank's own decode, moved by a plain float32 Allgather.
-    reference = _gather_all(comm, mine).astype(np.float64).mean(axis=0)
+    reference = gather_all(comm, mine).astype(np.float64).mean(axis=0)
     np.testing.assert_array_equal(mean, reference)
     if name == "none":
-        np.testing.assert_allclose(mean, _gather_all(comm, x).astype(np.float64).mean(axis=0))
+        np.testing.assert_allclose(mean, gather_all(comm, x).astype(np.float64).mean(axis=0))
     # Every rank holds the same result.
-    np.testing.assert_array_equal(_gather_all(comm, mean)[0], mean)
+    np.testing.assert_array_equal(gather_all(comm, mean)[0], mean)
 
 
 @pytest.mark.mpi
 @pytest.mark.parametrize("name", GATHER)
 def test_same_input_gives_the_same_bytes_on_every_rank(name):
-    comm = _world()
+    comm = world()
     payload = mpicomp.codec(name).encode(gradient_like(N, seed=7))
     for p in _allgather_payloads(comm, payload):
         np.testing.assert_array_equal(p, payload)
@@ -70,18 +58,18 @@ def test_same_input_gives_the_same_bytes_on_every_rank(name):
 def test_qsgd_integer_sum_over_ranks_is_the_mean_of_dequantized_codes(bits):
     from mpi4py import MPI
 
-    comm = _world()
+    comm = world()
     codec = mpicomp.codec("qsgd_maxnorm", bits=bits)
     x = gradient_like(N, seed=200 + comm.rank)
     norm = np.array([codec.local_norm(x)], dtype=np.float32)
     comm.Allreduce(MPI.IN_PLACE, norm, op=MPI.MAX)
-    all_x = _gather_all(comm, x)
+    all_x = gather_all(comm, x)
     assert norm[0] == np.float32(max(np.linalg.norm(v.astype(np.float64)) for v in all_x))
     codes = codec.quantize(x, float(norm[0]), step=3, stream=comm.rank)
     assert np.abs(codes).max() <= codec.bound
     total = codes.astype(np.int32)
     comm.Allreduce(MPI.IN_PLACE, total, op=MPI.SUM)
-    all_codes = _gather_all(comm, codes).astype(np.int64)
+    all_codes = gather_all(comm, codes).astype(np.int64)
     np.testing.assert_array_equal(total, all_codes.sum(axis=0))
     avg = codec.dequantize(total, float(norm[0]), nranks=comm.size)
     per_rank = np.mean([codec.dequantize(c, float(norm[0])) for c in all_codes], axis=0)
@@ -94,24 +82,24 @@ def test_qsgd_integer_sum_over_ranks_is_the_mean_of_dequantized_codes(bits):
 
 @pytest.mark.mpi
 def test_grandk_coordinates_are_identical_on_every_rank():
-    comm = _world()
+    comm = world()
     codec = mpicomp.codec("grandk_maxnorm", bits=4, seed=11)
     for step in range(3):
         idx = codec.coordinates(N, step)
-        np.testing.assert_array_equal(_gather_all(comm, idx)[0], idx)
+        np.testing.assert_array_equal(gather_all(comm, idx)[0], idx)
 
 
 @pytest.mark.mpi
 def test_signsgd_majority_of_summed_votes_matches_reference():
     from mpi4py import MPI
 
-    comm = _world()
+    comm = world()
     codec = mpicomp.codec("signsgd", tie="negative")
     x = gradient_like(N, seed=300 + comm.rank)
     counts = codec.votes(x).astype(np.int32)
     comm.Allreduce(MPI.IN_PLACE, counts, op=MPI.SUM)
     bits = codec.majority(counts, comm.size)
-    positive = (_gather_all(comm, x) > 0).sum(axis=0)
+    positive = (gather_all(comm, x) > 0).sum(axis=0)
     expected = np.where(2 * positive > comm.size, 1.0, -1.0).astype(np.float32)
     np.testing.assert_array_equal(codec.expand(bits, N), expected)
-    np.testing.assert_array_equal(_gather_all(comm, bits)[0], bits)
+    np.testing.assert_array_equal(gather_all(comm, bits)[0], bits)

@@ -5,7 +5,7 @@ import math
 
 import numpy as np
 import pytest
-from conftest import gradient_like
+from conftest import gather_all, gradient_like, world
 
 import mpicomp
 
@@ -16,20 +16,8 @@ ALL = [
 ]  # fmt: skip
 
 
-def _world():
-    from mpi4py import MPI
-
-    return MPI.COMM_WORLD
-
-
-def _gather(comm, x):
-    out = np.empty((comm.size,) + x.shape, dtype=x.dtype)
-    comm.Allgather(np.ascontiguousarray(x), out)
-    return out
-
-
 def _same_on_every_rank(comm, y):
-    np.testing.assert_array_equal(_gather(comm, np.asarray(y))[0], y)
+    np.testing.assert_array_equal(gather_all(comm, np.asarray(y))[0], y)
 
 
 def reference_average(name, inputs, step=0, **params):
@@ -63,17 +51,17 @@ def reference_average(name, inputs, step=0, **params):
 @pytest.mark.mpi
 @pytest.mark.parametrize("name", ALL)
 def test_every_codec_averages_like_the_reference(name):
-    comm = _world()
+    comm = world()
     x = gradient_like(N, seed=10 + comm.rank)
     with mpicomp.CompressedComm(comm, name, min_numel=0) as cc:
         y = cc.allreduce(x, name="w")
-    expected = reference_average(name, _gather(comm, x))
+    expected = reference_average(name, gather_all(comm, x))
     if name == "none":
         np.testing.assert_allclose(y, expected, rtol=1e-6, atol=1e-9)
     elif name == "fp16":
         # Partial sums are rounded to float16 at each hop: half an ulp of the largest
         # partial sum per hop, relative to the largest magnitude.
-        scale = np.abs(_gather(comm, x)).sum(axis=0).max()
+        scale = np.abs(gather_all(comm, x)).sum(axis=0).max()
         np.testing.assert_allclose(y, expected, rtol=0, atol=comm.size * 2.0**-11 * scale)
     else:
         np.testing.assert_array_equal(y, expected)
@@ -83,7 +71,7 @@ def test_every_codec_averages_like_the_reference(name):
 
 @pytest.mark.mpi
 def test_backend_shape_and_dtype_come_back_as_given():
-    comm = _world()
+    comm = world()
     x = gradient_like(4 * 6 * 50, seed=comm.rank).astype(np.float64).reshape(4, 6, 50)
     with mpicomp.CompressedComm(comm, "threelc", min_numel=0) as cc:
         y = cc.allreduce(x, name="conv")
@@ -93,17 +81,17 @@ def test_backend_shape_and_dtype_come_back_as_given():
 
 @pytest.mark.mpi
 def test_small_tensors_are_averaged_uncompressed():
-    comm = _world()
+    comm = world()
     x = gradient_like(100, seed=20 + comm.rank)
     with mpicomp.CompressedComm(comm, "threelc", min_numel=1024) as cc:
         y = cc.allreduce(x, name="bias")
-    mean = _gather(comm, x).astype(np.float64).mean(axis=0)
+    mean = gather_all(comm, x).astype(np.float64).mean(axis=0)
     np.testing.assert_allclose(y, mean, rtol=1e-5, atol=1e-9)
 
 
 @pytest.mark.mpi
 def test_error_feedback_memory_is_kept_per_name():
-    comm = _world()
+    comm = world()
     x = gradient_like(N, seed=30 + comm.rank)
     with mpicomp.CompressedComm(comm, "topk", ratio=0.05, min_numel=0) as cc:
         first = cc.allreduce(x, name="a")
@@ -112,7 +100,7 @@ def test_error_feedback_memory_is_kept_per_name():
         state = cc.state_dict()
     np.testing.assert_array_equal(first, fresh)  # "b" starts with no residual
     assert not np.array_equal(first, second)  # "a" sends what step 1 left behind
-    inputs = _gather(comm, x)
+    inputs = gather_all(comm, x)
     codec = mpicomp.codec("topk", ratio=0.05)
     # Reference of step 2: each rank compresses x + (x - decode(encode(x))).
     second_ref = np.zeros(N, np.float32)
@@ -125,7 +113,7 @@ def test_error_feedback_memory_is_kept_per_name():
 
 @pytest.mark.mpi
 def test_allreduce_many_fuses_small_tensors_and_splits_back():
-    comm = _world()
+    comm = world()
     shapes = [(10,), (3, 7), (2000,), (1,), (50, 3)]
     xs = [
         gradient_like(math.prod(s), seed=40 + comm.rank + i).reshape(s)
@@ -136,12 +124,12 @@ def test_allreduce_many_fuses_small_tensors_and_splits_back():
     for x, y in zip(xs, ys, strict=True):
         assert y.shape == x.shape
         np.testing.assert_allclose(
-            y, _gather(comm, x).astype(np.float64).mean(axis=0), rtol=1e-6, atol=1e-9
+            y, gather_all(comm, x).astype(np.float64).mean(axis=0), rtol=1e-6, atol=1e-9
         )
     # A lossy codec on a fused bucket: the reference compresses the concatenation.
     with mpicomp.CompressedComm(comm, "threelc", bucket_numel=4096, min_numel=0) as cc:
         ys = cc.allreduce_many(xs[:2] + xs[3:])
-    fused = _gather(comm, np.concatenate([x.reshape(-1) for x in xs[:2] + xs[3:]]))
+    fused = gather_all(comm, np.concatenate([x.reshape(-1) for x in xs[:2] + xs[3:]]))
     expected = reference_average("threelc", fused)
     np.testing.assert_array_equal(np.concatenate([y.reshape(-1) for y in ys]), expected)
 
@@ -149,10 +137,10 @@ def test_allreduce_many_fuses_small_tensors_and_splits_back():
 @pytest.mark.mpi
 @pytest.mark.parametrize("bits", [2, 4, 8])
 def test_qsgd_average_is_within_the_variance_bound(bits):
-    comm = _world()
+    comm = world()
     x = gradient_like(N, seed=50 + comm.rank)
-    mean = _gather(comm, x).astype(np.float64).mean(axis=0)
-    norm = max(np.linalg.norm(v) for v in _gather(comm, x).astype(np.float64))
+    mean = gather_all(comm, x).astype(np.float64).mean(axis=0)
+    norm = max(np.linalg.norm(v) for v in gather_all(comm, x).astype(np.float64))
     s = 2 ** (bits - 1) - 1
     # Paper 000 Lemma 1 per rank, independent noise across ranks: the mean's variance is 1/N of it.
     bound = min(N / s**2, math.sqrt(N) / s) * norm**2 / comm.size
@@ -166,7 +154,7 @@ def test_qsgd_average_is_within_the_variance_bound(bits):
 @pytest.mark.mpi(min_size=2)
 @pytest.mark.parametrize("name", ["none", "qsgd_maxnorm", "signsgd", "threelc"])
 def test_mismatched_sizes_raise_on_every_rank(name):
-    comm = _world()
+    comm = world()
     x = gradient_like(N + comm.rank % 2, seed=1)
     with mpicomp.CompressedComm(comm, name, min_numel=0) as cc:
         with pytest.raises(RuntimeError, match="disagree"):
@@ -179,7 +167,7 @@ def test_mismatched_sizes_raise_on_every_rank(name):
 @pytest.mark.mpi(min_size=2)
 @pytest.mark.parametrize("name", ["fp16", "qsgd_maxnorm", "signsgd", "threelc", "topk"])
 def test_nan_on_one_rank_raises_on_every_rank(name):
-    comm = _world()
+    comm = world()
     x = gradient_like(N, seed=2)
     if comm.rank == 1:
         x[17] = np.nan
@@ -191,7 +179,7 @@ def test_nan_on_one_rank_raises_on_every_rank(name):
 
 @pytest.mark.mpi
 def test_dlpack_input_and_closed_comm():
-    comm = _world()
+    comm = world()
 
     class Tensor:  # a minimal DLPack producer standing in for a PyTorch CPU tensor
         def __init__(self, a):

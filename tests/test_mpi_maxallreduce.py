@@ -4,16 +4,11 @@ every rank's input (each rank rebuilds the others' from their rank). Run with
 
 import numpy as np
 import pytest
+from conftest import world
 
 DTYPES = ["float16", "float32", "float64", "int8", "int32", "int64", "uint8", "uint64"]
 INLINE = 4  # the head carries this many values in these tests (monkeypatched)
 LENGTHS = [0, 1, INLINE - 1, INLINE, INLINE + 1, 1000]
-
-
-def _world():
-    from mpi4py import MPI
-
-    return MPI.COMM_WORLD
 
 
 def _module():
@@ -56,7 +51,7 @@ OPS = {"max": (np.max, "max_allreduce"), "min": (np.min, "min_allreduce")}
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("n", LENGTHS)
 def test_vector_matches_numpy_over_all_ranks(inline, op, dtype, n):
-    comm = _world()
+    comm = world()
     reduce, name = OPS[op]
     x = _vector(comm.rank, n, dtype)
     before = x.copy()
@@ -73,7 +68,7 @@ def test_vector_matches_numpy_over_all_ranks(inline, op, dtype, n):
 @pytest.mark.parametrize("n", [0, 1, 2, 3, 17])
 def test_every_head_size_gives_the_same_result(monkeypatch, k, n):
     monkeypatch.setattr(_module(), "_INLINE", k)
-    comm = _world()
+    comm = world()
     for dtype in ("float32", "uint64"):
         for op, (reduce, name) in OPS.items():
             got = getattr(_module(), name)(comm, _vector(comm.rank, n, dtype))
@@ -82,7 +77,7 @@ def test_every_head_size_gives_the_same_result(monkeypatch, k, n):
 
 @pytest.mark.mpi
 def test_a_strided_vector_is_taken(inline):
-    comm = _world()
+    comm = world()
     whole = _vector(comm.rank, 40, "float64")
     got = _module().max_allreduce(comm, whole[::3])
     np.testing.assert_array_equal(got, _reference(comm, 40, "float64", np.max)[::3])
@@ -91,7 +86,7 @@ def test_a_strided_vector_is_taken(inline):
 @pytest.mark.mpi
 @pytest.mark.parametrize("op", sorted(OPS))
 def test_python_scalars_come_back_as_python_scalars(op):
-    comm = _world()
+    comm = world()
     reduce, name = OPS[op]
     fn = getattr(_module(), name)
     values = [1.5 * r - 2.25 for r in range(comm.size)]
@@ -110,7 +105,7 @@ def test_python_scalars_come_back_as_python_scalars(op):
 @pytest.mark.parametrize("dtype", ["float16", "float32", "float64"])
 @pytest.mark.parametrize("n", [3, INLINE + 5])
 def test_nan_on_one_rank_is_nan_on_every_rank(inline, op, dtype, n):
-    comm = _world()
+    comm = world()
     reduce, name = OPS[op]
     nan_rank = comm.size - 1
 
@@ -130,7 +125,7 @@ def test_nan_on_one_rank_is_nan_on_every_rank(inline, op, dtype, n):
 
 @pytest.mark.mpi
 def test_signed_zeros_follow_the_float_order(inline):
-    comm = _world()
+    comm = world()
     x = np.array([-0.0 if comm.rank == 0 else 0.0, -0.0], dtype=np.float32)
     hi = _module().max_allreduce(comm, x)
     lo = _module().min_allreduce(comm, x)
@@ -143,7 +138,7 @@ def test_signed_zeros_follow_the_float_order(inline):
 def test_traced_bytes_are_the_head_and_the_tail(inline):
     from mpicomp.collectives.traffic import Traffic
 
-    comm = _world()
+    comm = world()
     head = 8 * (8 + INLINE)  # 8 header slots and INLINE values, int64
     t = Traffic()
     _module().max_allreduce(comm, np.zeros(INLINE, dtype=np.float32), tracer=t)
@@ -169,7 +164,7 @@ def _raises_everywhere(match, fn, *args):
     ids=["both-in-head", "straddling-head", "both-in-tail", "empty"],
 )
 def test_mismatched_lengths_raise_on_every_rank(inline, lengths):
-    comm = _world()
+    comm = world()
     n = lengths[1] if comm.rank == 1 else lengths[0]
     match = rf"disagree on the length of x: from {lengths[0]} to {lengths[1]}"
     _raises_everywhere(match, _module().max_allreduce, comm, np.ones(n, dtype=np.float32))
@@ -179,7 +174,7 @@ def test_mismatched_lengths_raise_on_every_rank(inline, lengths):
 
 @pytest.mark.mpi(min_size=2)
 def test_mismatched_dtypes_raise_on_every_rank(inline):
-    comm = _world()
+    comm = world()
     x = np.ones(INLINE + 3, dtype=np.float64 if comm.rank == 1 else np.float32)
     _raises_everywhere(
         r"disagree on the dtype of x: float32 and float64", _module().max_allreduce, comm, x
@@ -190,7 +185,7 @@ def test_mismatched_dtypes_raise_on_every_rank(inline):
 
 @pytest.mark.mpi(min_size=2)
 def test_max_on_some_ranks_and_min_on_others_raise_on_every_rank():
-    comm = _world()
+    comm = world()
     fn = _module().min_allreduce if comm.rank == 1 else _module().max_allreduce
     _raises_everywhere("disagree on the operation", fn, comm, np.ones(3))
 
@@ -208,7 +203,7 @@ BAD = {
 @pytest.mark.mpi(min_size=2)
 @pytest.mark.parametrize("bad", sorted(BAD))
 def test_a_bad_input_on_one_rank_raises_on_every_rank_naming_it(bad):
-    comm = _world()
+    comm = world()
     x = BAD[bad] if comm.rank == 1 else np.ones(2)
     err = _raises_everywhere(
         r"_allreduce: rank 1 passed an invalid x", _module().max_allreduce, comm, x
@@ -221,7 +216,7 @@ def test_a_bad_input_on_one_rank_raises_on_every_rank_naming_it(bad):
 
 @pytest.mark.mpi
 def test_bad_inputs_on_several_ranks_name_the_lowest_and_highest():
-    comm = _world()
+    comm = world()
     low, high = comm.size // 2, comm.size - 1  # the upper half of the ranks
     x = "bad" if comm.rank >= low else np.ones(2)
     who = f"rank {low}" if low == high else rf"ranks {low} to {high} \(at least two\)"

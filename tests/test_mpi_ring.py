@@ -6,6 +6,7 @@ import math
 
 import numpy as np
 import pytest
+from conftest import gather_all, world
 
 from mpicomp.collectives import ring
 from mpicomp.collectives.ring import ring_allreduce_bounded, ring_allreduce_min
@@ -17,21 +18,8 @@ LENGTHS = [0, 1, 7, 8, 9, 63, 64, 65, 1001, "N-1", "8N+1"]
 BOUNDS = [(1, np.int8), (7, np.int8), (127, np.int8), (32767, np.int16)]
 
 
-def _world():
-    from mpi4py import MPI
-
-    return MPI.COMM_WORLD
-
-
 def _length(n, size):
     return {"N-1": size - 1, "8N+1": 8 * size + 1}.get(n, n)
-
-
-def _gather(comm, x):
-    """Return every rank's ``x`` stacked, rank by rank (a plain Allgather)."""
-    out = np.empty((comm.size,) + x.shape, dtype=x.dtype)
-    comm.Allgather(np.ascontiguousarray(x), out)
-    return out
 
 
 def _chunks(n, size, align):
@@ -52,9 +40,9 @@ def _expected_traffic(n, size, rank, align, rs_width, ag_width):
     sent += sum(nbytes(lens[(rank - j + 1) % size], ag_width) for j in steps)
     recv = sum(nbytes(lens[(rank - i - 1) % size], rs_width(i)) for i in steps)
     recv += sum(nbytes(lens[(rank - j) % size], ag_width) for j in steps)
-    world = sum(nbytes(m, rs_width(i)) for i in steps for m in lens)
-    world += (size - 1) * sum(nbytes(m, ag_width) for m in lens)
-    return sent, recv, world
+    total = sum(nbytes(m, rs_width(i)) for i in steps for m in lens)
+    total += (size - 1) * sum(nbytes(m, ag_width) for m in lens)
+    return sent, recv, total
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -79,7 +67,7 @@ def align(request, monkeypatch):
 def _check_sum(comm, codes, bound):
     before = codes.copy()
     total = ring_allreduce_bounded(comm, codes, bound)
-    expected = _gather(comm, codes).astype(np.int64).sum(axis=0)
+    expected = gather_all(comm, codes).astype(np.int64).sum(axis=0)
     assert total.dtype == np.int64
     assert total.shape == codes.shape
     np.testing.assert_array_equal(total, expected)
@@ -90,7 +78,7 @@ def _check_sum(comm, codes, bound):
 @pytest.mark.parametrize("n", LENGTHS)
 @pytest.mark.parametrize("bound,dtype", BOUNDS)
 def test_bounded_sum_is_the_exact_sum_of_every_ranks_codes(n, bound, dtype, align):
-    comm = _world()
+    comm = world()
     n = _length(n, comm.size)
     codes = np.random.default_rng([comm.rank, n, bound]).integers(-bound, bound + 1, n)
     if n:
@@ -103,7 +91,7 @@ def test_bounded_sum_is_the_exact_sum_of_every_ranks_codes(n, bound, dtype, alig
 @pytest.mark.parametrize("sign", [1, -1], ids=["all+bound", "all-bound"])
 @pytest.mark.parametrize("bound,dtype", BOUNDS)
 def test_bounded_sum_is_exact_with_every_code_at_the_bound(n, sign, bound, dtype):
-    comm = _world()
+    comm = world()
     _check_sum(comm, np.full(_length(n, comm.size), sign * bound, dtype=dtype), bound)
 
 
@@ -111,7 +99,7 @@ def test_bounded_sum_is_exact_with_every_code_at_the_bound(n, sign, bound, dtype
 @pytest.mark.parametrize("n", [0, 9, 1001, "N-1"])
 @pytest.mark.parametrize("dtype", [np.int64, np.int32, np.uint16])
 def test_bounded_sum_takes_any_integer_dtype_and_strided_input(n, dtype):
-    comm = _world()
+    comm = world()
     n = _length(n, comm.size)
     bound = 100
     rng = np.random.default_rng([comm.rank, n, 1])
@@ -119,14 +107,14 @@ def test_bounded_sum_takes_any_integer_dtype_and_strided_input(n, dtype):
     base = rng.integers(low, bound + 1, 2 * n).astype(dtype)
     codes = base[::2]  # not contiguous
     total = ring_allreduce_bounded(comm, codes, bound)
-    np.testing.assert_array_equal(total, _gather(comm, codes).astype(np.int64).sum(axis=0))
+    np.testing.assert_array_equal(total, gather_all(comm, codes).astype(np.int64).sum(axis=0))
 
 
 @pytest.mark.mpi
 @pytest.mark.parametrize("n", LENGTHS)
 @pytest.mark.parametrize("bound", [1, 7, 255])
 def test_unsigned_sum_is_the_exact_sum(n, bound, align):
-    comm = _world()
+    comm = world()
     n = _length(n, comm.size)
     rng = np.random.default_rng([comm.rank, n, bound, 2])
     codes = rng.integers(0, bound + 1, n).astype(np.uint8)
@@ -134,7 +122,7 @@ def test_unsigned_sum_is_the_exact_sum(n, bound, align):
         codes[-1] = bound
     traffic = Traffic()
     total = ring_allreduce_bounded(comm, codes, bound, signed=False, tracer=traffic)
-    np.testing.assert_array_equal(total, _gather(comm, codes).astype(np.int64).sum(axis=0))
+    np.testing.assert_array_equal(total, gather_all(comm, codes).astype(np.int64).sum(axis=0))
     sent, recv, _ = _expected_traffic(
         n,
         comm.size,
@@ -148,7 +136,7 @@ def test_unsigned_sum_is_the_exact_sum(n, bound, align):
 
 @pytest.mark.mpi
 def test_the_widest_bound_that_fits_32_bits_is_still_exact():
-    comm = _world()
+    comm = world()
     n = 77
     rng = np.random.default_rng([comm.rank, 3])
     runs = []  # every collective first, then the asserts: a failing rank must not desync
@@ -161,7 +149,7 @@ def test_the_widest_bound_that_fits_32_bits_is_still_exact():
         codes[:4] = [low, bound, low, bound]
         traffic = Traffic()
         total = ring_allreduce_bounded(comm, codes, bound, signed=signed, tracer=traffic)
-        runs.append((total, _gather(comm, codes).sum(axis=0), traffic))
+        runs.append((total, gather_all(comm, codes).sum(axis=0), traffic))
     for total, expected, traffic in runs:
         np.testing.assert_array_equal(total, expected)
         assert all(bits == 32 for op, *_, bits in traffic.steps if op == "ring.allgather")
@@ -170,11 +158,11 @@ def test_the_widest_bound_that_fits_32_bits_is_still_exact():
 @pytest.mark.mpi
 @pytest.mark.parametrize("n", LENGTHS + [10_007])
 def test_majority_is_the_papers_vote_of_every_rank(n, align):
-    comm = _world()
+    comm = world()
     n = _length(n, comm.size)
     votes = np.random.default_rng([comm.rank, n, 4]).integers(0, 2, n).astype(np.uint8)
     bits = ring_allreduce_bounded(comm, votes, 1, majority=True, signed=False)
-    counts = _gather(comm, votes).astype(np.int64).sum(axis=0)
+    counts = gather_all(comm, votes).astype(np.int64).sum(axis=0)
     expected = np.packbits(2 * counts > comm.size, bitorder="little")
     assert bits.dtype == np.uint8
     assert bits.size == (n + 7) // 8
@@ -184,7 +172,7 @@ def test_majority_is_the_papers_vote_of_every_rank(n, align):
 @pytest.mark.mpi
 @pytest.mark.parametrize("n", LENGTHS)
 def test_majority_with_a_callable_lets_the_chunk_owner_break_ties(n, align):
-    comm = _world()
+    comm = world()
     size = comm.size
     n = _length(n, size)
     votes = np.random.default_rng([comm.rank, n, 5]).integers(0, 2, n).astype(np.int32)
@@ -197,7 +185,7 @@ def test_majority_with_a_callable_lets_the_chunk_owner_break_ties(n, align):
         return np.packbits(bit, bitorder="little")
 
     bits = ring_allreduce_bounded(comm, votes, 1, majority=decide, signed=False)
-    counts = _gather(comm, votes).astype(np.int64).sum(axis=0)
+    counts = gather_all(comm, votes).astype(np.int64).sum(axis=0)
     index = np.arange(n)
     expected = (2 * counts > size) | ((2 * counts == size) & (index % 3 == 0))
     np.testing.assert_array_equal(bits, np.packbits(expected, bitorder="little"))
@@ -208,20 +196,20 @@ def test_majority_with_a_callable_lets_the_chunk_owner_break_ties(n, align):
 @pytest.mark.mpi
 @pytest.mark.parametrize("n", [0, 5, "N-1", 1001, 10_007])
 def test_signsgd_majority_traffic_equals_the_formula_exactly(n, align):
-    comm = _world()
+    comm = world()
     size = comm.size
     n = _length(n, size)
     votes = np.random.default_rng([comm.rank, n, 6]).integers(0, 2, n).astype(np.uint8)
     traffic = Traffic()
     ring_allreduce_bounded(comm, votes, 1, majority=True, signed=False, tracer=traffic)
     # sum_{i=1}^{N-1} packed(len(chunk sent at i), ceil(log2(i+1))) + sum_j ceil(len/8)
-    sent, recv, world = _expected_traffic(
+    sent, recv, total = _expected_traffic(
         n, size, comm.rank, align, lambda i: math.ceil(math.log2(i + 1)), 1
     )
     totals = np.array([traffic.sent, traffic.recv], dtype=np.int64)
     comm.Allreduce(totals.copy(), totals)  # before any assert: a failing rank must not desync
     assert (traffic.sent, traffic.recv) == (sent, recv)
-    assert totals.tolist() == [world, world]
+    assert totals.tolist() == [total, total]
     expected_steps = [
         ("ring.reduce_scatter", i, math.ceil(math.log2(i + 1))) for i in range(1, size)
     ]
@@ -233,21 +221,21 @@ def test_signsgd_majority_traffic_equals_the_formula_exactly(n, align):
 @pytest.mark.parametrize("n", [0, 9, "N-1", 1001])
 @pytest.mark.parametrize("bound", [7, 32767])
 def test_signed_bounded_traffic_equals_the_formula_exactly(n, bound, align):
-    comm = _world()
+    comm = world()
     size = comm.size
     n = _length(n, size)
     codes = np.random.default_rng([comm.rank, n, 7]).integers(-bound, bound + 1, n)
     traffic = Traffic()
     ring_allreduce_bounded(comm, codes, bound, tracer=traffic)
     widths = [math.ceil(math.log2(2 * i * bound + 1)) for i in range(1, size + 1)]
-    sent, recv, world = _expected_traffic(
+    sent, recv, total = _expected_traffic(
         n, size, comm.rank, align, lambda i: widths[i - 1], widths[-1]
     )
     totals = np.array([traffic.sent, traffic.recv], dtype=np.int64)
     comm.Allreduce(totals.copy(), totals)  # before any assert: a failing rank must not desync
     assert (traffic.sent, traffic.recv) == (sent, recv)
     assert [bits for op, *_, bits in traffic.steps if op == "ring.reduce_scatter"] == widths[:-1]
-    assert totals.tolist() == [world, world]
+    assert totals.tolist() == [total, total]
 
 
 @pytest.mark.mpi
@@ -256,13 +244,13 @@ def test_signed_bounded_traffic_equals_the_formula_exactly(n, bound, align):
     "width,dtype", [(1, np.uint8), (3, np.int64), (8, np.uint8), (32, np.uint32)]
 )
 def test_min_is_the_elementwise_minimum_of_every_ranks_codes(n, width, dtype, align):
-    comm = _world()
+    comm = world()
     n = _length(n, comm.size)
     rng = np.random.default_rng([comm.rank, n, width])
     codes = rng.integers(0, 2**width, n, dtype=np.uint64).astype(dtype)
     traffic = Traffic()
     low = ring_allreduce_min(comm, codes, width, tracer=traffic)
-    expected = _gather(comm, codes).astype(np.int64).min(axis=0, initial=2**width)
+    expected = gather_all(comm, codes).astype(np.int64).min(axis=0, initial=2**width)
     assert low.dtype == np.int64
     np.testing.assert_array_equal(low, expected)
     sent, recv, _ = _expected_traffic(n, comm.size, comm.rank, align, lambda i: width, width)
@@ -275,7 +263,7 @@ def test_min_is_the_elementwise_minimum_of_every_ranks_codes(n, width, dtype, al
 
 @pytest.mark.mpi(min_size=2)
 def test_lengths_that_differ_between_ranks_raise_on_every_rank():
-    comm = _world()
+    comm = world()
     codes = np.zeros(10 + comm.rank, dtype=np.int8)
     with pytest.raises(ValueError, match=rf"length of codes: 10 vs {9 + comm.size}"):
         ring_allreduce_bounded(comm, codes, 1)
@@ -288,7 +276,7 @@ def test_lengths_that_differ_between_ranks_raise_on_every_rank():
 
 @pytest.mark.mpi(min_size=2)
 def test_bounds_that_differ_between_ranks_raise_on_every_rank():
-    comm = _world()
+    comm = world()
     codes = np.zeros(20, dtype=np.int8)
     with pytest.raises(ValueError, match=rf"disagree on bound: 1 vs {comm.size}"):
         ring_allreduce_bounded(comm, codes, 1 + comm.rank)
@@ -311,7 +299,7 @@ def test_bounds_that_differ_between_ranks_raise_on_every_rank():
     ids=["above", "below", "negative-unsigned", "vote-of-2", "min-too-wide"],
 )
 def test_a_code_beyond_the_bound_on_one_rank_raises_on_every_rank(call, bad):
-    comm = _world()
+    comm = world()
     codes = np.zeros(33, dtype=np.int16)
     if comm.rank == comm.size - 1:
         codes[17] = bad
@@ -323,7 +311,7 @@ def test_a_code_beyond_the_bound_on_one_rank_raises_on_every_rank(call, bad):
 
 @pytest.mark.mpi
 def test_sums_wider_than_32_bits_raise_naming_bound_and_n():
-    comm = _world()
+    comm = world()
     size = comm.size
     signed_bound = (2**32 - 1) // (2 * size) + 1
     with pytest.raises(ValueError, match=rf"bound={signed_bound} over N={size} ranks need 33"):
@@ -337,7 +325,7 @@ def test_sums_wider_than_32_bits_raise_naming_bound_and_n():
 
 @pytest.mark.mpi
 def test_bad_arguments_raise_clear_errors():
-    comm = _world()
+    comm = world()
     codes = np.zeros(9, dtype=np.int8)
     with pytest.raises(TypeError, match="integer dtype"):
         ring_allreduce_bounded(comm, codes.astype(np.float32), 1)
@@ -361,7 +349,7 @@ def test_bad_arguments_raise_clear_errors():
 
 @pytest.mark.mpi(min_size=2)
 def test_a_bad_argument_on_one_rank_raises_on_every_rank():
-    comm = _world()
+    comm = world()
     last = comm.rank == comm.size - 1
     codes = np.zeros(9, dtype=np.float32 if last else np.int8)
     expected = TypeError if last else ValueError

@@ -2,23 +2,11 @@
 
 import numpy as np
 import pytest
-from conftest import gradient_like
+from conftest import gather_all, gradient_like, world
 
 import mpicomp
 from mpicomp.collectives.sharded import alltoall_bytes, shard_bounds
 from mpicomp.collectives.traffic import Traffic
-
-
-def _world():
-    from mpi4py import MPI
-
-    return MPI.COMM_WORLD
-
-
-def _gather(comm, x):
-    out = np.empty((comm.size,) + x.shape, dtype=x.dtype)
-    comm.Allgather(np.ascontiguousarray(x), out)
-    return out
 
 
 @pytest.mark.parametrize("n, k", [(0, 1), (0, 3), (5, 3), (2, 5), (10, 5), (1001, 4)])
@@ -37,7 +25,7 @@ def _payload(src, dst):
 
 @pytest.mark.mpi
 def test_alltoall_bytes_delivers_every_pair():
-    comm = _world()
+    comm = world()
     t = Traffic()
     got = alltoall_bytes(comm, [_payload(comm.rank, d) for d in range(comm.size)], tracer=t)
     for src in range(comm.size):
@@ -51,7 +39,7 @@ def test_alltoall_bytes_delivers_every_pair():
 
 @pytest.mark.mpi(min_size=2)
 def test_alltoall_bytes_bad_input_on_one_rank_raises_everywhere():
-    comm = _world()
+    comm = world()
     payloads = [_payload(comm.rank, d) for d in range(comm.size)]
     if comm.rank == 1:
         payloads = payloads[:-1]
@@ -62,23 +50,23 @@ def test_alltoall_bytes_bad_input_on_one_rank_raises_everywhere():
 @pytest.mark.mpi
 @pytest.mark.parametrize("name", ["threelc", "topk", "fastsgd"])
 def test_sharded_average_matches_push_pull_reference(name):
-    comm = _world()
+    comm = world()
     n = 4099
     x = gradient_like(n, seed=60 + comm.rank)
     with mpicomp.CompressedComm(comm, name, sharded=True, error_feedback=False, min_numel=0) as cc:
         y = cc.allreduce(x)
-    inputs, codec = _gather(comm, x), mpicomp.codec(name)
+    inputs, codec = gather_all(comm, x), mpicomp.codec(name)
     expected = []
     for a, b in shard_bounds(n, comm.size):
         avg = np.sum([codec.decode(codec.encode(v[a:b])) for v in inputs], axis=0, dtype=np.float32)
         expected.append(codec.decode(codec.encode(avg / np.float32(comm.size))))
     np.testing.assert_array_equal(y, np.concatenate(expected))
-    np.testing.assert_array_equal(_gather(comm, y)[0], y)
+    np.testing.assert_array_equal(gather_all(comm, y)[0], y)
 
 
 @pytest.mark.mpi(min_size=4)
 def test_sharded_receives_fewer_bytes_than_allgather():
-    comm = _world()
+    comm = world()
     # Normal values: 3LC keeps ~0.25 bits/element, so payloads (~12 KB) dwarf the fixed
     # per-shard headers and the test sees the O(P) against O(N P) scaling it is about.
     x = np.random.default_rng(70 + comm.rank).standard_normal(400_000).astype(np.float32)
