@@ -218,9 +218,17 @@ def max_allreduce(comm, x, *, tracer=None):
     return _extreme_allreduce(comm, x, tracer, "max_allreduce")
 
 
-def min_allreduce(comm, x, *, tracer=None):
+def min_allreduce(comm, x, *, bits=None, tracer=None):
     """Return the elementwise minimum over the ranks of ``comm`` of ``x``, on every rank.
 
     The same contract as ``max_allreduce``, with ``"min_allreduce.*"`` trace records.
+    With ``bits`` (the multi-scale codecs' shared scale indices: unsigned codes below
+    2**bits, one per coordinate of a long vector) the minimum travels packed at
+    ``bits`` bits per element through the ring (``ring_allreduce_min``) and comes back
+    as int64.
     """
+    if bits is not None:
+        from mpicomp.collectives.ring import ring_allreduce_min
+
+        return ring_allreduce_min(comm, x, bits, tracer=tracer)
     return _extreme_allreduce(comm, x, tracer, "min_allreduce")

@@ -12,8 +12,8 @@ import numpy as np
 from mpi4py import MPI
 
 from mpicomp.collectives.allgather import allgather_bytes
-from mpicomp.collectives.maxallreduce import max_allreduce
-from mpicomp.collectives.ring import ring_allreduce_bounded, ring_allreduce_min
+from mpicomp.collectives.maxallreduce import max_allreduce, min_allreduce
+from mpicomp.collectives.ring import ring_allreduce_bounded
 from mpicomp.collectives.sharded import alltoall_bytes, shard_bounds
 
 
@@ -95,7 +95,7 @@ def reduce_integer(comm, codec, flat, step: int, tracer=None) -> np.ndarray:
     if hasattr(codec, "scale_index"):
         sidx = codec.scale_index(flat, norm, **at)
         if codec.index_bits:
-            sidx = ring_allreduce_min(comm, sidx, codec.index_bits, tracer=tracer)
+            sidx = min_allreduce(comm, sidx, bits=codec.index_bits, tracer=tracer)
         extra = (sidx.astype(codec.index_dtype, copy=False),)
     codes = codec.quantize(flat, norm, *extra, step=step, stream=comm.rank)
     total = ring_allreduce_bounded(comm, codes, codec.bound, tracer=tracer)

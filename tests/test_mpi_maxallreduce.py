@@ -4,7 +4,7 @@ every rank's input (each rank rebuilds the others' from their rank). Run with
 
 import numpy as np
 import pytest
-from conftest import world
+from conftest import gather_all, world
 
 DTYPES = ["float16", "float32", "float64", "int8", "int32", "int64", "uint8", "uint64"]
 INLINE = 4  # the head carries this many values in these tests (monkeypatched)
@@ -221,3 +221,19 @@ def test_bad_inputs_on_several_ranks_name_the_lowest_and_highest():
     x = "bad" if comm.rank >= low else np.ones(2)
     who = f"rank {low}" if low == high else rf"ranks {low} to {high} \(at least two\)"
     _raises_everywhere(f": {who} passed an invalid x", _module().min_allreduce, comm, x)
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("bits", [1, 2, 3])
+def test_min_allreduce_of_packed_scale_indices(bits):
+    from mpicomp.collectives.maxallreduce import min_allreduce
+    from mpicomp.collectives.traffic import Traffic
+
+    comm = world()
+    n = 1001
+    x = np.random.default_rng(comm.rank).integers(0, 2**bits, n).astype(np.uint8)
+    t = Traffic()
+    got = min_allreduce(comm, x, bits=bits, tracer=t)
+    np.testing.assert_array_equal(got, gather_all(comm, x).min(axis=0))
+    # Packed at `bits` bits per element: 2 (N-1) chunks of about n/N elements.
+    assert t.sent <= 2 * (comm.size - 1) * (-(-n // comm.size) + 8) * bits // 8 + 2 * comm.size
