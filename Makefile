@@ -7,17 +7,22 @@ MPIRUN := $(BIN)/mpiexec
 # One numba thread per rank: N ranks x all-core thread pools would oversubscribe the cores.
 MPIENV := NUMBA_NUM_THREADS=1
 
-.PHONY: demo test test-unit test-mpi lint clean
+.PHONY: demo tour test test-unit test-mpi lint clean
 
 $(BIN)/activate:
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 
 $(VENV)/.installed: $(BIN)/activate setup.py pyproject.toml
-	$(BIN)/python -m pip install -q -e ".[test]"
+	$(BIN)/python -m pip install -q -e ".[test,jobs]"
 	touch $@
 
+# The main job: data-parallel training on 4 ranks, once per codec, compared with float32.
 demo: $(VENV)/.installed
+	$(MPIENV) $(MPIRUN) -n 4 $(BIN)/python -m mpi4py -m jobs.train
+
+# Every codec on one gradient-shaped tensor, one process.
+tour: $(VENV)/.installed
 	$(BIN)/python -m jobs.codec_tour
 
 test: test-unit test-mpi

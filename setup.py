@@ -43,7 +43,11 @@ setup(
     install_requires=["numpy>=1.24", "numba>=0.59", "mpi4py>=4.0", "h5py>=3.8"] + _MPI_WHEELS[_mpi],
     extras_require={
         "cuda": ["cupy-cuda12x"],
-        "test": ["pytest>=8", "pytest-mpi>=0.6", "hypothesis>=6"],
+        "plot": ["matplotlib>=3.7"],
+        # The training comparison: scikit-learn ships the digits data set (no download).
+        "jobs": ["scikit-learn>=1.3", "matplotlib>=3.7"],
+        "torch": ["torch>=2.1"],
+        "test": ["pytest>=8", "pytest-mpi>=0.6", "hypothesis>=6", "scikit-learn>=1.3", "matplotlib>=3.7"],
     },
     entry_points={"console_scripts": ["mpicomp = mpicomp.cli:main"]},
 )
