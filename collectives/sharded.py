@@ -13,6 +13,8 @@ from __future__ import annotations
 import numpy as np
 from mpi4py import MPI
 
+from mpicomp.collectives.allgather import _COUNT_LIMIT
+
 
 def shard_bounds(n: int, nshards: int) -> list[tuple[int, int]]:
     """Return [start, stop) of each of ``nshards`` near-equal contiguous shards of ``n`` elements."""
@@ -44,13 +46,20 @@ def alltoall_bytes(comm, payloads, *, tracer=None) -> list[np.ndarray]:
     recv_sizes = np.empty(size, dtype=np.int64)
     comm.Alltoall(send_sizes, recv_sizes)
     bad = [r for r in range(size) if recv_sizes[r] < 0]
-    if not ok or bad:
-        who = comm.rank if not ok else bad[0]
+    if bad:
+        # The same message on every rank, the bad rank included.
         raise ValueError(
-            f"alltoall_bytes: rank {who} did not pass {size} 1-D uint8 payloads (one per rank)"
+            f"alltoall_bytes: rank(s) {bad} did not pass {size} 1-D uint8 payloads (one per rank)"
         )
-    if max(send_sizes.sum(), recv_sizes.sum()) > np.iinfo(np.int32).max:
-        raise ValueError("alltoall_bytes: more than 2**31-1 bytes per rank; use smaller buckets")
+    # Decided on a value every rank shares, so all raise or none does.
+    local = np.array([max(send_sizes.sum(), recv_sizes.sum())], dtype=np.int64)
+    largest = np.empty(1, dtype=np.int64)
+    comm.Allreduce(local, largest, op=MPI.MAX)
+    if largest[0] > _COUNT_LIMIT:
+        raise ValueError(
+            f"alltoall_bytes: a rank moves {largest[0]} bytes, more than this MPI's "
+            f"count limit {_COUNT_LIMIT}; use smaller buckets"
+        )
     send = np.concatenate(payloads) if size else np.empty(0, np.uint8)
     sdispl = np.concatenate([[0], np.cumsum(send_sizes)[:-1]])
     rdispl = np.concatenate([[0], np.cumsum(recv_sizes)[:-1]])

@@ -460,3 +460,17 @@ def test_random_bodies_decode_or_raise_payload_error(seed, n, size, flags):
     assert out.shape == (n,)
     M = struct.unpack("<f", body[:4].tobytes())[0]
     assert set(np.unique(out).tolist()) <= {-M, 0.0, M}
+
+
+def test_feedback_state_dict_is_a_snapshot_and_names_cannot_change_shape():
+    from mpicomp.codecs import ErrorFeedback
+
+    fb = ErrorFeedback(mpicomp.codec("threelc"))
+    x = np.linspace(-1, 1, 101, dtype=np.float32)
+    fb.encode(x, "w")
+    saved = fb.state_dict()
+    before = saved["w"].copy()
+    fb.encode(x, "w")
+    np.testing.assert_array_equal(saved["w"], before)  # not aliased to the live buffer
+    with pytest.raises(ValueError, match="'w' had shape"):
+        fb.encode(x[:50], "w")

@@ -23,11 +23,21 @@ class ErrorFeedback:
         self._memory = {}
 
     def encode(self, x, name: str = ""):
-        """Return the payload of ``x`` plus the residual of ``name``; update the residual."""
+        """Return the payload of ``x`` plus the residual of ``name``; update the residual.
+
+        Raises:
+            ValueError: ``name`` already holds a residual of another shape (two tensors
+                sharing one name would mix their errors).
+        """
         x = as_gradient(x)
         xp = get_array_module(x)
         r = self._memory.get(name)
-        if r is None or r.shape != x.shape or get_array_module(r) is not xp:
+        if r is not None and r.shape != x.shape:
+            raise ValueError(
+                f"error feedback: tensor {name!r} had shape {r.shape}, now {x.shape}; "
+                "give each tensor its own name"
+            )
+        if r is None or get_array_module(r) is not xp:
             r = self._memory[name] = xp.zeros(x.shape, dtype=xp.float32)
         if getattr(self.codec, "fused_feedback", False):
             return self.codec.encode(x, residual=r)
@@ -45,8 +55,8 @@ class ErrorFeedback:
         return self._memory.get(name)
 
     def state_dict(self) -> dict:
-        """Return the residuals, keyed by tensor name, for a checkpoint."""
-        return dict(self._memory)
+        """Return copies of the residuals, keyed by tensor name, for a checkpoint."""
+        return {k: v.copy() for k, v in self._memory.items()}
 
     def load_state_dict(self, state: dict) -> None:
         """Restore residuals saved by ``state_dict``."""
