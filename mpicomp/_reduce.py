@@ -4,6 +4,11 @@ Every path starts with an *agreement*: one small message in which each rank says
 how many elements it brings and whether its local encode failed. Ranks that
 disagree or fail make every rank raise the same error before any bulk data moves,
 so a bad tensor on one rank never leaves the others waiting.
+
+Every function takes a phase ``clock`` (``mpicomp.trace.NO_CLOCK`` when untraced):
+``clock.encoded()``, ``clock.communicated()`` and ``clock.decoded()`` charge the time
+since the previous mark to local compression work, to messages (collectives with their
+own packing, and waiting for other ranks), and to decoding and averaging.
 """
 
 from __future__ import annotations
@@ -15,6 +20,7 @@ from mpicomp.collectives.allgather import allgather_bytes
 from mpicomp.collectives.maxallreduce import max_allreduce, min_allreduce
 from mpicomp.collectives.ring import ring_allreduce_bounded
 from mpicomp.collectives.sharded import alltoall_bytes, shard_bounds
+from mpicomp.trace import NO_CLOCK
 
 
 class RankError(RuntimeError):
@@ -50,21 +56,26 @@ def _attempt(fn, *args, **kwargs):
         return None, e
 
 
-def reduce_sum(comm, codec, flat, tracer=None) -> np.ndarray:
+def reduce_sum(comm, codec, flat, tracer=None, clock=NO_CLOCK) -> np.ndarray:
     """Average by MPI sum of ``codec.to_wire`` (float32 as it is, or float16)."""
     wire, err = _attempt(codec.to_wire, flat)
+    clock.encoded()
     _agree(comm, flat.size, err, tracer=tracer)
     if wire.dtype == np.float16:
         total = np.empty_like(wire)
         comm.Allreduce([wire, MPI.UINT16_T], [total, MPI.UINT16_T], op=_float16_sum())
+        clock.communicated()
         if not np.all(np.isfinite(total)):
             raise RankError("fp16: the sum over ranks overflows float16; use codec 'none'")
     else:
         total = np.empty_like(wire)
         comm.Allreduce(wire, total, op=MPI.SUM)
+        clock.communicated()
     if tracer is not None:
         tracer.record("mpi.allreduce", 1, wire.nbytes, wire.nbytes, 8 * wire.itemsize)
-    return codec.from_wire(total, comm.size)
+    out = codec.from_wire(total, comm.size)
+    clock.decoded()
+    return out
 
 
 _F16_SUM = None
@@ -84,30 +95,40 @@ def _float16_sum():
     return _F16_SUM
 
 
-def reduce_integer(comm, codec, flat, step: int, tracer=None) -> np.ndarray:
+def reduce_integer(comm, codec, flat, step: int, tracer=None, clock=NO_CLOCK) -> np.ndarray:
     """Average QSGD-MaxNorm codes: MaxAllReduce of norms, [MinAllReduce of scale
     indices], exact ring sum of the codes, dequantize."""
     sparse = hasattr(codec, "coordinates")  # GlobalRandK: K coordinates drawn per step
     at = {"step": step} if sparse else {}
     norm, err = _attempt(codec.local_norm, flat, **at)
+    clock.encoded()
     norm = _agree(comm, flat.size, err, value=norm or 0.0, tracer=tracer)
+    clock.communicated()
     extra = ()
     if hasattr(codec, "scale_index"):
         sidx = codec.scale_index(flat, norm, **at)
+        clock.encoded()
         if codec.index_bits:
             sidx = min_allreduce(comm, sidx, bits=codec.index_bits, tracer=tracer)
+            clock.communicated()
         extra = (sidx.astype(codec.index_dtype, copy=False),)
     codes = codec.quantize(flat, norm, *extra, step=step, stream=comm.rank)
+    clock.encoded()
     total = ring_allreduce_bounded(comm, codes, codec.bound, tracer=tracer)
+    clock.communicated()
     if sparse:
-        return codec.dequantize(total, norm, *extra, nranks=comm.size, shape=flat.shape, step=step)
-    return codec.dequantize(total, norm, *extra, nranks=comm.size)
+        out = codec.dequantize(total, norm, *extra, nranks=comm.size, shape=flat.shape, step=step)
+    else:
+        out = codec.dequantize(total, norm, *extra, nranks=comm.size)
+    clock.decoded()
+    return out
 
 
-def reduce_majority(comm, codec, flat, step: int, tracer=None) -> np.ndarray:
+def reduce_majority(comm, codec, flat, step: int, tracer=None, clock=NO_CLOCK) -> np.ndarray:
     """signSGD: ring sum of votes, majority decided by each chunk's owner, ±mean scale."""
     votes, err = _attempt(codec.votes, flat)
     scale = codec.scale(flat) if err is None else 0.0
+    clock.encoded()
     _agree(comm, flat.size, err, tracer=tracer)
     # Every rank's mean |x|, summed in rank order: the same float on every rank.
     scales = np.empty(comm.size, dtype=np.float64)
@@ -118,18 +139,28 @@ def reduce_majority(comm, codec, flat, step: int, tracer=None) -> np.ndarray:
     def decide(counts, offset):
         return codec.majority(counts, comm.size, step=step, offset=offset)
 
+    # The owners' majority decisions run inside the ring: charged to comm.
     bits = ring_allreduce_bounded(comm, votes, 1, majority=decide, signed=False, tracer=tracer)
-    return codec.expand(bits, flat.size, float(scales.sum() / comm.size))
+    clock.communicated()
+    out = codec.expand(bits, flat.size, float(scales.sum() / comm.size))
+    clock.decoded()
+    return out
 
 
-def reduce_gather(comm, codec, flat, encode, tracer=None) -> np.ndarray:
+def reduce_gather(comm, codec, flat, encode, tracer=None, clock=NO_CLOCK) -> np.ndarray:
     """Allgather every rank's payload; every rank decodes all and averages in rank order."""
     payload, err = _attempt(encode, flat)
+    clock.encoded()
     payloads = _exchange(allgather_bytes, comm, payload, err, tracer)
-    return _decode_mean(codec, payloads, flat.size)
+    clock.communicated()
+    out = _decode_mean(codec, payloads, flat.size)
+    clock.decoded()
+    return out
 
 
-def reduce_sharded(comm, codec, flat, encode_push, encode_pull, tracer=None) -> np.ndarray:
+def reduce_sharded(
+    comm, codec, flat, encode_push, encode_pull, tracer=None, clock=NO_CLOCK
+) -> np.ndarray:
     """3LC's push/pull: shard s is averaged by rank s, compressed once more, pulled by all.
 
     ``encode_push(shard, s)`` compresses this rank's shard s (worker residual s);
@@ -137,17 +168,25 @@ def reduce_sharded(comm, codec, flat, encode_push, encode_pull, tracer=None) -> 
     """
     bounds = shard_bounds(flat.size, comm.size)
     pushed, err = _attempt(lambda: [encode_push(flat[a:b], s) for s, (a, b) in enumerate(bounds)])
+    clock.encoded()
     received = _exchange(alltoall_bytes, comm, pushed, err, tracer)
+    clock.communicated()
     a, b = bounds[comm.rank]
     mine = _decode_mean(codec, received, b - a)
-    pulled = _exchange(allgather_bytes, comm, encode_pull(mine), None, tracer)
+    clock.decoded()
+    pull = encode_pull(mine)
+    clock.encoded()
+    pulled = _exchange(allgather_bytes, comm, pull, None, tracer)
+    clock.communicated()
     parts = [codec.decode(p).reshape(-1) for p in pulled]
     for (a, b), part in zip(bounds, parts, strict=True):
         if part.size != b - a:
             raise RankError(
                 f"ranks disagree on the tensor size: shard of {part.size}, expected {b - a}"
             )
-    return np.concatenate(parts) if parts else np.zeros(0, np.float32)
+    out = np.concatenate(parts) if parts else np.zeros(0, np.float32)
+    clock.decoded()
+    return out
 
 
 def _exchange(collective, comm, data, err, tracer):

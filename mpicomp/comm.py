@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import sys
 
 import numpy as np
@@ -11,6 +12,7 @@ from mpicomp._backend import as_gradient, get_array_module
 from mpicomp.codecs import Codec, ErrorFeedback
 from mpicomp.codecs._base import check_number
 from mpicomp.codecs._base import make as make_codec
+from mpicomp.trace import NO_CLOCK
 
 # Biased gather codecs lose what they do not send unless it is fed back next step.
 _FEEDBACK_DEFAULT = {"threelc", "topk", "fft", "fastsgd"}
@@ -33,6 +35,13 @@ class CompressedComm:
             an alltoallv then an allgather) instead of allgathering whole payloads;
             each rank receives O(1) compressed tensors instead of N - 1. With error
             feedback, workers keep a residual per shard and owners one per tensor.
+        trace: a path (str or os.PathLike): record every collective call of every
+            rank (bytes, phase times) into this HDF5 file, written by rank 0 (see
+            docs/trace-format.md). The ``mpicomp.trace.Tracer`` is ``self.trace``.
+        trace_level: 1 records one event per call per rank; 2 also every exchange
+            step of the collectives.
+        trace_flush_every: rank 0 appends to the file every this many calls (None:
+            only at ``close``), so a job that dies keeps what was flushed.
         **codec_params: parameters of the codec when ``codec`` is a name.
 
     Every rank must make the same calls in the same order with tensors of the same
@@ -49,6 +58,9 @@ class CompressedComm:
         bucket_numel: int = 1 << 22,
         error_feedback: bool | None = None,
         sharded: bool = False,
+        trace=None,
+        trace_level: int = 1,
+        trace_flush_every: int | None = 100,
         **codec_params,
     ):
         if isinstance(codec, str):
@@ -78,7 +90,24 @@ class CompressedComm:
         self.rank = self._comm.rank
         self.size = self._comm.size
         self._calls = 0  # the step of the counter-based RNG: the same on every rank
+        # A recorder of the collectives' exchange steps (``record(op, step, sent, recv,
+        # bits)``, e.g. collectives.traffic.Traffic); with a trace it gets them too.
         self.tracer = None
+        self.trace = None
+        if trace is not None:
+            from mpicomp.trace import Tracer
+
+            try:
+                self.trace = Tracer(
+                    self._comm,
+                    trace,
+                    level=trace_level,
+                    flush_every=trace_flush_every,
+                    attrs=self._trace_attrs(),
+                )
+            except BaseException:
+                self._comm.Free()
+                raise
 
     # -- the API ---------------------------------------------------------------
 
@@ -115,11 +144,12 @@ class CompressedComm:
         for members in _buckets([f.size for f in flats], self.bucket_numel):
             if len(members) == 1:
                 (i,) = members
-                avg = self._average(flats[i], names[i])
+                avg = self._average(flats[i], names[i], "allreduce_many")
                 out[i] = _like(arrays[i], avg.reshape(np.shape(arrays[i])))
                 continue
             fused = np.concatenate([flats[i] for i in members])
-            avg = self._average(fused, "bucket:" + "|".join(names[i] for i in members))
+            bucket = "bucket:" + "|".join(names[i] for i in members)
+            avg = self._average(fused, bucket, "allreduce_many bucket")
             start = 0
             for i in members:
                 part = avg[start : start + flats[i].size]
@@ -142,16 +172,16 @@ class CompressedComm:
             self._server_feedback.load_state_dict(state["server_residuals"])
 
     def close(self) -> None:
-        """Release the duplicated communicator. Safe to call twice."""
-        if self._comm is not None:
-            self._comm.Free()
-            self._comm = None
+        """Write the rest of the trace, release the duplicated communicator. Safe twice."""
+        self._close(flush_trace=True)
 
     def __enter__(self):
         return self
 
-    def __exit__(self, *exc):
-        self.close()
+    def __exit__(self, exc_type, exc, tb):
+        # Leaving by an exception, other ranks may be elsewhere: a final gather could
+        # hang, so the trace keeps what its earlier flushes wrote.
+        self._close(flush_trace=exc_type is None)
 
     def __repr__(self) -> str:
         return f"CompressedComm(size={self.size}, codec={self.codec!r})"
@@ -162,28 +192,65 @@ class CompressedComm:
         if self._comm is None:
             raise RuntimeError("CompressedComm is closed")
 
-    def _average(self, flat: np.ndarray, name: str) -> np.ndarray:
+    def _close(self, flush_trace: bool) -> None:
+        if self._comm is None:
+            return
+        try:
+            if self.trace is not None and flush_trace:
+                self.trace.close()
+        finally:
+            self._comm.Free()
+            self._comm = None
+
+    def _trace_attrs(self) -> dict:
+        """Return the run attributes a trace records about this CompressedComm."""
+        return {
+            "backend": "cpu",
+            "cuda_aware": False,
+            "codec": self.codec.name,
+            "codec_params": json.dumps(self.codec.params, sort_keys=True, default=str),
+            "min_numel": self.min_numel,
+            "bucket_numel": self.bucket_numel,
+            "error_feedback": self._feedback is not None,
+            "sharded": self.sharded,
+        }
+
+    def _average(self, flat: np.ndarray, name: str, op: str = "allreduce") -> np.ndarray:
         step = self._calls
         self._calls += 1
-        comm, codec, tracer = self._comm, self.codec, self.tracer
-        if flat.size < self.min_numel or codec.aggregation == "sum":
-            small = codec if codec.aggregation == "sum" else self._plain
-            return _reduce.reduce_sum(comm, small, flat, tracer)
+        # Below min_numel a compressing codec steps aside for a plain float32 sum.
+        plain = flat.size < self.min_numel and self.codec.aggregation != "sum"
+        trace = self.trace
+        if trace is None:
+            return self._reduce(flat, name, step, plain, self.tracer, NO_CLOCK)
+        codec = "none" if plain else self.codec.name
+        trace.begin(
+            step, f"{op} below min_numel" if plain else op, codec, name, flat.size, self.tracer
+        )
+        out = self._reduce(flat, name, step, plain, trace, trace)
+        trace.end()
+        return out
+
+    def _reduce(self, flat, name: str, step: int, plain: bool, tracer, clock) -> np.ndarray:
+        comm, codec = self._comm, self.codec
+        if plain or codec.aggregation == "sum":
+            small = self._plain if plain else codec
+            return _reduce.reduce_sum(comm, small, flat, tracer, clock)
         if codec.aggregation == "integer_sum":
-            return _reduce.reduce_integer(comm, codec, flat, step, tracer)
+            return _reduce.reduce_integer(comm, codec, flat, step, tracer, clock)
         if codec.aggregation == "majority":
-            return _reduce.reduce_majority(comm, codec, flat, step, tracer)
+            return _reduce.reduce_majority(comm, codec, flat, step, tracer, clock)
         if self.sharded:
             if self._feedback is not None:
                 push = lambda f, s: self._feedback.encode(f, f"{name}#shard{s}")  # noqa: E731
                 pull = lambda f: self._server_feedback.encode(f, name)  # noqa: E731
             else:
                 push, pull = (lambda f, s: codec.encode(f)), codec.encode
-            return _reduce.reduce_sharded(comm, codec, flat, push, pull, tracer)
+            return _reduce.reduce_sharded(comm, codec, flat, push, pull, tracer, clock)
         encode = codec.encode
         if self._feedback is not None:
             encode = lambda f: self._feedback.encode(f, name)  # noqa: E731
-        return _reduce.reduce_gather(comm, codec, flat, encode, tracer)
+        return _reduce.reduce_gather(comm, codec, flat, encode, tracer, clock)
 
 
 def _buckets(sizes: list[int], limit: int) -> list[list[int]]:

@@ -1,0 +1,588 @@
+"""HDF5 traces: one event per collective call per rank, written by rank 0.
+
+``Tracer`` keeps events in preallocated NumPy structured arrays (no Python object per
+event), gathers them to rank 0 every ``flush_every`` calls and at ``close()``, and
+rank 0 appends them to resizable datasets. ``read``, ``summarize`` and ``plot`` need
+only h5py and NumPy (matplotlib for ``plot``). The format is in docs/trace-format.md.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import sys
+from time import perf_counter
+
+import numpy as np
+
+FORMAT_VERSION = 1
+
+# Fixed-length byte fields: longer values are cut to these many bytes (at a UTF-8
+# character boundary), so every row has the same size and Gatherv moves raw bytes.
+OP_LEN, CODEC_LEN, NAME_LEN, STEP_OP_LEN = 40, 32, 128, 32
+
+EVENT_DTYPE = np.dtype(
+    [
+        ("call", "<i8"),
+        ("step", "<i8"),
+        ("rank", "<i4"),
+        ("op", f"S{OP_LEN}"),
+        ("codec", f"S{CODEC_LEN}"),
+        ("name", f"S{NAME_LEN}"),
+        ("numel", "<i8"),
+        ("bytes_in", "<i8"),
+        ("bytes_sent", "<i8"),
+        ("bytes_recv", "<i8"),
+        ("t_encode", "<f8"),
+        ("t_comm", "<f8"),
+        ("t_decode", "<f8"),
+        ("t_total", "<f8"),
+    ]
+)
+
+STEP_DTYPE = np.dtype(
+    [
+        ("call", "<i8"),
+        ("rank", "<i4"),
+        ("op", f"S{STEP_OP_LEN}"),
+        ("substep", "<i4"),
+        ("sent", "<i8"),
+        ("recv", "<i8"),
+        ("bits", "<i4"),
+    ]
+)
+
+# HDF5 chunks hold about one flush (flush_every x ranks events, 8x that many steps):
+# each flush then compresses new chunks once, instead of recompressing a partial one.
+_CHUNK_MIN, _CHUNK_MAX = 16, 8192
+
+
+class _NoClock:
+    """The phase clock of an untraced call: every mark does nothing."""
+
+    __slots__ = ()
+
+    def encoded(self) -> None:
+        pass
+
+    def communicated(self) -> None:
+        pass
+
+    def decoded(self) -> None:
+        pass
+
+
+# Shared by every untraced call: three empty method calls, no clock reads.
+NO_CLOCK = _NoClock()
+
+
+def _fixed(text: str, length: int) -> bytes:
+    """Return ``text`` as UTF-8 cut to ``length`` bytes without splitting a character."""
+    raw = text.encode("utf-8")
+    if len(raw) <= length:
+        return raw
+    return raw[:length].decode("utf-8", "ignore").encode("utf-8")
+
+
+def _grown(array: np.ndarray, used: int) -> np.ndarray:
+    """Return a copy of ``array`` with twice the rows, its first ``used`` rows kept."""
+    bigger = np.empty(max(2 * array.size, 16), dtype=array.dtype)
+    bigger[:used] = array[:used]
+    return bigger
+
+
+def _h5py():
+    # Imported on first use: importing mpicomp.comm must stay fast.
+    import h5py
+
+    return h5py
+
+
+def _writable(path: str, mode: str):
+    """Open ``path`` for rank 0's writes without HDF5 file locking.
+
+    A reader (``mpicomp trace summary`` while the job runs) holds a shared lock that
+    would make a locking writer fail, and with it the training job.
+    """
+    return _h5py().File(path, mode, locking=False)
+
+
+class Tracer:
+    """Record one event per collective call per rank; rank 0 writes them to HDF5.
+
+    Every method but ``record`` and the phase marks is collective over ``comm``: all
+    ranks create, end calls, flush and close in the same order (``CompressedComm``
+    does, since every rank makes the same calls).
+
+    Args:
+        comm: an ``mpi4py.MPI.Comm``; ``CompressedComm`` passes its private duplicate.
+        path: the HDF5 file rank 0 creates (an existing file is replaced).
+        level: 1 records events only; 2 also every exchange step into ``/steps``.
+        flush_every: gather to rank 0 and append to the file every this many calls
+            (None: only at ``close``); rows of earlier flushes survive a crash.
+        attrs: run attributes for the root group (str, int, float or bool values).
+
+    Raises:
+        TypeError: ``path`` is not a str or os.PathLike, or ``flush_every`` not an int.
+        ValueError: ``level`` not 1 or 2, or ``flush_every`` < 1.
+        OSError: rank 0 could not create the file (on every rank).
+    """
+
+    def __init__(self, comm, path, *, level: int = 1, flush_every: int | None = 100, attrs=None):
+        if not isinstance(path, (str, os.PathLike)):
+            raise TypeError(f"trace path must be a str or os.PathLike, got {path!r}")
+        if isinstance(level, bool) or level not in (1, 2):
+            raise ValueError(f"trace level must be 1 or 2, got {level!r}")
+        if flush_every is not None:
+            if isinstance(flush_every, bool) or not isinstance(flush_every, int):
+                raise TypeError(f"flush_every must be an int or None, got {flush_every!r}")
+            if flush_every < 1:
+                raise ValueError(f"flush_every must be >= 1 or None, got {flush_every!r}")
+        self.path = os.fspath(path)
+        self.level = level
+        self.flush_every = flush_every
+        self._comm = comm
+        self._rank = comm.Get_rank()
+        self._events = np.empty(flush_every or 128, dtype=EVENT_DTYPE)
+        self._steps = np.empty(16 * (flush_every or 128) if level >= 2 else 0, dtype=STEP_DTYPE)
+        self._n = 0  # events waiting for the next flush
+        self._ns = 0  # steps waiting for the next flush
+        self._call = 0  # this rank's events so far: the ``call`` column
+        self._open = False  # a call has begun and not ended
+        self._call_steps = 0  # where the open call's steps start (dropped if it fails)
+        self._closed = False
+        self._also = None
+        self._sent = self._recv = 0
+        self._collective_error(self._create, self._run_attrs(attrs or {}), what="create")
+
+    # -- one call ----------------------------------------------------------------
+
+    def begin(self, step: int, op: str, codec: str, name: str, numel: int, also=None) -> None:
+        """Start the event of one collective call; starts its clock.
+
+        ``also``: another recorder (``record(op, step, sent, recv, bits)``) that gets
+        every exchange step of this call too. A call begun and never ended (it raised)
+        is dropped with its steps.
+        """
+        if self._closed:
+            raise RuntimeError(f"tracer of {self.path!r} is closed")
+        if self._open:
+            self._ns = self._call_steps
+        self._open = True
+        self._call_steps = self._ns
+        self._also = also
+        self._meta = (step, op, codec, name, numel)
+        self._sent = self._recv = 0
+        self._t_encode = self._t_comm = self._t_decode = 0.0
+        self._t0 = self._last = perf_counter()
+
+    def record(self, op: str, step: int, sent: int, recv: int, bits: int = 0) -> None:
+        """Add one exchange step of the current call (the collectives' tracer hook)."""
+        self._sent += sent
+        self._recv += recv
+        if self.level >= 2:
+            if self._ns == self._steps.size:
+                self._steps = _grown(self._steps, self._ns)
+            self._steps[self._ns] = (self._call, self._rank, op, step, sent, recv, bits)
+            self._ns += 1
+        if self._also is not None:
+            self._also.record(op, step, sent, recv, bits)
+
+    def encoded(self) -> None:
+        """Charge the time since the last mark to the encode phase."""
+        now = perf_counter()
+        self._t_encode += now - self._last
+        self._last = now
+
+    def communicated(self) -> None:
+        """Charge the time since the last mark to the comm phase."""
+        now = perf_counter()
+        self._t_comm += now - self._last
+        self._last = now
+
+    def decoded(self) -> None:
+        """Charge the time since the last mark to the decode phase."""
+        now = perf_counter()
+        self._t_decode += now - self._last
+        self._last = now
+
+    def end(self) -> None:
+        """Finish the current call's event; flush when ``flush_every`` calls are waiting."""
+        total = perf_counter() - self._t0
+        if not self._open:
+            raise RuntimeError("tracer: end() without begin()")
+        step, op, codec, name, numel = self._meta
+        if self._n == self._events.size:
+            self._events = _grown(self._events, self._n)
+        self._events[self._n] = (
+            self._call,
+            step,
+            self._rank,
+            _fixed(op, OP_LEN),
+            _fixed(codec, CODEC_LEN),
+            _fixed(name, NAME_LEN),
+            numel,
+            4 * numel,
+            self._sent,
+            self._recv,
+            self._t_encode,
+            self._t_comm,
+            self._t_decode,
+            total,
+        )
+        self._n += 1
+        self._call += 1
+        self._open = False
+        self._also = None
+        if self.flush_every is not None and self._n >= self.flush_every:
+            self.flush()
+
+    # -- writing -----------------------------------------------------------------
+
+    def flush(self) -> None:
+        """Gather every rank's waiting rows to rank 0 and append them to the file."""
+        if self._closed:
+            raise RuntimeError(f"tracer of {self.path!r} is closed")
+        if self._open:  # a call that raised: its steps never become an event
+            self._ns = self._call_steps
+            self._open = False
+        counts = np.array([self._n, self._ns], dtype=np.int64)
+        every = np.empty((self._comm.Get_size(), 2), dtype=np.int64) if self._rank == 0 else None
+        self._comm.Gather(counts, every, root=0)
+        events = self._gather(self._events[: self._n], None if every is None else every[:, 0])
+        steps = None
+        if self.level >= 2:
+            steps = self._gather(self._steps[: self._ns], None if every is None else every[:, 1])
+        self._n = self._ns = 0
+        self._collective_error(self._append, events, steps, what="write")
+
+    def close(self) -> None:
+        """Flush the last rows and stamp the end time. Safe to call twice."""
+        if self._closed:
+            return
+        self.flush()
+        self._closed = True
+        stamp = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+        self._collective_error(self._stamp, stamp, what="close")
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"Tracer({self.path!r}, level={self.level}, flush_every={self.flush_every})"
+
+    # -- internals ---------------------------------------------------------------
+
+    def _gather(self, rows: np.ndarray, counts):
+        """Return every rank's ``rows`` on rank 0 in rank order (None elsewhere)."""
+        from mpi4py import MPI
+
+        send = [rows.view(np.uint8), MPI.BYTE]
+        if self._rank != 0:
+            self._comm.Gatherv(send, None, root=0)
+            return None
+        out = np.empty(int(counts.sum()), dtype=rows.dtype)
+        sizes = counts * rows.dtype.itemsize
+        displs = np.concatenate([[0], np.cumsum(sizes)[:-1]])
+        self._comm.Gatherv(send, [out.view(np.uint8), sizes, displs, MPI.BYTE], root=0)
+        # Rank order from Gatherv; a stable sort by call makes rows (call, rank) ordered.
+        return out[np.argsort(out["call"], kind="stable")]
+
+    def _collective_error(self, fn, *args, what: str) -> None:
+        """Run ``fn`` on rank 0 and raise on every rank if it failed there."""
+        error = None
+        if self._rank == 0:
+            try:
+                fn(*args)
+            except Exception as e:  # reported to every rank below, then re-raised here
+                error = e
+        failed = np.array([error is not None], dtype=np.int8)
+        self._comm.Bcast(failed, root=0)
+        if error is not None:
+            raise error
+        if failed[0]:
+            raise OSError(f"rank 0 could not {what} the trace file {self.path!r} (see its error)")
+
+    def _run_attrs(self, extra: dict) -> dict:
+        from mpi4py import MPI
+
+        import mpicomp
+
+        vendor, version = MPI.get_vendor()
+        attrs = {
+            "mpicomp_trace_version": FORMAT_VERSION,
+            "mpicomp_version": mpicomp.__version__,
+            "mpi_library_version": MPI.Get_library_version().strip(),
+            "mpi_vendor": f"{vendor} {'.'.join(map(str, version))}",
+            "world_size": self._comm.Get_size(),
+            "trace_level": self.level,
+            "flush_every": self.flush_every or 0,
+            "command_line": " ".join(sys.argv),
+            "start_time": datetime.datetime.now(datetime.timezone.utc).isoformat(
+                timespec="seconds"
+            ),
+        }
+        attrs.update(extra)
+        return attrs
+
+    def _create(self, attrs: dict) -> None:
+        with _writable(self.path, "w") as f:
+            for key, value in attrs.items():
+                f.attrs[key] = value
+            rows = (self.flush_every or 1024) * self._comm.Get_size()
+            tables = [("events", EVENT_DTYPE, rows)]
+            if self.level >= 2:
+                tables.append(("steps", STEP_DTYPE, 8 * rows))
+            for name, dtype, chunk in tables:
+                f.create_dataset(
+                    name,
+                    shape=(0,),
+                    maxshape=(None,),
+                    dtype=dtype,
+                    chunks=(min(max(chunk, _CHUNK_MIN), _CHUNK_MAX),),
+                    compression="gzip",
+                    compression_opts=4,
+                )
+
+    def _append(self, events: np.ndarray, steps) -> None:
+        # Open, append, close: between flushes the file on disk is complete and closed,
+        # so a job that dies leaves a readable file and readers never need SWMR.
+        with _writable(self.path, "a") as f:
+            for name, rows in (("events", events), ("steps", steps)):
+                if rows is None or rows.size == 0:
+                    continue
+                dset = f[name]
+                start = dset.shape[0]
+                dset.resize((start + rows.size,))
+                dset[start:] = rows
+            f.flush()
+
+    def _stamp(self, stamp: str) -> None:
+        with _writable(self.path, "a") as f:
+            f.attrs["end_time"] = stamp
+
+
+# -- reading -------------------------------------------------------------------------
+
+
+def read(path) -> tuple[np.ndarray, np.ndarray | None, dict]:
+    """Return a trace's events, its steps (None below level 2) and its run attributes.
+
+    Raises:
+        ValueError: ``path`` does not exist, is not HDF5, is not an mpicomp trace, or
+            has a format version this mpicomp does not read.
+    """
+    h5py = _h5py()
+    if not isinstance(path, (str, os.PathLike)):
+        raise ValueError(f"trace path must be a file path, got {path!r}")
+    if not os.path.isfile(path):
+        raise ValueError(f"no such file: {os.fspath(path)!r}")
+    if not h5py.is_hdf5(path):
+        raise ValueError(f"not an HDF5 file: {os.fspath(path)!r}")
+    with h5py.File(path, "r") as f:
+        version = f.attrs.get("mpicomp_trace_version")
+        if version is None or "events" not in f:
+            raise ValueError(
+                f"not an mpicomp trace (no mpicomp_trace_version): {os.fspath(path)!r}"
+            )
+        if int(version) != FORMAT_VERSION:
+            raise ValueError(
+                f"trace format version {int(version)} of {os.fspath(path)!r} is not supported "
+                f"(this mpicomp reads version {FORMAT_VERSION})"
+            )
+        events = f["events"][()]
+        steps = f["steps"][()] if "steps" in f else None
+        attrs = {k: _plain(v) for k, v in f.attrs.items()}
+    return events, steps, attrs
+
+
+def _plain(value):
+    """Return an HDF5 attribute as a Python value (str, int, float, bool)."""
+    if isinstance(value, bytes):
+        return value.decode("utf-8", "replace")
+    if isinstance(value, np.generic):
+        return value.item()
+    return value
+
+
+def _groups(events: np.ndarray) -> list[tuple[str, str, np.ndarray]]:
+    """Return (codec, name, row mask) per (codec, tensor name), in order of first call."""
+    keys = np.char.add(np.char.add(events["codec"], b"\0"), events["name"])
+    _, first, inverse = np.unique(keys, return_index=True, return_inverse=True)
+    out = []
+    for g in np.argsort(first, kind="stable"):
+        mask = inverse.reshape(-1) == g
+        row = events[first[g]]
+        out.append((_plain(row["codec"]), _plain(row["name"]), mask))
+    return out
+
+
+def _ratio(bytes_in: float, sent: float) -> str:
+    return f"{bytes_in / sent:.1f}x" if sent > 0 else "-"
+
+
+def summarize(path) -> str:
+    """Return a text table of a trace: per (codec, tensor name), bytes, ratio, latency, phases.
+
+    Columns: calls (collective calls, each made by every rank); sent/call and
+    recv/call (mean bytes per rank per call); ratio (float32 input bytes / bytes sent);
+    latency p50/p90/p99 of t_total over every rank's calls (ms); the share of t_total
+    spent in encode, comm and decode (the rest is bookkeeping).
+
+    Raises:
+        ValueError: ``path`` is not a readable mpicomp trace (see ``read``).
+    """
+    events, steps, attrs = read(path)
+    lines = [f"mpicomp trace {os.fspath(path)} (format {attrs.get('mpicomp_trace_version')})"]
+
+    def add(label: str, key: str):
+        if key in attrs:
+            lines.append(f"  {label:<14}{attrs[key]}")
+
+    add("mpicomp", "mpicomp_version")
+    add("ranks", "world_size")
+    if "mpi_library_version" in attrs:
+        first = " ".join(str(attrs["mpi_library_version"]).splitlines()[0].split())
+        lines.append(f"  {'MPI library':<14}{first} ({attrs.get('mpi_vendor', '?')})")
+    if "codec" in attrs:
+        lines.append(f"  {'codec':<14}{attrs['codec']} {attrs.get('codec_params', '{}')}")
+    options = [
+        f"{k}={attrs[k]}"
+        for k in ("min_numel", "bucket_numel", "error_feedback", "sharded")
+        if k in attrs
+    ]
+    if options:
+        lines.append(f"  {'options':<14}{' '.join(options)}")
+    add("backend", "backend")
+    add("cuda_aware", "cuda_aware")
+    add("command", "command_line")
+    lines.append(
+        f"  {'started':<14}{attrs.get('start_time', '?')}, ended {attrs.get('end_time', 'not closed')}"
+    )
+    lines.append(
+        f"  {'detail level':<14}{attrs.get('trace_level', '?')}, {events.size} events"
+        + (f", {steps.size} steps" if steps is not None else "")
+    )
+    lines.append("")
+    if events.size == 0:
+        lines.append("no events recorded")
+        return "\n".join(lines)
+    nranks = max(int(attrs.get("world_size", 0)), len(np.unique(events["rank"])))
+    head = ("codec", "tensor", "calls", "sent/call", "recv/call", "ratio",
+            "p50 ms", "p90 ms", "p99 ms", "encode", "comm", "decode")  # fmt: skip
+    rows = [_summary_row(c, n or "(unnamed)", events[m], nranks) for c, n, m in _groups(events)]
+    rows.append(_summary_row("all", "", events, nranks))
+    widths = [max(len(str(r[i])) for r in [head, *rows]) for i in range(len(head))]
+    fmt = lambda r: "  ".join(  # noqa: E731
+        str(c).ljust(w) if i < 2 else str(c).rjust(w)
+        for i, (c, w) in enumerate(zip(r, widths, strict=True))
+    )
+    lines.append(fmt(head))
+    lines.append("  ".join("-" * w for w in widths))
+    lines.extend(fmt(r) for r in rows)
+    return "\n".join(lines)
+
+
+def _summary_row(codec: str, name: str, ev: np.ndarray, nranks: int) -> tuple:
+    if len(name) > 40:
+        name = name[:39] + "~"
+    total = ev["t_total"].sum()
+    share = lambda col: f"{100 * ev[col].sum() / total:.0f}%" if total > 0 else "-"  # noqa: E731
+    p50, p90, p99 = np.percentile(ev["t_total"], [50, 90, 99]) * 1e3
+    return (
+        codec,
+        name,
+        -(-ev.size // nranks),
+        f"{ev['bytes_sent'].mean():.0f}",
+        f"{ev['bytes_recv'].mean():.0f}",
+        _ratio(float(ev["bytes_in"].sum()), float(ev["bytes_sent"].sum())),
+        f"{p50:.3f}",
+        f"{p90:.3f}",
+        f"{p99:.3f}",
+        share("t_encode"),
+        share("t_comm"),
+        share("t_decode"),
+    )
+
+
+_PLOT_GROUPS = 12  # bars in the phase panel: the tensors that took the most time
+
+
+def _phase_bars(ax, events: np.ndarray) -> None:
+    """Stack each (codec, tensor)'s encode/comm/decode/other share of t_total, in %."""
+    groups = _groups(events)
+    busy = [events[m]["t_total"].sum() for _, _, m in groups]
+    groups = [groups[i] for i in np.argsort(busy)[::-1][:_PLOT_GROUPS]]
+    totals = np.array([events[m]["t_total"].sum() for _, _, m in groups])
+    totals[totals <= 0] = np.inf
+    x = np.arange(len(groups))
+    bottom = np.zeros(len(groups))
+    for column, label in (("t_encode", "encode"), ("t_comm", "comm"), ("t_decode", "decode")):
+        share = np.array([events[m][column].sum() for _, _, m in groups]) / totals * 100
+        ax.bar(x, share, bottom=bottom, label=label)
+        bottom += share
+    ax.bar(x, np.clip(100 - bottom, 0, None), bottom=bottom, label="other", color="0.8")
+    labels = []
+    for codec, name, m in groups:
+        mean_ms = events[m]["t_total"].mean() * 1e3
+        labels.append(f"{codec}\n{(name or '(unnamed)')[:20]}\n{mean_ms:.3g} ms/call")
+    ax.set_xticks(x, labels, fontsize="x-small")
+    ax.set_ylim(0, 100)
+    ax.set_ylabel("% of t_total")
+    ax.legend(loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize="small")
+
+
+def plot(path, out_png) -> None:
+    """Draw bytes sent and t_total per call, and the phase split per tensor, into a PNG.
+
+    Per call (x axis: the ``call`` column): the mean over ranks with the min-max band
+    across ranks; the bottom panel stacks, for the (codec, tensor name) groups that took
+    the most time, the share of t_total spent in encode, comm, decode and the rest.
+
+    Raises:
+        ValueError: ``path`` is not a readable mpicomp trace, or it holds no events.
+        RuntimeError: matplotlib is not installed.
+    """
+    events, _, attrs = read(path)
+    if events.size == 0:
+        raise ValueError(f"trace {os.fspath(path)!r} holds no events to plot")
+    try:
+        from matplotlib.backends.backend_agg import FigureCanvasAgg
+        from matplotlib.figure import Figure
+    except ImportError:
+        raise RuntimeError("plot needs matplotlib: pip install mpicomp[plot]") from None
+
+    calls = np.unique(events["call"])
+    per_call = np.searchsorted(calls, events["call"])
+
+    def by_call(column: str, scale: float):
+        values = events[column] * scale
+        lo = np.full(calls.size, np.inf)
+        hi = np.full(calls.size, -np.inf)
+        np.minimum.at(lo, per_call, values)
+        np.maximum.at(hi, per_call, values)
+        mean = np.bincount(per_call, values, calls.size) / np.bincount(per_call, None, calls.size)
+        return mean, lo, hi
+
+    fig = Figure(figsize=(9, 9), layout="constrained")
+    FigureCanvasAgg(fig)
+    ax_bytes, ax_time, ax_phase = fig.subplots(3, 1)
+    for ax, column, scale, label in (
+        (ax_bytes, "bytes_sent", 1.0, "bytes sent per rank"),
+        (ax_time, "t_total", 1e3, "t_total (ms)"),
+    ):
+        mean, lo, hi = by_call(column, scale)
+        ax.fill_between(calls, lo, hi, alpha=0.3, step="mid", label="min-max over ranks")
+        ax.plot(calls, mean, drawstyle="steps-mid", label="mean over ranks")
+        ax.set_xlabel("call")
+        ax.set_ylabel(label)
+        if column == "t_total":  # the first call also compiles kernels: a log axis keeps the rest
+            ax.set_yscale("log")
+        ax.legend(loc="upper right", fontsize="small")
+    _phase_bars(ax_phase, events)
+    title = f"{attrs.get('codec', 'trace')} on {attrs.get('world_size', '?')} ranks: {os.path.basename(os.fspath(path))}"
+    fig.suptitle(title)
+    fig.savefig(out_png, dpi=100)

@@ -1,0 +1,236 @@
+"""HDF5 traces across real ranks: the rows rank 0 writes, their exact bytes against the
+documented formulas (docs/collectives.md), the level-2 steps, and what periodic flushes
+leave in the file before close. Run with
+``mpiexec -n N python -m mpi4py -m pytest --with-mpi -m mpi``."""
+
+import math
+
+import numpy as np
+import pytest
+from conftest import gather_all, gradient_like, world
+
+import mpicomp
+from mpicomp import trace
+from mpicomp.collectives.traffic import Traffic
+
+BIG, SMALL = 5003, 10  # SMALL is below min_numel: averaged as plain float32
+HEAD = 192  # one MaxAllReduce head (the agreement), sent and received
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_numba_thread_per_rank():
+    """Ranks share the cores: one packing thread each (see test_mpi_ring.py)."""
+    import numba
+
+    before = numba.get_num_threads()
+    numba.set_num_threads(1)
+    yield
+    numba.set_num_threads(before)
+
+
+def _ring_bytes(n, size, rank, rs_width, ag_width):
+    """Bytes ``rank`` sends and receives in one width-growing ring call (8-element chunks)."""
+    C = 8 * math.ceil(math.ceil(n / size) / 8)
+    lens = [min(n, (c + 1) * C) - min(n, c * C) for c in range(size)]
+
+    def packed(m, w):
+        return math.ceil(m * w / 8)
+
+    steps = range(1, size)
+    sent = sum(packed(lens[(rank - i) % size], rs_width(i)) for i in steps)
+    sent += sum(packed(lens[(rank - j + 1) % size], ag_width) for j in steps)
+    recv = sum(packed(lens[(rank - i - 1) % size], rs_width(i)) for i in steps)
+    recv += sum(packed(lens[(rank - j) % size], ag_width) for j in steps)
+    return sent, recv
+
+
+def _expected_bytes(name, comm, x):
+    """(sent, recv) of this rank for one CompressedComm call on ``x``, from the docs."""
+    size, rank = comm.size, comm.rank
+    if name == "signsgd":
+        # Agreement, the allgather of every rank's mean |x| (8 bytes), the majority ring.
+        ring = _ring_bytes(x.size, size, rank, lambda i: math.ceil(math.log2(i + 1)), 1)
+        return HEAD + 8 + ring[0], HEAD + 8 * (size - 1) + ring[1]
+    if name == "qsgd_maxnorm":
+        # Agreement carrying the norm, then the signed ring with bound s = 2^(4-1) - 1 = 7.
+        ring = _ring_bytes(
+            x.size, size, rank, lambda i: (14 * i).bit_length(), (14 * size).bit_length()
+        )
+        return HEAD + ring[0], HEAD + ring[1]
+    # threelc: no agreement; sizes (one int64 each), then the payloads by Allgatherv.
+    own = mpicomp.codec(name).encode(x).size
+    every = gather_all(comm, np.array([own], dtype=np.int64)).reshape(-1)
+    return 8 + own, 8 * (size - 1) + int(every.sum()) - own
+
+
+def _plain_bytes(numel):
+    return HEAD + 4 * numel  # agreement, then one float32 MPI_Allreduce (logical bytes)
+
+
+def _inputs(rank, calls):
+    return [
+        (gradient_like(BIG, seed=100 * c + rank), gradient_like(SMALL, seed=7 + c))
+        for c in range(calls)
+    ]
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("name", ["qsgd_maxnorm", "signsgd", "threelc"])
+def test_events_hold_one_row_per_call_per_rank_with_the_exact_bytes(name, mpi_tmp_path):
+    comm = world()
+    path = mpi_tmp_path / f"{name}.h5"
+    params = {"bits": 4} if name == "qsgd_maxnorm" else {}
+    inputs = _inputs(comm.rank, 3)
+    with mpicomp.CompressedComm(
+        comm, name, min_numel=1024, error_feedback=False, trace=path, **params
+    ) as cc:
+        for big, small in inputs:
+            cc.allreduce(big, name="w")
+            cc.allreduce(small, name="b")
+    expected = []
+    for big, _ in inputs:
+        expected += [_expected_bytes(name, comm, big), (_plain_bytes(SMALL),) * 2]
+    mine = np.array(expected, dtype=np.int64)
+    every = gather_all(comm, mine)  # before any assert: a failing rank must not desync
+    events, steps, attrs = trace.read(path)
+    size, calls = comm.size, 2 * len(inputs)
+    assert steps is None  # level 1
+    assert events.size == calls * size
+    # Sorted by call, then rank; every rank has every call.
+    assert events["call"].tolist() == [c for c in range(calls) for _ in range(size)]
+    assert events["rank"].tolist() == list(range(size)) * calls
+    assert events["step"].tolist() == events["call"].tolist()
+    assert events["name"].tolist() == ([b"w"] * size + [b"b"] * size) * len(inputs)
+    big_rows = events["name"] == b"w"
+    assert set(events["numel"][big_rows].tolist()) == {BIG}
+    assert set(events["numel"][~big_rows].tolist()) == {SMALL}
+    assert (events["bytes_in"] == 4 * events["numel"]).all()
+    assert set(events["codec"][big_rows].tolist()) == {name.encode()}
+    assert set(events["codec"][~big_rows].tolist()) == {b"none"}
+    assert set(events["op"][big_rows].tolist()) == {b"allreduce"}
+    assert set(events["op"][~big_rows].tolist()) == {b"allreduce below min_numel"}
+    for r in range(size):
+        rows = events[events["rank"] == r]
+        assert rows["bytes_sent"].tolist() == every[r, :, 0].tolist()
+        assert rows["bytes_recv"].tolist() == every[r, :, 1].tolist()
+    for col in ("t_encode", "t_comm", "t_decode"):
+        assert (events[col] >= 0).all() and (events[col] <= events["t_total"]).all()
+    phases = events["t_encode"] + events["t_comm"] + events["t_decode"]
+    assert (phases <= events["t_total"] * (1 + 1e-9)).all()
+    assert attrs["world_size"] == size and attrs["codec"] == name
+    assert attrs["mpicomp_trace_version"] == 1 and "end_time" in attrs
+    assert attrs["error_feedback"] is False and attrs["min_numel"] == 1024
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("name", ["signsgd", "qsgd_maxnorm_multiscale", "threelc"])
+def test_level_2_steps_sum_to_the_event_bytes(name, mpi_tmp_path):
+    comm = world()
+    path = mpi_tmp_path / f"steps-{name}.h5"
+    inputs = _inputs(comm.rank, 2)
+    seen = Traffic()
+    opts = {"min_numel": 1024, "bucket_numel": 1000}  # w goes alone, b1 and b2 together
+    with mpicomp.CompressedComm(comm, name, trace=path, trace_level=2, **opts) as cc:
+        cc.tracer = seen  # gets every exchange step too
+        for big, small in inputs:
+            cc.allreduce(big, name="w")
+            cc.allreduce(small, name="b")
+        cc.allreduce_many([inputs[0][0], inputs[0][1], inputs[1][1]], names=["w", "b1", "b2"])
+    events, steps, attrs = trace.read(path)
+    assert attrs["trace_level"] == 2 and steps is not None
+    mine = events[events["rank"] == comm.rank]
+    assert mine["op"].tolist()[-2:] == [b"allreduce_many", b"allreduce_many bucket below min_numel"]
+    assert mine["name"].tolist()[-1] == b"bucket:b1|b2" and mine["numel"][-1] == 2 * SMALL
+    for ev in events:
+        rows = steps[(steps["call"] == ev["call"]) & (steps["rank"] == ev["rank"])]
+        assert rows.size > 0
+        assert (int(rows["sent"].sum()), int(rows["recv"].sum())) == (
+            ev["bytes_sent"],
+            ev["bytes_recv"],
+        )
+    # What the extra recorder saw is what this rank's rows hold.
+    assert (seen.sent, seen.recv) == (int(mine["bytes_sent"].sum()), int(mine["bytes_recv"].sum()))
+    my_steps = steps[steps["rank"] == comm.rank]
+    assert [(s["op"].decode(), int(s["substep"]), int(s["bits"])) for s in my_steps] == [
+        (op, step, bits) for op, step, _, _, bits in seen.steps
+    ]
+    if name == "signsgd" and comm.size > 1:
+        ring = my_steps[np.char.startswith(my_steps["op"], b"ring.")]
+        assert ring.size == 2 * (comm.size - 1) * 3  # 3 signSGD calls (w, w, many's w)
+
+
+@pytest.mark.mpi
+def test_flushed_rows_are_in_the_file_before_close(mpi_tmp_path):
+    comm = world()
+    path = mpi_tmp_path / "flush.h5"
+    cc = mpicomp.CompressedComm(comm, "signsgd", trace=path, trace_flush_every=2)
+    for c in range(5):
+        cc.allreduce(gradient_like(BIG, seed=c + comm.rank), name="w")
+    comm.Barrier()  # rank 0 wrote the 2nd flush before it reached the barrier
+    if comm.rank == 0:
+        events, _, attrs = trace.read(path)
+        flushed = events["call"].tolist()
+        closed_before = "end_time" in attrs
+    comm.Barrier()  # rank 0 has closed the file again before the next flush opens it
+    cc.close()
+    if comm.rank == 0:
+        assert flushed == [c for c in range(4) for _ in range(comm.size)]
+        assert not closed_before
+        events, _, attrs = trace.read(path)
+        assert events["call"].tolist() == [c for c in range(5) for _ in range(comm.size)]
+        assert "end_time" in attrs
+
+
+@pytest.mark.mpi
+def test_a_tracer_never_closed_leaves_its_flushed_rows(mpi_tmp_path):
+    comm = world()
+    sub = comm.Dup()
+    path = mpi_tmp_path / "crash.h5"
+    tracer = trace.Tracer(sub, path, flush_every=3, attrs={"codec": "test"})
+    for c in range(7):
+        tracer.begin(c, "allreduce", "test", f"t{c}", 10 + c)
+        tracer.record("fake.step", 1, 100 + comm.rank, 200, 8)
+        tracer.encoded()
+        tracer.end()
+    del tracer  # the job dies here: one call never flushed, no close
+    comm.Barrier()
+    if comm.rank == 0:
+        events, _, attrs = trace.read(path)
+    comm.Barrier()
+    sub.Free()
+    if comm.rank == 0:
+        assert events.size == 6 * comm.size and "end_time" not in attrs
+        assert events["numel"].tolist() == [10 + c for c in range(6) for _ in range(comm.size)]
+        assert events["bytes_sent"].tolist() == list(range(100, 100 + comm.size)) * 6
+        assert (events["bytes_recv"] == 200).all() and attrs["codec"] == "test"
+
+
+@pytest.mark.mpi(min_size=2)
+def test_a_call_that_fails_on_every_rank_is_not_recorded(mpi_tmp_path):
+    comm = world()
+    path = mpi_tmp_path / "fail.h5"
+    with mpicomp.CompressedComm(
+        comm, "qsgd_maxnorm", trace=path, trace_level=2, trace_flush_every=2, min_numel=0
+    ) as cc:
+        cc.allreduce(gradient_like(100, seed=comm.rank), name="ok")
+        with pytest.raises(RuntimeError, match="disagree"):
+            cc.allreduce(gradient_like(100 + comm.rank, seed=1), name="bad")
+        cc.allreduce(gradient_like(100, seed=2), name="ok")
+        cc.allreduce(gradient_like(100, seed=3), name="ok")
+    events, steps, _ = trace.read(path)
+    assert events.size == 3 * comm.size
+    assert set(events["name"].tolist()) == {b"ok"}
+    assert events["call"].tolist() == [c for c in range(3) for _ in range(comm.size)]
+    assert events["step"].tolist() == [s for s in (0, 2, 3) for _ in range(comm.size)]
+    for ev in events:
+        rows = steps[(steps["call"] == ev["call"]) & (steps["rank"] == ev["rank"])]
+        assert int(rows["sent"].sum()) == ev["bytes_sent"]
+
+
+@pytest.mark.mpi
+def test_an_uncreatable_trace_file_raises_on_every_rank(mpi_tmp_path):
+    comm = world()
+    with pytest.raises(OSError):
+        mpicomp.CompressedComm(comm, "none", trace=mpi_tmp_path / "missing" / "t.h5")
+    with pytest.raises(ValueError, match="level"):
+        mpicomp.CompressedComm(comm, "none", trace=mpi_tmp_path / "t.h5", trace_level=3)
