@@ -27,25 +27,39 @@ class RankError(RuntimeError):
     """Another rank failed, or ranks disagree, in the same collective call."""
 
 
-def _agree(comm, n: int, error: Exception | None, value: float = 0.0, tracer=None) -> float:
-    """Check that all ranks bring n elements and none failed; return the max of ``value``.
+def _agree(
+    comm, n: int, error: Exception | None, value: float = 0.0, layout: int = 0, tracer=None
+) -> float:
+    """Check that all ranks bring n elements in the same layout and none failed.
 
-    One MaxAllReduce of [value, n, -n, failed_rank + 1]: float64 holds n exactly
-    up to 2^53. Raises the local error on the rank that failed and RankError elsewhere.
+    One MaxAllReduce of [value, n, -n, layout, -layout, failed_rank + 1] (float64
+    holds n and a 32-bit layout hash exactly). Returns the max of ``value`` over
+    ranks. Raises the local error on the rank that failed and RankError elsewhere.
     """
     failed = comm.rank + 1 if error is not None else 0
-    vec = np.array([value, n, -n, failed], dtype=np.float64)
+    vec = np.array([value, n, -n, layout, -layout, failed], dtype=np.float64)
     top = max_allreduce(comm, vec, tracer=tracer)
-    if top[3]:
+    if top[5]:
         if error is not None:
             raise error
-        raise RankError(f"rank {int(top[3]) - 1} failed in the same call (see its error)")
+        raise RankError(f"rank {int(top[5]) - 1} failed in the same call (see its error)")
     if top[1] != -top[2]:
         raise RankError(
             f"ranks disagree on the tensor size: from {int(-top[2])} to {int(top[1])} "
             f"elements (this rank: {n})"
         )
+    if top[3] != -top[4]:
+        raise RankError("ranks disagree on the tensors fused into this bucket (names or sizes)")
     return float(top[0])
+
+
+def fail(comm, error: Exception, layout: int = 0, tracer=None) -> None:
+    """Take part in a call's agreement as the rank whose input was refused; raise ``error``.
+
+    Every path begins with the same agreement message, so the other ranks, whichever
+    path they took, receive the failure there and raise RankError.
+    """
+    _agree(comm, 0, error, layout=layout, tracer=tracer)
 
 
 def _attempt(fn, *args, **kwargs):
@@ -56,11 +70,11 @@ def _attempt(fn, *args, **kwargs):
         return None, e
 
 
-def reduce_sum(comm, codec, flat, tracer=None, clock=NO_CLOCK) -> np.ndarray:
+def reduce_sum(comm, codec, flat, tracer=None, clock=NO_CLOCK, layout: int = 0) -> np.ndarray:
     """Average by MPI sum of ``codec.to_wire`` (float32 as it is, or float16)."""
     wire, err = _attempt(codec.to_wire, flat)
     clock.encoded()
-    _agree(comm, flat.size, err, tracer=tracer)
+    _agree(comm, flat.size, err, layout=layout, tracer=tracer)
     if wire.dtype == np.float16:
         total = np.empty_like(wire)
         comm.Allreduce([wire, MPI.UINT16_T], [total, MPI.UINT16_T], op=_float16_sum())
@@ -95,14 +109,16 @@ def _float16_sum():
     return _F16_SUM
 
 
-def reduce_integer(comm, codec, flat, step: int, tracer=None, clock=NO_CLOCK) -> np.ndarray:
+def reduce_integer(
+    comm, codec, flat, step: int, tracer=None, clock=NO_CLOCK, layout: int = 0
+) -> np.ndarray:
     """Average QSGD-MaxNorm codes: MaxAllReduce of norms, [MinAllReduce of scale
     indices], exact ring sum of the codes, dequantize."""
     sparse = hasattr(codec, "coordinates")  # GlobalRandK: K coordinates drawn per step
     at = {"step": step} if sparse else {}
     norm, err = _attempt(codec.local_norm, flat, **at)
     clock.encoded()
-    norm = _agree(comm, flat.size, err, value=norm or 0.0, tracer=tracer)
+    norm = _agree(comm, flat.size, err, value=norm or 0.0, layout=layout, tracer=tracer)
     clock.communicated()
     extra = ()
     if hasattr(codec, "scale_index"):
@@ -124,12 +140,14 @@ def reduce_integer(comm, codec, flat, step: int, tracer=None, clock=NO_CLOCK) ->
     return out
 
 
-def reduce_majority(comm, codec, flat, step: int, tracer=None, clock=NO_CLOCK) -> np.ndarray:
+def reduce_majority(
+    comm, codec, flat, step: int, tracer=None, clock=NO_CLOCK, layout: int = 0
+) -> np.ndarray:
     """signSGD: ring sum of votes, majority decided by each chunk's owner, ±mean scale."""
     votes, err = _attempt(codec.votes, flat)
     scale = codec.scale(flat) if err is None else 0.0
     clock.encoded()
-    _agree(comm, flat.size, err, tracer=tracer)
+    _agree(comm, flat.size, err, layout=layout, tracer=tracer)
     # Every rank's mean |x|, summed in rank order: the same float on every rank.
     scales = np.empty(comm.size, dtype=np.float64)
     comm.Allgather(np.array([scale], dtype=np.float64), scales)
@@ -147,11 +165,14 @@ def reduce_majority(comm, codec, flat, step: int, tracer=None, clock=NO_CLOCK) -
     return out
 
 
-def reduce_gather(comm, codec, flat, encode, tracer=None, clock=NO_CLOCK) -> np.ndarray:
+def reduce_gather(
+    comm, codec, flat, encode, tracer=None, clock=NO_CLOCK, layout: int = 0
+) -> np.ndarray:
     """Allgather every rank's payload; every rank decodes all and averages in rank order."""
     payload, err = _attempt(encode, flat)
     clock.encoded()
-    payloads = _exchange(allgather_bytes, comm, payload, err, tracer)
+    _agree(comm, flat.size, err, layout=layout, tracer=tracer)
+    payloads = _exchange(allgather_bytes, comm, payload, None, tracer)
     clock.communicated()
     out = _decode_mean(codec, payloads, flat.size)
     clock.decoded()
@@ -159,7 +180,7 @@ def reduce_gather(comm, codec, flat, encode, tracer=None, clock=NO_CLOCK) -> np.
 
 
 def reduce_sharded(
-    comm, codec, flat, encode_push, encode_pull, tracer=None, clock=NO_CLOCK
+    comm, codec, flat, encode_push, encode_pull, tracer=None, clock=NO_CLOCK, layout: int = 0
 ) -> np.ndarray:
     """3LC's push/pull: shard s is averaged by rank s, compressed once more, pulled by all.
 
@@ -169,14 +190,17 @@ def reduce_sharded(
     bounds = shard_bounds(flat.size, comm.size)
     pushed, err = _attempt(lambda: [encode_push(flat[a:b], s) for s, (a, b) in enumerate(bounds)])
     clock.encoded()
-    received = _exchange(alltoall_bytes, comm, pushed, err, tracer)
+    _agree(comm, flat.size, err, layout=layout, tracer=tracer)
+    received = _exchange(alltoall_bytes, comm, pushed, None, tracer)
     clock.communicated()
     a, b = bounds[comm.rank]
     mine = _decode_mean(codec, received, b - a)
     clock.decoded()
-    pull = encode_pull(mine)
+    # The owner's average can still be refused (e.g. a float32 sum that overflowed):
+    # it then takes part in the allgather with None, so every rank raises.
+    pull, err = _attempt(encode_pull, mine)
     clock.encoded()
-    pulled = _exchange(allgather_bytes, comm, pull, None, tracer)
+    pulled = _exchange(allgather_bytes, comm, pull, err, tracer)
     clock.communicated()
     parts = [codec.decode(p).reshape(-1) for p in pulled]
     for (a, b), part in zip(bounds, parts, strict=True):

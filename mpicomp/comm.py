@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import sys
+import zlib
 
 import numpy as np
 
@@ -121,7 +122,11 @@ class CompressedComm:
                 name for the same tensor every step.
         """
         self._check_open()
-        flat = as_gradient(x, what=f"gradient {name!r}" if name else "gradient").reshape(-1)
+        try:
+            flat = as_gradient(x, what=f"gradient {name!r}" if name else "gradient").reshape(-1)
+            self._check_name(name)
+        except (ValueError, TypeError) as e:
+            self._fail(e)
         return _like(x, self._average(flat, name).reshape(np.shape(x)))
 
     def allreduce_many(self, arrays, names=None) -> list:
@@ -134,12 +139,17 @@ class CompressedComm:
         self._check_open()
         arrays = list(arrays)
         names = [f"#{i}" for i in range(len(arrays))] if names is None else list(names)
-        if len(names) != len(arrays):
-            raise ValueError(f"{len(names)} names for {len(arrays)} arrays")
-        flats = [
-            as_gradient(a, what=f"gradient {n!r}").reshape(-1)
-            for a, n in zip(arrays, names, strict=True)
-        ]
+        try:
+            if len(names) != len(arrays):
+                raise ValueError(f"{len(names)} names for {len(arrays)} arrays")
+            flats = [
+                as_gradient(a, what=f"gradient {n!r}").reshape(-1)
+                for a, n in zip(arrays, names, strict=True)
+            ]
+            for n in names:
+                self._check_name(n)
+        except (ValueError, TypeError) as e:
+            self._fail(e)
         out: list = [None] * len(arrays)
         for members in _buckets([f.size for f in flats], self.bucket_numel):
             if len(members) == 1:
@@ -149,7 +159,9 @@ class CompressedComm:
                 continue
             fused = np.concatenate([flats[i] for i in members])
             bucket = "bucket:" + "|".join(names[i] for i in members)
-            avg = self._average(fused, bucket, "allreduce_many bucket")
+            sizes = ",".join(str(flats[i].size) for i in members)
+            layout = zlib.crc32(f"{bucket}/{sizes}".encode())
+            avg = self._average(fused, bucket, "allreduce_many bucket", layout)
             start = 0
             for i in members:
                 part = avg[start : start + flats[i].size]
@@ -192,6 +204,17 @@ class CompressedComm:
         if self._comm is None:
             raise RuntimeError("CompressedComm is closed")
 
+    def _check_name(self, name: str) -> None:
+        if self._feedback is not None and not name:
+            raise ValueError(
+                "error feedback keeps one residual per tensor: pass name= (the same each step)"
+            )
+
+    def _fail(self, error: Exception):
+        """Raise ``error`` here and a RankError on every other rank, in step with them."""
+        self._calls += 1  # the other ranks count this call: keep the RNG step aligned
+        _reduce.fail(self._comm, error, tracer=self.tracer)
+
     def _close(self, flush_trace: bool) -> None:
         if self._comm is None:
             return
@@ -215,42 +238,50 @@ class CompressedComm:
             "sharded": self.sharded,
         }
 
-    def _average(self, flat: np.ndarray, name: str, op: str = "allreduce") -> np.ndarray:
+    def _average(
+        self, flat: np.ndarray, name: str, op: str = "allreduce", layout: int | None = None
+    ) -> np.ndarray:
         step = self._calls
         self._calls += 1
-        # Below min_numel a compressing codec steps aside for a plain float32 sum.
-        plain = flat.size < self.min_numel and self.codec.aggregation != "sum"
+        # Below min_numel every codec, fp16 included, steps aside for a float32 sum.
+        plain = flat.size < self.min_numel and self.codec.name != "none"
+        # Names (and bucket layouts) take part in the agreement: ranks calling with
+        # tensors in different orders raise instead of mixing them.
+        if layout is None:
+            layout = zlib.crc32(name.encode())
         trace = self.trace
         if trace is None:
-            return self._reduce(flat, name, step, plain, self.tracer, NO_CLOCK)
+            return self._reduce(flat, name, step, plain, self.tracer, NO_CLOCK, layout)
         codec = "none" if plain else self.codec.name
         trace.begin(
             step, f"{op} below min_numel" if plain else op, codec, name, flat.size, self.tracer
         )
-        out = self._reduce(flat, name, step, plain, trace, trace)
+        out = self._reduce(flat, name, step, plain, trace, trace, layout)
         trace.end()
         return out
 
-    def _reduce(self, flat, name: str, step: int, plain: bool, tracer, clock) -> np.ndarray:
+    def _reduce(
+        self, flat, name: str, step: int, plain: bool, tracer, clock, layout: int
+    ) -> np.ndarray:
         comm, codec = self._comm, self.codec
         if plain or codec.aggregation == "sum":
             small = self._plain if plain else codec
-            return _reduce.reduce_sum(comm, small, flat, tracer, clock)
+            return _reduce.reduce_sum(comm, small, flat, tracer, clock, layout)
         if codec.aggregation == "integer_sum":
-            return _reduce.reduce_integer(comm, codec, flat, step, tracer, clock)
+            return _reduce.reduce_integer(comm, codec, flat, step, tracer, clock, layout)
         if codec.aggregation == "majority":
-            return _reduce.reduce_majority(comm, codec, flat, step, tracer, clock)
+            return _reduce.reduce_majority(comm, codec, flat, step, tracer, clock, layout)
         if self.sharded:
             if self._feedback is not None:
                 push = lambda f, s: self._feedback.encode(f, f"{name}#shard{s}")  # noqa: E731
                 pull = lambda f: self._server_feedback.encode(f, name)  # noqa: E731
             else:
                 push, pull = (lambda f, s: codec.encode(f)), codec.encode
-            return _reduce.reduce_sharded(comm, codec, flat, push, pull, tracer, clock)
+            return _reduce.reduce_sharded(comm, codec, flat, push, pull, tracer, clock, layout)
         encode = codec.encode
         if self._feedback is not None:
             encode = lambda f: self._feedback.encode(f, name)  # noqa: E731
-        return _reduce.reduce_gather(comm, codec, flat, encode, tracer, clock)
+        return _reduce.reduce_gather(comm, codec, flat, encode, tracer, clock, layout)
 
 
 def _buckets(sizes: list[int], limit: int) -> list[list[int]]:

@@ -158,9 +158,9 @@ def test_mismatched_sizes_raise_on_every_rank(name):
     x = gradient_like(N + comm.rank % 2, seed=1)
     with mpicomp.CompressedComm(comm, name, min_numel=0) as cc:
         with pytest.raises(RuntimeError, match="disagree"):
-            cc.allreduce(x)
+            cc.allreduce(x, name="g")
         # The communicator is still usable: the next agreeing call goes through.
-        y = cc.allreduce(np.ones(N, np.float32))
+        y = cc.allreduce(np.ones(N, np.float32), name="h")
     assert y.shape == (N,)
 
 
@@ -174,7 +174,7 @@ def test_nan_on_one_rank_raises_on_every_rank(name):
     with mpicomp.CompressedComm(comm, name, min_numel=0) as cc:
         expected = ValueError if comm.rank == 1 else RuntimeError
         with pytest.raises(expected, match="NaN|rank 1"):
-            cc.allreduce(x)
+            cc.allreduce(x, name="g")
 
 
 @pytest.mark.mpi
@@ -201,3 +201,56 @@ def test_dlpack_input_and_closed_comm():
     cc.close()
     with pytest.raises(RuntimeError, match="closed"):
         cc.allreduce(x)
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("name", ["none", "grandk_maxnorm", "signsgd", "threelc", "fastsgd"])
+def test_bad_input_on_one_rank_raises_everywhere_and_keeps_steps_aligned(name):
+    comm = world()
+    x = gradient_like(N, seed=3)
+    with mpicomp.CompressedComm(comm, name, min_numel=0) as cc:
+        bad = np.arange(N) if comm.rank == 1 else x  # integers: refused on rank 1 only
+        expected = TypeError if comm.rank == 1 else RuntimeError
+        with pytest.raises(expected, match="floating-point|rank 1 failed"):
+            cc.allreduce(bad, name="g")
+        # The failed call counted on every rank: the next call draws the same numbers.
+        y = cc.allreduce(x, name="g2")
+        assert cc.state_dict()["step"] == 2
+    np.testing.assert_array_equal(gather_all(comm, y)[0], y)
+    expected_y = reference_average(name, gather_all(comm, x), step=1)
+    if name == "none":
+        np.testing.assert_allclose(y, expected_y, rtol=1e-6, atol=1e-9)
+    elif name != "fastsgd":  # fastsgd's payloads carry feedback state: same-step check suffices
+        np.testing.assert_array_equal(y, expected_y)
+
+
+@pytest.mark.mpi(min_size=2)
+def test_tensors_fused_in_different_orders_raise_everywhere():
+    comm = world()
+    a, b = np.ones(30, np.float32), np.ones(50, np.float32)
+    order = [a, b] if comm.rank % 2 == 0 else [b, a]
+    names = ["a", "b"] if comm.rank % 2 == 0 else ["b", "a"]
+    with mpicomp.CompressedComm(comm, "none", bucket_numel=1000) as cc:
+        with pytest.raises(RuntimeError, match="fused into this bucket"):
+            cc.allreduce_many(order, names=names)
+
+
+@pytest.mark.mpi(min_size=2)
+def test_sharded_size_mismatch_raises_everywhere():
+    comm = world()
+    x = gradient_like(100 + comm.rank % 2, seed=4)
+    with mpicomp.CompressedComm(comm, "threelc", sharded=True, min_numel=0) as cc:
+        with pytest.raises(RuntimeError, match="disagree"):
+            cc.allreduce(x, name="g")
+
+
+@pytest.mark.mpi
+def test_error_feedback_needs_a_name_and_fp16_small_tensors_go_as_float32():
+    comm = world()
+    with mpicomp.CompressedComm(comm, "threelc", min_numel=0) as cc:
+        with pytest.raises(ValueError, match="pass name="):
+            cc.allreduce(np.ones(10, np.float32))
+    x = np.full(10, 0.1 * (comm.rank + 1), np.float32)
+    with mpicomp.CompressedComm(comm, "fp16") as cc:  # 10 < min_numel
+        y = cc.allreduce(x)
+    np.testing.assert_allclose(y, gather_all(comm, x).astype(np.float64).mean(axis=0), rtol=1e-6)

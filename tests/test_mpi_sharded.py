@@ -74,7 +74,7 @@ def test_sharded_receives_fewer_bytes_than_allgather():
     for sharded in (False, True):
         with mpicomp.CompressedComm(comm, "threelc", sharded=sharded, min_numel=0) as cc:
             cc.tracer = Traffic()
-            cc.allreduce(x)
+            cc.allreduce(x, name="g")
             received[sharded] = cc.tracer.recv
     # Allgather: N-1 whole payloads P. Push/pull: (N-1)/N of one P, plus (N-1)/N of the
     # owners' re-compressed averages, which 3LC sends less sparsely (~1.75 P measured).

@@ -57,10 +57,10 @@ def _expected_bytes(name, comm, x):
             x.size, size, rank, lambda i: (14 * i).bit_length(), (14 * size).bit_length()
         )
         return HEAD + ring[0], HEAD + ring[1]
-    # threelc: no agreement; sizes (one int64 each), then the payloads by Allgatherv.
+    # threelc: the agreement, sizes (one int64 each), then the payloads by Allgatherv.
     own = mpicomp.codec(name).encode(x).size
     every = gather_all(comm, np.array([own], dtype=np.int64)).reshape(-1)
-    return 8 + own, 8 * (size - 1) + int(every.sum()) - own
+    return HEAD + 8 + own, HEAD + 8 * (size - 1) + int(every.sum()) - own
 
 
 def _plain_bytes(numel):

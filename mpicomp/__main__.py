@@ -1,0 +1,7 @@
+"""``python -m mpicomp``: the ``mpicomp`` command line."""
+
+import sys
+
+from mpicomp.cli import main
+
+sys.exit(main())

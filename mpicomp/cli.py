@@ -1,0 +1,319 @@
+"""The ``mpicomp`` command: ``info``, ``bench``, ``trace summary`` and ``trace plot``."""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import json
+import os
+import platform
+import re
+import sys
+
+import mpicomp
+from mpicomp.bench import parse_count
+
+# A library call that answers "built with CUDA and enabled at run time", per vendor.
+# MPICH: MPIX_GPU_query_support(MPIX_GPU_SUPPORT_CUDA = 0, &flag) (MPICH >= 4.0);
+# Open MPI and MPICH both: MPIX_Query_cuda_support() (Open MPI's mpi-ext.h).
+_MPIX_GPU_SUPPORT_CUDA = 0
+_FALSE = ("0", "no", "false", "off", "disable")
+# libmpi.so.12 (MPICH, Intel MPI), libmpi.so.40 (Open MPI), libmpi_abi.so (the MPI-5 ABI),
+# libmpich.so, libmpi_cray.so (Cray MPICH).
+_LIBMPI = re.compile(r"libmpi(ch|_cray|_abi)?\.so")
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the ``mpicomp`` command line; return its exit status (2 for bad arguments)."""
+    parser = _parser()
+    try:
+        args = parser.parse_args(argv)
+        return args.run(args, parser)
+    except SystemExit as e:  # usage errors and --help: a status, not an exception
+        return e.code if isinstance(e.code, int) else 2
+
+
+# -- arguments -----------------------------------------------------------------------
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="mpicomp",
+        description="Compressed gradient all-reduce over MPI: environment, benchmarks, traces.",
+    )
+    parser.add_argument("--version", action="version", version=f"mpicomp {mpicomp.__version__}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    p = sub.add_parser(
+        "info",
+        help="versions, the MPI library in use, CUDA-aware MPI, GPUs, backends, codecs",
+        description="Print what mpicomp runs on: versions, the MPI library mpi4py loaded, "
+        "CUDA-aware MPI, GPUs, backends and codecs.",
+    )
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of text")
+    p.set_defaults(run=_cmd_info)
+
+    p = sub.add_parser(
+        "bench",
+        help="encode/decode throughput of every codec beside memcpy, one process",
+        description="Encode and decode throughput (GB/s of float32 input) of each codec on "
+        "one gradient-shaped tensor, beside np.copyto of the same buffer, and the bits per "
+        "element one rank sends. Median of --reps after a warm-up.",
+    )
+    p.add_argument(
+        "--codecs",
+        type=_codec_list,
+        default=None,
+        metavar="NAMES",
+        help="comma-separated codec names (default: all; see `mpicomp info`)",
+    )
+    p.add_argument(
+        "--numel",
+        type=_positive_count,
+        default=1_000_000,
+        metavar="N",
+        help="elements of the gradient; suffixes K, M, G (default: 1M)",
+    )
+    p.add_argument(
+        "--reps", type=_positive_count, default=5, metavar="R", help="timed repetitions (5)"
+    )
+    p.add_argument("--seed", type=int, default=0, help="seed of the gradient (0)")
+    p.add_argument("--json", action="store_true", help="print a JSON list of rows on stdout")
+    p.add_argument("-q", "--quiet", action="store_true", help="no progress on stderr")
+    p.set_defaults(run=_cmd_bench)
+
+    p = sub.add_parser("trace", help="read an HDF5 trace written by CompressedComm(trace=...)")
+    tsub = p.add_subparsers(dest="trace_command", required=True, metavar="ACTION")
+    t = tsub.add_parser("summary", help="print a table of a trace", description="Print a table.")
+    t.add_argument("file", metavar="FILE", help="an HDF5 trace file")
+    t.set_defaults(run=_cmd_trace_summary, sub_parser=t)
+    t = tsub.add_parser("plot", help="draw a trace to an image", description="Draw a trace.")
+    t.add_argument("file", metavar="FILE", help="an HDF5 trace file")
+    t.add_argument(
+        "-o", "--output", metavar="OUT", help="image file to write (default: FILE with .png)"
+    )
+    t.set_defaults(run=_cmd_trace_plot, sub_parser=t)
+    return parser
+
+
+def _positive_count(text: str) -> int:
+    try:
+        value = parse_count(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(
+            f"must be a whole number >= 1 (suffixes K, M, G allowed), got {text!r}"
+        )
+    return value
+
+
+def _codec_list(text: str) -> list[str]:
+    names = [n.strip() for n in text.split(",") if n.strip()]
+    if not names:
+        raise argparse.ArgumentTypeError(f"no codec names in {text!r}")
+    known = mpicomp.codecs.available()
+    for name in names:
+        if name not in known:
+            raise argparse.ArgumentTypeError(
+                f"unknown codec {name!r}; available: {', '.join(known)}"
+            )
+    return names
+
+
+# -- info ----------------------------------------------------------------------------
+
+
+def info() -> dict[str, str]:
+    """Return what ``mpicomp info`` prints, as an ordered {field: text} dict.
+
+    Initializes MPI (through ``mpi4py.MPI``) if it is not initialized yet.
+    """
+    import numba
+    import numpy
+    from mpi4py import MPI
+
+    out = {"mpicomp": mpicomp.__version__, "python": platform.python_version()}
+    out["numpy"] = numpy.__version__
+    out["numba"] = numba.__version__
+    out["mpi4py"] = _version("mpi4py")
+    out["h5py"] = _version("h5py")
+    vendor, vversion = MPI.get_vendor()
+    # Open MPI's string ends in a NUL; MPICH pads with runs of spaces.
+    text = MPI.Get_library_version().replace("\0", "").strip()
+    out["MPI library"] = " ".join(text.splitlines()[0].split())
+    out["MPI vendor"] = f"{vendor} {'.'.join(map(str, vversion))}"
+    out["MPI standard"] = "{}.{}".format(*MPI.Get_version())
+    libpath = _libmpi_path()
+    out["MPI library file"] = libpath or "unknown"
+    out["mpi4py ABI"] = _mpi4py_abi(MPI)
+    out["MPI world size"] = str(MPI.COMM_WORLD.size)
+    gpus, gpu_ok = _gpus()
+    lib_cuda = _mpi_cuda_support(libpath, vendor)
+    out["MPI CUDA support"] = lib_cuda
+    out["CUDA-aware MPI"] = lib_cuda if gpu_ok else "no (no GPU backend)"
+    out["GPUs"] = gpus
+    backends = [f"cpu (numba {numba.config.NUMBA_NUM_THREADS} threads)"]
+    if gpu_ok:
+        backends.append("cuda")
+    out["backends"] = ", ".join(backends)
+    out["codecs"] = ", ".join(mpicomp.codecs.available())
+    return out
+
+
+def _version(module: str) -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version(module)
+    except PackageNotFoundError:
+        return "not installed"
+
+
+def _libmpi_path() -> str | None:
+    """Return the file of the MPI library this process has mapped (Linux), else None."""
+    try:
+        with open("/proc/self/maps") as f:
+            maps = f.read()
+    except OSError:  # not Linux: no cheap way to ask the loader
+        return None
+    for line in maps.splitlines():
+        parts = line.split(maxsplit=5)
+        if len(parts) == 6 and _LIBMPI.match(os.path.basename(parts[5])):
+            return parts[5]
+    return None
+
+
+def _mpi4py_abi(MPI) -> str:
+    # mpi4py's PyPI wheels carry one extension per MPI ABI (MPI.mpich.so, MPI.openmpi.so)
+    # and pick it from the library they load; a source build has a plain MPI.so.
+    name = os.path.basename(getattr(MPI, "__file__", "") or "")
+    parts = name.split(".")
+    if len(parts) > 2 and parts[1] in ("mpich", "openmpi", "mpiabi", "impi", "msmpi"):
+        return f"{parts[1]} (mpi4py wheel)"
+    return "built against this library"
+
+
+def _mpi_cuda_support(libpath: str | None, vendor: str) -> str:
+    """Return whether the MPI library reports CUDA support, and how that was asked."""
+    env = os.environ.get("MPIR_CVAR_ENABLE_GPU")
+    if vendor == "MPICH" and env is not None and env.strip().lower() in _FALSE:
+        return f"no (MPIR_CVAR_ENABLE_GPU={env})"
+    if libpath is None:
+        return "unknown (MPI library file not found)"
+    try:
+        lib = ctypes.CDLL(libpath)  # already loaded: this returns the same handle
+    except OSError as e:
+        return f"unknown ({e})"
+    query = getattr(lib, "MPIX_GPU_query_support", None)
+    if query is not None:
+        flag = ctypes.c_int(0)
+        query.argtypes = [ctypes.c_int, ctypes.POINTER(ctypes.c_int)]
+        if query(_MPIX_GPU_SUPPORT_CUDA, ctypes.byref(flag)) == 0:
+            return f"{'yes' if flag.value else 'no'} (MPIX_GPU_query_support)"
+    query = getattr(lib, "MPIX_Query_cuda_support", None)
+    if query is not None:
+        query.restype = ctypes.c_int
+        return f"{'yes' if query() else 'no'} (MPIX_Query_cuda_support)"
+    return "unknown (the library has no MPIX_Query_cuda_support)"
+
+
+def _gpus() -> tuple[str, bool]:
+    """Return (description of the GPUs CuPy sees, whether the CUDA backend can run)."""
+    try:
+        import cupy
+    except ImportError:
+        return "none (CuPy not installed)", False
+    try:
+        n = cupy.cuda.runtime.getDeviceCount()
+        names = [
+            cupy.cuda.runtime.getDeviceProperties(i)["name"].decode(errors="replace")
+            for i in range(n)
+        ]
+    except Exception as e:  # CUDARuntimeError and friends: no driver, no device
+        return f"none (CuPy {cupy.__version__}: {e})", False
+    if n == 0:
+        return f"none (CuPy {cupy.__version__} sees no device)", False
+    return f"{n} ({', '.join(names)})", True
+
+
+def _cmd_info(args, parser) -> int:
+    fields = info()
+    from mpi4py import MPI
+
+    if MPI.COMM_WORLD.rank != 0:  # under mpiexec: one report, not one per rank
+        return 0
+    if args.json:
+        print(json.dumps(fields, indent=1))
+    else:
+        width = max(map(len, fields)) + 2
+        for key, value in fields.items():
+            print(f"{key + ':':<{width}}{value}")
+    return 0
+
+
+# -- bench ---------------------------------------------------------------------------
+
+
+def _cmd_bench(args, parser) -> int:
+    import numba
+
+    from mpicomp import bench
+
+    progress = None if args.quiet else sys.stderr
+    rows = bench.run(args.codecs, args.numel, args.reps, args.seed, progress=progress)
+    if args.json:
+        print(json.dumps(rows, indent=1))
+        return 0
+    memcpy = rows[0]["memcpy_gbps"] if rows else float("nan")
+    print(
+        f"mpicomp {mpicomp.__version__} bench: {args.numel:,} float32 elements "
+        f"({args.numel * 4 / 2**20:.1f} MiB), one process, cpu backend "
+        f"(numba {numba.config.NUMBA_NUM_THREADS} threads), median of {args.reps} "
+        f"after a warm-up\nmemcpy (np.copyto) of the same buffer, same run: "
+        f"{memcpy:.2f} GB/s (the x/memcpy columns divide by it)"
+    )
+    bench.format_table(rows)
+    print(
+        "GB/s: float32 input bytes / time (1 GB = 1e9 B); bits/elem: one rank's wire "
+        "(payload with header, or ring codes at the first step's width);\n"
+        "rel.err: ||decode(encode(g)) - g|| / ||g||, one rank, no error feedback."
+    )
+    return 0
+
+
+# -- trace ---------------------------------------------------------------------------
+
+
+def _trace_module(args):
+    if not os.path.isfile(args.file):
+        args.sub_parser.error(f"no such file: {args.file!r}")
+    try:
+        from mpicomp import trace
+    except ImportError as e:
+        raise RuntimeError(f"mpicomp.trace is not available ({e})") from e
+    return trace
+
+
+def _trace_error(args, e: Exception) -> int:
+    print(f"mpicomp trace {args.trace_command}: error: {e}", file=sys.stderr)
+    return 2
+
+
+def _cmd_trace_summary(args, parser) -> int:
+    try:
+        text = _trace_module(args).summarize(args.file)
+    except (ValueError, RuntimeError, OSError, KeyError) as e:
+        return _trace_error(args, e)
+    print(text)
+    return 0
+
+
+def _cmd_trace_plot(args, parser) -> int:
+    out = args.output or os.path.splitext(args.file)[0] + ".png"
+    try:
+        _trace_module(args).plot(args.file, out)
+    except (ValueError, RuntimeError, OSError, KeyError) as e:
+        return _trace_error(args, e)
+    print(f"wrote {out}", file=sys.stderr)
+    return 0

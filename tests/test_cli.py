@@ -1,0 +1,180 @@
+"""The ``mpicomp`` command line: info, bench, trace, and usage errors (one process)."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from mpicomp import bench, cli
+
+
+def _run(*args, timeout=120):
+    """Run ``python -m mpicomp ARGS`` in a fresh process; return (code, stdout, stderr)."""
+    p = subprocess.run(
+        [sys.executable, "-m", "mpicomp", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+    return p.returncode, p.stdout, p.stderr
+
+
+def test_info_names_the_mpi_library(capsys):
+    from mpi4py import MPI
+
+    assert cli.main(["info"]) == 0
+    out = capsys.readouterr().out
+    fields = dict(line.split(":", 1) for line in out.splitlines())
+    fields = {k: v.strip() for k, v in fields.items()}
+    vendor = MPI.get_vendor()[0]
+    assert vendor in fields["MPI vendor"]
+    first = MPI.Get_library_version().replace("\0", "").strip().splitlines()[0]
+    assert fields["MPI library"] == " ".join(first.split())
+    assert fields["MPI standard"] == "{}.{}".format(*MPI.Get_version())
+    assert fields["codecs"].split(", ") == sorted(fields["codecs"].split(", "))
+    assert "threelc" in fields["codecs"]
+    assert fields["backends"].startswith("cpu (numba ")
+    for key in ("mpicomp", "numpy", "numba", "mpi4py", "h5py", "CUDA-aware MPI", "GPUs"):
+        assert fields[key]
+
+
+def test_info_json_matches_the_library(capsys):
+    from mpi4py import MPI
+
+    assert cli.main(["info", "--json"]) == 0
+    fields = json.loads(capsys.readouterr().out)
+    assert fields["MPI vendor"].startswith(MPI.get_vendor()[0])
+    assert fields["MPI world size"] == str(MPI.COMM_WORLD.size)
+    if fields["GPUs"].startswith("none"):
+        assert fields["CUDA-aware MPI"] == "no (no GPU backend)"
+        assert "cuda" not in fields["backends"]
+
+
+def test_module_help_works():
+    code, out, err = _run("--help")
+    assert code == 0, err
+    assert "usage: mpicomp" in out
+    for command in ("info", "bench", "trace"):
+        assert command in out
+
+
+@pytest.mark.parametrize(
+    "argv, expect",
+    [
+        ([], "required"),
+        (["frobnicate"], "invalid choice"),
+        (["trace"], "required"),
+        (["trace", "summary"], "FILE"),
+        (["trace", "plot"], "FILE"),
+        (["trace", "summary", "/nonexistent/run.h5"], "no such file"),
+        (["bench", "--codecs", "nope"], "unknown codec 'nope'"),
+        (["bench", "--codecs", "threelc,"], None),  # a trailing comma is fine: parses
+        (["bench", "--numel", "-5"], "--numel"),
+        (["bench", "--numel", "1.5"], "--numel"),
+        (["bench", "--numel", "abc"], "--numel"),
+        (["bench", "--reps", "0"], "--reps"),
+    ],
+)
+def test_bad_arguments_are_usage_errors(argv, expect, capsys):
+    if expect is None:  # parse only: do not run the benchmark
+        assert cli._parser().parse_args(argv).codecs == ["threelc"]
+        return
+    assert cli.main(argv) == 2
+    err = capsys.readouterr().err
+    assert "usage: mpicomp" in err
+    assert "error:" in err and expect in err
+    assert "Traceback" not in err
+
+
+def test_bad_argument_in_a_fresh_process_has_no_traceback():
+    code, out, err = _run("bench", "--numel", "-5")
+    assert code == 2
+    assert "usage: mpicomp bench" in err and "Traceback" not in err
+    assert out == ""
+
+
+def test_trace_of_a_file_that_is_not_a_trace(tmp_path, capsys):
+    bad = tmp_path / "junk.h5"
+    bad.write_bytes(b"not hdf5 at all")
+    for argv in (["trace", "summary", str(bad)], ["trace", "plot", str(bad), "-o", "x.png"]):
+        assert cli.main(argv) == 2
+        err = capsys.readouterr().err
+        assert err.startswith(f"mpicomp trace {argv[1]}: error:")
+        assert "Traceback" not in err
+    assert not (tmp_path / "x.png").exists()
+
+
+def test_trace_errors_from_the_reader_become_exit_code_2(tmp_path, capsys, monkeypatch):
+    import mpicomp.trace
+
+    f = tmp_path / "run.h5"
+    f.write_bytes(b"")
+
+    def fail(*args):
+        raise RuntimeError("plot needs matplotlib")
+
+    monkeypatch.setattr(mpicomp.trace, "plot", fail)
+    monkeypatch.setattr(mpicomp.trace, "summarize", lambda path: f"table of {path}")
+    assert cli.main(["trace", "plot", str(f)]) == 2
+    assert "plot needs matplotlib" in capsys.readouterr().err
+    assert cli.main(["trace", "summary", str(f)]) == 0
+    assert capsys.readouterr().out.strip() == f"table of {f}"
+
+
+def test_bench_json_rows(capsys):
+    argv = ["bench", "--json", "--numel", "10000", "--reps", "1", "--codecs", "threelc,none"]
+    assert cli.main(argv) == 0
+    captured = capsys.readouterr()
+    rows = json.loads(captured.out)  # stdout holds the JSON alone
+    assert [r["codec"] for r in rows] == ["threelc", "none"]
+    for r in rows:
+        for key in ("backend", "encode_gbps", "decode_gbps", "memcpy_gbps", "bits_per_element"):
+            assert key in r
+        assert r["backend"] == "cpu" and r["numel"] == 10000
+        assert r["encode_gbps"] > 0 and r["decode_gbps"] > 0 and r["memcpy_gbps"] > 0
+    none = rows[1]
+    # 32 bits per element plus the fixed header, spread over 10,000 elements
+    assert 32 < none["bits_per_element"] < 32.1 and none["rel_error"] == 0
+    assert rows[0]["bits_per_element"] < 2  # 3LC: at most 1.6 bits before zero-run, + header
+    assert "bench: threelc" in captured.err  # progress goes to stderr
+
+
+def test_bench_table(capsys):
+    assert cli.main(["bench", "--numel", "2K", "--reps", "1", "--codecs", "fp16", "-q"]) == 0
+    captured = capsys.readouterr()
+    assert captured.err == ""
+    assert "memcpy (np.copyto)" in captured.out
+    (line,) = [ln for ln in captured.out.splitlines() if ln.startswith("fp16 ")]
+    assert line.split()[2] == "16.096"  # 2000 float16 + the 24-byte header: 16 + 192/2000
+
+
+@pytest.mark.parametrize(
+    "text, value",
+    [("1000", 1000), ("1e6", 10**6), ("4K", 4000), ("1M", 10**6), ("25.6M", 25_600_000)],
+)
+def test_parse_count(text, value):
+    assert bench.parse_count(text) == value
+
+
+@pytest.mark.parametrize("text", ["", "M", "1.5", "-3", "1x", "nan", "inf"])
+def test_parse_count_rejects(text):
+    with pytest.raises(ValueError, match="count"):
+        bench.parse_count(text)
+
+
+def test_codec_set_expands_names_to_the_bench_parameters():
+    assert bench.codec_set(["qsgd_maxnorm"]) == [
+        ("qsgd_maxnorm", {"bits": 8}),
+        ("qsgd_maxnorm", {"bits": 2}),
+    ]
+    assert bench.codec_set(None) == bench.BENCH_SET
+    with pytest.raises(ValueError, match="unknown codec 'nope'"):
+        bench.codec_set(["nope"])
+
+
+def test_gradient_is_the_conv_gradient_flattened():
+    g = bench.gradient(5000, seed=3)
+    full = bench.conv_gradient((2, 512, 3, 3), seed=3).reshape(-1)
+    assert g.dtype.name == "float32" and g.shape == (5000,)
+    assert (g == full[:5000]).all()
