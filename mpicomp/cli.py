@@ -31,6 +31,9 @@ def main(argv: list[str] | None = None) -> int:
         return args.run(args, parser)
     except SystemExit as e:  # usage errors and --help: a status, not an exception
         return e.code if isinstance(e.code, int) else 2
+    except KeyboardInterrupt:  # Ctrl-C in a long bench: the shell's status, no traceback
+        print("mpicomp: interrupted", file=sys.stderr)
+        return 130
 
 
 # -- arguments -----------------------------------------------------------------------

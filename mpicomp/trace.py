@@ -315,7 +315,7 @@ class Tracer:
         attrs = {
             "mpicomp_trace_version": FORMAT_VERSION,
             "mpicomp_version": mpicomp.__version__,
-            "mpi_library_version": MPI.Get_library_version().strip(),
+            "mpi_library_version": MPI.Get_library_version().replace("\0", "").strip(),
             "mpi_vendor": f"{vendor} {'.'.join(map(str, version))}",
             "world_size": self._comm.Get_size(),
             "trace_level": self.level,

@@ -1,0 +1,72 @@
+"""jobs/bench.py on every world size: rows, byte counts and the JSON output."""
+
+import json
+import math
+
+import pytest
+from conftest import world
+
+N = 2000
+
+
+@pytest.mark.mpi
+class TestAllreduceBench:
+    def test_rows_and_the_exact_bytes_of_none(self):
+        from jobs.bench import measure
+
+        comm = world()
+        codecs = [("none", {}), ("qsgd_maxnorm", {"bits": 2}), ("threelc", {})]
+        rows = measure(comm, N, codecs, reps=1)
+        assert [(r["codec"], r["params"]) for r in rows] == codecs
+        ring = 2 * (comm.size - 1) * 4 * N // comm.size
+        for r in rows:
+            assert r["numel"] == N and r["nranks"] == comm.size
+            assert r["allreduce_bytes"] == ring
+            assert r["time_s"] > 0 and r["allreduce_s"] > 0
+            assert r["time_ratio"] == pytest.approx(r["time_s"] / r["allreduce_s"])
+            if comm.size == 1:
+                assert r["sent_ratio"] is None and r["recv_ratio"] is None
+            else:
+                assert r["sent_ratio"] == pytest.approx(r["bytes_sent"] / ring)
+        # none: the 192-byte agreement head, then MPI_Allreduce of the float32 buffer
+        # (logical bytes, the buffer handed to MPI), every call the same.
+        assert rows[0]["bytes_sent"] == rows[0]["bytes_recv"] == 4 * N + 192
+        # 2-bit QSGD (s = 1): N ring chunks of C elements; reduce-scatter step i sends at
+        # ceil(log2(2i + 1)) bits, the allgather's N - 1 steps at ceil(log2(2N + 1)) bits
+        # (docs/collectives.md). Every rank sends exactly that when the chunks are equal.
+        size = comm.size
+        chunk = math.ceil(math.ceil(N / size) / 8) * 8
+        widths = [math.ceil(math.log2(2 * i + 1)) for i in range(1, size)]
+        widths += [math.ceil(math.log2(2 * size + 1))] * (size - 1)
+        expected = 192 + sum(chunk * w // 8 for w in widths)
+        if chunk * size == N:
+            assert rows[1]["bytes_sent"] == rows[1]["bytes_recv"] == expected
+        else:
+            assert 192 < rows[1]["bytes_sent"] <= expected
+        # 3LC: each payload at most 1.6 bits per element (+ header), from N - 1 other ranks
+        assert rows[2]["bytes_recv"] <= 192 + 8 * size + (size - 1) * (N * 8 // 5 // 8 + 64)
+
+    def test_main_prints_json_on_rank_0_only(self, capsys):
+        from jobs.bench import main
+
+        comm = world()
+        argv = ["--sizes", "1K,1.5K", "--codecs", "signsgd", "--reps", "1", "--json"]
+        assert main(argv) == 0
+        out = capsys.readouterr().out
+        if comm.rank != 0:
+            assert out == ""
+            return
+        rows = json.loads(out)
+        assert [(r["numel"], r["codec"]) for r in rows] == [(1000, "signsgd"), (1500, "signsgd")]
+        for r in rows:
+            for key in ("time_s", "allreduce_s", "time_ratio", "bytes_sent", "bytes_recv"):
+                assert key in r
+
+    def test_bad_arguments_exit_2_on_every_rank(self, capsys):
+        from jobs.bench import main
+
+        for argv in (["--codecs", "nope"], ["--sizes", "-1"], ["--sizes", "0"], ["--reps", "0"]):
+            with pytest.raises(SystemExit) as e:
+                main(argv)
+            assert e.value.code == 2
+        assert "usage: jobs.bench" in capsys.readouterr().err
