@@ -45,7 +45,7 @@ setup(
         "cuda": ["cupy-cuda12x"],
         "plot": ["matplotlib>=3.7"],
         # The training comparison: scikit-learn ships the digits data set (no download).
-        "jobs": ["scikit-learn>=1.3", "matplotlib>=3.7"],
+        "jobs": ["scikit-learn>=1.3", "matplotlib>=3.7", "threadpoolctl>=3"],
         "torch": ["torch>=2.1"],
         "test": ["pytest>=8", "pytest-mpi>=0.6", "hypothesis>=6", "scikit-learn>=1.3", "matplotlib>=3.7"],
     },

@@ -2,6 +2,9 @@
 where a GPU is found) and compares bytes with the NumPy run."""
 
 import os
+import shutil
+import tempfile
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -67,3 +70,20 @@ def gather_all(comm, x):
     out = np.empty((comm.size,) + x.shape, dtype=x.dtype)
     comm.Allgather(np.ascontiguousarray(x), out)
     return out
+
+
+@pytest.fixture
+def shared_dir():
+    """Yield one new directory, the same on every rank; removed afterwards.
+
+    Made by rank 0 and broadcast, not from pytest's tmp_path machinery (nor
+    pytest-mpi's mpi_tmp_path): several pytest processes (ranks) pruning the same
+    base directory at once race, and the leaked directory iterator becomes an error
+    at exit under ``-W error``.
+    """
+    comm = world()
+    path = comm.bcast(tempfile.mkdtemp(prefix="mpicomp-test-") if comm.rank == 0 else None)
+    yield Path(path)
+    comm.Barrier()
+    if comm.rank == 0:
+        shutil.rmtree(path, ignore_errors=True)

@@ -76,9 +76,9 @@ def _inputs(rank, calls):
 
 @pytest.mark.mpi
 @pytest.mark.parametrize("name", ["qsgd_maxnorm", "signsgd", "threelc"])
-def test_events_hold_one_row_per_call_per_rank_with_the_exact_bytes(name, mpi_tmp_path):
+def test_events_hold_one_row_per_call_per_rank_with_the_exact_bytes(name, shared_dir):
     comm = world()
-    path = mpi_tmp_path / f"{name}.h5"
+    path = shared_dir / f"{name}.h5"
     params = {"bits": 4} if name == "qsgd_maxnorm" else {}
     inputs = _inputs(comm.rank, 3)
     with mpicomp.CompressedComm(
@@ -124,9 +124,9 @@ def test_events_hold_one_row_per_call_per_rank_with_the_exact_bytes(name, mpi_tm
 
 @pytest.mark.mpi
 @pytest.mark.parametrize("name", ["signsgd", "qsgd_maxnorm_multiscale", "threelc"])
-def test_level_2_steps_sum_to_the_event_bytes(name, mpi_tmp_path):
+def test_level_2_steps_sum_to_the_event_bytes(name, shared_dir):
     comm = world()
-    path = mpi_tmp_path / f"steps-{name}.h5"
+    path = shared_dir / f"steps-{name}.h5"
     inputs = _inputs(comm.rank, 2)
     seen = Traffic()
     opts = {"min_numel": 1024, "bucket_numel": 1000}  # w goes alone, b1 and b2 together
@@ -160,9 +160,9 @@ def test_level_2_steps_sum_to_the_event_bytes(name, mpi_tmp_path):
 
 
 @pytest.mark.mpi
-def test_flushed_rows_are_in_the_file_before_close(mpi_tmp_path):
+def test_flushed_rows_are_in_the_file_before_close(shared_dir):
     comm = world()
-    path = mpi_tmp_path / "flush.h5"
+    path = shared_dir / "flush.h5"
     cc = mpicomp.CompressedComm(comm, "signsgd", trace=path, trace_flush_every=2)
     for c in range(5):
         cc.allreduce(gradient_like(BIG, seed=c + comm.rank), name="w")
@@ -182,10 +182,10 @@ def test_flushed_rows_are_in_the_file_before_close(mpi_tmp_path):
 
 
 @pytest.mark.mpi
-def test_a_tracer_never_closed_leaves_its_flushed_rows(mpi_tmp_path):
+def test_a_tracer_never_closed_leaves_its_flushed_rows(shared_dir):
     comm = world()
     sub = comm.Dup()
-    path = mpi_tmp_path / "crash.h5"
+    path = shared_dir / "crash.h5"
     tracer = trace.Tracer(sub, path, flush_every=3, attrs={"codec": "test"})
     for c in range(7):
         tracer.begin(c, "allreduce", "test", f"t{c}", 10 + c)
@@ -206,9 +206,9 @@ def test_a_tracer_never_closed_leaves_its_flushed_rows(mpi_tmp_path):
 
 
 @pytest.mark.mpi(min_size=2)
-def test_a_call_that_fails_on_every_rank_is_not_recorded(mpi_tmp_path):
+def test_a_call_that_fails_on_every_rank_is_not_recorded(shared_dir):
     comm = world()
-    path = mpi_tmp_path / "fail.h5"
+    path = shared_dir / "fail.h5"
     with mpicomp.CompressedComm(
         comm, "qsgd_maxnorm", trace=path, trace_level=2, trace_flush_every=2, min_numel=0
     ) as cc:
@@ -228,9 +228,9 @@ def test_a_call_that_fails_on_every_rank_is_not_recorded(mpi_tmp_path):
 
 
 @pytest.mark.mpi
-def test_an_uncreatable_trace_file_raises_on_every_rank(mpi_tmp_path):
+def test_an_uncreatable_trace_file_raises_on_every_rank(shared_dir):
     comm = world()
     with pytest.raises(OSError):
-        mpicomp.CompressedComm(comm, "none", trace=mpi_tmp_path / "missing" / "t.h5")
+        mpicomp.CompressedComm(comm, "none", trace=shared_dir / "missing" / "t.h5")
     with pytest.raises(ValueError, match="level"):
-        mpicomp.CompressedComm(comm, "none", trace=mpi_tmp_path / "t.h5", trace_level=3)
+        mpicomp.CompressedComm(comm, "none", trace=shared_dir / "t.h5", trace_level=3)

@@ -1,0 +1,250 @@
+"""The data-parallel training loop of the comparison jobs, and their shared ``main``.
+
+A job supplies a *model*: an object with ``names`` (parameter names, in order),
+``grads(x, y, scale) -> (loss, [gradient per name])``, ``apply(averages, lr)`` (one
+optimizer step with the averaged gradients) and ``params() -> {name: ndarray}`` (a
+NumPy copy of the weights in ``jobs._mlp`` layout, to evaluate). Everything else,
+sharding, averaging through ``CompressedComm``, timing, reporting, is here.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import platform
+import sys
+import textwrap
+import time
+from collections.abc import Callable
+
+import numpy as np
+
+import mpicomp
+from jobs import _compare as cmp
+from jobs import _mlp
+from jobs._data import ShardSampler, load_digits, local_batch_size
+
+
+class _Trainer:
+    """One codec run: its model, its batches, its CompressedComm, what it measured."""
+
+    def __init__(self, comm, run: cmp.Run, model, data, args, trace_path: str | None):
+        self.comm, self.run, self.model, self.data, self.args = comm, run, model, data, args
+        # every run draws the same batches: the same seed, a sampler of its own
+        self.sampler = ShardSampler(len(data.y_train), args.batch, comm.rank, comm.size, args.seed)
+        # The local mean gradient times this weight averages over ranks to the global
+        # batch's mean, whatever the split (local batches differ by at most one sample).
+        self.weight = comm.size * self.sampler.local / args.batch
+        self.eval_every = max(1, args.steps // 100)
+        self.snapshots = {0: model.params()}
+        self.result = cmp.Result(run.label, run.codec, dict(run.params), args.steps, [], [])
+        self.result.trace = trace_path
+        self.t_step: list[float] = []
+        self.t_comm: list[float] = []
+        self.loss = float("nan")  # the last local batch loss, for progress lines
+        self.cc, self.traffic = cmp.open_comm(comm, run, trace_path)
+
+    @property
+    def active(self) -> bool:
+        return not self.result.diverged
+
+    def step(self, step: int) -> None:
+        """Take SGD step ``step`` (0-based); on NaN/Inf, mark the run diverged."""
+        t0 = time.perf_counter()
+        idx = self.sampler.next()
+        x, y = self.data.x_train[idx], self.data.y_train[idx]
+        with np.errstate(over="ignore", invalid="ignore"):  # divergence is caught below
+            self.loss, grads = self.model.grads(x, y, self.weight)
+        t1 = time.perf_counter()
+        try:
+            avg = self.cc.allreduce_many(grads, names=self.model.names)
+        except (ValueError, RuntimeError):
+            # Every rank raises in the same call (CompressedComm's agreement); it is
+            # divergence when some rank's gradient overflowed, a bug otherwise.
+            if not _any_rank(self.comm, not _finite(grads)):
+                raise
+            self.result.diverged = step + 1
+            return
+        t2 = time.perf_counter()
+        self.model.apply(avg, cmp.cosine_lr(self.args.lr, step, self.args.steps))
+        self.t_step.append(time.perf_counter() - t0)
+        self.t_comm.append(t2 - t1)
+        done = step + 1
+        if done % self.eval_every == 0 or done == self.args.steps:
+            self.snapshots[done] = self.model.params()
+            if not _finite(self.snapshots[done].values()):  # the same weights on every rank
+                self.result.diverged = done
+
+    def finish(self) -> cmp.Result:
+        """Score the snapshots, gather bytes and times over ranks; return the result."""
+        r = self.result
+        self.traffic.steps.clear()  # only the totals are needed from here
+        r.loss_steps = list(self.snapshots)
+        r.losses = _train_losses(self.comm, self.snapshots, self.data)
+        cmp.summarize(self.comm, r, self.traffic, self.t_step, self.t_comm)
+        r.final_train_loss = r.losses[-1]
+        with np.errstate(over="ignore", invalid="ignore"):
+            r.test_accuracy = _mlp.accuracy(self.model.params(), self.data.x_test, self.data.y_test)
+        return r
+
+
+def train_all(comm, runs: list[cmp.Run], make_model, data, args, trace: bool, say):
+    """Train one fresh model per run, all runs in turn at every step; return the results.
+
+    Interleaving the runs step by step puts every codec under the same machine load,
+    so their step times compare even on a shared machine. The weights are kept every
+    ``steps // 100`` steps and scored on the whole training set afterwards, outside
+    the timed loop. A run stops early (``Result.diverged``) when a gradient or a weight
+    becomes NaN/Inf.
+    """
+    report_every = max(1, args.steps // 4)
+    t_start = time.perf_counter()
+    with contextlib.ExitStack() as stack:  # an error leaves without a trace gather that could hang
+        trainers = []
+        for run in runs:
+            path = os.path.join(args.out, f"{run.label}.h5") if trace else None
+            t = _Trainer(
+                comm, run, make_model(args.sizes, args.seed, args.momentum), data, args, path
+            )
+            stack.enter_context(t.cc)
+            trainers.append(t)
+        for step in range(args.steps):
+            for t in trainers:
+                if t.active:
+                    t.step(step)
+                    if not t.active:
+                        say(f"  {t.run.label}: diverged at step {t.result.diverged} (NaN/Inf)")
+            done = step + 1
+            if done % report_every == 0 or done == args.steps:
+                losses = ", ".join(f"{t.run.label} {t.loss:.3g}" for t in trainers if t.active)
+                say(
+                    textwrap.fill(
+                        f"step {done}/{args.steps} ({time.perf_counter() - t_start:.0f} s), "
+                        f"batch loss on rank 0: {losses}",
+                        width=100,
+                        subsequent_indent="    ",
+                    )
+                )
+    return [t.finish() for t in trainers]
+
+
+def _finite(arrays) -> bool:
+    return all(bool(np.isfinite(np.asarray(a)).all()) for a in arrays)
+
+
+def _any_rank(comm, flag: bool) -> bool:
+    from mpi4py import MPI
+
+    return bool(comm.allreduce(int(flag), op=MPI.MAX))
+
+
+def _train_losses(comm, snapshots: dict, data) -> list[float]:
+    """Return the whole-training-set loss of every snapshot (ranks share the work)."""
+    steps = list(snapshots)
+    mine = np.zeros(len(steps))
+    for i in range(comm.rank, len(steps), comm.size):
+        with np.errstate(over="ignore", invalid="ignore"):  # a diverged run's weights
+            mine[i] = _mlp.loss(snapshots[steps[i]], data.x_train, data.y_train)
+    total = np.empty_like(mine)
+    comm.Allreduce(mine, total)
+    return total.tolist()
+
+
+def run_main(
+    argv,
+    prog: str,
+    description: str,
+    make_model: Callable,
+    *,
+    steps: int,
+    lr: float,
+    out: str,
+    codecs: str | None = None,
+) -> int:
+    """Parse ``argv``, train one model per codec run, report on rank 0; return 0.
+
+    Args:
+        argv: the command line (None: ``sys.argv[1:]``).
+        prog: the job's module name, for --help and the results.
+        description: one line for --help.
+        make_model: ``make_model(sizes, seed, momentum)`` returns a fresh model.
+        steps, lr, out, codecs: defaults of --steps, --lr, --out and --codecs (None:
+            every run of ``jobs._compare.RUNS``).
+    """
+    from mpi4py import MPI
+
+    ap = argparse.ArgumentParser(
+        prog=prog, description=description, formatter_class=argparse.ArgumentDefaultsHelpFormatter
+    )
+    cmp.add_common_args(ap, steps=steps, lr=lr, out=out, codecs=codecs)
+    args = ap.parse_args(argv)
+    cmp.check_args(args)
+    runs = cmp.parse_runs(args.codecs)
+    for run in runs:  # a bad name or parameter fails here, before any rank trains
+        mpicomp.codec(run.codec, **run.params)
+    comm = MPI.COMM_WORLD
+    rank, size = comm.rank, comm.size
+
+    def say(msg: str) -> None:
+        if rank == 0:
+            print(msg, flush=True)
+
+    if not args.no_plot:
+        cmp.require_matplotlib()
+    trace = not args.no_trace
+    if trace and not cmp.supports_trace():
+        say("note: this mpicomp's CompressedComm takes no trace=; running without traces")
+        trace = False
+    data = load_digits()
+    if rank == 0:
+        os.makedirs(args.out, exist_ok=True)
+    comm.Barrier()  # the directory exists before any rank writes into it
+
+    args.sizes = [data.n_features, *args.hidden, data.n_classes]
+    lo, hi = local_batch_size(args.batch, size - 1, size), local_batch_size(args.batch, 0, size)
+    say(
+        f"{prog}: digits {len(data.y_train)} train / {len(data.y_test)} test, MLP "
+        f"{'-'.join(map(str, args.sizes))}, {size} ranks, global batch {args.batch} "
+        f"({lo if lo == hi else f'{lo}-{hi}'} per rank), {args.steps} steps, "
+        f"lr {args.lr} cosine, momentum {args.momentum}, seed {args.seed}"
+    )
+    # One BLAS thread per rank, as NUMBA_NUM_THREADS=1: ranks already share the cores,
+    # and OpenBLAS threads spinning next to busy-polling MPI ranks slow everything.
+    from threadpoolctl import threadpool_limits
+
+    with threadpool_limits(limits=1, user_api="blas"):
+        results = train_all(comm, runs, make_model, data, args, trace, say)
+    if rank == 0:
+        _report(results, args, argv, prog, size, trace)
+    comm.Barrier()  # rank 0's files are complete when main returns on any rank
+    return 0
+
+
+def _report(results, args, argv, prog: str, size: int, trace: bool) -> None:
+    """Print the table and write results.json, loss.png (rank 0)."""
+    from mpi4py import MPI
+
+    print()
+    print(cmp.table(results))
+    meta = {
+        "job": prog,
+        "ranks": size,
+        "argv": list(sys.argv[1:] if argv is None else argv),
+        "steps": args.steps,
+        "batch": args.batch,
+        "lr": args.lr,
+        "momentum": args.momentum,
+        "sizes": args.sizes,
+        "seed": args.seed,
+        "host": platform.node(),
+        "mpi": MPI.Get_library_version().splitlines()[0],
+    }
+    print(f"\nwrote {cmp.write_results(args.out, results, meta)}")
+    if not args.no_plot:
+        png = os.path.join(args.out, "loss.png")
+        title = f"{prog}: digits MLP {'-'.join(map(str, args.sizes))}, {size} ranks"
+        cmp.plot(png, results, f"{title}, global batch {args.batch}")
+        print(f"wrote {png}")
+    if trace:
+        print(f"wrote {len(results)} traces: {os.path.join(args.out, '<label>.h5')}")

@@ -1,0 +1,158 @@
+"""The training jobs: a few steps of jobs.train in-process on every world size, and the
+pieces they are made of (codec list, shards, backprop) in one process."""
+
+import json
+import sys
+
+import numpy as np
+import pytest
+from conftest import world
+
+from jobs import _compare, _mlp
+from jobs._data import ShardSampler, load_digits, local_batch_size
+
+N_PARAMS = 64 * 128 + 128 + 128 * 10 + 10  # the default MLP 64-128-10
+
+
+def _results(path):
+    with open(path / "results.json") as f:
+        return {r["label"]: r for r in json.load(f)["runs"]}
+
+
+@pytest.mark.mpi
+class TestTrainJob:
+    def test_codecs_train_and_report(self, shared_dir):
+        from jobs import train
+
+        labels = ["none", "qsgd_maxnorm_bits4", "threelc_sparsity1.0"]
+        argv = ["--steps", "20", "--codecs", ",".join(labels), "--out", str(shared_dir)]
+        assert train.main(argv) == 0
+        runs = _results(shared_dir)
+        assert list(runs) == labels
+
+        base = runs["none"]
+        losses = np.array(base["losses"])
+        assert base["loss_steps"] == list(range(21))
+        assert np.all(np.isfinite(losses))
+        # SGD from a fresh start: the whole-training-set loss falls, and keeps falling
+        assert losses[-1] < losses[10] < losses[0]
+        assert losses[-1] < 0.5 * losses[0]
+        assert base["test_accuracy"] > 0.5
+        for r in runs.values():
+            assert r["diverged"] == 0
+            assert r["final_train_loss"] == r["losses"][-1] < r["losses"][0]
+
+        # bytes the collectives reported: float32 moves at least 4 bytes per parameter,
+        # 4-bit codes less, 3LC's trits (1.6 bits or less) far less
+        assert base["bytes_sent"] >= 4 * N_PARAMS
+        assert runs["qsgd_maxnorm_bits4"]["bytes_sent"] < base["bytes_sent"] / 2
+        assert runs["threelc_sparsity1.0"]["bytes_sent"] < base["bytes_sent"] / 10
+
+        assert (shared_dir / "loss.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+        if _compare.supports_trace():
+            import h5py
+
+            for label in labels:
+                assert h5py.is_hdf5(shared_dir / f"{label}.h5")
+
+    def test_divergence_is_reported_not_raised(self, shared_dir):
+        from jobs import train
+
+        argv = ["--steps", "8", "--lr", "1e6", "--codecs", "none,qsgd_maxnorm_bits4"]
+        argv += ["--out", str(shared_dir), "--no-trace", "--no-plot"]
+        assert train.main(argv) == 0
+        for r in _results(shared_dir).values():
+            assert 1 <= r["diverged"] <= 8
+
+    def test_torch_job_matches_numpy_job(self, shared_dir):
+        if world().size > 2:
+            pytest.skip("the torch job is checked at 1 and 2 ranks (importing torch is slow)")
+        pytest.importorskip("torch")
+        from jobs import train, train_torch
+
+        argv = ["--steps", "6", "--no-trace", "--no-plot"]
+        assert train.main(argv + ["--codecs", "none", "--out", str(shared_dir / "np")]) == 0
+        argv += ["--codecs", "none,signsgd", "--out", str(shared_dir / "torch")]
+        assert train_torch.main(argv) == 0
+        ours, theirs = _results(shared_dir / "np"), _results(shared_dir / "torch")
+        # same weights, batches and schedule: only float rounding differs
+        np.testing.assert_allclose(theirs["none"]["losses"], ours["none"]["losses"], rtol=1e-4)
+        assert theirs["signsgd"]["losses"][-1] < theirs["signsgd"]["losses"][0]
+
+
+class TestPieces:
+    def test_parse_runs(self):
+        assert _compare.parse_runs(None) == _compare.RUNS
+        assert [r.label for r in _compare.parse_runs("qsgd_maxnorm")] == [
+            "qsgd_maxnorm_bits8",
+            "qsgd_maxnorm_bits4",
+            "qsgd_maxnorm_bits2",
+        ]
+        (run,) = _compare.parse_runs("threelc:sparsity=1.25")
+        assert (run.codec, run.params, run.label) == (
+            "threelc",
+            {"sparsity": 1.25},
+            "threelc_sparsity1.25",
+        )
+        (run,) = _compare.parse_runs(" signsgd:tie=negative ,")
+        assert run.params == {"tie": "negative"}
+        runs = _compare.parse_runs("qsgd_maxnorm_multiscale:bits=2:scales=(2,8),none")
+        assert [r.label for r in runs] == ["qsgd_maxnorm_multiscale_bits2_scales2-8", "none"]
+        assert runs[0].params == {"bits": 2, "scales": (2, 8)}
+        assert _compare.parse_runs("grandk_maxnorm_multiscale")[0].params == {}
+        with pytest.raises(ValueError, match="key=value"):
+            _compare.parse_runs("threelc:1.5")
+        with pytest.raises(ValueError, match="no codec"):
+            _compare.parse_runs(" , ")
+
+    @pytest.mark.parametrize("size", [1, 2, 3, 5])
+    def test_shards_split_the_training_set_and_the_batch(self, size):
+        batch, n = 37, 101
+        samplers = [ShardSampler(n, batch, r, size, seed=3) for r in range(size)]
+        assert sum(s.local for s in samplers) == batch
+        assert sorted(np.concatenate([s.shard for s in samplers]).tolist()) == list(range(n))
+        for s in samplers:
+            assert s.local == local_batch_size(batch, samplers.index(s), size)
+            seen = np.concatenate([s.next() for _ in range(s.shard.size // s.local)])
+            # one epoch of its own shard: no repeats, nothing from another rank
+            assert len(set(seen.tolist())) == seen.size
+            assert set(seen.tolist()) <= set(s.shard.tolist())
+        with pytest.raises(ValueError, match="batch"):
+            ShardSampler(n, 2, 0, 3, seed=0)
+
+    def test_backprop_matches_finite_differences(self):
+        data = load_digits()
+        assert data.x_train.shape == (1437, 64) and data.x_test.shape == (360, 64)
+        assert np.allclose(data.x_train.mean(axis=0), 0, atol=1e-5)
+        params = {k: v.astype(np.float64) for k, v in _mlp.init_mlp([64, 9, 7, 10], 1).items()}
+        x, y = data.x_train[:6].astype(np.float64), data.y_train[:6]
+        loss, grads = _mlp.loss_and_grads(params, x, y, scale=2.0)
+        assert loss == pytest.approx(_mlp.loss(params, x, y))
+        eps = 1e-6
+        for name, p in params.items():
+            i = np.unravel_index(np.argmax(np.abs(grads[name])), p.shape)
+            p[i] += eps
+            up = _mlp.loss(params, x, y)
+            p[i] -= 2 * eps
+            down = _mlp.loss(params, x, y)
+            p[i] += eps
+            assert grads[name][i] == pytest.approx(2.0 * (up - down) / (2 * eps), rel=1e-4)
+
+    def test_bad_options(self):
+        from jobs import train
+
+        for argv, match in [
+            (["--steps", "0"], "--steps"),
+            (["--lr", "-1"], "--lr"),
+            (["--hidden", "64,x"], "--hidden"),
+            (["--momentum", "1"], "--momentum"),
+        ]:
+            with pytest.raises(ValueError, match=match):
+                train.main(argv + ["--no-plot", "--no-trace"])
+
+    def test_torch_job_without_torch_says_so(self, monkeypatch, capsys):
+        from jobs import train_torch
+
+        monkeypatch.setitem(sys.modules, "torch", None)  # import torch raises ImportError
+        assert train_torch.main(["--steps", "1"]) == 2
+        assert "pip install 'mpicomp[torch]'" in capsys.readouterr().err
