@@ -1,6 +1,7 @@
 """Shared fixtures: every codec test runs on each backend present (NumPy always, CuPy
 where a GPU is found) and compares bytes with the NumPy run."""
 
+import math
 import os
 import shutil
 import tempfile
@@ -87,3 +88,31 @@ def shared_dir():
     comm.Barrier()
     if comm.rank == 0:
         shutil.rmtree(path, ignore_errors=True)
+
+
+def ring_chunks(n, size, align):
+    """The documented layout: C = align*ceil(ceil(n/N)/align), chunk c = [c*C, (c+1)*C) ∩ [0, n)."""
+    C = align * math.ceil(math.ceil(n / size) / align)
+    return [(min(n, c * C), min(n, (c + 1) * C)) for c in range(size)]
+
+
+def ring_traffic(n, size, rank, align, rs_width, ag_width):
+    """Bytes sent/received by ``rank`` in one width-growing ring call, and the world totals.
+
+    The reference of docs/collectives.md: chunk c has ``lens[c]`` elements; at
+    reduce-scatter step i a rank sends chunk (r - i) at ``rs_width(i)`` bits, at
+    allgather step j chunk (r - j + 1) at ``ag_width`` bits.
+    """
+    lens = [hi - lo for lo, hi in ring_chunks(n, size, align)]
+
+    def nbytes(count, width):
+        return math.ceil(count * width / 8)
+
+    steps = range(1, size)
+    sent = sum(nbytes(lens[(rank - i) % size], rs_width(i)) for i in steps)
+    sent += sum(nbytes(lens[(rank - j + 1) % size], ag_width) for j in steps)
+    recv = sum(nbytes(lens[(rank - i - 1) % size], rs_width(i)) for i in steps)
+    recv += sum(nbytes(lens[(rank - j) % size], ag_width) for j in steps)
+    total = sum(nbytes(m, rs_width(i)) for i in steps for m in lens)
+    total += (size - 1) * sum(nbytes(m, ag_width) for m in lens)
+    return sent, recv, total

@@ -6,7 +6,7 @@ import math
 
 import numpy as np
 import pytest
-from conftest import gather_all, world
+from conftest import gather_all, ring_chunks, ring_traffic, world
 
 from mpicomp.collectives import ring
 from mpicomp.collectives.ring import ring_allreduce_bounded, ring_allreduce_min
@@ -20,29 +20,6 @@ BOUNDS = [(1, np.int8), (7, np.int8), (127, np.int8), (32767, np.int16)]
 
 def _length(n, size):
     return {"N-1": size - 1, "8N+1": 8 * size + 1}.get(n, n)
-
-
-def _chunks(n, size, align):
-    """The documented layout: C = align*ceil(ceil(n/N)/align), chunk c = [c*C, (c+1)*C) ∩ [0, n)."""
-    C = align * math.ceil(math.ceil(n / size) / align)
-    return [(min(n, c * C), min(n, (c + 1) * C)) for c in range(size)]
-
-
-def _expected_traffic(n, size, rank, align, rs_width, ag_width):
-    """Bytes sent/received by ``rank`` per the documented schedule, and the world totals."""
-    lens = [hi - lo for lo, hi in _chunks(n, size, align)]
-
-    def nbytes(count, width):
-        return math.ceil(count * width / 8)
-
-    steps = range(1, size)
-    sent = sum(nbytes(lens[(rank - i) % size], rs_width(i)) for i in steps)
-    sent += sum(nbytes(lens[(rank - j + 1) % size], ag_width) for j in steps)
-    recv = sum(nbytes(lens[(rank - i - 1) % size], rs_width(i)) for i in steps)
-    recv += sum(nbytes(lens[(rank - j) % size], ag_width) for j in steps)
-    total = sum(nbytes(m, rs_width(i)) for i in steps for m in lens)
-    total += (size - 1) * sum(nbytes(m, ag_width) for m in lens)
-    return sent, recv, total
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -123,7 +100,7 @@ def test_unsigned_sum_is_the_exact_sum(n, bound, align):
     traffic = Traffic()
     total = ring_allreduce_bounded(comm, codes, bound, signed=False, tracer=traffic)
     np.testing.assert_array_equal(total, gather_all(comm, codes).astype(np.int64).sum(axis=0))
-    sent, recv, _ = _expected_traffic(
+    sent, recv, _ = ring_traffic(
         n,
         comm.size,
         comm.rank,
@@ -189,7 +166,7 @@ def test_majority_with_a_callable_lets_the_chunk_owner_break_ties(n, align):
     index = np.arange(n)
     expected = (2 * counts > size) | ((2 * counts == size) & (index % 3 == 0))
     np.testing.assert_array_equal(bits, np.packbits(expected, bitorder="little"))
-    lo, hi = _chunks(n, size, align)[comm.rank]
+    lo, hi = ring_chunks(n, size, align)[comm.rank]
     assert calls == [(lo, hi - lo, np.dtype(np.int64))]  # once, by the owner, on its chunk
 
 
@@ -203,7 +180,7 @@ def test_signsgd_majority_traffic_equals_the_formula_exactly(n, align):
     traffic = Traffic()
     ring_allreduce_bounded(comm, votes, 1, majority=True, signed=False, tracer=traffic)
     # sum_{i=1}^{N-1} packed(len(chunk sent at i), ceil(log2(i+1))) + sum_j ceil(len/8)
-    sent, recv, total = _expected_traffic(
+    sent, recv, total = ring_traffic(
         n, size, comm.rank, align, lambda i: math.ceil(math.log2(i + 1)), 1
     )
     totals = np.array([traffic.sent, traffic.recv], dtype=np.int64)
@@ -228,9 +205,7 @@ def test_signed_bounded_traffic_equals_the_formula_exactly(n, bound, align):
     traffic = Traffic()
     ring_allreduce_bounded(comm, codes, bound, tracer=traffic)
     widths = [math.ceil(math.log2(2 * i * bound + 1)) for i in range(1, size + 1)]
-    sent, recv, total = _expected_traffic(
-        n, size, comm.rank, align, lambda i: widths[i - 1], widths[-1]
-    )
+    sent, recv, total = ring_traffic(n, size, comm.rank, align, lambda i: widths[i - 1], widths[-1])
     totals = np.array([traffic.sent, traffic.recv], dtype=np.int64)
     comm.Allreduce(totals.copy(), totals)  # before any assert: a failing rank must not desync
     assert (traffic.sent, traffic.recv) == (sent, recv)
@@ -253,7 +228,7 @@ def test_min_is_the_elementwise_minimum_of_every_ranks_codes(n, width, dtype, al
     expected = gather_all(comm, codes).astype(np.int64).min(axis=0, initial=2**width)
     assert low.dtype == np.int64
     np.testing.assert_array_equal(low, expected)
-    sent, recv, _ = _expected_traffic(n, comm.size, comm.rank, align, lambda i: width, width)
+    sent, recv, _ = ring_traffic(n, comm.size, comm.rank, align, lambda i: width, width)
     assert (traffic.sent, traffic.recv) == (sent, recv)
     assert {op for op, *_ in traffic.steps} <= {"ring_min.reduce_scatter", "ring_min.allgather"}
 

@@ -7,7 +7,7 @@ import math
 
 import numpy as np
 import pytest
-from conftest import gather_all, gradient_like, world
+from conftest import gather_all, gradient_like, ring_traffic, world
 
 import mpicomp
 from mpicomp import trace
@@ -28,33 +28,17 @@ def _one_numba_thread_per_rank():
     numba.set_num_threads(before)
 
 
-def _ring_bytes(n, size, rank, rs_width, ag_width):
-    """Bytes ``rank`` sends and receives in one width-growing ring call (8-element chunks)."""
-    C = 8 * math.ceil(math.ceil(n / size) / 8)
-    lens = [min(n, (c + 1) * C) - min(n, c * C) for c in range(size)]
-
-    def packed(m, w):
-        return math.ceil(m * w / 8)
-
-    steps = range(1, size)
-    sent = sum(packed(lens[(rank - i) % size], rs_width(i)) for i in steps)
-    sent += sum(packed(lens[(rank - j + 1) % size], ag_width) for j in steps)
-    recv = sum(packed(lens[(rank - i - 1) % size], rs_width(i)) for i in steps)
-    recv += sum(packed(lens[(rank - j) % size], ag_width) for j in steps)
-    return sent, recv
-
-
 def _expected_bytes(name, comm, x):
     """(sent, recv) of this rank for one CompressedComm call on ``x``, from the docs."""
     size, rank = comm.size, comm.rank
     if name == "signsgd":
         # Agreement, the allgather of every rank's mean |x| (8 bytes), the majority ring.
-        ring = _ring_bytes(x.size, size, rank, lambda i: math.ceil(math.log2(i + 1)), 1)
+        ring = ring_traffic(x.size, size, rank, 8, lambda i: math.ceil(math.log2(i + 1)), 1)
         return HEAD + 8 + ring[0], HEAD + 8 * (size - 1) + ring[1]
     if name == "qsgd_maxnorm":
         # Agreement carrying the norm, then the signed ring with bound s = 2^(4-1) - 1 = 7.
-        ring = _ring_bytes(
-            x.size, size, rank, lambda i: (14 * i).bit_length(), (14 * size).bit_length()
+        ring = ring_traffic(
+            x.size, size, rank, 8, lambda i: (14 * i).bit_length(), (14 * size).bit_length()
         )
         return HEAD + ring[0], HEAD + ring[1]
     # threelc: the agreement, sizes (one int64 each), then the payloads by Allgatherv.
