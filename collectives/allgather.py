@@ -20,6 +20,8 @@ from collections.abc import Callable
 import numpy as np
 from mpi4py import MPI
 
+from mpicomp.collectives._wait import resolve_timeout, wait_all
+
 # Bytes one message may carry: the 32-bit count of MPI before version 4 (mpi4py >= 4
 # calls the MPI-4 large-count routines where the library has them). Tests shrink both.
 _COUNT_LIMIT = np.iinfo(np.int64).max if MPI.Get_version() >= (4, 0) else 2**31 - 1
@@ -49,11 +51,16 @@ def _payload_problem(payload) -> TypeError | None:
     return None
 
 
-def _exchange_sizes(comm, payload, tracer, op: str) -> np.ndarray:
+def _exchange_sizes(comm, payload, tracer, op: str, timeout) -> np.ndarray:
     """Return every rank's payload size; raise on every rank if one rank's input is bad."""
     problem = _payload_problem(payload)
     sizes = np.empty(comm.size, dtype=np.int64)
-    comm.Allgather(np.array([-1 if problem else payload.size], dtype=np.int64), sizes)
+    mine = np.array([-1 if problem else payload.size], dtype=np.int64)
+    if timeout is None:
+        comm.Allgather(mine, sizes)
+    else:
+        detail = f"sizes (an Iallgather of 8 bytes from each of {comm.size} ranks)"
+        wait_all(comm, [comm.Iallgather(mine, sizes)], timeout, op, detail)
     if tracer is not None:
         tracer.record(f"{op}.sizes", 1, 8, 8 * (comm.size - 1), 64)
     bad = np.flatnonzero(sizes < 0).tolist()
@@ -65,7 +72,7 @@ def _exchange_sizes(comm, payload, tracer, op: str) -> np.ndarray:
     return sizes
 
 
-def _by_allgatherv(comm, payload, buf, sizes, displs, tracer, op: str) -> None:
+def _by_allgatherv(comm, payload, buf, sizes, displs, tracer, op: str, timeout) -> None:
     """Move the bytes in one Allgatherv."""
     total = int(sizes.sum())
     if total > _COUNT_LIMIT:
@@ -73,13 +80,21 @@ def _by_allgatherv(comm, payload, buf, sizes, displs, tracer, op: str) -> None:
             f"{op}: the payloads total {total} bytes, more than MPI %d.%d can count "
             f"({_COUNT_LIMIT}); use allgather_bytes_ring, which splits messages" % MPI.Get_version()
         )
-    comm.Allgatherv(payload, [buf, sizes, displs, MPI.BYTE])
+    if timeout is None:
+        comm.Allgatherv(payload, [buf, sizes, displs, MPI.BYTE])
+    else:
+        req = comm.Iallgatherv(payload, [buf, sizes, displs, MPI.BYTE])
+        detail = (
+            f"data (an Iallgatherv sending {payload.nbytes} bytes, receiving {buf.nbytes} "
+            f"bytes from {comm.size} ranks)"
+        )
+        wait_all(comm, [req], timeout, op, detail)
     if tracer is not None:
         mine = int(sizes[comm.rank])
         tracer.record(f"{op}.data", 1, mine, total - mine, 8)
 
 
-def _by_ring(comm, payload, buf, sizes, displs, tracer, op: str) -> None:
+def _by_ring(comm, payload, buf, sizes, displs, tracer, op: str, timeout) -> None:
     """Move the bytes around a ring: N-1 steps, each a nonblocking send and receive."""
     size, rank = comm.size, comm.rank
     right, left = (rank + 1) % size, (rank - 1) % size
@@ -95,24 +110,34 @@ def _by_ring(comm, payload, buf, sizes, displs, tracer, op: str) -> None:
         reqs += [
             comm.Isend(send[lo : lo + chunk], right, _TAG) for lo in range(0, send.size, chunk)
         ]
-        MPI.Request.Waitall(reqs)
+        wait_all(
+            comm,
+            reqs,
+            timeout,
+            op,
+            lambda step=step, got=recv.size, put=send.size: (
+                f"data step {step} of {size - 1}: receiving {got} bytes from rank "
+                f"{left} and sending {put} bytes to rank {right}"
+            ),
+        )
         if tracer is not None:
             tracer.record(f"{op}.data", step, int(send.size), int(recv.size), 8)
 
 
-def _allgather(comm, payload, tracer, exchange: Callable, op: str) -> list[np.ndarray]:
+def _allgather(comm, payload, tracer, exchange: Callable, op: str, timeout) -> list[np.ndarray]:
     """Exchange sizes, allocate one receive buffer, let ``exchange`` fill it; return views."""
-    sizes = _exchange_sizes(comm, payload, tracer, op)
+    timeout = resolve_timeout(timeout)
+    sizes = _exchange_sizes(comm, payload, tracer, op, timeout)
     xp = _array_module(payload)
     payload = xp.ascontiguousarray(payload)
     displs = np.zeros(comm.size, dtype=np.int64)
     np.cumsum(sizes[:-1], out=displs[1:])
     buf = xp.empty(int(sizes.sum()), dtype=np.uint8)
-    exchange(comm, payload, buf, sizes, displs, tracer, op)
+    exchange(comm, payload, buf, sizes, displs, tracer, op, timeout)
     return [buf[d : d + s] for d, s in zip(displs.tolist(), sizes.tolist(), strict=True)]
 
 
-def allgather_bytes(comm, payload, *, tracer=None) -> list[np.ndarray]:
+def allgather_bytes(comm, payload, *, tracer=None, timeout=None) -> list[np.ndarray]:
     """Gather every rank's byte payload on every rank: sizes, then one Allgatherv.
 
     Args:
@@ -120,6 +145,9 @@ def allgather_bytes(comm, payload, *, tracer=None) -> list[np.ndarray]:
         payload: this rank's bytes, a 1-D uint8 array (any length, zero included).
         tracer: gets ``record("allgather.sizes", 1, 8, 8*(N-1), 64)`` and
             ``record("allgather.data", 1, own size, sum of the others' sizes, 8)``.
+        timeout: seconds each message may wait before this rank reports what it waits
+            for and aborts the job (``comm.Abort``); None: ``MPICOMP_TIMEOUT``, unset or
+            0: off.
 
     Returns:
         One uint8 view per rank, in rank order (this rank's own included), all into
@@ -130,10 +158,10 @@ def allgather_bytes(comm, payload, *, tracer=None) -> list[np.ndarray]:
             (those ranks are named; on them the local TypeError is the cause), or the
             total exceeds what this MPI can count (2**31-1 bytes before MPI 4).
     """
-    return _allgather(comm, payload, tracer, _by_allgatherv, "allgather")
+    return _allgather(comm, payload, tracer, _by_allgatherv, "allgather", timeout)
 
 
-def allgather_bytes_ring(comm, payload, *, tracer=None) -> list[np.ndarray]:
+def allgather_bytes_ring(comm, payload, *, tracer=None, timeout=None) -> list[np.ndarray]:
     """Gather every rank's byte payload on every rank by a hand-written ring.
 
     The same arguments, result and checks as ``allgather_bytes``, without the count
@@ -142,4 +170,4 @@ def allgather_bytes_ring(comm, payload, *, tracer=None) -> list[np.ndarray]:
     i = 1..N-1, ``record("allgather_ring.data", i, sent, received, 8)`` with the exact
     bytes: rank r sends the payload of rank (r-i+1) mod N and receives that of (r-i) mod N.
     """
-    return _allgather(comm, payload, tracer, _by_ring, "allgather_ring")
+    return _allgather(comm, payload, tracer, _by_ring, "allgather_ring", timeout)

@@ -18,12 +18,17 @@ into a finite norm on some ranks. Floats travel as integer keys of their IEEE bi
 that wins the reduction. So an element is NaN in the result, on every rank, exactly
 when it is NaN on some rank; otherwise it is the max/min, with ``max(-0.0, +0.0) = +0.0``
 and ``min(-0.0, +0.0) = -0.0``. The NaN that comes back has an unspecified sign and payload.
+
+With a timeout (``timeout=`` or ``MPICOMP_TIMEOUT``, see ``_wait``) both messages are
+Iallreduce calls waited on by ``_wait.wait_all``; without one, blocking Allreduce calls.
 """
 
 from __future__ import annotations
 
 import numpy as np
 from mpi4py import MPI
+
+from mpicomp.collectives._wait import resolve_timeout, wait_all
 
 # Values carried by the head message: vectors this short cost one message. Tests shrink
 # it to sweep the head/tail edge; every rank must see the same value.
@@ -155,8 +160,24 @@ def _check_head(comm, head, name: str, problem: Exception | None) -> None:
         raise ValueError(f"{name}: ranks disagree on the dtype of x: {lo} and {hi} among them")
 
 
-def _extreme_allreduce(comm, x, tracer, name: str):
+def _allreduce(comm, sendbuf, recvbuf, op, timeout, name: str, message: str) -> None:
+    """Allreduce, blocking, or nonblocking and waited on with ``timeout``."""
+    if timeout is None:
+        comm.Allreduce(sendbuf, recvbuf, op=op)
+        return
+    req = comm.Iallreduce(sendbuf, recvbuf, op=op)
+    wait_all(
+        comm,
+        [req],
+        timeout,
+        name,
+        lambda: f"{message} (an Iallreduce of {recvbuf.nbytes} bytes over all {comm.size} ranks)",
+    )
+
+
+def _extreme_allreduce(comm, x, tracer, name: str, timeout=None):
     """Reduce ``x`` elementwise over ranks with the operation of ``name``: head, then tail."""
+    timeout = resolve_timeout(timeout)
     op_code, mpi_op = _OPS[name]
     v, scalar, problem = _as_vector(x)
     xp = np if v is None else _array_module(v)
@@ -173,7 +194,7 @@ def _extreme_allreduce(comm, x, tracer, name: str):
     else:
         # Neutral (int64 min) length and dtype: the report below names this rank.
         head[6:8] = comm.size - comm.rank, comm.rank + 1
-    comm.Allreduce(MPI.IN_PLACE, head, op=MPI.MAX)
+    _allreduce(comm, MPI.IN_PLACE, head, MPI.MAX, timeout, name, "the head message")
     if tracer is not None:
         tracer.record(f"{name}.head", 1, head.nbytes, head.nbytes, 64)
     _check_head(comm, head, name, problem)
@@ -187,16 +208,17 @@ def _extreme_allreduce(comm, x, tracer, name: str):
             keys = tail.view(f"i{v.dtype.itemsize}")
             top = _LOW_BITS[keys.itemsize]
             _float_keys(rest, top if op_code == 1 else -top - 1, keys)
-            comm.Allreduce(MPI.IN_PLACE, keys, op=mpi_op)
+            _allreduce(comm, MPI.IN_PLACE, keys, mpi_op, timeout, name, "the tail message")
             _float_from_keys(keys, v.dtype)
         else:
-            comm.Allreduce(rest, tail, op=mpi_op)  # MPI's integer MAX/MIN are exact
+            # MPI's integer MAX/MIN are exact.
+            _allreduce(comm, rest, tail, mpi_op, timeout, name, "the tail message")
         if tracer is not None:
             tracer.record(f"{name}.tail", 1, rest.nbytes, rest.nbytes, 8 * v.dtype.itemsize)
     return out if scalar is None else scalar(out[0])
 
 
-def max_allreduce(comm, x, *, tracer=None):
+def max_allreduce(comm, x, *, tracer=None, timeout=None):
     """Return the elementwise maximum over the ranks of ``comm`` of ``x``, on every rank.
 
     Args:
@@ -205,6 +227,9 @@ def max_allreduce(comm, x, *, tracer=None):
             Python int/float or NumPy scalar. It is not modified.
         tracer: gets ``record("max_allreduce.head", ...)`` and, for vectors longer than
             the head holds, ``record("max_allreduce.tail", ...)`` (bytes at the API level).
+        timeout: seconds each message may wait before this rank reports what it waits
+            for and aborts the job (``comm.Abort``); None: ``MPICOMP_TIMEOUT``, unset or
+            0: off.
 
     Returns:
         A new array of ``x``'s dtype and length, or a scalar of ``x``'s type. An element
@@ -215,10 +240,10 @@ def max_allreduce(comm, x, *, tracer=None):
             numeric array (that rank is named; there the local TypeError/ValueError is
             the cause), or ranks disagree on the length, the dtype or max vs min.
     """
-    return _extreme_allreduce(comm, x, tracer, "max_allreduce")
+    return _extreme_allreduce(comm, x, tracer, "max_allreduce", timeout)
 
 
-def min_allreduce(comm, x, *, bits=None, tracer=None):
+def min_allreduce(comm, x, *, bits=None, tracer=None, timeout=None):
     """Return the elementwise minimum over the ranks of ``comm`` of ``x``, on every rank.
 
     The same contract as ``max_allreduce``, with ``"min_allreduce.*"`` trace records.
@@ -230,5 +255,5 @@ def min_allreduce(comm, x, *, bits=None, tracer=None):
     if bits is not None:
         from mpicomp.collectives.ring import ring_allreduce_min
 
-        return ring_allreduce_min(comm, x, bits, tracer=tracer)
-    return _extreme_allreduce(comm, x, tracer, "min_allreduce")
+        return ring_allreduce_min(comm, x, bits, tracer=tracer, timeout=timeout)
+    return _extreme_allreduce(comm, x, tracer, "min_allreduce", timeout)

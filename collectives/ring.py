@@ -24,6 +24,10 @@ empty messages, so every rank takes the same 2*(N-1) steps.
 
 Callers should pass a communicator of their own (``CompressedComm`` keeps a ``Dup()``):
 messages use a fixed tag and would otherwise be matched against the user's.
+
+With a timeout (``timeout=`` or ``MPICOMP_TIMEOUT``, see ``_wait``) each step is an
+Irecv/Isend pair and the agreement an Iallreduce, waited on by ``_wait.wait_all``;
+without one they are the blocking Sendrecv and Allreduce.
 """
 
 from __future__ import annotations
@@ -33,6 +37,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
+from mpicomp.collectives._wait import resolve_timeout, wait_all
 from mpicomp.kernels.cpu import bits as _bits
 
 #: Chunk boundaries fall on multiples of this many elements; a multiple of 8, so a packed
@@ -95,7 +100,7 @@ def _chunk_size(n: int, nranks: int) -> int:
 
 def _ring_allreduce(
     comm,
-    sendrecv: Callable,
+    exchange: Callable,
     local,
     be: _Backend,
     width_of_step: Callable[[int], int],
@@ -109,7 +114,8 @@ def _ring_allreduce(
 
     Args:
         comm: the communicator; rank r talks to (r+1) % N and (r-1) % N only.
-        sendrecv: the MPI primitive, ``comm.Sendrecv`` or a drop-in with its signature.
+        exchange: ``exchange(sendbuf, dest, recvbuf, source, phase, step)`` moves one
+            step's messages (``_exchanger`` builds it: blocking or with a timeout).
         local: this rank's values in the unsigned domain, uint32, contiguous, length n.
         be: the backend owning ``local``.
         width_of_step: bits per element of a partial over i ranks (reduce-scatter step i).
@@ -149,7 +155,7 @@ def _ring_allreduce(
         s_lo, s_hi = span(rank - i)
         r_lo, r_hi = span(rank - i - 1)
         sent, got = _packed(s_hi - s_lo, width), _packed(r_hi - r_lo, width)
-        sendrecv(sendbuf[:sent], right, _TAG, recvbuf[:got], left, _TAG)
+        exchange(sendbuf[:sent], right, recvbuf[:got], left, _RS, i)
         if tracer is not None:
             tracer.record(f"{name}.{_RS}", i, sent, got, width)
         part = acc[: r_hi - r_lo]
@@ -173,10 +179,35 @@ def _ring_allreduce(
     for j in range(1, size):
         s_start, s_stop = region(rank - j + 1)
         r_start, r_stop = region(rank - j)
-        sendrecv(out[s_start:s_stop], right, _TAG, out[r_start:r_stop], left, _TAG)
+        exchange(out[s_start:s_stop], right, out[r_start:r_stop], left, _AG, j)
         if tracer is not None:
             tracer.record(f"{name}.{_AG}", j, s_stop - s_start, r_stop - r_start, final_width)
     return out
+
+
+def _exchanger(comm, timeout: float | None, op: str) -> Callable:
+    """Return ``exchange(sendbuf, dest, recvbuf, source, phase, step)`` for the core."""
+    if timeout is None:
+
+        def exchange(sendbuf, dest, recvbuf, source, phase, step):
+            comm.Sendrecv(sendbuf, dest, _TAG, recvbuf, source, _TAG)
+
+        return exchange
+
+    def timed_exchange(sendbuf, dest, recvbuf, source, phase, step):
+        reqs = [comm.Irecv(recvbuf, source, _TAG), comm.Isend(sendbuf, dest, _TAG)]
+        wait_all(
+            comm,
+            reqs,
+            timeout,
+            op,
+            lambda: (
+                f"{phase} step {step} of {comm.Get_size() - 1}: receiving {recvbuf.nbytes} "
+                f"bytes from rank {source} and sending {sendbuf.nbytes} bytes to rank {dest}"
+            ),
+        )
+
+    return timed_exchange
 
 
 # --- argument checks, agreed across ranks -------------------------------------------------
@@ -209,7 +240,7 @@ def _extremes(codes) -> tuple[int, int]:
 _I64 = np.iinfo(np.int64)
 
 
-def _agree(comm, fname, err, n, param, pname, mode, lo, hi, allowed):
+def _agree(comm, fname, err, n, param, pname, mode, lo, hi, allowed, timeout=None):
     """Check, in one Allreduce(MAX) of 10 int64, what every rank must agree on.
 
     Agreed: no rank rejected its arguments (``err``), equal n, equal ``param`` (bound or
@@ -228,7 +259,17 @@ def _agree(comm, fname, err, n, param, pname, mode, lo, hi, allowed):
         hi, lo = min(hi, int(_I64.max)), max(lo, -int(_I64.max))
         vec[:8] = [n, -n, param, -param, mode, -mode, hi, -lo]
         vec[9] = rank + 1 if out_of_range else 0
-    comm.Allreduce(MPI.IN_PLACE, vec, op=MPI.MAX)
+    if timeout is None:
+        comm.Allreduce(MPI.IN_PLACE, vec, op=MPI.MAX)
+    else:
+        req = comm.Iallreduce(MPI.IN_PLACE, vec, op=MPI.MAX)
+        wait_all(
+            comm,
+            [req],
+            timeout,
+            fname,
+            f"agreement (an Iallreduce of {vec.nbytes} bytes over all {comm.Get_size()} ranks)",
+        )
     if err is not None:
         raise err
     if vec[8]:
@@ -251,7 +292,9 @@ def _agree(comm, fname, err, n, param, pname, mode, lo, hi, allowed):
 _MODE_SIGNED, _MODE_UNSIGNED, _MODE_MAJORITY = 0, 1, 2
 
 
-def ring_allreduce_bounded(comm, codes, bound, majority=False, *, signed=True, tracer=None):
+def ring_allreduce_bounded(
+    comm, codes, bound, majority=False, *, signed=True, tracer=None, timeout=None
+):
     """Sum bounded integer codes over ranks, or take their majority, on a width-growing ring.
 
     Args:
@@ -267,6 +310,8 @@ def ring_allreduce_bounded(comm, codes, bound, majority=False, *, signed=True, t
         signed: codes lie in [-bound, bound] when True, in [0, bound] when False.
         tracer: None, or an object with ``record(op, step, sent, recv, bits)``; called
             once per step with ops ``"ring.reduce_scatter"`` and ``"ring.allgather"``.
+        timeout: seconds each step may wait before this rank reports what it waits for
+            and aborts the job (``comm.Abort``); None: ``MPICOMP_TIMEOUT``, unset or 0: off.
 
     Returns:
         Without ``majority``: the exact sums, int64, length n, identical on every rank.
@@ -281,6 +326,7 @@ def ring_allreduce_bounded(comm, codes, bound, majority=False, *, signed=True, t
             between ranks, or a code outside the bound on any rank.
     """
     fname = "ring_allreduce_bounded"
+    timeout = resolve_timeout(timeout)
     size = comm.Get_size()
     err, n, b, lo, hi, mode = None, 0, 0, 0, 0, _MODE_SIGNED
     try:
@@ -310,7 +356,7 @@ def ring_allreduce_bounded(comm, codes, bound, majority=False, *, signed=True, t
     except (TypeError, ValueError) as exc:
         err = exc
     allowed = (-b, b) if signed else (0, b)
-    _agree(comm, fname, err, n, b, "bound", mode, lo, hi, allowed)
+    _agree(comm, fname, err, n, b, "bound", mode, lo, hi, allowed, timeout)
 
     # Shift into [0, 2*bound]; uint32 wraps, so negative codes land right after the add.
     local = x.astype(np.uint32)
@@ -342,7 +388,7 @@ def ring_allreduce_bounded(comm, codes, bound, majority=False, *, signed=True, t
 
     packed = _ring_allreduce(
         comm,
-        comm.Sendrecv,
+        _exchanger(comm, timeout, fname),
         local,
         be,
         lambda i: _width(i * span),
@@ -370,7 +416,7 @@ def _paper_majority(xp, nranks: int):
     return decide
 
 
-def ring_allreduce_min(comm, codes, width, *, tracer=None):
+def ring_allreduce_min(comm, codes, width, *, tracer=None, timeout=None):
     """Take the elementwise minimum over ranks of unsigned codes, ``width`` bits on the wire.
 
     Args:
@@ -379,6 +425,7 @@ def ring_allreduce_min(comm, codes, width, *, tracer=None):
         width: bits per code, 1..32, the same on every rank.
         tracer: None, or an object with ``record(op, step, sent, recv, bits)``; called
             once per step with ops ``"ring_min.reduce_scatter"`` and ``"ring_min.allgather"``.
+        timeout: as for ``ring_allreduce_bounded``.
 
     Returns:
         int64 array of length n, the minima, identical on every rank.
@@ -390,6 +437,7 @@ def ring_allreduce_min(comm, codes, width, *, tracer=None):
             differing between ranks, or a code outside [0, 2**width) on any rank.
     """
     fname = "ring_allreduce_min"
+    timeout = resolve_timeout(timeout)
     err, n, w, lo, hi = None, 0, 0, 0, 0
     try:
         x, be = _as_codes(codes, fname)
@@ -400,7 +448,7 @@ def ring_allreduce_min(comm, codes, width, *, tracer=None):
         lo, hi = _extremes(x)
     except (TypeError, ValueError) as exc:
         err = exc
-    _agree(comm, fname, err, n, w, "width", 0, lo, hi, (0, 2**w - 1))
+    _agree(comm, fname, err, n, w, "width", 0, lo, hi, (0, 2**w - 1), timeout)
 
     xp = be.xp
     local = x.astype(np.uint32)
@@ -412,7 +460,16 @@ def ring_allreduce_min(comm, codes, width, *, tracer=None):
         be.pack(full, w, out)
 
     packed = _ring_allreduce(
-        comm, comm.Sendrecv, local, be, lambda i: w, smallest, finish, w, tracer, "ring_min"
+        comm,
+        _exchanger(comm, timeout, fname),
+        local,
+        be,
+        lambda i: w,
+        smallest,
+        finish,
+        w,
+        tracer,
+        "ring_min",
     )
     result = xp.empty(n, dtype=np.uint32)
     be.unpack(packed, w, result)

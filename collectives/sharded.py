@@ -6,6 +6,9 @@ averages the N payloads of its shard and compresses the result once; *pull*: an
 allgather of the owners' payloads. Each rank receives about 2·(N−1)/N of one
 compressed tensor instead of the N−1 whole payloads of an allgather. This module
 moves bytes; what is compressed, and with which residual, is the caller's.
+
+With a timeout (``timeout=`` or ``MPICOMP_TIMEOUT``, see ``_wait``) the messages are
+Ialltoall, Iallreduce and Ialltoallv calls waited on by ``_wait.wait_all``.
 """
 
 from __future__ import annotations
@@ -13,7 +16,10 @@ from __future__ import annotations
 import numpy as np
 from mpi4py import MPI
 
+from mpicomp.collectives._wait import resolve_timeout, wait_all
 from mpicomp.collectives.allgather import _COUNT_LIMIT
+
+_OP = "alltoall_bytes"
 
 
 def shard_bounds(n: int, nshards: int) -> list[tuple[int, int]]:
@@ -27,15 +33,22 @@ def shard_bounds(n: int, nshards: int) -> list[tuple[int, int]]:
     return bounds
 
 
-def alltoall_bytes(comm, payloads, *, tracer=None) -> list[np.ndarray]:
+def _wait(comm, request, timeout, what: str) -> None:
+    wait_all(comm, [request], timeout, _OP, lambda: f"{what} (over all {comm.size} ranks)")
+
+
+def alltoall_bytes(comm, payloads, *, tracer=None, timeout=None) -> list[np.ndarray]:
     """Send ``payloads[d]`` to rank d; return the payload each rank sent here, in rank order.
 
     Sizes go first (one Alltoall of int64), then one Alltoallv. A rank whose input is
     not N 1-D uint8 arrays announces size -1, and every rank raises the same ValueError.
+    ``timeout``: seconds each message may wait before this rank reports what it waits
+    for and aborts the job (``comm.Abort``); None: ``MPICOMP_TIMEOUT``, unset or 0: off.
 
     Raises:
         ValueError: a rank's payloads are malformed (named), or a size overflows MPI's counts.
     """
+    timeout = resolve_timeout(timeout)
     size = comm.size
     ok = (
         isinstance(payloads, (list, tuple))
@@ -44,7 +57,12 @@ def alltoall_bytes(comm, payloads, *, tracer=None) -> list[np.ndarray]:
     )
     send_sizes = np.array([p.size for p in payloads] if ok else [-1] * size, dtype=np.int64)
     recv_sizes = np.empty(size, dtype=np.int64)
-    comm.Alltoall(send_sizes, recv_sizes)
+    if timeout is None:
+        comm.Alltoall(send_sizes, recv_sizes)
+    else:
+        _wait(
+            comm, comm.Ialltoall(send_sizes, recv_sizes), timeout, "sizes (an Ialltoall of int64)"
+        )
     bad = [r for r in range(size) if recv_sizes[r] < 0]
     if bad:
         # The same message on every rank, the bad rank included.
@@ -54,7 +72,11 @@ def alltoall_bytes(comm, payloads, *, tracer=None) -> list[np.ndarray]:
     # Decided on a value every rank shares, so all raise or none does.
     local = np.array([max(send_sizes.sum(), recv_sizes.sum())], dtype=np.int64)
     largest = np.empty(1, dtype=np.int64)
-    comm.Allreduce(local, largest, op=MPI.MAX)
+    if timeout is None:
+        comm.Allreduce(local, largest, op=MPI.MAX)
+    else:
+        req = comm.Iallreduce(local, largest, op=MPI.MAX)
+        _wait(comm, req, timeout, "the count check (an Iallreduce of 8 bytes)")
     if largest[0] > _COUNT_LIMIT:
         raise ValueError(
             f"alltoall_bytes: a rank moves {largest[0]} bytes, more than this MPI's "
@@ -64,7 +86,13 @@ def alltoall_bytes(comm, payloads, *, tracer=None) -> list[np.ndarray]:
     sdispl = np.concatenate([[0], np.cumsum(send_sizes)[:-1]])
     rdispl = np.concatenate([[0], np.cumsum(recv_sizes)[:-1]])
     recv = np.empty(int(recv_sizes.sum()), dtype=np.uint8)
-    comm.Alltoallv([send, send_sizes, sdispl, MPI.BYTE], [recv, recv_sizes, rdispl, MPI.BYTE])
+    sendspec = [send, send_sizes, sdispl, MPI.BYTE]
+    recvspec = [recv, recv_sizes, rdispl, MPI.BYTE]
+    if timeout is None:
+        comm.Alltoallv(sendspec, recvspec)
+    else:
+        what = f"push (an Ialltoallv sending {send.nbytes} bytes, receiving {recv.nbytes})"
+        _wait(comm, comm.Ialltoallv(sendspec, recvspec), timeout, what)
     if tracer is not None:
         me = comm.rank
         tracer.record("sharded.sizes", 1, 8 * (size - 1), 8 * (size - 1), 64)

@@ -1,0 +1,116 @@
+"""Timeouts for the collectives: nonblocking calls, one wait loop, abort on expiry.
+
+Without a timeout (the default) every collective makes today's blocking MPI calls. With
+one (``timeout=`` seconds, or the environment variable ``MPICOMP_TIMEOUT``), each message
+is a nonblocking call whose requests go to ``wait_all``: it polls ``MPI.Request.Testall``
+with a sleep that backs off from 10 us to 1 ms, so a waiting rank does not burn a core,
+and when the timeout passes it writes to stderr what this rank was waiting for and
+calls ``comm.Abort``: the whole job stops with that message instead of hanging.
+
+The timeout bounds each wait (one message or one step of a ring), not a whole call.
+Every rank must have it on or every rank off (the values may differ): MPI does not
+match a blocking collective with a nonblocking one.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import sys
+import time
+from collections.abc import Callable
+
+import numpy as np
+
+#: The environment variable that sets the default timeout, in seconds (unset or 0: off).
+ENV = "MPICOMP_TIMEOUT"
+
+#: The error code passed to ``MPI_Abort`` when a wait times out (mpiexec exits with it).
+ABORT_CODE = 14
+
+_FIRST_SLEEP = 1e-5  # seconds: a message that is almost there costs one short nap
+_LAST_SLEEP = 1e-3  # the backoff ceiling: how late an idle rank notices completion
+
+
+def resolve_timeout(timeout=None) -> float | None:
+    """Return the timeout in seconds from ``timeout`` or ``MPICOMP_TIMEOUT``; None when off.
+
+    Raises:
+        TypeError: ``timeout`` is neither None nor a real number.
+        ValueError: ``timeout`` or ``MPICOMP_TIMEOUT`` is negative, NaN or not a number.
+    """
+    if timeout is None:
+        raw = os.environ.get(ENV)
+        if not raw:
+            return None
+        try:
+            value = float(raw)
+        except ValueError:
+            raise ValueError(f"{ENV} must be a number of seconds, got {raw!r}") from None
+        what = f"{ENV}={raw!r}"
+    else:
+        if isinstance(timeout, (bool, np.bool_)) or not isinstance(
+            timeout, (int, float, np.integer, np.floating)
+        ):
+            raise TypeError(f"timeout must be a number of seconds or None, got {timeout!r}")
+        value = float(timeout)
+        what = f"timeout={timeout!r}"
+    if math.isnan(value) or value < 0:
+        raise ValueError(f"{what} must be >= 0 seconds (0: off)")
+    return value or None
+
+
+def poll(requests, timeout: float, testall: Callable, clock=time.monotonic, sleep=time.sleep):
+    """Poll ``testall(requests)`` until it is true or ``timeout`` seconds pass.
+
+    Returns:
+        (done, elapsed): whether every request completed, and the seconds waited.
+    """
+    start = clock()
+    pause = _FIRST_SLEEP
+    while True:
+        if testall(requests):
+            return True, clock() - start
+        elapsed = clock() - start
+        if elapsed >= timeout:
+            return False, elapsed
+        sleep(min(pause, timeout - elapsed))
+        pause = min(2 * pause, _LAST_SLEEP)
+
+
+def timeout_message(comm, op: str, detail: str, timeout: float, elapsed: float) -> str:
+    """Return the report of a timed-out wait: who, in which call, waiting for what."""
+    return (
+        f"mpicomp: rank {comm.Get_rank()} of {comm.Get_size()} timed out in {op} after "
+        f"{elapsed:.3g} s (timeout {timeout:g} s): {detail}. Another rank skipped this call, "
+        f"called a different one or is stuck; aborting the job (MPI_Abort, error code "
+        f"{ABORT_CODE}). Set {ENV} the same on every rank (unset or 0: no timeout)."
+    )
+
+
+def wait_all(comm, requests, timeout: float | None, op: str, detail) -> None:
+    """Wait for ``requests``; on timeout report to stderr and abort the job.
+
+    Args:
+        comm: the communicator the requests belong to (``comm.Abort`` stops the job).
+        requests: a list of ``MPI.Request``.
+        timeout: seconds, or None to wait without a limit (``MPI.Request.Waitall``).
+        op: the collective, e.g. ``"ring_allreduce_bounded"``.
+        detail: what this rank waits for (phase, step, peers, bytes), a string or a
+            callable returning one, called only on timeout.
+    """
+    from mpi4py import MPI
+
+    if timeout is None:
+        MPI.Request.Waitall(requests)
+        return
+    done, elapsed = poll(requests, timeout, MPI.Request.Testall)
+    if not done:
+        expire(comm, op, detail, timeout, elapsed)
+
+
+def expire(comm, op: str, detail, timeout: float, elapsed: float) -> None:
+    """Write the timeout report to stderr and abort the job through ``comm``."""
+    text = detail() if callable(detail) else detail
+    print(timeout_message(comm, op, text, timeout, elapsed), file=sys.stderr, flush=True)
+    comm.Abort(ABORT_CODE)

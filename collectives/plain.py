@@ -1,0 +1,75 @@
+"""The library's own MPI collectives (Allreduce, Allgather) behind the same timeout.
+
+``CompressedComm`` makes two MPI calls outside the hand-written collectives: the
+float32/float16 ``MPI_Allreduce`` of ``none``/``fp16`` and signSGD's ``MPI_Allgather`` of
+the per-rank scales. These wrappers make them with the blocking call when there is no
+timeout, or nonblocking and waited on by ``_wait.wait_all`` when there is one.
+"""
+
+from __future__ import annotations
+
+from mpi4py import MPI
+
+from mpicomp.collectives._wait import resolve_timeout, wait_all
+
+
+def _array(buf):
+    """Return the array of a buffer or of a ``[array, datatype]`` buffer spec."""
+    return buf[0] if isinstance(buf, (list, tuple)) else buf
+
+
+def allreduce(comm, sendbuf, recvbuf, op=MPI.SUM, *, timeout=None, tracer=None) -> None:
+    """Reduce ``sendbuf`` over ranks with ``op`` into ``recvbuf`` (``MPI_Allreduce``).
+
+    Args:
+        comm: an ``mpi4py.MPI.Intracomm``.
+        sendbuf, recvbuf: arrays, or ``[array, MPI datatype]`` specs, as for
+            ``comm.Allreduce``.
+        op: an ``MPI.Op`` (user-defined ones included).
+        timeout: seconds to wait before this rank reports what it waits for and aborts
+            the job (``comm.Abort``); None: ``MPICOMP_TIMEOUT``, unset or 0: off.
+        tracer: gets ``record("mpi.allreduce", 1, nbytes, nbytes, 8 * itemsize)``.
+    """
+    timeout = resolve_timeout(timeout)
+    if timeout is None:
+        comm.Allreduce(sendbuf, recvbuf, op=op)
+    else:
+        req = comm.Iallreduce(sendbuf, recvbuf, op=op)
+        nbytes = _array(recvbuf).nbytes
+        wait_all(
+            comm,
+            [req],
+            timeout,
+            "allreduce",
+            lambda: f"an Iallreduce of {nbytes} bytes over all {comm.size} ranks",
+        )
+    if tracer is not None:
+        a = _array(sendbuf)
+        tracer.record("mpi.allreduce", 1, a.nbytes, a.nbytes, 8 * a.itemsize)
+
+
+def allgather(comm, sendbuf, recvbuf, *, timeout=None, tracer=None) -> None:
+    """Gather every rank's ``sendbuf`` into ``recvbuf``, in rank order (``MPI_Allgather``).
+
+    Args:
+        comm: an ``mpi4py.MPI.Intracomm``.
+        sendbuf: this rank's block; recvbuf: N blocks of its size, as for ``comm.Allgather``.
+        timeout: as for ``allreduce``.
+        tracer: gets ``record("mpi.allgather", 1, nbytes, (N-1) * nbytes, 8 * itemsize)``.
+    """
+    timeout = resolve_timeout(timeout)
+    if timeout is None:
+        comm.Allgather(sendbuf, recvbuf)
+    else:
+        req = comm.Iallgather(sendbuf, recvbuf)
+        nbytes = _array(sendbuf).nbytes
+        wait_all(
+            comm,
+            [req],
+            timeout,
+            "allgather",
+            lambda: f"an Iallgather of {nbytes} bytes from each of {comm.size} ranks",
+        )
+    if tracer is not None:
+        a = _array(sendbuf)
+        tracer.record("mpi.allgather", 1, a.nbytes, (comm.size - 1) * a.nbytes, 8 * a.itemsize)

@@ -1,0 +1,270 @@
+"""Timeouts in the collectives: the wait loop with fake requests, and 2-rank jobs in
+which a rank skips or stalls in a call, run as subprocesses under mpiexec."""
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from mpicomp.collectives import _wait
+
+
+class FakeClock:
+    """A clock that only moves when the wait loop sleeps; records every sleep."""
+
+    def __init__(self):
+        self.now = 100.0
+        self.sleeps = []
+
+    def __call__(self):
+        return self.now
+
+    def sleep(self, seconds):
+        self.sleeps.append(seconds)
+        self.now += seconds
+
+
+class FakeRequests:
+    """Requests that complete on the ``done_after``-th test (never when None)."""
+
+    def __init__(self, done_after):
+        self.done_after = done_after
+        self.tests = 0
+
+    def testall(self, requests):
+        assert requests is self
+        self.tests += 1
+        return self.done_after is not None and self.tests >= self.done_after
+
+
+def test_poll_completes_without_sleeping_when_ready():
+    clock, reqs = FakeClock(), FakeRequests(1)
+    assert _wait.poll(reqs, 2.0, reqs.testall, clock, clock.sleep) == (True, 0.0)
+    assert clock.sleeps == []
+
+
+def test_poll_backs_off_from_10us_to_1ms():
+    clock, reqs = FakeClock(), FakeRequests(12)
+    done, elapsed = _wait.poll(reqs, 2.0, reqs.testall, clock, clock.sleep)
+    assert done and reqs.tests == 12
+    want = [1e-5 * 2**k for k in range(7)] + [1e-3] * 4  # 10 us doubling, capped at 1 ms
+    assert clock.sleeps == pytest.approx(want)
+    assert elapsed == pytest.approx(sum(want))
+
+
+def test_poll_gives_up_at_the_timeout_exactly():
+    clock, reqs = FakeClock(), FakeRequests(None)
+    done, elapsed = _wait.poll(reqs, 0.01, reqs.testall, clock, clock.sleep)
+    assert not done
+    assert elapsed == pytest.approx(0.01)
+    assert max(clock.sleeps) <= 1e-3
+    # The last sleep is cut to the time left: the loop never oversleeps its deadline.
+    assert sum(clock.sleeps) == pytest.approx(0.01)
+    assert reqs.tests == len(clock.sleeps) + 1
+
+
+def test_poll_tests_once_more_after_the_last_sleep():
+    # Completion that arrives during the last sleep is seen, not reported as a timeout.
+    clock = FakeClock()
+    reqs = FakeRequests(None)
+    _wait.poll(reqs, 0.01, reqs.testall, clock, clock.sleep)
+    late = FakeRequests(reqs.tests)
+    clock2 = FakeClock()
+    assert _wait.poll(late, 0.01, late.testall, clock2, clock2.sleep)[0]
+
+
+@pytest.mark.parametrize(
+    "env, arg, want",
+    [(None, None, None), ("", None, None), ("0", None, None), ("2.5", None, 2.5), ("7", 1, 1.0)],
+)
+def test_resolve_timeout(monkeypatch, env, arg, want):
+    if env is None:
+        monkeypatch.delenv(_wait.ENV, raising=False)
+    else:
+        monkeypatch.setenv(_wait.ENV, env)
+    assert _wait.resolve_timeout(arg) == want
+
+
+def test_resolve_timeout_explicit_zero_turns_the_environment_off(monkeypatch):
+    monkeypatch.setenv(_wait.ENV, "5")
+    assert _wait.resolve_timeout(0) is None
+    assert _wait.resolve_timeout(np.float32(0.5)) == 0.5
+
+
+@pytest.mark.parametrize("env", ["soon", "-1", "nan"])
+def test_resolve_timeout_rejects_a_bad_environment(monkeypatch, env):
+    monkeypatch.setenv(_wait.ENV, env)
+    with pytest.raises(ValueError, match=_wait.ENV):
+        _wait.resolve_timeout()
+
+
+@pytest.mark.parametrize(
+    "arg, exc", [(-1, ValueError), (float("nan"), ValueError), ("2", TypeError), (True, TypeError)]
+)
+def test_resolve_timeout_rejects_a_bad_argument(arg, exc):
+    with pytest.raises(exc, match="timeout"):
+        _wait.resolve_timeout(arg)
+
+
+class FakeComm:
+    """Rank 3 of 5; records the error code it is aborted with."""
+
+    aborted = None
+
+    def Get_rank(self):
+        return 3
+
+    def Get_size(self):
+        return 5
+
+    def Abort(self, code):
+        self.aborted = code
+
+
+def test_expire_reports_what_was_awaited_and_aborts(capsys):
+    comm = FakeComm()
+    _wait.expire(comm, "allgather", lambda: "sizes from rank 2", 2.0, 2.0004)
+    err = capsys.readouterr().err
+    assert comm.aborted == _wait.ABORT_CODE
+    assert "rank 3 of 5 timed out in allgather after 2 s (timeout 2 s): sizes from rank 2" in err
+
+
+# --- whole jobs: mpiexec -n 2 ------------------------------------------------------------
+
+MPIEXEC = Path(sys.executable).parent / "mpiexec"
+
+JOB = textwrap.dedent(
+    """
+    import sys
+    import time
+
+    import numpy as np
+    from mpi4py import MPI
+
+    import mpicomp
+    from mpicomp.collectives import plain
+    from mpicomp.collectives.allgather import allgather_bytes, allgather_bytes_ring
+    from mpicomp.collectives.ring import ring_allreduce_bounded
+    from mpicomp.collectives.sharded import alltoall_bytes
+
+
+    class Stall:
+        # A tracer that stalls its rank after the first ring step: a hang mid-call.
+        def record(self, op, step, sent, recv, bits=0):
+            time.sleep(60)
+
+
+    def add(inbuf, inoutbuf, datatype):
+        a = np.frombuffer(inoutbuf, dtype=np.int32)
+        a += np.frombuffer(inbuf, dtype=np.int32)
+
+
+    mode = sys.argv[1]
+    comm = MPI.COMM_WORLD.Dup()
+    rank, size = comm.rank, comm.size
+    base = np.arange(50) % 5 - 2
+    codes = base * (rank + 1)
+    if mode == "ok":
+        for t in (None, 0, 1.5):  # from MPICOMP_TIMEOUT, off, explicit
+            got = ring_allreduce_bounded(comm, codes, 2 * size, timeout=t)
+            assert np.array_equal(got, base * sum(range(1, size + 1))), (t, got)
+            parts = allgather_bytes(comm, np.full(rank + 1, rank, np.uint8), timeout=t)
+            assert [p.tolist() for p in parts] == [[r] * (r + 1) for r in range(size)]
+            parts = allgather_bytes_ring(comm, np.full(rank + 1, rank, np.uint8), timeout=t)
+            assert [p.tolist() for p in parts] == [[r] * (r + 1) for r in range(size)]
+            pushed = alltoall_bytes(comm, [np.full(d + 1, rank, np.uint8) for d in range(size)])
+            assert [p.tolist() for p in pushed] == [[r] * (rank + 1) for r in range(size)]
+            total = np.empty(4, np.int32)
+            op = MPI.Op.Create(add, commute=True)  # a user-defined op, as fp16's
+            plain.allreduce(comm, np.full(4, rank + 1, np.int32), total, op, timeout=t)
+            op.Free()
+            assert total.tolist() == [size * (size + 1) // 2] * 4
+            scales = np.empty(size, np.float64)
+            plain.allgather(comm, np.array([rank / 2]), scales, timeout=t)
+            assert scales.tolist() == [r / 2 for r in range(size)]
+        for codec in ("none", "qsgd_maxnorm", "threelc", "signsgd"):
+            with mpicomp.CompressedComm(comm, codec, min_numel=1) as cc:
+                avg = cc.allreduce(np.full(3000, rank + 1.0, np.float32), name="w")
+            assert np.all(np.isfinite(avg)) and avg.shape == (3000,), codec
+            if codec == "none":
+                assert np.all(avg == (size + 1) / 2)
+        print(f"rank {rank} ok", flush=True)
+    elif mode == "skip_ring":
+        if rank != 1:  # rank 1 skips the call and is busy elsewhere
+            ring_allreduce_bounded(comm, codes, 2 * size)
+        time.sleep(60)
+    elif mode == "skip_comm":
+        cc = mpicomp.CompressedComm(comm, "qsgd_maxnorm", min_numel=1)
+        if rank != 1:
+            cc.allreduce(np.ones(3000, np.float32), name="w")
+        time.sleep(60)
+    elif mode == "stall":
+        ring_allreduce_bounded(comm, codes, 2 * size, tracer=Stall() if rank == 1 else None)
+    """
+)
+
+
+def run_job(tmp_path, mode, timeout_env):
+    """Run JOB on 2 ranks; return (exit code, stdout, stderr); kill the job after 60 s."""
+    if not MPIEXEC.exists():
+        pytest.skip(f"no mpiexec next to {sys.executable}")
+    script = tmp_path / "job.py"
+    script.write_text(JOB)
+    env = dict(os.environ, NUMBA_NUM_THREADS="1", MPICOMP_TIMEOUT=timeout_env)
+    cmd = [str(MPIEXEC), "-n", "2", sys.executable, "-m", "mpi4py", str(script), mode]
+    # A session of its own, so a hung job is killed with every rank it started.
+    proc = subprocess.Popen(
+        cmd,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        out, err = proc.communicate(timeout=60)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.communicate()
+        pytest.fail(
+            f"the {mode!r} job hung: still running after 60 s with MPICOMP_TIMEOUT={timeout_env}"
+        )
+    return proc.returncode, out, err
+
+
+def test_every_rank_calling_completes_with_correct_results(tmp_path):
+    code, out, err = run_job(tmp_path, "ok", "2")
+    assert code == 0, err
+    # Both ranks reached the end; their lines may interleave in the merged output.
+    assert "rank 0 ok" in out and "rank 1 ok" in out
+
+
+@pytest.mark.parametrize(
+    "mode, op, waited_for",
+    [
+        # Rank 1 skips the call: rank 0 waits in the ring's opening agreement.
+        ("skip_ring", "ring_allreduce_bounded", "agreement (an Iallreduce of 80 bytes"),
+        # ... or skips CompressedComm.allreduce: rank 0 waits in its agreement.
+        ("skip_comm", "max_allreduce", "the head message (an Iallreduce of 192 bytes"),
+        # Rank 1 stalls after the reduce-scatter: rank 0 waits for its allgather block.
+        (
+            "stall",
+            "ring_allreduce_bounded",
+            "allgather step 1 of 1: receiving 12 bytes from rank 1 and sending 20 bytes to rank 1",
+        ),
+    ],
+    ids=["skip_ring", "skip_comm", "stall"],
+)
+def test_a_rank_that_skips_or_stalls_aborts_the_job_with_a_clear_message(
+    tmp_path, mode, op, waited_for
+):
+    code, out, err = run_job(tmp_path, mode, "2")
+    assert code == _wait.ABORT_CODE, err
+    assert f"mpicomp: rank 0 of 2 timed out in {op} after " in err
+    assert f"(timeout 2 s): {waited_for}" in err
+    assert "aborting the job" in err
