@@ -13,31 +13,86 @@ own packing, and waiting for other ranks), and to decoding and averaging.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass
+
 import numpy as np
 from mpi4py import MPI
 
+from mpicomp._backend import all_finite, zero_nonfinite
 from mpicomp.collectives.allgather import allgather_bytes
 from mpicomp.collectives.maxallreduce import max_allreduce, min_allreduce
 from mpicomp.collectives.ring import ring_allreduce_bounded
 from mpicomp.collectives.sharded import alltoall_bytes, shard_bounds
 from mpicomp.trace import NO_CLOCK
 
+POLICIES = ("raise", "skip_step", "zero")
+
 
 class RankError(RuntimeError):
     """Another rank failed, or ranks disagree, in the same collective call."""
 
 
+class NonFiniteWarning(RuntimeWarning):
+    """A call was skipped on every rank because some rank's gradient held NaN or Inf."""
+
+
+class Skipped(Exception):  # noqa: N818 - a control-flow signal, caught by CompressedComm
+    """Every rank skips this call (``nonfinite="skip_step"``): ``message`` names the ranks."""
+
+    def __init__(self, ranks: list[int], message: str):
+        super().__init__(message)
+        self.ranks = ranks
+        self.message = message
+
+
+@dataclass(frozen=True)
+class Guard:
+    """How one call treats NaN/Inf in this rank's input.
+
+    ``policy`` is one of ``POLICIES`` (the same on every rank); ``what`` names the
+    tensor in messages; ``overflowed`` says that float64 values beyond float32's
+    range became Inf in the conversion; ``restore`` puts error-feedback residuals
+    back as they were before the call (run before re-encoding a zeroed input).
+    """
+
+    policy: str = "raise"
+    what: str = "gradient"
+    overflowed: bool = False
+    restore: Callable[[], None] | None = None
+
+    def error(self, cause: Exception | None = None) -> ValueError:
+        """Return the ValueError the rank holding NaN/Inf raises under ``"raise"``."""
+        why = "float64 values beyond float32's range" if self.overflowed else "NaN or Inf"
+        extra = f" ({cause})" if cause is not None and not self.overflowed else ""
+        return ValueError(f"{self.what} holds {why}{extra}")
+
+
+_RAISE = Guard()
+
+
 def _agree(
-    comm, n: int, error: Exception | None, value: float = 0.0, layout: int = 0, tracer=None
+    comm,
+    n: int,
+    error: Exception | None,
+    value: float = 0.0,
+    layout: int = 0,
+    tracer=None,
+    nonfinite: bool = False,
+    guard: Guard = _RAISE,
 ) -> float:
     """Check that all ranks bring n elements in the same layout and none failed.
 
-    One MaxAllReduce of [value, n, -n, layout, -layout, failed_rank + 1] (float64
-    holds n and a 32-bit layout hash exactly). Returns the max of ``value`` over
-    ranks. Raises the local error on the rank that failed and RankError elsewhere.
+    One MaxAllReduce of [value, n, -n, layout, -layout, failed_rank + 1,
+    nonfinite_rank + 1] (float64 holds n and a 32-bit layout hash exactly).
+    Returns the max of ``value`` over ranks. Raises the local error on the rank
+    that failed and RankError elsewhere; a failure other than NaN/Inf wins. When
+    only NaN/Inf failed, one more small Allgather names every such rank and under
+    ``skip_step`` every rank raises ``Skipped``.
     """
-    failed = comm.rank + 1 if error is not None else 0
-    vec = np.array([value, n, -n, layout, -layout, failed], dtype=np.float64)
+    failed = comm.rank + 1 if error is not None and not nonfinite else 0
+    bad = comm.rank + 1 if nonfinite else 0
+    vec = np.array([value, n, -n, layout, -layout, failed, bad], dtype=np.float64)
     top = max_allreduce(comm, vec, tracer=tracer)
     if top[5]:
         if error is not None:
@@ -50,7 +105,44 @@ def _agree(
         )
     if top[3] != -top[4]:
         raise RankError("ranks disagree on the tensors fused into this bucket (names or sizes)")
+    if top[6]:
+        _nonfinite(_flagged(comm, nonfinite), nonfinite, guard, error)
     return float(top[0])
+
+
+def _flagged(comm, flag: bool) -> list[int]:
+    """Return the ranks whose ``flag`` is set (one byte per rank, Allgather)."""
+    flags = np.empty(comm.size, dtype=np.uint8)
+    comm.Allgather(np.array([flag], dtype=np.uint8), flags)
+    return np.flatnonzero(flags).tolist()
+
+
+def _nonfinite(ranks: list[int], local: bool, guard: Guard, error: Exception | None) -> None:
+    """Raise, on every rank, what the policy makes of NaN/Inf on ``ranks``."""
+    who = ", ".join(map(str, ranks))
+    if guard.policy == "skip_step":
+        raise Skipped(ranks, f"rank(s) {who}: {guard.what} holds NaN or Inf; call skipped")
+    if local:
+        raise error if error is not None else guard.error()
+    raise RankError(f"rank(s) {who}: {guard.what} holds NaN or Inf in the same call")
+
+
+def _local(fn, flat, guard: Guard):
+    """Run this rank's encode ``fn(flat)``; return (result, flat used, error, nonfinite).
+
+    Only when ``fn`` refuses the input does one extra pass tell NaN/Inf from other
+    errors; under ``"zero"`` the NaN/Inf are then zeroed (a copy) and ``fn`` runs again.
+    """
+    out, err = _attempt(fn, flat)
+    if err is None or all_finite(flat):
+        return out, flat, err, False
+    if guard.policy != "zero":
+        return None, flat, guard.error(err), True
+    if guard.restore is not None:
+        guard.restore()  # a partial encode may have moved residuals
+    flat = zero_nonfinite(flat)
+    out, err = _attempt(fn, flat)
+    return out, flat, err, False
 
 
 def fail(comm, error: Exception, layout: int = 0, tracer=None) -> None:
@@ -70,26 +162,53 @@ def _attempt(fn, *args, **kwargs):
         return None, e
 
 
-def reduce_sum(comm, codec, flat, tracer=None, clock=NO_CLOCK, layout: int = 0) -> np.ndarray:
-    """Average by MPI sum of ``codec.to_wire`` (float32 as it is, or float16)."""
-    wire, err = _attempt(codec.to_wire, flat)
+def reduce_sum(
+    comm, codec, flat, tracer=None, clock=NO_CLOCK, layout: int = 0, guard: Guard = _RAISE
+) -> np.ndarray:
+    """Average by MPI sum of ``codec.to_wire`` (float32 as it is, or float16).
+
+    ``none`` sends its input unchecked: a NaN/Inf on any rank reaches every rank's
+    sum, so one pass over the sum tells every rank the same; only then does each
+    rank look at its own input (and, under ``"zero"``, the sum is made again).
+    """
+    wire, flat, err, bad = _local(codec.to_wire, flat, guard)
     clock.encoded()
-    _agree(comm, flat.size, err, layout=layout, tracer=tracer)
-    if wire.dtype == np.float16:
-        total = np.empty_like(wire)
-        comm.Allreduce([wire, MPI.UINT16_T], [total, MPI.UINT16_T], op=_float16_sum())
-        clock.communicated()
-        if not np.all(np.isfinite(total)):
-            raise RankError("fp16: the sum over ranks overflows float16; use codec 'none'")
-    else:
-        total = np.empty_like(wire)
-        comm.Allreduce(wire, total, op=MPI.SUM)
-        clock.communicated()
-    if tracer is not None:
-        tracer.record("mpi.allreduce", 1, wire.nbytes, wire.nbytes, 8 * wire.itemsize)
+    _agree(comm, flat.size, err, layout=layout, tracer=tracer, nonfinite=bad, guard=guard)
+    total = _sum(comm, wire, tracer)
+    clock.communicated()
+    if not all_finite(total):
+        local = not all_finite(flat)
+        ranks = _flagged(comm, local)
+        if not ranks:
+            what = "float16" if wire.dtype == np.float16 else "float32"
+            msg = f"{codec.name}: the sum over ranks overflows {what}"
+            if guard.policy == "skip_step":
+                raise Skipped([], f"{guard.what}: {msg}; call skipped")
+            raise RankError(msg + ("; use codec 'none'" if what == "float16" else ""))
+        if guard.policy == "zero":
+            if local:
+                flat = zero_nonfinite(flat)
+            total = _sum(comm, codec.to_wire(flat), tracer)
+            clock.communicated()
+            if not all_finite(total):
+                raise RankError(f"{codec.name}: the sum over ranks overflows float32")
+        else:
+            _nonfinite(ranks, local, guard, None)
     out = codec.from_wire(total, comm.size)
     clock.decoded()
     return out
+
+
+def _sum(comm, wire, tracer) -> np.ndarray:
+    """Return the MPI sum over ranks of ``wire`` (float32, or float16 summed in float32)."""
+    total = np.empty_like(wire)
+    if wire.dtype == np.float16:
+        comm.Allreduce([wire, MPI.UINT16_T], [total, MPI.UINT16_T], op=_float16_sum())
+    else:
+        comm.Allreduce(wire, total, op=MPI.SUM)
+    if tracer is not None:
+        tracer.record("mpi.allreduce", 1, wire.nbytes, wire.nbytes, 8 * wire.itemsize)
+    return total
 
 
 _F16_SUM = None
@@ -110,15 +229,15 @@ def _float16_sum():
 
 
 def reduce_integer(
-    comm, codec, flat, step: int, tracer=None, clock=NO_CLOCK, layout: int = 0
+    comm, codec, flat, step: int, tracer=None, clock=NO_CLOCK, layout: int = 0, guard=_RAISE
 ) -> np.ndarray:
     """Average QSGD-MaxNorm codes: MaxAllReduce of norms, [MinAllReduce of scale
     indices], exact ring sum of the codes, dequantize."""
     sparse = hasattr(codec, "coordinates")  # GlobalRandK: K coordinates drawn per step
     at = {"step": step} if sparse else {}
-    norm, err = _attempt(codec.local_norm, flat, **at)
+    norm, flat, err, bad = _local(lambda f: codec.local_norm(f, **at), flat, guard)
     clock.encoded()
-    norm = _agree(comm, flat.size, err, value=norm or 0.0, layout=layout, tracer=tracer)
+    norm = _agree(comm, flat.size, err, norm or 0.0, layout, tracer, nonfinite=bad, guard=guard)
     clock.communicated()
     extra = ()
     if hasattr(codec, "scale_index"):
@@ -141,13 +260,13 @@ def reduce_integer(
 
 
 def reduce_majority(
-    comm, codec, flat, step: int, tracer=None, clock=NO_CLOCK, layout: int = 0
+    comm, codec, flat, step: int, tracer=None, clock=NO_CLOCK, layout: int = 0, guard=_RAISE
 ) -> np.ndarray:
     """signSGD: ring sum of votes, majority decided by each chunk's owner, ±mean scale."""
-    votes, err = _attempt(codec.votes, flat)
+    votes, flat, err, bad = _local(codec.votes, flat, guard)
     scale = codec.scale(flat) if err is None else 0.0
     clock.encoded()
-    _agree(comm, flat.size, err, layout=layout, tracer=tracer)
+    _agree(comm, flat.size, err, layout=layout, tracer=tracer, nonfinite=bad, guard=guard)
     # Every rank's mean |x|, summed in rank order: the same float on every rank.
     scales = np.empty(comm.size, dtype=np.float64)
     comm.Allgather(np.array([scale], dtype=np.float64), scales)
@@ -166,12 +285,12 @@ def reduce_majority(
 
 
 def reduce_gather(
-    comm, codec, flat, encode, tracer=None, clock=NO_CLOCK, layout: int = 0
+    comm, codec, flat, encode, tracer=None, clock=NO_CLOCK, layout: int = 0, guard=_RAISE
 ) -> np.ndarray:
     """Allgather every rank's payload; every rank decodes all and averages in rank order."""
-    payload, err = _attempt(encode, flat)
+    payload, flat, err, bad = _local(encode, flat, guard)
     clock.encoded()
-    _agree(comm, flat.size, err, layout=layout, tracer=tracer)
+    _agree(comm, flat.size, err, layout=layout, tracer=tracer, nonfinite=bad, guard=guard)
     payloads = _exchange(allgather_bytes, comm, payload, None, tracer)
     clock.communicated()
     out = _decode_mean(codec, payloads, flat.size)
@@ -180,7 +299,15 @@ def reduce_gather(
 
 
 def reduce_sharded(
-    comm, codec, flat, encode_push, encode_pull, tracer=None, clock=NO_CLOCK, layout: int = 0
+    comm,
+    codec,
+    flat,
+    encode_push,
+    encode_pull,
+    tracer=None,
+    clock=NO_CLOCK,
+    layout: int = 0,
+    guard=_RAISE,
 ) -> np.ndarray:
     """3LC's push/pull: shard s is averaged by rank s, compressed once more, pulled by all.
 
@@ -188,9 +315,13 @@ def reduce_sharded(
     ``encode_pull(avg_shard)`` compresses the owner's average (server residual).
     """
     bounds = shard_bounds(flat.size, comm.size)
-    pushed, err = _attempt(lambda: [encode_push(flat[a:b], s) for s, (a, b) in enumerate(bounds)])
+
+    def push(f):
+        return [encode_push(f[a:b], s) for s, (a, b) in enumerate(bounds)]
+
+    pushed, flat, err, bad = _local(push, flat, guard)
     clock.encoded()
-    _agree(comm, flat.size, err, layout=layout, tracer=tracer)
+    _agree(comm, flat.size, err, layout=layout, tracer=tracer, nonfinite=bad, guard=guard)
     received = _exchange(alltoall_bytes, comm, pushed, None, tracer)
     clock.communicated()
     a, b = bounds[comm.rank]

@@ -2,18 +2,24 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
+import os
 import sys
+import warnings
 import zlib
 
 import numpy as np
 
 from mpicomp import _reduce
-from mpicomp._backend import as_gradient, get_array_module
+from mpicomp._backend import get_array_module, to_float32
+from mpicomp._reduce import NonFiniteWarning, RankError, Skipped
 from mpicomp.codecs import Codec, ErrorFeedback
 from mpicomp.codecs._base import check_number
 from mpicomp.codecs._base import make as make_codec
 from mpicomp.trace import NO_CLOCK
+
+__all__ = ["CompressedComm", "NonFiniteWarning", "RankError"]
 
 # Biased gather codecs lose what they do not send unless it is fed back next step.
 _FEEDBACK_DEFAULT = {"threelc", "topk", "fft", "fastsgd"}
@@ -43,11 +49,21 @@ class CompressedComm:
             step of the collectives.
         trace_flush_every: rank 0 appends to the file every this many calls (None:
             only at ``close``), so a job that dies keeps what was flushed.
+        nonfinite: what a NaN/Inf in some rank's gradient does (the same on every
+            rank): ``"raise"`` (ValueError there, RankError on the others),
+            ``"skip_step"`` (every rank returns zeros, residuals stay as they were,
+            and a ``NonFiniteWarning`` names the ranks) or ``"zero"`` (that rank
+            sends its NaN/Inf as 0). float64 values beyond float32's range count
+            as Inf.
+        debug: check on every call that all ranks make the same call (op, name,
+            numel, dtype, codec, policy), naming the ranks that differ; costs one
+            8-byte Allgather per call. Default: the ``MPICOMP_DEBUG`` environment
+            variable (set and not ``0``).
         **codec_params: parameters of the codec when ``codec`` is a name.
 
     Every rank must make the same calls in the same order with tensors of the same
-    sizes (as with any MPI collective); sizes that differ, or a NaN/Inf that a codec
-    refuses on one rank, raise an error on every rank instead of hanging.
+    sizes (as with any MPI collective); sizes that differ, or a NaN/Inf on one rank,
+    raise an error on every rank instead of hanging.
     """
 
     def __init__(
@@ -62,6 +78,8 @@ class CompressedComm:
         trace=None,
         trace_level: int = 1,
         trace_flush_every: int | None = 100,
+        nonfinite: str = "raise",
+        debug: bool | None = None,
         **codec_params,
     ):
         if isinstance(codec, str):
@@ -84,6 +102,17 @@ class CompressedComm:
                 f"sharded applies to gather codecs; {codec.name!r} is {codec.aggregation!r}"
             )
         self.sharded = bool(sharded)
+        if not isinstance(nonfinite, str):
+            raise TypeError(f"nonfinite must be a str, got {type(nonfinite).__name__}")
+        if nonfinite not in _reduce.POLICIES:
+            raise ValueError(f"nonfinite must be one of {_reduce.POLICIES}, got {nonfinite!r}")
+        self.nonfinite = nonfinite
+        if debug is None:
+            debug = os.environ.get("MPICOMP_DEBUG", "") not in ("", "0")
+        if not isinstance(debug, (bool, np.bool_)):
+            raise TypeError(f"debug must be a bool or None, got {type(debug).__name__}")
+        self.debug = bool(debug)
+        self._spare = {}  # pre-call copies of residuals, reused call after call
         self._feedback = ErrorFeedback(codec) if error_feedback else None
         self._server_feedback = ErrorFeedback(codec) if error_feedback and sharded else None
         self._plain = make_codec("none")
@@ -123,11 +152,17 @@ class CompressedComm:
         """
         self._check_open()
         try:
-            flat = as_gradient(x, what=f"gradient {name!r}" if name else "gradient").reshape(-1)
+            flat, over = to_float32(x, what=f"gradient {name!r}" if name else "gradient")
             self._check_name(name)
         except (ValueError, TypeError) as e:
             self._fail(e)
-        return _like(x, self._average(flat, name).reshape(np.shape(x)))
+        ledger = []
+        try:
+            avg = self._average(flat.reshape(-1), name, dtype=_dtype(x), over=over, ledger=ledger)
+        except Skipped as e:
+            _warn([e.message])
+            avg = np.zeros(flat.size, dtype=np.float32)
+        return _like(x, avg.reshape(np.shape(x)))
 
     def allreduce_many(self, arrays, names=None) -> list:
         """Return the averages of ``arrays``, fusing small tensors into buckets.
@@ -142,31 +177,46 @@ class CompressedComm:
         try:
             if len(names) != len(arrays):
                 raise ValueError(f"{len(names)} names for {len(arrays)} arrays")
-            flats = [
-                as_gradient(a, what=f"gradient {n!r}").reshape(-1)
-                for a, n in zip(arrays, names, strict=True)
+            converted = [
+                to_float32(a, what=f"gradient {n!r}") for a, n in zip(arrays, names, strict=True)
             ]
             for n in names:
                 self._check_name(n)
         except (ValueError, TypeError) as e:
             self._fail(e)
+        flats = [f.reshape(-1) for f, _ in converted]
         out: list = [None] * len(arrays)
+        skipped, ledger = [], []
         for members in _buckets([f.size for f in flats], self.bucket_numel):
+            over = any(converted[i][1] for i in members)
+            dtype = "/".join(sorted({_dtype(arrays[i]) for i in members}))
             if len(members) == 1:
                 (i,) = members
-                avg = self._average(flats[i], names[i], "allreduce_many")
-                out[i] = _like(arrays[i], avg.reshape(np.shape(arrays[i])))
-                continue
-            fused = np.concatenate([flats[i] for i in members])
-            bucket = "bucket:" + "|".join(names[i] for i in members)
-            sizes = ",".join(str(flats[i].size) for i in members)
-            layout = zlib.crc32(f"{bucket}/{sizes}".encode())
-            avg = self._average(fused, bucket, "allreduce_many bucket", layout)
+                call = (flats[i], names[i], "allreduce_many")
+                layout = None
+            else:
+                fused = np.concatenate([flats[i] for i in members])
+                bucket = "bucket:" + "|".join(names[i] for i in members)
+                sizes = ",".join(str(flats[i].size) for i in members)
+                layout = zlib.crc32(f"{bucket}/{sizes}".encode())
+                call = (fused, bucket, "allreduce_many bucket")
+            try:
+                avg = self._average(*call, layout, dtype=dtype, over=over, ledger=ledger)
+            except Skipped as e:
+                # The later buckets still run (every rank makes their calls), but
+                # skip_step means no update at all: zeros and residuals rolled back below.
+                skipped.append(e.message)
+                avg = np.zeros(call[0].size, dtype=np.float32)
             start = 0
             for i in members:
                 part = avg[start : start + flats[i].size]
                 out[i] = _like(arrays[i], part.reshape(np.shape(arrays[i])))
                 start += flats[i].size
+        if skipped:
+            for keys, saved in ledger:
+                self._restore(keys, saved)
+            _warn(skipped)
+            out = [_like(a, np.zeros(np.shape(a), dtype=np.float32)) for a in arrays]
         return out
 
     def state_dict(self) -> dict:
@@ -213,7 +263,75 @@ class CompressedComm:
     def _fail(self, error: Exception):
         """Raise ``error`` here and a RankError on every other rank, in step with them."""
         self._calls += 1  # the other ranks count this call: keep the RNG step aligned
+        if self.debug:
+            self._check_same_call(None)
         _reduce.fail(self._comm, error, tracer=self.tracer)
+
+    def _check_same_call(self, call: str | None) -> None:
+        """Raise RankError on every rank unless all ranks describe the same ``call``.
+
+        One 8-byte hash per rank (Allgather); the descriptions themselves travel
+        only when hashes differ. A rank whose input was refused brings None (hash
+        0) and is left out: the agreement that follows reports it.
+        """
+        desc = None if call is None else f"{call}\n{self.codec!r}, nonfinite={self.nonfinite!r}"
+        h = 0
+        if desc is not None:
+            h = int.from_bytes(hashlib.blake2b(desc.encode(), digest_size=8).digest(), "little")
+            h |= 1  # 0 means "refused"
+        hashes = np.empty(self.size, dtype=np.uint64)
+        self._comm.Allgather(np.array([h], dtype=np.uint64), hashes)
+        live = np.flatnonzero(hashes)
+        if live.size == 0 or (hashes[live] == hashes[live[0]]).all():
+            return
+        from mpicomp.collectives.allgather import allgather_bytes
+
+        mine = np.frombuffer((desc or "").encode(), dtype=np.uint8).copy()
+        descs = [bytes(p).decode() for p in allgather_bytes(self._comm, mine)]
+        ref = int(live[0])
+        ref_call, ref_conf = descs[ref].split("\n", 1)
+        parts = []
+        for r in live.tolist():
+            if hashes[r] == hashes[ref]:
+                continue
+            r_call, r_conf = descs[r].split("\n", 1)
+            parts.append(
+                f"rank {r} called {r_call}" + (f" with {r_conf}" if r_conf != ref_conf else "")
+            )
+        conf = (
+            "" if all(d.split("\n", 1)[1] == ref_conf for d in descs if d) else f" with {ref_conf}"
+        )
+        raise RankError(f"{'; '.join(parts)} while rank {ref} called {ref_call}{conf}")
+
+    def _residual_keys(self, name: str) -> list:
+        """Return the (ErrorFeedback, key) pairs a compressed call of ``name`` may update."""
+        if self._feedback is None:
+            return []
+        if not self.sharded:
+            return [(self._feedback, name)]
+        keys = [(self._feedback, f"{name}#shard{s}") for s in range(self.size)]
+        return keys + [(self._server_feedback, name)]
+
+    def _save(self, keys: list) -> set:
+        """Copy the residuals of ``keys`` into spare buffers; return the keys that had one."""
+        saved = set()
+        for fb, key in keys:
+            r = fb.residual(key)
+            if r is None:
+                continue
+            spare = self._spare.get((id(fb), key))
+            if spare is None or spare.shape != r.shape or type(spare) is not type(r):
+                spare = self._spare[(id(fb), key)] = get_array_module(r).empty_like(r)
+            spare[...] = r
+            saved.add((id(fb), key))
+        return saved
+
+    def _restore(self, keys: list, saved: set) -> None:
+        """Put the residuals of ``keys`` back as ``_save`` found them (none: zeros)."""
+        for fb, key in keys:
+            r = fb.residual(key)
+            if r is not None:
+                r[...] = self._spare[(id(fb), key)] if (id(fb), key) in saved else 0
 
     def _close(self, flush_trace: bool) -> None:
         if self._comm is None:
@@ -239,49 +357,85 @@ class CompressedComm:
         }
 
     def _average(
-        self, flat: np.ndarray, name: str, op: str = "allreduce", layout: int | None = None
+        self,
+        flat: np.ndarray,
+        name: str,
+        op: str = "allreduce",
+        layout: int | None = None,
+        *,
+        dtype: str = "float32",
+        over: bool = False,
+        ledger: list | None = None,
     ) -> np.ndarray:
+        """Return the average of ``flat`` over ranks: one collective call.
+
+        Error-feedback residuals are copied before the call and put back when it
+        fails or is skipped, so such a call changes no residual on any rank; the
+        copies are appended to ``ledger`` for a caller that may roll back later.
+
+        Raises:
+            Skipped: under ``nonfinite="skip_step"``, when some rank held NaN/Inf.
+        """
         step = self._calls
         self._calls += 1
+        if self.debug:
+            self._check_same_call(f"{op}({name!r}, {flat.size} {dtype})")
         # Below min_numel every codec, fp16 included, steps aside for a float32 sum.
         plain = flat.size < self.min_numel and self.codec.name != "none"
         # Names (and bucket layouts) take part in the agreement: ranks calling with
         # tensors in different orders raise instead of mixing them.
         if layout is None:
             layout = zlib.crc32(name.encode())
+        keys = [] if plain else self._residual_keys(name)
+        saved = self._save(keys)
+        if ledger is not None:
+            ledger.append((keys, saved))
+        what = f"gradient {name!r}" if name else "gradient"
+        restore = (lambda: self._restore(keys, saved)) if keys else None  # noqa: E731
+        guard = _reduce.Guard(self.nonfinite, what, over, restore)
         trace = self.trace
-        if trace is None:
-            return self._reduce(flat, name, step, plain, self.tracer, NO_CLOCK, layout)
-        codec = "none" if plain else self.codec.name
-        trace.begin(
-            step, f"{op} below min_numel" if plain else op, codec, name, flat.size, self.tracer
-        )
-        out = self._reduce(flat, name, step, plain, trace, trace, layout)
-        trace.end()
-        return out
+        try:
+            if trace is None:
+                return self._reduce(flat, name, step, plain, self.tracer, NO_CLOCK, layout, guard)
+            codec = "none" if plain else self.codec.name
+            trace.begin(
+                step, f"{op} below min_numel" if plain else op, codec, name, flat.size, self.tracer
+            )
+            try:
+                out = self._reduce(flat, name, step, plain, trace, trace, layout, guard)
+            except Skipped:
+                trace.end()  # a skipped call still exchanged its agreement: keep its event
+                raise
+            trace.end()
+            return out
+        except BaseException:
+            self._restore(keys, saved)
+            raise
 
     def _reduce(
-        self, flat, name: str, step: int, plain: bool, tracer, clock, layout: int
+        self, flat, name: str, step: int, plain: bool, tracer, clock, layout: int, guard
     ) -> np.ndarray:
         comm, codec = self._comm, self.codec
         if plain or codec.aggregation == "sum":
             small = self._plain if plain else codec
-            return _reduce.reduce_sum(comm, small, flat, tracer, clock, layout)
+            return _reduce.reduce_sum(comm, small, flat, tracer, clock, layout, guard)
         if codec.aggregation == "integer_sum":
-            return _reduce.reduce_integer(comm, codec, flat, step, tracer, clock, layout)
+            return _reduce.reduce_integer(comm, codec, flat, step, tracer, clock, layout, guard)
         if codec.aggregation == "majority":
-            return _reduce.reduce_majority(comm, codec, flat, step, tracer, clock, layout)
+            return _reduce.reduce_majority(comm, codec, flat, step, tracer, clock, layout, guard)
         if self.sharded:
             if self._feedback is not None:
                 push = lambda f, s: self._feedback.encode(f, f"{name}#shard{s}")  # noqa: E731
                 pull = lambda f: self._server_feedback.encode(f, name)  # noqa: E731
             else:
                 push, pull = (lambda f, s: codec.encode(f)), codec.encode
-            return _reduce.reduce_sharded(comm, codec, flat, push, pull, tracer, clock, layout)
+            return _reduce.reduce_sharded(
+                comm, codec, flat, push, pull, tracer, clock, layout, guard
+            )
         encode = codec.encode
         if self._feedback is not None:
             encode = lambda f: self._feedback.encode(f, name)  # noqa: E731
-        return _reduce.reduce_gather(comm, codec, flat, encode, tracer, clock, layout)
+        return _reduce.reduce_gather(comm, codec, flat, encode, tracer, clock, layout, guard)
 
 
 def _buckets(sizes: list[int], limit: int) -> list[list[int]]:
@@ -302,6 +456,18 @@ def _buckets(sizes: list[int], limit: int) -> list[list[int]]:
     if current:
         out.append(current)
     return out
+
+
+def _dtype(x) -> str:
+    """Return the name of ``x``'s dtype as the caller passed it (for debug descriptions)."""
+    dt = getattr(x, "dtype", None)
+    return str(dt).removeprefix("torch.") if dt is not None else type(x).__name__
+
+
+def _warn(messages: list[str]) -> None:
+    """Warn that a call was skipped on every rank, naming the ranks that held NaN/Inf."""
+    text = "; ".join(messages) + " (every rank returned zeros; residuals unchanged)"
+    warnings.warn(text, NonFiniteWarning, stacklevel=3)
 
 
 def _like(x, avg: np.ndarray):
