@@ -10,13 +10,13 @@ from mpicomp import codecs
 from mpicomp.codecs import codec
 from mpicomp.errors import PayloadError
 
-__all__ = ["CompressedComm", "PayloadError", "__version__", "codec", "codecs"]
+__all__ = ["CompressedComm", "NonFiniteWarning", "PayloadError", "__version__", "codec", "codecs"]
 
 
 def __getattr__(name):
     # Lazy: importing mpicomp for its codecs must not initialize MPI.
-    if name == "CompressedComm":
-        from mpicomp.comm import CompressedComm
+    if name in ("CompressedComm", "NonFiniteWarning"):
+        from mpicomp import comm
 
-        return CompressedComm
+        return getattr(comm, name)
     raise AttributeError(f"module 'mpicomp' has no attribute {name!r}")

@@ -20,6 +20,7 @@ import numpy as np
 from mpi4py import MPI
 
 from mpicomp._backend import all_finite, zero_nonfinite
+from mpicomp.collectives import plain
 from mpicomp.collectives.allgather import allgather_bytes
 from mpicomp.collectives.maxallreduce import max_allreduce, min_allreduce
 from mpicomp.collectives.ring import ring_allreduce_bounded
@@ -113,7 +114,7 @@ def _agree(
 def _flagged(comm, flag: bool) -> list[int]:
     """Return the ranks whose ``flag`` is set (one byte per rank, Allgather)."""
     flags = np.empty(comm.size, dtype=np.uint8)
-    comm.Allgather(np.array([flag], dtype=np.uint8), flags)
+    plain.allgather(comm, np.array([flag], dtype=np.uint8), flags)
     return np.flatnonzero(flags).tolist()
 
 
@@ -202,12 +203,12 @@ def reduce_sum(
 def _sum(comm, wire, tracer) -> np.ndarray:
     """Return the MPI sum over ranks of ``wire`` (float32, or float16 summed in float32)."""
     total = np.empty_like(wire)
+    # Through collectives.plain: blocking, or nonblocking under MPICOMP_TIMEOUT.
     if wire.dtype == np.float16:
-        comm.Allreduce([wire, MPI.UINT16_T], [total, MPI.UINT16_T], op=_float16_sum())
+        send, recv = [wire, MPI.UINT16_T], [total, MPI.UINT16_T]
+        plain.allreduce(comm, send, recv, _float16_sum(), tracer=tracer)
     else:
-        comm.Allreduce(wire, total, op=MPI.SUM)
-    if tracer is not None:
-        tracer.record("mpi.allreduce", 1, wire.nbytes, wire.nbytes, 8 * wire.itemsize)
+        plain.allreduce(comm, wire, total, MPI.SUM, tracer=tracer)
     return total
 
 
@@ -269,9 +270,7 @@ def reduce_majority(
     _agree(comm, flat.size, err, layout=layout, tracer=tracer, nonfinite=bad, guard=guard)
     # Every rank's mean |x|, summed in rank order: the same float on every rank.
     scales = np.empty(comm.size, dtype=np.float64)
-    comm.Allgather(np.array([scale], dtype=np.float64), scales)
-    if tracer is not None:
-        tracer.record("mpi.allgather", 1, 8, 8 * (comm.size - 1), 64)
+    plain.allgather(comm, np.array([scale], dtype=np.float64), scales, tracer=tracer)
 
     def decide(counts, offset):
         return codec.majority(counts, comm.size, step=step, offset=offset)
