@@ -109,8 +109,30 @@ def wait_all(comm, requests, timeout: float | None, op: str, detail) -> None:
         expire(comm, op, detail, timeout, elapsed)
 
 
+#: Called (rank-locally, no messages) just before a timeout aborts the job: MPI_Abort
+#: ends the process without running ``atexit`` handlers, so whoever holds unsaved
+#: state (the HDF5 tracer) registers here.
+_ABORT_HOOKS: list = []
+
+
+def on_abort(hook) -> None:
+    """Register ``hook()`` to run on this rank before a timeout aborts the job."""
+    _ABORT_HOOKS.append(hook)
+
+
+def remove_abort_hook(hook) -> None:
+    """Unregister a hook added by ``on_abort`` (no error if it is not there)."""
+    if hook in _ABORT_HOOKS:
+        _ABORT_HOOKS.remove(hook)
+
+
 def expire(comm, op: str, detail, timeout: float, elapsed: float) -> None:
-    """Write the timeout report to stderr and abort the job through ``comm``."""
+    """Write the timeout report to stderr, run the abort hooks, abort the job through ``comm``."""
     text = detail() if callable(detail) else detail
     print(timeout_message(comm, op, text, timeout, elapsed), file=sys.stderr, flush=True)
+    for hook in list(_ABORT_HOOKS):
+        try:
+            hook()
+        except Exception as e:  # a failing hook must not stop the abort
+            print(f"mpicomp: abort hook {hook!r} failed: {e!r}", file=sys.stderr, flush=True)
     comm.Abort(ABORT_CODE)

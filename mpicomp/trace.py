@@ -15,6 +15,8 @@ from time import perf_counter
 
 import numpy as np
 
+from mpicomp.collectives import _wait
+
 FORMAT_VERSION = 1
 
 # Fixed-length byte fields: longer values are cut to these many bytes (at a UTF-8
@@ -153,7 +155,9 @@ class Tracer:
         self._closed = False
         self._also = None
         self._sent = self._recv = 0
-        self._collective_error(self._create, self._run_attrs(attrs or {}), what="create")
+        self._attrs = self._run_attrs(attrs or {})
+        self._collective_error(self._create, self._attrs, what="create")
+        _wait.on_abort(self.save_local)
 
     # -- one call ----------------------------------------------------------------
 
@@ -256,10 +260,32 @@ class Tracer:
         self._n = self._ns = 0
         self._collective_error(self._append, events, steps, what="write")
 
+    def save_local(self) -> str | None:
+        """Write this rank's unflushed events to ``<path>.rank<r>.h5``; return that path.
+
+        Rank-local (no messages), for a job about to abort: a timeout calls it before
+        MPI_Abort, when the usual gather to rank 0 is impossible. The side file has the
+        trace's format and attributes, plus ``aborted = True`` and ``rank``; None when
+        nothing was pending.
+        """
+        if self._closed or self._n == 0:
+            return None
+        side = f"{self.path}.rank{self._rank}.h5"
+        attrs = dict(self._attrs, aborted=True, rank=self._rank)
+        saved = self.path
+        try:
+            self.path = side
+            self._create(attrs)
+            self._append(self._events[: self._n], self._steps[: self._ns] if self._ns else None)
+        finally:
+            self.path = saved
+        return side
+
     def close(self) -> None:
         """Flush the last rows and stamp the end time. Safe to call twice."""
         if self._closed:
             return
+        _wait.remove_abort_hook(self.save_local)
         self.flush()
         self._closed = True
         stamp = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")

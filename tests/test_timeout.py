@@ -203,20 +203,29 @@ JOB = textwrap.dedent(
         if rank != 1:
             cc.allreduce(np.ones(3000, np.float32), name="w")
         time.sleep(60)
+    elif mode == "skip_traced":
+        # Three calls recorded but not yet flushed, then rank 1 skips the fourth.
+        trace = sys.argv[2]
+        cc = mpicomp.CompressedComm(comm, "none", trace=trace, trace_flush_every=1000)
+        for _ in range(3):
+            cc.allreduce(np.ones(3000, np.float32), name="w")
+        if rank != 1:
+            cc.allreduce(np.ones(3000, np.float32), name="w")
+        time.sleep(60)
     elif mode == "stall":
         ring_allreduce_bounded(comm, codes, 2 * size, tracer=Stall() if rank == 1 else None)
     """
 )
 
 
-def run_job(tmp_path, mode, timeout_env):
+def run_job(tmp_path, mode, timeout_env, *extra):
     """Run JOB on 2 ranks; return (exit code, stdout, stderr); kill the job after 60 s."""
     if not MPIEXEC.exists():
         pytest.skip(f"no mpiexec next to {sys.executable}")
     script = tmp_path / "job.py"
     script.write_text(JOB)
     env = dict(os.environ, NUMBA_NUM_THREADS="1", MPICOMP_TIMEOUT=timeout_env)
-    cmd = [str(MPIEXEC), "-n", "2", sys.executable, "-m", "mpi4py", str(script), mode]
+    cmd = [str(MPIEXEC), "-n", "2", sys.executable, "-m", "mpi4py", str(script), mode, *extra]
     # A session of its own, so a hung job is killed with every rank it started.
     proc = subprocess.Popen(
         cmd,
@@ -268,3 +277,18 @@ def test_a_rank_that_skips_or_stalls_aborts_the_job_with_a_clear_message(
     assert f"mpicomp: rank 0 of 2 timed out in {op} after " in err
     assert f"(timeout 2 s): {waited_for}" in err
     assert "aborting the job" in err
+
+
+def test_an_aborted_traced_job_leaves_each_ranks_unflushed_events(tmp_path):
+    from mpicomp.trace import read
+
+    trace = tmp_path / "run.h5"
+    code, out, err = run_job(tmp_path, "skip_traced", "2", str(trace))
+    assert code == _wait.ABORT_CODE, err
+    side = tmp_path / "run.h5.rank0.h5"
+    assert side.exists(), err
+    events, _, attrs = read(side)
+    assert attrs["aborted"] and attrs["rank"] == 0
+    assert events.size == 3 and set(events["rank"].tolist()) == {0}
+    assert events["step"].tolist() == [0, 1, 2] and set(events["name"].tolist()) == {b"w"}
+    assert read(trace)[0].size == 0  # nothing reached the shared file: no flush happened
