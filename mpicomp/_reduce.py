@@ -324,20 +324,19 @@ def reduce_sharded(
     received = _exchange(alltoall_bytes, comm, pushed, None, tracer)
     clock.communicated()
     a, b = bounds[comm.rank]
-    mine = _decode_mean(codec, received, b - a)
+    # Only this owner decodes its pushes, and its average can still be refused (a
+    # corrupt push, a float32 sum that overflowed): it then takes part in the pull
+    # allgather with None, so every rank raises instead of waiting for it.
+    mine, err = _attempt(_decode_mean, codec, received, b - a)
     clock.decoded()
-    # The owner's average can still be refused (e.g. a float32 sum that overflowed):
-    # it then takes part in the allgather with None, so every rank raises.
-    pull, err = _attempt(encode_pull, mine)
+    pull, err = (None, err) if err is not None else _attempt(encode_pull, mine)
     clock.encoded()
     pulled = _exchange(allgather_bytes, comm, pull, err, tracer)
     clock.communicated()
-    parts = [codec.decode(p).reshape(-1) for p in pulled]
-    for (a, b), part in zip(bounds, parts, strict=True):
-        if part.size != b - a:
-            raise RankError(
-                f"ranks disagree on the tensor size: shard of {part.size}, expected {b - a}"
-            )
+    # Sizes were agreed: a payload of another size is corrupt (PayloadError everywhere).
+    parts = [
+        codec.decode(p, numel=b - a).reshape(-1) for p, (a, b) in zip(pulled, bounds, strict=True)
+    ]
     out = np.concatenate(parts) if parts else np.zeros(0, np.float32)
     clock.decoded()
     return out
@@ -354,14 +353,12 @@ def _exchange(collective, comm, data, err, tracer):
 
 
 def _decode_mean(codec, payloads, n: int) -> np.ndarray:
-    """Decode every payload, check its size, and average in rank order (the same on every rank)."""
+    """Decode every payload (each must describe n elements) and average in rank order.
+
+    The same on every rank. Sizes were agreed before the payloads moved, so one of
+    another size is corrupt: PayloadError, checked before the decoder allocates.
+    """
     total = np.zeros(n, dtype=np.float32)
-    for rank, p in enumerate(payloads):
-        y = codec.decode(p).reshape(-1)
-        if y.size != n:
-            raise RankError(
-                f"ranks disagree on the tensor size: rank {rank} sent {y.size} elements, "
-                f"this rank has {n}"
-            )
-        total += y
+    for p in payloads:
+        total += codec.decode(p, numel=n).reshape(-1)
     return total / np.float32(len(payloads))

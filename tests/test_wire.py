@@ -75,3 +75,10 @@ def test_undefined_flag_bits_are_corruption():
     assert _wire.unpack("topk", p, known_flags=0b11)[1] == 0b10
     with pytest.raises(mpicomp.PayloadError, match="flags=0x2"):
         _wire.unpack("topk", p, known_flags=0b01)
+
+
+@pytest.mark.parametrize("shape", [(0, 2**64 - 1), (2**38, 2**38, 0), (0, 2**41)])
+def test_empty_shapes_with_huge_dimensions_are_refused(shape):
+    p = _wire.pack("none", shape, np.zeros(0, np.uint8))
+    with pytest.raises(mpicomp.PayloadError, match="implausibly large"):
+        _wire.unpack("none", p)

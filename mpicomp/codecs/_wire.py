@@ -74,11 +74,16 @@ def pack(codec: str, shape: tuple[int, ...], body: np.ndarray, flags: int = 0) -
     return out
 
 
-def unpack(codec: str, payload, known_flags: int = 0) -> tuple[tuple[int, ...], int, np.ndarray]:
+def unpack(
+    codec: str, payload, known_flags: int = 0, numel: int | None = None
+) -> tuple[tuple[int, ...], int, np.ndarray]:
     """Validate a payload made by ``codec``; return (shape, flags, body view).
 
     ``known_flags`` is the mask of flag bits the codec defines; any other set bit
-    is corruption.
+    is corruption. ``numel``, when the caller knows it (a collective does, from its
+    agreement), is the element count the payload must describe: checked before any
+    decoder allocates, since a few honest bytes of a sparse codec can describe a
+    tensor of 2^40 elements.
 
     Raises:
         PayloadError: wrong type, truncated, wrong magic, version or codec id,
@@ -122,11 +127,14 @@ def unpack(codec: str, payload, known_flags: int = 0) -> tuple[tuple[int, ...], 
             f"({start}-byte header + {body_len}-byte body)"
         )
     shape = tuple(int(d) for d in payload[FIXED_SIZE:start].view("<u8")) if ndim else ()
-    numel = 1
-    for d in shape:
-        numel *= d
-        if numel > MAX_NUMEL:
-            raise PayloadError(f"{codec} payload shape {shape} is implausibly large")
+    # The non-zero dimensions too: a zero-size shape like (0, 2**64 - 1), or (0, 2**38,
+    # 2**38), is empty yet cannot be reshaped to.
+    if numel_of(tuple(d for d in shape if d)) > MAX_NUMEL:
+        raise PayloadError(f"{codec} payload shape {shape} is implausibly large")
+    if numel is not None and numel_of(shape) != numel:
+        raise PayloadError(
+            f"{codec} payload describes {numel_of(shape)} elements, expected {numel}"
+        )
     if _checksum(payload) != checksum:
         raise PayloadError(f"{codec} payload fails its checksum (corrupted in transit?)")
     return shape, flags, payload[start:]

@@ -21,6 +21,7 @@ class _Dense(Codec):
 
     aggregation = "sum"
     wire_dtype: np.dtype
+    refuses_nonfinite = False  # `none` carries floats as they are, NaN included
 
     def __init__(self):
         super().__init__()
@@ -40,15 +41,18 @@ class _Dense(Codec):
         wire = self.to_wire(x).astype(self.wire_dtype.newbyteorder("<"), copy=False)
         return _wire.pack(self.name, x.shape, wire.reshape(-1).view(np.uint8))
 
-    def decode(self, payload) -> np.ndarray:
+    def decode(self, payload, numel: int | None = None) -> np.ndarray:
         """Return the float32 array carried by ``payload``."""
-        shape, _, body = _wire.unpack(self.name, payload)
+        shape, _, body = _wire.unpack(self.name, payload, numel=numel)
         size = self.wire_dtype.itemsize
         if body.size != size * _wire.numel_of(shape):
             raise PayloadError(
                 f"{self.name} payload body is {body.size} bytes, shape {shape} needs {size} per element"
             )
-        return body.view(self.wire_dtype.newbyteorder("<")).astype(np.float32).reshape(shape)
+        out = body.view(self.wire_dtype.newbyteorder("<")).astype(np.float32).reshape(shape)
+        if self.refuses_nonfinite and out.size and not mpicomp_all_finite(out.reshape(-1)):
+            raise PayloadError(f"{self.name} payload holds NaN or Inf, which its encoder refuses")
+        return out
 
 
 @register
@@ -65,6 +69,7 @@ class Float16(_Dense):
 
     name = "fp16"
     wire_dtype = np.dtype(np.float16)
+    refuses_nonfinite = True
 
     def to_wire(self, x):
         """Return ``x`` rounded to float16.
@@ -136,9 +141,9 @@ class TopK(Codec):
         body[8 + k * idt.itemsize :] = flat[idx].astype("<f4").view(np.uint8)
         return _wire.pack(self.name, x.shape, body)
 
-    def decode(self, payload) -> np.ndarray:
+    def decode(self, payload, numel: int | None = None) -> np.ndarray:
         """Return the dense float32 array of ``payload`` (zeros where nothing was kept)."""
-        shape, _, body = _wire.unpack(self.name, payload)
+        shape, _, body = _wire.unpack(self.name, payload, numel=numel)
         n = _wire.numel_of(shape)
         if body.size < 8:
             raise PayloadError(f"topk payload body truncated: {body.size} bytes")

@@ -127,7 +127,7 @@ class FastSGD(Codec):
         )
         return _wire.pack(self.name, x.shape, body)
 
-    def decode(self, payload) -> np.ndarray:
+    def decode(self, payload, numel: int | None = None) -> np.ndarray:
         """Return the float32 array of ``payload``: sign * sum / b^L where kept, 0 elsewhere.
 
         The base, tau, flag size and bucket come from the payload, so any FastSGD
@@ -137,7 +137,7 @@ class FastSGD(Codec):
             PayloadError: the payload is truncated, corrupted, made by another
                 codec, or its body is inconsistent with its shape.
         """
-        shape, _, body = _wire.unpack(self.name, payload)
+        shape, _, body = _wire.unpack(self.name, payload, numel=numel)
         n = _wire.numel_of(shape)
         if body.size < _k.PREFIX_BYTES:
             raise PayloadError(

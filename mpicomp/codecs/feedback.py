@@ -46,9 +46,9 @@ class ErrorFeedback:
         r[...] = corrected - self.codec.decode(payload)
         return payload
 
-    def decode(self, payload):
+    def decode(self, payload, numel: int | None = None):
         """Return the decoded array of ``payload`` (the wrapped codec's decode)."""
-        return self.codec.decode(payload)
+        return self.codec.decode(payload, numel=numel)
 
     def residual(self, name: str = ""):
         """Return the residual of ``name`` (None before its first encode)."""

@@ -111,13 +111,13 @@ class FFTCodec(Codec):
         _BODY.pack_into(body, 0, pbase << (_k.MAX_MANTISSA - m), m, bits, 0, k)
         return _wire.pack(self.name, x.shape, body)
 
-    def decode(self, payload) -> np.ndarray:
+    def decode(self, payload, numel: int | None = None) -> np.ndarray:
         """Return the float32 gradient of ``payload``, in its original shape.
 
         Raises:
             PayloadError: the payload is truncated, corrupted, inconsistent, or not fft's.
         """
-        shape, flags, body = _wire.unpack(self.name, payload)
+        shape, flags, body = _wire.unpack(self.name, payload, numel=numel)
         n = _wire.numel_of(shape)
         nbins = num_bins(n)
         if flags != 0:

@@ -117,9 +117,9 @@ class SignSGD(Codec):
         body[4:] = bits
         return _wire.pack(self.name, x.shape, body)
 
-    def decode(self, payload) -> np.ndarray:
+    def decode(self, payload, numel: int | None = None) -> np.ndarray:
         """Return ±(mean |x|) per element, with the signs the payload carries."""
-        shape, _, body = _wire.unpack(self.name, payload)
+        shape, _, body = _wire.unpack(self.name, payload, numel=numel)
         n = _wire.numel_of(shape)
         if body.size != 4 + (n + 7) // 8:
             raise PayloadError(

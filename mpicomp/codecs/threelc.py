@@ -101,14 +101,16 @@ class ThreeLC(Codec):
             _k.mpicomp_threelc_quartic_encode(flat, r, use_r, scale, body[_SCALE_BYTES:])
         return _wire.pack(self.name, x.shape, body, flags=flags)
 
-    def decode(self, payload) -> np.ndarray:
+    def decode(self, payload, numel: int | None = None) -> np.ndarray:
         """Return trit * M as a float32 array of the encoded shape.
 
         Raises:
             PayloadError: the payload is truncated, corrupted, made by another
                 codec, or its body is inconsistent with its shape.
         """
-        shape, flags, body = _wire.unpack(self.name, payload, known_flags=FLAG_ZERO_RUN)
+        shape, flags, body = _wire.unpack(
+            self.name, payload, known_flags=FLAG_ZERO_RUN, numel=numel
+        )
         n = _wire.numel_of(shape)
         n_bytes = _quartic_length(n)
         if body.size < _SCALE_BYTES:
