@@ -5,10 +5,11 @@ how many elements it brings and whether its local encode failed. Ranks that
 disagree or fail make every rank raise the same error before any bulk data moves,
 so a bad tensor on one rank never leaves the others waiting.
 
-Every function takes a phase ``clock`` (``mpicomp.trace.NO_CLOCK`` when untraced):
-``clock.encoded()``, ``clock.communicated()`` and ``clock.decoded()`` charge the time
-since the previous mark to local compression work, to messages (collectives with their
-own packing, and waiting for other ranks), and to decoding and averaging.
+Every function takes the ``Call`` it serves: the communicator, the step, the tracer,
+the NaN/Inf policy, the timeout, and a phase clock (``mpicomp.trace.NO_CLOCK`` when
+untraced): ``clock.encoded()``, ``clock.communicated()`` and ``clock.decoded()`` charge
+the time since the previous mark to local compression work, to messages (collectives
+with their own packing, and waiting for other ranks), and to decoding and averaging.
 """
 
 from __future__ import annotations
@@ -72,15 +73,32 @@ class Guard:
 _RAISE = Guard()
 
 
+@dataclass(frozen=True)
+class Call:
+    """What every message of one CompressedComm call shares.
+
+    ``step`` drives the counter-based random draws; ``tracer`` gets the collectives'
+    exchange steps and ``clock`` the phase marks (``NO_CLOCK`` when untraced);
+    ``layout`` is the name or bucket hash the agreement compares; ``guard`` the NaN/Inf
+    policy; ``timeout`` each wait's limit in seconds (None: ``MPICOMP_TIMEOUT``).
+    """
+
+    comm: object
+    step: int = 0
+    tracer: object = None
+    clock: object = NO_CLOCK
+    layout: int = 0
+    guard: Guard = _RAISE
+    timeout: float | None = None
+
+    @property
+    def io(self) -> dict:
+        """Return the keyword arguments every collective of this call takes."""
+        return {"tracer": self.tracer, "timeout": self.timeout}
+
+
 def _agree(
-    comm,
-    n: int,
-    error: Exception | None,
-    value: float = 0.0,
-    layout: int = 0,
-    tracer=None,
-    nonfinite: bool = False,
-    guard: Guard = _RAISE,
+    call: Call, n: int, error: Exception | None, value: float = 0.0, nonfinite: bool = False
 ) -> float:
     """Check that all ranks bring n elements in the same layout and none failed.
 
@@ -91,10 +109,11 @@ def _agree(
     only NaN/Inf failed, one more small Allgather names every such rank and under
     ``skip_step`` every rank raises ``Skipped``.
     """
-    failed = comm.rank + 1 if error is not None and not nonfinite else 0
-    bad = comm.rank + 1 if nonfinite else 0
+    rank, layout = call.comm.rank, call.layout
+    failed = rank + 1 if error is not None and not nonfinite else 0
+    bad = rank + 1 if nonfinite else 0
     vec = np.array([value, n, -n, layout, -layout, failed, bad], dtype=np.float64)
-    top = max_allreduce(comm, vec, tracer=tracer)
+    top = max_allreduce(call.comm, vec, **call.io)
     if top[5]:
         if error is not None:
             raise error
@@ -107,14 +126,14 @@ def _agree(
     if top[3] != -top[4]:
         raise RankError("ranks disagree on the tensors fused into this bucket (names or sizes)")
     if top[6]:
-        _nonfinite(_flagged(comm, nonfinite), nonfinite, guard, error)
+        _nonfinite(_flagged(call, nonfinite), nonfinite, call.guard, error)
     return float(top[0])
 
 
-def _flagged(comm, flag: bool) -> list[int]:
-    """Return the ranks whose ``flag`` is set (one byte per rank, Allgather)."""
-    flags = np.empty(comm.size, dtype=np.uint8)
-    plain.allgather(comm, np.array([flag], dtype=np.uint8), flags)
+def _flagged(call: Call, flag: bool) -> list[int]:
+    """Return the ranks whose ``flag`` is set (one byte per rank, Allgather; untraced)."""
+    flags = np.empty(call.comm.size, dtype=np.uint8)
+    plain.allgather(call.comm, np.array([flag], dtype=np.uint8), flags, timeout=call.timeout)
     return np.flatnonzero(flags).tolist()
 
 
@@ -146,13 +165,13 @@ def _local(fn, flat, guard: Guard):
     return out, flat, err, False
 
 
-def fail(comm, error: Exception, layout: int = 0, tracer=None) -> None:
+def fail(call: Call, error: Exception) -> None:
     """Take part in a call's agreement as the rank whose input was refused; raise ``error``.
 
     Every path begins with the same agreement message, so the other ranks, whichever
     path they took, receive the failure there and raise RankError.
     """
-    _agree(comm, 0, error, layout=layout, tracer=tracer)
+    _agree(call, 0, error)
 
 
 def _attempt(fn, *args, **kwargs):
@@ -163,23 +182,22 @@ def _attempt(fn, *args, **kwargs):
         return None, e
 
 
-def reduce_sum(
-    comm, codec, flat, tracer=None, clock=NO_CLOCK, layout: int = 0, guard: Guard = _RAISE
-) -> np.ndarray:
+def reduce_sum(call: Call, codec, flat) -> np.ndarray:
     """Average by MPI sum of ``codec.to_wire`` (float32 as it is, or float16).
 
     ``none`` sends its input unchecked: a NaN/Inf on any rank reaches every rank's
     sum, so one pass over the sum tells every rank the same; only then does each
     rank look at its own input (and, under ``"zero"``, the sum is made again).
     """
+    comm, clock, guard = call.comm, call.clock, call.guard
     wire, flat, err, bad = _local(codec.to_wire, flat, guard)
     clock.encoded()
-    _agree(comm, flat.size, err, layout=layout, tracer=tracer, nonfinite=bad, guard=guard)
-    total = _sum(comm, wire, tracer)
+    _agree(call, flat.size, err, nonfinite=bad)
+    total = _sum(call, wire)
     clock.communicated()
     if not all_finite(total):
         local = not all_finite(flat)
-        ranks = _flagged(comm, local)
+        ranks = _flagged(call, local)
         if not ranks:
             what = "float16" if wire.dtype == np.float16 else "float32"
             msg = f"{codec.name}: the sum over ranks overflows {what}"
@@ -189,7 +207,7 @@ def reduce_sum(
         if guard.policy == "zero":
             if local:
                 flat = zero_nonfinite(flat)
-            total = _sum(comm, codec.to_wire(flat), tracer)
+            total = _sum(call, codec.to_wire(flat))
             clock.communicated()
             if not all_finite(total):
                 raise RankError(f"{codec.name}: the sum over ranks overflows float32")
@@ -200,15 +218,15 @@ def reduce_sum(
     return out
 
 
-def _sum(comm, wire, tracer) -> np.ndarray:
+def _sum(call: Call, wire) -> np.ndarray:
     """Return the MPI sum over ranks of ``wire`` (float32, or float16 summed in float32)."""
     total = np.empty_like(wire)
     # Through collectives.plain: blocking, or nonblocking under MPICOMP_TIMEOUT.
     if wire.dtype == np.float16:
         send, recv = [wire, MPI.UINT16_T], [total, MPI.UINT16_T]
-        plain.allreduce(comm, send, recv, _float16_sum(), tracer=tracer)
+        plain.allreduce(call.comm, send, recv, _float16_sum(), **call.io)
     else:
-        plain.allreduce(comm, wire, total, MPI.SUM, tracer=tracer)
+        plain.allreduce(call.comm, wire, total, MPI.SUM, **call.io)
     return total
 
 
@@ -229,28 +247,27 @@ def _float16_sum():
     return _F16_SUM
 
 
-def reduce_integer(
-    comm, codec, flat, step: int, tracer=None, clock=NO_CLOCK, layout: int = 0, guard=_RAISE
-) -> np.ndarray:
+def reduce_integer(call: Call, codec, flat) -> np.ndarray:
     """Average QSGD-MaxNorm codes: MaxAllReduce of norms, [MinAllReduce of scale
     indices], exact ring sum of the codes, dequantize."""
+    comm, clock, step = call.comm, call.clock, call.step
     sparse = hasattr(codec, "coordinates")  # GlobalRandK: K coordinates drawn per step
     at = {"step": step} if sparse else {}
-    norm, flat, err, bad = _local(lambda f: codec.local_norm(f, **at), flat, guard)
+    norm, flat, err, bad = _local(lambda f: codec.local_norm(f, **at), flat, call.guard)
     clock.encoded()
-    norm = _agree(comm, flat.size, err, norm or 0.0, layout, tracer, nonfinite=bad, guard=guard)
+    norm = _agree(call, flat.size, err, norm or 0.0, nonfinite=bad)
     clock.communicated()
     extra = ()
     if hasattr(codec, "scale_index"):
         sidx = codec.scale_index(flat, norm, **at)
         clock.encoded()
         if codec.index_bits:
-            sidx = min_allreduce(comm, sidx, bits=codec.index_bits, tracer=tracer)
+            sidx = min_allreduce(comm, sidx, bits=codec.index_bits, **call.io)
             clock.communicated()
         extra = (sidx.astype(codec.index_dtype, copy=False),)
     codes = codec.quantize(flat, norm, *extra, step=step, stream=comm.rank)
     clock.encoded()
-    total = ring_allreduce_bounded(comm, codes, codec.bound, tracer=tracer)
+    total = ring_allreduce_bounded(comm, codes, codec.bound, **call.io)
     clock.communicated()
     if sparse:
         out = codec.dequantize(total, norm, *extra, nranks=comm.size, shape=flat.shape, step=step)
@@ -260,68 +277,57 @@ def reduce_integer(
     return out
 
 
-def reduce_majority(
-    comm, codec, flat, step: int, tracer=None, clock=NO_CLOCK, layout: int = 0, guard=_RAISE
-) -> np.ndarray:
+def reduce_majority(call: Call, codec, flat) -> np.ndarray:
     """signSGD: ring sum of votes, majority decided by each chunk's owner, ±mean scale."""
-    votes, flat, err, bad = _local(codec.votes, flat, guard)
+    comm, clock, step = call.comm, call.clock, call.step
+    votes, flat, err, bad = _local(codec.votes, flat, call.guard)
     scale = codec.scale(flat) if err is None else 0.0
     clock.encoded()
-    _agree(comm, flat.size, err, layout=layout, tracer=tracer, nonfinite=bad, guard=guard)
+    _agree(call, flat.size, err, nonfinite=bad)
     # Every rank's mean |x|, summed in rank order: the same float on every rank.
     scales = np.empty(comm.size, dtype=np.float64)
-    plain.allgather(comm, np.array([scale], dtype=np.float64), scales, tracer=tracer)
+    plain.allgather(comm, np.array([scale], dtype=np.float64), scales, **call.io)
 
     def decide(counts, offset):
         return codec.majority(counts, comm.size, step=step, offset=offset)
 
     # The owners' majority decisions run inside the ring: charged to comm.
-    bits = ring_allreduce_bounded(comm, votes, 1, majority=decide, signed=False, tracer=tracer)
+    bits = ring_allreduce_bounded(comm, votes, 1, majority=decide, signed=False, **call.io)
     clock.communicated()
     out = codec.expand(bits, flat.size, float(scales.sum() / comm.size))
     clock.decoded()
     return out
 
 
-def reduce_gather(
-    comm, codec, flat, encode, tracer=None, clock=NO_CLOCK, layout: int = 0, guard=_RAISE
-) -> np.ndarray:
+def reduce_gather(call: Call, codec, flat, encode) -> np.ndarray:
     """Allgather every rank's payload; every rank decodes all and averages in rank order."""
-    payload, flat, err, bad = _local(encode, flat, guard)
+    clock = call.clock
+    payload, flat, err, bad = _local(encode, flat, call.guard)
     clock.encoded()
-    _agree(comm, flat.size, err, layout=layout, tracer=tracer, nonfinite=bad, guard=guard)
-    payloads = _exchange(allgather_bytes, comm, payload, None, tracer)
+    _agree(call, flat.size, err, nonfinite=bad)
+    payloads = _exchange(call, allgather_bytes, payload, None)
     clock.communicated()
     out = _decode_mean(codec, payloads, flat.size)
     clock.decoded()
     return out
 
 
-def reduce_sharded(
-    comm,
-    codec,
-    flat,
-    encode_push,
-    encode_pull,
-    tracer=None,
-    clock=NO_CLOCK,
-    layout: int = 0,
-    guard=_RAISE,
-) -> np.ndarray:
+def reduce_sharded(call: Call, codec, flat, encode_push, encode_pull) -> np.ndarray:
     """3LC's push/pull: shard s is averaged by rank s, compressed once more, pulled by all.
 
     ``encode_push(shard, s)`` compresses this rank's shard s (worker residual s);
     ``encode_pull(avg_shard)`` compresses the owner's average (server residual).
     """
+    comm, clock = call.comm, call.clock
     bounds = shard_bounds(flat.size, comm.size)
 
     def push(f):
         return [encode_push(f[a:b], s) for s, (a, b) in enumerate(bounds)]
 
-    pushed, flat, err, bad = _local(push, flat, guard)
+    pushed, flat, err, bad = _local(push, flat, call.guard)
     clock.encoded()
-    _agree(comm, flat.size, err, layout=layout, tracer=tracer, nonfinite=bad, guard=guard)
-    received = _exchange(alltoall_bytes, comm, pushed, None, tracer)
+    _agree(call, flat.size, err, nonfinite=bad)
+    received = _exchange(call, alltoall_bytes, pushed, None)
     clock.communicated()
     a, b = bounds[comm.rank]
     # Only this owner decodes its pushes, and its average can still be refused (a
@@ -331,7 +337,7 @@ def reduce_sharded(
     clock.decoded()
     pull, err = (None, err) if err is not None else _attempt(encode_pull, mine)
     clock.encoded()
-    pulled = _exchange(allgather_bytes, comm, pull, err, tracer)
+    pulled = _exchange(call, allgather_bytes, pull, err)
     clock.communicated()
     # Sizes were agreed: a payload of another size is corrupt (PayloadError everywhere).
     parts = [
@@ -342,10 +348,10 @@ def reduce_sharded(
     return out
 
 
-def _exchange(collective, comm, data, err, tracer):
+def _exchange(call: Call, collective, data, err):
     """Run a byte collective; a rank whose encode failed takes part with None."""
     try:
-        return collective(comm, data, tracer=tracer)
+        return collective(call.comm, data, **call.io)
     except ValueError as e:
         if err is not None:
             raise err from None

@@ -8,6 +8,7 @@ import os
 import sys
 import warnings
 import zlib
+from dataclasses import replace
 
 import numpy as np
 
@@ -17,6 +18,8 @@ from mpicomp._reduce import NonFiniteWarning, RankError, Skipped
 from mpicomp.codecs import Codec, ErrorFeedback
 from mpicomp.codecs._base import check_number
 from mpicomp.codecs._base import make as make_codec
+from mpicomp.collectives import plain
+from mpicomp.collectives._wait import resolve_timeout
 from mpicomp.trace import NO_CLOCK
 
 __all__ = ["CompressedComm", "NonFiniteWarning", "RankError"]
@@ -59,6 +62,10 @@ class CompressedComm:
             numel, dtype, codec, policy), naming the ranks that differ; costs one
             8-byte Allgather per call. Default: the ``MPICOMP_DEBUG`` environment
             variable (set and not ``0``).
+        timeout: seconds any one message of this communicator may wait before the
+            rank reports what it waited for and aborts the job (docs/reliability.md).
+            Default: the ``MPICOMP_TIMEOUT`` environment variable (unset: no timeout);
+            0 turns it off. Every rank must have one, or none.
         **codec_params: parameters of the codec when ``codec`` is a name.
 
     Every rank must make the same calls in the same order with tensors of the same
@@ -80,6 +87,7 @@ class CompressedComm:
         trace_flush_every: int | None = 100,
         nonfinite: str = "raise",
         debug: bool | None = None,
+        timeout: float | None = None,
         **codec_params,
     ):
         if isinstance(codec, str):
@@ -112,6 +120,9 @@ class CompressedComm:
         if not isinstance(debug, (bool, np.bool_)):
             raise TypeError(f"debug must be a bool or None, got {type(debug).__name__}")
         self.debug = bool(debug)
+        # Checked now, so a bad value fails at construction, not in the first call.
+        # 0 stays 0 (off, whatever the environment says); None defers to MPICOMP_TIMEOUT.
+        self.timeout = None if timeout is None else (resolve_timeout(timeout) or 0)
         self._spare = {}  # pre-call copies of residuals, reused call after call
         self._feedback = ErrorFeedback(codec) if error_feedback else None
         self._server_feedback = ErrorFeedback(codec) if error_feedback and sharded else None
@@ -265,7 +276,7 @@ class CompressedComm:
         self._calls += 1  # the other ranks count this call: keep the RNG step aligned
         if self.debug:
             self._check_same_call(None)
-        _reduce.fail(self._comm, error, tracer=self.tracer)
+        _reduce.fail(_reduce.Call(self._comm, tracer=self.tracer, timeout=self.timeout), error)
 
     def _check_same_call(self, call: str | None) -> None:
         """Raise RankError on every rank unless all ranks describe the same ``call``.
@@ -280,14 +291,14 @@ class CompressedComm:
             h = int.from_bytes(hashlib.blake2b(desc.encode(), digest_size=8).digest(), "little")
             h |= 1  # 0 means "refused"
         hashes = np.empty(self.size, dtype=np.uint64)
-        self._comm.Allgather(np.array([h], dtype=np.uint64), hashes)
+        plain.allgather(self._comm, np.array([h], dtype=np.uint64), hashes, timeout=self.timeout)
         live = np.flatnonzero(hashes)
         if live.size == 0 or (hashes[live] == hashes[live[0]]).all():
             return
         from mpicomp.collectives.allgather import allgather_bytes
 
         mine = np.frombuffer((desc or "").encode(), dtype=np.uint8).copy()
-        descs = [bytes(p).decode() for p in allgather_bytes(self._comm, mine)]
+        descs = [bytes(p).decode() for p in allgather_bytes(self._comm, mine, timeout=self.timeout)]
         ref = int(live[0])
         ref_call, ref_conf = descs[ref].split("\n", 1)
         parts = []
@@ -381,12 +392,12 @@ class CompressedComm:
         if self.debug:
             self._check_same_call(f"{op}({name!r}, {flat.size} {dtype})")
         # Below min_numel every codec, fp16 included, steps aside for a float32 sum.
-        plain = flat.size < self.min_numel and self.codec.name != "none"
+        uncompressed = flat.size < self.min_numel and self.codec.name != "none"
         # Names (and bucket layouts) take part in the agreement: ranks calling with
         # tensors in different orders raise instead of mixing them.
         if layout is None:
             layout = zlib.crc32(name.encode())
-        keys = [] if plain else self._residual_keys(name)
+        keys = [] if uncompressed else self._residual_keys(name)
         saved = self._save(keys)
         if ledger is not None:
             ledger.append((keys, saved))
@@ -394,15 +405,23 @@ class CompressedComm:
         restore = (lambda: self._restore(keys, saved)) if keys else None  # noqa: E731
         guard = _reduce.Guard(self.nonfinite, what, over, restore)
         trace = self.trace
+        call = _reduce.Call(self._comm, step, self.tracer, NO_CLOCK, layout, guard, self.timeout)
         try:
             if trace is None:
-                return self._reduce(flat, name, step, plain, self.tracer, NO_CLOCK, layout, guard)
-            codec = "none" if plain else self.codec.name
+                return self._reduce(flat, name, uncompressed, call)
+            codec = "none" if uncompressed else self.codec.name
             trace.begin(
-                step, f"{op} below min_numel" if plain else op, codec, name, flat.size, self.tracer
+                step,
+                f"{op} below min_numel" if uncompressed else op,
+                codec,
+                name,
+                flat.size,
+                self.tracer,
             )
             try:
-                out = self._reduce(flat, name, step, plain, trace, trace, layout, guard)
+                out = self._reduce(
+                    flat, name, uncompressed, replace(call, tracer=trace, clock=trace)
+                )
             except Skipped:
                 trace.end()  # a skipped call still exchanged its agreement: keep its event
                 raise
@@ -412,30 +431,25 @@ class CompressedComm:
             self._restore(keys, saved)
             raise
 
-    def _reduce(
-        self, flat, name: str, step: int, plain: bool, tracer, clock, layout: int, guard
-    ) -> np.ndarray:
-        comm, codec = self._comm, self.codec
-        if plain or codec.aggregation == "sum":
-            small = self._plain if plain else codec
-            return _reduce.reduce_sum(comm, small, flat, tracer, clock, layout, guard)
+    def _reduce(self, flat, name: str, uncompressed: bool, call: _reduce.Call) -> np.ndarray:
+        codec = self.codec
+        if uncompressed or codec.aggregation == "sum":
+            return _reduce.reduce_sum(call, self._plain if uncompressed else codec, flat)
         if codec.aggregation == "integer_sum":
-            return _reduce.reduce_integer(comm, codec, flat, step, tracer, clock, layout, guard)
+            return _reduce.reduce_integer(call, codec, flat)
         if codec.aggregation == "majority":
-            return _reduce.reduce_majority(comm, codec, flat, step, tracer, clock, layout, guard)
+            return _reduce.reduce_majority(call, codec, flat)
         if self.sharded:
             if self._feedback is not None:
                 push = lambda f, s: self._feedback.encode(f, f"{name}#shard{s}")  # noqa: E731
                 pull = lambda f: self._server_feedback.encode(f, name)  # noqa: E731
             else:
                 push, pull = (lambda f, s: codec.encode(f)), codec.encode
-            return _reduce.reduce_sharded(
-                comm, codec, flat, push, pull, tracer, clock, layout, guard
-            )
+            return _reduce.reduce_sharded(call, codec, flat, push, pull)
         encode = codec.encode
         if self._feedback is not None:
             encode = lambda f: self._feedback.encode(f, name)  # noqa: E731
-        return _reduce.reduce_gather(comm, codec, flat, encode, tracer, clock, layout, guard)
+        return _reduce.reduce_gather(call, codec, flat, encode)
 
 
 def _buckets(sizes: list[int], limit: int) -> list[list[int]]:

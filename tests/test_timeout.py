@@ -203,6 +203,12 @@ JOB = textwrap.dedent(
         if rank != 1:
             cc.allreduce(np.ones(3000, np.float32), name="w")
         time.sleep(60)
+    elif mode == "skip_explicit":
+        # The environment says no timeout; the communicator's own argument says 2 s.
+        cc = mpicomp.CompressedComm(comm, "qsgd_maxnorm", min_numel=1, timeout=2)
+        if rank != 1:
+            cc.allreduce(np.ones(3000, np.float32), name="w")
+        time.sleep(60)
     elif mode == "skip_traced":
         # Three calls recorded but not yet flushed, then rank 1 skips the fourth.
         trace = sys.argv[2]
@@ -292,3 +298,32 @@ def test_an_aborted_traced_job_leaves_each_ranks_unflushed_events(tmp_path):
     assert events.size == 3 and set(events["rank"].tolist()) == {0}
     assert events["step"].tolist() == [0, 1, 2] and set(events["name"].tolist()) == {b"w"}
     assert read(trace)[0].size == 0  # nothing reached the shared file: no flush happened
+
+
+def test_compressed_comm_timeout_argument_works_with_the_environment_off(tmp_path):
+    code, out, err = run_job(tmp_path, "skip_explicit", "0")
+    assert code == _wait.ABORT_CODE, err
+    assert "mpicomp: rank 0 of 2 timed out in max_allreduce after " in err
+    assert "(timeout 2 s)" in err
+
+
+@pytest.mark.parametrize(
+    "bad, exc", [(-1, ValueError), (float("nan"), ValueError), ("5", TypeError)]
+)
+def test_compressed_comm_refuses_a_bad_timeout_at_construction(bad, exc):
+    from mpi4py import MPI
+
+    import mpicomp
+
+    with pytest.raises(exc, match="timeout"):
+        mpicomp.CompressedComm(MPI.COMM_SELF, "none", timeout=bad)
+
+
+def test_compressed_comm_timeout_zero_is_off_whatever_the_environment(monkeypatch):
+    from mpi4py import MPI
+
+    import mpicomp
+
+    monkeypatch.setenv("MPICOMP_TIMEOUT", "5")
+    assert mpicomp.CompressedComm(MPI.COMM_SELF, "none", timeout=0).timeout == 0
+    assert mpicomp.CompressedComm(MPI.COMM_SELF, "none").timeout is None  # the environment's
