@@ -87,6 +87,22 @@ def _fix_header(p: np.ndarray) -> np.ndarray:
     return p
 
 
+# Decoders trust a header's element count (up to 2^40) unless told the expected one:
+# a few bytes of a sparse payload may honestly describe a huge tensor, whose dense
+# output would be allocated (and, checked for finiteness, touched: a 32 GiB shape
+# was enough to get a test run killed). Like CompressedComm, pass numel= for those.
+LARGE_NUMEL = 1 << 24
+
+
+def _expected_numel(payload: np.ndarray) -> int | None:
+    """Return LARGE_NUMEL when the header claims more elements, else None (trust it)."""
+    if payload.size < _wire.FIXED_SIZE or payload[4] > _wire.MAX_NDIM:
+        return None
+    if payload.size < _wire.header_size(int(payload[4])):
+        return None
+    return LARGE_NUMEL if math.prod(_header_shape(payload)) > LARGE_NUMEL else None
+
+
 def _decode_checked(codec, payload: np.ndarray, kind: str | None) -> str:
     """Decode ``payload``; assert the outcome is allowed and return "ok" or "refused".
 
@@ -97,7 +113,7 @@ def _decode_checked(codec, payload: np.ndarray, kind: str | None) -> str:
     before = payload.copy()
     faulthandler.dump_traceback_later(HANG_S, exit=True)
     try:
-        y = codec.decode(payload)
+        y = codec.decode(payload, numel=_expected_numel(payload))
     except mpicomp.PayloadError:
         outcome = "refused"
     else:
@@ -123,7 +139,8 @@ def _decode_guarded(codec, payload: np.ndarray, kind: str) -> None:
         view = buf[64 : 64 + payload.size]
         view[:] = payload
         outcome = _decode_checked(codec, view, counted)
-        results.append((outcome, codec.decode(view).tobytes() if outcome == "ok" else b""))
+        decoded = codec.decode(view, numel=_expected_numel(view)) if outcome == "ok" else None
+        results.append((outcome, b"" if decoded is None else decoded.tobytes()))
         assert np.all(buf[:64] == fill) and np.all(buf[64 + payload.size :] == fill)
     assert results[0] == results[1], "decode depends on bytes outside its payload"
 
