@@ -17,7 +17,7 @@ from collections import Counter
 import numpy as np
 import pytest
 from conftest import gradient_like
-from hypothesis import assume, given, settings
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import mpicomp
@@ -217,7 +217,6 @@ def test_mutated_valid_payloads(name, params, x, ops, fix):
     p = _mutate(codec.encode(x), ops)
     if fix or p.size < _wire.FIXED_SIZE:
         p = _fix_header(p)
-    assume(not _known_wire_gap(p))
     _decode_guarded(codec, p, "mutated")
 
 
@@ -235,25 +234,9 @@ def test_mutated_valid_payloads(name, params, x, ops, fix):
 )
 def test_random_valid_headers(name, shape, flags, body):
     # Any shape, including 0 beside 2^64 - 1, behind a correct magic, id and checksum.
-    assume(not _empty_beside_huge(shape))  # known: test_empty_shape_beside_a_huge_dim
     codec = mpicomp.codec(name)
     p = _wire.pack(name, tuple(shape), np.frombuffer(body, dtype=np.uint8), flags=flags)
     _decode_checked(codec, p, "random header")
-
-
-def _empty_beside_huge(shape) -> bool:
-    # numel is 0, so _wire.unpack lets it through, but NumPy may not make the shape.
-    return 0 in shape and math.prod(d for d in shape if d) > _wire.MAX_NUMEL
-
-
-def _known_wire_gap(p: np.ndarray) -> bool:
-    """Return whether ``p``'s header holds a shape of test_empty_shape_beside_a_huge_dim."""
-    return (
-        p.size >= _wire.FIXED_SIZE
-        and p[4] <= _wire.MAX_NDIM
-        and p.size >= _wire.header_size(int(p[4]))
-        and _empty_beside_huge(_header_shape(p))
-    )
 
 
 @pytest.mark.parametrize("name", DECODERS)
