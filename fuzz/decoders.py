@@ -9,7 +9,6 @@ header's shape) is a crash: libFuzzer saves the input and exits non-zero.
 """
 
 import math
-import struct
 import sys
 
 import atheris
@@ -43,11 +42,7 @@ def _repair(name: str, data: bytes) -> np.ndarray:
     p = np.frombuffer(data.ljust(_wire.FIXED_SIZE, b"\0"), dtype=np.uint8).copy()
     p[:4] = [*_wire.MAGIC, _wire.VERSION, _wire.CODEC_IDS[name]]
     p[4] %= _wire.MAX_NDIM + 1
-    body = p.size - _wire.header_size(int(p[4]))
-    if body >= 0:
-        struct.pack_into("<I", p, 12, body)
-    struct.pack_into("<I", p, 8, _wire._checksum(p))
-    return p
+    return _wire.reseal(p)
 
 
 # Decoders trust a header's element count (up to 2^40) unless the caller passes the
@@ -57,13 +52,6 @@ def _repair(name: str, data: bytes) -> np.ndarray:
 LARGE_NUMEL = 1 << 26
 # `none` carries float32 as it is, NaN included (docs/usage.md).
 NONFINITE_PASSES = {"none"}
-
-
-def _claimed_numel(p: np.ndarray) -> int:
-    if p.size < _wire.FIXED_SIZE or p[4] > _wire.MAX_NDIM or p.size < _wire.header_size(p[4]):
-        return 0
-    shape = [int(d) for d in p[16 : _wire.header_size(int(p[4]))].view("<u8")]
-    return math.prod(shape)
 
 
 def main() -> None:
@@ -83,12 +71,13 @@ def main() -> None:
         if not data:
             return
         p = _repair(name, data[1:]) if data[0] & 1 else np.frombuffer(data[1:], dtype=np.uint8)
-        numel = LARGE_NUMEL if _claimed_numel(p) > LARGE_NUMEL else None
+        claimed = _wire.claimed_shape(p)
+        numel = LARGE_NUMEL if claimed is not None and math.prod(claimed) > LARGE_NUMEL else None
         try:
             y = codec.decode(p, numel=numel)
         except mpicomp.PayloadError:
             return
-        shape = tuple(int(d) for d in p[16 : _wire.header_size(int(p[4]))].view("<u8"))
+        shape = _wire.claimed_shape(p)
         if not (y.dtype == np.float32 and y.shape == shape):
             raise AssertionError(f"{name} decoded to {y.dtype} {y.shape}, header says {shape}")
         if not (name in NONFINITE_PASSES or np.all(np.isfinite(y))):

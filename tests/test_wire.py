@@ -82,3 +82,24 @@ def test_empty_shapes_with_huge_dimensions_are_refused(shape):
     p = _wire.pack("none", shape, np.zeros(0, np.uint8))
     with pytest.raises(mpicomp.PayloadError, match="implausibly large"):
         _wire.unpack("none", p)
+
+
+def test_claimed_shape_reads_the_header_without_validating():
+    p = _wire.pack("topk", (3, 4), np.zeros(5, np.uint8))
+    assert _wire.claimed_shape(p) == (3, 4)
+    assert _wire.claimed_shape(p[:20]) is None  # dims cut off
+    bad = p.copy()
+    bad[4] = 9
+    assert _wire.claimed_shape(bad) is None
+
+
+def test_reseal_makes_an_edited_payload_pass_the_header_checks():
+    p = _wire.pack("topk", (5,), np.arange(12, dtype=np.uint8))
+    edited = np.concatenate([p, np.zeros(3, np.uint8)])  # longer body, stale length and checksum
+    with pytest.raises(mpicomp.PayloadError):
+        _wire.unpack("topk", edited)
+    shape, _, body = _wire.unpack("topk", _wire.reseal(edited.copy()))
+    assert shape == (5,) and body.size == 15
+    kept = _wire.reseal(edited.copy(), length=False)  # checksum only: the length stays wrong
+    with pytest.raises(mpicomp.PayloadError, match="does not match header"):
+        _wire.unpack("topk", kept)

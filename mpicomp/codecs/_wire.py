@@ -140,6 +140,34 @@ def unpack(
     return shape, flags, payload[start:]
 
 
+def claimed_shape(payload: np.ndarray) -> tuple[int, ...] | None:
+    """Return the shape a payload's header states, unvalidated; None without a readable header.
+
+    For tools that inspect or forge payloads (fuzzers, tests); decoders use ``unpack``.
+    """
+    if payload.size < FIXED_SIZE or payload[4] > MAX_NDIM:
+        return None
+    end = header_size(int(payload[4]))
+    if payload.size < end:
+        return None
+    return tuple(int(d) for d in payload[FIXED_SIZE:end].view("<u8"))
+
+
+def reseal(payload: np.ndarray, *, length: bool = True) -> np.ndarray:
+    """Rewrite an edited payload's checksum (and body length) in place; return it.
+
+    With ``length=False`` a deliberately wrong body length is kept. A payload without
+    a readable fixed header (too short, ndim > 8) is returned as it is.
+    """
+    if payload.size < FIXED_SIZE or payload[4] > MAX_NDIM:
+        return payload
+    body = payload.size - header_size(int(payload[4]))
+    if length and body >= 0:
+        struct.pack_into("<I", payload, 12, body)
+    struct.pack_into("<I", payload, 8, _checksum(payload))
+    return payload
+
+
 def numel_of(shape: tuple[int, ...]) -> int:
     """Return the number of elements of ``shape`` (1 for a 0-d shape)."""
     n = 1
