@@ -13,7 +13,8 @@ import sys
 import numpy as np
 
 import mpicomp
-from mpicomp.bench import conv_gradient, median_seconds, one_rank_round_trip
+from mpicomp.bench import conv_gradient, median_seconds
+from mpicomp.roundtrip import one_rank_round_trip
 
 TOUR = [
     ("none", {}),

@@ -1,7 +1,7 @@
 """Codec throughput on one process: encode and decode GB/s beside memcpy, bits per element.
 
 ``mpicomp bench`` runs :func:`run`; ``jobs/codec_tour.py`` and ``jobs/bench.py`` reuse the
-gradient, the codec set and :func:`one_rank_round_trip` from here.
+gradient and the codec set from here (the per-codec closures are in ``mpicomp.roundtrip``).
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from collections.abc import Callable, Sequence
 import numpy as np
 
 import mpicomp
-from mpicomp.kernels.cpu.bits import mpicomp_bits_pack, mpicomp_bits_unpack, packed_size
+from mpicomp.roundtrip import one_rank_round_trip
 
 # One representative parameter set per codec (two for QSGD-MaxNorm: 8 and 2 bits, the
 # ends of its useful range), in the order the tables print them.
@@ -97,68 +97,6 @@ def parse_count(text: str) -> int:
 def label(params: dict) -> str:
     """Return ``params`` as ``k=v,k=v`` (empty for defaults)."""
     return ",".join(f"{k}={v}" for k, v in params.items())
-
-
-def _ring_width(bound: int) -> int:
-    # One rank's codes in [-bound, bound] as unsigned offsets: ceil(log2(2*bound + 1)) bits.
-    return math.ceil(math.log2(2 * bound + 1))
-
-
-def one_rank_round_trip(codec, x: np.ndarray):
-    """Return (encode, decode, wire_bytes) closures for one rank of ``codec``.
-
-    For byte-payload codecs these are encode/decode. For the summable codecs the
-    wire is the codes bit-packed at the ring's first-step width (plus the shared
-    scale indices for multi-scale); for signSGD, one sign bit per element.
-    ``decode`` returns what this rank alone would get back; ``wire_bytes`` is valid
-    after ``encode`` has run.
-    """
-    if hasattr(codec, "encode") and codec.aggregation != "integer_sum":
-        state = {}
-
-        def enc():
-            state["p"] = codec.encode(x)
-
-        def dec():
-            return codec.decode(state["p"])
-
-        return enc, dec, lambda: state["p"].size
-
-    if codec.aggregation == "majority":
-        state = {}
-
-        def enc():
-            state["p"] = codec.signs(x)
-            state["s"] = codec.scale(x)
-
-        def dec():
-            return codec.expand(state["p"], x.size, state["s"]).reshape(x.shape)
-
-        return enc, dec, lambda: state["p"].size + 4
-
-    width = _ring_width(codec.bound)
-    multiscale = hasattr(codec, "scale_index")
-    state = {}
-
-    def enc():
-        norm = codec.local_norm(x)
-        extra = (codec.scale_index(x, norm),) if multiscale else ()
-        codes = codec.quantize(x, norm, *extra, step=0, stream=0)
-        packed = np.empty(packed_size(codes.size, width), np.uint8)
-        mpicomp_bits_pack((codes.astype(np.int64) + codec.bound).astype(np.uint32), width, packed)
-        state.update(norm=norm, extra=extra, packed=packed, ncodes=codes.size)
-
-    def dec():
-        codes = np.empty(state["ncodes"], np.uint32)
-        mpicomp_bits_unpack(state["packed"], width, codes)
-        codes = codes.astype(np.int64) - codec.bound
-        return codec.dequantize(codes, state["norm"], *state["extra"], shape=x.shape)
-
-    def wire():
-        index_bytes = state["ncodes"] * codec.index_bits / 8 if multiscale else 0
-        return state["packed"].size + index_bytes + 4
-
-    return enc, dec, wire
 
 
 def median_seconds(fn: Callable[[], object], reps: int) -> float:
