@@ -190,3 +190,118 @@ def format_table(rows: list[dict], out=None) -> None:
             f"{r['decode_gbps']:>10.2f}{r['decode_gbps'] / m:>9.2f}",
             file=out,
         )
+
+
+class Report:
+    """What ``mpicomp bench`` measured: kernel rows with their all-reduce entries."""
+
+    def __init__(self, rows: list[dict], allreduce: list[dict], nranks: int, numel):
+        self.rows = rows
+        self.allreduce = allreduce
+        self.nranks = nranks
+        self.numel = numel
+
+    def print(self, reps: int, allreduce_reps: int, out=None) -> None:
+        """Print both tables with their headers (to stdout by default)."""
+        import numba
+
+        out = sys.stdout if out is None else out
+        kernels = [r for r in self.rows if r["encode_gbps"] is not None]
+        if kernels:
+            print(
+                f"mpicomp {mpicomp.__version__} bench: {self.numel:,} float32 elements "
+                f"({self.numel * 4 / 2**20:.1f} MiB), one process, cpu backend "
+                f"(numba {numba.config.NUMBA_NUM_THREADS} threads), median of {reps} "
+                f"after a warm-up\nmemcpy (np.copyto) of the same buffer, same run: "
+                f"{kernels[0]['memcpy_gbps']:.2f} GB/s (the x/memcpy columns divide by it)",
+                file=out,
+            )
+            format_table(kernels, out)
+            print(
+                "GB/s: float32 input bytes / time (1 GB = 1e9 B); bits/elem: one rank's wire "
+                "(payload with header, or ring codes at the first step's width);\n"
+                "rel.err: ||decode(encode(g)) - g|| / ||g||, one rank, no error feedback.",
+                file=out,
+            )
+        if self.allreduce:
+            from mpicomp.bench_allreduce import format_table as allreduce_table
+
+            print(
+                f"\nall-reduce on {self.nranks} rank(s): CompressedComm.allreduce against "
+                f"MPI_Allreduce of float32, the slowest rank's time, median of "
+                f"{allreduce_reps} after a warm-up;\nspeedup = MPI_Allreduce time / "
+                "compressed time; bytes per rank per call, 'x ring' over a float32 ring's "
+                "2(N-1)/N*4n",
+                file=out,
+            )
+            allreduce_table(self.allreduce, out)
+
+
+def full_run(
+    comm,
+    codecs: Sequence[str] | None,
+    numel: int | None,
+    sizes: Sequence[int],
+    *,
+    reps: int = 5,
+    allreduce_reps: int = 3,
+    seed: int = 0,
+    trace_dir: str | None = None,
+    tc_dev: str | None = None,
+    progress=None,
+) -> Report:
+    """Run what ``mpicomp bench`` measures on ``comm``: kernels on rank 0, then all-reduces.
+
+    Args:
+        comm: an ``mpi4py.MPI.Comm``; every rank calls this.
+        codecs: codec names (``BENCH_SET``'s parameters); None for all.
+        numel: kernel gradient size; None skips the kernel timings.
+        sizes: all-reduce sizes (may be empty).
+        reps, allreduce_reps: timed repetitions of a kernel / of an all-reduce.
+        seed: seed of the kernel gradient (each rank's all-reduce gradient is seeded
+            by its rank).
+        trace_dir, tc_dev: see ``mpicomp.bench_allreduce.measure``.
+        progress: a text stream for progress lines on rank 0 (None: silent).
+
+    Returns:
+        A :class:`Report` whose ``rows`` hold one dict per codec and backend: the keys
+        of :func:`run` (kernel figures None when skipped) and ``allreduce``, the list of
+        that codec's all-reduce rows (``mpicomp.bench_allreduce.measure``), one per size.
+        On ranks other than 0 the kernel figures are None.
+    """
+    todo = codec_set(codecs)
+    quiet = progress if comm.rank == 0 else None
+    kernel_rows = None
+    if numel is not None and comm.rank == 0:
+        kernel_rows = run(codecs, numel, reps, seed, progress=quiet)
+    comm.Barrier()
+    allreduce = []
+    if sizes:
+        from mpicomp.bench_allreduce import measure
+
+        for n in sizes:
+            allreduce += measure(
+                comm, n, todo, allreduce_reps, quiet, trace_dir=trace_dir, tc_dev=tc_dev
+            )
+    rows = []
+    for i, (name, params) in enumerate(todo):
+        row = (
+            kernel_rows[i]
+            if kernel_rows
+            else {
+                "codec": name,
+                "params": dict(params),
+                "backend": "cpu",
+                "numel": numel,
+                "encode_gbps": None,
+                "decode_gbps": None,
+                "memcpy_gbps": None,
+                "bits_per_element": None,
+                "rel_error": None,
+            }
+        )
+        row["allreduce"] = [
+            a for a in allreduce if a["codec"] == name and a["params"] == dict(params)
+        ]
+        rows.append(row)
+    return Report(rows, allreduce, comm.size, numel)

@@ -58,10 +58,12 @@ def _parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser(
         "bench",
-        help="encode/decode throughput of every codec beside memcpy, one process",
+        help="codec throughput beside memcpy, and compressed all-reduce against MPI_Allreduce",
         description="Encode and decode throughput (GB/s of float32 input) of each codec on "
-        "one gradient-shaped tensor, beside np.copyto of the same buffer, and the bits per "
-        "element one rank sends. Median of --reps after a warm-up.",
+        "one gradient-shaped tensor beside np.copyto of the same buffer, the bits per element "
+        "one rank sends, then CompressedComm.allreduce against MPI_Allreduce of float32 on "
+        "MPI.COMM_WORLD (launch with mpiexec/srun for more than one rank). Medians of "
+        "--reps after a warm-up; the kernels are timed on rank 0 alone.",
     )
     p.add_argument(
         "--codecs",
@@ -73,15 +75,45 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--numel",
         type=_positive_count,
-        default=1_000_000,
+        default=None,
         metavar="N",
-        help="elements of the gradient; suffixes K, M, G (default: 1M)",
+        help="elements of the gradient; suffixes K, M, G (default: 25.6M, ResNet-50's "
+        "gradient, for the kernels; also the all-reduce size when --sizes is not given)",
+    )
+    p.add_argument(
+        "--sizes",
+        type=_count_list,
+        default=None,
+        metavar="N,N",
+        help="all-reduce sizes (default: 1M,25.6M, or --numel when given)",
     )
     p.add_argument(
         "--reps", type=_positive_count, default=5, metavar="R", help="timed repetitions (5)"
     )
+    p.add_argument(
+        "--allreduce-reps",
+        type=_positive_count,
+        default=3,
+        metavar="R",
+        help="timed all-reduces per codec and size (3)",
+    )
+    p.add_argument("--no-kernels", action="store_true", help="skip the encode/decode timings")
+    p.add_argument("--no-allreduce", action="store_true", help="skip the all-reduce timings")
+    p.add_argument(
+        "--trace", metavar="DIR", default=None, help="write an HDF5 trace per codec and size"
+    )
+    p.add_argument(
+        "--tc-dev",
+        metavar="DEV",
+        default=None,
+        help="also count the bytes DEV's root qdisc sent (tc -s qdisc) per all-reduce",
+    )
     p.add_argument("--seed", type=int, default=0, help="seed of the gradient (0)")
-    p.add_argument("--json", action="store_true", help="print a JSON list of rows on stdout")
+    p.add_argument(
+        "--json",
+        action="store_true",
+        help="print a JSON list of rows (one per codec and backend) alone on stdout",
+    )
     p.add_argument("-q", "--quiet", action="store_true", help="no progress on stderr")
     p.set_defaults(run=_cmd_bench)
 
@@ -109,6 +141,16 @@ def _positive_count(text: str) -> int:
             f"must be a whole number >= 1 (suffixes K, M, G allowed), got {text!r}"
         )
     return value
+
+
+def _count_list(text: str) -> list[int]:
+    try:
+        counts = [parse_count(t) for t in text.split(",") if t.strip()]
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    if not counts or min(counts) < 1:
+        raise argparse.ArgumentTypeError(f"expected counts >= 1, got {text!r}")
+    return counts
 
 
 def _codec_list(text: str) -> list[str]:
@@ -259,29 +301,34 @@ def _cmd_info(args, parser) -> int:
 
 
 def _cmd_bench(args, parser) -> int:
-    import numba
-
     from mpicomp import bench
 
+    if args.no_kernels and args.no_allreduce:
+        parser.error("bench: --no-kernels and --no-allreduce leave nothing to measure")
+    numel = args.numel or 25_600_000
+    sizes = args.sizes or ([args.numel] if args.numel else [1_000_000, 25_600_000])
     progress = None if args.quiet else sys.stderr
-    rows = bench.run(args.codecs, args.numel, args.reps, args.seed, progress=progress)
-    if args.json:
-        print(json.dumps(rows, indent=1))
+    from mpi4py import MPI
+
+    comm = MPI.COMM_WORLD
+    report = bench.full_run(
+        comm,
+        args.codecs,
+        None if args.no_kernels else numel,
+        [] if args.no_allreduce else sizes,
+        reps=args.reps,
+        allreduce_reps=args.allreduce_reps,
+        seed=args.seed,
+        trace_dir=args.trace,
+        tc_dev=args.tc_dev,
+        progress=progress,
+    )
+    if comm.rank != 0:
         return 0
-    memcpy = rows[0]["memcpy_gbps"] if rows else float("nan")
-    print(
-        f"mpicomp {mpicomp.__version__} bench: {args.numel:,} float32 elements "
-        f"({args.numel * 4 / 2**20:.1f} MiB), one process, cpu backend "
-        f"(numba {numba.config.NUMBA_NUM_THREADS} threads), median of {args.reps} "
-        f"after a warm-up\nmemcpy (np.copyto) of the same buffer, same run: "
-        f"{memcpy:.2f} GB/s (the x/memcpy columns divide by it)"
-    )
-    bench.format_table(rows)
-    print(
-        "GB/s: float32 input bytes / time (1 GB = 1e9 B); bits/elem: one rank's wire "
-        "(payload with header, or ring codes at the first step's width);\n"
-        "rel.err: ||decode(encode(g)) - g|| / ||g||, one rank, no error feedback."
-    )
+    if args.json:
+        print(json.dumps(report.rows, indent=1))
+    else:
+        report.print(args.reps, args.allreduce_reps)
     return 0
 
 

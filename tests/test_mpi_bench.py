@@ -12,7 +12,7 @@ N = 2000
 @pytest.mark.mpi
 class TestAllreduceBench:
     def test_rows_and_the_exact_bytes_of_none(self):
-        from jobs.bench import measure
+        from mpicomp.bench_allreduce import measure
 
         comm = world()
         codecs = [("none", {}), ("qsgd_maxnorm", {"bits": 2}), ("threelc", {})]
