@@ -1,4 +1,4 @@
-"""The ``mpicomp`` command: ``info``, ``bench``, ``trace summary`` and ``trace plot``."""
+"""The ``mpicomp`` command: ``info``, ``bench``, ``advise``, ``trace summary`` and ``trace plot``."""
 
 from __future__ import annotations
 
@@ -116,6 +116,28 @@ def _parser() -> argparse.ArgumentParser:
     )
     p.add_argument("-q", "--quiet", action="store_true", help="no progress on stderr")
     p.set_defaults(run=_cmd_bench)
+
+    p = sub.add_parser(
+        "advise",
+        help="for a link bandwidth, which codecs pay (paper 002 Eq. 4, measured kernels)",
+        description="Paper 002's Eq. 4 with measured encode/decode throughput: the smallest "
+        "compression ratio that pays on a link, whether each codec reaches it, the modelled "
+        "all-reduce speedup at --ranks, and the link rate below which each codec is faster. "
+        "Kernel figures come from --bench (a `mpicomp bench --json` file) or are measured now.",
+    )
+    p.add_argument("bandwidth", help="each rank's link: 1gbit, 10gbit, 100mbit, ...")
+    p.add_argument("--ranks", type=_positive_count, default=4, metavar="N", help="ranks (4)")
+    p.add_argument("--bench", metavar="FILE", default=None, help="`mpicomp bench --json` output")
+    p.add_argument("--codecs", type=_codec_list, default=None, metavar="NAMES", help="codecs (all)")
+    p.add_argument(
+        "--numel",
+        type=_positive_count,
+        default=25_600_000,
+        metavar="N",
+        help="gradient size when measuring now (25.6M)",
+    )
+    p.add_argument("--json", action="store_true", help="print a JSON list alone on stdout")
+    p.set_defaults(run=_cmd_advise)
 
     p = sub.add_parser("trace", help="read an HDF5 trace written by CompressedComm(trace=...)")
     tsub = p.add_subparsers(dest="trace_command", required=True, metavar="ACTION")
@@ -329,6 +351,37 @@ def _cmd_bench(args, parser) -> int:
         print(json.dumps(report.rows, indent=1))
     else:
         report.print(args.reps, args.allreduce_reps)
+    return 0
+
+
+def _cmd_advise(args, parser) -> int:
+    from mpicomp import advise, bench
+
+    try:
+        link = advise.parse_rate(args.bandwidth)
+    except ValueError as e:
+        parser.error(str(e))
+    if args.ranks < 2:
+        parser.error("advise: --ranks must be >= 2")
+    if args.bench is not None:
+        try:
+            with open(args.bench) as f:
+                rows = json.load(f)
+            if not isinstance(rows, list) or not all(isinstance(r, dict) for r in rows):
+                raise ValueError("expected a JSON list of rows, as `mpicomp bench --json` prints")
+            if args.codecs:
+                rows = [r for r in rows if r.get("codec") in args.codecs]
+            result = advise.advise(rows, link, args.ranks)
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            print(f"mpicomp advise: error: {args.bench}: {e}", file=sys.stderr)
+            return 2
+    else:
+        rows = bench.run(args.codecs, args.numel, 5, progress=sys.stderr)
+        result = advise.advise(rows, link, args.ranks)
+    if args.json:
+        print(json.dumps(result, indent=1))
+    else:
+        advise.format_table(result, link, args.ranks, sys.stdout)
     return 0
 
 

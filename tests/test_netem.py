@@ -8,7 +8,8 @@ import sys
 import pytest
 
 from jobs.netem import job
-from jobs.netem.namespace import Namespace, NeedsRoot, parse_rate
+from jobs.netem.namespace import Namespace, NeedsRoot
+from mpicomp.advise import parse_rate
 
 
 def test_parse_rate_units():

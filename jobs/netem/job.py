@@ -25,7 +25,8 @@ import subprocess
 import sys
 import time
 
-from jobs.netem.namespace import Namespace, NeedsRoot, parse_rate
+from jobs.netem.namespace import Namespace, NeedsRoot
+from mpicomp.advise import parse_rate
 
 # Issue 7's bar at 1 Gbit/s, 4 ranks, 25.6M elements: speedup over MPI_Allreduce.
 TARGETS = {

@@ -33,25 +33,6 @@ def _tool(name: str) -> str:
     return path
 
 
-def parse_rate(text: str) -> int:
-    """Return bits per second of ``1gbit``, ``10gbit``, ``500mbit``, ``100kbit``.
-
-    Raises:
-        ValueError: not a rate tc understands in these units.
-    """
-    s = text.strip().lower()
-    for unit, scale in (("gbit", 10**9), ("mbit", 10**6), ("kbit", 10**3), ("bit", 1)):
-        if s.endswith(unit):
-            try:
-                value = float(s[: -len(unit)]) * scale
-            except ValueError:
-                break
-            if value >= 1:
-                return int(value)
-            break
-    raise ValueError(f"not a rate: {text!r} (use e.g. 1gbit, 10gbit, 500mbit)")
-
-
 class Namespace:
     """``with Namespace() as ns:`` a fresh namespace with ``lo`` up, deleted on exit.
 
