@@ -192,6 +192,14 @@ def format_table(rows: list[dict], out=None) -> None:
         )
 
 
+def _idle_barrier(comm) -> None:
+    """A barrier that sleeps instead of spinning: ranks waiting for rank 0's kernel timings
+    must not take its cores (MPI barriers busy-poll)."""
+    req = comm.Ibarrier()
+    while not req.Test():
+        time.sleep(0.005)
+
+
 class Report:
     """What ``mpicomp bench`` measured: kernel rows with their all-reduce entries."""
 
@@ -274,7 +282,7 @@ def full_run(
     kernel_rows = None
     if numel is not None and comm.rank == 0:
         kernel_rows = run(codecs, numel, reps, seed, progress=quiet)
-    comm.Barrier()
+    _idle_barrier(comm)
     allreduce = []
     if sizes:
         from mpicomp.bench_allreduce import measure

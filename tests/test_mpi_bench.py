@@ -70,3 +70,37 @@ class TestAllreduceBench:
                 main(argv)
             assert e.value.code == 2
         assert "usage: jobs.bench" in capsys.readouterr().err
+
+    def test_mpicomp_bench_json_rows_carry_their_allreduce(self, capsys, shared_dir):
+        from mpicomp.cli import main
+
+        comm = world()
+        trace_dir = str(shared_dir / "traces")
+        argv = ["bench", "--numel", "3000", "--sizes", "2K", "--codecs", "none,qsgd_maxnorm"]
+        argv += ["--reps", "1", "--allreduce-reps", "1", "--json", "-q", "--trace", trace_dir]
+        assert main(argv) == 0
+        out = capsys.readouterr().out
+        if comm.rank != 0:
+            assert out == ""
+            return
+        rows = json.loads(out)  # stdout holds the JSON alone
+        assert [(r["codec"], r["params"]) for r in rows] == [
+            ("none", {}),
+            ("qsgd_maxnorm", {"bits": 8}),
+            ("qsgd_maxnorm", {"bits": 2}),
+        ]
+        for r in rows:
+            assert r["backend"] == "cpu" and r["numel"] == 3000
+            assert r["encode_gbps"] > 0 and r["decode_gbps"] > 0 and r["memcpy_gbps"] > 0
+            (a,) = r["allreduce"]
+            assert a["numel"] == 2000 and a["nranks"] == comm.size
+            assert a["speedup"] == pytest.approx(a["allreduce_s"] / a["time_s"])
+            # the trace of that codec's calls says what Traffic counted (warm-up + 1 call)
+            from mpicomp.trace import read
+
+            events, _, attrs = read(a["trace"])
+            assert len(events) == 2 * comm.size
+            assert int(events["bytes_sent"].sum()) == 2 * a["sent_total"]
+        assert rows[0]["bits_per_element"] == pytest.approx(
+            32 + 8 * 16 / 3000 + 8 * 4 / 3000, rel=0.01
+        )

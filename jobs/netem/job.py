@@ -28,7 +28,11 @@ import time
 from jobs.netem.namespace import Namespace, NeedsRoot
 from mpicomp.advise import parse_rate
 
+# --rates entry for the loopback without a shaper (a byte-counting fifo).
+UNSHAPED = "unshaped"
+
 # Issue 7's bar at 1 Gbit/s, 4 ranks, 25.6M elements: speedup over MPI_Allreduce.
+TARGET_RATE = 10**9
 TARGETS = {
     ("signsgd", ""): 5.0,
     ("threelc", "sparsity=1.5"): 5.0,
@@ -162,34 +166,61 @@ def report(result: dict, out=sys.stdout) -> None:
     print(
         f"\n{rate}: MPI_Allreduce of {result['numel']:,} float32 on {result['ranks']} ranks "
         f"{result['allreduce_s']:.2f} s, achieved {result['achieved_gbit']:.2f} Gbit/s "
-        f"({100 * result['achieved_over_rate']:.0f}% of the shaped rate; aggregate device "
+        f"({100 * result['achieved_over_rate']:.0f}% of the rate; aggregate device "
         "bytes / time)",
         file=out,
     )
     head = f"{'codec':<27}{'params':<14}{'time s':>8}{'speedup':>9}{'target':>8}  {'':<5}"
-    head += f"{'sent MB/rank':>13}{'tc/trace':>9}{'expect':>8}"
+    head += (
+        f"{'sent MB/rank':>13}{'tc/trace':>9}{'expect':>8}{'overhead s':>11}{'b-even Gbit/s':>14}"
+    )
     print(head, file=out)
     print("-" * len(head), file=out)
+    at_target = result["rate"] != UNSHAPED and result["rate_bps"] == TARGET_RATE
     for r, c in zip(result["rows"], result["checks"], strict=True):
-        target = TARGETS.get((r["codec"], _label(r["params"])))
+        target = TARGETS.get((r["codec"], _label(r["params"]))) if at_target else None
         verdict = "" if target is None else ("met" if r["speedup"] >= target else "MISS")
         ratio = "-" if c["device_over_traced"] is None else f"{c['device_over_traced']:.3f}"
+        even = "-" if r["break_even_gbit"] is None else f"{r['break_even_gbit']:.2f}"
         print(
             f"{r['codec']:<27}{_label(r['params']):<14}{r['time_s']:>8.2f}{r['speedup']:>9.2f}"
             f"{'' if target is None else f'{target:.0f}x':>8}  {verdict:<5}"
-            f"{r['bytes_sent'] / 1e6:>13.2f}{ratio:>9}{c['expected']:>8.3f}",
+            f"{r['bytes_sent'] / 1e6:>13.2f}{ratio:>9}{c['expected']:>8.3f}"
+            f"{r['overhead_s']:>11.3f}{even:>14}",
             file=out,
         )
 
 
+def _rate_bps(rate: str) -> int | None:
+    return None if rate == UNSHAPED else parse_rate(rate)
+
+
+def add_overhead(rows: list[dict]) -> None:
+    """Add each row's compute overhead and the aggregate link rate at which it breaks even.
+
+    ``overhead_s``: the row's time less what its device bytes take at the rate
+    MPI_Allreduce achieved in the same run; ``break_even_gbit``: the aggregate rate at
+    which the bytes it saves take exactly that long (compression pays below it).
+    """
+    for r in rows:
+        ref_bytes, ref_s = r["allreduce_device_bytes"], r["allreduce_s"]
+        overhead = r["time_s"] - ref_s * r["device_bytes"] / ref_bytes
+        saved = ref_bytes - r["device_bytes"]
+        r["overhead_s"] = overhead
+        pays = overhead > 0 and saved > 0.01 * ref_bytes
+        r["break_even_gbit"] = 8 * saved / overhead / 1e9 if pays else None
+
+
 def run_rate(runner: Runner, ns: Namespace, rate: str, args, out_dir: str) -> dict:
     """Shape to ``rate``, run the bench, check bytes; return the result record."""
-    bps = parse_rate(rate)
+    bps = _rate_bps(rate)
     ns.shape(bps)
     trace_dir = os.path.join(out_dir, rate)
     rows = runner.bench(args.numel, args.codecs, args.reps, trace_dir)
+    add_overhead(rows)
     ref = rows[0]
     achieved = ref["allreduce_device_bytes"] * 8 / ref["allreduce_s"]
+    bps = bps or achieved
     result = {
         "rate": rate,
         "rate_bps": bps,
@@ -228,7 +259,11 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="jobs.netem", description=__doc__.splitlines()[0])
     ap.add_argument("--ranks", type=int, default=4, help="MPI ranks (4)")
     ap.add_argument("--numel", default="25.6M", help="gradient elements (25.6M)")
-    ap.add_argument("--rates", default="1gbit,10gbit", help="tbf rates (1gbit,10gbit)")
+    ap.add_argument(
+        "--rates",
+        default=f"1gbit,10gbit,{UNSHAPED}",
+        help=f"tbf rates, and {UNSHAPED!r} for none (1gbit,10gbit,{UNSHAPED})",
+    )
     ap.add_argument("--codecs", default=None, help="comma-separated codec names (all)")
     ap.add_argument("--reps", type=int, default=3, help="timed all-reduces per codec (3)")
     ap.add_argument("--out", default="netem-out", help="output directory (netem-out)")
@@ -239,7 +274,7 @@ def main(argv=None) -> int:
         args.numel = parse_count(args.numel)
         rates = [r.strip() for r in args.rates.split(",") if r.strip()]
         for r in rates:
-            parse_rate(r)
+            _rate_bps(r)
         names = args.codecs.split(",") if args.codecs else None
         args.codecs = list(dict.fromkeys(n for n, _ in codec_set(names)))
     except ValueError as e:
@@ -261,7 +296,7 @@ def main(argv=None) -> int:
                 "(aggregate device bytes / time)"
             )
             for rate in rates:
-                if parse_rate(rate) > unshaped:
+                if rate != UNSHAPED and parse_rate(rate) > unshaped:
                     note = (
                         f"skipped: the unshaped path reaches {unshaped / 1e9:.2f} Gbit/s, "
                         f"below {rate}; shaping to it would measure the CPU, not the link"
