@@ -235,6 +235,33 @@ def run_rate(runner: Runner, ns: Namespace, rate: str, args, out_dir: str) -> di
     return result
 
 
+def schemes(runner: Runner, args) -> list[dict]:
+    """signSGD's ring against an allgather and an alltoall+allgather, per rank count."""
+    rows = []
+    for ranks in args.scheme_ranks:
+        argv = ["-m", "jobs.signsgd_compare", "--numel", str(args.numel), "--json"]
+        rows += runner.json(argv + ["--reps", str(args.reps)], ranks=ranks)
+    return rows
+
+
+def report_schemes(rows: list[dict], rate: str, out=sys.stdout) -> None:
+    """Print the signSGD scheme comparison (jobs/signsgd_compare.py) at one rate."""
+    print(
+        f"\n{rate}: signSGD majority vote; ranks beyond the "
+        f"{os.cpu_count()} cores oversubscribe them (bytes exact, times contention-bound)",
+        file=out,
+    )
+    head = f"{'scheme':<20}{'N':>3}{'recv B/rank':>14}{'bit/elem':>9}{'= formula':>10}{'s':>8}"
+    print(head, file=out)
+    print("-" * len(head), file=out)
+    for r in rows:
+        print(
+            f"{r['scheme']:<20}{r['ranks']:>3}{r['bytes_recv_per_rank']:>14,}"
+            f"{r['recv_bits_per_element']:>9.2f}{str(r['bytes_match']):>10}{r['seconds']:>8.2f}",
+            file=out,
+        )
+
+
 def probe(runner: Runner, ns: Namespace, numel: int) -> float:
     """Return the unshaped TCP path's rate (bit/s) as MPI_Allreduce achieves it.
 
@@ -267,6 +294,12 @@ def main(argv=None) -> int:
     ap.add_argument("--codecs", default=None, help="comma-separated codec names (all)")
     ap.add_argument("--reps", type=int, default=3, help="timed all-reduces per codec (3)")
     ap.add_argument("--out", default="netem-out", help="output directory (netem-out)")
+    ap.add_argument(
+        "--scheme-ranks",
+        default="4,8",
+        help="at 1gbit, also compare signSGD's ring, allgather and alltoall+allgather at "
+        "these rank counts ('' to skip; 4,8)",
+    )
     args = ap.parse_args(argv)
     from mpicomp.bench import codec_set, parse_count
 
@@ -275,6 +308,7 @@ def main(argv=None) -> int:
         rates = [r.strip() for r in args.rates.split(",") if r.strip()]
         for r in rates:
             _rate_bps(r)
+        args.scheme_ranks = [int(r) for r in args.scheme_ranks.split(",") if r.strip()]
         names = args.codecs.split(",") if args.codecs else None
         args.codecs = list(dict.fromkeys(n for n, _ in codec_set(names)))
     except ValueError as e:
@@ -307,6 +341,9 @@ def main(argv=None) -> int:
                 result = run_rate(runner, ns, rate, args, args.out)
                 summary["rates"].append(result)
                 report(result)
+                if result["rate_bps"] == TARGET_RATE and rate != UNSHAPED:
+                    result["signsgd_schemes"] = schemes(runner, args)
+                    report_schemes(result["signsgd_schemes"], rate)
     except NeedsRoot as e:
         print(f"jobs.netem: {e}", file=sys.stderr)
         return 2
