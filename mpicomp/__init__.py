@@ -10,12 +10,20 @@ from mpicomp import codecs
 from mpicomp.codecs import codec
 from mpicomp.errors import PayloadError
 
-__all__ = ["CompressedComm", "NonFiniteWarning", "PayloadError", "__version__", "codec", "codecs"]
+__all__ = [
+    "CompressedComm",
+    "Handle",
+    "NonFiniteWarning",
+    "PayloadError",
+    "__version__",
+    "codec",
+    "codecs",
+]
 
 
 def __getattr__(name):
     # Lazy: importing mpicomp for its codecs must not initialize MPI.
-    if name in ("CompressedComm", "NonFiniteWarning"):
+    if name in ("CompressedComm", "Handle", "NonFiniteWarning"):
         from mpicomp import comm
 
         return getattr(comm, name)

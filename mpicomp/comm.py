@@ -7,13 +7,17 @@ import json
 import os
 import sys
 import warnings
+import weakref
 import zlib
 from dataclasses import replace
+from functools import partial
 
 import numpy as np
+from mpi4py import MPI
 
 from mpicomp import _reduce
 from mpicomp._backend import get_array_module, to_float32
+from mpicomp._progress import Handle, Worker
 from mpicomp._reduce import NonFiniteWarning, RankError, Skipped
 from mpicomp.codecs import Codec, ErrorFeedback
 from mpicomp.codecs._base import check_number
@@ -22,7 +26,7 @@ from mpicomp.collectives import plain
 from mpicomp.collectives._wait import resolve_timeout
 from mpicomp.trace import NO_CLOCK
 
-__all__ = ["CompressedComm", "NonFiniteWarning", "RankError"]
+__all__ = ["CompressedComm", "Handle", "NonFiniteWarning", "RankError"]
 
 # Biased gather codecs lose what they do not send unless it is fed back next step.
 _FEEDBACK_DEFAULT = {"threelc", "topk", "fft", "fastsgd"}
@@ -66,11 +70,20 @@ class CompressedComm:
             rank reports what it waited for and aborts the job (docs/reliability.md).
             Default: the ``MPICOMP_TIMEOUT`` environment variable (unset: no timeout);
             0 turns it off. Every rank must have one, or none.
+        background: run ``iallreduce`` calls on a background thread, so they overlap
+            the caller's work. Default: when MPI provides ``MPI_THREAD_MULTIPLE``
+            (``MPI.Query_thread()``); False (or a lower thread level) runs them at
+            once in the caller's thread, their handles already complete.
         **codec_params: parameters of the codec when ``codec`` is a name.
 
     Every rank must make the same calls in the same order with tensors of the same
     sizes (as with any MPI collective); sizes that differ, or a NaN/Inf on one rank,
-    raise an error on every rank instead of hanging.
+    raise an error on every rank instead of hanging. ``iallreduce`` calls count in
+    the order they are started; one thread drives a CompressedComm.
+
+    Raises:
+        ValueError: ``background=True`` while MPI provides less than
+            ``MPI_THREAD_MULTIPLE``.
     """
 
     def __init__(
@@ -88,6 +101,7 @@ class CompressedComm:
         nonfinite: str = "raise",
         debug: bool | None = None,
         timeout: float | None = None,
+        background: bool | None = None,
         **codec_params,
     ):
         if isinstance(codec, str):
@@ -123,6 +137,18 @@ class CompressedComm:
         # Checked now, so a bad value fails at construction, not in the first call.
         # 0 stays 0 (off, whatever the environment says); None defers to MPICOMP_TIMEOUT.
         self.timeout = None if timeout is None else (resolve_timeout(timeout) or 0)
+        # A second thread making MPI calls needs MPI_THREAD_MULTIPLE (mpi4py asks for it).
+        multiple = MPI.Query_thread() >= MPI.THREAD_MULTIPLE
+        if background is not None and not isinstance(background, (bool, np.bool_)):
+            raise TypeError(f"background must be a bool or None, got {type(background).__name__}")
+        if background and not multiple:
+            raise ValueError(
+                "background=True needs MPI_THREAD_MULTIPLE; MPI provides thread level "
+                f"{MPI.Query_thread()} (see docs/usage.md, Overlapping communication)"
+            )
+        self.background = multiple if background is None else bool(background)
+        self._warn_eager = background is None and not multiple
+        self._worker = None  # made by the first background iallreduce
         self._spare = {}  # pre-call copies of residuals, reused call after call
         self._feedback = ErrorFeedback(codec) if error_feedback else None
         self._server_feedback = ErrorFeedback(codec) if error_feedback and sharded else None
@@ -162,18 +188,34 @@ class CompressedComm:
                 name for the same tensor every step.
         """
         self._check_open()
-        try:
-            flat, over = to_float32(x, what=f"gradient {name!r}" if name else "gradient")
-            self._check_name(name)
-        except (ValueError, TypeError) as e:
-            self._fail(e)
-        ledger = []
-        try:
-            avg = self._average(flat.reshape(-1), name, dtype=_dtype(x), over=over, ledger=ledger)
-        except Skipped as e:
-            _warn([e.message])
-            avg = np.zeros(flat.size, dtype=np.float32)
-        return _like(x, avg.reshape(np.shape(x)))
+        self._drain()
+        return _deliver(self._job(x, name)())
+
+    def iallreduce(self, x, name: str = "") -> Handle:
+        """Start ``allreduce(x, name)`` and return at once; ``wait()`` on the handle gives
+        what ``allreduce`` would have returned (or raises what it would have raised).
+
+        Started calls run one after another, in the order they were started, on a
+        background thread (see ``background``) while the caller computes. ``x`` is
+        read while the call runs: leave it unmodified until ``wait()`` returns, as
+        with ``MPI_Iallreduce`` (input that needs converting, e.g. float64, is copied
+        at once and may change). Blocking calls, ``state_dict`` and ``close`` first
+        wait for every started call.
+
+        Args:
+            x: the local gradient, as for ``allreduce``.
+            name: the tensor's name, as for ``allreduce``.
+
+        Returns:
+            A ``Handle``: ``wait()`` (result or error, the same on every wait),
+            ``test()`` and ``done``.
+
+        Raises:
+            RuntimeError: the CompressedComm is closed (errors of the call itself
+                are raised by ``wait()``).
+        """
+        self._check_open()
+        return self._start(self._job(x, name))
 
     def allreduce_many(self, arrays, names=None) -> list:
         """Return the averages of ``arrays``, fusing small tensors into buckets.
@@ -183,6 +225,108 @@ class CompressedComm:
         (bucket residuals are keyed by position and names).
         """
         self._check_open()
+        self._drain()
+        return _deliver(self._job_many(arrays, names)())
+
+    def iallreduce_many(self, arrays, names=None) -> Handle:
+        """Start ``allreduce_many(arrays, names)``; return a ``Handle`` whose ``wait()``
+        gives its list of averages. The rules of ``iallreduce`` apply.
+
+        Raises:
+            RuntimeError: the CompressedComm is closed.
+        """
+        self._check_open()
+        return self._start(self._job_many(arrays, names))
+
+    def state_dict(self) -> dict:
+        """Return the error-feedback residuals and the step, for a checkpoint.
+
+        Waits first for every started ``iallreduce``.
+        """
+        self._drain()
+        residuals = self._feedback.state_dict() if self._feedback else {}
+        server = self._server_feedback.state_dict() if self._server_feedback else {}
+        return {"step": self._calls, "residuals": residuals, "server_residuals": server}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restore what ``state_dict`` returned (same codec, same tensor names).
+
+        Waits first for every started ``iallreduce``.
+        """
+        self._drain()
+        self._calls = int(state["step"])
+        if self._feedback is not None:
+            self._feedback.load_state_dict(state["residuals"])
+        if self._server_feedback is not None:
+            self._server_feedback.load_state_dict(state["server_residuals"])
+
+    def close(self) -> None:
+        """Wait for every started ``iallreduce`` (their handles keep their results and
+        errors), write the rest of the trace, release the duplicated communicator.
+        Safe twice."""
+        self._close(flush_trace=True)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, exc_type, exc, tb):
+        # Leaving by an exception, other ranks may be elsewhere: a final gather could
+        # hang, so the trace keeps what its earlier flushes wrote.
+        self._close(flush_trace=exc_type is None)
+
+    def __repr__(self) -> str:
+        return f"CompressedComm(size={self.size}, codec={self.codec!r})"
+
+    # -- internals -------------------------------------------------------------
+
+    def _start(self, job) -> Handle:
+        """Run ``job`` on the worker thread behind the calls started before (or now)."""
+        if not self.background:
+            if self._warn_eager:
+                self._warn_eager = False
+                warnings.warn(
+                    "MPI provides less than MPI_THREAD_MULTIPLE: iallreduce runs each call "
+                    "at once in the caller's thread (no overlap)",
+                    RuntimeWarning,
+                    stacklevel=3,
+                )
+            handle = Handle(_deliver)
+            handle._run(job)
+            return handle
+        if self._worker is None:
+            self._worker = Worker(f"mpicomp-worker-{self.rank}")
+            # An unclosed communicator still finishes its started calls at exit.
+            self._stop_worker = weakref.finalize(self, self._worker.stop)
+        return self._worker.submit(job, _deliver)
+
+    def _drain(self) -> None:
+        """Wait until every started ``iallreduce`` has finished (errors stay in handles)."""
+        if self._worker is not None:
+            self._worker.drain()
+
+    def _job(self, x, name: str):
+        """Return the function that runs ``allreduce(x, name)``'s collectives.
+
+        Reads and converts ``x`` now; the function returns (average, skip messages)
+        and raises what the call raises.
+        """
+        try:
+            flat, over = to_float32(x, what=f"gradient {name!r}" if name else "gradient")
+            self._check_name(name)
+        except (ValueError, TypeError) as e:
+            return partial(self._fail, e)
+
+        def run():
+            try:
+                avg = self._average(flat.reshape(-1), name, dtype=_dtype(x), over=over)
+            except Skipped as e:
+                return _like(x, np.zeros(np.shape(x), dtype=np.float32)), [e.message]
+            return _like(x, avg.reshape(np.shape(x))), []
+
+        return run
+
+    def _job_many(self, arrays, names):
+        """Return the function that runs ``allreduce_many(arrays, names)``'s collectives."""
         arrays = list(arrays)
         names = [f"#{i}" for i in range(len(arrays))] if names is None else list(names)
         try:
@@ -194,7 +338,11 @@ class CompressedComm:
             for n in names:
                 self._check_name(n)
         except (ValueError, TypeError) as e:
-            self._fail(e)
+            return partial(self._fail, e)
+        return partial(self._many, arrays, names, converted)
+
+    def _many(self, arrays: list, names: list, converted: list):
+        """Run the bucketed calls of ``allreduce_many``; return (averages, skip messages)."""
         flats = [f.reshape(-1) for f, _ in converted]
         out: list = [None] * len(arrays)
         skipped, ledger = [], []
@@ -226,40 +374,8 @@ class CompressedComm:
         if skipped:
             for keys, saved in ledger:
                 self._restore(keys, saved)
-            _warn(skipped)
             out = [_like(a, np.zeros(np.shape(a), dtype=np.float32)) for a in arrays]
-        return out
-
-    def state_dict(self) -> dict:
-        """Return the error-feedback residuals and the step, for a checkpoint."""
-        residuals = self._feedback.state_dict() if self._feedback else {}
-        server = self._server_feedback.state_dict() if self._server_feedback else {}
-        return {"step": self._calls, "residuals": residuals, "server_residuals": server}
-
-    def load_state_dict(self, state: dict) -> None:
-        """Restore what ``state_dict`` returned (same codec, same tensor names)."""
-        self._calls = int(state["step"])
-        if self._feedback is not None:
-            self._feedback.load_state_dict(state["residuals"])
-        if self._server_feedback is not None:
-            self._server_feedback.load_state_dict(state["server_residuals"])
-
-    def close(self) -> None:
-        """Write the rest of the trace, release the duplicated communicator. Safe twice."""
-        self._close(flush_trace=True)
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, exc_type, exc, tb):
-        # Leaving by an exception, other ranks may be elsewhere: a final gather could
-        # hang, so the trace keeps what its earlier flushes wrote.
-        self._close(flush_trace=exc_type is None)
-
-    def __repr__(self) -> str:
-        return f"CompressedComm(size={self.size}, codec={self.codec!r})"
-
-    # -- internals -------------------------------------------------------------
+        return out, skipped
 
     def _check_open(self):
         if self._comm is None:
@@ -347,6 +463,10 @@ class CompressedComm:
     def _close(self, flush_trace: bool) -> None:
         if self._comm is None:
             return
+        if self._worker is not None:
+            # Started calls use the communicator: they finish before it is freed.
+            self._stop_worker()
+            self._worker = None
         try:
             if self.trace is not None and flush_trace:
                 self.trace.close()
@@ -478,10 +598,23 @@ def _dtype(x) -> str:
     return str(dt).removeprefix("torch.") if dt is not None else type(x).__name__
 
 
+def _deliver(outcome: tuple):
+    """Return a call's result from (result, skip messages), warning in the caller's thread.
+
+    The warning is raised where the caller gets the result (``allreduce`` or
+    ``Handle.wait``), never on the worker thread, whose warnings nobody would see.
+    """
+    result, skipped = outcome
+    if skipped:
+        _warn(skipped)
+    return result
+
+
 def _warn(messages: list[str]) -> None:
     """Warn that a call was skipped on every rank, naming the ranks that held NaN/Inf."""
     text = "; ".join(messages) + " (every rank returned zeros; residuals unchanged)"
-    warnings.warn(text, NonFiniteWarning, stacklevel=3)
+    # _warn <- _deliver <- allreduce / Handle.wait <- the caller's line.
+    warnings.warn(text, NonFiniteWarning, stacklevel=4)
 
 
 def _like(x, avg: np.ndarray):

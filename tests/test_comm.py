@@ -91,3 +91,139 @@ def test_one_rank_policies(policy):
         else:
             np.testing.assert_array_equal(cc.allreduce(x, name="w"), [1, 0, 3])
         assert cc.state_dict()["step"] == 1
+
+
+# --- iallreduce on one rank: handles, the eager fallback, whole jobs under mpiexec -----
+
+
+def test_iallreduce_handles_and_warnings_point_at_the_caller():
+    import numpy as np
+    from mpi4py import MPI
+
+    from mpicomp.comm import NonFiniteWarning
+
+    x = np.array([1.0, np.nan, 3.0], np.float32)
+    with mpicomp.CompressedComm(MPI.COMM_SELF, "topk", ratio=1.0, nonfinite="skip_step") as cc:
+        handle = cc.iallreduce(x, name="w")
+        with pytest.warns(NonFiniteWarning) as caught:
+            np.testing.assert_array_equal(handle.wait(), [0, 0, 0])
+        assert caught[0].filename == __file__  # raised in the waiting thread, at wait()
+        with pytest.warns(NonFiniteWarning) as caught:
+            cc.allreduce(x, name="w")
+        assert caught[0].filename == __file__
+        assert handle.wait() is handle.wait()  # warned once; the same result again
+        y = np.array([1.0, 2.0, 3.0], np.float32)
+        np.testing.assert_array_equal(cc.iallreduce(y, name="w").wait(), y)
+
+
+def test_an_error_nobody_waited_for_is_reported_when_its_handle_is_dropped():
+    import gc
+
+    import numpy as np
+    from mpi4py import MPI
+
+    with mpicomp.CompressedComm(MPI.COMM_SELF, "none") as cc:
+        handle = cc.iallreduce(np.arange(4), name="w")  # integers: refused
+        cc.state_dict()  # waits for it
+        with pytest.warns(RuntimeWarning, match="dropped without wait.*floating-point"):
+            del handle
+            gc.collect()
+        waited = cc.iallreduce(np.arange(4), name="w")
+        with pytest.raises(TypeError, match="floating-point"):
+            waited.wait()
+        del waited  # seen: no warning (pytest turns one into an error)
+        gc.collect()
+
+
+def test_below_thread_multiple_iallreduce_runs_at_once_and_says_so(monkeypatch):
+    import numpy as np
+    from mpi4py import MPI
+
+    monkeypatch.setattr(MPI, "Query_thread", lambda: MPI.THREAD_SERIALIZED)
+    with pytest.raises(ValueError, match="background=True needs MPI_THREAD_MULTIPLE"):
+        mpicomp.CompressedComm(MPI.COMM_SELF, "none", background=True)
+    with pytest.raises(TypeError, match="background must be a bool"):
+        mpicomp.CompressedComm(MPI.COMM_SELF, "none", background="yes")
+    x = np.ones(2000, np.float32)
+    with mpicomp.CompressedComm(MPI.COMM_SELF, "none") as cc:
+        assert not cc.background
+        with pytest.warns(RuntimeWarning, match="less than MPI_THREAD_MULTIPLE"):
+            handle = cc.iallreduce(x, name="w")
+        assert handle.done and cc._worker is None
+        np.testing.assert_array_equal(handle.wait(), x)
+        assert cc.iallreduce(x, name="w").done  # warned once per communicator
+    with mpicomp.CompressedComm(MPI.COMM_SELF, "none", background=False) as cc:
+        assert cc.iallreduce(x).done  # asked for: no warning
+
+
+OVERLAP_JOB = """
+import sys
+import time
+
+import numpy as np
+from mpi4py import MPI
+
+import mpicomp
+
+mode = sys.argv[1]
+rank = MPI.COMM_WORLD.rank
+cc = mpicomp.CompressedComm(MPI.COMM_WORLD, "qsgd_maxnorm", min_numel=1)
+x = np.full(3000, rank + 1.0, np.float32)
+if mode == "exit_pending":  # every rank starts calls and exits without wait or close
+    handles = [cc.iallreduce(x, name="w") for _ in range(3)]
+    print(f"rank {rank} started", flush=True)
+elif mode == "stall_wait":  # rank 1 never starts the call: rank 0 waits for it
+    if rank != 1:
+        cc.iallreduce(x, name="w").wait()
+    time.sleep(60)
+elif mode == "stall_exit":  # ... and rank 0 exits without waiting: the exit waits
+    if rank != 1:
+        cc.iallreduce(x, name="w")
+        print(f"rank {rank} leaves", flush=True)
+    else:
+        time.sleep(60)
+"""
+
+
+def run_overlap_job(tmp_path, mode, timeout_env="2"):
+    """Run OVERLAP_JOB on 2 ranks; return (exit code, stdout, stderr); kill it after 60 s."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    mpiexec = Path(sys.executable).parent / "mpiexec"
+    if not mpiexec.exists():
+        pytest.skip(f"no mpiexec next to {sys.executable}")
+    script = tmp_path / "job.py"
+    script.write_text(OVERLAP_JOB)
+    env = dict(os.environ, NUMBA_NUM_THREADS="1", MPICOMP_TIMEOUT=timeout_env)
+    cmd = [str(mpiexec), "-n", "2", sys.executable, "-m", "mpi4py", str(script), mode]
+    proc = subprocess.Popen(
+        cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        start_new_session=True,
+    )  # fmt: skip
+    try:
+        out, err = proc.communicate(timeout=60)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.communicate()
+        pytest.fail(f"the {mode!r} job hung: still running after 60 s")
+    return proc.returncode, out, err
+
+
+def test_started_calls_finish_when_the_job_exits_without_waiting(tmp_path):
+    code, out, err = run_overlap_job(tmp_path, "exit_pending", timeout_env="0")
+    assert code == 0, err
+    assert "rank 0 started" in out and "rank 1 started" in out
+
+
+@pytest.mark.parametrize("mode", ["stall_wait", "stall_exit"])
+def test_a_stalled_rank_aborts_a_background_call_instead_of_hanging(tmp_path, mode):
+    from mpicomp.collectives import _wait
+
+    code, out, err = run_overlap_job(tmp_path, mode)
+    assert code == _wait.ABORT_CODE, err
+    assert "mpicomp: rank 0 of 2 timed out in max_allreduce after " in err
+    assert "aborting the job" in err

@@ -1,0 +1,147 @@
+"""A background worker that runs started reductions one after another, and their handles.
+
+``CompressedComm.iallreduce`` hands a job (a function making the collective calls) to
+its communicator's ``Worker``; one thread runs the jobs strictly in submission order,
+so every rank issues its collectives in the order its caller started them, and the
+caller gets a ``Handle`` at once. A job's result or exception lands in its handle;
+``Handle.wait`` returns or raises it, as often as it is called.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import warnings
+from collections.abc import Callable
+
+__all__ = ["Handle", "Worker"]
+
+_STOP = object()  # the queue item that ends a worker's thread
+
+
+class Handle:
+    """The pending result of one nonblocking call (``CompressedComm.iallreduce``).
+
+    ``wait()`` blocks until the call has run and returns its result, or raises the
+    error it raised (on every call of ``wait``); ``test()`` and ``done`` tell whether
+    it has finished without blocking.
+    """
+
+    __slots__ = ("_deliver", "_error", "_event", "_result", "_seen")
+
+    def __init__(self, deliver: Callable | None = None):
+        self._event = threading.Event()
+        self._result = None
+        self._error: BaseException | None = None
+        self._deliver = deliver  # run once, in the thread that first waits
+        self._seen = False  # the error was raised to the caller at least once
+
+    @property
+    def done(self) -> bool:
+        """True once the call has finished (with a result or an error)."""
+        return self._event.is_set()
+
+    def test(self) -> bool:
+        """Return True if the call has finished; never blocks, never raises its error."""
+        return self._event.is_set()
+
+    def wait(self):
+        """Block until the call has finished; return its result or raise its error.
+
+        Waiting again returns the same result (or raises the same error).
+        """
+        self._event.wait()
+        if self._error is not None:
+            self._seen = True
+            raise self._error
+        if self._deliver is not None:
+            deliver, self._deliver = self._deliver, None
+            self._result = deliver(self._result)
+        return self._result
+
+    def _run(self, job: Callable) -> None:
+        """Run ``job()`` and keep its result or exception; mark the handle done."""
+        try:
+            self._result = job()
+        except BaseException as e:  # kept for wait(), which raises it in the caller's thread
+            self._error = e
+        finally:
+            self._event.set()
+
+    def __del__(self):
+        # Like asyncio's "exception was never retrieved": an error nobody waited for
+        # is reported rather than lost.
+        if self._error is not None and not self._seen:
+            warnings.warn(
+                f"an iallreduce handle was dropped without wait() and held an error: "
+                f"{self._error!r}",
+                RuntimeWarning,
+                stacklevel=2,
+            )
+
+    def __repr__(self) -> str:
+        state = "pending" if not self.done else ("failed" if self._error else "done")
+        return f"<mpicomp Handle {state}>"
+
+
+class Worker:
+    """One daemon thread running submitted jobs in submission order.
+
+    Started by the first ``submit``. A daemon thread lets the interpreter exit while
+    it idles; the owner calls ``stop`` at close and at exit (``weakref.finalize``), so
+    queued jobs finish (or time out and abort the job) before mpi4py's
+    ``MPI_Finalize``, which runs after every ``atexit`` hook.
+
+    Args:
+        name: the thread's name (shown in tracebacks and debuggers).
+    """
+
+    def __init__(self, name: str = "mpicomp-worker"):
+        self.name = name
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._thread: threading.Thread | None = None
+        self._last: Handle | None = None  # jobs run in order: this one done => all done
+
+    def submit(self, job: Callable, deliver: Callable | None = None) -> Handle:
+        """Queue ``job()`` behind the jobs submitted before; return its handle.
+
+        Args:
+            job: a function of no arguments, run on the worker's thread.
+            deliver: applied once to the job's result in the thread that first waits
+                (for what must happen there, e.g. warnings).
+        """
+        if self._thread is None:
+            self._thread = threading.Thread(target=_serve, args=(self._queue,), name=self.name)
+            self._thread.daemon = True
+            self._thread.start()
+        handle = Handle(deliver)
+        self._last = handle
+        self._queue.put((handle, job))
+        return handle
+
+    def drain(self) -> None:
+        """Block until every submitted job has finished; errors stay in their handles."""
+        last = self._last
+        if last is not None:
+            last._event.wait()
+            self._last = None
+
+    def stop(self) -> None:
+        """Finish the queued jobs, then end the thread. Safe twice; a later submit restarts it."""
+        self.drain()
+        thread, self._thread = self._thread, None
+        if thread is not None:
+            self._queue.put(_STOP)
+            if thread is not threading.current_thread():
+                thread.join()
+
+
+def _serve(jobs: queue.SimpleQueue) -> None:
+    """The worker thread: run (handle, job) items until the stop marker."""
+    while True:
+        item = jobs.get()
+        if item is _STOP:
+            return
+        handle, job = item
+        handle._run(job)
+        del item, handle, job  # keep nothing alive while idle
