@@ -31,6 +31,9 @@ from mpicomp.advise import parse_rate
 # --rates entry for the loopback without a shaper (a byte-counting fifo).
 UNSHAPED = "unshaped"
 
+# Codecs of the overlap run: the float32 baseline, a ring codec and a gather codec.
+OVERLAP_CODECS = "none,qsgd_maxnorm,threelc"
+
 # Issue 7's bar at 1 Gbit/s, 4 ranks, 25.6M elements: speedup over MPI_Allreduce.
 TARGET_RATE = 10**9
 TARGETS = {
@@ -262,6 +265,35 @@ def report_schemes(rows: list[dict], rate: str, out=sys.stdout) -> None:
         )
 
 
+def overlap(runner: Runner, args) -> list[dict]:
+    """jobs/overlap.py on the shaped link: sequential against overlapped buckets."""
+    per_bucket = max(1, args.numel // args.overlap_buckets)
+    argv = ["-m", "jobs.overlap", "--numel", str(per_bucket), "--json"]
+    argv += ["--buckets", str(args.overlap_buckets), "--reps", str(args.reps)]
+    return runner.json(argv + ["--codecs", OVERLAP_CODECS])
+
+
+def report_overlap(rows: list[dict], rate: str, out=sys.stdout) -> None:
+    """Print the overlap comparison (jobs/overlap.py) at one rate."""
+    r0 = rows[0]
+    print(
+        f"\n{rate}: backward pass of {r0['buckets']} buckets x {r0['numel']:,} elements on "
+        f"{r0['ranks']} ranks, compute per bucket ~ one bucket's all-reduce; "
+        "bound: max(compute, reduce) + min(one each)",
+        file=out,
+    )
+    head = f"{'codec':<16}{'params':<10}{'sequential s':>13}{'overlapped s':>13}{'saving':>8}"
+    head += f"{'bound':>7}"
+    print(head, file=out)
+    print("-" * len(head), file=out)
+    for r in rows:
+        print(
+            f"{r['codec']:<16}{r['params']:<10}{r['t_sequential']:>13.2f}{r['t_overlapped']:>13.2f}"
+            f"{100 * r['saving']:>7.1f}%{100 * r['bound_saving']:>6.1f}%",
+            file=out,
+        )
+
+
 def probe(runner: Runner, ns: Namespace, numel: int) -> float:
     """Return the unshaped TCP path's rate (bit/s) as MPI_Allreduce achieves it.
 
@@ -299,6 +331,14 @@ def main(argv=None) -> int:
         default="4,8",
         help="at 1gbit, also compare signSGD's ring, allgather and alltoall+allgather at "
         "these rank counts ('' to skip; 4,8)",
+    )
+    ap.add_argument(
+        "--overlap-buckets",
+        type=int,
+        default=8,
+        help="at 1gbit, also time a backward pass of this many buckets (together --numel) "
+        "with blocking all-reduces against iallreduce overlapping the next bucket's compute "
+        "(0 to skip; 8)",
     )
     args = ap.parse_args(argv)
     from mpicomp.bench import codec_set, parse_count
@@ -344,6 +384,9 @@ def main(argv=None) -> int:
                 if result["rate_bps"] == TARGET_RATE and rate != UNSHAPED:
                     result["signsgd_schemes"] = schemes(runner, args)
                     report_schemes(result["signsgd_schemes"], rate)
+                    if args.overlap_buckets:
+                        result["overlap"] = overlap(runner, args)
+                        report_overlap(result["overlap"], rate)
     except NeedsRoot as e:
         print(f"jobs.netem: {e}", file=sys.stderr)
         return 2
