@@ -23,32 +23,15 @@ from __future__ import annotations
 
 import argparse
 import sys
-from time import perf_counter
 
 import numpy as np
 from mpi4py import MPI
 
 import mpicomp
 from mpicomp.bench import codec_set, gradient, label, parse_count
+from mpicomp.bench_allreduce import slowest_median
 
 _MIN_SIDE, _MAX_SIDE = 16, 8192  # the matmul's side: from a few us to about a second
-
-
-def slowest_median(comm, fn, reps: int) -> float:
-    """Return the median over ``reps`` calls of the slowest rank's time of ``fn()``.
-
-    One warm-up call first; a barrier before each timed call.
-    """
-    fn()
-    times = np.empty(reps)
-    for i in range(reps):
-        comm.Barrier()
-        t0 = perf_counter()
-        fn()
-        times[i] = perf_counter() - t0
-    slowest = np.empty_like(times)
-    comm.Allreduce(times, slowest, op=MPI.MAX)
-    return float(np.median(slowest))
 
 
 class Compute:

@@ -34,13 +34,13 @@ import math
 import os
 import sys
 from collections.abc import Callable
-from time import perf_counter
 
 import numba as nb
 import numpy as np
 from mpi4py import MPI
 
 from mpicomp.bench import gradient, parse_count
+from mpicomp.bench_allreduce import slowest_median
 from mpicomp.collectives.allgather import allgather_bytes, allgather_bytes_ring
 from mpicomp.collectives.ring import ring_allreduce_bounded
 from mpicomp.collectives.sharded import alltoall_bytes
@@ -242,19 +242,6 @@ def expected_bytes(scheme: str, n: int, nranks: int, rank: int) -> tuple[int, in
 # --- measuring ------------------------------------------------------------------------------
 
 
-def _slowest_median(comm, fn: Callable[[], object], reps: int) -> float:
-    """Return the median over ``reps`` calls of the slowest rank's seconds in ``fn()``."""
-    times = np.empty(reps)
-    for i in range(reps):
-        comm.Barrier()
-        t0 = perf_counter()
-        fn()
-        times[i] = perf_counter() - t0
-    slowest = np.empty_like(times)
-    comm.Allreduce(times, slowest, op=MPI.MAX)
-    return float(np.median(slowest))
-
-
 def measure(comm, numel: int, reps: int, progress=None) -> list[dict]:
     """Return one row per scheme of majority votes over ``numel`` elements on ``comm``.
 
@@ -292,7 +279,7 @@ def measure(comm, numel: int, reps: int, progress=None) -> list[dict]:
             run = _RUN[scheme]
             traffic = Traffic()
             wrong = not np.array_equal(run(comm, x, traffic), want)  # also the warm-up
-            seconds = _slowest_median(comm, lambda run=run: run(comm, x), reps)
+            seconds = slowest_median(comm, lambda run=run: run(comm, x), reps, warmup=False)
             sent, recv = expected_bytes(scheme, numel, comm.size, comm.rank)
             mismatch = (traffic.sent, traffic.recv) != (sent, recv)
             mine = np.array([traffic.sent, traffic.recv, sent, recv, mismatch, wrong], np.int64)

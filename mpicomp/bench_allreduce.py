@@ -26,12 +26,14 @@ from mpicomp.bench import gradient, label
 from mpicomp.collectives.traffic import Traffic
 
 
-def slowest_median(comm, fn, reps: int) -> float:
+def slowest_median(comm, fn, reps: int, warmup: bool = True) -> float:
     """Return the median over ``reps`` calls of the slowest rank's time of ``fn()``.
 
-    One warm-up call first; a barrier before each timed call, so every rank starts together.
+    One warm-up call first (unless ``warmup`` is False); a barrier before each timed
+    call, so every rank starts together.
     """
-    fn()
+    if warmup:
+        fn()
     times = np.empty(reps)
     for i in range(reps):
         comm.Barrier()
