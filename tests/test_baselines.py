@@ -153,3 +153,77 @@ def test_dlpack_producer_of_a_dtype_numpy_lacks_converts_once():
 
     with pytest.raises(TypeError, match="cannot import Opaque through DLPack"):
         c.encode(Opaque(x))
+
+
+def test_fp16_kernels_round_like_numpy_on_every_float16_boundary():
+    from mpicomp.kernels.cpu import fp16 as k
+
+    # Every float16 value and the float32 patterns around each midpoint between two
+    # neighbours (ties go to even), both signs; subnormals and zero included.
+    halves = np.arange(0x7C00, dtype=np.uint16).view(np.float16).astype(np.float32)
+    mids = (halves[:-1] + halves[1:]) / np.float32(2)
+    bits = np.concatenate([halves.view(np.uint32), mids.view(np.uint32)])
+    near = (bits[:, None].astype(np.int64) + np.arange(-2, 3)).clip(0).astype(np.uint32).reshape(-1)
+    x = near.view(np.float32)
+    x = np.concatenate([x[np.abs(x) <= 65504], -x[np.abs(x) <= 65504]])
+    h16 = np.empty(x.size, np.uint16)
+    ok, _ = k.encode(x, h16)
+    assert ok
+    np.testing.assert_array_equal(h16, x.astype(np.float16).view(np.uint16))
+    every = np.arange(1 << 16, dtype=np.uint32).astype(np.uint16)
+    out = np.empty(every.size, np.float32)
+    ok = k.decode(every, out)
+    assert not ok  # Inf and NaN patterns are among them
+    np.testing.assert_array_equal(
+        out.view(np.uint32), every.view(np.float16).astype(np.float32).view(np.uint32)
+    )
+    for bad in (65504.01, 65520.0, np.inf, np.nan):
+        assert not k.encode(np.array([0, bad], np.float32), np.empty(2, np.uint16))[0]
+
+
+@pytest.mark.parametrize("n", [2_000_003, 3 << 20])
+def test_fp16_parallel_chunks_and_checksum_match_numpy_and_zlib(n):
+    import zlib
+
+    x = gradient_like(n, seed=n) * np.float32(1000)
+    c = mpicomp.codec("fp16")
+    p = c.encode(x)
+    np.testing.assert_array_equal(p[24:].view("<f2"), x.astype(np.float16))
+    raw = p.tobytes()
+    assert struct_checksum(p) == zlib.adler32(raw[:8] + raw[12:])
+    np.testing.assert_array_equal(c.decode(p), x.astype(np.float16).astype(np.float32))
+    p[-1] ^= 1
+    with pytest.raises(mpicomp.PayloadError, match="checksum"):
+        c.decode(p)
+
+
+def struct_checksum(p):
+    return int(p[8:12].view("<u4")[0])
+
+
+@pytest.mark.parametrize("fallback", [False, True])
+def test_topk_large_inputs_match_the_stable_reference_on_both_selection_paths(
+    fallback, monkeypatch
+):
+    from mpicomp.kernels.cpu import topk as k
+
+    if fallback:  # an empty sampled bracket: the exact histogram selection runs
+        monkeypatch.setattr(k, "_bracket", lambda u, kept: (1, 0, 0, 0))
+    rng = np.random.default_rng(3)
+    n = 2_500_003
+    cases = [
+        gradient_like(n, seed=4),
+        np.round(rng.standard_normal(n) * 3).astype(np.float32),  # many exact ties
+        np.ones(n, np.float32),
+        np.where(np.arange(n) % 1024 == 0, 7, 1).astype(np.float32),  # aliases the sample
+    ]
+    for x in cases:
+        for ratio in (1e-5, 0.01, 0.4):
+            expected, idx = reference_topk(x, ratio)
+            p = mpicomp.codec("topk", ratio=ratio).encode(x)
+            np.testing.assert_array_equal(p[32 : 32 + 4 * idx.size].view("<u4"), idx)
+            np.testing.assert_array_equal(p[32 + 4 * idx.size :].view("<f4"), x[idx])
+    x = gradient_like(n, seed=5)
+    x[n - 7] = np.nan
+    with pytest.raises(ValueError, match="NaN or Inf"):
+        mpicomp.codec("topk").encode(x)

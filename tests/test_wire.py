@@ -103,3 +103,34 @@ def test_reseal_makes_an_edited_payload_pass_the_header_checks():
     kept = _wire.reseal(edited.copy(), length=False)  # checksum only: the length stays wrong
     with pytest.raises(mpicomp.PayloadError, match="does not match header"):
         _wire.unpack("topk", kept)
+
+
+@pytest.mark.parametrize("n", [0, 1, 4095, 4096, 4097, 100_003, (1 << 20) + 5, 3 << 20])
+def test_adler32_kernels_equal_zlib_alone_and_fused_with_the_copy(n):
+    from mpicomp.kernels.cpu.checksum import adler32, combine
+
+    data = np.random.default_rng(n).integers(0, 256, n, dtype=np.uint8)
+    data[: n // 3] = 255  # the largest block sums
+    for start in (1, 0, 0xFFF0FFF0):
+        assert adler32(data, start) == zlib.adler32(data, start)
+        dst = np.empty_like(data)
+        assert adler32(data, start, dst=dst) == zlib.adler32(data, start)
+        np.testing.assert_array_equal(dst, data)
+    half = n // 2
+    a, b = data[:half], data[half:]
+    assert combine(zlib.adler32(a), zlib.adler32(b, 0), b.size) == zlib.adler32(data)
+
+
+def test_payloads_written_in_place_and_verified_later_match_pack():
+    body = np.arange(300, dtype=np.uint8)
+    p, view = _wire.empty((3, 100), body.size)
+    view[:] = body
+    np.testing.assert_array_equal(
+        _wire.seal("topk", p, (3, 100), flags=1), _wire.pack("topk", (3, 100), body, flags=1)
+    )
+    shape, _, b = _wire.unpack("topk", p, known_flags=1, verify=False)
+    _wire.verify("topk", p, zlib.adler32(b, 0))
+    p[-1] ^= 1
+    _wire.unpack("topk", p, known_flags=1, verify=False)  # the checksum is left to verify
+    with pytest.raises(mpicomp.PayloadError, match="checksum"):
+        _wire.verify("topk", p, zlib.adler32(p[32:], 0))

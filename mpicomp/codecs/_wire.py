@@ -25,6 +25,7 @@ import zlib
 import numpy as np
 
 from mpicomp.errors import PayloadError
+from mpicomp.kernels.cpu.checksum import adler32, combine
 
 MAGIC = b"MC"
 VERSION = 1
@@ -53,7 +54,12 @@ FIXED_SIZE = _FIXED.size  # 16
 
 def _checksum(payload: np.ndarray) -> int:
     # Chained over the two spans around the checksum field: no copy of the body.
-    return zlib.adler32(payload[12:], zlib.adler32(payload[:8]))
+    return adler32(payload[12:], zlib.adler32(payload[:8]))
+
+
+def _head_checksum(payload: np.ndarray, start: int) -> int:
+    """Return Adler-32 of the header bytes the checksum covers (0-7, then 12 to ``start``)."""
+    return zlib.adler32(payload[12:start], zlib.adler32(payload[:8]))
 
 
 def header_size(ndim: int) -> int:
@@ -61,21 +67,57 @@ def header_size(ndim: int) -> int:
     return FIXED_SIZE + 8 * ndim
 
 
+def empty(shape: tuple[int, ...], body_size: int) -> tuple[np.ndarray, np.ndarray]:
+    """Return (payload, body): an unsealed payload of ``body_size`` body bytes, and the
+    view of its body, for an encoder that writes its body in place; then ``seal`` it."""
+    start = header_size(len(shape))
+    out = np.empty(start + body_size, dtype=np.uint8)
+    return out, out[start:]
+
+
+def seal(
+    codec: str, payload: np.ndarray, shape: tuple[int, ...], flags: int = 0, body_sum=None
+) -> np.ndarray:
+    """Write the header of a payload from ``empty`` whose body is written; return it.
+
+    ``body_sum``, when the encoder computed it while writing the body, is the body's
+    Adler-32 from 0 (``zlib.adler32(body, 0)``): the body is then not read again.
+    """
+    ndim = len(shape)
+    start = header_size(ndim)
+    body_len = payload.size - start
+    _FIXED.pack_into(payload, 0, MAGIC, VERSION, CODEC_IDS[codec], ndim, flags, 0, 0, body_len)
+    if ndim:
+        payload[FIXED_SIZE:start] = np.asarray(shape, dtype="<u8").view(np.uint8)
+    if body_sum is None:
+        body_sum = adler32(payload[start:], 0)
+    struct.pack_into("<I", payload, 8, combine(_head_checksum(payload, start), body_sum, body_len))
+    return payload
+
+
 def pack(codec: str, shape: tuple[int, ...], body: np.ndarray, flags: int = 0) -> np.ndarray:
     """Return header + ``body`` (a 1-D uint8 array) as one 1-D uint8 payload."""
     body = np.ascontiguousarray(body, dtype=np.uint8).reshape(-1)
-    ndim = len(shape)
-    out = np.empty(header_size(ndim) + body.size, dtype=np.uint8)
-    _FIXED.pack_into(out, 0, MAGIC, VERSION, CODEC_IDS[codec], ndim, flags, 0, 0, body.size)
-    if ndim:
-        out[FIXED_SIZE : header_size(ndim)] = np.asarray(shape, dtype="<u8").view(np.uint8)
-    out[header_size(ndim) :] = body
-    struct.pack_into("<I", out, 8, _checksum(out))
-    return out
+    out, dst = empty(shape, body.size)
+    # One pass copies the body and sums it.
+    return seal(codec, out, shape, flags, adler32(body, 0, dst=dst))
+
+
+def verify(codec: str, payload: np.ndarray, body_sum: int) -> None:
+    """Check the checksum of a payload that ``unpack(..., verify=False)`` accepted, given
+    its body's Adler-32 from 0 (computed by a decoder in its own pass over the body).
+
+    Raises:
+        PayloadError: the checksum does not match.
+    """
+    start = header_size(int(payload[4]))
+    value = combine(_head_checksum(payload, start), body_sum, payload.size - start)
+    if value != struct.unpack_from("<I", payload, 8)[0]:
+        raise PayloadError(f"{codec} payload fails its checksum (corrupted in transit?)")
 
 
 def unpack(
-    codec: str, payload, known_flags: int = 0, numel: int | None = None
+    codec: str, payload, known_flags: int = 0, numel: int | None = None, verify: bool = True
 ) -> tuple[tuple[int, ...], int, np.ndarray]:
     """Validate a payload made by ``codec``; return (shape, flags, body view).
 
@@ -83,7 +125,8 @@ def unpack(
     is corruption. ``numel``, when the caller knows it (a collective does, from its
     agreement), is the element count the payload must describe: checked before any
     decoder allocates, since a few honest bytes of a sparse codec can describe a
-    tensor of 2^40 elements.
+    tensor of 2^40 elements. ``verify=False`` skips the checksum, for a decoder that
+    sums the body in its own pass and then calls ``verify``.
 
     Raises:
         PayloadError: wrong type, truncated, wrong magic, version or codec id,
@@ -135,7 +178,7 @@ def unpack(
         raise PayloadError(
             f"{codec} payload describes {numel_of(shape)} elements, expected {numel}"
         )
-    if _checksum(payload) != checksum:
+    if verify and _checksum(payload) != checksum:
         raise PayloadError(f"{codec} payload fails its checksum (corrupted in transit?)")
     return shape, flags, payload[start:]
 

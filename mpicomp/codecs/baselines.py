@@ -6,12 +6,14 @@ import math
 
 import numpy as np
 
-from mpicomp._backend import as_gradient
+from mpicomp._backend import as_gradient, get_array_module
 from mpicomp.codecs import _wire
 from mpicomp.codecs._base import Codec, check_number, register
 from mpicomp.errors import PayloadError
+from mpicomp.kernels.cpu import fp16 as _fp16
 from mpicomp.kernels.cpu import topk as _k
 from mpicomp.kernels.cpu.checks import mpicomp_all_finite
+from mpicomp.kernels.cpu.checksum import adler32
 
 _FP16_MAX = float(np.finfo(np.float16).max)
 
@@ -32,27 +34,41 @@ class _Dense(Codec):
 
     def from_wire(self, total, nranks: int = 1, shape=None):
         """Return the float32 average over ``nranks`` of the summed wire array."""
-        out = np.asarray(total).astype(np.float32) / np.float32(nranks)
+        total = np.asarray(total)
+        if total.dtype != np.float32:
+            total = total.astype(np.float32)
+        out = np.empty(total.shape, np.float32)
+        np.divide(total, np.float32(nranks), out=out)  # one pass: no astype copy first
         return out.reshape(shape) if shape is not None else out
 
     def encode(self, x) -> np.ndarray:
         """Return the payload of ``x``: header + the wire values, little-endian."""
         x = as_gradient(x)
         wire = self.to_wire(x).astype(self.wire_dtype.newbyteorder("<"), copy=False)
+        # pack copies the bytes and checksums them in one pass.
         return _wire.pack(self.name, x.shape, wire.reshape(-1).view(np.uint8))
 
     def decode(self, payload, numel: int | None = None) -> np.ndarray:
         """Return the float32 array carried by ``payload``."""
-        shape, _, body = _wire.unpack(self.name, payload, numel=numel)
-        size = self.wire_dtype.itemsize
-        if body.size != size * _wire.numel_of(shape):
+        # The checksum is summed in the pass that reads the body (verify below).
+        shape, _, body = _wire.unpack(self.name, payload, numel=numel, verify=False)
+        n = _wire.numel_of(shape)
+        if body.size != self.wire_dtype.itemsize * n:
             raise PayloadError(
-                f"{self.name} payload body is {body.size} bytes, shape {shape} needs {size} per element"
+                f"{self.name} payload body is {body.size} bytes, shape {shape} needs "
+                f"{self.wire_dtype.itemsize} per element"
             )
-        out = body.view(self.wire_dtype.newbyteorder("<")).astype(np.float32).reshape(shape)
-        if self.refuses_nonfinite and out.size and not mpicomp_all_finite(out.reshape(-1)):
+        out = np.empty(n, np.float32)
+        finite = self._read_body(body, out, payload)
+        if not finite:
             raise PayloadError(f"{self.name} payload holds NaN or Inf, which its encoder refuses")
-        return out
+        return out.reshape(shape)
+
+    def _read_body(self, body, out, payload) -> bool:
+        """Fill float32 ``out`` from the validated-size ``body``, verify the payload's
+        checksum on the way; return False if the codec refuses what it read."""
+        _wire.verify(self.name, payload, adler32(body, 0, dst=out.view(np.uint8)))
+        return True
 
 
 @register
@@ -78,6 +94,45 @@ class Float16(_Dense):
             ValueError: ``x`` holds NaN/Inf, or a value float16 cannot hold (|x| > 65504).
         """
         x = as_gradient(x)
+        if get_array_module(x) is not np:
+            self._check_range(x)
+            return x.astype(np.float16)
+        out = np.empty(x.shape, np.float16)
+        ok, _ = _fp16.encode(x.reshape(-1), out.reshape(-1).view(np.uint16))
+        if not ok:
+            self._check_range(x)
+        return out
+
+    def from_wire(self, total, nranks: int = 1, shape=None):
+        """Return the float32 average over ``nranks`` of the summed float16 array."""
+        total = np.asarray(total)
+        out = np.empty(total.shape, np.float32)
+        _fp16.decode(total.reshape(-1).view(np.uint16), out.reshape(-1), nranks)
+        return out.reshape(shape) if shape is not None else out
+
+    def encode(self, x) -> np.ndarray:
+        """Return the payload of ``x``: header + float16 values, little-endian.
+
+        Raises:
+            ValueError: as ``to_wire``.
+        """
+        x = as_gradient(x)
+        if get_array_module(x) is not np:
+            return super().encode(x)
+        # One pass rounds into the payload, checks the range and sums the checksum.
+        payload, body = _wire.empty(x.shape, 2 * x.size)
+        ok, body_sum = _fp16.encode(x.reshape(-1), body.view(np.uint16), body)
+        if not ok:
+            self._check_range(x)
+        return _wire.seal(self.name, payload, x.shape, body_sum=body_sum)
+
+    def _read_body(self, body, out, payload) -> bool:
+        _wire.verify(self.name, payload, adler32(body, 0))
+        return _fp16.decode(body.view("<u2"), out)
+
+    @staticmethod
+    def _check_range(x) -> None:
+        """Raise the ValueError that ``x`` (which float16 cannot hold) deserves."""
         amax = float(np.abs(x).max()) if x.size else 0.0
         if not math.isfinite(amax):
             raise ValueError("fp16: input holds NaN or Inf")
@@ -86,7 +141,6 @@ class Float16(_Dense):
                 f"fp16: max |x| = {amax:.6g} overflows float16 (max {_FP16_MAX:g}); "
                 "scale the gradient or use codec 'none'"
             )
-        return x.astype(np.float16)
 
 
 @register
@@ -122,24 +176,20 @@ class TopK(Codec):
         x = as_gradient(x)
         flat = x.reshape(-1)
         n, k = flat.size, self.kept(flat.size)
-        if n and not mpicomp_all_finite(flat):
-            raise ValueError("topk: input holds NaN or Inf")
-        if k == n:
-            idx = np.arange(n, dtype=np.int64)
-        else:
-            # argpartition on -|x| picks a top-k set; its ties are arbitrary, so
-            # re-select the boundary magnitude with a stable rule (lowest index first).
-            mag = np.abs(flat)
-            thresh = np.partition(mag, n - k)[n - k]
-            above = np.flatnonzero(mag > thresh)
-            at = np.flatnonzero(mag == thresh)[: k - above.size]
-            idx = np.union1d(above, at)
         idt = self._index_dtype(n)
-        body = np.empty(8 + k * (idt.itemsize + 4), dtype=np.uint8)
+        # The body is written in place: k, then the indices, then the values.
+        payload, body = _wire.empty(x.shape, 8 + k * (idt.itemsize + 4))
         body[:8] = np.array([k], dtype="<u8").view(np.uint8)
-        body[8 : 8 + k * idt.itemsize] = idx.astype(idt).view(np.uint8)
-        body[8 + k * idt.itemsize :] = flat[idx].astype("<f4").view(np.uint8)
-        return _wire.pack(self.name, x.shape, body)
+        idx = body[8 : 8 + k * idt.itemsize].view(idt)
+        vals = body[8 + k * idt.itemsize :].view("<f4")
+        if k == n:
+            if n and not mpicomp_all_finite(flat):
+                raise ValueError("topk: input holds NaN or Inf")
+            idx[:] = np.arange(n, dtype=idt)
+            vals[:] = flat
+        elif not _k.select(flat, k, idx, vals):
+            raise ValueError("topk: input holds NaN or Inf")
+        return _wire.seal(self.name, payload, x.shape)
 
     def decode(self, payload, numel: int | None = None) -> np.ndarray:
         """Return the dense float32 array of ``payload`` (zeros where nothing was kept)."""
