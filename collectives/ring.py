@@ -56,14 +56,24 @@ _RS, _AG = "reduce_scatter", "allgather"
 
 
 class _Backend(NamedTuple):
-    """Array module and bit-packing kernels of one backend."""
+    """Array module and fused bit-packing kernels of one backend (see kernels/cpu/bits.py)."""
 
     xp: Any
-    pack: Callable  # pack(codes_uint32, width, out_uint8)
-    unpack: Callable  # unpack(stream_uint8, width, out_uint32)
+    pack_shifted: Callable  # (codes, shift, width, out_uint8): pack codes + shift
+    unpack_shifted: Callable  # (stream, width, shift, out): out = unpacked - shift
+    add_repack: Callable  # (stream, width, mine, shift, out_width, out_uint8)
+    add_unpack: Callable  # (stream, width, mine, shift, out): out = unpacked + mine + shift
+    min_repack: Callable  # (stream, width, mine, out_uint8)
 
 
-_NUMPY = _Backend(np, _bits.mpicomp_bits_pack, _bits.mpicomp_bits_unpack)
+_NUMPY = _Backend(
+    np,
+    _bits.mpicomp_bits_pack_shifted,
+    _bits.mpicomp_bits_unpack_shifted,
+    _bits.mpicomp_bits_add_repack,
+    _bits.mpicomp_bits_add_unpack,
+    _bits.mpicomp_bits_min_repack,
+)
 
 
 def _backend(x) -> _Backend:
@@ -72,6 +82,20 @@ def _backend(x) -> _Backend:
         # A CuPy twin of the packing kernels and (CUDA-aware or staged) buffers go here.
         raise TypeError("ring collectives take NumPy arrays; CuPy arrays are not supported yet")
     return _NUMPY
+
+
+class PackedSums(NamedTuple):
+    """The result of ``ring_allreduce_bounded(..., packed=True)``, as the ring left it.
+
+    Sum i is (the ``width``-bit code i of ``data``, LSB-first) - ``offset``: hand it to a
+    decoder that unpacks as it goes (``QSGDMaxNorm.dequantize_packed``) instead of
+    unpacking n int64 sums first.
+    """
+
+    data: Any  # uint8, packed_size(n, width) bytes
+    n: int
+    width: int
+    offset: int
 
 
 # --- layout -------------------------------------------------------------------------------
@@ -101,27 +125,34 @@ def _chunk_size(n: int, nranks: int) -> int:
 def _ring_allreduce(
     comm,
     exchange: Callable,
-    local,
+    n: int,
     be: _Backend,
     width_of_step: Callable[[int], int],
+    pack_mine: Callable,
     combine: Callable,
     finish: Callable,
     final_width: int,
     tracer,
     name: str,
 ):
-    """Reduce ``local`` around the ring; return the packed allgathered result.
+    """Reduce this rank's values around the ring; return the packed allgathered result.
+
+    The values stay with the caller: the core only asks for them through the callbacks,
+    which run fused kernels on one chunk [lo, hi) at a time (no full-length temporary).
 
     Args:
         comm: the communicator; rank r talks to (r+1) % N and (r-1) % N only.
         exchange: ``exchange(sendbuf, dest, recvbuf, source, phase, step)`` moves one
             step's messages (``_exchanger`` builds it: blocking or with a timeout).
-        local: this rank's values in the unsigned domain, uint32, contiguous, length n.
-        be: the backend owning ``local``.
+        n: the number of values, the same on every rank.
+        be: the backend owning the values.
         width_of_step: bits per element of a partial over i ranks (reduce-scatter step i).
-        combine: ``combine(acc, mine)`` folds this rank's values into ``acc`` in place.
-        finish: ``finish(full_chunk_uint32, start, out_uint8)`` writes the owned chunk,
-            reduced over all ranks, into ``out`` at ``final_width`` bits per element.
+        pack_mine: ``pack_mine(lo, hi, width, out_uint8)`` packs this rank's values.
+        combine: ``combine(stream, width, lo, hi, out_width, out_uint8)`` packs the
+            partials received in ``stream`` (``width`` bits) combined with this rank's.
+        finish: ``finish(stream, width, lo, hi, out_uint8)`` writes the owned chunk,
+            reduced over all ranks, into ``out`` at ``final_width`` bits per element;
+            ``stream`` is None on a ring of one (this rank's values are the result).
         final_width: bits per element of the allgather phase.
         tracer: None, or an object with ``record(op, step, sent, recv, bits)``.
         name: prefix of the traced op names.
@@ -131,7 +162,6 @@ def _ring_allreduce(
     """
     xp = be.xp
     size, rank = comm.Get_size(), comm.Get_rank()
-    n = local.size
     C = _chunk_size(n, size)
     longest = min(C, n)
     right, left = (rank + 1) % size, (rank - 1) % size
@@ -139,31 +169,6 @@ def _ring_allreduce(
     def span(c):
         c %= size
         return min(n, c * C), min(n, (c + 1) * C)
-
-    # Buffers for the whole call, sized for the widest step: no allocation inside the loop.
-    widest = max((width_of_step(i) for i in range(1, size)), default=0)
-    sendbuf = xp.empty(_packed(longest, widest), dtype=np.uint8)
-    recvbuf = xp.empty(_packed(longest, widest), dtype=np.uint8)
-    acc = xp.empty(longest if size > 1 else 0, dtype=np.uint32)
-
-    if size > 1:
-        lo, hi = span(rank - 1)
-        width = width_of_step(1)
-        be.pack(local[lo:hi], width, sendbuf[: _packed(hi - lo, width)])
-    for i in range(1, size):
-        width = width_of_step(i)
-        s_lo, s_hi = span(rank - i)
-        r_lo, r_hi = span(rank - i - 1)
-        sent, got = _packed(s_hi - s_lo, width), _packed(r_hi - r_lo, width)
-        exchange(sendbuf[:sent], right, recvbuf[:got], left, _RS, i)
-        if tracer is not None:
-            tracer.record(f"{name}.{_RS}", i, sent, got, width)
-        part = acc[: r_hi - r_lo]
-        be.unpack(recvbuf[:got], width, part)
-        combine(part, local[r_lo:r_hi])
-        if i < size - 1:  # the chunk just completed over i+1 ranks is the next one sent
-            nxt = width_of_step(i + 1)
-            be.pack(part, nxt, sendbuf[: _packed(part.size, nxt)])
 
     # Chunk c of the result starts at byte c*C*final_width/8: C is a multiple of 8.
     out = xp.empty(_packed(n, final_width), dtype=np.uint8)
@@ -173,9 +178,33 @@ def _ring_allreduce(
         start = lo * final_width // 8
         return start, start + _packed(hi - lo, final_width)
 
-    lo, hi = span(rank)
-    start, stop = region(rank)
-    finish(acc[: hi - lo] if size > 1 else local, lo, out[start:stop])
+    # Buffers for the whole call, sized for the widest step: no allocation inside the loop.
+    widest = max((width_of_step(i) for i in range(1, size)), default=0)
+    sendbuf = xp.empty(_packed(longest, widest), dtype=np.uint8)
+    recvbuf = xp.empty(_packed(longest, widest), dtype=np.uint8)
+
+    if size > 1:
+        lo, hi = span(rank - 1)
+        width = width_of_step(1)
+        pack_mine(lo, hi, width, sendbuf[: _packed(hi - lo, width)])
+    else:
+        start, stop = region(rank)
+        finish(None, 0, 0, n, out[start:stop])
+    for i in range(1, size):
+        width = width_of_step(i)
+        s_lo, s_hi = span(rank - i)
+        r_lo, r_hi = span(rank - i - 1)
+        sent, got = _packed(s_hi - s_lo, width), _packed(r_hi - r_lo, width)
+        exchange(sendbuf[:sent], right, recvbuf[:got], left, _RS, i)
+        if tracer is not None:
+            tracer.record(f"{name}.{_RS}", i, sent, got, width)
+        if i < size - 1:  # the chunk just completed over i+1 ranks is the next one sent
+            nxt = width_of_step(i + 1)
+            combine(recvbuf[:got], width, r_lo, r_hi, nxt, sendbuf[: _packed(r_hi - r_lo, nxt)])
+        else:  # r_lo, r_hi is this rank's own chunk, now reduced over every rank
+            start, stop = region(rank)
+            finish(recvbuf[:got], width, r_lo, r_hi, out[start:stop])
+
     for j in range(1, size):
         s_start, s_stop = region(rank - j + 1)
         r_start, r_stop = region(rank - j)
@@ -293,7 +322,7 @@ _MODE_SIGNED, _MODE_UNSIGNED, _MODE_MAJORITY = 0, 1, 2
 
 
 def ring_allreduce_bounded(
-    comm, codes, bound, majority=False, *, signed=True, tracer=None, timeout=None
+    comm, codes, bound, majority=False, *, signed=True, packed=False, tracer=None, timeout=None
 ):
     """Sum bounded integer codes over ranks, or take their majority, on a width-growing ring.
 
@@ -308,13 +337,16 @@ def ring_allreduce_bounded(
             packed decision bits (LSB-first, ceil(len/8) bytes) of the chunk that starts at
             global index ``offset``. Needs votes: ``signed=False`` and ``bound=1``.
         signed: codes lie in [-bound, bound] when True, in [0, bound] when False.
+        packed: return the sums as the ring leaves them, a ``PackedSums`` (no majority),
+            instead of unpacking them to int64.
         tracer: None, or an object with ``record(op, step, sent, recv, bits)``; called
             once per step with ops ``"ring.reduce_scatter"`` and ``"ring.allgather"``.
         timeout: seconds each step may wait before this rank reports what it waits for
             and aborts the job (``comm.Abort``); None: ``MPICOMP_TIMEOUT``, unset or 0: off.
 
     Returns:
-        Without ``majority``: the exact sums, int64, length n, identical on every rank.
+        Without ``majority``: the exact sums, int64, length n, identical on every rank
+        (with ``packed``: a ``PackedSums`` holding them).
         With ``majority``: uint8, ceil(n/8) bytes, decision bit i at bit i % 8 of byte
         i // 8, identical on every rank.
 
@@ -338,6 +370,8 @@ def ring_allreduce_bounded(
         if not (isinstance(majority, (bool, np.bool_)) or callable(majority)):
             raise TypeError(f"{fname}: majority must be a bool or a callable, got {majority!r}")
         if callable(majority) or majority:
+            if packed:
+                raise ValueError(f"{fname}: packed=True returns sums, not majority decisions")
             if signed or b != 1:
                 raise ValueError(
                     f"{fname}: majority needs unsigned votes (signed=False, bound=1), "
@@ -358,53 +392,64 @@ def ring_allreduce_bounded(
     allowed = (-b, b) if signed else (0, b)
     _agree(comm, fname, err, n, b, "bound", mode, lo, hi, allowed, timeout)
 
-    # Shift into [0, 2*bound]; uint32 wraps, so negative codes land right after the add.
-    local = x.astype(np.uint32)
-    if signed:
-        local += np.uint32(b)
+    # Codes travel shifted into [0, 2*bound]; the kernels add the shift as they read them.
+    shift = b if signed else 0
     span = 2 * b if signed else b
     final_width = 1 if mode == _MODE_MAJORITY else _width(size * span)
     xp = be.xp
 
-    def add(acc, mine):
-        xp.add(acc, mine, out=acc)
+    def pack_mine(lo, hi, width, out):
+        be.pack_shifted(x[lo:hi], shift, width, out)
+
+    def combine(stream, width, lo, hi, out_width, out):
+        be.add_repack(stream, width, x[lo:hi], shift, out_width, out)
 
     if mode == _MODE_MAJORITY:
         decide = majority if callable(majority) else _paper_majority(xp, size)
 
-        def finish(full, start, out):
-            bits = xp.asarray(decide(full.astype(np.int64), start), dtype=np.uint8).reshape(-1)
+        def finish(stream, width, lo, hi, out):
+            if stream is None:
+                counts = x[lo:hi].astype(np.int64)
+            else:
+                counts = xp.empty(hi - lo, dtype=np.int64)
+                be.add_unpack(stream, width, x[lo:hi], 0, counts)
+            bits = xp.asarray(decide(counts, lo), dtype=np.uint8).reshape(-1)
             if bits.size != out.size:
                 raise ValueError(
-                    f"{fname}: decide returned {bits.size} bytes for {full.size} elements, "
+                    f"{fname}: decide returned {bits.size} bytes for {hi - lo} elements, "
                     f"expected {out.size}"
                 )
             out[...] = bits
 
     else:
 
-        def finish(full, start, out):
-            be.pack(full, final_width, out)
+        def finish(stream, width, lo, hi, out):
+            if stream is None:
+                pack_mine(lo, hi, final_width, out)
+            else:
+                combine(stream, width, lo, hi, final_width, out)
 
-    packed = _ring_allreduce(
+    result = _ring_allreduce(
         comm,
         _exchanger(comm, timeout, fname),
-        local,
+        n,
         be,
         lambda i: _width(i * span),
-        add,
+        pack_mine,
+        combine,
         finish,
         final_width,
         tracer,
         "ring",
     )
     if mode == _MODE_MAJORITY:
-        return packed
-    full = xp.empty(n, dtype=np.uint32)
-    be.unpack(packed, final_width, full)
-    result = xp.empty(n, dtype=np.int64)
-    xp.subtract(full, np.int64(size * b if signed else 0), out=result)
-    return result
+        return result
+    offset = size * shift
+    if packed:
+        return PackedSums(result, n, final_width, offset)
+    sums = xp.empty(n, dtype=np.int64)
+    be.unpack_shifted(result, final_width, offset, sums)
+    return sums
 
 
 def _paper_majority(xp, nranks: int):
@@ -416,19 +461,20 @@ def _paper_majority(xp, nranks: int):
     return decide
 
 
-def ring_allreduce_min(comm, codes, width, *, tracer=None, timeout=None):
+def ring_allreduce_min(comm, codes, width, *, dtype=np.int64, tracer=None, timeout=None):
     """Take the elementwise minimum over ranks of unsigned codes, ``width`` bits on the wire.
 
     Args:
         comm: an ``mpi4py.MPI.Comm`` (intracommunicator), best a private ``Dup()``.
         codes: 1-D integer array, the same length on every rank, each in [0, 2**width).
         width: bits per code, 1..32, the same on every rank.
+        dtype: integer dtype of the result; it must hold every code (default int64).
         tracer: None, or an object with ``record(op, step, sent, recv, bits)``; called
             once per step with ops ``"ring_min.reduce_scatter"`` and ``"ring_min.allgather"``.
         timeout: as for ``ring_allreduce_bounded``.
 
     Returns:
-        int64 array of length n, the minima, identical on every rank.
+        array of ``dtype`` (int64 by default) of length n, the minima, identical on every rank.
 
     Raises:
         TypeError: codes not an integer array, width not an integer (on the rank at
@@ -451,26 +497,32 @@ def ring_allreduce_min(comm, codes, width, *, tracer=None, timeout=None):
     _agree(comm, fname, err, n, w, "width", 0, lo, hi, (0, 2**w - 1), timeout)
 
     xp = be.xp
-    local = x.astype(np.uint32)
 
-    def smallest(acc, mine):
-        xp.minimum(acc, mine, out=acc)
+    def pack_mine(lo, hi, width, out):
+        be.pack_shifted(x[lo:hi], 0, width, out)
 
-    def finish(full, start, out):
-        be.pack(full, w, out)
+    def smallest(stream, width, lo, hi, out_width, out):
+        be.min_repack(stream, width, x[lo:hi], out)
+
+    def finish(stream, width, lo, hi, out):
+        if stream is None:
+            pack_mine(lo, hi, w, out)
+        else:
+            smallest(stream, width, lo, hi, w, out)
 
     packed = _ring_allreduce(
         comm,
         _exchanger(comm, timeout, fname),
-        local,
+        n,
         be,
         lambda i: w,
+        pack_mine,
         smallest,
         finish,
         w,
         tracer,
         "ring_min",
     )
-    result = xp.empty(n, dtype=np.uint32)
-    be.unpack(packed, w, result)
-    return result.astype(np.int64)
+    result = xp.empty(n, dtype=dtype)
+    be.unpack_shifted(packed, w, 0, result)
+    return result

@@ -10,7 +10,7 @@ import math
 
 import numpy as np
 
-from mpicomp.kernels.cpu.bits import mpicomp_bits_pack, mpicomp_bits_unpack, packed_size
+from mpicomp.kernels.cpu.bits import mpicomp_bits_pack_shifted, packed_size
 
 
 def _ring_width(bound: int) -> int:
@@ -42,8 +42,10 @@ def one_rank_round_trip(codec, x: np.ndarray):
         state = {}
 
         def enc():
-            state["p"] = codec.signs(x)
-            state["s"] = codec.scale(x)
+            # As reduce_majority: votes and scale in one pass; the ring packs them 1 bit each.
+            votes, state["s"] = codec.votes_and_scale(x)
+            state["p"] = np.empty(packed_size(votes.size, 1), np.uint8)
+            mpicomp_bits_pack_shifted(votes, 0, 1, state["p"])
 
         def dec():
             return codec.expand(state["p"], x.size, state["s"]).reshape(x.shape)
@@ -52,21 +54,23 @@ def one_rank_round_trip(codec, x: np.ndarray):
 
     width = _ring_width(codec.bound)
     multiscale = hasattr(codec, "scale_index")
+    sparse = hasattr(codec, "coordinates")
     state = {}
 
     def enc():
         norm = codec.local_norm(x)
         extra = (codec.scale_index(x, norm),) if multiscale else ()
         codes = codec.quantize(x, norm, *extra, step=0, stream=0)
+        # The ring's first step: codes shifted into [0, 2*bound] and packed by one kernel.
         packed = np.empty(packed_size(codes.size, width), np.uint8)
-        mpicomp_bits_pack((codes.astype(np.int64) + codec.bound).astype(np.uint32), width, packed)
+        mpicomp_bits_pack_shifted(codes, codec.bound, width, packed)
         state.update(norm=norm, extra=extra, packed=packed, ncodes=codes.size)
 
     def dec():
-        codes = np.empty(state["ncodes"], np.uint32)
-        mpicomp_bits_unpack(state["packed"], width, codes)
-        codes = codes.astype(np.int64) - codec.bound
-        return codec.dequantize(codes, state["norm"], *state["extra"], shape=x.shape)
+        # As reduce_integer: the packed sums go straight to the codec, unpacked as it reads.
+        packed = (state["packed"], state["ncodes"], width, codec.bound)
+        at = {"step": 0} if sparse else {}
+        return codec.dequantize_packed(*packed, state["norm"], *state["extra"], shape=x.shape, **at)
 
     def wire():
         index_bytes = state["ncodes"] * codec.index_bits / 8 if multiscale else 0

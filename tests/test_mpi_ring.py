@@ -233,6 +233,58 @@ def test_min_is_the_elementwise_minimum_of_every_ranks_codes(n, width, dtype, al
     assert {op for op, *_ in traffic.steps} <= {"ring_min.reduce_scatter", "ring_min.allgather"}
 
 
+def _unpack_reference(data, n, width):
+    """Unpack n LSB-first codes of ``width`` bits with NumPy, bit by bit."""
+    bits = np.unpackbits(np.asarray(data, dtype=np.uint8), bitorder="little")[: n * width]
+    weights = np.left_shift(np.int64(1), np.arange(width, dtype=np.int64))
+    return bits.reshape(n, width).astype(np.int64) @ weights if n else np.zeros(0, np.int64)
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("n", [0, 9, "8N+1", 1001, 3 * 65536 + 13])
+@pytest.mark.parametrize(
+    "bound,dtype,signed",
+    [(1, np.int8, True), (127, np.int8, True), (1, np.uint8, False), (32767, np.int16, True)],
+)
+def test_packed_sums_are_the_exact_sums_as_the_ring_left_them(n, bound, dtype, signed):
+    """packed=True: the allgathered stream itself, at the full sum's width, shifted."""
+    comm = world()
+    n = _length(n, comm.size)
+    rng = np.random.default_rng([comm.rank, n, bound, 5])
+    codes = rng.integers(-bound if signed else 0, bound + 1, n).astype(dtype)
+    total = ring_allreduce_bounded(comm, codes, bound, signed=signed, packed=True)
+    plain = ring_allreduce_bounded(comm, codes, bound, signed=signed)
+    expected = gather_all(comm, codes).astype(np.int64).sum(axis=0)
+    span = (2 if signed else 1) * bound
+    assert isinstance(total, ring.PackedSums)
+    assert total.n == n and total.width == math.ceil(math.log2(comm.size * span + 1))
+    assert total.offset == (comm.size * bound if signed else 0)
+    assert total.data.dtype == np.uint8 and total.data.size == (n * total.width + 7) // 8
+    unpacked = _unpack_reference(total.data, n, total.width) - total.offset
+    np.testing.assert_array_equal(unpacked, expected)
+    np.testing.assert_array_equal(plain, expected)
+
+
+@pytest.mark.mpi
+def test_packed_sums_refuse_majority():
+    comm = world()
+    with pytest.raises(ValueError, match="packed"):
+        ring_allreduce_bounded(
+            comm, np.zeros(5, np.uint8), 1, majority=True, signed=False, packed=True
+        )
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("n", [0, 9, 3 * 65536 + 13])
+def test_min_returns_the_dtype_asked_for(n):
+    comm = world()
+    codes = np.random.default_rng([comm.rank, n]).integers(0, 4, n).astype(np.uint8)
+    low = ring_allreduce_min(comm, codes, 2, dtype=np.uint8)
+    assert low.dtype == np.uint8
+    expected = gather_all(comm, codes).min(axis=0, initial=3)
+    np.testing.assert_array_equal(low, expected)
+
+
 # --- errors: raised on every rank, never a hang --------------------------------------------
 
 

@@ -635,3 +635,62 @@ def test_grandk_dequantize_needs_the_full_shape_and_k_codes():
     out = c.dequantize(codes, norm, shape=(10, 10), step=1)
     assert out.shape == (10, 10)
     np.testing.assert_array_equal(np.flatnonzero(out), c.coordinates(100, 1)[codes != 0])
+
+
+# ---------------------------------------------------------------- packed code sums
+
+
+def ref_pack(values, width):
+    """LSB-first packing of non-negative ints at ``width`` bits, bit by bit."""
+    v = np.asarray(values, dtype=np.uint64)
+    bits = (v[:, None] >> np.arange(width, dtype=np.uint64)) & np.uint64(1)
+    return np.packbits(bits.astype(np.uint8).reshape(-1), bitorder="little")
+
+
+@pytest.mark.parametrize(
+    "name",
+    ["qsgd_maxnorm", "qsgd_maxnorm_multiscale", "grandk_maxnorm", "grandk_maxnorm_multiscale"],
+)
+@pytest.mark.parametrize("nranks", [1, 3, 4])
+@pytest.mark.parametrize("n", [0, 13, 3 * (1 << 16) + 11])
+def test_dequantize_packed_is_dequantize_of_the_unpacked_sums(name, nranks, n):
+    """The ring's packed result (sum + offset at the full sum's width) decodes bit for bit."""
+    params = {"k": 0.5} if name.startswith("grandk") else {}
+    c = mpicomp.codec(name, bits=3 if nranks == 1 else 8, seed=2, **params)
+    x = gradient_like(n, seed=n)
+    step = 3
+    at = {"step": step, "shape": x.shape} if name.startswith("grandk") else {}
+    m = c.num_coordinates(n) if name.startswith("grandk") else n
+    limit = nranks * c.bound
+    sums = np.random.default_rng(n + nranks).integers(-limit, limit + 1, m)
+    if m:
+        sums[:2] = [-limit, limit]
+    width = int(2 * limit).bit_length()
+    data = ref_pack(sums + limit, width)
+    norm = 0.25
+    extra = ()
+    if "multiscale" in name:
+        extra = (np.random.default_rng(m).integers(0, c.n_scales, m).astype(np.uint8),)
+    want = c.dequantize(sums.astype(np.int64), norm, *extra, nranks=nranks, **at)
+    got = c.dequantize_packed(data, m, width, limit, norm, *extra, nranks=nranks, **at)
+    assert got.dtype == np.float32 and got.shape == want.shape
+    np.testing.assert_array_equal(got, want)
+
+
+def test_dequantize_packed_rejects_wrong_streams():
+    c = mpicomp.codec("qsgd_maxnorm", bits=4)
+    data = ref_pack(np.array([7, 14, 0]), 4)
+    assert list(c.dequantize_packed(data, 3, 4, 7, 7.0)) == [0.0, 7.0, -7.0]
+    with pytest.raises(TypeError, match="uint8"):
+        c.dequantize_packed(data.astype(np.int8), 3, 4, 7, 7.0)
+    with pytest.raises(ValueError, match="bytes"):
+        c.dequantize_packed(data[:1], 3, 4, 7, 7.0)
+    with pytest.raises(ValueError, match="width"):
+        c.dequantize_packed(data, 3, 33, 7, 7.0)
+    with pytest.raises(ValueError, match="nranks"):
+        c.dequantize_packed(ref_pack(np.array([15]), 4), 1, 4, 7, 7.0)  # 15 - 7 = 8 > s
+    with pytest.raises(ValueError, match="elements"):
+        c.dequantize_packed(data, 3, 4, 7, 7.0, shape=(4,))
+    ms = mpicomp.codec("qsgd_maxnorm_multiscale", bits=4)
+    with pytest.raises(ValueError, match="scale set"):
+        ms.dequantize_packed(data, 3, 4, 7, 7.0, np.array([0, 2, 0], np.uint8))

@@ -107,3 +107,15 @@ def test_majority_works_for_every_step_key(step):
     # Keys >= 2**63 once overflowed on their way back into numba.
     bits = mpicomp.codec("signsgd", seed=step).majority(np.full(64, 1, np.int8), 2, step=step)
     assert bits.size == 8
+
+
+@pytest.mark.parametrize("n", [0, 1, 9, 3 * (1 << 16) + 5])
+def test_votes_and_scale_are_votes_and_scale_in_one_pass(n):
+    x = gradient_like(n, seed=n)
+    c = mpicomp.codec("signsgd")
+    votes, scale = c.votes_and_scale(x)
+    np.testing.assert_array_equal(votes, c.votes(x))
+    assert scale == c.scale(x)
+    assert scale == pytest.approx(float(np.abs(x.astype(np.float64)).mean()) if n else 0.0)
+    with pytest.raises(ValueError, match="NaN or Inf"):
+        c.votes_and_scale(np.array([1.0, np.nan], np.float32))

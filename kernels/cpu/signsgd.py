@@ -1,79 +1,154 @@
-"""signSGD kernels: sign bits, votes and the majority decision from vote counts."""
+"""signSGD kernels: sign bits, votes and the majority decision from vote counts.
+
+Element loops run from 0 over slices (see bits.py: a signed loop index from a runtime
+start keeps numba from vectorizing); the parallel ones split the work into CHUNK-element
+tasks. Sums of |x| are added per chunk in a fixed order, then chunk by chunk: the same
+float whatever the thread count.
+"""
 
 import numba as nb
 import numpy as np
 
+from . import bits as _bits
 from .rng import mpicomp_bits
 
 TIE_NEGATIVE = 0
 TIE_POSITIVE = 1
 TIE_RANDOM = 2
 
+CHUNK = 1 << 16  # elements per parallel task (a multiple of 8: tasks own whole bytes)
 
-@nb.njit(parallel=True, cache=True)
+
+@nb.njit(inline="always", cache=True)
+def _chunk(c, n):
+    lo = np.int64(c) * CHUNK  # prange indices are unsigned
+    return lo, min(n, lo + CHUNK)
+
+
+@nb.njit(inline="always", cache=True)
+def _abs_sum(xs):
+    """Return sum |xs| in float64 over 4 lanes (element j to lane j % 4, tail to lane 0)."""
+    l0 = l1 = l2 = l3 = 0.0
+    full = xs.size - xs.size % 4
+    for j in range(0, full, 4):
+        l0 += abs(np.float64(xs[j]))
+        l1 += abs(np.float64(xs[j + 1]))
+        l2 += abs(np.float64(xs[j + 2]))
+        l3 += abs(np.float64(xs[j + 3]))
+    for j in range(full, xs.size):
+        l0 += abs(np.float64(xs[j]))
+    return (l0 + l1) + (l2 + l3)
+
+
+@nb.njit(parallel=True, cache=True, nogil=True)
 def mpicomp_signsgd_pack(x, out):
     """Pack bit i = (x[i] > 0) LSB-first into ``out``; return False if ``x`` holds NaN/Inf."""
     n = x.size
-    bad = 0
-    for b in nb.prange((n + 7) // 8):
-        byte = 0
-        for i in range(b * 8, min(n, b * 8 + 8)):
-            v = x[i]
-            if not np.isfinite(v):
-                bad += 1
-            if v > np.float32(0):
-                byte |= 1 << (i - b * 8)
-        out[b] = np.uint8(byte)
-    return bad == 0
+    bad = np.zeros((n + CHUNK - 1) // CHUNK, np.int64)
+    for c in nb.prange(bad.size):
+        lo, hi = _chunk(c, n)
+        xs = x[lo:hi]
+        o = out[lo // 8 : (hi + 7) // 8]
+        nb_bad = 0
+        for b in range(o.size):
+            byte = 0
+            for k in range(min(8, xs.size - 8 * b)):
+                v = xs[8 * b + k]
+                nb_bad |= np.int64(not np.isfinite(v))
+                byte |= np.int64(v > np.float32(0)) << k
+            o[b] = np.uint8(byte)
+        bad[c] = nb_bad
+    return not bad.any()
 
 
-@nb.njit(parallel=True, cache=True)
+@nb.njit(parallel=True, cache=True, nogil=True)
+def mpicomp_signsgd_votes_scale(x, out):
+    """Write out[i] = 1 if x[i] > 0 else 0 and return (no NaN/Inf in x, sum |x| in float64).
+
+    One pass over x for both the votes and the scale.
+    """
+    n = x.size
+    nchunks = (n + CHUNK - 1) // CHUNK
+    bad = np.zeros(nchunks, np.int64)
+    part = np.zeros(nchunks, np.float64)
+    for c in nb.prange(nchunks):
+        lo, hi = _chunk(c, n)
+        xs = x[lo:hi]
+        o = out[lo:hi]
+        nb_bad = 0
+        for j in range(xs.size):
+            v = xs[j]
+            nb_bad |= np.int64(not np.isfinite(v))
+            o[j] = np.uint8(v > np.float32(0))
+        bad[c] = nb_bad
+        part[c] = _abs_sum(xs)
+    total = 0.0
+    for p in part:
+        total += p
+    return not bad.any(), total
+
+
+@nb.njit(cache=True, nogil=True)
 def mpicomp_signsgd_votes(x, out):
     """Write out[i] = 1 if x[i] > 0 else 0; return False if ``x`` holds NaN/Inf."""
-    bad = 0
-    for i in nb.prange(x.size):
-        v = x[i]
-        if not np.isfinite(v):
-            bad += 1
-        out[i] = np.uint8(1) if v > np.float32(0) else np.uint8(0)
-    return bad == 0
+    ok, _ = mpicomp_signsgd_votes_scale(x, out)
+    return ok
 
 
-@nb.njit(parallel=True, cache=True)
+@nb.njit(parallel=True, cache=True, nogil=True)
 def mpicomp_signsgd_majority(counts, nranks, tie, key, offset, out):
     """Pack bit i = majority of ``nranks`` votes given ``counts[i]`` votes for +1, LSB-first.
 
     A tie (2*count == nranks) follows ``tie``; TIE_RANDOM draws the bit from the
     counter-based RNG at global index ``offset + i``, identical on every rank.
+    Returns False (``out`` then undefined) if a count lies outside [0, nranks].
     """
     n = counts.size
-    for b in nb.prange((n + 7) // 8):
-        byte = 0
-        for i in range(b * 8, min(n, b * 8 + 8)):
-            twice = 2 * np.int64(counts[i])
-            if twice > nranks:
-                bit = 1
-            elif twice < nranks:
-                bit = 0
-            elif tie == TIE_RANDOM:
-                bit = np.int64(mpicomp_bits(key, offset + i) >> np.uint64(63))
+    nchunks = (n + CHUNK - 1) // CHUNK
+    bad = np.zeros(nchunks, np.int64)
+    draw = tie == TIE_RANDOM and nranks % 2 == 0  # an odd number of voters never ties
+    fixed = np.int64(tie == TIE_POSITIVE)
+    for c in nb.prange(nchunks):
+        lo, hi = _chunk(c, n)
+        cs = counts[lo:hi]
+        decided = np.empty(cs.size, np.uint32)
+        nb_bad = 0
+        for j in range(cs.size):  # branch-free, so it vectorizes (RNG included)
+            count = np.int64(cs[j])
+            nb_bad |= np.int64((count < 0) | (count > nranks))
+            twice = 2 * count
+            if draw:
+                pick = np.int64(mpicomp_bits(key, offset + lo + j) >> np.uint64(63))
             else:
-                bit = tie
-            byte |= bit << (i - b * 8)
-        out[b] = np.uint8(byte)
+                pick = fixed
+            decided[j] = np.uint32((twice > nranks) | ((twice == nranks) & (pick == 1)))
+        bad[c] = nb_bad
+        _bits.mpicomp_bits_pack_block(decided, cs.size, 1, out, lo // 8)
+    return not bad.any()
 
 
-@nb.njit(parallel=True, cache=True)
+@nb.njit(parallel=True, cache=True, nogil=True)
 def mpicomp_signsgd_expand(bits, scale, out):
     """Write out[i] = +scale if bit i of ``bits`` is set, else -scale."""
-    for i in nb.prange(out.size):
-        out[i] = scale if (bits[i >> 3] >> (i & 7)) & 1 else -scale
+    n = out.size
+    neg = -scale
+    for c in nb.prange((n + CHUNK - 1) // CHUNK):
+        lo, hi = _chunk(c, n)
+        o = out[lo:hi]
+        bs = bits[lo // 8 : (hi + 7) // 8]
+        for j in range(o.size):
+            o[j] = scale if (bs[j >> 3] >> (j & 7)) & 1 else neg
 
 
-@nb.njit(parallel=True, cache=True)
+@nb.njit(parallel=True, cache=True, nogil=True)
 def mpicomp_signsgd_abs_sum(x):
-    """Return sum |x| accumulated in float64 (NaN/Inf propagate)."""
-    acc = 0.0
-    for i in nb.prange(x.size):
-        acc += abs(np.float64(x[i]))
-    return acc
+    """Return sum |x| accumulated in float64 in a fixed order (NaN/Inf propagate)."""
+    n = x.size
+    part = np.zeros((n + CHUNK - 1) // CHUNK, np.float64)
+    for c in nb.prange(part.size):
+        lo, hi = _chunk(c, n)
+        part[c] = _abs_sum(x[lo:hi])
+    total = 0.0
+    for p in part:
+        total += p
+    return total

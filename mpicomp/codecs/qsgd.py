@@ -77,6 +77,18 @@ def _int_array(a, name: str, n: int, signed: bool) -> np.ndarray:
     return np.ascontiguousarray(a)
 
 
+def _packed_sums(data, n: int, width: int, offset: int) -> tuple[np.ndarray, int, int, int]:
+    """Check a bit-packed stream of n code sums (code i - ``offset``, ``width`` bits each)."""
+    if not isinstance(data, np.ndarray) or data.dtype != np.uint8 or data.ndim != 1:
+        raise TypeError("packed code sums must be a 1-D uint8 NumPy array")
+    n = check_number("n", n, 0, None, integer=True)
+    width = check_number("width", width, 1, 32, integer=True)
+    offset = check_number("offset", offset, 0, 2**32 - 1, integer=True)
+    if data.size < (n * width + 7) // 8:
+        raise ValueError(f"{data.size} bytes cannot hold {n} code sums of {width} bits")
+    return np.ascontiguousarray(data), n, width, offset
+
+
 def _out_shape(shape, n: int | None) -> tuple[int, ...]:
     """Return ``shape`` as a tuple (``(n,)`` when None), checking it holds ``n`` elements."""
     if shape is None:
@@ -151,6 +163,18 @@ class _MaxNorm(Codec):
         nranks = check_number("nranks", nranks, 1, None, integer=True)
         return nranks, np.int64(nranks * self.bound)
 
+    def _dequantize_packed(self, data, n, width, offset, norm, nranks) -> np.ndarray:
+        norm = _norm(norm)
+        data, n, width, offset = _packed_sums(data, n, width, offset)
+        nranks, limit = self._limit(nranks)
+        out = np.empty(n, dtype=np.float32)
+        args = (data, width, offset, norm, self.levels, nranks, limit, out)
+        kernels = _k.mpicomp_qsgd_dequantize_packed, _k.mpicomp_qsgd_dequantize_packed_chunks
+        err = _run(*kernels, n, *args)
+        if err:
+            _raise(err, out, norm)
+        return out
+
 
 class _Multiscale:
     """The scale set of the multi-scale codecs (paper 000 §3.2)."""
@@ -207,6 +231,22 @@ class _Multiscale:
         kernels = (
             _k.mpicomp_qsgd_multiscale_dequantize,
             _k.mpicomp_qsgd_multiscale_dequantize_chunks,
+        )
+        err = _run(*kernels, n, *args)
+        if err:
+            _raise(err, out, norm)
+        return out
+
+    def _ms_dequantize_packed(self, data, n, width, offset, norm, scale_index, nranks):
+        norm = _norm(norm)
+        data, n, width, offset = _packed_sums(data, n, width, offset)
+        sidx = _int_array(scale_index, "scale_index", n, signed=False)
+        nranks, limit = self._limit(nranks)
+        out = np.empty(n, dtype=np.float32)
+        args = (data, width, offset, sidx, norm, self._scales_f32, nranks, limit, out)
+        kernels = (
+            _k.mpicomp_qsgd_multiscale_dequantize_packed,
+            _k.mpicomp_qsgd_multiscale_dequantize_packed_chunks,
         )
         err = _run(*kernels, n, *args)
         if err:
@@ -356,6 +396,21 @@ class QSGDMaxNorm(_MaxNorm):
             _raise(err, out, norm)
         return out.reshape(shape)
 
+    def dequantize_packed(
+        self, data, n: int, width: int, offset: int, norm, nranks: int = 1, shape=None
+    ) -> np.ndarray:
+        """Return ``dequantize`` of the n code sums packed in ``data``, unpacking as it goes.
+
+        Sum i is (the ``width``-bit code i of ``data``, LSB-first) - ``offset``: what
+        ``ring_allreduce_bounded(..., packed=True)`` returns, as (data, n, width, offset).
+
+        Raises:
+            TypeError: ``data`` is not a 1-D uint8 NumPy array.
+            ValueError: too few bytes, width outside 1..32, or |sum| > nranks * s.
+        """
+        shape = _out_shape(shape, n)
+        return self._dequantize_packed(data, n, width, offset, norm, nranks).reshape(shape)
+
 
 @register
 class QSGDMaxNormMultiscale(_Multiscale, _MaxNorm):
@@ -410,6 +465,14 @@ class QSGDMaxNormMultiscale(_Multiscale, _MaxNorm):
         """
         out = self._ms_dequantize(code_sum, norm, scale_index, nranks)
         return out.reshape(_out_shape(shape, out.size))
+
+    def dequantize_packed(
+        self, data, n: int, width: int, offset: int, norm, scale_index, nranks: int = 1, shape=None
+    ) -> np.ndarray:
+        """Return ``dequantize`` of the n code sums packed in ``data`` (see QSGDMaxNorm)."""
+        shape = _out_shape(shape, n)
+        out = self._ms_dequantize_packed(data, n, width, offset, norm, scale_index, nranks)
+        return out.reshape(shape)
 
 
 @register
@@ -470,6 +533,16 @@ class GRandKMaxNorm(_GlobalRandK, _MaxNorm):
             _raise(err, vals, norm)
         return _scatter(vals, shape, idx)
 
+    def dequantize_packed(
+        self, data, n: int, width: int, offset: int, norm, nranks: int = 1, shape=None, step=0
+    ) -> np.ndarray:
+        """Return ``dequantize`` of the K code sums packed in ``data`` (see QSGDMaxNorm)."""
+        shape, idx = self._full(shape, step)
+        if n != idx.size:
+            raise ValueError(f"code_sum holds {n} elements, expected {idx.size}")
+        vals = self._dequantize_packed(data, n, width, offset, norm, nranks)
+        return _scatter(vals, shape, idx)
+
 
 @register
 class GRandKMaxNormMultiscale(_GlobalRandK, _Multiscale, _MaxNorm):
@@ -506,4 +579,23 @@ class GRandKMaxNormMultiscale(_GlobalRandK, _Multiscale, _MaxNorm):
         """Return the full float32 tensor: zeros, and the rescaled average at the coordinates."""
         shape, idx = self._full(shape, step)
         vals = self._ms_dequantize(code_sum, norm, scale_index, nranks, idx.size)
+        return _scatter(vals, shape, idx)
+
+    def dequantize_packed(
+        self,
+        data,
+        n: int,
+        width: int,
+        offset: int,
+        norm,
+        scale_index,
+        nranks: int = 1,
+        shape=None,
+        step: int = 0,
+    ) -> np.ndarray:
+        """Return ``dequantize`` of the K code sums packed in ``data`` (see QSGDMaxNorm)."""
+        shape, idx = self._full(shape, step)
+        if n != idx.size:
+            raise ValueError(f"code_sum holds {n} elements, expected {idx.size}")
+        vals = self._ms_dequantize_packed(data, n, width, offset, norm, scale_index, nranks)
         return _scatter(vals, shape, idx)

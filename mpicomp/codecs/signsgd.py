@@ -72,6 +72,19 @@ class SignSGD(Codec):
         flat = as_gradient(x).reshape(-1)
         return _k.mpicomp_signsgd_abs_sum(flat) / flat.size if flat.size else 0.0
 
+    def votes_and_scale(self, x) -> tuple[np.ndarray, float]:
+        """Return ``votes(x)`` and ``scale(x)`` from one pass over ``x``.
+
+        Raises:
+            ValueError: ``x`` holds NaN or Inf.
+        """
+        flat = as_gradient(x).reshape(-1)
+        out = np.empty(flat.size, dtype=np.uint8)
+        ok, total = _k.mpicomp_signsgd_votes_scale(flat, out)
+        if not ok:
+            raise ValueError("signsgd: input holds NaN or Inf")
+        return out, (total / flat.size if flat.size else 0.0)
+
     def majority(self, counts, nranks: int, step: int = 0, offset: int = 0) -> np.ndarray:
         """Return the majority decisions of vote ``counts``, packed LSB-first.
 
@@ -87,12 +100,12 @@ class SignSGD(Codec):
         """
         counts = np.ascontiguousarray(counts).reshape(-1)
         nranks = check_number("nranks", nranks, 1, None, integer=True)
-        if counts.size and (counts.min() < 0 or counts.max() > nranks):
-            raise ValueError(f"vote counts must lie in [0, {nranks}]")
         out = np.empty((counts.size + 7) // 8, dtype=np.uint8)
         # Keys come back from numba as Python ints; keep them uint64 on the way back in.
         key = np.uint64(_rng.mpicomp_key(self.params["seed"], step, 0))
-        _k.mpicomp_signsgd_majority(counts, nranks, _TIES[self.params["tie"]], key, offset, out)
+        tie = _TIES[self.params["tie"]]
+        if not _k.mpicomp_signsgd_majority(counts, nranks, tie, key, offset, out):
+            raise ValueError(f"vote counts must lie in [0, {nranks}]")
         return out
 
     def expand(self, bits, n: int, scale: float = 1.0) -> np.ndarray:
