@@ -40,14 +40,21 @@ setup(
         "mpicomp.collectives": "collectives",
     },
     package_data={"mpicomp.kernels": ["cuda/*.cu"]},
-    install_requires=["numpy>=1.24", "numba>=0.59", "mpi4py>=4.0", "h5py>=3.8"] + _MPI_WHEELS[_mpi],
+    install_requires=["numpy>=1.24", "numba>=0.59", "mpi4py>=4.0", "h5py>=3.8", "scipy>=1.10"]
+    + _MPI_WHEELS[_mpi],
     extras_require={
         "cuda": ["cupy-cuda12x"],
         "plot": ["matplotlib>=3.7"],
         # The training comparison: scikit-learn ships the digits data set (no download).
         "jobs": ["scikit-learn>=1.3", "matplotlib>=3.7", "threadpoolctl>=3"],
         "torch": ["torch>=2.1"],
-        "test": ["pytest>=8", "pytest-mpi>=0.6", "hypothesis>=6", "scikit-learn>=1.3", "matplotlib>=3.7"],
+        "test": [
+            "pytest>=8",
+            "pytest-mpi>=0.6",
+            "hypothesis>=6",
+            "scikit-learn>=1.3",
+            "matplotlib>=3.7",
+        ],
     },
     entry_points={"console_scripts": ["mpicomp = mpicomp.cli:main"]},
 )

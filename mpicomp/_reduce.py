@@ -22,10 +22,12 @@ from mpi4py import MPI
 
 from mpicomp._backend import all_finite, zero_nonfinite
 from mpicomp.collectives import plain
+from mpicomp.collectives._wait import resolve_timeout
 from mpicomp.collectives.allgather import allgather_bytes
-from mpicomp.collectives.maxallreduce import max_allreduce, min_allreduce
-from mpicomp.collectives.ring import ring_allreduce_bounded
+from mpicomp.collectives.maxallreduce import max_allreduce
+from mpicomp.collectives.ring import _exchanger, ring_allreduce_bounded, ring_allreduce_min
 from mpicomp.collectives.sharded import alltoall_bytes, shard_bounds
+from mpicomp.kernels.cpu import fp16 as _fp16
 from mpicomp.trace import NO_CLOCK
 
 POLICIES = ("raise", "skip_step", "zero")
@@ -195,7 +197,7 @@ def reduce_sum(call: Call, codec, flat) -> np.ndarray:
     _agree(call, flat.size, err, nonfinite=bad)
     total = _sum(call, wire)
     clock.communicated()
-    if not all_finite(total):
+    if not _sum_finite(total):
         local = not all_finite(flat)
         ranks = _flagged(call, local)
         if not ranks:
@@ -209,7 +211,7 @@ def reduce_sum(call: Call, codec, flat) -> np.ndarray:
                 flat = zero_nonfinite(flat)
             total = _sum(call, codec.to_wire(flat))
             clock.communicated()
-            if not all_finite(total):
+            if not _sum_finite(total):
                 raise RankError(f"{codec.name}: the sum over ranks overflows float32")
         else:
             _nonfinite(ranks, local, guard, None)
@@ -220,31 +222,57 @@ def reduce_sum(call: Call, codec, flat) -> np.ndarray:
 
 def _sum(call: Call, wire) -> np.ndarray:
     """Return the MPI sum over ranks of ``wire`` (float32, or float16 summed in float32)."""
+    if wire.dtype == np.float16:
+        return _float16_sum(call, wire)
     total = np.empty_like(wire)
     # Through collectives.plain: blocking, or nonblocking under MPICOMP_TIMEOUT.
-    if wire.dtype == np.float16:
-        send, recv = [wire, MPI.UINT16_T], [total, MPI.UINT16_T]
-        plain.allreduce(call.comm, send, recv, _float16_sum(), **call.io)
-    else:
-        plain.allreduce(call.comm, wire, total, MPI.SUM, **call.io)
+    plain.allreduce(call.comm, wire, total, MPI.SUM, **call.io)
     return total
 
 
-_F16_SUM = None
+def _float16_sum(call: Call, wire) -> np.ndarray:
+    """Return the float16 sum over ranks of ``wire``, summed in place (``wire`` is this
+    call's own buffer from ``to_wire``), by a ring reduce-scatter and allgather.
+
+    MPI has no float16 type, and MPICH reduces a user-defined op by recursive doubling:
+    the whole vector log2(N) times through a Python callback. This ring sends 2(N-1)/N
+    of it. Chunk c = [c*C, (c+1)*C), C = ceil(n/N), is summed in the rank order c+1,
+    c+2, ..., N-1, 0, ..., c, each addition in float32 rounded to float16 (Inf on
+    overflow), ending at rank c, which passes it on: every rank gets the same bits.
+    """
+    comm, tracer = call.comm, call.tracer
+    size, rank = comm.Get_size(), comm.Get_rank()
+    bits = wire.reshape(-1).view(np.uint16)
+    n = bits.size
+    width = -(-n // size)
+    right, left = (rank + 1) % size, (rank - 1) % size
+
+    def span(c):
+        c %= size
+        return min(n, c * width), min(n, (c + 1) * width)
+
+    exchange = _exchanger(comm, resolve_timeout(call.timeout), "fp16 sum")
+    recv = np.empty(width if size > 1 else 0, np.uint16)
+    for i in range(1, size):  # reduce-scatter: after step N-1 rank r holds chunk r summed
+        (s_lo, s_hi), (r_lo, r_hi) = span(rank - i), span(rank - i - 1)
+        got = recv[: r_hi - r_lo]
+        exchange(bits[s_lo:s_hi], right, got, left, "reduce_scatter", i)
+        if tracer is not None:
+            tracer.record("fp16.reduce_scatter", i, 2 * (s_hi - s_lo), 2 * got.size, 16)
+        _fp16.add(got, bits[r_lo:r_hi])
+    for j in range(1, size):  # allgather of the summed chunks, in place
+        (s_lo, s_hi), (r_lo, r_hi) = span(rank - j + 1), span(rank - j)
+        exchange(bits[s_lo:s_hi], right, bits[r_lo:r_hi], left, "allgather", j)
+        if tracer is not None:
+            tracer.record("fp16.allgather", j, 2 * (s_hi - s_lo), 2 * (r_hi - r_lo), 16)
+    return wire
 
 
-def _float16_sum():
-    # MPI has no float16 type: sum 2-byte words as float16, accumulating in float32.
-    global _F16_SUM
-    if _F16_SUM is None:
-
-        def add(inbuf, inoutbuf, datatype):
-            a = np.frombuffer(inbuf, dtype=np.float16)
-            b = np.frombuffer(inoutbuf, dtype=np.float16)
-            b[...] = (a.astype(np.float32) + b.astype(np.float32)).astype(np.float16)
-
-        _F16_SUM = MPI.Op.Create(add, commute=True)
-    return _F16_SUM
+def _sum_finite(total) -> bool:
+    """Return True if the summed wire array holds no NaN/Inf (float16: one SIMD pass)."""
+    if total.dtype == np.float16:
+        return _fp16.mpicomp_fp16_all_finite(total.reshape(-1).view(np.uint16))
+    return all_finite(total)
 
 
 def reduce_integer(call: Call, codec, flat) -> np.ndarray:
@@ -262,17 +290,18 @@ def reduce_integer(call: Call, codec, flat) -> np.ndarray:
         sidx = codec.scale_index(flat, norm, **at)
         clock.encoded()
         if codec.index_bits:
-            sidx = min_allreduce(comm, sidx, bits=codec.index_bits, **call.io)
+            # min_allreduce(bits=)'s ring, straight into the index dtype (no int64 pass)
+            dtype = codec.index_dtype
+            sidx = ring_allreduce_min(comm, sidx, codec.index_bits, dtype=dtype, **call.io)
             clock.communicated()
         extra = (sidx.astype(codec.index_dtype, copy=False),)
     codes = codec.quantize(flat, norm, *extra, step=step, stream=comm.rank)
     clock.encoded()
-    total = ring_allreduce_bounded(comm, codes, codec.bound, **call.io)
+    # The sums stay packed as the ring left them; dequantize_packed unpacks as it goes.
+    total = ring_allreduce_bounded(comm, codes, codec.bound, packed=True, **call.io)
     clock.communicated()
-    if sparse:
-        out = codec.dequantize(total, norm, *extra, nranks=comm.size, shape=flat.shape, step=step)
-    else:
-        out = codec.dequantize(total, norm, *extra, nranks=comm.size)
+    at = {"shape": flat.shape, "step": step} if sparse else {}
+    out = codec.dequantize_packed(*total, norm, *extra, nranks=comm.size, **at)
     clock.decoded()
     return out
 
@@ -280,8 +309,8 @@ def reduce_integer(call: Call, codec, flat) -> np.ndarray:
 def reduce_majority(call: Call, codec, flat) -> np.ndarray:
     """signSGD: ring sum of votes, majority decided by each chunk's owner, ±mean scale."""
     comm, clock, step = call.comm, call.clock, call.step
-    votes, flat, err, bad = _local(codec.votes, flat, call.guard)
-    scale = codec.scale(flat) if err is None else 0.0
+    found, flat, err, bad = _local(codec.votes_and_scale, flat, call.guard)
+    votes, scale = found if err is None else (None, 0.0)
     clock.encoded()
     _agree(call, flat.size, err, nonfinite=bad)
     # Every rank's mean |x|, summed in rank order: the same float on every rank.
@@ -363,8 +392,15 @@ def _decode_mean(codec, payloads, n: int) -> np.ndarray:
 
     The same on every rank. Sizes were agreed before the payloads moved, so one of
     another size is corrupt: PayloadError, checked before the decoder allocates.
+    A codec with ``decode_sum(payloads, numel=n)`` sums them itself, in the same
+    order, without decoding each into a dense array (a scatter-add of sparse
+    values; one inverse FFT of the summed spectra).
     """
-    total = np.zeros(n, dtype=np.float32)
-    for p in payloads:
-        total += codec.decode(p, numel=n).reshape(-1)
+    decode_sum = getattr(codec, "decode_sum", None)
+    if decode_sum is not None:
+        total = decode_sum(payloads, numel=n)
+    else:
+        total = np.zeros(n, dtype=np.float32)
+        for p in payloads:
+            total += codec.decode(p, numel=n).reshape(-1)
     return total / np.float32(len(payloads))

@@ -499,3 +499,44 @@ def test_mutated_bodies_decode_or_raise_payload_error(pos, value, seed):
     except mpicomp.PayloadError:
         return
     assert y.shape == (700,) and np.all(np.isfinite(y))
+
+
+# ---------------------------------------------------------------- exact sums, gather sums
+
+
+@pytest.mark.parametrize("n", [2, 1000, 70_000])
+@pytest.mark.parametrize("spread", [0, 20, 40, 60, 90, 250])
+def test_exact_sum_over_every_exponent_spread(n, spread):
+    # The fast fixed-point windows cover 2 * (40 - bit_length(n)) binades below the
+    # largest value; wider spreads take the per-exponent bins. Both round once.
+    rng = np.random.default_rng(n + spread)
+    e = rng.integers(-spread, 1, n) + 100
+    x = (rng.random(n) + 0.5) * 2.0 ** (e.astype(np.float64) - 127)
+    x = x.astype(np.float32)
+    x[rng.integers(0, n, n // 4)] = 0.0
+    body = body_of(mpicomp.codec("fastsgd", bucket=0).encode(x), 1)
+    assert struct.unpack_from("<f", body, 16)[0] == ref_abs_sum(x)
+
+
+@pytest.mark.parametrize("bucket", [0, 100, DEFAULT_BUCKET])
+@pytest.mark.parametrize("n", [0, 1, 999, 300_001])
+def test_decode_sum_is_the_float32_sum_of_decodes(bucket, n):
+    c = mpicomp.codec("fastsgd", bucket=bucket)
+    payloads = [c.encode(gradient_like(n, seed=s)) for s in range(4)]
+    expected = np.zeros(n, np.float32)
+    for p in payloads:
+        expected += c.decode(p)
+    total = c.decode_sum(payloads, numel=n)
+    assert total.dtype == np.float32 and total.shape == (n,)
+    np.testing.assert_array_equal(total, expected)
+
+
+def test_decode_sum_refuses_bad_payloads_before_adding():
+    c = mpicomp.codec("fastsgd", bucket=100)
+    good = c.encode(gradient_like(700, seed=1))
+    with pytest.raises(mpicomp.PayloadError):
+        c.decode_sum([good, c.encode(gradient_like(701, seed=1))], numel=700)
+    body = body_of(good, 1).copy()
+    body[-1] ^= 0xFF
+    with pytest.raises(mpicomp.PayloadError):
+        c.decode_sum([good, forge(body, (700,))], numel=700)

@@ -464,3 +464,127 @@ def test_corrupted_bodies_with_valid_checksums_never_crash(seed, n, flips):
     except mpicomp.PayloadError:
         return
     assert y.shape == (n,) and y.dtype == np.float32 and np.all(np.isfinite(y))
+
+
+# ---------------------------------------------------------------- blocked transform, sums
+
+
+def test_blocked_plan_only_for_large_even_balanced_sizes():
+    from mpicomp.codecs import fft as F
+
+    assert F._plan(F.BLOCKED_MIN - 2) is None
+    assert F._plan(F.BLOCKED_MIN + 1) is None  # odd
+    assert F._plan(2 * 262147) is None  # n/2 prime: no balanced split
+    plan = F._plan(600_000)
+    assert plan is not None and plan.n1 * plan.n2 == 300_000 and plan.n1 >= 64
+
+
+@pytest.mark.parametrize("n", [1 << 18, 600_000, 1_048_576 + 2 * 3 * 5 * 7 * 11])
+def test_blocked_transform_matches_numpy_within_float32_rounding(n):
+    from mpicomp.codecs import fft as F
+
+    assert F._plan(n) is not None
+    x = gradient_like(n, seed=n % 97)
+    ref = np.fft.rfft(x.astype(np.float64))
+    spec, mag2, ok = F._rfft(x, own=False)
+    X = spec.view(np.complex64)
+    assert ok and X.size == n // 2 + 1
+    scale = np.abs(ref).max()
+    assert np.abs(X - ref).max() < 1e-6 * scale
+    assert X[0].imag == 0 and X[-1].imag == 0
+    np.testing.assert_array_equal(mag2, X.real * X.real + X.imag * X.imag)
+    back = F._irfft(spec.copy(), n)
+    np.testing.assert_allclose(back, x, rtol=0, atol=1e-6 * np.abs(x).max())
+    # Imaginary parts of DC and Nyquist are ignored, as numpy.fft.irfft does.
+    odd = spec.copy()
+    odd[1], odd[-1] = 5.0, -3.0
+    np.testing.assert_array_equal(F._irfft(odd, n), back)
+
+
+@pytest.mark.parametrize("n", [1 << 18, 600_000])
+def test_blocked_payloads_follow_the_format(n):
+    # Same layout and rules as the reference; the spectrum itself differs from NumPy's in
+    # the last bits, so the kept set and codes are compared with the reference's tolerance.
+    x = gradient_like(n, seed=3)
+    c = mpicomp.codec("fft")
+    p = c.encode(x)
+    expected = ref_encode_body(x)
+    body = body_of(p)
+    assert body.size == len(expected)
+    nbins, k = ref_kept(n, 0.85)
+    got = np.unpackbits(body[16 : 16 + (nbins + 7) // 8], bitorder="little")[:nbins]
+    want = np.unpackbits(np.frombuffer(expected, np.uint8)[16:], bitorder="little")[:nbins]
+    assert got.sum() == k and np.count_nonzero(got != want) < 1e-3 * k
+    y = c.decode(p)
+    ref = ref_decode_body(body.tobytes(), n)
+    np.testing.assert_allclose(y, ref, rtol=0, atol=1e-6 * np.abs(ref).max())
+    assert rel_err(y, ref_decode_body(expected, n)) < 1e-2
+
+
+def test_kth_largest_is_numpy_partition():
+    from mpicomp.kernels.cpu import fft as k
+
+    rng = np.random.default_rng(4)
+    for m2 in (
+        rng.random(300_000).astype(np.float32) ** 4,
+        np.repeat(rng.random(50).astype(np.float32), 5000),  # ties everywhere
+        np.zeros(70_000, np.float32),
+        np.array([3.0], np.float32),
+    ):
+        for kk in {1, 2, m2.size // 3, m2.size - 1, m2.size} & set(range(1, m2.size + 1)):
+            want = np.partition(m2, m2.size - kk)[m2.size - kk]
+            assert k.mpicomp_fft_kth_largest(m2, kk) == want
+
+
+def test_ties_across_parallel_chunks_keep_the_lowest_bins():
+    from mpicomp.kernels.cpu import fft as k
+
+    nbins = 200_003
+    mag2 = np.ones(nbins, np.float32)
+    mag2[::7] = 2.0
+    spec = np.arange(2 * nbins, dtype=np.float32).view(np.uint32)
+    kk = (nbins + 6) // 7 + 100_000
+    bitmap = np.zeros((nbins + 7) // 8, np.uint8)
+    dense = np.empty(2 * kk, np.uint32)
+    hist = np.zeros(256, np.int64)
+    k.mpicomp_fft_select_pack(spec, mag2, np.float32(1.0), kk, bitmap, dense, hist)
+    keep = mag2 == 2.0
+    keep[np.flatnonzero(~keep)[: kk - keep.sum()]] = True
+    np.testing.assert_array_equal(np.unpackbits(bitmap, bitorder="little")[:nbins], keep)
+    idx = np.flatnonzero(keep)
+    np.testing.assert_array_equal(dense[:kk], spec[2 * idx])
+    np.testing.assert_array_equal(dense[kk:], spec[2 * idx + 1])
+
+
+@pytest.mark.parametrize("n", [0, 1, 1001, 600_000])
+def test_decode_sum_is_the_sum_of_decodes(n):
+    from mpicomp.codecs.fft import BLOCKED_MIN
+
+    c = mpicomp.codec("fft", theta=0.7)
+    payloads = [
+        c.encode(gradient_like(n, seed=s).reshape(-1, 1) if n else np.zeros(0)) for s in range(3)
+    ]
+    total = c.decode_sum(payloads, numel=n)
+    ref = sum((c.decode(p).reshape(-1).astype(np.float64) for p in payloads), np.zeros(n))
+    assert total.shape == (n,) and total.dtype == np.float32
+    np.testing.assert_allclose(total, ref, rtol=0, atol=2e-6 * (np.abs(ref).max() if n else 1))
+    if n < BLOCKED_MIN:  # decoded one by one and added in float32: bit-identical
+        expected = np.zeros(n, np.float32)
+        for p in payloads:
+            expected += c.decode(p).reshape(-1)
+        np.testing.assert_array_equal(total, expected)
+    np.testing.assert_array_equal(
+        c.decode_sum(payloads[:1], numel=n), c.decode(payloads[0]).reshape(-1)
+    )
+    assert c.decode_sum([], numel=n).shape == (n,)
+
+
+def test_decode_sum_refuses_bad_payloads():
+    c = mpicomp.codec("fft")
+    good = c.encode(gradient_like(1000, seed=1))
+    with pytest.raises(mpicomp.PayloadError):
+        c.decode_sum([good, c.encode(gradient_like(1002, seed=1))], numel=1000)
+    with pytest.raises(mpicomp.PayloadError):
+        c.decode_sum(
+            [good, forge(1000, k=2, bitmap=b"\x07" + bytes(62), codes=bytes(3))], numel=1000
+        )

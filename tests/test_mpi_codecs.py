@@ -103,3 +103,48 @@ def test_signsgd_majority_of_summed_votes_matches_reference():
     expected = np.where(2 * positive > comm.size, 1.0, -1.0).astype(np.float32)
     np.testing.assert_array_equal(codec.expand(bits, N), expected)
     np.testing.assert_array_equal(gather_all(comm, bits)[0], bits)
+
+
+def _fp16_ring_reference(inputs):
+    """The float16 sum of every rank's row, as the fp16 ring makes it: chunk c of
+    ceil(n/N) elements summed in rank order c+1, ..., N-1, 0, ..., c, each addition in
+    float32 rounded to float16."""
+    nranks, n = inputs.shape
+    width = -(-n // nranks)
+    halves = inputs.astype(np.float16)
+    total = np.empty(n, np.float16)
+    for c in range(nranks):
+        lo, hi = min(n, c * width), min(n, (c + 1) * width)
+        acc = halves[(c + 1) % nranks, lo:hi]
+        for r in range(2, nranks + 1):
+            with np.errstate(over="ignore"):
+                acc = (acc.astype(np.float32) + halves[(c + r) % nranks, lo:hi]).astype(np.float16)
+        total[lo:hi] = acc
+    return total
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("n", [1, 3, 4097, N])
+def test_fp16_ring_sum_matches_the_ring_order_reference_bit_for_bit(n):
+    comm = world()
+    x = gradient_like(n, seed=300 + comm.rank) * np.float32(50)
+    with mpicomp.CompressedComm(comm, "fp16", min_numel=0) as cc:
+        y = cc.allreduce(x, name="w")
+    total = _fp16_ring_reference(gather_all(comm, x))
+    expected = total.astype(np.float32) / np.float32(comm.size)
+    np.testing.assert_array_equal(y, expected)
+    np.testing.assert_array_equal(gather_all(comm, y)[0], y)
+
+
+@pytest.mark.mpi
+def test_fp16_ring_sum_that_overflows_float16_raises_on_every_rank():
+    from mpicomp._reduce import RankError
+
+    comm = world()
+    x = np.full(100, 40000.0, np.float32)
+    with mpicomp.CompressedComm(comm, "fp16", min_numel=0) as cc:
+        if comm.size == 1:
+            assert cc.allreduce(x, name="w")[0] == 40000.0
+            return
+        with pytest.raises(RankError, match="overflows float16"):
+            cc.allreduce(x, name="w")

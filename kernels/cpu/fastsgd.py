@@ -52,14 +52,15 @@ _FLT_MAX_BITS = 0x7F7FFFFF
 _HIST = 33
 # Threshold table size: L = 0..127 and sentinels, so the L search takes 7 fixed steps.
 _QSIZE = 128
-# Values per chunk of the encoder's kept-index gather (a small L1-resident scratch).
-_CHUNK = 4096
+# Cells of the encoder's L table: float32 bit patterns >> _CELL_SHIFT (8 exponent and 8
+# mantissa bits), narrower than any base's step once b > 1 + 2^-8.
+_CELL_SHIFT = 15
 _EXP_MASK = np.uint32(0x7F800000)
 _MANT_MASK = np.uint32(0x007FFFFF)
 _IMPLICIT = np.uint32(0x00800000)
 
 
-@nb.njit(cache=True)
+@nb.njit(cache=True, nogil=True)
 def mpicomp_fastsgd_powers(base, tau):
     """Return b^L for L = 0..tau as float64, each the previous one times b (no libm pow)."""
     p = np.empty(tau + 1, np.float64)
@@ -67,6 +68,39 @@ def mpicomp_fastsgd_powers(base, tau):
     for L in range(1, tau + 1):
         p[L] = p[L - 1] * np.float64(base)
     return p
+
+
+@intrinsic
+def _float_bits(typingctx, v):
+    """The IEEE bit pattern of a float32 as a uint32 (an LLVM bitcast)."""
+    sig = types.uint32(types.float32)
+
+    def codegen(context, builder, signature, args):
+        return builder.bitcast(args[0], ir.IntType(32))
+
+    return sig, codegen
+
+
+@intrinsic
+def _bits_float(typingctx, v):
+    """The float32 whose IEEE bit pattern is the uint32 ``v`` (an LLVM bitcast)."""
+    sig = types.float32(types.uint32)
+
+    def codegen(context, builder, signature, args):
+        return builder.bitcast(args[0], ir.FloatType())
+
+    return sig, codegen
+
+
+@intrinsic
+def _bswap32(typingctx, v):
+    """A uint32 with its bytes reversed (stored on a little-endian CPU: most significant first)."""
+    sig = types.uint32(types.uint32)
+
+    def codegen(context, builder, signature, args):
+        return builder.bswap(args[0])
+
+    return sig, codegen
 
 
 @intrinsic
@@ -99,9 +133,49 @@ def mpicomp_fastsgd_widths(W, flag_bits, width, flag_of):
         flag_of[k] = c
 
 
-@nb.njit(cache=True)
+@nb.njit(cache=True, nogil=True)
 def mpicomp_fastsgd_abs_sum(xbits, acc):
-    """Return (bits of the float32 rounding of sum |x|, saturated; False on NaN/Inf) from x's bits."""
+    """Return (bits of the float32 rounding of sum |x|, saturated; False on NaN/Inf) from x's bits.
+
+    Exact: two int64 fixed-point sums cover the 2 * width binades below the largest
+    |x| (width = 40 - bit_length(size), so neither can overflow), in a loop without
+    branches or scattered writes; a bucket holding smaller nonzero values takes the
+    per-exponent bins instead. Either way the bins ``acc`` are rounded once.
+    """
+    n = xbits.size
+    amax = np.uint32(0)
+    for i in range(n):
+        amax = max(amax, xbits[i] & np.uint32(0x7FFFFFFF))
+    if amax >= _EXP_MASK:
+        return np.uint32(0), False
+    if amax == 0:
+        return np.uint32(0), True
+    width = 40 - mpicomp_fastsgd_bit_length(n)
+    w0 = max(np.int64(amax >> np.uint32(23)) - width + 1, 1)
+    w1 = max(w0 - width, 1)
+    s0 = 0
+    s1 = 0
+    rest = 0
+    for i in range(n):
+        u = np.int64(xbits[i]) & 0x7FFFFFFF
+        e = u >> 23
+        m = (u & 0x7FFFFF) | (0x800000 if e > 0 else 0)
+        e = max(e, 1)  # subnormals: same scale as exponent field 1, no implicit bit
+        d0 = e - w0
+        d1 = e - w1
+        s0 += m << max(d0, 0) if d0 >= 0 else 0
+        s1 += m << max(d1, 0) if d0 < 0 and d1 >= 0 else 0
+        rest |= d1 < 0 and m != 0
+    if rest:
+        return _abs_sum_binned(xbits, acc)
+    acc[0, w0] += np.uint64(s0)
+    acc[0, w1] += np.uint64(s1)
+    return _round_bins(acc, w1, w0)
+
+
+@nb.njit(cache=True, nogil=True)
+def _abs_sum_binned(xbits, acc):
+    """``mpicomp_fastsgd_abs_sum`` through one bin per float32 exponent (any values)."""
     lo = _NBINS
     hi = 0
     bad = 0
@@ -128,6 +202,15 @@ def mpicomp_fastsgd_abs_sum(xbits, acc):
         acc[1, k] = 0
         acc[2, k] = 0
         acc[3, k] = 0
+    return _round_bins(acc, lo, hi)
+
+
+@nb.njit(cache=True, nogil=True)
+def _round_bins(acc, lo, hi):
+    """Return (float32 bits of sum_e acc[0, e] * 2^(e - 150), saturated; True); clear the bins.
+
+    Bins lo..hi hold the sum (any uint64 each); the carries may run up to 63 bins above hi.
+    """
     # Carry upwards until every bin holds one bit: bin e is then bit e - 1 of sum * 2^149.
     top = 0
     e = lo
@@ -177,60 +260,6 @@ def mpicomp_fastsgd_thresholds(s, powers, q):
         q[L] = np.float64(s) / powers[L] if L < powers.size else -1.0
 
 
-@nb.njit(cache=True)
-def mpicomp_fastsgd_plan_bucket(x, xbits, powers, flag_bits, acc, hist, width, flag_of):
-    """Return (sum bits, ok, d, W, key stream bits) of one bucket x (xbits: its bits)."""
-    # Buckets come in as slices: indices from 0 compile to tighter loops than from start.
-    sbits, ok = mpicomp_fastsgd_abs_sum(xbits, acc)
-    s = mpicomp_fastsgd_f32_value(sbits)
-    d = 0
-    maxdelta = 0
-    if ok and s > 0.0:
-        qtau = s / powers[powers.size - 1]
-        prev = 0
-        # Branch-free: a dropped value adds 0 to the slot of its gap.
-        for i in range(x.size):
-            keep = np.float64(abs(x[i])) >= qtau
-            delta = i - prev
-            hist[mpicomp_fastsgd_bit_length(delta)] += keep
-            maxdelta = max(maxdelta, delta if keep else 0)
-            prev = i if keep else prev
-            d += keep
-    W = mpicomp_fastsgd_bit_length(maxdelta)
-    mpicomp_fastsgd_widths(W, flag_bits, width, flag_of)
-    total = 0
-    for b in range(W + 1):
-        total += hist[b] * (flag_bits + width[flag_of[b]])
-    hist[:] = 0
-    return sbits, ok, d, W, total
-
-
-@nb.njit(parallel=True, cache=True)
-def mpicomp_fastsgd_plan(x, xbits, bucket, powers, flag_bits, sums, counts, widths, key_bits):
-    """Per bucket: exact sum of |v|, kept count d, widest-delta width W, key stream bits; False on NaN/Inf."""
-    n = x.size
-    nb_ = sums.size
-    ngroups = min(nb_, 256)
-    bad = np.zeros(max(ngroups, 1), np.uint8)
-    for g in nb.prange(ngroups):
-        acc = np.zeros((4, _NBINS + 1), np.uint64)
-        hist = np.zeros(_HIST, np.int64)
-        width = np.empty(1 << flag_bits, np.int64)
-        flag_of = np.empty(_HIST, np.int64)
-        for k in range(g * nb_ // ngroups, (g + 1) * nb_ // ngroups):
-            start = k * bucket
-            stop = min(n, start + bucket)
-            sbits, ok, d, W, total = mpicomp_fastsgd_plan_bucket(
-                x[start:stop], xbits[start:stop], powers, flag_bits, acc, hist, width, flag_of
-            )
-            bad[g] |= not ok
-            sums[k] = sbits
-            counts[k] = d
-            widths[k] = W
-            key_bits[k] = total
-    return bad.sum() == 0
-
-
 @nb.njit(inline="always", cache=True)
 def _put_u32(body, pos, v):
     v = np.uint32(v)
@@ -257,90 +286,204 @@ def mpicomp_fastsgd_log_level(q, a):
     return L
 
 
-@nb.njit(cache=True)
-def mpicomp_fastsgd_encode_bucket(
-    x, sbits, d, W, pos, end, powers, flag_bits, body, q, width, flag_of, kept, stream
-):
-    """Write bucket x into body[pos:end]: header, signed L codes, (flag, delta) bits MSB-first."""
-    key_pos = pos + BUCKET_HEAD_BYTES + d
-    key_bytes = end - key_pos
-    _put_u32(body, pos, sbits)
-    _put_u32(body, pos + 4, d)
-    _put_u32(body, pos + 8, key_bytes)
-    body[pos + 12] = np.uint8(W)
-    if d == 0:
-        return
-    mpicomp_fastsgd_thresholds(mpicomp_fastsgd_f32_value(sbits), powers, q)
-    mpicomp_fastsgd_widths(W, flag_bits, width, flag_of)
-    qtau = q[powers.size - 1]
-    # A field of l + w <= 34 bits joins at most 7 pending bits: this many bytes flush it.
-    flushes = (7 + flag_bits + W) // 8
-    code_pos = pos + BUCKET_HEAD_BYTES
+@nb.njit(inline="always", cache=True)
+def _put_bits(words, pos, acc, nacc, field, nbits):
+    """Append the ``nbits`` (<= 33) low bits of ``field`` to an MSB-first bit stream.
+
+    ``acc`` holds the ``nacc`` (< 32) pending bits; once 32 are pending they go to
+    words[pos] with their bytes reversed (so memory holds them most significant
+    byte first). Branch-free: words[pos] is always written, and kept only when full
+    (``words`` has a spare slot). Returns (pos, acc, nacc).
+    """
+    acc = (acc << np.uint64(nbits)) | np.uint64(field)
+    nacc += nbits
+    full = nacc >= 32
+    nacc -= 32 if full else 0
+    words[pos] = _bswap32(np.uint32((acc >> np.uint64(nacc)) & np.uint64(0xFFFFFFFF)))
+    pos += full
+    return pos, acc, nacc
+
+
+@nb.njit(cache=True, nogil=True)
+def _filter(x, qtau, kept):
+    """List in kept[:d] the indices i with |x[i]| >= qtau (in float64); return d."""
+    d = 0
+    # Branch-free compaction: a dropped index is overwritten by the next one.
+    for i in range(x.size):
+        kept[d] = i
+        d += np.float64(abs(x[i])) >= qtau
+    return d
+
+
+@nb.njit(cache=True, nogil=True)
+def _widest_gap(kept):
+    """Return the largest delta between successive kept indices, the first counted from 0."""
+    widest = np.int64(kept[0]) if kept.size else 0
+    for j in range(1, kept.size):
+        widest = max(widest, np.int64(kept[j]) - np.int64(kept[j - 1]))
+    return widest
+
+
+@nb.njit(cache=True, nogil=True)
+def _encode_levels(xbits, kept, q, qdown, ltab, c_lo, base, codes):
+    """Write codes[j] = sign | L of each kept value xbits[kept[j]] (see the L table above).
+
+    Kept in its own function (as is ``_encode_keys``): inside the bucket encoder's
+    larger body LLVM keeps its loop state in memory and runs it twice as slowly.
+    """
+    if base >= 1.0 + 2.0**-7:
+        # Cells are narrower than a step of b: at most one threshold inside a cell,
+        # so one comparison corrects the cell's L (qdown[L] = q[L - 1], qdown[0] = inf).
+        qdown[0] = np.inf
+        qdown[1:] = q[: qdown.size - 1]
+        for j in range(kept.size):
+            u = np.int64(xbits[kept[j]])
+            a = np.float64(_bits_float(np.uint32(u & 0x7FFFFFFF)))
+            L = np.int64(ltab[((u & 0x7FFFFFFF) >> _CELL_SHIFT) - c_lo])
+            L -= qdown[L] <= a
+            codes[j] = np.uint8(L | ((u >> 31) << 7))
+    else:
+        for j in range(kept.size):
+            u = np.int64(xbits[kept[j]])
+            a = np.float64(_bits_float(np.uint32(u & 0x7FFFFFFF)))
+            L = np.int64(ltab[((u & 0x7FFFFFFF) >> _CELL_SHIFT) - c_lo])
+            while L > 0 and q[L - 1] <= a:
+                L -= 1
+            codes[j] = np.uint8(L | ((u >> 31) << 7))
+
+
+@nb.njit(cache=True, nogil=True)
+def _encode_keys(kept, flag_bits, W, width, flag_of, fhead, flen, words):
+    """Append each kept index's (flag, delta) to words (see ``_put_bits``); return (pos, acc, nacc)."""
+    # Per delta bit length: the (flag, 0) field and its length, flag then delta bits.
+    for b in range(W + 1):
+        c = flag_of[b]
+        fhead[b] = c << width[c]
+        flen[b] = flag_bits + width[c]
+    pos = 0
+    bits = np.uint64(0)
+    nbits = 0
     prev = 0
-    acc = np.uint64(0)
-    nacc = 0
-    out = 0
-    chunk = kept.size
-    for first in range(0, x.size, chunk):
-        # Gather the kept indices of a chunk without branches, then work on those only.
-        m = 0
-        for i in range(first, min(x.size, first + chunk)):
-            kept[m] = i
-            m += np.float64(abs(x[i])) >= qtau
-        for j in range(m):
-            i = kept[j]
-            v = x[i]
-            L = mpicomp_fastsgd_log_level(q, np.float64(abs(v)))
-            body[code_pos] = np.uint8(L | SIGN_BIT if v < 0 else L)
-            code_pos += 1
+    if flag_bits + W > 32:  # a field too wide for one _put_bits: flag and delta apart
+        for j in range(kept.size):
+            i = np.int64(kept[j])
             delta = i - prev
             prev = i
             c = flag_of[mpicomp_fastsgd_bit_length(delta)]
-            w = width[c]
-            # Flag then delta, most significant bit first. The stream buffer has a spare byte
-            # for the store of a flush step that has no full byte to write.
-            acc = (
-                (acc << np.uint64(flag_bits + w))
-                | (np.uint64(c) << np.uint64(w))
-                | np.uint64(delta)
-            )
-            nacc += flag_bits + w
-            for _ in range(flushes):
-                full = nacc >= 8
-                stream[out] = np.uint8((acc >> np.uint64(max(nacc - 8, 0))) & np.uint64(0xFF))
-                out += full
-                nacc -= 8 if full else 0
-    if nacc > 0:
-        stream[out] = np.uint8((acc << np.uint64(8 - nacc)) & np.uint64(0xFF))
-    body[key_pos:end] = stream[:key_bytes]
+            pos, bits, nbits = _put_bits(words, pos, bits, nbits, c, flag_bits)
+            pos, bits, nbits = _put_bits(words, pos, bits, nbits, delta, width[c])
+    else:
+        for j in range(kept.size):
+            i = np.int64(kept[j])
+            delta = i - prev
+            prev = i
+            b = mpicomp_fastsgd_bit_length(delta)
+            pos, bits, nbits = _put_bits(words, pos, bits, nbits, fhead[b] | delta, flen[b])
+    return pos, bits, nbits
 
 
-@nb.njit(parallel=True, cache=True)
-def mpicomp_fastsgd_encode(x, bucket, powers, flag_bits, sums, counts, widths, offsets, body):
-    """Write each bucket: sum, d, key bytes, W, signed L codes, then (flag, delta) bits MSB-first."""
+def bucket_capacity(blen, flag_bits):
+    """Return the most bytes one bucket of ``blen`` values can take (every value kept, widest keys)."""
+    wmax = max(blen - 1, 0).bit_length()
+    return BUCKET_HEAD_BYTES + blen + (blen * (flag_bits + wmax) + 7) // 8
+
+
+@nb.njit(cache=True, nogil=True)
+def mpicomp_fastsgd_encode_bucket(
+    x, xbits, powers, flag_bits, out, acc, q, qdown, width, flag_of, fhead, flen, kept, ltab, words
+):
+    """Write bucket x (xbits: its bits) to out: header, signed L codes, (flag, delta) bits
+    MSB-first. Returns the bytes written, or -1 when x holds NaN or Inf.
+
+    One pass sums |x| exactly (from memory); the bucket is then in cache for the
+    threshold filter, which lists the kept indices, and for the codes and keys.
+    L = the smallest L with sum / b^L <= |v| comes from a table over float32 cells
+    (bit pattern >> 15: 8 exponent and 8 mantissa bits): ltab holds L at each cell's
+    lower end, and the few thresholds inside a cell are then checked one by one.
+    """
+    sbits, ok = mpicomp_fastsgd_abs_sum(xbits, acc)
+    if not ok:
+        return -1
+    s = mpicomp_fastsgd_f32_value(sbits)
+    tau = powers.size - 1
+    d = 0
+    if s > 0.0:
+        mpicomp_fastsgd_thresholds(s, powers, q)
+        d = _filter(x, q[tau], kept)
+    W = mpicomp_fastsgd_bit_length(_widest_gap(kept[:d]))
+    _put_u32(out, 0, sbits)
+    _put_u32(out, 4, d)
+    out[12] = np.uint8(W)
+    if d == 0:
+        _put_u32(out, 8, 0)
+        return BUCKET_HEAD_BYTES
+    mpicomp_fastsgd_widths(W, flag_bits, width, flag_of)
+    # Kept magnitudes lie in [float32(q[tau]), sum]: only those cells get an entry.
+    c_lo = np.int64(_float_bits(np.float32(q[tau]))) >> _CELL_SHIFT
+    c_hi = np.int64(sbits) >> _CELL_SHIFT
+    L = mpicomp_fastsgd_log_level(q, np.float64(_bits_float(np.uint32(c_lo << _CELL_SHIFT))))
+    for c in range(c_lo, c_hi + 1):
+        a_lo = np.float64(_bits_float(np.uint32(c << _CELL_SHIFT)))
+        while L > 0 and q[L - 1] <= a_lo:
+            L -= 1
+        ltab[c - c_lo] = L
+    code_pos = BUCKET_HEAD_BYTES
+    _encode_levels(xbits, kept[:d], q, qdown, ltab, c_lo, powers[1], out[code_pos : code_pos + d])
+    pos, bits, nbits = _encode_keys(kept[:d], flag_bits, W, width, flag_of, fhead, flen, words)
+    # The last partial word, zero-padded to whole bytes.
+    words[pos] = _bswap32(np.uint32((bits << np.uint64(32 - nbits)) & np.uint64(0xFFFFFFFF)))
+    key_bytes = 4 * pos + (nbits + 7) // 8
+    key_pos = code_pos + d
+    out[key_pos : key_pos + key_bytes] = words.view(np.uint8)[:key_bytes]
+    pos = key_pos + key_bytes
+    _put_u32(out, 8, key_bytes)
+    return pos
+
+
+@nb.njit(parallel=True, cache=True, nogil=True)
+def mpicomp_fastsgd_encode(x, xbits, bucket, powers, flag_bits, scratch, cap, sizes):
+    """Encode bucket k into scratch[k*cap:(k+1)*cap] and its byte count into sizes[k].
+
+    Returns False when x holds NaN or Inf. ``cap`` is ``bucket_capacity(bucket, flag_bits)``.
+    """
     n = x.size
-    nb_ = sums.size
+    nb_ = sizes.size
     ngroups = min(nb_, 256)
+    bad = np.zeros(max(ngroups, 1), np.uint8)
     for g in nb.prange(ngroups):
-        kfirst = g * nb_ // ngroups
-        klast = (g + 1) * nb_ // ngroups
+        acc = np.zeros((4, _NBINS + 1), np.uint64)
         q = np.empty(_QSIZE, np.float64)
         width = np.empty(1 << flag_bits, np.int64)
         flag_of = np.empty(_HIST, np.int64)
-        most = 0
-        for k in range(kfirst, klast):
-            most = max(most, offsets[k + 1] - offsets[k])
-        stream = np.empty(most + 1, np.uint8)
-        kept = np.empty(_CHUNK, np.int64)
-        for k in range(kfirst, klast):
+        qdown = np.empty(_QSIZE, np.float64)
+        fhead = np.empty(_HIST, np.int64)
+        flen = np.empty(_HIST, np.int64)
+        blen = min(bucket, n)
+        kept = np.empty(blen, np.int32)
+        ltab = np.empty(1 << (32 - _CELL_SHIFT), np.uint8)
+        wmax = mpicomp_fastsgd_bit_length(max(blen - 1, 0))
+        words = np.empty((blen * (flag_bits + wmax) + 31) // 32 + 1, np.uint32)
+        for k in range(g * nb_ // ngroups, (g + 1) * nb_ // ngroups):
             start = k * bucket
-            mpicomp_fastsgd_encode_bucket(
-                x[start : min(n, start + bucket)], sums[k], counts[k], widths[k],
-                offsets[k], offsets[k + 1], powers, flag_bits, body, q, width, flag_of, kept, stream,
+            stop = min(n, start + bucket)
+            m = mpicomp_fastsgd_encode_bucket(
+                x[start:stop], xbits[start:stop], powers, flag_bits,
+                scratch[k * cap : (k + 1) * cap], acc, q, qdown, width, flag_of, fhead, flen,
+                kept, ltab, words,
             )  # fmt: skip
+            bad[g] |= m < 0
+            sizes[k] = max(m, 0)
+    return bad.sum() == 0
 
 
-@nb.njit(cache=True)
+@nb.njit(parallel=True, cache=True, nogil=True)
+def mpicomp_fastsgd_assemble(scratch, cap, sizes, offsets, body):
+    """Copy bucket k's sizes[k] bytes from scratch[k*cap:] to body[offsets[k]:]."""
+    for k in nb.prange(sizes.size):
+        body[offsets[k] : offsets[k] + sizes[k]] = scratch[k * cap : k * cap + sizes[k]]
+
+
+@nb.njit(cache=True, nogil=True)
 def mpicomp_fastsgd_scan(body, n, bucket, flag_bits, offsets, sums):
     """Walk the bucket headers, check every length against the body; fill offsets and sums; return an error code."""
     size = body.size
@@ -379,77 +522,138 @@ def mpicomp_fastsgd_scan(body, n, bucket, flag_bits, offsets, sums):
     return OK
 
 
-@nb.njit(cache=True)
-def mpicomp_fastsgd_decode_bucket(body, pos, end, sbits, powers, flag_bits, out, q, width, flag_of):
-    """Scatter one bucket's +-float32(sum / b^L) at its decoded keys into its slice out; return an error code."""
-    blen = out.size
+@nb.njit(cache=True, nogil=True)
+def mpicomp_fastsgd_decode_bucket(
+    body, pos, end, sbits, powers, flag_bits, out, q, vals, width, least, accumulate
+):
+    """Scatter one bucket's +-float32(sum / b^L) at its decoded keys into its slice out
+    (zeroed first, or added to when ``accumulate``); return an error code."""
+    if not accumulate:
+        out[:] = 0
     d = _get_u32(body, pos + 4)
     if d == 0:
         return OK
     W = np.int64(body[pos + 12])
     tau = powers.size - 1
+    code_pos = pos + BUCKET_HEAD_BYTES
+    codes = body[code_pos : code_pos + d]
+    # Keys before the first code above tau decode first: their errors come first.
+    first_bad = d
+    for j in range(d):
+        if (codes[j] & 0x7F) > tau:
+            first_bad = j
+            break
     mpicomp_fastsgd_thresholds(mpicomp_fastsgd_f32_value(sbits), powers, q)
-    mpicomp_fastsgd_widths(W, flag_bits, width, flag_of)
+    # The float32 value of every code byte (codes above tau never reach the scatter).
+    for code in range(256):
+        v = np.float32(q[min(code & 0x7F, tau)])
+        vals[code] = -v if code & SIGN_BIT else v
+    mpicomp_fastsgd_widths(W, flag_bits, width, least)
+    # least[c]: the smallest delta flag c may carry (the widths below c are too narrow).
+    least[0] = 0
+    for c in range(1, 1 << flag_bits):
+        least[c] = 1 << width[c - 1]
+    err = _decode_keys(
+        body[code_pos + d : end],
+        codes,
+        first_bad,
+        flag_bits,
+        W,
+        width,
+        least,
+        vals,
+        out,
+        accumulate,
+    )
+    if err == OK and first_bad < d:
+        return ERR_CODE
+    return err
+
+
+@nb.njit(cache=True, nogil=True)
+def _decode_keys(stream, codes, d, flag_bits, W, width, least, vals, out, accumulate):
+    """Decode d (flag, delta) keys from ``stream`` and scatter vals[codes[j]] at them;
+    return an error code (the checks of ``mpicomp_fastsgd_decode_bucket``).
+
+    A 64-bit window, refilled 32 bits at a time, always holds a whole field while the
+    stream lasts. A function of its own: inlined into the bucket decoder, LLVM keeps
+    the window state in memory.
+    """
+    blen = out.size
+    end = stream.size
+    avail = end * 8
     fmask = np.uint64((1 << flag_bits) - 1)
     need = flag_bits + W
-    code_pos = pos + BUCKET_HEAD_BYTES
-    key_pos = code_pos + d
-    avail = (end - key_pos) * 8
+    pos = 0
     used = 0
     acc = np.uint64(0)
     nacc = 0
-    key = 0
+    key = -1  # the first key's delta counts from 0 and may be 0
     maxdelta = 0
     for j in range(d):
-        code = np.int64(body[code_pos + j])
-        mag = code & 0x7F
-        if mag > tau:
-            return ERR_CODE
-        # Keep at least one whole (flag, delta) field in acc while the stream lasts.
-        if nacc < need:
-            while nacc <= 56 and key_pos < end:
-                acc = (acc << np.uint64(8)) | np.uint64(body[key_pos])
-                key_pos += 1
+        while nacc < need and pos < end:
+            if nacc <= 32 and pos + 4 <= end:
+                word = (
+                    (np.uint64(stream[pos]) << np.uint64(24))
+                    | (np.uint64(stream[pos + 1]) << np.uint64(16))
+                    | (np.uint64(stream[pos + 2]) << np.uint64(8))
+                    | np.uint64(stream[pos + 3])
+                )
+                acc = (acc << np.uint64(32)) | word
+                pos += 4
+                nacc += 32
+            else:
+                acc = (acc << np.uint64(8)) | np.uint64(stream[pos])
+                pos += 1
                 nacc += 8
         if used + flag_bits > avail:
             return ERR_KEY_BITS
         c = np.int64((acc >> np.uint64(nacc - flag_bits)) & fmask)
         w = width[c]
-        if used + flag_bits + w > avail:
-            return ERR_KEY_BITS
         used += flag_bits + w
+        if used > avail:
+            return ERR_KEY_BITS
         nacc -= flag_bits + w
         delta = np.int64((acc >> np.uint64(nacc)) & ((np.uint64(1) << np.uint64(w)) - np.uint64(1)))
-        if flag_of[mpicomp_fastsgd_bit_length(delta)] != c:
-            return ERR_KEY_FLAG
-        if j > 0 and delta == 0:
-            return ERR_KEY_ORDER
-        key += delta
-        if key >= blen:
+        key += delta if j else delta + 1
+        if delta < least[c] or (j > 0 and delta == 0) or key >= blen:
+            if delta < least[c]:
+                return ERR_KEY_FLAG
             return ERR_KEY_ORDER
         maxdelta = max(maxdelta, delta)
-        val = np.float32(q[mag])
-        out[key] = -val if code & SIGN_BIT else val
+        if accumulate:
+            out[key] += vals[codes[j]]
+        else:
+            out[key] = vals[codes[j]]
+    if d < codes.size:
+        return OK  # a bad code follows: the caller reports it
     # The stream must end in its last byte, padded with zero bits, and W must be exact.
-    if avail - used >= 8 or (acc & np.uint64((1 << nacc) - 1)) != 0 or key_pos != end:
+    if avail - used >= 8 or (acc & np.uint64((1 << nacc) - 1)) != 0 or pos != end:
         return ERR_KEY_TAIL
     if mpicomp_fastsgd_bit_length(maxdelta) != W:
         return ERR_KEY_TAIL
     return OK
 
 
-@nb.njit(parallel=True, cache=True)
-def mpicomp_fastsgd_decode(body, n, bucket, powers, flag_bits, offsets, sums, out, errs):
-    """Scatter +-float32(sum / b^L) at the decoded keys of each bucket into zeroed out; set errs[k]."""
+@nb.njit(parallel=True, cache=True, nogil=True)
+def mpicomp_fastsgd_decode(
+    body, n, bucket, powers, flag_bits, offsets, sums, out, errs, accumulate
+):
+    """Scatter +-float32(sum / b^L) at the decoded keys of each bucket into out; set errs[k].
+
+    ``out`` need not be zeroed: each bucket's slice is zeroed first, unless
+    ``accumulate``, where the values are added to it (a scatter-add, in key order).
+    """
     nb_ = offsets.size - 1
     ngroups = min(nb_, 256)
     for g in nb.prange(ngroups):
         q = np.empty(_QSIZE, np.float64)
+        vals = np.empty(256, np.float32)
         width = np.empty(1 << flag_bits, np.int64)
-        flag_of = np.empty(_HIST, np.int64)
+        least = np.empty(_HIST, np.int64)
         for k in range(g * nb_ // ngroups, (g + 1) * nb_ // ngroups):
             start = k * bucket
             errs[k] = mpicomp_fastsgd_decode_bucket(
                 body, offsets[k], offsets[k + 1], sums[k], powers, flag_bits,
-                out[start : min(n, start + bucket)], q, width, flag_of,
+                out[start : min(n, start + bucket)], q, vals, width, least, accumulate,
             )  # fmt: skip

@@ -106,26 +106,24 @@ class FastSGD(Codec):
                 f"fastsgd with bucket=0 takes at most {_k.MAX_BUCKET} elements, got {n}; set bucket"
             )
         nbuckets = -(-n // bucket) if n else 0
-        sums = np.empty(nbuckets, np.uint32)
-        counts = np.empty(nbuckets, np.int64)
-        widths = np.empty(nbuckets, np.int64)
-        key_bits = np.empty(nbuckets, np.int64)
-        ok = _k.mpicomp_fastsgd_plan(
-            flat, flat.view(np.uint32), bucket, self._powers, p["flag_bits"],
-            sums, counts, widths, key_bits,
-        )  # fmt: skip
+        # Each bucket is encoded into its own slot of a scratch buffer sized for the worst
+        # case (only the bytes written are touched), then the slots are packed in order.
+        cap = _k.bucket_capacity(min(bucket, n), p["flag_bits"])
+        scratch = np.empty(nbuckets * cap, np.uint8)
+        sizes = np.empty(nbuckets, np.int64)
+        ok = _k.mpicomp_fastsgd_encode(
+            flat, flat.view(np.uint32), bucket, self._powers, p["flag_bits"], scratch, cap, sizes
+        )
         if not ok:
             raise ValueError("fastsgd cannot encode x: it contains NaN or Inf")
-        offsets = np.empty(nbuckets + 1, np.int64)
-        offsets[0] = _k.PREFIX_BYTES
-        np.cumsum(_k.BUCKET_HEAD_BYTES + counts + (key_bits + 7) // 8, out=offsets[1:])
+        offsets = np.empty(nbuckets, np.int64)
+        offsets[:1] = _k.PREFIX_BYTES
+        np.cumsum(sizes[:-1], out=offsets[1:])
         offsets[1:] += _k.PREFIX_BYTES
-        body = np.empty(int(offsets[-1]), np.uint8)
+        payload, body = _wire.empty(x.shape, _k.PREFIX_BYTES + int(sizes.sum()))
         body[: _k.PREFIX_BYTES] = self._prefix().view(np.uint8)
-        _k.mpicomp_fastsgd_encode(
-            flat, bucket, self._powers, p["flag_bits"], sums, counts, widths, offsets, body
-        )
-        return _wire.pack(self.name, x.shape, body)
+        _k.mpicomp_fastsgd_assemble(scratch, cap, sizes, offsets, body)
+        return _wire.seal(self.name, payload, x.shape)
 
     def decode(self, payload, numel: int | None = None) -> np.ndarray:
         """Return the float32 array of ``payload``: sign * sum / b^L where kept, 0 elsewhere.
@@ -137,6 +135,36 @@ class FastSGD(Codec):
             PayloadError: the payload is truncated, corrupted, made by another
                 codec, or its body is inconsistent with its shape.
         """
+        shape, n, scan = self._scan(payload, numel)
+        out = np.empty(n, np.float32)  # every bucket zeroes its own slice
+        self._scatter(scan, out, accumulate=False)
+        return out.reshape(shape)
+
+    def decode_sum(self, payloads, numel: int) -> np.ndarray:
+        """Return the flat float32 sum of the arrays of ``payloads``, added in their order.
+
+        Each payload's kept values are added where they belong (a scatter-add), so
+        the sum is bit-identical to adding the decoded arrays one by one, without
+        making them.
+
+        Args:
+            payloads: FastSGD payloads, each of ``numel`` elements (any shapes).
+            numel: the element count every payload must have.
+
+        Raises:
+            PayloadError: a payload is truncated, corrupted, made by another codec,
+                inconsistent, or not of ``numel`` elements (checked before anything
+                is allocated).
+        """
+        scans = [self._scan(p, numel)[2] for p in payloads]
+        out = np.zeros(numel, np.float32)
+        for scan in scans:
+            self._scatter(scan, out, accumulate=True)
+        return out
+
+    def _scan(self, payload, numel):
+        """Check ``payload``'s header, prefix and bucket headers (no allocation beyond a
+        constant times its size); return (shape, n, what ``_scatter`` needs)."""
         shape, _, body = _wire.unpack(self.name, payload, numel=numel)
         n = _wire.numel_of(shape)
         if body.size < _k.PREFIX_BYTES:
@@ -172,16 +200,23 @@ class FastSGD(Codec):
             if (base, tau) == (self.params["base"], self.params["tau"])
             else _k.mpicomp_fastsgd_powers(base, tau)
         )
-        out = np.zeros(n, np.float32)
-        errs = np.zeros(nbuckets, np.int64)
-        _k.mpicomp_fastsgd_decode(body, n, bucket, powers, flag_bits, offsets, sums, out, errs)
+        return shape, n, (body, n, bucket, powers, flag_bits, offsets, sums)
+
+    @staticmethod
+    def _scatter(scan, out, accumulate: bool) -> None:
+        """Write (or add) the values of a ``_scan``ned payload into ``out``; PayloadError
+        when its keys or codes are inconsistent."""
+        body, n, bucket, powers, flag_bits, offsets, sums = scan
+        errs = np.zeros(sums.size, np.int64)
+        _k.mpicomp_fastsgd_decode(
+            body, n, bucket, powers, flag_bits, offsets, sums, out, errs, accumulate
+        )
         bad = np.flatnonzero(errs)
         if bad.size:
             k = int(bad[0])
             raise PayloadError(
                 f"fastsgd payload is inconsistent in bucket {k}: {_DECODE_ERRORS[int(errs[k])]}"
             )
-        return out.reshape(shape)
 
     def _prefix(self) -> np.ndarray:
         p = self.params
