@@ -279,10 +279,18 @@ def full_run(
     """
     todo = codec_set(codecs)
     quiet = progress if comm.rank == 0 else None
-    kernel_rows = None
+    kernel_rows = error = None
     if numel is not None and comm.rank == 0:
-        kernel_rows = run(codecs, numel, reps, seed, progress=quiet)
+        try:
+            kernel_rows = run(codecs, numel, reps, seed, progress=quiet)
+        except Exception as e:  # raised on every rank below: none is left waiting
+            error = e
     _idle_barrier(comm)
+    failed = comm.bcast(None if error is None else f"{type(error).__name__}: {error}", root=0)
+    if error is not None:
+        raise error
+    if failed is not None:
+        raise RuntimeError(f"rank 0's kernel timings failed: {failed}")
     allreduce = []
     if sizes:
         from mpicomp.bench_allreduce import measure

@@ -74,8 +74,16 @@ class _Counter:
     def read(self) -> int | None:
         if self.dev is None:
             return None
-        value = tc_sent_bytes(self.dev) if self.comm.rank == 0 else None
-        return self.comm.bcast(value, root=0)
+        value = error = None
+        if self.comm.rank == 0:
+            try:
+                value = tc_sent_bytes(self.dev)
+            except RuntimeError as e:
+                error = str(e)
+        value, error = self.comm.bcast((value, error), root=0)
+        if error is not None:  # on every rank, so none waits for the others
+            raise RuntimeError(error)
+        return value
 
 
 def _trace_path(trace_dir: str | None, numel: int, name: str, params: dict) -> str | None:

@@ -333,18 +333,23 @@ def _cmd_bench(args, parser) -> int:
     from mpi4py import MPI
 
     comm = MPI.COMM_WORLD
-    report = bench.full_run(
-        comm,
-        args.codecs,
-        None if args.no_kernels else numel,
-        [] if args.no_allreduce else sizes,
-        reps=args.reps,
-        allreduce_reps=args.allreduce_reps,
-        seed=args.seed,
-        trace_dir=args.trace,
-        tc_dev=args.tc_dev,
-        progress=progress,
-    )
+    try:
+        report = bench.full_run(
+            comm,
+            args.codecs,
+            None if args.no_kernels else numel,
+            [] if args.no_allreduce else sizes,
+            reps=args.reps,
+            allreduce_reps=args.allreduce_reps,
+            seed=args.seed,
+            trace_dir=args.trace,
+            tc_dev=args.tc_dev,
+            progress=progress,
+        )
+    except (RuntimeError, OSError) as e:  # raised on every rank: each exits, none hangs
+        if comm.rank == 0:
+            print(f"mpicomp bench: error: {e}", file=sys.stderr)
+        return 1
     if comm.rank != 0:
         return 0
     if args.json:

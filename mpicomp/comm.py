@@ -17,7 +17,7 @@ from mpi4py import MPI
 
 from mpicomp import _reduce
 from mpicomp._backend import get_array_module, to_float32
-from mpicomp._progress import Handle, Worker
+from mpicomp._progress import Handle, Worker, kernels_threadsafe
 from mpicomp._reduce import NonFiniteWarning, RankError, Skipped
 from mpicomp.codecs import Codec, ErrorFeedback
 from mpicomp.codecs._base import check_number
@@ -137,17 +137,22 @@ class CompressedComm:
         # Checked now, so a bad value fails at construction, not in the first call.
         # 0 stays 0 (off, whatever the environment says); None defers to MPICOMP_TIMEOUT.
         self.timeout = None if timeout is None else (resolve_timeout(timeout) or 0)
-        # A second thread making MPI calls needs MPI_THREAD_MULTIPLE (mpi4py asks for it).
-        multiple = MPI.Query_thread() >= MPI.THREAD_MULTIPLE
+        # A second thread making MPI calls needs MPI_THREAD_MULTIPLE (mpi4py asks for it),
+        # and numba kernels on two threads at once a thread-safe threading layer.
         if background is not None and not isinstance(background, (bool, np.bool_)):
             raise TypeError(f"background must be a bool or None, got {type(background).__name__}")
-        if background and not multiple:
+        why = None
+        if background is None or background:
+            if MPI.Query_thread() < MPI.THREAD_MULTIPLE:
+                why = f"MPI provides thread level {MPI.Query_thread()}, not MPI_THREAD_MULTIPLE"
+            elif not kernels_threadsafe():
+                why = "numba's threading layer is workqueue (install OpenMP or TBB)"
+        if background and why:
             raise ValueError(
-                "background=True needs MPI_THREAD_MULTIPLE; MPI provides thread level "
-                f"{MPI.Query_thread()} (see docs/usage.md, Overlapping communication)"
+                f"background=True: {why} (see docs/usage.md, Overlapping communication)"
             )
-        self.background = multiple if background is None else bool(background)
-        self._warn_eager = background is None and not multiple
+        self.background = why is None if background is None else bool(background)
+        self._eager_why = why if background is None else None  # warned once, at first use
         self._worker = None  # made by the first background iallreduce
         self._spare = {}  # pre-call copies of residuals, reused call after call
         self._feedback = ErrorFeedback(codec) if error_feedback else None
@@ -282,11 +287,10 @@ class CompressedComm:
     def _start(self, job) -> Handle:
         """Run ``job`` on the worker thread behind the calls started before (or now)."""
         if not self.background:
-            if self._warn_eager:
-                self._warn_eager = False
+            if self._eager_why:
+                why, self._eager_why = self._eager_why, None
                 warnings.warn(
-                    "MPI provides less than MPI_THREAD_MULTIPLE: iallreduce runs each call "
-                    "at once in the caller's thread (no overlap)",
+                    f"{why}: iallreduce runs each call at once in the caller's thread (no overlap)",
                     RuntimeWarning,
                     stacklevel=3,
                 )

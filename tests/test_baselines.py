@@ -227,3 +227,18 @@ def test_topk_large_inputs_match_the_stable_reference_on_both_selection_paths(
     x[n - 7] = np.nan
     with pytest.raises(ValueError, match="NaN or Inf"):
         mpicomp.codec("topk").encode(x)
+
+
+def test_fp16_from_wire_takes_any_dtype_and_kernels_refuse_short_arrays():
+    # A float32 sum handed to fp16's from_wire is converted, never reinterpreted as halves.
+    from mpicomp.kernels.cpu import checksum, fp16
+
+    out = mpicomp.codec("fp16").from_wire(np.array([1, 2, 3, 4], np.float32), 2)
+    np.testing.assert_array_equal(out, np.array([0.5, 1, 1.5, 2], np.float32))
+    x = np.ones(8, np.float32)
+    with pytest.raises(ValueError, match="equal 1-D sizes"):
+        fp16.encode(x, np.empty(4, np.uint16))
+    with pytest.raises(ValueError, match="equal 1-D sizes"):
+        fp16.decode(np.zeros(8, np.uint16), np.empty(4, np.float32))
+    with pytest.raises(ValueError, match="dst has 3 bytes"):
+        checksum.adler32(np.zeros(8, np.uint8), 1, dst=np.empty(3, np.uint8))

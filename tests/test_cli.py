@@ -181,3 +181,10 @@ def test_gradient_is_the_conv_gradient_flattened():
     full = bench.conv_gradient((2, 512, 3, 3), seed=3).reshape(-1)
     assert g.dtype.name == "float32" and g.shape == (5000,)
     assert (g == full[:5000]).all()
+
+
+def test_bench_reports_a_bad_tc_device_instead_of_hanging(capsys):
+    argv = ["bench", "--numel", "1K", "--codecs", "none", "--reps", "1"]
+    argv += ["--allreduce-reps", "1", "--tc-dev", "mpicomp-no-such-dev", "-q"]
+    assert cli.main(argv) == 1
+    assert "mpicomp bench: error: " in capsys.readouterr().err

@@ -140,20 +140,47 @@ def test_below_thread_multiple_iallreduce_runs_at_once_and_says_so(monkeypatch):
     from mpi4py import MPI
 
     monkeypatch.setattr(MPI, "Query_thread", lambda: MPI.THREAD_SERIALIZED)
-    with pytest.raises(ValueError, match="background=True needs MPI_THREAD_MULTIPLE"):
+    with pytest.raises(ValueError, match="background=True: MPI provides thread level"):
         mpicomp.CompressedComm(MPI.COMM_SELF, "none", background=True)
     with pytest.raises(TypeError, match="background must be a bool"):
         mpicomp.CompressedComm(MPI.COMM_SELF, "none", background="yes")
     x = np.ones(2000, np.float32)
     with mpicomp.CompressedComm(MPI.COMM_SELF, "none") as cc:
         assert not cc.background
-        with pytest.warns(RuntimeWarning, match="less than MPI_THREAD_MULTIPLE"):
+        with pytest.warns(RuntimeWarning, match="not MPI_THREAD_MULTIPLE"):
             handle = cc.iallreduce(x, name="w")
         assert handle.done and cc._worker is None
         np.testing.assert_array_equal(handle.wait(), x)
         assert cc.iallreduce(x, name="w").done  # warned once per communicator
     with mpicomp.CompressedComm(MPI.COMM_SELF, "none", background=False) as cc:
         assert cc.iallreduce(x).done  # asked for: no warning
+
+
+def test_workqueue_threading_layer_runs_iallreduce_at_once(monkeypatch):
+    # numba's workqueue layer aborts when two threads run parallel kernels together.
+    import numba
+    import numpy as np
+    from mpi4py import MPI
+
+    monkeypatch.setattr(numba, "threading_layer", lambda: "workqueue")
+    with pytest.raises(ValueError, match="background=True: numba's threading layer"):
+        mpicomp.CompressedComm(MPI.COMM_SELF, "none", background=True)
+    with mpicomp.CompressedComm(MPI.COMM_SELF, "none") as cc:
+        assert not cc.background
+        with pytest.warns(RuntimeWarning, match="workqueue"):
+            assert cc.iallreduce(np.ones(3, np.float32), name="w").done
+
+
+def test_ctrl_c_in_an_eager_call_interrupts_the_caller():
+    from mpicomp._progress import Handle
+
+    def interrupted():
+        raise KeyboardInterrupt
+
+    handle = Handle()
+    with pytest.raises(KeyboardInterrupt):
+        handle._run(interrupted)
+    assert handle.done
 
 
 OVERLAP_JOB = """

@@ -70,6 +70,9 @@ class Namespace:
         return self
 
     def __exit__(self, *exc) -> None:
+        # A second Ctrl-C during the delete must not leave the namespace behind.
+        for sig in self._old:
+            signal.signal(sig, signal.SIG_IGN)
         if self._made:
             subprocess.run([self.ip, "netns", "delete", self.name], capture_output=True)
             self._made = False

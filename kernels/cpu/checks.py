@@ -11,3 +11,12 @@ def mpicomp_all_finite(x):
     for i in range(x.size):
         acc += x[i] * np.float32(0)  # NaN*0 and Inf*0 are NaN: one pass, no branch
     return acc == acc
+
+
+@nb.njit(parallel=True, cache=True)
+def mpicomp_parallel_probe(n):
+    """Launch a parallel region (so numba picks its threading layer); return sum(range(n))."""
+    total = 0
+    for i in nb.prange(n):
+        total += i
+    return total

@@ -122,6 +122,8 @@ def adler32(src, value: int = 1, dst=None) -> int:
         The checksum, equal to ``zlib.adler32(src, value)``.
     """
     copy = dst is not None
+    if copy and dst.size != src.size:
+        raise ValueError(f"adler32: dst has {dst.size} bytes, src {src.size}")
     if not copy and src.size <= BLOCK and src.flags.c_contiguous:
         return zlib.adler32(src, value)  # a few bytes: no kernel dispatch
     run = mpicomp_adler32_chunks if src.size > CHUNK else mpicomp_adler32_serial

@@ -165,6 +165,7 @@ def mpicomp_fp16_add_chunks(a, b):
 
 def add(a, b) -> None:
     """Set float16-bits array ``b`` (uint16) to float16(float32(a) + float32(b))."""
+    _same_size("fp16 add", a, b)
     (mpicomp_fp16_add_chunks if b.size > CHUNK else mpicomp_fp16_add)(a, b)
 
 
@@ -180,6 +181,12 @@ def mpicomp_fp16_all_finite(h):
 _NO_BYTES = np.empty(0, np.uint8)
 
 
+def _same_size(what: str, a, b) -> None:
+    # The kernels index both arrays by one counter: a short one would be written past.
+    if a.ndim != 1 or b.ndim != 1 or a.size != b.size:
+        raise ValueError(f"{what}: arrays of shapes {a.shape} and {b.shape}, need equal 1-D sizes")
+
+
 def encode(x, h16, h8=None):
     """Round float32 ``x`` to float16 bits in uint16 ``h16`` (same size), in one pass.
 
@@ -192,6 +199,9 @@ def encode(x, h16, h8=None):
         (ok, sum): ok is False when some |x| > 65504 or is NaN/Inf (``h16`` is then
         garbage); sum is the Adler-32 (0 when ``h8`` is None).
     """
+    _same_size("fp16 encode", x, h16)
+    if h8 is not None and h8.size != 2 * h16.size:
+        raise ValueError(f"fp16 encode: h8 has {h8.size} bytes, h16 needs {2 * h16.size}")
     u = x.view(np.uint32)
     run = mpicomp_fp16_encode_chunks if x.size > CHUNK else mpicomp_fp16_encode
     ok, value = run(u, h16, _NO_BYTES if h8 is None else h8, h8 is not None)
@@ -204,5 +214,6 @@ def decode(h16, out, scale=1.0) -> bool:
     Returns:
         False when some value is NaN/Inf.
     """
+    _same_size("fp16 decode", h16, out)
     run = mpicomp_fp16_decode_chunks if h16.size > CHUNK else mpicomp_fp16_decode
     return bool(run(h16, np.float32(scale), out))

@@ -106,6 +106,8 @@ class Float16(_Dense):
     def from_wire(self, total, nranks: int = 1, shape=None):
         """Return the float32 average over ``nranks`` of the summed float16 array."""
         total = np.asarray(total)
+        if total.dtype != np.float16:
+            return super().from_wire(total, nranks, shape)  # any other dtype: converted
         out = np.empty(total.shape, np.float32)
         _fp16.decode(total.reshape(-1).view(np.uint16), out.reshape(-1), nranks)
         return out.reshape(shape) if shape is not None else out
