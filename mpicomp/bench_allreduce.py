@@ -122,9 +122,10 @@ def measure(
         ``time_s`` and ``allreduce_s`` (slowest rank, median), ``time_ratio`` (their
         quotient), ``speedup`` (its inverse), ``bytes_sent``/``bytes_recv`` (per call,
         the largest over ranks), ``allreduce_bytes`` (float32 ring, per rank),
-        ``sent_ratio``/``recv_ratio``, ``sent_total`` (per call, summed over ranks),
-        and with ``tc_dev``: ``device_bytes`` (per call) and ``device_over_sent``
-        (device bytes over ``sent_total``); the float32 MPI_Allreduce's own device bytes
+        ``sent_ratio``/``recv_ratio``, ``sent_total``/``recv_total`` (per call, summed over ranks),
+        and with ``tc_dev``: ``device_bytes`` (per call) and ``device_over_recv``
+        (device bytes over ``recv_total``: every byte crosses the device once, on its
+        way to the rank that receives it); the float32 MPI_Allreduce's own device bytes
         are ``allreduce_device_bytes``.
     """
     n, size = numel, comm.size
@@ -158,7 +159,7 @@ def measure(
         mine = np.array([traffic.sent, traffic.recv], dtype=np.float64) / calls
         most = np.empty_like(mine)
         comm.Allreduce(mine, most, op=MPI.MAX)
-        total = comm.allreduce(float(mine[0]), op=MPI.SUM)
+        total, total_recv = comm.allreduce(mine, op=MPI.SUM)
         sent, recv = (int(round(v)) for v in most)
         row = {
             "numel": n,
@@ -173,6 +174,7 @@ def measure(
             "bytes_sent": sent,
             "bytes_recv": recv,
             "sent_total": int(round(total)),
+            "recv_total": int(round(total_recv)),
             "allreduce_bytes": ring_bytes,
             "sent_ratio": sent / ring_bytes if ring_bytes else None,
             "recv_ratio": recv / ring_bytes if ring_bytes else None,
@@ -182,7 +184,7 @@ def measure(
         if before is not None:
             device = (after - before) / calls
             row["device_bytes"] = int(round(device))
-            row["device_over_sent"] = device / total if total else None
+            row["device_over_recv"] = device / total_recv if total_recv else None
             row["allreduce_device_bytes"] = int(round(ref_device))
         rows.append(row)
     return rows
@@ -195,7 +197,7 @@ def format_table(rows: list[dict], out=None) -> None:
     head = (
         f"{'elements':>12}  {'codec':<27}{'params':<13}{'time ms':>10}{'speedup':>9}"
         f"{'sent B/rank':>14}{'x ring':>8}{'recv B/rank':>14}{'x ring':>8}"
-        + (f"{'device B':>15}{'/sent':>7}" if device else "")
+        + (f"{'device B':>15}{'/recv':>7}" if device else "")
     )
     print(head, file=out)
     print("-" * len(head), file=out)
@@ -217,7 +219,7 @@ def format_table(rows: list[dict], out=None) -> None:
 
         dev = ""
         if "device_bytes" in r:
-            dev = f"{r['device_bytes']:>15,}{ratio(r['device_over_sent']):>7}"
+            dev = f"{r['device_bytes']:>15,}{ratio(r['device_over_recv']):>7}"
         print(
             f"{r['numel']:>12,}  {r['codec']:<27}{label(r['params']):<13}"
             f"{1e3 * r['time_s']:>10.2f}{r['speedup']:>9.2f}"

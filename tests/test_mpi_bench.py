@@ -101,6 +101,7 @@ class TestAllreduceBench:
             events, _, attrs = read(a["trace"])
             assert len(events) == 2 * comm.size
             assert int(events["bytes_sent"].sum()) == 2 * a["sent_total"]
+            assert int(events["bytes_recv"].sum()) == 2 * a["recv_total"]
         assert rows[0]["bits_per_element"] == pytest.approx(
             32 + 8 * 16 / 3000 + 8 * 4 / 3000, rel=0.01
         )

@@ -30,12 +30,12 @@ def test_mpi_env_forces_tcp():
     assert ompi["OMPI_MCA_btl"] == "tcp,self" and ompi["OMPI_MCA_btl_tcp_if_include"] == "lo"
 
 
-def _row(codec, sent_total, device_bytes, nranks=4):
+def _row(codec, recv_total, device_bytes, nranks=4):
     return {
         "codec": codec,
         "params": {},
         "nranks": nranks,
-        "sent_total": sent_total,
+        "recv_total": recv_total,
         "device_bytes": device_bytes,
     }
 

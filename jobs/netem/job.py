@@ -4,7 +4,7 @@ Runs ``mpicomp bench`` with ``--ranks`` ranks inside a private network namespace
 whose loopback is shaped with tc tbf to each of ``--rates``, MPI forced onto TCP so
 that every byte crosses the shaper, then checks and reports:
 
-- the bytes tc counted against the bytes the HDF5 traces say the ranks sent;
+- the bytes tc counted against the bytes the HDF5 traces say the ranks received;
 - MPI_Allreduce's achieved bandwidth against the shaped rate;
 - each codec's speedup over MPI_Allreduce of float32 against issue 7's targets.
 
@@ -123,24 +123,27 @@ class Runner:
         return [a for row in self.json(args) for a in row["allreduce"]]
 
 
-def traced_sent(path: str) -> int:
-    """Bytes the ranks sent, summed over every event of a trace."""
+def traced_recv(path: str) -> int:
+    """Bytes the ranks received, summed over every event of a trace."""
     from mpicomp.trace import read
 
     events, _, _ = read(path)
-    return int(events["bytes_sent"].sum())
+    return int(events["bytes_recv"].sum())
 
 
 def check_rows(rows: list[dict], reps: int) -> list[dict]:
     """Compare tc's bytes with the traces' bytes, per codec; return one check per row.
 
-    A hand-written collective's trace counts its wire bytes: tc should see 1x them. For
-    the ``MPI_SUM`` codecs the expected factor is a ring's 2(N-1)/N.
+    Every byte crosses the loopback once, on its way to the rank that receives it, so
+    tc should count what the traces say the ranks received (a trace's *sent* column
+    counts a payload once even when an allgather relays it N - 1 times). For the
+    ``MPI_SUM`` codecs the trace has MPI_Allreduce's logical 4n per rank and MPI's ring
+    moves 2(N-1)/N times that.
     """
     checks = []
     for r in rows:
         calls = reps + 1
-        traced = traced_sent(r["trace"]) if "trace" in r else r["sent_total"] * calls
+        traced = traced_recv(r["trace"]) if "trace" in r else r["recv_total"] * calls
         device = r["device_bytes"] * calls
         ratio = device / traced if traced else None
         n = r["nranks"]
