@@ -13,7 +13,7 @@ kernels alone take longer than sending the float32 data.
 
 Eq. 4 is a two-party model. For an all-reduce over N ranks, :func:`predict` also
 counts what each rank really moves and decodes: a float32 ring moves 2(N-1)/N M per
-rank; the ring codecs (QSGD, signSGD) move 2(N-1)/N M/k and decode once; the gather
+rank; the ring codecs (QSGD, signSGD, fp16) move 2(N-1)/N M/k and decode once; the gather
 codecs receive (N-1) M/k and decode N payloads. From that, the break-even bandwidth:
 compression pays on any link slower than it.
 """
@@ -24,7 +24,8 @@ import math
 
 import mpicomp
 
-_RING = ("integer_sum", "majority")
+# Aggregations moved around a ring (fp16's "sum" too: a float16 ring, see codecs.md).
+_RING = ("integer_sum", "majority", "sum")
 
 
 def parse_rate(text: str) -> int:

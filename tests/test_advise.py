@@ -86,3 +86,10 @@ def test_cli_bad_input(tmp_path, capsys):
     assert "JSON list" in capsys.readouterr().err
     assert main(["advise", "1gbit", "--bench", str(tmp_path / "missing.json")]) == 2
     assert main(["advise", "1gbit", "--ranks", "1", "--bench", str(bad)]) == 2
+
+
+def test_fp16_is_modelled_as_a_ring():
+    (a,) = advise.advise([_row("fp16", 16.0, 10.0, 10.0)], 1e9, 4)
+    plain = 1.5 * 4 / 125e6
+    comp = 0.8e-9 + 1.5 * 2 / 125e6  # encode + decode at 10 GB/s, half the ring's bytes
+    assert a["speedup"] == pytest.approx(plain / comp)
