@@ -315,15 +315,111 @@ def test_nan_and_inf_are_refused(fp16, bad):
         mpicomp.codec("fft", fp16=fp16).encode(x)
 
 
+def unfused(codec):
+    """Return ``codec`` with fused feedback off: ErrorFeedback then subtracts decode()."""
+    codec.fused_feedback = False  # an instance attribute hides the class's True
+    return codec
+
+
+def unpack_residual(r, n):
+    """Return the interleaved half spectrum of a packed fft residual (see FFTCodec.encode)."""
+    spec = np.zeros(2 * (n // 2 + 1), np.float32)
+    spec[0] = r[0]
+    spec[2 : n + 1] = r[1:]
+    return spec
+
+
 def test_works_with_error_feedback():
     c = mpicomp.codec("fft", theta=0.9)
+    assert c.fused_feedback
     ef = ErrorFeedback(c)
     x = gradient_like(5000, seed=10)
     p = ef.encode(x, "w")
-    np.testing.assert_array_equal(ef.residual("w"), x - c.decode(p))
+    np.testing.assert_array_equal(p, c.encode(x))  # the first step sends what encode() does
+    # The residual is the spectrum's part the payload missed: back in time, x - decode.
+    back = np.fft.irfft(unpack_residual(ef.residual("w"), x.size).view(np.complex64), n=x.size)
+    x16 = x.astype(np.float16).astype(np.float32)
+    np.testing.assert_allclose(back, x16 - c.decode(p), rtol=0, atol=1e-6 * np.abs(x).max())
     p2 = ef.encode(x, "w")
     # Two steps of feedback carry more of 2x than two independent compressions.
     assert rel_err(c.decode(p) + c.decode(p2), 2 * x) < rel_err(2 * c.decode(c.encode(x)), 2 * x)
+
+
+@pytest.mark.parametrize("fp16", [True, False])
+@pytest.mark.parametrize("n", [1, 2, 3, 8, 1001, 5000, 1 << 18, (1 << 18) + 2])
+def test_fused_feedback_transmits_the_cumulative_signal(n, fp16):
+    # Sum of decoded payloads + final residual transformed back == sum of the inputs
+    # (with fp16, of the rounded inputs: the rounding of x is not fed back).
+    c = mpicomp.codec("fft", theta=0.9, fp16=fp16)
+    ef = ErrorFeedback(c)
+    sent = np.zeros(n, np.float64)
+    total = np.zeros(n, np.float64)
+    for step in range(4):
+        x = gradient_like(n, seed=step)
+        total += x.astype(np.float16).astype(np.float32) if fp16 else x
+        sent += c.decode(ef.encode(x, "w"))
+    back = np.fft.irfft(unpack_residual(ef.residual("w"), n).astype(np.float64).view(complex), n=n)
+    assert np.abs(sent + back - total).max() < 1e-6 * np.abs(total).max()
+
+
+@pytest.mark.parametrize("n", [1000, 5001, 1 << 18])
+def test_fused_feedback_payloads_match_the_unfused_ones(n):
+    # Without float16 rounding both feed back the same error (by linearity); only float
+    # rounding differs, so the first payload is identical and later ones decode alike.
+    fused, plain = (mpicomp.codec("fft", theta=0.9, fp16=False) for _ in range(2))
+    ef_fused, ef_plain = ErrorFeedback(fused), ErrorFeedback(unfused(plain))
+    for step in range(5):
+        x = gradient_like(n, seed=step)
+        p, q = ef_fused.encode(x, "w"), ef_plain.encode(x, "w")
+        if step == 0:
+            np.testing.assert_array_equal(p, q)
+        y, z = fused.decode(p), plain.decode(q)
+        assert rel_err(y, z) < 1e-3
+
+
+def test_fused_feedback_keeps_the_selection_on_a_well_separated_input():
+    # Six strong frequencies (k = 6), far above the rest: every step keeps the same bins
+    # on both paths, and the fused payloads carry them as the unfused ones do.
+    n = 4096
+    t = np.arange(n)
+    x = sum(np.cos(2 * np.pi * f * t / n + f) * (1 + f / 100) for f in (3, 17, 40, 99, 257, 600))
+    x = (x + 1e-4 * np.random.default_rng(1).standard_normal(n)).astype(np.float32)
+    fused, plain = (mpicomp.codec("fft", theta=0.9975, fp16=False) for _ in range(2))
+    ef_fused, ef_plain = ErrorFeedback(fused), ErrorFeedback(unfused(plain))
+    nbins = n // 2 + 1
+    for _ in range(4):
+        p, q = ef_fused.encode(x, "w"), ef_plain.encode(x, "w")
+        bitmap = slice(16 + 8 + 16, 16 + 8 + 16 + (nbins + 7) // 8)
+        np.testing.assert_array_equal(p[bitmap], q[bitmap])
+        assert rel_err(fused.decode(p), plain.decode(q)) < 1e-4
+
+
+def test_fused_feedback_state_round_trips():
+    c = mpicomp.codec("fft", theta=0.9)
+    ef = ErrorFeedback(c)
+    for step in range(2):
+        ef.encode(gradient_like(3000, seed=step).reshape(3, 1000), "w")
+    again = ErrorFeedback(mpicomp.codec("fft", theta=0.9))
+    again.load_state_dict(ef.state_dict())
+    x = gradient_like(3000, seed=7).reshape(3, 1000)
+    np.testing.assert_array_equal(ef.encode(x, "w"), again.encode(x, "w"))
+    np.testing.assert_array_equal(ef.residual("w"), again.residual("w"))
+
+
+def test_fused_feedback_refuses_bad_residuals():
+    c = mpicomp.codec("fft")
+    x = gradient_like(100, seed=1)
+    with pytest.raises(ValueError, match="float32 NumPy array"):
+        c.encode(x, residual=np.zeros(100, np.float64))
+    with pytest.raises(ValueError, match="shape"):
+        c.encode(x, residual=np.zeros(101, np.float32))
+    with pytest.raises(ValueError, match="C-contiguous"):
+        c.encode(x, residual=np.zeros(200, np.float32)[::2])
+    r = np.zeros(100, np.float32)
+    r[5] = np.inf
+    with pytest.raises(ValueError, match="NaN or Inf"):
+        c.encode(x, residual=r)
+    assert r[5] == np.inf and np.count_nonzero(r) == 1  # a refused call leaves it alone
 
 
 # ---------------------------------------------------------------- parameters

@@ -584,3 +584,97 @@ def mpicomp_fft_scatter(bitmap, dense, k, spec):
             bitmap[lo >> 3 : (hi + 7) >> 3], dense[a:b], dense[k + a : k + b], spec[2 * lo : 2 * hi]
         )
     return DECODE_OK
+
+
+# Error feedback in the frequency domain. The residual R of an n-value gradient is the
+# half spectrum packed into n float32 values: the interleaved spectrum without the
+# imaginary parts of bin 0 and (even n) of bin n/2, which the real FFT makes 0, so
+# r[0] = Re R[0] and r[j] = spec[j + 1] for 1 <= j < n. Bins 1..(n-1)//2 have both parts
+# in r; bin 0 and the even-n Nyquist bin only their real part.
+
+
+@nb.njit(cache=True, nogil=True)
+def _add_span(spec, r, mag2):
+    """Add interleaved ``r`` to ``spec`` and write |X|^2 of the sums (one chunk, from 0);
+    return 0 when all are finite (NaN otherwise)."""
+    acc = np.float32(0)
+    for j in range(mag2.size):
+        re = spec[2 * j] + r[2 * j]
+        im = spec[2 * j + 1] + r[2 * j + 1]
+        spec[2 * j] = re
+        spec[2 * j + 1] = im
+        acc += re * np.float32(0) + im * np.float32(0)  # NaN*0 and Inf*0 are NaN
+        mag2[j] = re * re + im * im
+    return acc
+
+
+@nb.njit(parallel=True, cache=True, nogil=True)
+def mpicomp_fft_add_residual(spec, r, mag2):
+    """Add the packed residual ``r`` (n values, layout above) to the half spectrum ``spec``.
+
+    ``spec`` is the interleaved float32 rfft of n values (n // 2 + 1 bins); ``mag2`` gets
+    re*re + im*im of the sums. Returns False when a sum is NaN or Inf.
+    """
+    n = r.size
+    full = (n - 1) // 2  # bins 1..full have both parts in r
+    nchunks = (full + _CHUNK - 1) // _CHUNK
+    acc = np.zeros(nchunks, np.float32)
+    for c in nb.prange(nchunks):
+        lo = 1 + c * _CHUNK
+        hi = min(full + 1, lo + _CHUNK)
+        acc[c] = _add_span(spec[2 * lo : 2 * hi], r[2 * lo - 1 : 2 * hi - 1], mag2[lo:hi])
+    ends = np.zeros(2, np.float32)  # a bin with its real part only
+    ends[0] = r[0]
+    first = _add_span(spec[0:2], ends, mag2[0:1])
+    last = np.float32(0)
+    if n % 2 == 0:
+        ends[0] = r[n - 1]
+        last = _add_span(spec[n : n + 2], ends, mag2[n // 2 : n // 2 + 1])
+    return acc.sum() == 0 and first == 0 and last == 0
+
+
+@nb.njit(inline="always", cache=True)
+def _quantization_error(v, vmax, pbase, shift, bits):
+    """Return v minus its N-bit float decoded (what the payload fails to carry of v)."""
+    code = mpicomp_fft_nbit_encode(np.int64(_float_bits(v)), vmax, pbase, shift, bits)
+    p = mpicomp_fft_nbit_decode(code, pbase, shift, bits)  # >= 0: an encoder's code
+    return v - _bits_float(np.uint32(p))
+
+
+@nb.njit(cache=True, nogil=True)
+def _residual_span(spec, bitmap, i0, vmax, pbase, shift, bits, out):
+    """Write into interleaved ``out`` what the payload leaves of bins i0.. of ``spec``."""
+    for j in range(out.size // 2):
+        re = spec[2 * j]
+        im = spec[2 * j + 1]
+        i = i0 + j
+        if (bitmap[i >> 3] >> (i & 7)) & 1:
+            re = _quantization_error(re, vmax, pbase, shift, bits)
+            im = _quantization_error(im, vmax, pbase, shift, bits)
+        out[2 * j] = re
+        out[2 * j + 1] = im
+
+
+@nb.njit(parallel=True, cache=True, nogil=True)
+def mpicomp_fft_residual(spec, bitmap, vmax, pbase, shift, bits, r):
+    """Write the new packed residual (layout above) of the spectrum ``spec`` into ``r``.
+
+    A bin not set in ``bitmap`` keeps its value; a kept one keeps the error of its
+    N-bit floats (``vmax``, ``pbase``, ``shift``, ``bits`` as in
+    ``mpicomp_fft_quantize_pack``), so residual + decoded payload = ``spec``.
+    """
+    n = r.size
+    full = (n - 1) // 2
+    nchunks = (full + _CHUNK - 1) // _CHUNK
+    for c in nb.prange(nchunks):
+        lo = 1 + c * _CHUNK
+        hi = min(full + 1, lo + _CHUNK)
+        _residual_span(
+            spec[2 * lo : 2 * hi], bitmap, lo, vmax, pbase, shift, bits, r[2 * lo - 1 : 2 * hi - 1]
+        )
+    ends = np.empty(2, np.float32)
+    _residual_span(spec[0:2], bitmap, 0, vmax, pbase, shift, bits, ends)
+    r[0] = ends[0]
+    if n % 2 == 0:
+        _residual_span(spec[n : n + 2], bitmap, n // 2, vmax, pbase, shift, bits, ends)
+        r[n - 1] = ends[0]

@@ -140,6 +140,7 @@ class FFTCodec(Codec):
 
     name = "fft"
     aggregation = "gather"
+    fused_feedback = True
 
     def __init__(self, theta: float = 0.85, bits: int = 10, fp16: bool = True):
         """Check and store the parameters.
@@ -164,15 +165,30 @@ class FFTCodec(Codec):
         # The formula as written, in IEEE double: theta=0.85 with 100 bins keeps 16.
         return min(nbins, math.ceil((1.0 - self.params["theta"]) * nbins))
 
-    def encode(self, x) -> np.ndarray:
+    def encode(self, x, residual=None) -> np.ndarray:
         """Return the payload of ``x``: header, range parameters, bitmap and N-bit codes.
+
+        Args:
+            x: a float array of any shape (float16/bfloat16/float64 are converted to
+                float32 once).
+            residual: None, or the error-feedback memory: a C-contiguous float32 NumPy
+                array of the shape of ``x`` holding a half spectrum R, packed (see
+                below). X = rfft(x) + R is encoded (with fp16, x is rounded first) and
+                ``residual`` becomes X minus the decoded payload, in the same pass: no
+                inverse transform. Packing: the n // 2 + 1 complex bins of an n-value
+                rfft carry n real values (the imaginary parts of bin 0 and, for even n,
+                of bin n / 2 are 0), so ``r[0]`` = Re R[0] and ``r[1:]`` = the
+                interleaved (re, im) parts of R[1], R[2], ..., up to Re R[n/2] for
+                even n and Im R[(n-1)/2] for odd n.
 
         Raises:
             ValueError: ``x`` holds NaN or Inf, or (with fp16) a value float16 cannot
-                hold, or its spectrum overflows float32.
+                hold, or its spectrum (plus ``residual``) overflows float32, or
+                ``residual`` does not match ``x``.
         """
         x = as_gradient(x)
         flat = x.reshape(-1)
+        r = None if residual is None else self._residual_view(residual, x.shape)
         n, bits = flat.size, self.params["bits"]
         nbins, k = num_bins(n), self.kept(n)
         body = np.empty(body_size(n, k, bits), dtype=np.uint8)
@@ -190,6 +206,8 @@ class FFTCodec(Codec):
             spec, mag2, ok = _rfft(flat, own)
             if not ok:
                 raise ValueError("fft: input holds NaN or Inf (or its spectrum overflows float32)")
+            if r is not None and not _k.mpicomp_fft_add_residual(spec, r, mag2):
+                raise ValueError("fft: the spectrum of x + residual holds NaN or Inf")
             # Bins strictly above the k-th largest magnitude are kept; ties at it go
             # to the lowest frequency index (inside the kernel), so the set is deterministic.
             thresh = np.float32(-np.inf) if k == nbins else _k.mpicomp_fft_kth_largest(mag2, k)
@@ -202,8 +220,24 @@ class FFTCodec(Codec):
             m, pbase = _k.mpicomp_fft_choose_range(hist, vmax, bits)
             codes = body[BODY_FIXED + (nbins + 7) // 8 :]
             _k.mpicomp_fft_quantize_pack(dense, vmax, pbase, _k.MAX_MANTISSA - m, bits, codes)
+            if r is not None:
+                _k.mpicomp_fft_residual(spec, bitmap, vmax, pbase, _k.MAX_MANTISSA - m, bits, r)
         _BODY.pack_into(body, 0, pbase << (_k.MAX_MANTISSA - m), m, bits, 0, k)
         return _wire.pack(self.name, x.shape, body)
+
+    @staticmethod
+    def _residual_view(residual, shape: tuple[int, ...]) -> np.ndarray:
+        """Return ``residual`` as a flat writable view, checking it matches ``x``."""
+        if not isinstance(residual, np.ndarray) or residual.dtype != np.float32:
+            raise ValueError(
+                f"fft residual must be a float32 NumPy array, got {type(residual).__name__}"
+                + (f" of dtype {residual.dtype}" if hasattr(residual, "dtype") else "")
+            )
+        if residual.shape != shape:
+            raise ValueError(f"fft residual has shape {residual.shape}, x has {shape}")
+        if not residual.flags.c_contiguous or not residual.flags.writeable:
+            raise ValueError("fft residual must be C-contiguous and writeable")
+        return residual.reshape(-1)
 
     def decode(self, payload, numel: int | None = None) -> np.ndarray:
         """Return the float32 gradient of ``payload``, in its original shape.
