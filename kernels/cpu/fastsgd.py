@@ -22,6 +22,8 @@ from llvmlite import ir
 from numba.core import types
 from numba.extending import intrinsic
 
+from .floatbits import bits_float, float_bits
+
 PREFIX_BYTES = 16
 BUCKET_HEAD_BYTES = 13
 SIGN_BIT = 0x80
@@ -68,28 +70,6 @@ def mpicomp_fastsgd_powers(base, tau):
     for L in range(1, tau + 1):
         p[L] = p[L - 1] * np.float64(base)
     return p
-
-
-@intrinsic
-def _float_bits(typingctx, v):
-    """The IEEE bit pattern of a float32 as a uint32 (an LLVM bitcast)."""
-    sig = types.uint32(types.float32)
-
-    def codegen(context, builder, signature, args):
-        return builder.bitcast(args[0], ir.IntType(32))
-
-    return sig, codegen
-
-
-@intrinsic
-def _bits_float(typingctx, v):
-    """The float32 whose IEEE bit pattern is the uint32 ``v`` (an LLVM bitcast)."""
-    sig = types.float32(types.uint32)
-
-    def codegen(context, builder, signature, args):
-        return builder.bitcast(args[0], ir.FloatType())
-
-    return sig, codegen
 
 
 @intrinsic
@@ -338,14 +318,14 @@ def _encode_levels(xbits, kept, q, qdown, ltab, c_lo, base, codes):
         qdown[1:] = q[: qdown.size - 1]
         for j in range(kept.size):
             u = np.int64(xbits[kept[j]])
-            a = np.float64(_bits_float(np.uint32(u & 0x7FFFFFFF)))
+            a = np.float64(bits_float(np.uint32(u & 0x7FFFFFFF)))
             L = np.int64(ltab[((u & 0x7FFFFFFF) >> _CELL_SHIFT) - c_lo])
             L -= qdown[L] <= a
             codes[j] = np.uint8(L | ((u >> 31) << 7))
     else:
         for j in range(kept.size):
             u = np.int64(xbits[kept[j]])
-            a = np.float64(_bits_float(np.uint32(u & 0x7FFFFFFF)))
+            a = np.float64(bits_float(np.uint32(u & 0x7FFFFFFF)))
             L = np.int64(ltab[((u & 0x7FFFFFFF) >> _CELL_SHIFT) - c_lo])
             while L > 0 and q[L - 1] <= a:
                 L -= 1
@@ -419,11 +399,11 @@ def mpicomp_fastsgd_encode_bucket(
         return BUCKET_HEAD_BYTES
     mpicomp_fastsgd_widths(W, flag_bits, width, flag_of)
     # Kept magnitudes lie in [float32(q[tau]), sum]: only those cells get an entry.
-    c_lo = np.int64(_float_bits(np.float32(q[tau]))) >> _CELL_SHIFT
+    c_lo = np.int64(float_bits(np.float32(q[tau]))) >> _CELL_SHIFT
     c_hi = np.int64(sbits) >> _CELL_SHIFT
-    L = mpicomp_fastsgd_log_level(q, np.float64(_bits_float(np.uint32(c_lo << _CELL_SHIFT))))
+    L = mpicomp_fastsgd_log_level(q, np.float64(bits_float(np.uint32(c_lo << _CELL_SHIFT))))
     for c in range(c_lo, c_hi + 1):
-        a_lo = np.float64(_bits_float(np.uint32(c << _CELL_SHIFT)))
+        a_lo = np.float64(bits_float(np.uint32(c << _CELL_SHIFT)))
         while L > 0 and q[L - 1] <= a_lo:
             L -= 1
         ltab[c - c_lo] = L

@@ -19,9 +19,8 @@ import math
 
 import numba as nb
 import numpy as np
-from llvmlite import ir
-from numba.core import types
-from numba.extending import intrinsic
+
+from .floatbits import bits_float, float_bits
 
 _ABS = 0x7FFFFFFF
 _EXP_INF = 0x7F800000  # the bit pattern of +Inf: every finite magnitude is below it
@@ -45,28 +44,6 @@ _CHUNK = 1 << 16
 _GROUPS = 1 << 12
 # Tasks (each with its own 2**16-bin histogram) of the radix select.
 _SELECT_TASKS = 8
-
-
-@intrinsic
-def _float_bits(typingctx, v):
-    """The IEEE bit pattern of a float32 as a uint32 (an LLVM bitcast, no memory)."""
-    sig = types.uint32(types.float32)
-
-    def codegen(context, builder, signature, args):
-        return builder.bitcast(args[0], ir.IntType(32))
-
-    return sig, codegen
-
-
-@intrinsic
-def _bits_float(typingctx, v):
-    """The float32 whose IEEE bit pattern is the uint32 ``v`` (an LLVM bitcast)."""
-    sig = types.float32(types.uint32)
-
-    def codegen(context, builder, signature, args):
-        return builder.bitcast(args[0], ir.FloatType())
-
-    return sig, codegen
 
 
 @nb.njit(inline="always", cache=True)
@@ -96,7 +73,7 @@ def _round_fp16_span(x, out):
         # the exponent). Below it, float16 subnormals are multiples of 2**-24, the
         # ulp of 0.5: adding and removing 0.5 rounds |x| to one, ties to even.
         r = (a + 0xFFF + ((a >> 13) & 1)) & 0x7FFFE000
-        sub = np.int64(_float_bits((abs(xf[i]) + np.float32(0.5)) - np.float32(0.5)))
+        sub = np.int64(float_bits((abs(xf[i]) + np.float32(0.5)) - np.float32(0.5)))
         r = r if a >= _FP16_MIN_NORMAL else sub
         out[i] = np.uint32(r | (b & 0x80000000))
         # NaN/Inf and overflow both leave a rounded magnitude above float16's largest.
@@ -310,7 +287,7 @@ def mpicomp_fft_kth_largest(mag2, k):
             above += cnt
             b -= 1
         prefix = b if level == 0 else (prefix << 16) | b
-    return _bits_float(np.uint32(prefix))
+    return bits_float(np.uint32(prefix))
 
 
 @nb.njit(cache=True, nogil=True)
@@ -636,9 +613,9 @@ def mpicomp_fft_add_residual(spec, r, mag2):
 @nb.njit(inline="always", cache=True)
 def _quantization_error(v, vmax, pbase, shift, bits):
     """Return v minus its N-bit float decoded (what the payload fails to carry of v)."""
-    code = mpicomp_fft_nbit_encode(np.int64(_float_bits(v)), vmax, pbase, shift, bits)
+    code = mpicomp_fft_nbit_encode(np.int64(float_bits(v)), vmax, pbase, shift, bits)
     p = mpicomp_fft_nbit_decode(code, pbase, shift, bits)  # >= 0: an encoder's code
-    return v - _bits_float(np.uint32(p))
+    return v - bits_float(np.uint32(p))
 
 
 @nb.njit(cache=True, nogil=True)
