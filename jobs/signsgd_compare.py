@@ -116,7 +116,10 @@ def decide(rows: np.ndarray, nelem: int, nranks: int) -> np.ndarray:
     lanes = np.empty(rows.shape[1], dtype=np.uint64)
     count_votes(rows, _SPREAD, lanes)
     out = np.empty((nelem + 7) // 8, dtype=np.uint8)
-    counts = lanes.view(np.uint8)[:nelem]
+    # int64 counts and these argument types are the library's own call: one compiled
+    # signature. A second signature of a cached kernel, compiled in a process that loaded
+    # the first from numba's cache, can clash with it (numba #10128) and crash.
+    counts = lanes.view(np.uint8)[:nelem].astype(np.int64)
     _k.mpicomp_signsgd_majority(counts, nranks, _k.TIE_NEGATIVE, np.uint64(0), 0, out)
     return out
 

@@ -6,9 +6,13 @@ lists their names.
 
 __version__ = "0.1.0"
 
-from mpicomp import codecs
-from mpicomp.codecs import codec
-from mpicomp.errors import PayloadError
+from mpicomp import _numba_cache
+
+_numba_cache.configure()  # before the codecs define their numba kernels
+
+from mpicomp import codecs  # noqa: E402
+from mpicomp.codecs import codec  # noqa: E402
+from mpicomp.errors import PayloadError  # noqa: E402
 
 __all__ = [
     "CompressedComm",

@@ -105,3 +105,14 @@ class TestAllreduceBench:
         assert rows[0]["bits_per_element"] == pytest.approx(
             32 + 8 * 16 / 3000 + 8 * 4 / 3000, rel=0.01
         )
+
+
+@pytest.mark.mpi
+def test_kernels_cache_per_rank():
+    # Under mpiexec each rank compiles into its own numba cache directory.
+    import numba
+
+    comm = world()
+    if "NUMBA_CACHE_DIR" in __import__("os").environ:
+        pytest.skip("NUMBA_CACHE_DIR chosen by the user")
+    assert numba.config.CACHE_DIR.endswith(f"rank{comm.rank}")

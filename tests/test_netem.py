@@ -82,7 +82,7 @@ def test_small_shaped_run_counts_what_the_traces_say(tmp_path):
     out = subprocess.run(
         [sys.executable, "-m", "jobs.netem", "--ranks", "2", "--numel", "400K",
          "--codecs", "none,signsgd,qsgd_maxnorm", "--reps", "1", "--rates", "1gbit",
-         "--out", str(tmp_path)],
+         "--scheme-ranks", "2", "--overlap-buckets", "2", "--out", str(tmp_path)],
         capture_output=True, text=True, timeout=300, cwd=os.path.dirname(os.path.dirname(__file__)),
     )  # fmt: skip
     assert out.returncode == 0, out.stderr[-3000:]
@@ -94,4 +94,7 @@ def test_small_shaped_run_counts_what_the_traces_say(tmp_path):
         assert c["ok"], c
     assert {r["codec"] for r in rate["rows"]} == {"none", "signsgd", "qsgd_maxnorm"}
     assert all(os.path.isfile(r["trace"]) for r in rate["rows"])
+    assert {r["scheme"] for r in rate["signsgd_schemes"]} >= {"ring", "alltoall_allgather"}
+    assert all(r["bytes_match"] and r["decisions_match"] for r in rate["signsgd_schemes"])
+    assert [r["codec"] for r in rate["overlap"]] == ["none", "qsgd_maxnorm", "threelc"]
     assert _namespaces() - before == set()
