@@ -249,13 +249,13 @@ def mpicomp_bits_unpack_shifted(stream, width, shift, out):
                 dst[j] = np.int64(tmp[j]) - shift
 
 
-@nb.njit(cache=True, nogil=True)
+# Plain Python on purpose: a cached njit function calling a parallel one can crash when
+# loaded from numba's cache in another process (the parfor's symbol tags differ).
 def mpicomp_bits_pack(codes, width, out):
     """Pack unsigned ``codes`` (< 2**width, width 1..32) into ``out``, LSB-first."""
     mpicomp_bits_pack_shifted(codes, 0, width, out)
 
 
-@nb.njit(cache=True, nogil=True)
 def mpicomp_bits_unpack(stream, width, out):
     """Unpack ``out.size`` codes of ``width`` bits (1..32) from ``stream``, LSB-first."""
     mpicomp_bits_unpack_shifted(stream, width, 0, out)

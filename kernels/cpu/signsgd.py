@@ -88,7 +88,7 @@ def mpicomp_signsgd_votes_scale(x, out):
     return not bad.any(), total
 
 
-@nb.njit(cache=True, nogil=True)
+# Plain Python: a cached njit function must not call a parallel one (see bits.py).
 def mpicomp_signsgd_votes(x, out):
     """Write out[i] = 1 if x[i] > 0 else 0; return False if ``x`` holds NaN/Inf."""
     ok, _ = mpicomp_signsgd_votes_scale(x, out)

@@ -198,9 +198,21 @@ def _decode_full(src, scale, out, L, full):
         mpicomp_threelc_quartic_decode_span(src, scale, out, L, lo, min(full, lo + DECODE_CHUNK))
 
 
-@nb.njit(nogil=True, cache=True)
 def mpicomp_threelc_quartic_decode(src, scale, out):
     """Write out[k*L + j] = (digit k of src[j] - 1) * M; return an error code (0 if valid)."""
+    # Plain Python around two kernels: a cached njit function must not call the parallel
+    # _decode_full (see bits.py).
+    code, full = _quartic_decode_serial(src, scale, out)
+    if full:
+        _decode_full(src, np.float32(scale), out, src.size, full)
+    return code
+
+
+@nb.njit(nogil=True, cache=True)
+def _quartic_decode_serial(src, scale, out):
+    """Validate, decode all but the bytes left to _decode_full; return (code, full).
+
+    ``full`` > 0: bytes [0, full) are for the caller to decode in parallel."""
     n = out.size
     L = src.size
     scale = np.float32(scale)
@@ -209,28 +221,26 @@ def mpicomp_threelc_quartic_decode(src, scale, out):
     for j in range(L):
         top = max(top, src[j])
     if top > MAX_QUARTIC:
-        return ERR_BYTE
+        return ERR_BYTE, 0
     for i in range(n, 5 * L):
         k = i // L
         if _digit(np.int32(src[i - k * L]), k) != 0:
-            return ERR_PAD
+            return ERR_PAD, 0
     if scale == np.float32(0):
         # Encoding emits only zero trits when M = 0: every real position holds digit 1.
         for j in range(L):
             b = np.int32(src[j])
             for k in range(5):
                 if k * L + j < n and _digit(b, k) != 1:
-                    return ERR_ZERO_SCALE
+                    return ERR_ZERO_SCALE, 0
     # Bytes whose five digits all land in out (all but the last few, or all but a
     # tiny tensor's) in parallel chunks; the rest one digit at a time.
     full = max(0, min(L, n - 4 * L))
-    if full > DECODE_CHUNK:
-        _decode_full(src, scale, out, L, full)
-    else:
+    if full <= DECODE_CHUNK:
         mpicomp_threelc_quartic_decode_span(src, scale, out, L, 0, full)
     for j in range(full, L):
         b = np.int32(src[j])
         for k in range(5):
             if k * L + j < n:
                 out[k * L + j] = _trit_value(_digit(b, k), scale)
-    return OK
+    return OK, full if full > DECODE_CHUNK else 0
