@@ -49,11 +49,21 @@ tour: $(VENV)/.installed
 
 test: test-unit test-mpi
 
+# numba caches of the test lanes: the single-process suite compiles into rank0's directory,
+# which seeds every rank's before the multi-rank runs (one compile, no concurrent writers;
+# mpicomp/_numba_cache.py).
+NUMBA_CACHE := $(CURDIR)/.numba-cache
+export MPICOMP_NUMBA_CACHE := $(NUMBA_CACHE)
+
 test-unit: $(VENV)/.installed
 	$(BIN)/python -m pytest -q
 
 test-mpi: mpi-check
 	@set -e; for n in $(NRANKS); do \
+	  for r in $$(seq 1 $$((n - 1))); do \
+	    if [ -d $(NUMBA_CACHE)/rank0 ] && [ ! -d $(NUMBA_CACHE)/rank$$r ]; then \
+	      cp -r $(NUMBA_CACHE)/rank0 $(NUMBA_CACHE)/rank$$r; fi; \
+	  done; \
 	  echo "== multi-rank tests on $$n ranks ($(MPI))"; \
 	  $(MPIENV) $(MPIRUN) -n $$n $(BIN)/python -m mpi4py -m pytest -q --with-mpi -m mpi -p no:cacheprovider; \
 	done
@@ -98,4 +108,4 @@ soak: $(VENV)/.installed
 	$(MPIENV) $(MPIRUN) -n 4 $(BIN)/python -m mpi4py -m jobs.soak $(SOAK_ARGS)
 
 clean:
-	rm -rf .venv .venv-openmpi build *.egg-info .pytest_cache
+	rm -rf .venv .venv-openmpi .numba-cache build *.egg-info .pytest_cache

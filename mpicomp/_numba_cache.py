@@ -5,8 +5,11 @@ same functions at once: the ABI tags baked into symbol names come from a per-pro
 counter, so index and object files written by different ranks can disagree and a later
 load calls a null symbol (numba issues #4807, #10128). A multi-rank job that finds the
 cache cold (a fresh clone, a new node) then crashes with SIGSEGV. Under an MPI launcher,
-mpicomp therefore points numba at ``$XDG_CACHE_HOME/mpicomp/numba/rank<r>`` (default
-``~/.cache``), one directory per rank, unless ``NUMBA_CACHE_DIR`` is set. A single
+mpicomp therefore points numba at ``$MPICOMP_NUMBA_CACHE/rank<r>`` (default
+``$XDG_CACHE_HOME/mpicomp/numba``, ``~/.cache/...``), one directory per rank, unless
+``NUMBA_CACHE_DIR`` is set; with ``MPICOMP_NUMBA_CACHE`` set, a single process uses
+``rank0``. A directory may be seeded by copying another rank's while no
+job runs (the Makefile's test lanes do). Otherwise a single
 process keeps numba's default (``__pycache__`` beside the sources).
 """
 
@@ -30,10 +33,15 @@ def rank_cache_dir(environ=os.environ) -> str | None:
     if environ.get("NUMBA_CACHE_DIR"):
         return None
     rank = next((environ[v] for v in _RANK_VARS if environ.get(v, "").isdigit()), None)
+    root = environ.get("MPICOMP_NUMBA_CACHE")
     if rank is None:
-        return None
-    root = environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return os.path.join(root, "mpicomp", "numba", f"rank{int(rank)}")
+        if not root:
+            return None
+        rank = 0  # a single process under an explicit root counts as rank 0
+    if not root:
+        home = environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+        root = os.path.join(home, "mpicomp", "numba")
+    return os.path.join(root, f"rank{int(rank)}")
 
 
 def configure() -> None:
