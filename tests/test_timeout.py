@@ -231,6 +231,12 @@ def run_job(tmp_path, mode, timeout_env, *extra):
     script = tmp_path / "job.py"
     script.write_text(JOB)
     env = dict(os.environ, NUMBA_NUM_THREADS="1", MPICOMP_TIMEOUT=timeout_env)
+    import numba
+
+    if numba.config.CACHE_DIR:
+        # Both ranks load the kernels this suite already compiled: a rank compiling a
+        # cold cache for seconds would trip the 2 s timeouts under test.
+        env["NUMBA_CACHE_DIR"] = numba.config.CACHE_DIR
     cmd = [str(MPIEXEC), "-n", "2", sys.executable, "-m", "mpi4py", str(script), mode, *extra]
     # A session of its own, so a hung job is killed with every rank it started.
     proc = subprocess.Popen(
