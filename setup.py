@@ -22,12 +22,13 @@ if _mpi not in _MPI_WHEELS:
 setup(
     name="mpicomp",
     version=version,
-    description="Compressed gradient all-reduce over MPI: numba and CUDA codecs, mpi4py collectives",
+    description="Compressed gradient all-reduce over MPI: codecs with numba CPU kernels, mpi4py collectives",
     long_description=Path("README.md").read_text(),
     long_description_content_type="text/markdown",
     python_requires=">=3.10",
     packages=[
         "mpicomp",
+        "mpicomp.bench",
         "mpicomp.codecs",
         "mpicomp.kernels",
         "mpicomp.kernels.cpu",
@@ -39,11 +40,9 @@ setup(
         "mpicomp.kernels.cpu": "kernels/cpu",
         "mpicomp.collectives": "collectives",
     },
-    package_data={"mpicomp.kernels": ["cuda/*.cu"]},
     install_requires=["numpy>=1.24", "numba>=0.59", "mpi4py>=4.0", "h5py>=3.8", "scipy>=1.10"]
     + _MPI_WHEELS[_mpi],
     extras_require={
-        "cuda": ["cupy-cuda12x"],
         "plot": ["matplotlib>=3.7"],
         # The training comparison: scikit-learn ships the digits data set (no download).
         "jobs": ["scikit-learn>=1.3", "matplotlib>=3.7", "threadpoolctl>=3"],

@@ -1,8 +1,9 @@
 """Timeouts for the collectives: nonblocking calls, one wait loop, abort on expiry.
 
-Without a timeout (the default) every collective makes today's blocking MPI calls. With
-one (``timeout=`` seconds, or the environment variable ``MPICOMP_TIMEOUT``), each message
-is a nonblocking call whose requests go to ``wait_all``: it polls ``MPI.Request.Testall``
+Without a timeout (the default) every collective makes blocking MPI calls. With one
+(``timeout=`` seconds, or the environment variable ``MPICOMP_TIMEOUT``), each message is
+a nonblocking call whose requests go to ``wait_all``. ``issue`` and ``sendrecv`` make
+that choice for every collective, in one place. ``wait_all`` it polls ``MPI.Request.Testall``
 with a sleep that backs off from 10 us to 1 ms, so a waiting rank does not burn a core,
 and when the timeout passes it writes to stderr what this rank was waiting for and
 calls ``comm.Abort``: the whole job stops with that message instead of hanging.
@@ -86,6 +87,37 @@ def timeout_message(comm, op: str, detail: str, timeout: float, elapsed: float) 
         f"called a different one or is stuck; aborting the job (MPI_Abort, error code "
         f"{ABORT_CODE}). Set {ENV} the same on every rank (unset or 0: no timeout)."
     )
+
+
+def issue(comm, call: str, *args, timeout: float | None, name: str, detail, **kwargs) -> None:
+    """Make the MPI call ``call`` of ``comm`` blocking, or with a timeout its nonblocking
+    twin waited on by ``wait_all``.
+
+    Args:
+        comm: the communicator.
+        call: a collective's name, e.g. ``"Allreduce"`` (its twin is ``"Iallreduce"``).
+        *args, **kwargs: the call's arguments.
+        timeout: seconds (already resolved), or None for the blocking call.
+        name, detail: the collective and what it waits for, reported on timeout
+            (``wait_all``'s ``op`` and ``detail``).
+    """
+    if timeout is None:
+        getattr(comm, call)(*args, **kwargs)
+        return
+    request = getattr(comm, "I" + call.lower())(*args, **kwargs)
+    wait_all(comm, [request], timeout, name, detail)
+
+
+def sendrecv(
+    comm, sendbuf, dest: int, recvbuf, source: int, tag: int, *, timeout, name: str, detail
+) -> None:
+    """Send ``sendbuf`` to ``dest`` while receiving ``recvbuf`` from ``source``: one
+    ``Sendrecv``, or with a timeout an Irecv/Isend pair waited on by ``wait_all``."""
+    if timeout is None:
+        comm.Sendrecv(sendbuf, dest, tag, recvbuf, source, tag)
+        return
+    requests = [comm.Irecv(recvbuf, source, tag), comm.Isend(sendbuf, dest, tag)]
+    wait_all(comm, requests, timeout, name, detail)
 
 
 def wait_all(comm, requests, timeout: float | None, op: str, detail) -> None:

@@ -20,7 +20,8 @@ from collections.abc import Callable
 import numpy as np
 from mpi4py import MPI
 
-from mpicomp.collectives._wait import resolve_timeout, wait_all
+from mpicomp.collectives._wait import issue, resolve_timeout, wait_all
+from mpicomp.kernels import backend_of
 
 # Bytes one message may carry: the 32-bit count of MPI before version 4 (mpi4py >= 4
 # calls the MPI-4 large-count routines where the library has them). Tests shrink both.
@@ -30,19 +31,13 @@ _RING_CHUNK = 2**31 - 1
 _TAG = 0x4147  # ring messages; run on a communicator of your own (comm.Dup())
 
 
-def _array_module(x):
-    # The one dispatch point: numpy, or cupy for a CuPy array (CUDA-aware MPI takes it).
-    if type(x).__module__.startswith("cupy"):
-        import cupy
-
-        return cupy
-    return np
-
-
 def _payload_problem(payload) -> TypeError | None:
     """Return why ``payload`` is not a 1-D uint8 array, or None."""
-    xp = _array_module(payload)
-    if not isinstance(payload, xp.ndarray):
+    try:
+        xp = backend_of(payload).xp
+    except TypeError:
+        xp = None
+    if xp is None or not isinstance(payload, xp.ndarray):
         return TypeError(f"payload must be a 1-D uint8 array, got {type(payload).__name__}")
     if payload.dtype != np.uint8 or payload.ndim != 1:
         return TypeError(
@@ -56,13 +51,10 @@ def _exchange_sizes(comm, payload, tracer, op: str, timeout) -> np.ndarray:
     problem = _payload_problem(payload)
     sizes = np.empty(comm.size, dtype=np.int64)
     mine = np.array([-1 if problem else payload.size], dtype=np.int64)
-    if timeout is None:
-        comm.Allgather(mine, sizes)
-    else:
-        detail = f"sizes (an Iallgather of 8 bytes from each of {comm.size} ranks)"
-        wait_all(comm, [comm.Iallgather(mine, sizes)], timeout, op, detail)
+    detail = f"sizes (an Iallgather of 8 bytes from each of {comm.size} ranks)"
+    issue(comm, "Allgather", mine, sizes, timeout=timeout, name=op, detail=detail)
     if tracer is not None:
-        tracer.record(f"{op}.sizes", 1, 8, 8 * (comm.size - 1), 64)
+        tracer.record(f"{op}.sizes", 1, 8 if comm.size > 1 else 0, 8 * (comm.size - 1), 64)
     bad = np.flatnonzero(sizes < 0).tolist()
     if bad:
         who = f"rank {bad[0]}" if len(bad) == 1 else f"ranks {', '.join(map(str, bad))}"
@@ -80,18 +72,15 @@ def _by_allgatherv(comm, payload, buf, sizes, displs, tracer, op: str, timeout) 
             f"{op}: the payloads total {total} bytes, more than MPI %d.%d can count "
             f"({_COUNT_LIMIT}); use allgather_bytes_ring, which splits messages" % MPI.Get_version()
         )
-    if timeout is None:
-        comm.Allgatherv(payload, [buf, sizes, displs, MPI.BYTE])
-    else:
-        req = comm.Iallgatherv(payload, [buf, sizes, displs, MPI.BYTE])
-        detail = (
-            f"data (an Iallgatherv sending {payload.nbytes} bytes, receiving {buf.nbytes} "
-            f"bytes from {comm.size} ranks)"
-        )
-        wait_all(comm, [req], timeout, op, detail)
+    detail = (
+        f"data (an Iallgatherv sending {payload.nbytes} bytes, receiving {buf.nbytes} "
+        f"bytes from {comm.size} ranks)"
+    )
+    recvspec = [buf, sizes, displs, MPI.BYTE]
+    issue(comm, "Allgatherv", payload, recvspec, timeout=timeout, name=op, detail=detail)
     if tracer is not None:
         mine = int(sizes[comm.rank])
-        tracer.record(f"{op}.data", 1, mine, total - mine, 8)
+        tracer.record(f"{op}.data", 1, mine if comm.size > 1 else 0, total - mine, 8)
 
 
 def _by_ring(comm, payload, buf, sizes, displs, tracer, op: str, timeout) -> None:
@@ -128,7 +117,7 @@ def _allgather(comm, payload, tracer, exchange: Callable, op: str, timeout) -> l
     """Exchange sizes, allocate one receive buffer, let ``exchange`` fill it; return views."""
     timeout = resolve_timeout(timeout)
     sizes = _exchange_sizes(comm, payload, tracer, op, timeout)
-    xp = _array_module(payload)
+    xp = backend_of(payload).xp
     payload = xp.ascontiguousarray(payload)
     displs = np.zeros(comm.size, dtype=np.int64)
     np.cumsum(sizes[:-1], out=displs[1:])

@@ -28,7 +28,8 @@ from __future__ import annotations
 import numpy as np
 from mpi4py import MPI
 
-from mpicomp.collectives._wait import resolve_timeout, wait_all
+from mpicomp.collectives._wait import issue, resolve_timeout
+from mpicomp.kernels import backend_of
 
 # Values carried by the head message: vectors this short cost one message. Tests shrink
 # it to sweep the head/tail edge; every rank must see the same value.
@@ -58,15 +59,6 @@ _OPS = {"max_allreduce": (1, MPI.MAX), "min_allreduce": (2, MPI.MIN)}
 _LOW_BITS = {w: (1 << (8 * w - 1)) - 1 for w in (2, 4, 8)}
 
 
-def _array_module(x):
-    # The one dispatch point: numpy, or cupy for a CuPy array (CUDA-aware MPI takes it).
-    if type(x).__module__.startswith("cupy"):
-        import cupy
-
-        return cupy
-    return np
-
-
 def _as_vector(x):
     """Return (vector, scalar_type, problem): a contiguous 1-D array, the Python/NumPy
     scalar type to return (None for arrays), and why ``x`` is invalid (None if it is not)."""
@@ -82,8 +74,9 @@ def _as_vector(x):
         if x.dtype not in _CODE:
             return None, None, TypeError(f"x must have a real numeric dtype, got {x.dtype}")
         return np.array([x]), type(x), None
-    xp = _array_module(x)
-    if not isinstance(x, xp.ndarray):
+    try:
+        xp = backend_of(x).xp
+    except TypeError:
         return None, None, TypeError(f"x must be a number or a 1-D array, got {type(x).__name__}")
     if x.dtype not in _CODE:
         names = ", ".join(dt.name for dt in _DTYPES)
@@ -96,7 +89,7 @@ def _as_vector(x):
 def _float_keys(v, nan_key: int, out):
     """Write into ``out`` (signed integers of ``v``'s width) keys of ``v``'s bits whose
     order is the float order; NaN gets ``nan_key``. Return ``out``."""
-    xp = _array_module(v)
+    xp = backend_of(v).xp
     b = v.view(out.dtype)
     # Negative floats count down as their bits count up: flip all but the sign bit.
     xp.right_shift(b, 8 * b.itemsize - 1, out=out)
@@ -120,7 +113,7 @@ def _head_keys(v, op_code: int):
     if dt.kind == "f":
         # Widening to float64 is exact; NaN takes the key that wins this reduction.
         nan = _I64.max if op_code == 1 else _I64.min
-        k = _float_keys(v.astype(np.float64), nan, _array_module(v).empty(v.size, np.int64))
+        k = _float_keys(v.astype(np.float64), nan, backend_of(v).xp.empty(v.size, np.int64))
     elif dt == np.uint64:
         k = (v ^ np.uint64(1 << 63)).view(np.int64)  # order-preserving shift into int64
     else:
@@ -162,16 +155,17 @@ def _check_head(comm, head, name: str, problem: Exception | None) -> None:
 
 def _allreduce(comm, sendbuf, recvbuf, op, timeout, name: str, message: str) -> None:
     """Allreduce, blocking, or nonblocking and waited on with ``timeout``."""
-    if timeout is None:
-        comm.Allreduce(sendbuf, recvbuf, op=op)
-        return
-    req = comm.Iallreduce(sendbuf, recvbuf, op=op)
-    wait_all(
+    issue(
         comm,
-        [req],
-        timeout,
-        name,
-        lambda: f"{message} (an Iallreduce of {recvbuf.nbytes} bytes over all {comm.size} ranks)",
+        "Allreduce",
+        sendbuf,
+        recvbuf,
+        op=op,
+        timeout=timeout,
+        name=name,
+        detail=lambda: (
+            f"{message} (an Iallreduce of {recvbuf.nbytes} bytes over all {comm.size} ranks)"
+        ),
     )
 
 
@@ -180,7 +174,7 @@ def _extreme_allreduce(comm, x, tracer, name: str, timeout=None):
     timeout = resolve_timeout(timeout)
     op_code, mpi_op = _OPS[name]
     v, scalar, problem = _as_vector(x)
-    xp = np if v is None else _array_module(v)
+    xp = np if v is None else backend_of(v).xp
     inline = _INLINE
     n = k = 0
     head = xp.full(_HEADER + inline, _I64.min, dtype=np.int64)
@@ -196,7 +190,8 @@ def _extreme_allreduce(comm, x, tracer, name: str, timeout=None):
         head[6:8] = comm.size - comm.rank, comm.rank + 1
     _allreduce(comm, MPI.IN_PLACE, head, MPI.MAX, timeout, name, "the head message")
     if tracer is not None:
-        tracer.record(f"{name}.head", 1, head.nbytes, head.nbytes, 64)
+        wire = head.nbytes if comm.size > 1 else 0  # one rank sends nothing
+        tracer.record(f"{name}.head", 1, wire, wire, 64)
     _check_head(comm, head, name, problem)
 
     out = xp.empty(n, dtype=v.dtype)
@@ -214,7 +209,8 @@ def _extreme_allreduce(comm, x, tracer, name: str, timeout=None):
             # MPI's integer MAX/MIN are exact.
             _allreduce(comm, rest, tail, mpi_op, timeout, name, "the tail message")
         if tracer is not None:
-            tracer.record(f"{name}.tail", 1, rest.nbytes, rest.nbytes, 8 * v.dtype.itemsize)
+            wire = rest.nbytes if comm.size > 1 else 0
+            tracer.record(f"{name}.tail", 1, wire, wire, 8 * v.dtype.itemsize)
     return out if scalar is None else scalar(out[0])
 
 

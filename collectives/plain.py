@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from mpi4py import MPI
 
-from mpicomp.collectives._wait import resolve_timeout, wait_all
+from mpicomp.collectives._wait import issue, resolve_timeout
 
 
 def _array(buf):
@@ -30,22 +30,21 @@ def allreduce(comm, sendbuf, recvbuf, op=MPI.SUM, *, timeout=None, tracer=None) 
             the job (``comm.Abort``); None: ``MPICOMP_TIMEOUT``, unset or 0: off.
         tracer: gets ``record("mpi.allreduce", 1, nbytes, nbytes, 8 * itemsize)``.
     """
-    timeout = resolve_timeout(timeout)
-    if timeout is None:
-        comm.Allreduce(sendbuf, recvbuf, op=op)
-    else:
-        req = comm.Iallreduce(sendbuf, recvbuf, op=op)
-        nbytes = _array(recvbuf).nbytes
-        wait_all(
-            comm,
-            [req],
-            timeout,
-            "allreduce",
-            lambda: f"an Iallreduce of {nbytes} bytes over all {comm.size} ranks",
-        )
+    nbytes = _array(recvbuf).nbytes
+    issue(
+        comm,
+        "Allreduce",
+        sendbuf,
+        recvbuf,
+        op=op,
+        timeout=resolve_timeout(timeout),
+        name="allreduce",
+        detail=lambda: f"an Iallreduce of {nbytes} bytes over all {comm.size} ranks",
+    )
     if tracer is not None:
         a = _array(sendbuf)
-        tracer.record("mpi.allreduce", 1, a.nbytes, a.nbytes, 8 * a.itemsize)
+        wire = a.nbytes if comm.size > 1 else 0  # one rank sends nothing
+        tracer.record("mpi.allreduce", 1, wire, wire, 8 * a.itemsize)
 
 
 def allgather(comm, sendbuf, recvbuf, *, timeout=None, tracer=None) -> None:
@@ -57,19 +56,16 @@ def allgather(comm, sendbuf, recvbuf, *, timeout=None, tracer=None) -> None:
         timeout: as for ``allreduce``.
         tracer: gets ``record("mpi.allgather", 1, nbytes, (N-1) * nbytes, 8 * itemsize)``.
     """
-    timeout = resolve_timeout(timeout)
-    if timeout is None:
-        comm.Allgather(sendbuf, recvbuf)
-    else:
-        req = comm.Iallgather(sendbuf, recvbuf)
-        nbytes = _array(sendbuf).nbytes
-        wait_all(
-            comm,
-            [req],
-            timeout,
-            "allgather",
-            lambda: f"an Iallgather of {nbytes} bytes from each of {comm.size} ranks",
-        )
+    nbytes = _array(sendbuf).nbytes
+    issue(
+        comm,
+        "Allgather",
+        sendbuf,
+        recvbuf,
+        timeout=resolve_timeout(timeout),
+        name="allgather",
+        detail=lambda: f"an Iallgather of {nbytes} bytes from each of {comm.size} ranks",
+    )
     if tracer is not None:
-        a = _array(sendbuf)
-        tracer.record("mpi.allgather", 1, a.nbytes, (comm.size - 1) * a.nbytes, 8 * a.itemsize)
+        sent = nbytes if comm.size > 1 else 0
+        tracer.record("mpi.allgather", 1, sent, (comm.size - 1) * nbytes, 8 * _array(sendbuf).itemsize)

@@ -28,6 +28,11 @@ messages use a fixed tag and would otherwise be matched against the user's.
 With a timeout (``timeout=`` or ``MPICOMP_TIMEOUT``, see ``_wait``) each step is an
 Irecv/Isend pair and the agreement an Iallreduce, waited on by ``_wait.wait_all``;
 without one they are the blocking Sendrecv and Allreduce.
+
+``ring_allreduce_bounded`` and ``ring_allreduce_min`` check their arguments and agree on
+them across ranks (one Allreduce, and a min/max pass over the codes) before the ring
+runs; ``ring_allreduce_agreed`` and ``ring_allreduce_min_agreed`` run the same ring for
+a caller that has agreed already (``CompressedComm``: one agreement per call).
 """
 
 from __future__ import annotations
@@ -36,52 +41,20 @@ from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import numpy as np
+from mpi4py import MPI
 
-from mpicomp.collectives._wait import resolve_timeout, wait_all
-from mpicomp.kernels.cpu import bits as _bits
+from mpicomp.collectives._wait import issue, resolve_timeout, sendrecv
+from mpicomp.kernels import backend_of
+from mpicomp.kernels.bits import MAX_WIDTH
+from mpicomp.kernels.bits import packed_size as _packed
 
 #: Chunk boundaries fall on multiples of this many elements; a multiple of 8, so a packed
 #: chunk starts on a byte boundary at any width. Tests raise it to move the chunk edges.
 CHUNK_ALIGN = 8
 
-#: Widest code the packing kernels take.
-MAX_WIDTH = 32
-
 _TAG = 0x3C3  # one tag for both phases: MPI keeps messages between two ranks in order
 
 _RS, _AG = "reduce_scatter", "allgather"
-
-
-# --- the one dispatch point on array types -------------------------------------------------
-
-
-class _Backend(NamedTuple):
-    """Array module and fused bit-packing kernels of one backend (see kernels/cpu/bits.py)."""
-
-    xp: Any
-    pack_shifted: Callable  # (codes, shift, width, out_uint8): pack codes + shift
-    unpack_shifted: Callable  # (stream, width, shift, out): out = unpacked - shift
-    add_repack: Callable  # (stream, width, mine, shift, out_width, out_uint8)
-    add_unpack: Callable  # (stream, width, mine, shift, out): out = unpacked + mine + shift
-    min_repack: Callable  # (stream, width, mine, out_uint8)
-
-
-_NUMPY = _Backend(
-    np,
-    _bits.mpicomp_bits_pack_shifted,
-    _bits.mpicomp_bits_unpack_shifted,
-    _bits.mpicomp_bits_add_repack,
-    _bits.mpicomp_bits_add_unpack,
-    _bits.mpicomp_bits_min_repack,
-)
-
-
-def _backend(x) -> _Backend:
-    """Return the backend that owns ``x``; the only place that looks at array types."""
-    if type(x).__module__.startswith("cupy"):
-        # A CuPy twin of the packing kernels and (CUDA-aware or staged) buffers go here.
-        raise TypeError("ring collectives take NumPy arrays; CuPy arrays are not supported yet")
-    return _NUMPY
 
 
 class PackedSums(NamedTuple):
@@ -99,10 +72,6 @@ class PackedSums(NamedTuple):
 
 
 # --- layout -------------------------------------------------------------------------------
-
-
-def _packed(n: int, width: int) -> int:
-    return (n * width + 7) // 8
 
 
 def _width(max_value: int) -> int:
@@ -126,7 +95,7 @@ def _ring_allreduce(
     comm,
     exchange: Callable,
     n: int,
-    be: _Backend,
+    be,
     width_of_step: Callable[[int], int],
     pack_mine: Callable,
     combine: Callable,
@@ -145,7 +114,7 @@ def _ring_allreduce(
         exchange: ``exchange(sendbuf, dest, recvbuf, source, phase, step)`` moves one
             step's messages (``_exchanger`` builds it: blocking or with a timeout).
         n: the number of values, the same on every rank.
-        be: the backend owning the values.
+        be: the kernel backend record owning the values.
         width_of_step: bits per element of a partial over i ranks (reduce-scatter step i).
         pack_mine: ``pack_mine(lo, hi, width, out_uint8)`` packs this rank's values.
         combine: ``combine(stream, width, lo, hi, out_width, out_uint8)`` packs the
@@ -216,35 +185,36 @@ def _ring_allreduce(
 
 def _exchanger(comm, timeout: float | None, op: str) -> Callable:
     """Return ``exchange(sendbuf, dest, recvbuf, source, phase, step)`` for the core."""
-    if timeout is None:
 
-        def exchange(sendbuf, dest, recvbuf, source, phase, step):
-            comm.Sendrecv(sendbuf, dest, _TAG, recvbuf, source, _TAG)
-
-        return exchange
-
-    def timed_exchange(sendbuf, dest, recvbuf, source, phase, step):
-        reqs = [comm.Irecv(recvbuf, source, _TAG), comm.Isend(sendbuf, dest, _TAG)]
-        wait_all(
+    def exchange(sendbuf, dest, recvbuf, source, phase, step):
+        sendrecv(
             comm,
-            reqs,
-            timeout,
-            op,
-            lambda: (
+            sendbuf,
+            dest,
+            recvbuf,
+            source,
+            _TAG,
+            timeout=timeout,
+            name=op,
+            detail=lambda: (
                 f"{phase} step {step} of {comm.Get_size() - 1}: receiving {recvbuf.nbytes} "
                 f"bytes from rank {source} and sending {sendbuf.nbytes} bytes to rank {dest}"
             ),
         )
 
-    return timed_exchange
+    return exchange
 
 
 # --- argument checks, agreed across ranks -------------------------------------------------
 
 
-def _as_codes(codes, fname: str):
+def _as_codes(codes, fname: str, kernels=None):
     """Return ``codes`` as a contiguous 1-D integer array of its backend, and the backend."""
-    be = _backend(codes)
+    try:
+        be = backend_of(codes, kernels)
+    except TypeError:  # a list or another sequence: made a NumPy array
+        codes = np.asarray(codes)
+        be = backend_of(codes, kernels)
     codes = be.xp.asarray(codes)
     if not np.issubdtype(codes.dtype, np.integer):
         raise TypeError(f"{fname}: codes must have an integer dtype, got {codes.dtype!r}")
@@ -276,8 +246,6 @@ def _agree(comm, fname, err, n, param, pname, mode, lo, hi, allowed, timeout=Non
     width), equal mode, and every code of every rank inside ``allowed`` = (min, max). The
     same ValueError is raised on every rank where another rank is at fault.
     """
-    from mpi4py import MPI
-
     rank = comm.Get_rank()
     vec = np.zeros(10, dtype=np.int64)
     if err is not None:
@@ -288,17 +256,8 @@ def _agree(comm, fname, err, n, param, pname, mode, lo, hi, allowed, timeout=Non
         hi, lo = min(hi, int(_I64.max)), max(lo, -int(_I64.max))
         vec[:8] = [n, -n, param, -param, mode, -mode, hi, -lo]
         vec[9] = rank + 1 if out_of_range else 0
-    if timeout is None:
-        comm.Allreduce(MPI.IN_PLACE, vec, op=MPI.MAX)
-    else:
-        req = comm.Iallreduce(MPI.IN_PLACE, vec, op=MPI.MAX)
-        wait_all(
-            comm,
-            [req],
-            timeout,
-            fname,
-            f"agreement (an Iallreduce of {vec.nbytes} bytes over all {comm.Get_size()} ranks)",
-        )
+    detail = f"agreement (an Iallreduce of {vec.nbytes} bytes over all {comm.Get_size()} ranks)"
+    issue(comm, "Allreduce", MPI.IN_PLACE, vec, op=MPI.MAX, timeout=timeout, name=fname, detail=detail)
     if err is not None:
         raise err
     if vec[8]:
@@ -391,18 +350,52 @@ def ring_allreduce_bounded(
         err = exc
     allowed = (-b, b) if signed else (0, b)
     _agree(comm, fname, err, n, b, "bound", mode, lo, hi, allowed, timeout)
+    return _bounded(comm, x, b, majority, signed, packed, tracer, timeout, be, fname)
 
+
+def ring_allreduce_agreed(
+    comm,
+    codes,
+    bound,
+    majority=False,
+    *,
+    signed=True,
+    packed=False,
+    tracer=None,
+    timeout=None,
+    kernels=None,
+):
+    """Run ``ring_allreduce_bounded``'s ring for a caller whose ranks have agreed already.
+
+    The same arguments and result, nothing checked and no message beyond the ring's: every
+    rank brings a contiguous 1-D integer ``codes`` of one length, the same ``bound`` and
+    mode, every code inside the bound (``CompressedComm`` agrees on the length first and
+    its codecs make codes within their bound). ``kernels``: the backend record for NumPy
+    codes (default ``mpicomp.kernels.backend()``).
+    """
+    be = backend_of(codes, kernels)
+    timeout = resolve_timeout(timeout)
+    return _bounded(
+        comm, codes, bound, majority, signed, packed, tracer, timeout, be, "ring_allreduce_bounded"
+    )
+
+
+def _bounded(comm, x, b, majority, signed, packed, tracer, timeout, be, fname):
+    """The width-growing ring of ``ring_allreduce_bounded`` over agreed arguments."""
+    size = comm.Get_size()
+    mode = _MODE_MAJORITY if callable(majority) or majority else 0
     # Codes travel shifted into [0, 2*bound]; the kernels add the shift as they read them.
     shift = b if signed else 0
     span = 2 * b if signed else b
     final_width = 1 if mode == _MODE_MAJORITY else _width(size * span)
     xp = be.xp
+    bits = be.bits
 
     def pack_mine(lo, hi, width, out):
-        be.pack_shifted(x[lo:hi], shift, width, out)
+        bits.pack_shifted(x[lo:hi], shift, width, out)
 
     def combine(stream, width, lo, hi, out_width, out):
-        be.add_repack(stream, width, x[lo:hi], shift, out_width, out)
+        bits.add_repack(stream, width, x[lo:hi], shift, out_width, out)
 
     if mode == _MODE_MAJORITY:
         decide = majority if callable(majority) else _paper_majority(xp, size)
@@ -412,14 +405,14 @@ def ring_allreduce_bounded(
                 counts = x[lo:hi].astype(np.int64)
             else:
                 counts = xp.empty(hi - lo, dtype=np.int64)
-                be.add_unpack(stream, width, x[lo:hi], 0, counts)
-            bits = xp.asarray(decide(counts, lo), dtype=np.uint8).reshape(-1)
-            if bits.size != out.size:
+                bits.add_unpack(stream, width, x[lo:hi], 0, counts)
+            decided = xp.asarray(decide(counts, lo), dtype=np.uint8).reshape(-1)
+            if decided.size != out.size:
                 raise ValueError(
-                    f"{fname}: decide returned {bits.size} bytes for {hi - lo} elements, "
+                    f"{fname}: decide returned {decided.size} bytes for {hi - lo} elements, "
                     f"expected {out.size}"
                 )
-            out[...] = bits
+            out[...] = decided
 
     else:
 
@@ -432,7 +425,7 @@ def ring_allreduce_bounded(
     result = _ring_allreduce(
         comm,
         _exchanger(comm, timeout, fname),
-        n,
+        x.size,
         be,
         lambda i: _width(i * span),
         pack_mine,
@@ -446,9 +439,9 @@ def ring_allreduce_bounded(
         return result
     offset = size * shift
     if packed:
-        return PackedSums(result, n, final_width, offset)
-    sums = xp.empty(n, dtype=np.int64)
-    be.unpack_shifted(result, final_width, offset, sums)
+        return PackedSums(result, x.size, final_width, offset)
+    sums = xp.empty(x.size, dtype=np.int64)
+    bits.unpack_shifted(result, final_width, offset, sums)
     return sums
 
 
@@ -495,14 +488,29 @@ def ring_allreduce_min(comm, codes, width, *, dtype=np.int64, tracer=None, timeo
     except (TypeError, ValueError) as exc:
         err = exc
     _agree(comm, fname, err, n, w, "width", 0, lo, hi, (0, 2**w - 1), timeout)
+    return _minimum(comm, x, w, dtype, tracer, timeout, be, fname)
 
-    xp = be.xp
+
+def ring_allreduce_min_agreed(
+    comm, codes, width, *, dtype=np.int64, tracer=None, timeout=None, kernels=None
+):
+    """Run ``ring_allreduce_min``'s ring for a caller whose ranks have agreed already:
+    the same arguments and result, nothing checked, no message beyond the ring's (every
+    rank brings contiguous 1-D codes of one length, each in [0, 2**width))."""
+    be = backend_of(codes, kernels)
+    timeout = resolve_timeout(timeout)
+    return _minimum(comm, codes, width, dtype, tracer, timeout, be, "ring_allreduce_min")
+
+
+def _minimum(comm, x, w, dtype, tracer, timeout, be, fname):
+    """The constant-width MIN ring of ``ring_allreduce_min`` over agreed arguments."""
+    bits = be.bits
 
     def pack_mine(lo, hi, width, out):
-        be.pack_shifted(x[lo:hi], 0, width, out)
+        bits.pack_shifted(x[lo:hi], 0, width, out)
 
     def smallest(stream, width, lo, hi, out_width, out):
-        be.min_repack(stream, width, x[lo:hi], out)
+        bits.min_repack(stream, width, x[lo:hi], out)
 
     def finish(stream, width, lo, hi, out):
         if stream is None:
@@ -513,7 +521,7 @@ def ring_allreduce_min(comm, codes, width, *, dtype=np.int64, tracer=None, timeo
     packed = _ring_allreduce(
         comm,
         _exchanger(comm, timeout, fname),
-        n,
+        x.size,
         be,
         lambda i: w,
         pack_mine,
@@ -523,6 +531,6 @@ def ring_allreduce_min(comm, codes, width, *, dtype=np.int64, tracer=None, timeo
         tracer,
         "ring_min",
     )
-    result = xp.empty(n, dtype=dtype)
-    be.unpack_shifted(packed, w, 0, result)
+    result = be.xp.empty(x.size, dtype=dtype)
+    bits.unpack_shifted(packed, w, 0, result)
     return result

@@ -16,7 +16,7 @@ from __future__ import annotations
 import numpy as np
 from mpi4py import MPI
 
-from mpicomp.collectives._wait import resolve_timeout, wait_all
+from mpicomp.collectives._wait import issue, resolve_timeout
 from mpicomp.collectives.allgather import _COUNT_LIMIT
 
 _OP = "alltoall_bytes"
@@ -31,10 +31,6 @@ def shard_bounds(n: int, nshards: int) -> list[tuple[int, int]]:
         bounds.append((start, stop))
         start = stop
     return bounds
-
-
-def _wait(comm, request, timeout, what: str) -> None:
-    wait_all(comm, [request], timeout, _OP, lambda: f"{what} (over all {comm.size} ranks)")
 
 
 def alltoall_bytes(comm, payloads, *, tracer=None, timeout=None) -> list[np.ndarray]:
@@ -57,12 +53,8 @@ def alltoall_bytes(comm, payloads, *, tracer=None, timeout=None) -> list[np.ndar
     )
     send_sizes = np.array([p.size for p in payloads] if ok else [-1] * size, dtype=np.int64)
     recv_sizes = np.empty(size, dtype=np.int64)
-    if timeout is None:
-        comm.Alltoall(send_sizes, recv_sizes)
-    else:
-        _wait(
-            comm, comm.Ialltoall(send_sizes, recv_sizes), timeout, "sizes (an Ialltoall of int64)"
-        )
+    detail = f"sizes (an Ialltoall of int64 over all {size} ranks)"
+    issue(comm, "Alltoall", send_sizes, recv_sizes, timeout=timeout, name=_OP, detail=detail)
     bad = [r for r in range(size) if recv_sizes[r] < 0]
     if bad:
         # The same message on every rank, the bad rank included.
@@ -72,11 +64,8 @@ def alltoall_bytes(comm, payloads, *, tracer=None, timeout=None) -> list[np.ndar
     # Decided on a value every rank shares, so all raise or none does.
     local = np.array([max(send_sizes.sum(), recv_sizes.sum())], dtype=np.int64)
     largest = np.empty(1, dtype=np.int64)
-    if timeout is None:
-        comm.Allreduce(local, largest, op=MPI.MAX)
-    else:
-        req = comm.Iallreduce(local, largest, op=MPI.MAX)
-        _wait(comm, req, timeout, "the count check (an Iallreduce of 8 bytes)")
+    detail = f"the count check (an Iallreduce of 8 bytes over all {size} ranks)"
+    issue(comm, "Allreduce", local, largest, op=MPI.MAX, timeout=timeout, name=_OP, detail=detail)
     if largest[0] > _COUNT_LIMIT:
         raise ValueError(
             f"alltoall_bytes: a rank moves {largest[0]} bytes, more than this MPI's "
@@ -88,11 +77,11 @@ def alltoall_bytes(comm, payloads, *, tracer=None, timeout=None) -> list[np.ndar
     recv = np.empty(int(recv_sizes.sum()), dtype=np.uint8)
     sendspec = [send, send_sizes, sdispl, MPI.BYTE]
     recvspec = [recv, recv_sizes, rdispl, MPI.BYTE]
-    if timeout is None:
-        comm.Alltoallv(sendspec, recvspec)
-    else:
-        what = f"push (an Ialltoallv sending {send.nbytes} bytes, receiving {recv.nbytes})"
-        _wait(comm, comm.Ialltoallv(sendspec, recvspec), timeout, what)
+    detail = (
+        f"push (an Ialltoallv sending {send.nbytes} bytes, receiving {recv.nbytes}, "
+        f"over all {size} ranks)"
+    )
+    issue(comm, "Alltoallv", sendspec, recvspec, timeout=timeout, name=_OP, detail=detail)
     if tracer is not None:
         me = comm.rank
         tracer.record("sharded.sizes", 1, 8 * (size - 1), 8 * (size - 1), 64)

@@ -17,9 +17,9 @@ import sys
 
 from mpi4py import MPI
 
-import mpicomp
 from mpicomp.bench import codec_set, parse_count
-from mpicomp.bench_allreduce import format_table, measure
+from mpicomp.bench.allreduce import measure
+from mpicomp.bench.report import format_allreduce_table, mpi_library, print_json, title
 
 
 def main(argv=None) -> int:
@@ -52,20 +52,16 @@ def main(argv=None) -> int:
     if comm.rank != 0:
         return 0
     if args.json:
-        import json
-
-        print(json.dumps(rows, indent=1))
+        print_json(rows)
         return 0
-    vendor, version = MPI.get_vendor()
     print(
-        f"mpicomp {mpicomp.__version__} all-reduce bench: {comm.size} ranks, "
-        f"{vendor} {'.'.join(map(str, version))}, cpu backend\n"
+        f"{title('all-reduce bench')}: {comm.size} ranks, {mpi_library()}, cpu backend\n"
         f"time: the slowest rank's, median of {args.reps} calls after a warm-up; "
         "bytes: per rank per call (Traffic), the largest over ranks;\n"
         "'x ring' divides by the 2(N-1)/N*4n bytes a float32 ring all-reduce sends "
         "(and receives) per rank"
     )
-    format_table(rows)
+    format_allreduce_table(rows)
     return 0
 
 

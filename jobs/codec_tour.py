@@ -13,8 +13,9 @@ import sys
 import numpy as np
 
 import mpicomp
-from mpicomp.bench import conv_gradient, median_seconds
-from mpicomp.roundtrip import one_rank_round_trip
+from mpicomp.bench import conv_gradient, label, median_seconds
+from mpicomp.bench.report import title
+from mpicomp.bench.roundtrip import one_rank_round_trip
 
 TOUR = [
     ("none", {}),
@@ -43,7 +44,7 @@ def main(argv=None) -> int:
     x = conv_gradient(seed=args.seed)
     norm = float(np.linalg.norm(x.astype(np.float64)))
     gb = x.nbytes / 1e9
-    print(f"mpicomp {mpicomp.__version__} codec tour: gradient {x.shape} float32 "
+    print(f"{title('codec tour')}: gradient {x.shape} float32 "
           f"({x.size:,} elements, {x.nbytes / 2**20:.1f} MiB), one process, "
           f"median of {args.reps} after a warm-up", flush=True)  # fmt: skip
     dst = np.empty_like(x)
@@ -61,8 +62,7 @@ def main(argv=None) -> int:
         y = dec()
         err = float(np.linalg.norm((y - x).astype(np.float64))) / norm
         bits = 8 * wire() / x.size
-        label = ",".join(f"{k}={v}" for k, v in params.items())
-        print(f"{name:<28}{label:<16}{bits:>10.3f}{32 / bits:>8.1f}x{err:>10.4f}"
+        print(f"{name:<28}{label(params):<16}{bits:>10.3f}{32 / bits:>8.1f}x{err:>10.4f}"
               f"{gb / t_enc:>10.2f}{gb / t_enc / memcpy:>9.2f}{gb / t_dec:>10.2f}{gb / t_dec / memcpy:>9.2f}",
               flush=True)  # fmt: skip
     print("bits/elem: payload (header included) or ring codes of one rank, per element; "

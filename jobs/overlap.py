@@ -29,7 +29,8 @@ from mpi4py import MPI
 
 import mpicomp
 from mpicomp.bench import codec_set, gradient, label, parse_count
-from mpicomp.bench_allreduce import slowest_median
+from mpicomp.bench.allreduce import slowest_median
+from mpicomp.bench.report import mpi_library, print_json, title
 
 _MIN_SIDE, _MAX_SIDE = 16, 8192  # the matmul's side: from a few us to about a second
 
@@ -174,14 +175,11 @@ def main(argv=None) -> int:
     if comm.rank != 0:
         return 0
     if args.json:
-        import json
-
-        print(json.dumps(rows, indent=1))
+        print_json(rows)
         return 0
-    vendor, version = MPI.get_vendor()
     print(
-        f"mpicomp {mpicomp.__version__} overlap bench: {comm.size} ranks, "
-        f"{vendor} {'.'.join(map(str, version))}, thread level {MPI.Query_thread()}\n"
+        f"{title('overlap bench')}: {comm.size} ranks, {mpi_library()}, "
+        f"thread level {MPI.Query_thread()}\n"
         f"ms per backward pass of {args.buckets} buckets (compute: one matmul sized to one "
         "bucket's all-reduce); the slowest rank's, median of "
         f"{args.reps} passes after a warm-up; 'bound': max(compute, reduce) + one bucket"

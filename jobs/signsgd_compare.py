@@ -29,7 +29,6 @@ count the logical bytes), the largest over ranks, beside the exact formula.
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
 import sys
@@ -40,12 +39,14 @@ import numpy as np
 from mpi4py import MPI
 
 from mpicomp.bench import gradient, parse_count
-from mpicomp.bench_allreduce import slowest_median
+from mpicomp.bench.allreduce import slowest_median
+from mpicomp.bench.report import mpi_library, print_json
 from mpicomp.collectives.allgather import allgather_bytes, allgather_bytes_ring
 from mpicomp.collectives.ring import ring_allreduce_bounded
 from mpicomp.collectives.sharded import alltoall_bytes
 from mpicomp.collectives.traffic import Traffic
-from mpicomp.kernels.cpu import signsgd as _k
+from mpicomp.kernels import backend
+from mpicomp.kernels.signsgd import TIE_NEGATIVE
 
 #: The schemes, in the order the table prints them.
 SCHEMES = ("ring", "allgather", "allgatherv", "alltoall_allgather")
@@ -120,7 +121,7 @@ def decide(rows: np.ndarray, nelem: int, nranks: int) -> np.ndarray:
     # signature. A second signature of a cached kernel, compiled in a process that loaded
     # the first from numba's cache, can clash with it (numba #10128) and crash.
     counts = lanes.view(np.uint8)[:nelem].astype(np.int64)
-    _k.mpicomp_signsgd_majority(counts, nranks, _k.TIE_NEGATIVE, np.uint64(0), 0, out)
+    backend().signsgd.majority(counts, nranks, TIE_NEGATIVE, np.uint64(0), 0, out)
     return out
 
 
@@ -130,7 +131,7 @@ def decide(rows: np.ndarray, nelem: int, nranks: int) -> np.ndarray:
 def votes(x: np.ndarray) -> np.ndarray:
     """Return one uint8 vote per element: 1 where x > 0, else 0 (the ring's input)."""
     out = np.empty(x.size, dtype=np.uint8)
-    if not _k.mpicomp_signsgd_votes(x, out):
+    if not backend().signsgd.votes(x, out):
         raise ValueError("signsgd_compare: the gradient holds NaN or Inf")
     return out
 
@@ -138,7 +139,7 @@ def votes(x: np.ndarray) -> np.ndarray:
 def signs(x: np.ndarray) -> np.ndarray:
     """Return the votes of ``x`` packed 8 per byte, LSB-first (the allgathers' input)."""
     out = np.empty((x.size + 7) // 8, dtype=np.uint8)
-    if not _k.mpicomp_signsgd_pack(x, out):
+    if not backend().signsgd.pack(x, out):
         raise ValueError("signsgd_compare: the gradient holds NaN or Inf")
     return out
 
@@ -369,14 +370,12 @@ def main(argv=None) -> int:
     if comm.rank != 0:
         return 0 if ok else 1
     if args.json:
-        print(json.dumps(rows, indent=1))
+        print_json(rows)
         return 0 if ok else 1
-    vendor, version = MPI.get_vendor()
     cores = _cores()
     print(
         f"signSGD majority, ring vs allgather vs alltoall+allgather: {comm.size} ranks on "
-        f"{cores} cores, {vendor} {'.'.join(map(str, version))}, "
-        f"numba threads {nb.get_num_threads()}\n"
+        f"{cores} cores, {mpi_library()}, numba threads {nb.get_num_threads()}\n"
         f"time: gradient to decision bits, the slowest rank's, median of {args.reps} calls "
         "after a warm-up; bytes: per rank per call (Traffic), the largest over ranks"
     )

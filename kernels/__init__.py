@@ -1,1 +1,157 @@
-"""Device code of mpicomp: numba CPU kernels (``cpu``) and CUDA sources (``cuda``)."""
+"""Device code of mpicomp, and the one place that looks at array types.
+
+A *backend* is a record: ``name``, ``xp`` (the array module its arrays belong to) and one
+attribute per kernel family (``FAMILIES``) whose public callables are the family's
+host-side launchers. Launchers have the same signatures on every backend; callers
+allocate outputs through ``record.xp`` and pass them in. Codecs and collectives never
+import a backend's modules: they call the launchers of the record ``backend_of(x)``
+returns.
+
+Backends present: ``numba`` (NumPy arrays on the CPU, ``kernels/cpu/``). Another one
+registers with ``register_backend(name, record)`` (a record, or a function returning
+one, called at first use so its imports stay lazy) and is chosen for NumPy arrays by
+the environment variable ``MPICOMP_KERNELS``, read when a codec or a CompressedComm is
+made. What both twins of a family share (constants, error codes, layout arithmetic)
+lives in ``kernels/<family>.py``, beside this file.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from types import SimpleNamespace
+
+import numpy as np
+
+__all__ = [
+    "DEFAULT",
+    "ENV",
+    "FAMILIES",
+    "available",
+    "backend",
+    "backend_of",
+    "register_backend",
+]
+
+#: The kernel families every backend provides, one attribute of the record each.
+FAMILIES = ("bits", "checksum", "fastsgd", "fft", "fp16", "qsgd", "signsgd", "threelc", "topk")
+
+#: The environment variable naming the backend for NumPy arrays.
+ENV = "MPICOMP_KERNELS"
+
+#: The backend for NumPy arrays when ``MPICOMP_KERNELS`` is unset or empty.
+DEFAULT = "numba"
+
+# name -> record, or a function of no arguments that makes the record at first use.
+_REGISTRY: dict[str, object] = {}
+
+
+def register_backend(name: str, record) -> None:
+    """Add (or replace) the backend ``name``.
+
+    Args:
+        name: what ``backend(name)`` and ``MPICOMP_KERNELS`` call it.
+        record: an object with ``name``, ``xp`` and one attribute per family of
+            ``FAMILIES``, each holding that family's launchers; or a callable of no
+            arguments returning such a record, called at the first ``backend(name)``.
+
+    Raises:
+        TypeError: ``name`` is not a non-empty str, or the record lacks an attribute.
+    """
+    if not isinstance(name, str) or not name:
+        raise TypeError(f"a backend name must be a non-empty str, got {name!r}")
+    if not callable(record) or _is_record(record):
+        _check_record(name, record)
+    _REGISTRY[name] = record
+
+
+def available() -> list[str]:
+    """Return the names of the registered backends, sorted."""
+    return sorted(_REGISTRY)
+
+
+def backend(name: str | None = None):
+    """Return the record of backend ``name`` (None: the one ``MPICOMP_KERNELS`` selects).
+
+    Raises:
+        ValueError: no backend of that name is registered.
+    """
+    if name is None:
+        name = os.environ.get(ENV) or DEFAULT
+    try:
+        record = _REGISTRY[name]
+    except KeyError:
+        where = f" (from {ENV})" if name == os.environ.get(ENV) else ""
+        raise ValueError(
+            f"unknown kernel backend {name!r}{where}; available: {', '.join(available())}"
+        ) from None
+    if callable(record) and not _is_record(record):
+        record = record()  # a lazy registration: import and build it once
+        _check_record(name, record)
+        _REGISTRY[name] = record
+    return record
+
+
+def backend_of(x, host=None):
+    """Return the backend record that computes on array ``x``.
+
+    NumPy arrays (and NumPy scalars) go to ``host``, a record chosen earlier (codecs and
+    CompressedComm read ``MPICOMP_KERNELS`` when they are made), or else to
+    ``backend()``. Arrays of any other module are refused: no GPU backend exists yet.
+
+    Raises:
+        TypeError: ``x`` is not an array of a backend present.
+    """
+    if isinstance(x, (np.ndarray, np.generic)):
+        return backend() if host is None else host
+    module = type(x).__module__.split(".")[0]
+    if module == "cupy":
+        raise TypeError(
+            "CuPy arrays are not supported yet (mpicomp has no CUDA kernel backend); "
+            "pass a NumPy array"
+        )
+    raise TypeError(f"expected a NumPy array, got {type(x).__module__}.{type(x).__name__}")
+
+
+def launchers(record, family: str) -> dict[str, Callable]:
+    """Return the public callables of ``record``'s ``family``: its launchers, by name."""
+    fam = getattr(record, family)
+    return {
+        k: getattr(fam, k)
+        for k in dir(fam)
+        if not k.startswith("_") and callable(getattr(fam, k)) and not isinstance(getattr(fam, k), type)
+    }
+
+
+def threadsafe(record) -> bool:
+    """Return True if launchers of ``record`` may run on two threads at once.
+
+    A record may say so itself (``record.threadsafe()``); one that does not is judged
+    by numba's threading layer, the one hazard known here (its ``workqueue`` layer
+    aborts when two threads launch parallel kernels together).
+    """
+    check = getattr(record, "threadsafe", None)
+    if check is not None:
+        return bool(check())
+    from mpicomp.kernels.cpu import numba_threadsafe
+
+    return numba_threadsafe()
+
+
+def _is_record(obj) -> bool:
+    return all(hasattr(obj, a) for a in ("name", "xp", *FAMILIES))
+
+
+def _check_record(name: str, record) -> None:
+    missing = [a for a in ("name", "xp", *FAMILIES) if not hasattr(record, a)]
+    if missing:
+        raise TypeError(f"kernel backend {name!r} lacks {', '.join(missing)}")
+
+
+def _numba_record() -> SimpleNamespace:
+    from mpicomp.kernels.cpu import record
+
+    return record()
+
+
+register_backend(DEFAULT, _numba_record)

@@ -19,21 +19,6 @@ __all__ = ["Handle", "Worker"]
 _STOP = object()  # the queue item that ends a worker's thread
 
 
-def kernels_threadsafe() -> bool:
-    """Return True if numba's parallel kernels may run on two threads at once.
-
-    numba's ``workqueue`` layer (the fallback without OpenMP or TBB) aborts the process
-    when two threads launch parallel kernels concurrently; ``omp`` and ``tbb`` do not.
-    The layer is chosen at the first parallel launch, so this launches a tiny one.
-    """
-    import numba
-
-    from mpicomp.kernels.cpu.checks import mpicomp_parallel_probe
-
-    mpicomp_parallel_probe(2)
-    return numba.threading_layer() != "workqueue"
-
-
 class Handle:
     """The pending result of one nonblocking call (``CompressedComm.iallreduce``).
 

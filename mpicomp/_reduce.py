@@ -1,4 +1,4 @@
-"""How each aggregation kind is averaged across ranks, one function per kind.
+"""How each aggregation kind is averaged across ranks, one function per kind (``REDUCERS``).
 
 Every path starts with an *agreement*: one small message in which each rank says
 how many elements it brings and whether its local encode failed. Ranks that
@@ -20,14 +20,14 @@ from dataclasses import dataclass
 import numpy as np
 from mpi4py import MPI
 
-from mpicomp._backend import all_finite, zero_nonfinite
+from mpicomp._arrays import all_finite, zero_nonfinite
 from mpicomp.collectives import plain
-from mpicomp.collectives._wait import resolve_timeout
 from mpicomp.collectives.allgather import allgather_bytes
+from mpicomp.collectives.float16 import allreduce_float16
 from mpicomp.collectives.maxallreduce import max_allreduce
-from mpicomp.collectives.ring import _exchanger, ring_allreduce_bounded, ring_allreduce_min
+from mpicomp.collectives.ring import ring_allreduce_agreed, ring_allreduce_min_agreed
 from mpicomp.collectives.sharded import alltoall_bytes, shard_bounds
-from mpicomp.kernels.cpu import fp16 as _fp16
+from mpicomp.kernels import backend_of
 from mpicomp.trace import NO_CLOCK
 
 POLICIES = ("raise", "skip_step", "zero")
@@ -82,7 +82,8 @@ class Call:
     ``step`` drives the counter-based random draws; ``tracer`` gets the collectives'
     exchange steps and ``clock`` the phase marks (``NO_CLOCK`` when untraced);
     ``layout`` is the name or bucket hash the agreement compares; ``guard`` the NaN/Inf
-    policy; ``timeout`` each wait's limit in seconds (None: ``MPICOMP_TIMEOUT``).
+    policy; ``timeout`` each wait's limit in seconds (None: ``MPICOMP_TIMEOUT``);
+    ``kernels`` the kernel backend of NumPy arrays (None: ``mpicomp.kernels.backend()``).
     """
 
     comm: object
@@ -92,6 +93,7 @@ class Call:
     layout: int = 0
     guard: Guard = _RAISE
     timeout: float | None = None
+    kernels: object = None
 
     @property
     def io(self) -> dict:
@@ -184,7 +186,17 @@ def _attempt(fn, *args, **kwargs):
         return None, e
 
 
-def reduce_sum(call: Call, codec, flat) -> np.ndarray:
+@dataclass(frozen=True)
+class Encoders:
+    """How a gather call compresses, error feedback included: ``encode(flat)`` for the
+    allgather; ``push(shard, s)`` and ``pull(average)`` for the sharded path."""
+
+    encode: Callable
+    push: Callable
+    pull: Callable
+
+
+def reduce_sum(call: Call, codec, flat, encoders: Encoders | None = None) -> np.ndarray:
     """Average by MPI sum of ``codec.to_wire`` (float32 as it is, or float16).
 
     ``none`` sends its input unchecked: a NaN/Inf on any rank reaches every rank's
@@ -197,7 +209,7 @@ def reduce_sum(call: Call, codec, flat) -> np.ndarray:
     _agree(call, flat.size, err, nonfinite=bad)
     total = _sum(call, wire)
     clock.communicated()
-    if not _sum_finite(total):
+    if not _sum_finite(call, total):
         local = not all_finite(flat)
         ranks = _flagged(call, local)
         if not ranks:
@@ -211,7 +223,7 @@ def reduce_sum(call: Call, codec, flat) -> np.ndarray:
                 flat = zero_nonfinite(flat)
             total = _sum(call, codec.to_wire(flat))
             clock.communicated()
-            if not _sum_finite(total):
+            if not _sum_finite(call, total):
                 raise RankError(f"{codec.name}: the sum over ranks overflows float32")
         else:
             _nonfinite(ranks, local, guard, None)
@@ -223,90 +235,58 @@ def reduce_sum(call: Call, codec, flat) -> np.ndarray:
 def _sum(call: Call, wire) -> np.ndarray:
     """Return the MPI sum over ranks of ``wire`` (float32, or float16 summed in float32)."""
     if wire.dtype == np.float16:
-        return _float16_sum(call, wire)
+        # Summed in place: ``wire`` is this call's own buffer from ``to_wire``.
+        allreduce_float16(call.comm, wire, kernels=call.kernels, **call.io)
+        return wire
     total = np.empty_like(wire)
     # Through collectives.plain: blocking, or nonblocking under MPICOMP_TIMEOUT.
     plain.allreduce(call.comm, wire, total, MPI.SUM, **call.io)
     return total
 
 
-def _float16_sum(call: Call, wire) -> np.ndarray:
-    """Return the float16 sum over ranks of ``wire``, summed in place (``wire`` is this
-    call's own buffer from ``to_wire``), by a ring reduce-scatter and allgather.
-
-    MPI has no float16 type, and MPICH reduces a user-defined op by recursive doubling:
-    the whole vector log2(N) times through a Python callback. This ring sends 2(N-1)/N
-    of it. Chunk c = [c*C, (c+1)*C), C = ceil(n/N), is summed in the rank order c+1,
-    c+2, ..., N-1, 0, ..., c, each addition in float32 rounded to float16 (Inf on
-    overflow), ending at rank c, which passes it on: every rank gets the same bits.
-    """
-    comm, tracer = call.comm, call.tracer
-    size, rank = comm.Get_size(), comm.Get_rank()
-    bits = wire.reshape(-1).view(np.uint16)
-    n = bits.size
-    width = -(-n // size)
-    right, left = (rank + 1) % size, (rank - 1) % size
-
-    def span(c):
-        c %= size
-        return min(n, c * width), min(n, (c + 1) * width)
-
-    exchange = _exchanger(comm, resolve_timeout(call.timeout), "fp16 sum")
-    recv = np.empty(width if size > 1 else 0, np.uint16)
-    for i in range(1, size):  # reduce-scatter: after step N-1 rank r holds chunk r summed
-        (s_lo, s_hi), (r_lo, r_hi) = span(rank - i), span(rank - i - 1)
-        got = recv[: r_hi - r_lo]
-        exchange(bits[s_lo:s_hi], right, got, left, "reduce_scatter", i)
-        if tracer is not None:
-            tracer.record("fp16.reduce_scatter", i, 2 * (s_hi - s_lo), 2 * got.size, 16)
-        _fp16.add(got, bits[r_lo:r_hi])
-    for j in range(1, size):  # allgather of the summed chunks, in place
-        (s_lo, s_hi), (r_lo, r_hi) = span(rank - j + 1), span(rank - j)
-        exchange(bits[s_lo:s_hi], right, bits[r_lo:r_hi], left, "allgather", j)
-        if tracer is not None:
-            tracer.record("fp16.allgather", j, 2 * (s_hi - s_lo), 2 * (r_hi - r_lo), 16)
-    return wire
-
-
-def _sum_finite(total) -> bool:
+def _sum_finite(call: Call, total) -> bool:
     """Return True if the summed wire array holds no NaN/Inf (float16: one SIMD pass)."""
     if total.dtype == np.float16:
-        return _fp16.mpicomp_fp16_all_finite(total.reshape(-1).view(np.uint16))
+        fp16 = backend_of(total, call.kernels).fp16
+        return fp16.all_finite(total.reshape(-1).view(np.uint16))
     return all_finite(total)
 
 
-def reduce_integer(call: Call, codec, flat) -> np.ndarray:
+def reduce_integer(call: Call, codec, flat, encoders: Encoders | None = None) -> np.ndarray:
     """Average QSGD-MaxNorm codes: MaxAllReduce of norms, [MinAllReduce of scale
     indices], exact ring sum of the codes, dequantize."""
     comm, clock, step = call.comm, call.clock, call.step
-    sparse = hasattr(codec, "coordinates")  # GlobalRandK: K coordinates drawn per step
-    at = {"step": step} if sparse else {}
+    at = {"step": step} if codec.sparse else {}  # GlobalRandK: K coordinates drawn per step
     norm, flat, err, bad = _local(lambda f: codec.local_norm(f, **at), flat, call.guard)
     clock.encoded()
     norm = _agree(call, flat.size, err, norm or 0.0, nonfinite=bad)
     clock.communicated()
+    # After the agreement every rank's codes (and scale indices) have one length and lie
+    # within their bounds by construction: the rings trust it (no second agreement).
     extra = ()
-    if hasattr(codec, "scale_index"):
+    if codec.multiscale:
         sidx = codec.scale_index(flat, norm, **at)
         clock.encoded()
         if codec.index_bits:
-            # min_allreduce(bits=)'s ring, straight into the index dtype (no int64 pass)
-            dtype = codec.index_dtype
-            sidx = ring_allreduce_min(comm, sidx, codec.index_bits, dtype=dtype, **call.io)
+            sidx = ring_allreduce_min_agreed(
+                comm, sidx, codec.index_bits, dtype=codec.index_dtype, kernels=call.kernels, **call.io
+            )
             clock.communicated()
         extra = (sidx.astype(codec.index_dtype, copy=False),)
     codes = codec.quantize(flat, norm, *extra, step=step, stream=comm.rank)
     clock.encoded()
     # The sums stay packed as the ring left them; dequantize_packed unpacks as it goes.
-    total = ring_allreduce_bounded(comm, codes, codec.bound, packed=True, **call.io)
+    total = ring_allreduce_agreed(
+        comm, codes, codec.bound, packed=True, kernels=call.kernels, **call.io
+    )
     clock.communicated()
-    at = {"shape": flat.shape, "step": step} if sparse else {}
+    at = {"shape": flat.shape, "step": step} if codec.sparse else {}
     out = codec.dequantize_packed(*total, norm, *extra, nranks=comm.size, **at)
     clock.decoded()
     return out
 
 
-def reduce_majority(call: Call, codec, flat) -> np.ndarray:
+def reduce_majority(call: Call, codec, flat, encoders: Encoders | None = None) -> np.ndarray:
     """signSGD: ring sum of votes, majority decided by each chunk's owner, ±mean scale."""
     comm, clock, step = call.comm, call.clock, call.step
     found, flat, err, bad = _local(codec.votes_and_scale, flat, call.guard)
@@ -321,17 +301,19 @@ def reduce_majority(call: Call, codec, flat) -> np.ndarray:
         return codec.majority(counts, comm.size, step=step, offset=offset)
 
     # The owners' majority decisions run inside the ring: charged to comm.
-    bits = ring_allreduce_bounded(comm, votes, 1, majority=decide, signed=False, **call.io)
+    bits = ring_allreduce_agreed(
+        comm, votes, 1, majority=decide, signed=False, kernels=call.kernels, **call.io
+    )
     clock.communicated()
     out = codec.expand(bits, flat.size, float(scales.sum() / comm.size))
     clock.decoded()
     return out
 
 
-def reduce_gather(call: Call, codec, flat, encode) -> np.ndarray:
+def reduce_gather(call: Call, codec, flat, encoders: Encoders) -> np.ndarray:
     """Allgather every rank's payload; every rank decodes all and averages in rank order."""
     clock = call.clock
-    payload, flat, err, bad = _local(encode, flat, call.guard)
+    payload, flat, err, bad = _local(encoders.encode, flat, call.guard)
     clock.encoded()
     _agree(call, flat.size, err, nonfinite=bad)
     payloads = _exchange(call, allgather_bytes, payload, None)
@@ -341,12 +323,13 @@ def reduce_gather(call: Call, codec, flat, encode) -> np.ndarray:
     return out
 
 
-def reduce_sharded(call: Call, codec, flat, encode_push, encode_pull) -> np.ndarray:
+def reduce_sharded(call: Call, codec, flat, encoders: Encoders) -> np.ndarray:
     """3LC's push/pull: shard s is averaged by rank s, compressed once more, pulled by all.
 
-    ``encode_push(shard, s)`` compresses this rank's shard s (worker residual s);
-    ``encode_pull(avg_shard)`` compresses the owner's average (server residual).
+    ``encoders.push(shard, s)`` compresses this rank's shard s (worker residual s);
+    ``encoders.pull(avg_shard)`` compresses the owner's average (server residual).
     """
+    encode_push, encode_pull = encoders.push, encoders.pull
     comm, clock = call.comm, call.clock
     bounds = shard_bounds(flat.size, comm.size)
 
@@ -392,15 +375,18 @@ def _decode_mean(codec, payloads, n: int) -> np.ndarray:
 
     The same on every rank. Sizes were agreed before the payloads moved, so one of
     another size is corrupt: PayloadError, checked before the decoder allocates.
-    A codec with ``decode_sum(payloads, numel=n)`` sums them itself, in the same
-    order, without decoding each into a dense array (a scatter-add of sparse
-    values; one inverse FFT of the summed spectra).
+    The codec's ``decode_sum`` adds them in order (FastSGD without decoding each into
+    a dense array, FFT by one inverse transform of the summed spectra).
     """
-    decode_sum = getattr(codec, "decode_sum", None)
-    if decode_sum is not None:
-        total = decode_sum(payloads, numel=n)
-    else:
-        total = np.zeros(n, dtype=np.float32)
-        for p in payloads:
-            total += codec.decode(p, numel=n).reshape(-1)
-    return total / np.float32(len(payloads))
+    return codec.decode_sum(payloads, numel=n) / np.float32(len(payloads))
+
+
+#: The reduction path of each aggregation kind; ``"sharded"`` is the gather kind through
+#: shard owners (``CompressedComm(sharded=True)``).
+REDUCERS: dict[str, Callable] = {
+    "sum": reduce_sum,
+    "integer_sum": reduce_integer,
+    "majority": reduce_majority,
+    "gather": reduce_gather,
+    "sharded": reduce_sharded,
+}

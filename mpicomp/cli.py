@@ -11,7 +11,7 @@ import re
 import sys
 
 import mpicomp
-from mpicomp.bench import parse_count
+from mpicomp import bench
 
 # A library call that answers "built with CUDA and enabled at run time", per vendor.
 # MPICH: MPIX_GPU_query_support(MPIX_GPU_SUPPORT_CUDA = 0, &flag) (MPICH >= 4.0);
@@ -155,7 +155,7 @@ def _parser() -> argparse.ArgumentParser:
 
 def _positive_count(text: str) -> int:
     try:
-        value = parse_count(text)
+        value = bench.parse_count(text)
     except ValueError:
         value = 0
     if value < 1:
@@ -167,7 +167,7 @@ def _positive_count(text: str) -> int:
 
 def _count_list(text: str) -> list[int]:
     try:
-        counts = [parse_count(t) for t in text.split(",") if t.strip()]
+        counts = [bench.parse_count(t) for t in text.split(",") if t.strip()]
     except ValueError as e:
         raise argparse.ArgumentTypeError(str(e)) from None
     if not counts or min(counts) < 1:
@@ -215,17 +215,30 @@ def info() -> dict[str, str]:
     out["MPI library file"] = libpath or "unknown"
     out["mpi4py ABI"] = _mpi4py_abi(MPI)
     out["MPI world size"] = str(MPI.COMM_WORLD.size)
-    gpus, gpu_ok = _gpus()
-    lib_cuda = _mpi_cuda_support(libpath, vendor)
-    out["MPI CUDA support"] = lib_cuda
-    out["CUDA-aware MPI"] = lib_cuda if gpu_ok else "no (no GPU backend)"
-    out["GPUs"] = gpus
-    backends = [f"cpu (numba {numba.config.NUMBA_NUM_THREADS} threads)"]
-    if gpu_ok:
-        backends.append("cuda")
-    out["backends"] = ", ".join(backends)
+    out["MPI CUDA support"] = _mpi_cuda_support(libpath, vendor)
+    # No kernel backend computes on GPU arrays yet: MPI only ever gets host buffers.
+    out["CUDA-aware MPI"] = "no (no GPU backend)"
+    out["GPUs"] = _gpus()
+    out["backends"] = _backends(numba.config.NUMBA_NUM_THREADS)
     out["codecs"] = ", ".join(mpicomp.codecs.available())
     return out
+
+
+def _backends(numba_threads: int) -> str:
+    """Return the registered kernel backends, the one NumPy arrays get marked as in use."""
+    import mpicomp.kernels as K
+
+    try:
+        selected = K.backend().name  # MPICOMP_KERNELS, else the default
+    except ValueError as e:  # an unknown MPICOMP_KERNELS: info still reports the rest
+        return f"{', '.join(K.available())} ({e})"
+    names = []
+    for name in K.available():
+        if name == selected:
+            threads = f"; {numba_threads} threads" if name == "numba" else ""
+            name += f" (in use{threads})"
+        names.append(name)
+    return ", ".join(names)
 
 
 def _version(module: str) -> str:
@@ -285,12 +298,12 @@ def _mpi_cuda_support(libpath: str | None, vendor: str) -> str:
     return "unknown (the library has no MPIX_Query_cuda_support)"
 
 
-def _gpus() -> tuple[str, bool]:
-    """Return (description of the GPUs CuPy sees, whether the CUDA backend can run)."""
+def _gpus() -> str:
+    """Return the GPUs CuPy sees (mpicomp does not compute on them yet)."""
     try:
         import cupy
     except ImportError:
-        return "none (CuPy not installed)", False
+        return "none (CuPy not installed)"
     try:
         n = cupy.cuda.runtime.getDeviceCount()
         names = [
@@ -298,10 +311,10 @@ def _gpus() -> tuple[str, bool]:
             for i in range(n)
         ]
     except Exception as e:  # CUDARuntimeError and friends: no driver, no device
-        return f"none (CuPy {cupy.__version__}: {e})", False
+        return f"none (CuPy {cupy.__version__}: {e})"
     if n == 0:
-        return f"none (CuPy {cupy.__version__} sees no device)", False
-    return f"{n} ({', '.join(names)})", True
+        return f"none (CuPy {cupy.__version__} sees no device)"
+    return f"{n} ({', '.join(names)})"
 
 
 def _cmd_info(args, parser) -> int:
@@ -323,8 +336,6 @@ def _cmd_info(args, parser) -> int:
 
 
 def _cmd_bench(args, parser) -> int:
-    from mpicomp import bench
-
     if args.no_kernels and args.no_allreduce:
         parser.error("bench: --no-kernels and --no-allreduce leave nothing to measure")
     numel = args.numel or 25_600_000
@@ -353,14 +364,14 @@ def _cmd_bench(args, parser) -> int:
     if comm.rank != 0:
         return 0
     if args.json:
-        print(json.dumps(report.rows, indent=1))
+        bench.print_json(report.rows)
     else:
         report.print(args.reps, args.allreduce_reps)
     return 0
 
 
 def _cmd_advise(args, parser) -> int:
-    from mpicomp import advise, bench
+    from mpicomp import advise
 
     try:
         link = advise.parse_rate(args.bandwidth)
@@ -384,7 +395,7 @@ def _cmd_advise(args, parser) -> int:
         rows = bench.run(args.codecs, args.numel, 5, progress=sys.stderr)
         result = advise.advise(rows, link, args.ranks)
     if args.json:
-        print(json.dumps(result, indent=1))
+        bench.print_json(result)
     else:
         advise.format_table(result, link, args.ranks, sys.stdout)
     return 0
@@ -397,10 +408,10 @@ def _trace_module(args):
     if not os.path.isfile(args.file):
         args.sub_parser.error(f"no such file: {args.file!r}")
     try:
-        from mpicomp import trace
+        from mpicomp import trace_report
     except ImportError as e:
-        raise RuntimeError(f"mpicomp.trace is not available ({e})") from e
-    return trace
+        raise RuntimeError(f"mpicomp.trace_report is not available ({e})") from e
+    return trace_report
 
 
 def _trace_error(args, e: Exception) -> int:

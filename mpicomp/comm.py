@@ -16,8 +16,9 @@ import numpy as np
 from mpi4py import MPI
 
 from mpicomp import _reduce
-from mpicomp._backend import get_array_module, to_float32
-from mpicomp._progress import Handle, Worker, kernels_threadsafe
+from mpicomp import kernels
+from mpicomp._arrays import to_float32
+from mpicomp._progress import Handle, Worker
 from mpicomp._reduce import NonFiniteWarning, RankError, Skipped
 from mpicomp.codecs import Codec, ErrorFeedback
 from mpicomp.codecs._base import check_number
@@ -111,6 +112,7 @@ class CompressedComm:
         if not isinstance(codec, Codec):
             raise TypeError(f"codec must be a name or an mpicomp codec, got {codec!r}")
         self.codec = codec
+        self.kernels = codec.kernels  # the backend of NumPy arrays, read when made
         self.min_numel = check_number("min_numel", min_numel, 0, None, integer=True)
         self.bucket_numel = check_number("bucket_numel", bucket_numel, 1, None, integer=True)
         if error_feedback is None:
@@ -124,6 +126,8 @@ class CompressedComm:
                 f"sharded applies to gather codecs; {codec.name!r} is {codec.aggregation!r}"
             )
         self.sharded = bool(sharded)
+        # The reduction path (mpicomp._reduce.REDUCERS) of every compressed call.
+        self._path = "sharded" if self.sharded else codec.aggregation
         if not isinstance(nonfinite, str):
             raise TypeError(f"nonfinite must be a str, got {type(nonfinite).__name__}")
         if nonfinite not in _reduce.POLICIES:
@@ -145,7 +149,7 @@ class CompressedComm:
         if background is None or background:
             if MPI.Query_thread() < MPI.THREAD_MULTIPLE:
                 why = f"MPI provides thread level {MPI.Query_thread()}, not MPI_THREAD_MULTIPLE"
-            elif not kernels_threadsafe():
+            elif not kernels.threadsafe(self.kernels):
                 why = "numba's threading layer is workqueue (install OpenMP or TBB)"
         if background and why:
             raise ValueError(
@@ -452,7 +456,7 @@ class CompressedComm:
                 continue
             spare = self._spare.get((id(fb), key))
             if spare is None or spare.shape != r.shape or type(spare) is not type(r):
-                spare = self._spare[(id(fb), key)] = get_array_module(r).empty_like(r)
+                spare = self._spare[(id(fb), key)] = kernels.backend_of(r).xp.empty_like(r)
             spare[...] = r
             saved.add((id(fb), key))
         return saved
@@ -481,7 +485,7 @@ class CompressedComm:
     def _trace_attrs(self) -> dict:
         """Return the run attributes a trace records about this CompressedComm."""
         return {
-            "backend": "cpu",
+            "backend": self.kernels.name,
             "cuda_aware": False,
             "codec": self.codec.name,
             "codec_params": json.dumps(self.codec.params, sort_keys=True, default=str),
@@ -529,23 +533,26 @@ class CompressedComm:
         restore = (lambda: self._restore(keys, saved)) if keys else None  # noqa: E731
         guard = _reduce.Guard(self.nonfinite, what, over, restore)
         trace = self.trace
-        call = _reduce.Call(self._comm, step, self.tracer, NO_CLOCK, layout, guard, self.timeout)
+        call = _reduce.Call(
+            self._comm, step, self.tracer, NO_CLOCK, layout, guard, self.timeout, self.kernels
+        )
+        # Below min_numel every codec steps aside for the float32 sum of `none`.
+        codec = self._plain if uncompressed else self.codec
+        reduce = _reduce.REDUCERS["sum" if uncompressed else self._path]
+        encoders = None if uncompressed else self._encoders(name)
         try:
             if trace is None:
-                return self._reduce(flat, name, uncompressed, call)
-            codec = "none" if uncompressed else self.codec.name
+                return reduce(call, codec, flat, encoders)
             trace.begin(
                 step,
                 f"{op} below min_numel" if uncompressed else op,
-                codec,
+                codec.name,
                 name,
                 flat.size,
                 self.tracer,
             )
             try:
-                out = self._reduce(
-                    flat, name, uncompressed, replace(call, tracer=trace, clock=trace)
-                )
+                out = reduce(replace(call, tracer=trace, clock=trace), codec, flat, encoders)
             except Skipped:
                 trace.end()  # a skipped call still exchanged its agreement: keep its event
                 raise
@@ -555,25 +562,18 @@ class CompressedComm:
             self._restore(keys, saved)
             raise
 
-    def _reduce(self, flat, name: str, uncompressed: bool, call: _reduce.Call) -> np.ndarray:
-        codec = self.codec
-        if uncompressed or codec.aggregation == "sum":
-            return _reduce.reduce_sum(call, self._plain if uncompressed else codec, flat)
-        if codec.aggregation == "integer_sum":
-            return _reduce.reduce_integer(call, codec, flat)
-        if codec.aggregation == "majority":
-            return _reduce.reduce_majority(call, codec, flat)
-        if self.sharded:
-            if self._feedback is not None:
-                push = lambda f, s: self._feedback.encode(f, f"{name}#shard{s}")  # noqa: E731
-                pull = lambda f: self._server_feedback.encode(f, name)  # noqa: E731
-            else:
-                push, pull = (lambda f, s: codec.encode(f)), codec.encode
-            return _reduce.reduce_sharded(call, codec, flat, push, pull)
-        encode = codec.encode
-        if self._feedback is not None:
-            encode = lambda f: self._feedback.encode(f, name)  # noqa: E731
-        return _reduce.reduce_gather(call, codec, flat, encode)
+    def _encoders(self, name: str) -> _reduce.Encoders | None:
+        """Return how a gather call of ``name`` compresses (through error feedback when on)."""
+        codec, fb = self.codec, self._feedback
+        if codec.aggregation != "gather":
+            return None
+        if fb is None:
+            return _reduce.Encoders(codec.encode, lambda f, s: codec.encode(f), codec.encode)
+        return _reduce.Encoders(
+            lambda f: fb.encode(f, name),
+            lambda f, s: fb.encode(f, f"{name}#shard{s}"),
+            lambda f: self._server_feedback.encode(f, name),
+        )
 
 
 def _buckets(sizes: list[int], limit: int) -> list[list[int]]:
@@ -624,7 +624,7 @@ def _warn(messages: list[str]) -> None:
 def _like(x, avg: np.ndarray):
     """Return float32 ``avg`` in ``x``'s dtype and framework (NumPy, or the DLPack producer's)."""
     dtype = getattr(x, "dtype", None)
-    if isinstance(x, np.ndarray) or get_array_module(x) is not np:
+    if isinstance(x, np.ndarray):
         return avg.astype(x.dtype, copy=False)
     if isinstance(x, np.generic):
         return avg.astype(dtype).reshape(())[()]

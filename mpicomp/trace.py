@@ -2,8 +2,8 @@
 
 ``Tracer`` keeps events in preallocated NumPy structured arrays (no Python object per
 event), gathers them to rank 0 every ``flush_every`` calls and at ``close()``, and
-rank 0 appends them to resizable datasets. ``read``, ``summarize`` and ``plot`` need
-only h5py and NumPy (matplotlib for ``plot``). The format is in docs/trace-format.md.
+rank 0 appends them to resizable datasets. Reading is ``mpicomp.trace_report``; the
+format both follow is ``mpicomp.trace_format`` (described in docs/trace-format.md).
 """
 
 from __future__ import annotations
@@ -16,42 +16,17 @@ from time import perf_counter
 import numpy as np
 
 from mpicomp.collectives import _wait
-
-FORMAT_VERSION = 1
-
-# Fixed-length byte fields: longer values are cut to these many bytes (at a UTF-8
-# character boundary), so every row has the same size and Gatherv moves raw bytes.
-OP_LEN, CODEC_LEN, NAME_LEN, STEP_OP_LEN = 40, 32, 128, 32
-
-EVENT_DTYPE = np.dtype(
-    [
-        ("call", "<i8"),
-        ("step", "<i8"),
-        ("rank", "<i4"),
-        ("op", f"S{OP_LEN}"),
-        ("codec", f"S{CODEC_LEN}"),
-        ("name", f"S{NAME_LEN}"),
-        ("numel", "<i8"),
-        ("bytes_in", "<i8"),
-        ("bytes_sent", "<i8"),
-        ("bytes_recv", "<i8"),
-        ("t_encode", "<f8"),
-        ("t_comm", "<f8"),
-        ("t_decode", "<f8"),
-        ("t_total", "<f8"),
-    ]
-)
-
-STEP_DTYPE = np.dtype(
-    [
-        ("call", "<i8"),
-        ("rank", "<i4"),
-        ("op", f"S{STEP_OP_LEN}"),
-        ("substep", "<i4"),
-        ("sent", "<i8"),
-        ("recv", "<i8"),
-        ("bits", "<i4"),
-    ]
+from mpicomp.trace_format import (
+    CODEC_LEN,
+    EVENT_DTYPE,
+    EVENTS,
+    FORMAT_VERSION,
+    NAME_LEN,
+    OP_LEN,
+    STEP_DTYPE,
+    STEPS,
+    VERSION_ATTR,
+    import_h5py,
 )
 
 # HDF5 chunks hold about one flush (flush_every x ranks events, 8x that many steps):
@@ -93,20 +68,13 @@ def _grown(array: np.ndarray, used: int) -> np.ndarray:
     return bigger
 
 
-def _h5py():
-    # Imported on first use: importing mpicomp.comm must stay fast.
-    import h5py
-
-    return h5py
-
-
 def _writable(path: str, mode: str):
     """Open ``path`` for rank 0's writes without HDF5 file locking.
 
     A reader (``mpicomp trace summary`` while the job runs) holds a shared lock that
     would make a locking writer fail, and with it the training job.
     """
-    return _h5py().File(path, mode, locking=False)
+    return import_h5py().File(path, mode, locking=False)
 
 
 class Tracer:
@@ -339,7 +307,7 @@ class Tracer:
 
         vendor, version = MPI.get_vendor()
         attrs = {
-            "mpicomp_trace_version": FORMAT_VERSION,
+            VERSION_ATTR: FORMAT_VERSION,
             "mpicomp_version": mpicomp.__version__,
             "mpi_library_version": MPI.Get_library_version().replace("\0", "").strip(),
             "mpi_vendor": f"{vendor} {'.'.join(map(str, version))}",
@@ -359,9 +327,9 @@ class Tracer:
             for key, value in attrs.items():
                 f.attrs[key] = value
             rows = (self.flush_every or 1024) * self._comm.Get_size()
-            tables = [("events", EVENT_DTYPE, rows)]
+            tables = [(EVENTS, EVENT_DTYPE, rows)]
             if self.level >= 2:
-                tables.append(("steps", STEP_DTYPE, 8 * rows))
+                tables.append((STEPS, STEP_DTYPE, 8 * rows))
             for name, dtype, chunk in tables:
                 f.create_dataset(
                     name,
@@ -377,7 +345,7 @@ class Tracer:
         # Open, append, close: between flushes the file on disk is complete and closed,
         # so a job that dies leaves a readable file and readers never need SWMR.
         with _writable(self.path, "a") as f:
-            for name, rows in (("events", events), ("steps", steps)):
+            for name, rows in ((EVENTS, events), (STEPS, steps)):
                 if rows is None or rows.size == 0:
                     continue
                 dset = f[name]
@@ -391,16 +359,4 @@ class Tracer:
             f.attrs["end_time"] = stamp
 
 
-# Reading lives in its own module (it needs no MPI); re-exported for one import path.
-from mpicomp.trace_report import plot, read, summarize  # noqa: E402
-
-__all__ = [
-    "EVENT_DTYPE",
-    "FORMAT_VERSION",
-    "NO_CLOCK",
-    "STEP_DTYPE",
-    "Tracer",
-    "plot",
-    "read",
-    "summarize",
-]
+__all__ = ["NO_CLOCK", "Tracer"]

@@ -1,6 +1,7 @@
 """Reading HDF5 traces: ``read``, ``summarize`` (the CLI's table) and ``plot``.
 
-Needs only h5py and NumPy (matplotlib for ``plot``); re-exported by mpicomp.trace.
+Needs only h5py and NumPy (matplotlib for ``plot``), no MPI: the format comes from
+``mpicomp.trace_format``, not from the writer (``mpicomp.trace``).
 """
 
 from __future__ import annotations
@@ -9,7 +10,7 @@ import os
 
 import numpy as np
 
-from mpicomp.trace import FORMAT_VERSION, _h5py
+from mpicomp.trace_format import EVENTS, FORMAT_VERSION, STEPS, VERSION_ATTR, import_h5py
 
 
 def read(path) -> tuple[np.ndarray, np.ndarray | None, dict]:
@@ -19,7 +20,7 @@ def read(path) -> tuple[np.ndarray, np.ndarray | None, dict]:
         ValueError: ``path`` does not exist, is not HDF5, is not an mpicomp trace, or
             has a format version this mpicomp does not read.
     """
-    h5py = _h5py()
+    h5py = import_h5py()
     if not isinstance(path, (str, os.PathLike)):
         raise ValueError(f"trace path must be a file path, got {path!r}")
     if not os.path.isfile(path):
@@ -27,18 +28,16 @@ def read(path) -> tuple[np.ndarray, np.ndarray | None, dict]:
     if not h5py.is_hdf5(path):
         raise ValueError(f"not an HDF5 file: {os.fspath(path)!r}")
     with h5py.File(path, "r") as f:
-        version = f.attrs.get("mpicomp_trace_version")
-        if version is None or "events" not in f:
-            raise ValueError(
-                f"not an mpicomp trace (no mpicomp_trace_version): {os.fspath(path)!r}"
-            )
+        version = f.attrs.get(VERSION_ATTR)
+        if version is None or EVENTS not in f:
+            raise ValueError(f"not an mpicomp trace (no {VERSION_ATTR}): {os.fspath(path)!r}")
         if int(version) != FORMAT_VERSION:
             raise ValueError(
                 f"trace format version {int(version)} of {os.fspath(path)!r} is not supported "
                 f"(this mpicomp reads version {FORMAT_VERSION})"
             )
-        events = f["events"][()]
-        steps = f["steps"][()] if "steps" in f else None
+        events = f[EVENTS][()]
+        steps = f[STEPS][()] if STEPS in f else None
         attrs = {k: _plain(v) for k, v in f.attrs.items()}
     return events, steps, attrs
 
@@ -80,7 +79,7 @@ def summarize(path) -> str:
         ValueError: ``path`` is not a readable mpicomp trace (see ``read``).
     """
     events, steps, attrs = read(path)
-    lines = [f"mpicomp trace {os.fspath(path)} (format {attrs.get('mpicomp_trace_version')})"]
+    lines = [f"mpicomp trace {os.fspath(path)} (format {attrs.get(VERSION_ATTR)})"]
 
     def add(label: str, key: str):
         if key in attrs:
@@ -230,3 +229,6 @@ def plot(path, out_png) -> None:
     title = f"{attrs.get('codec', 'trace')} on {attrs.get('world_size', '?')} ranks: {os.path.basename(os.fspath(path))}"
     fig.suptitle(title)
     fig.savefig(out_png, dpi=100)
+
+
+__all__ = ["plot", "read", "summarize"]

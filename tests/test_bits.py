@@ -5,7 +5,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from mpicomp.kernels.cpu.bits import mpicomp_bits_pack, mpicomp_bits_unpack, packed_size
+from mpicomp.kernels.bits import packed_size
+from mpicomp.kernels.cpu.bits import mpicomp_bits_pack, mpicomp_bits_unpack
 
 
 def reference_pack(codes, width):

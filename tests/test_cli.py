@@ -35,7 +35,7 @@ def test_info_names_the_mpi_library(capsys):
     assert fields["MPI standard"] == "{}.{}".format(*MPI.Get_version())
     assert fields["codecs"].split(", ") == sorted(fields["codecs"].split(", "))
     assert "threelc" in fields["codecs"]
-    assert fields["backends"].startswith("cpu (numba ")
+    assert fields["backends"].startswith("numba (in use; ")
     for key in ("mpicomp", "numpy", "numba", "mpi4py", "h5py", "CUDA-aware MPI", "GPUs"):
         assert fields[key]
 
@@ -47,9 +47,17 @@ def test_info_json_matches_the_library(capsys):
     fields = json.loads(capsys.readouterr().out)
     assert fields["MPI vendor"].startswith(MPI.get_vendor()[0])
     assert fields["MPI world size"] == str(MPI.COMM_WORLD.size)
-    if fields["GPUs"].startswith("none"):
-        assert fields["CUDA-aware MPI"] == "no (no GPU backend)"
-        assert "cuda" not in fields["backends"]
+    # No kernel backend computes on GPU arrays yet, whatever GPUs CuPy may see.
+    assert fields["CUDA-aware MPI"] == "no (no GPU backend)"
+    import mpicomp.kernels as K
+
+    assert [b.split(" (")[0] for b in fields["backends"].split(", ")] == K.available()
+
+
+def test_info_names_the_backend_mpicomp_kernels_selects(monkeypatch):
+    monkeypatch.setenv("MPICOMP_KERNELS", "no-such-backend")
+    text = cli.info()["backends"]
+    assert "numba" in text and "no-such-backend" in text and "in use" not in text
 
 
 def test_module_help_works():
@@ -107,7 +115,7 @@ def test_trace_of_a_file_that_is_not_a_trace(tmp_path, capsys):
 
 
 def test_trace_errors_from_the_reader_become_exit_code_2(tmp_path, capsys, monkeypatch):
-    import mpicomp.trace
+    import mpicomp.trace_report
 
     f = tmp_path / "run.h5"
     f.write_bytes(b"")
@@ -115,8 +123,8 @@ def test_trace_errors_from_the_reader_become_exit_code_2(tmp_path, capsys, monke
     def fail(*args):
         raise RuntimeError("plot needs matplotlib")
 
-    monkeypatch.setattr(mpicomp.trace, "plot", fail)
-    monkeypatch.setattr(mpicomp.trace, "summarize", lambda path: f"table of {path}")
+    monkeypatch.setattr(mpicomp.trace_report, "plot", fail)
+    monkeypatch.setattr(mpicomp.trace_report, "summarize", lambda path: f"table of {path}")
     assert cli.main(["trace", "plot", str(f)]) == 2
     assert "plot needs matplotlib" in capsys.readouterr().err
     assert cli.main(["trace", "summary", str(f)]) == 0

@@ -58,7 +58,7 @@ def test_reliability_options_are_checked(monkeypatch):
 def test_float64_beyond_float32_is_refused_not_made_inf():
     import numpy as np
 
-    from mpicomp._backend import as_gradient, to_float32
+    from mpicomp._arrays import as_gradient, to_float32
 
     x = np.array([1.0, -1e39, 2.0])
     with pytest.raises(ValueError, match="gradient 'w' holds float64 values beyond float32"):

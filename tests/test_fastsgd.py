@@ -293,7 +293,7 @@ def test_all_zero_buckets_keep_nothing():
 
 
 def test_bucket_zero_refuses_tensors_beyond_the_largest_bucket(monkeypatch):
-    from mpicomp.kernels.cpu import fastsgd as kernels
+    from mpicomp.kernels import fastsgd as kernels
 
     p = mpicomp.codec("fastsgd", bucket=101).encode(np.ones(101, np.float32))
     monkeypatch.setattr(kernels, "MAX_BUCKET", 100)  # stands for 2**29, without 2 GiB of input

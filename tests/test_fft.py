@@ -566,35 +566,35 @@ def test_corrupted_bodies_with_valid_checksums_never_crash(seed, n, flips):
 
 
 def test_blocked_plan_only_for_large_even_balanced_sizes():
-    from mpicomp.codecs import fft as F
+    from mpicomp.kernels.cpu import rfft as F
 
-    assert F._plan(F.BLOCKED_MIN - 2) is None
-    assert F._plan(F.BLOCKED_MIN + 1) is None  # odd
-    assert F._plan(2 * 262147) is None  # n/2 prime: no balanced split
-    plan = F._plan(600_000)
+    assert F.plan(F.BLOCKED_MIN - 2) is None
+    assert F.plan(F.BLOCKED_MIN + 1) is None  # odd
+    assert F.plan(2 * 262147) is None  # n/2 prime: no balanced split
+    plan = F.plan(600_000)
     assert plan is not None and plan.n1 * plan.n2 == 300_000 and plan.n1 >= 64
 
 
 @pytest.mark.parametrize("n", [1 << 18, 600_000, 1_048_576 + 2 * 3 * 5 * 7 * 11])
 def test_blocked_transform_matches_numpy_within_float32_rounding(n):
-    from mpicomp.codecs import fft as F
+    from mpicomp.kernels.cpu import rfft as F
 
-    assert F._plan(n) is not None
+    assert F.plan(n) is not None
     x = gradient_like(n, seed=n % 97)
     ref = np.fft.rfft(x.astype(np.float64))
-    spec, mag2, ok = F._rfft(x, own=False)
+    spec, mag2, ok = F.rfft(x, own=False)
     X = spec.view(np.complex64)
     assert ok and X.size == n // 2 + 1
     scale = np.abs(ref).max()
     assert np.abs(X - ref).max() < 1e-6 * scale
     assert X[0].imag == 0 and X[-1].imag == 0
     np.testing.assert_array_equal(mag2, X.real * X.real + X.imag * X.imag)
-    back = F._irfft(spec.copy(), n)
+    back = F.irfft(spec.copy(), n)
     np.testing.assert_allclose(back, x, rtol=0, atol=1e-6 * np.abs(x).max())
     # Imaginary parts of DC and Nyquist are ignored, as numpy.fft.irfft does.
     odd = spec.copy()
     odd[1], odd[-1] = 5.0, -3.0
-    np.testing.assert_array_equal(F._irfft(odd, n), back)
+    np.testing.assert_array_equal(F.irfft(odd, n), back)
 
 
 @pytest.mark.parametrize("n", [1 << 18, 600_000])
@@ -654,7 +654,7 @@ def test_ties_across_parallel_chunks_keep_the_lowest_bins():
 
 @pytest.mark.parametrize("n", [0, 1, 1001, 600_000])
 def test_decode_sum_is_the_sum_of_decodes(n):
-    from mpicomp.codecs.fft import BLOCKED_MIN
+    from mpicomp.kernels.cpu.rfft import BLOCKED_MIN
 
     c = mpicomp.codec("fft", theta=0.7)
     payloads = [

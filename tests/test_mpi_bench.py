@@ -12,7 +12,7 @@ N = 2000
 @pytest.mark.mpi
 class TestAllreduceBench:
     def test_rows_and_the_exact_bytes_of_none(self):
-        from mpicomp.bench_allreduce import measure
+        from mpicomp.bench.allreduce import measure
 
         comm = world()
         codecs = [("none", {}), ("qsgd_maxnorm", {"bits": 2}), ("threelc", {})]
@@ -96,7 +96,7 @@ class TestAllreduceBench:
             assert a["numel"] == 2000 and a["nranks"] == comm.size
             assert a["speedup"] == pytest.approx(a["allreduce_s"] / a["time_s"])
             # the trace of that codec's calls says what Traffic counted (warm-up + 1 call)
-            from mpicomp.trace import read
+            from mpicomp.trace_report import read
 
             events, _, attrs = read(a["trace"])
             assert len(events) == 2 * comm.size

@@ -10,7 +10,7 @@ from test_fft import body_of, ref_decode_body
 import mpicomp
 from mpicomp import _reduce
 from mpicomp.codecs import _wire
-from mpicomp.codecs.fft import BLOCKED_MIN
+from mpicomp.kernels.cpu.rfft import BLOCKED_MIN
 
 # Small tensors take NumPy's FFT, large ones the blocked one; FastSGD: one bucket or several.
 CASES = [

@@ -12,7 +12,7 @@ import pytest
 from conftest import gradient_like
 
 import mpicomp
-from mpicomp import trace
+from mpicomp import trace, trace_format, trace_report
 
 
 def _self():
@@ -49,13 +49,15 @@ def _synthetic(path, version=1):
         f.attrs["codec"] = "qsgd_maxnorm"
         f.attrs["codec_params"] = '{"bits": 4, "seed": 0}'
         f.attrs["trace_level"] = 1
-        f.create_dataset("events", data=np.array(rows, dtype=trace.EVENT_DTYPE), maxshape=(None,))
+        f.create_dataset(
+            "events", data=np.array(rows, dtype=trace_format.EVENT_DTYPE), maxshape=(None,)
+        )
 
 
 def test_summarize_reports_codecs_bytes_ratio_latency_and_phases(tmp_path):
     path = tmp_path / "synthetic.h5"
     _synthetic(path)
-    text = trace.summarize(path)
+    text = trace_report.summarize(path)
     assert "MPICH Version: 9.9" in text and "qsgd_maxnorm" in text and '"bits": 4' in text
     lines = {line.split()[1]: line.split() for line in text.splitlines() if "fc1." in line}
     weight, bias = lines["fc1.weight"], lines["fc1.bias"]
@@ -73,7 +75,7 @@ def test_plot_writes_a_png(tmp_path):
     pytest.importorskip("matplotlib")
     path, out = tmp_path / "synthetic.h5", tmp_path / "trace.png"
     _synthetic(path)
-    trace.plot(path, out)
+    trace_report.plot(path, out)
     with open(out, "rb") as f:
         assert f.read(8) == b"\x89PNG\r\n\x1a\n"
     assert os.path.getsize(out) > 10_000
@@ -86,7 +88,7 @@ def test_plot_without_matplotlib_names_the_extra(tmp_path, monkeypatch):
         monkeypatch.setitem(sys.modules, name, None)
     monkeypatch.setitem(sys.modules, "matplotlib", None)
     with pytest.raises(RuntimeError, match=r"pip install mpicomp\[plot\]"):
-        trace.plot(path, tmp_path / "x.png")
+        trace_report.plot(path, tmp_path / "x.png")
 
 
 def test_paths_that_are_not_traces_raise_value_error(tmp_path):
@@ -105,11 +107,11 @@ def test_paths_that_are_not_traces_raise_value_error(tmp_path):
         (future, "version 2"),
     ]
     for path, message in cases:
-        for fn in (trace.read, trace.summarize):
+        for fn in (trace_report.read, trace_report.summarize):
             with pytest.raises(ValueError, match=message):
                 fn(path)
         with pytest.raises(ValueError, match=message):
-            trace.plot(path, tmp_path / "x.png")
+            trace_report.plot(path, tmp_path / "x.png")
 
 
 def test_tracer_rows_names_and_growth_past_the_first_buffer(tmp_path):
@@ -121,7 +123,7 @@ def test_tracer_rows_names_and_growth_past_the_first_buffer(tmp_path):
             for s in range(1, 9):
                 t.record("ring.step", s, c, 2 * c, s)
             t.end()
-    events, steps, attrs = trace.read(path)
+    events, steps, attrs = trace_report.read(path)
     assert events["call"].tolist() == list(range(300))
     assert events["step"].tolist() == list(range(1000, 1300))
     assert events["name"][0].decode() == "é" * 64
@@ -157,14 +159,14 @@ def test_compressed_comm_trace_records_phases_and_run_attributes(tmp_path):
     with mpicomp.CompressedComm(_self(), "threelc", sparsity=1.5, trace=path) as cc:
         for _ in range(3):
             y = cc.allreduce(x, name="fc1.weight")
-    events, steps, attrs = trace.read(path)
+    events, steps, attrs = trace_report.read(path)
     assert steps is None and events.size == 3
     assert y.shape == x.shape
     assert (events["t_encode"] > 0).all() and (events["t_decode"] > 0).all()
     assert (events["t_encode"] + events["t_comm"] + events["t_decode"] <= events["t_total"]).all()
     assert attrs["codec"] == "threelc" and '"sparsity": 1.5' in attrs["codec_params"]
     assert attrs["error_feedback"] is True and attrs["sharded"] is False
-    assert attrs["backend"] == "cpu" and attrs["cuda_aware"] is False
+    assert attrs["backend"] == "numba" and attrs["cuda_aware"] is False
     assert attrs["mpicomp_version"] == mpicomp.__version__
     assert attrs["start_time"].endswith("+00:00") and "end_time" in attrs
 
@@ -197,5 +199,5 @@ def test_a_process_that_dies_keeps_the_flushed_rows(tmp_path):
     )
     done = subprocess.run([sys.executable, "-c", script], timeout=60, capture_output=True)
     assert done.returncode == 3, done.stderr.decode()
-    events, _, attrs = trace.read(path)
+    events, _, attrs = trace_report.read(path)
     assert events["call"].tolist() == list(range(8)) and "end_time" not in attrs

@@ -27,6 +27,8 @@ import time
 
 from jobs.netem.namespace import Namespace, NeedsRoot
 from mpicomp.advise import parse_rate
+from mpicomp.bench import codec_set, label, parse_count
+from mpicomp.trace_report import read
 
 # --rates entry for the loopback without a shaper (a byte-counting fifo).
 UNSHAPED = "unshaped"
@@ -125,8 +127,6 @@ class Runner:
 
 def traced_recv(path: str) -> int:
     """Bytes the ranks received, summed over every event of a trace."""
-    from mpicomp.trace import read
-
     events, _, _ = read(path)
     return int(events["bytes_recv"].sum())
 
@@ -162,10 +162,6 @@ def check_rows(rows: list[dict], reps: int) -> list[dict]:
     return checks
 
 
-def _label(params: dict) -> str:
-    return ",".join(f"{k}={v}" for k, v in params.items())
-
-
 def report(result: dict, out=sys.stdout) -> None:
     """Print the summary table of one shaped rate."""
     rate = result["rate"]
@@ -184,12 +180,12 @@ def report(result: dict, out=sys.stdout) -> None:
     print("-" * len(head), file=out)
     at_target = result["rate"] != UNSHAPED and result["rate_bps"] == TARGET_RATE
     for r, c in zip(result["rows"], result["checks"], strict=True):
-        target = TARGETS.get((r["codec"], _label(r["params"]))) if at_target else None
+        target = TARGETS.get((r["codec"], label(r["params"]))) if at_target else None
         verdict = "" if target is None else ("met" if r["speedup"] >= target else "MISS")
         ratio = "-" if c["device_over_traced"] is None else f"{c['device_over_traced']:.3f}"
         even = "-" if r["break_even_gbit"] is None else f"{r['break_even_gbit']:.2f}"
         print(
-            f"{r['codec']:<27}{_label(r['params']):<14}{r['time_s']:>8.2f}{r['speedup']:>9.2f}"
+            f"{r['codec']:<27}{label(r['params']):<14}{r['time_s']:>8.2f}{r['speedup']:>9.2f}"
             f"{'' if target is None else f'{target:.0f}x':>8}  {verdict:<5}"
             f"{r['bytes_sent'] / 1e6:>13.2f}{ratio:>9}{c['expected']:>8.3f}"
             f"{r['overhead_s']:>11.3f}{even:>14}",
@@ -344,8 +340,6 @@ def main(argv=None) -> int:
         "(0 to skip; 8)",
     )
     args = ap.parse_args(argv)
-    from mpicomp.bench import codec_set, parse_count
-
     try:
         args.numel = parse_count(args.numel)
         rates = [r.strip() for r in args.rates.split(",") if r.strip()]
@@ -408,7 +402,7 @@ def main(argv=None) -> int:
     ]
     for c in bad:
         print(
-            f"check failed: {c['codec']} {_label(c['params'])}: tc counted "
+            f"check failed: {c['codec']} {label(c['params'])}: tc counted "
             f"{c['device_over_traced']:.3f}x the traced bytes",
             file=sys.stderr,
         )

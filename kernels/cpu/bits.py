@@ -27,12 +27,6 @@ _U32 = np.uint64(32)
 _BYTE = np.uint64(0xFF)
 
 
-@nb.njit(cache=True, nogil=True)
-def packed_size(n, width):
-    """Return the number of bytes that ``n`` codes of ``width`` bits take."""
-    return (n * width + 7) // 8
-
-
 @nb.njit(inline="always", cache=True)
 def _tasks(n):
     return (n + TASK - 1) // TASK

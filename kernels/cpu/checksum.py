@@ -14,7 +14,8 @@ import zlib
 import numba as nb
 import numpy as np
 
-BASE = 65521
+from mpicomp.kernels.checksum import BASE
+
 # Bytes per inner block: sum_i i * b_i <= 255 * BLOCK^2 / 2 stays below 2^32.
 BLOCK = 4096
 # Bytes per parallel task; a call on fewer bytes stays on the caller's thread.
@@ -128,14 +129,3 @@ def adler32(src, value: int = 1, dst=None) -> int:
         return zlib.adler32(src, value)  # a few bytes: no kernel dispatch
     run = mpicomp_adler32_chunks if src.size > CHUNK else mpicomp_adler32_serial
     return int(run(src, dst if copy else _NO_DST, copy, value))
-
-
-def combine(value: int, span: int, m: int) -> int:
-    """Return Adler-32 ``value`` continued over m bytes whose checksum from 0 is ``span``.
-
-    ``combine(adler32(a), adler32(b, 0), b.size) == adler32(b, adler32(a))``.
-    """
-    a, b = value & 0xFFFF, value >> 16
-    b = (b + (m % BASE) * a + (span >> 16)) % BASE
-    a = (a + (span & 0xFFFF)) % BASE
-    return (b << 16) | a

@@ -24,27 +24,26 @@ from numba.extending import intrinsic
 
 from .floatbits import bits_float, float_bits
 
-PREFIX_BYTES = 16
-BUCKET_HEAD_BYTES = 13
-SIGN_BIT = 0x80
-MAX_TAU = 127
-MAX_FLAG_BITS = 5
-# Largest bucket: keys and counts fit u32 and the worst-case key stream,
-# bucket * (flag_bits + 29) bits, fits the u32 key_bytes field.
-MAX_BUCKET = 1 << 29
-
-# Error codes of mpicomp_fastsgd_scan and mpicomp_fastsgd_decode (0 = valid).
-OK = 0
-ERR_TRUNCATED = 1  # a bucket header or its codes/key bytes run past the body
-ERR_TRAILING = 2  # bytes left after the last bucket
-ERR_SUM = 3  # sum is negative, NaN, Inf, or 0 with values kept
-ERR_COUNT = 4  # more values kept than the bucket holds
-ERR_WIDTH = 5  # W too large for the bucket, or inconsistent with the count / key bytes
-ERR_CODE = 6  # an L code above tau
-ERR_KEY_BITS = 7  # the key stream ends before the last key
-ERR_KEY_ORDER = 8  # a key outside the bucket or not strictly increasing
-ERR_KEY_FLAG = 9  # a length flag that is not the smallest one for its delta
-ERR_KEY_TAIL = 10  # key stream longer than needed, non-zero padding, or W not the widest delta
+from mpicomp.kernels.fastsgd import (
+    BUCKET_HEAD_BYTES,
+    ERR_CODE,
+    ERR_COUNT,
+    ERR_KEY_BITS,
+    ERR_KEY_FLAG,
+    ERR_KEY_ORDER,
+    ERR_KEY_TAIL,
+    ERR_SUM,
+    ERR_TRAILING,
+    ERR_TRUNCATED,
+    ERR_WIDTH,
+    MAX_BUCKET,
+    MAX_FLAG_BITS,
+    MAX_TAU,
+    OK,
+    PREFIX_BYTES,
+    SIGN_BIT,
+    bucket_capacity,
+)
 
 # Integer bins of the exact sum: bin e holds mantissas of exponent field e (0 shares bin 1);
 # carries move up to 56 bins above 254 for a bucket of 2^29 values below 2^24 each.
@@ -362,12 +361,6 @@ def _encode_keys(kept, flag_bits, W, width, flag_of, fhead, flen, words):
     return pos, bits, nbits
 
 
-def bucket_capacity(blen, flag_bits):
-    """Return the most bytes one bucket of ``blen`` values can take (every value kept, widest keys)."""
-    wmax = max(blen - 1, 0).bit_length()
-    return BUCKET_HEAD_BYTES + blen + (blen * (flag_bits + wmax) + 7) // 8
-
-
 @nb.njit(cache=True, nogil=True)
 def mpicomp_fastsgd_encode_bucket(
     x, xbits, powers, flag_bits, out, acc, q, qdown, width, flag_of, fhead, flen, kept, ltab, words
@@ -637,3 +630,14 @@ def mpicomp_fastsgd_decode(
                 body, offsets[k], offsets[k + 1], sums[k], powers, flag_bits,
                 out[start : min(n, start + bucket)], q, vals, width, least, accumulate,
             )  # fmt: skip
+
+
+# --- launcher of the numba backend's ``fastsgd`` family (the same signature on every backend) ---
+
+
+def encode(x, bucket, powers, flag_bits, scratch, cap, sizes) -> bool:
+    """Encode float32 ``x`` bucket by bucket into ``cap``-byte slots of ``scratch``, each
+    bucket's byte count into ``sizes``; return False if ``x`` holds NaN or Inf."""
+    return mpicomp_fastsgd_encode(
+        x, x.view(np.uint32), bucket, powers, flag_bits, scratch, cap, sizes
+    )

@@ -26,17 +26,17 @@ _ABS = 0x7FFFFFFF
 _EXP_INF = 0x7F800000  # the bit pattern of +Inf: every finite magnitude is below it
 _FP16_MIN_NORMAL = 0x38800000  # 2**-14
 _FP16_MAX = 0x477FE000  # 65504.0
-MAX_MANTISSA = 23
-
-FP16_OK = 0
-FP16_NONFINITE = 1
-FP16_OVERFLOW = 2
-
-DECODE_OK = 0
-DECODE_NEGATIVE_ZERO = 1
-DECODE_OVERFLOW = 2
-DECODE_PADDING = 3
-DECODE_COUNT = 4
+from mpicomp.kernels.fft import (
+    DECODE_COUNT,
+    DECODE_NEGATIVE_ZERO,
+    DECODE_OK,
+    DECODE_OVERFLOW,
+    DECODE_PADDING,
+    FP16_NONFINITE,
+    FP16_OK,
+    FP16_OVERFLOW,
+    MAX_MANTISSA,
+)
 
 # Elements per task of the parallel loops (bins: a multiple of 8, whole bitmap bytes).
 _CHUNK = 1 << 16

@@ -22,14 +22,9 @@ import numpy as np
 from . import bits as _bits
 from .rng import mpicomp_bits, mpicomp_uniform
 
-ERR_VALUE = 1
-ERR_INDEX = 2
-ERR_UNSAFE = 4
-ERR_RANGE = 8
+from mpicomp.kernels.qsgd import CHUNK, ERR_INDEX, ERR_RANGE, ERR_UNSAFE, ERR_VALUE
+from mpicomp.kernels.qsgd import LIMIT as _LIMIT
 
-CHUNK = 1 << 16  # elements per parallel task, and per partial sum of the norm (fixed order)
-
-_LIMIT = np.float32(1.000001)  # |v| / norm may exceed 1 by this (norms computed elsewhere)
 _ONE = np.float32(1.0)
 _ZERO = np.float32(0.0)
 _LO32 = np.uint64(0xFFFFFFFF)
@@ -480,3 +475,77 @@ def mpicomp_qsgd_grandk_compact(mask, out):
 def mpicomp_qsgd_grandk_sort(picks):
     """Sort the coordinates ``picks`` in place (the short path when k is far below n)."""
     picks.sort()
+
+
+# --- launchers: the numba backend's ``qsgd`` family (the same signatures on every backend) ---
+
+
+def _over(kernel, chunks, n, *args):
+    """Call ``kernel`` on [0, n) directly for one chunk or less, else its parallel driver."""
+    if n <= CHUNK:
+        return kernel(*args, 0, n)
+    return chunks(*args, n)
+
+
+def sumsq(x, idx, dense) -> float:
+    """Return the float64 sum of squares of x (``dense``) or of x[idx], in CHUNK order."""
+    n = x.size if dense else idx.size
+    return _over(mpicomp_qsgd_sumsq, mpicomp_qsgd_sumsq_chunks, n, x, idx, dense)
+
+
+def quantize(x, idx, dense, norm, levels, key, out) -> int:
+    """Write the codes of x (``dense``) or x[idx] into ``out``; return an error mask."""
+    args = (x, idx, dense, norm, levels, key, out)
+    return _over(mpicomp_qsgd_quantize, mpicomp_qsgd_quantize_chunks, out.size, *args)
+
+
+def multiscale_index(x, idx, dense, norm, scales, out) -> int:
+    """Write each element's scale index into uint8 ``out``; return an error mask."""
+    args = (x, idx, dense, norm, scales, out)
+    return _over(
+        mpicomp_qsgd_multiscale_index, mpicomp_qsgd_multiscale_index_chunks, out.size, *args
+    )
+
+
+def multiscale_quantize(x, idx, dense, norm, scales, sidx, key, out) -> int:
+    """Write the codes at the shared scale indices ``sidx`` into ``out``; return an error mask."""
+    args = (x, idx, dense, norm, scales, sidx, key, out)
+    return _over(
+        mpicomp_qsgd_multiscale_quantize, mpicomp_qsgd_multiscale_quantize_chunks, out.size, *args
+    )
+
+
+def dequantize(codes, norm, levels, nranks, limit, out) -> int:
+    """Write out = ((codes * norm) / levels) / nranks in float32; return an error mask."""
+    args = (codes, norm, levels, nranks, limit, out)
+    return _over(mpicomp_qsgd_dequantize, mpicomp_qsgd_dequantize_chunks, out.size, *args)
+
+
+def dequantize_packed(stream, width, shift, norm, levels, nranks, limit, out) -> int:
+    """As ``dequantize`` for codes[i] = (the ``width``-bit code i of ``stream``) - shift."""
+    args = (stream, width, shift, norm, levels, nranks, limit, out)
+    return _over(
+        mpicomp_qsgd_dequantize_packed, mpicomp_qsgd_dequantize_packed_chunks, out.size, *args
+    )
+
+
+def multiscale_dequantize(codes, sidx, norm, scales, nranks, limit, out) -> int:
+    """Write out = ((codes * norm) / scales[sidx]) / nranks in float32; return an error mask."""
+    args = (codes, sidx, norm, scales, nranks, limit, out)
+    return _over(
+        mpicomp_qsgd_multiscale_dequantize,
+        mpicomp_qsgd_multiscale_dequantize_chunks,
+        out.size,
+        *args,
+    )
+
+
+def multiscale_dequantize_packed(stream, width, shift, sidx, norm, scales, nranks, limit, out):
+    """As ``multiscale_dequantize`` for codes read from a packed ``stream`` (less ``shift``)."""
+    args = (stream, width, shift, sidx, norm, scales, nranks, limit, out)
+    return _over(
+        mpicomp_qsgd_multiscale_dequantize_packed,
+        mpicomp_qsgd_multiscale_dequantize_packed_chunks,
+        out.size,
+        *args,
+    )

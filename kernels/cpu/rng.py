@@ -4,11 +4,13 @@ rank, backend and re-run; no generator state to carry."""
 import numba as nb
 import numpy as np
 
-_GOLDEN = np.uint64(0x9E3779B97F4A7C15)
-_M1 = np.uint64(0xBF58476D1CE4E5B9)
-_M2 = np.uint64(0x94D049BB133111EB)
-_STEP_MUL = np.uint64(0xD6E8FEB86659FD93)
-_STREAM_MUL = np.uint64(0xA0761D6478BD642F)
+from mpicomp.kernels import rng as _shared
+
+_GOLDEN = np.uint64(_shared.GOLDEN)
+_M1 = np.uint64(_shared.M1)
+_M2 = np.uint64(_shared.M2)
+_STEP_MUL = np.uint64(_shared.STEP_MUL)
+_STREAM_MUL = np.uint64(_shared.STREAM_MUL)
 
 
 @nb.njit(inline="always", cache=True)

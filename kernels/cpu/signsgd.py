@@ -12,11 +12,7 @@ import numpy as np
 from . import bits as _bits
 from .rng import mpicomp_bits
 
-TIE_NEGATIVE = 0
-TIE_POSITIVE = 1
-TIE_RANDOM = 2
-
-CHUNK = 1 << 16  # elements per parallel task (a multiple of 8: tasks own whole bytes)
+from mpicomp.kernels.signsgd import CHUNK, TIE_NEGATIVE, TIE_POSITIVE, TIE_RANDOM
 
 
 @nb.njit(inline="always", cache=True)

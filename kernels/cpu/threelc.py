@@ -11,18 +11,16 @@ per core already, where extra threads only oversubscribe.
 import numba as nb
 import numpy as np
 
-# Quartic byte of five zero trits (digits 1, 1, 1, 1, 1): the byte zero-run encoding shortens.
-ZERO_BYTE = 121
-# Largest quartic byte (digits 2, 2, 2, 2, 2); 243..255 are zero-run codes.
-MAX_QUARTIC = 242
-RUN_BASE = 243
-MAX_RUN = 14
-
-# Error codes of mpicomp_threelc_quartic_decode.
-OK = 0
-ERR_BYTE = 1
-ERR_PAD = 2
-ERR_ZERO_SCALE = 3
+from mpicomp.kernels.threelc import (
+    ERR_BYTE,
+    ERR_PAD,
+    ERR_ZERO_SCALE,
+    MAX_QUARTIC,
+    MAX_RUN,
+    OK,
+    RUN_BASE,
+    ZERO_BYTE,
+)
 
 _ABS_MASK = np.uint32(0x7FFFFFFF)
 _EXP_MASK = np.uint32(0x7F800000)

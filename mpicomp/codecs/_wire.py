@@ -25,7 +25,8 @@ import zlib
 import numpy as np
 
 from mpicomp.errors import PayloadError
-from mpicomp.kernels.cpu.checksum import adler32, combine
+from mpicomp.kernels import backend_of
+from mpicomp.kernels.checksum import combine
 
 MAGIC = b"MC"
 VERSION = 1
@@ -52,8 +53,9 @@ _FIXED = struct.Struct("<2sBBBBHII")
 FIXED_SIZE = _FIXED.size  # 16
 
 
-def _checksum(payload: np.ndarray) -> int:
+def _checksum(payload: np.ndarray, kernels=None) -> int:
     # Chained over the two spans around the checksum field: no copy of the body.
+    adler32 = backend_of(payload, kernels).checksum.adler32
     return adler32(payload[12:], zlib.adler32(payload[:8]))
 
 
@@ -76,12 +78,19 @@ def empty(shape: tuple[int, ...], body_size: int) -> tuple[np.ndarray, np.ndarra
 
 
 def seal(
-    codec: str, payload: np.ndarray, shape: tuple[int, ...], flags: int = 0, body_sum=None
+    codec: str,
+    payload: np.ndarray,
+    shape: tuple[int, ...],
+    flags: int = 0,
+    body_sum=None,
+    *,
+    kernels=None,
 ) -> np.ndarray:
     """Write the header of a payload from ``empty`` whose body is written; return it.
 
     ``body_sum``, when the encoder computed it while writing the body, is the body's
     Adler-32 from 0 (``zlib.adler32(body, 0)``): the body is then not read again.
+    ``kernels``: the backend record of host arrays (default ``mpicomp.kernels.backend()``).
     """
     ndim = len(shape)
     start = header_size(ndim)
@@ -90,17 +99,20 @@ def seal(
     if ndim:
         payload[FIXED_SIZE:start] = np.asarray(shape, dtype="<u8").view(np.uint8)
     if body_sum is None:
-        body_sum = adler32(payload[start:], 0)
+        body_sum = backend_of(payload, kernels).checksum.adler32(payload[start:], 0)
     struct.pack_into("<I", payload, 8, combine(_head_checksum(payload, start), body_sum, body_len))
     return payload
 
 
-def pack(codec: str, shape: tuple[int, ...], body: np.ndarray, flags: int = 0) -> np.ndarray:
+def pack(
+    codec: str, shape: tuple[int, ...], body: np.ndarray, flags: int = 0, *, kernels=None
+) -> np.ndarray:
     """Return header + ``body`` (a 1-D uint8 array) as one 1-D uint8 payload."""
     body = np.ascontiguousarray(body, dtype=np.uint8).reshape(-1)
     out, dst = empty(shape, body.size)
     # One pass copies the body and sums it.
-    return seal(codec, out, shape, flags, adler32(body, 0, dst=dst))
+    body_sum = backend_of(body, kernels).checksum.adler32(body, 0, dst=dst)
+    return seal(codec, out, shape, flags, body_sum, kernels=kernels)
 
 
 def verify(codec: str, payload: np.ndarray, body_sum: int) -> None:
@@ -117,7 +129,13 @@ def verify(codec: str, payload: np.ndarray, body_sum: int) -> None:
 
 
 def unpack(
-    codec: str, payload, known_flags: int = 0, numel: int | None = None, verify: bool = True
+    codec: str,
+    payload,
+    known_flags: int = 0,
+    numel: int | None = None,
+    verify: bool = True,
+    *,
+    kernels=None,
 ) -> tuple[tuple[int, ...], int, np.ndarray]:
     """Validate a payload made by ``codec``; return (shape, flags, body view).
 
@@ -178,7 +196,7 @@ def unpack(
         raise PayloadError(
             f"{codec} payload describes {numel_of(shape)} elements, expected {numel}"
         )
-    if verify and _checksum(payload) != checksum:
+    if verify and _checksum(payload, kernels) != checksum:
         raise PayloadError(f"{codec} payload fails its checksum (corrupted in transit?)")
     return shape, flags, payload[start:]
 

@@ -6,14 +6,11 @@ import math
 
 import numpy as np
 
-from mpicomp._backend import as_gradient, get_array_module
+from mpicomp._arrays import as_gradient
 from mpicomp.codecs import _wire
-from mpicomp.codecs._base import Codec, check_number, register
+from mpicomp.codecs._base import Codec, GatherCodecBase, check_number, register
 from mpicomp.errors import PayloadError
-from mpicomp.kernels.cpu import fp16 as _fp16
-from mpicomp.kernels.cpu import topk as _k
-from mpicomp.kernels.cpu.checks import mpicomp_all_finite
-from mpicomp.kernels.cpu.checksum import adler32
+from mpicomp.kernels import backend_of
 
 _FP16_MAX = float(np.finfo(np.float16).max)
 
@@ -46,12 +43,14 @@ class _Dense(Codec):
         x = as_gradient(x)
         wire = self.to_wire(x).astype(self.wire_dtype.newbyteorder("<"), copy=False)
         # pack copies the bytes and checksums them in one pass.
-        return _wire.pack(self.name, x.shape, wire.reshape(-1).view(np.uint8))
+        return _wire.pack(self.name, x.shape, wire.reshape(-1).view(np.uint8), kernels=self.kernels)
 
     def decode(self, payload, numel: int | None = None) -> np.ndarray:
         """Return the float32 array carried by ``payload``."""
         # The checksum is summed in the pass that reads the body (verify below).
-        shape, _, body = _wire.unpack(self.name, payload, numel=numel, verify=False)
+        shape, _, body = _wire.unpack(
+            self.name, payload, numel=numel, verify=False, kernels=self.kernels
+        )
         n = _wire.numel_of(shape)
         if body.size != self.wire_dtype.itemsize * n:
             raise PayloadError(
@@ -67,6 +66,7 @@ class _Dense(Codec):
     def _read_body(self, body, out, payload) -> bool:
         """Fill float32 ``out`` from the validated-size ``body``, verify the payload's
         checksum on the way; return False if the codec refuses what it read."""
+        adler32 = backend_of(body, self.kernels).checksum.adler32
         _wire.verify(self.name, payload, adler32(body, 0, dst=out.view(np.uint8)))
         return True
 
@@ -94,11 +94,9 @@ class Float16(_Dense):
             ValueError: ``x`` holds NaN/Inf, or a value float16 cannot hold (|x| > 65504).
         """
         x = as_gradient(x)
-        if get_array_module(x) is not np:
-            self._check_range(x)
-            return x.astype(np.float16)
-        out = np.empty(x.shape, np.float16)
-        ok, _ = _fp16.encode(x.reshape(-1), out.reshape(-1).view(np.uint16))
+        k = backend_of(x, self.kernels)
+        out = k.xp.empty(x.shape, np.float16)
+        ok, _ = k.fp16.encode(x.reshape(-1), out.reshape(-1).view(np.uint16))
         if not ok:
             self._check_range(x)
         return out
@@ -108,8 +106,9 @@ class Float16(_Dense):
         total = np.asarray(total)
         if total.dtype != np.float16:
             return super().from_wire(total, nranks, shape)  # any other dtype: converted
-        out = np.empty(total.shape, np.float32)
-        _fp16.decode(total.reshape(-1).view(np.uint16), out.reshape(-1), nranks)
+        k = backend_of(total, self.kernels)
+        out = k.xp.empty(total.shape, np.float32)
+        k.fp16.decode(total.reshape(-1).view(np.uint16), out.reshape(-1), nranks)
         return out.reshape(shape) if shape is not None else out
 
     def encode(self, x) -> np.ndarray:
@@ -119,18 +118,19 @@ class Float16(_Dense):
             ValueError: as ``to_wire``.
         """
         x = as_gradient(x)
-        if get_array_module(x) is not np:
-            return super().encode(x)
         # One pass rounds into the payload, checks the range and sums the checksum.
         payload, body = _wire.empty(x.shape, 2 * x.size)
-        ok, body_sum = _fp16.encode(x.reshape(-1), body.view(np.uint16), body)
+        ok, body_sum = backend_of(x, self.kernels).fp16.encode(
+            x.reshape(-1), body.view(np.uint16), body
+        )
         if not ok:
             self._check_range(x)
-        return _wire.seal(self.name, payload, x.shape, body_sum=body_sum)
+        return _wire.seal(self.name, payload, x.shape, body_sum=body_sum, kernels=self.kernels)
 
     def _read_body(self, body, out, payload) -> bool:
-        _wire.verify(self.name, payload, adler32(body, 0))
-        return _fp16.decode(body.view("<u2"), out)
+        k = backend_of(body, self.kernels)
+        _wire.verify(self.name, payload, k.checksum.adler32(body, 0))
+        return k.fp16.decode(body.view("<u2"), out)
 
     @staticmethod
     def _check_range(x) -> None:
@@ -146,7 +146,7 @@ class Float16(_Dense):
 
 
 @register
-class TopK(Codec):
+class TopK(GatherCodecBase):
     """Keep the k = ceil(ratio * n) largest magnitudes, as (index, value) pairs.
 
     Body: uint64 k, then k uint32 indices (uint64 when n > 2**32), strictly
@@ -155,7 +155,6 @@ class TopK(Codec):
     """
 
     name = "topk"
-    aggregation = "gather"
 
     def __init__(self, ratio: float = 0.01):
         ratio = check_number("ratio", ratio, 0.0, 1.0, lo_open=True)
@@ -176,6 +175,7 @@ class TopK(Codec):
             ValueError: ``x`` holds NaN or Inf.
         """
         x = as_gradient(x)
+        kernels = backend_of(x, self.kernels)
         flat = x.reshape(-1)
         n, k = flat.size, self.kept(flat.size)
         idt = self._index_dtype(n)
@@ -185,17 +185,17 @@ class TopK(Codec):
         idx = body[8 : 8 + k * idt.itemsize].view(idt)
         vals = body[8 + k * idt.itemsize :].view("<f4")
         if k == n:
-            if n and not mpicomp_all_finite(flat):
+            if n and not kernels.topk.all_finite(flat):
                 raise ValueError("topk: input holds NaN or Inf")
             idx[:] = np.arange(n, dtype=idt)
             vals[:] = flat
-        elif not _k.select(flat, k, idx, vals):
+        elif not kernels.topk.select(flat, k, idx, vals):
             raise ValueError("topk: input holds NaN or Inf")
-        return _wire.seal(self.name, payload, x.shape)
+        return _wire.seal(self.name, payload, x.shape, kernels=self.kernels)
 
     def decode(self, payload, numel: int | None = None) -> np.ndarray:
         """Return the dense float32 array of ``payload`` (zeros where nothing was kept)."""
-        shape, _, body = _wire.unpack(self.name, payload, numel=numel)
+        shape, _, body = _wire.unpack(self.name, payload, numel=numel, kernels=self.kernels)
         n = _wire.numel_of(shape)
         if body.size < 8:
             raise PayloadError(f"topk payload body truncated: {body.size} bytes")
@@ -206,7 +206,7 @@ class TopK(Codec):
         idx = body[8 : 8 + k * idt.itemsize].view(idt)
         vals = body[8 + k * idt.itemsize :].view("<f4")
         out = np.zeros(n, dtype=np.float32)
-        err = _k.mpicomp_topk_scatter(idx, vals, n, out)
+        err = backend_of(body, self.kernels).topk.scatter(idx, vals, n, out)
         if err == 1:
             raise PayloadError("topk payload indices are out of range or not increasing")
         if err == 2:

@@ -11,11 +11,12 @@ from __future__ import annotations
 
 import numpy as np
 
-from mpicomp._backend import as_gradient, get_array_module
+from mpicomp._arrays import as_gradient
 from mpicomp.codecs import _wire
-from mpicomp.codecs._base import Codec, check_number, register
+from mpicomp.codecs._base import GatherCodecBase, check_number, register
 from mpicomp.errors import PayloadError
-from mpicomp.kernels.cpu import fastsgd as _k
+from mpicomp.kernels import backend_of
+from mpicomp.kernels import fastsgd as _k
 
 # The largest base keeps sum / b^tau well inside float64 for every float32 sum.
 MAX_BASE = 16.0
@@ -40,7 +41,7 @@ _DECODE_ERRORS = {
 
 
 @register
-class FastSGD(Codec):
+class FastSGD(GatherCodecBase):
     """FastSGD: per bucket, sign and L = ceil(log_b(sum|v| / |v|)) in one byte for each
     |v| >= sum|v| / b^tau, keys as adaptive-width deltas.
 
@@ -66,7 +67,6 @@ class FastSGD(Codec):
     """
 
     name = "fastsgd"
-    aggregation = "gather"
 
     def __init__(
         self,
@@ -80,7 +80,7 @@ class FastSGD(Codec):
         flag_bits = check_number("flag_bits", flag_bits, 1, _k.MAX_FLAG_BITS, integer=True)
         bucket = check_number("bucket", bucket, 0, _k.MAX_BUCKET, integer=True)
         super().__init__(base=base, tau=tau, flag_bits=flag_bits, bucket=bucket)
-        self._powers = _k.mpicomp_fastsgd_powers(base, tau)
+        self._powers = self.kernels.fastsgd.powers(base, tau)
 
     def encode(self, x) -> np.ndarray:
         """Return the FastSGD payload of ``x``.
@@ -92,11 +92,9 @@ class FastSGD(Codec):
         Raises:
             ValueError: ``x`` holds NaN or Inf, or ``bucket`` is 0 and ``x`` has
                 more than 2**29 elements.
-            RuntimeError: ``x`` is not on the CPU (the CUDA kernels come later).
         """
         x = as_gradient(x)
-        if get_array_module(x) is not np:
-            raise RuntimeError("fastsgd has no CUDA kernels yet; pass a NumPy array")
+        k = backend_of(x, self.kernels).fastsgd
         flat = x.reshape(-1)
         n = flat.size
         p = self.params
@@ -111,9 +109,7 @@ class FastSGD(Codec):
         cap = _k.bucket_capacity(min(bucket, n), p["flag_bits"])
         scratch = np.empty(nbuckets * cap, np.uint8)
         sizes = np.empty(nbuckets, np.int64)
-        ok = _k.mpicomp_fastsgd_encode(
-            flat, flat.view(np.uint32), bucket, self._powers, p["flag_bits"], scratch, cap, sizes
-        )
+        ok = k.encode(flat, bucket, self._powers, p["flag_bits"], scratch, cap, sizes)
         if not ok:
             raise ValueError("fastsgd cannot encode x: it contains NaN or Inf")
         offsets = np.empty(nbuckets, np.int64)
@@ -122,8 +118,8 @@ class FastSGD(Codec):
         offsets[1:] += _k.PREFIX_BYTES
         payload, body = _wire.empty(x.shape, _k.PREFIX_BYTES + int(sizes.sum()))
         body[: _k.PREFIX_BYTES] = self._prefix().view(np.uint8)
-        _k.mpicomp_fastsgd_assemble(scratch, cap, sizes, offsets, body)
-        return _wire.seal(self.name, payload, x.shape)
+        k.assemble(scratch, cap, sizes, offsets, body)
+        return _wire.seal(self.name, payload, x.shape, kernels=self.kernels)
 
     def decode(self, payload, numel: int | None = None) -> np.ndarray:
         """Return the float32 array of ``payload``: sign * sum / b^L where kept, 0 elsewhere.
@@ -157,7 +153,7 @@ class FastSGD(Codec):
                 is allocated).
         """
         scans = [self._scan(p, numel)[2] for p in payloads]
-        out = np.zeros(numel, np.float32)
+        out = self.kernels.xp.zeros(numel, np.float32)
         for scan in scans:
             self._scatter(scan, out, accumulate=True)
         return out
@@ -165,7 +161,7 @@ class FastSGD(Codec):
     def _scan(self, payload, numel):
         """Check ``payload``'s header, prefix and bucket headers (no allocation beyond a
         constant times its size); return (shape, n, what ``_scatter`` needs)."""
-        shape, _, body = _wire.unpack(self.name, payload, numel=numel)
+        shape, _, body = _wire.unpack(self.name, payload, numel=numel, kernels=self.kernels)
         n = _wire.numel_of(shape)
         if body.size < _k.PREFIX_BYTES:
             raise PayloadError(
@@ -192,23 +188,24 @@ class FastSGD(Codec):
             )
         offsets = np.empty(nbuckets + 1, np.int64)
         sums = np.empty(nbuckets, np.uint32)
-        err = _k.mpicomp_fastsgd_scan(body, n, bucket, flag_bits, offsets, sums)
+        kernels = backend_of(body, self.kernels)
+        err = kernels.fastsgd.scan(body, n, bucket, flag_bits, offsets, sums)
         if err:
             raise PayloadError(f"fastsgd payload is inconsistent: {_DECODE_ERRORS[err]}")
         powers = (
             self._powers
             if (base, tau) == (self.params["base"], self.params["tau"])
-            else _k.mpicomp_fastsgd_powers(base, tau)
+            else kernels.fastsgd.powers(base, tau)
         )
-        return shape, n, (body, n, bucket, powers, flag_bits, offsets, sums)
+        return shape, n, (kernels, body, n, bucket, powers, flag_bits, offsets, sums)
 
     @staticmethod
     def _scatter(scan, out, accumulate: bool) -> None:
         """Write (or add) the values of a ``_scan``ned payload into ``out``; PayloadError
         when its keys or codes are inconsistent."""
-        body, n, bucket, powers, flag_bits, offsets, sums = scan
+        kernels, body, n, bucket, powers, flag_bits, offsets, sums = scan
         errs = np.zeros(sums.size, np.int64)
-        _k.mpicomp_fastsgd_decode(
+        kernels.fastsgd.decode(
             body, n, bucket, powers, flag_bits, offsets, sums, out, errs, accumulate
         )
         bad = np.flatnonzero(errs)

@@ -3,7 +3,8 @@ instead of lost (paper 001 §3.1)."""
 
 from __future__ import annotations
 
-from mpicomp._backend import as_gradient, get_array_module
+from mpicomp._arrays import as_gradient
+from mpicomp.kernels import backend_of
 
 
 class ErrorFeedback:
@@ -30,16 +31,16 @@ class ErrorFeedback:
                 sharing one name would mix their errors).
         """
         x = as_gradient(x)
-        xp = get_array_module(x)
+        xp = backend_of(x, self.codec.kernels).xp
         r = self._memory.get(name)
         if r is not None and r.shape != x.shape:
             raise ValueError(
                 f"error feedback: tensor {name!r} had shape {r.shape}, now {x.shape}; "
                 "give each tensor its own name"
             )
-        if r is None or get_array_module(r) is not xp:
+        if r is None or backend_of(r, self.codec.kernels).xp is not xp:
             r = self._memory[name] = xp.zeros(x.shape, dtype=xp.float32)
-        if getattr(self.codec, "fused_feedback", False):
+        if self.codec.fused_feedback:
             return self.codec.encode(x, residual=r)
         corrected = x + r
         payload = self.codec.encode(corrected)

@@ -1,124 +1,30 @@
 """FFT-based gradient sparsification with a range-based N-bit float (paper 002).
 
-The gradient, flattened and optionally rounded to float16, goes through a real FFT;
+The gradient, flattened and optionally rounded to float16, goes through a real FFT
+(the kernel backend's: on the CPU NumPy's, or a blocked transform for large tensors);
 the ceil((1 - theta) * (n//2 + 1)) frequencies of largest magnitude are kept, marked
 in a bitmap and packed densely with a prefix sum (§3.2); their real and imaginary
 parts travel as range-based N-bit floats (§3.2.1, Alg. 1). The receiver scatters
 them into a zero spectrum and inverts the FFT. Body layout: docs/codecs.md.
-
-Below ``BLOCKED_MIN`` elements the transforms are NumPy's (pocketfft, one call); from
-it on, a blocked float32 transform: batched, multi-threaded scipy.fft passes over an
-(n1, n2) matrix of the signal, with numba kernels between them (``kernels/cpu/fft.py``).
 """
 
 from __future__ import annotations
 
-import functools
 import math
 import struct
-from dataclasses import dataclass
 
-import numba
 import numpy as np
-import scipy.fft
 
-from mpicomp._backend import as_gradient
+from mpicomp._arrays import as_gradient
 from mpicomp.codecs import _wire
-from mpicomp.codecs._base import Codec, check_number, register
+from mpicomp.codecs._base import GatherCodecBase, check_number, register
 from mpicomp.errors import PayloadError
-from mpicomp.kernels.cpu import fft as _k
-from mpicomp.kernels.cpu.checks import mpicomp_all_finite
+from mpicomp.kernels import backend_of
+from mpicomp.kernels import fft as _k
 
 # eps (float32 bit pattern), m, N, reserved, k: the fixed part of the body.
 _BODY = struct.Struct("<IBBHQ")
 BODY_FIXED = _BODY.size  # 16
-
-
-# From this many elements on, the blocked transform runs: below it one pocketfft call is
-# a millisecond or two, and its float32 bytes are those of numpy.fft.rfft.
-BLOCKED_MIN = 1 << 18
-# Both sides of the blocked matrix are at least this long (else one NumPy call is used).
-_MIN_SIDE = 64
-
-
-@dataclass(frozen=True)
-class _Plan:
-    """How the blocked transform splits n = 2 * n1 * n2, and its table of unit roots.
-
-    ``w_hi[:, h]`` and ``w_lo[:, l]`` hold the real and imaginary parts of
-    exp(-2 pi i h 2**shift / n) and exp(-2 pi i l / n): their product is that of
-    j = h * 2**shift + l.
-    """
-
-    n1: int
-    n2: int
-    shift: int
-    w_hi: np.ndarray
-    w_lo: np.ndarray
-
-
-@functools.lru_cache(maxsize=8)
-def _plan(n: int) -> _Plan | None:
-    """Return the blocked-transform plan of an ``n``-element rfft, or None for NumPy's.
-
-    None below ``BLOCKED_MIN``, for odd n, and when n/2 has no divisor between
-    ``_MIN_SIDE`` and its square root (n/2 prime, say).
-    """
-    if n < BLOCKED_MIN or n % 2:
-        return None
-    m = n // 2
-    n1 = next((d for d in range(math.isqrt(m), _MIN_SIDE - 1, -1) if m % d == 0), None)
-    if n1 is None:
-        return None
-    shift = (n.bit_length() + 1) // 2
-    lo = np.arange(1 << shift)
-    hi = np.arange(((n - 1) >> shift) + 1) << shift
-    w_hi, w_lo = (np.exp(-2j * np.pi * j / n) for j in (hi, lo))
-    return _Plan(
-        n1, m // n1, shift, np.stack([w_hi.real, w_hi.imag]), np.stack([w_lo.real, w_lo.imag])
-    )
-
-
-def _rfft(flat: np.ndarray, own: bool) -> tuple[np.ndarray, np.ndarray, bool]:
-    """Return (interleaved float32 half spectrum, |X|^2 in float32, all finite) of ``flat``.
-
-    ``own``: ``flat`` is a scratch copy the transform may overwrite.
-    """
-    nbins = num_bins(flat.size)
-    mag2 = np.empty(nbins, dtype=np.float32)
-    plan = _plan(flat.size)
-    if plan is None:
-        with np.errstate(invalid="ignore", over="ignore"):  # NaN/Inf are caught below
-            spec = np.fft.rfft(flat).astype(np.complex64, copy=False).view(np.float32)
-        return spec, mag2, _k.mpicomp_fft_magnitude(spec, mag2)
-    workers = numba.get_num_threads()
-    # Columns of the (n1, n2) matrix, twiddle, then rows: the rows' transform reads the
-    # matrix transposed, so the spectrum comes out in natural frequency order.
-    z = flat.view(np.complex64).reshape(plan.n1, plan.n2)
-    z = scipy.fft.fft(z, axis=0, workers=workers, overwrite_x=own)
-    _k.mpicomp_fft_twiddle(z, plan.w_hi, plan.w_lo, plan.shift, False)
-    z = scipy.fft.fft(z.T, axis=0, workers=workers)
-    spec = np.empty(2 * nbins, dtype=np.float32)
-    ok = _k.mpicomp_fft_real_post(z.reshape(-1), plan.w_hi, plan.w_lo, plan.shift, spec, mag2)
-    return spec, mag2, ok
-
-
-def _irfft(spec: np.ndarray, n: int) -> np.ndarray:
-    """Return the ``n`` float32 values of the interleaved float32 half spectrum ``spec``."""
-    plan = _plan(n)
-    if plan is None:
-        with np.errstate(invalid="ignore", over="ignore"):  # overflow is caught by callers
-            return np.fft.irfft(spec.view(np.complex64), n=n).astype(np.float32, copy=False)
-    workers = numba.get_num_threads()
-    # The forward steps backwards: Z in natural order is the (n2, n1) transpose of the
-    # row transforms' output.
-    z = np.empty(n // 2, dtype=np.complex64)
-    _k.mpicomp_fft_real_pre(spec, plan.w_hi, plan.w_lo, plan.shift, z)
-    z = scipy.fft.ifft(z.reshape(plan.n2, plan.n1), axis=0, workers=workers, overwrite_x=True)
-    _k.mpicomp_fft_twiddle(z, plan.w_hi, plan.w_lo, plan.shift, True)
-    # Not in place: that would leave the result in the transposed (Fortran) order.
-    z = scipy.fft.ifft(z.T, axis=0, workers=workers)
-    return np.ascontiguousarray(z).view(np.float32).reshape(-1)
 
 
 def num_bins(n: int) -> int:
@@ -132,14 +38,13 @@ def body_size(n: int, k: int, bits: int) -> int:
 
 
 @register
-class FFTCodec(Codec):
+class FFTCodec(GatherCodecBase):
     """Keep the largest frequencies of the gradient's real FFT as range-based N-bit floats.
 
     A biased codec: wrap it in ``ErrorFeedback`` to send later what it drops.
     """
 
     name = "fft"
-    aggregation = "gather"
     fused_feedback = True
 
     def __init__(self, theta: float = 0.85, bits: int = 10, fp16: bool = True):
@@ -187,43 +92,44 @@ class FFTCodec(Codec):
                 ``residual`` does not match ``x``.
         """
         x = as_gradient(x)
+        fk = backend_of(x, self.kernels).fft
         flat = x.reshape(-1)
         r = None if residual is None else self._residual_view(residual, x.shape)
         n, bits = flat.size, self.params["bits"]
-        nbins, k = num_bins(n), self.kept(n)
-        body = np.empty(body_size(n, k, bits), dtype=np.uint8)
+        nbins, kept = num_bins(n), self.kept(n)
+        body = np.empty(body_size(n, kept, bits), dtype=np.uint8)
         m, pbase = _k.MAX_MANTISSA, 1
         if n:
             own = False
             if self.params["fp16"]:
                 rounded = np.empty(n, dtype=np.float32)
-                err = _k.mpicomp_fft_round_fp16(flat.view(np.uint32), rounded.view(np.uint32))
+                err = fk.round_fp16(flat.view(np.uint32), rounded.view(np.uint32))
                 if err == _k.FP16_NONFINITE:
                     raise ValueError("fft: input holds NaN or Inf")
                 if err == _k.FP16_OVERFLOW:
                     raise ValueError("fft: a value overflows float16 (|x| > 65504); use fp16=False")
                 flat, own = rounded, True
-            spec, mag2, ok = _rfft(flat, own)
+            spec, mag2, ok = fk.rfft(flat, own)
             if not ok:
                 raise ValueError("fft: input holds NaN or Inf (or its spectrum overflows float32)")
-            if r is not None and not _k.mpicomp_fft_add_residual(spec, r, mag2):
+            if r is not None and not fk.add_residual(spec, r, mag2):
                 raise ValueError("fft: the spectrum of x + residual holds NaN or Inf")
             # Bins strictly above the k-th largest magnitude are kept; ties at it go
             # to the lowest frequency index (inside the kernel), so the set is deterministic.
-            thresh = np.float32(-np.inf) if k == nbins else _k.mpicomp_fft_kth_largest(mag2, k)
-            dense = np.empty(2 * k, dtype=np.uint32)
+            thresh = np.float32(-np.inf) if kept == nbins else fk.kth_largest(mag2, kept)
+            dense = np.empty(2 * kept, dtype=np.uint32)
             hist = np.zeros(256, dtype=np.int64)
             bitmap = body[BODY_FIXED : BODY_FIXED + (nbins + 7) // 8]
-            vmax = _k.mpicomp_fft_select_pack(
-                spec.view(np.uint32), mag2, np.float32(thresh), k, bitmap, dense, hist
+            vmax = fk.select_pack(
+                spec.view(np.uint32), mag2, np.float32(thresh), kept, bitmap, dense, hist
             )
-            m, pbase = _k.mpicomp_fft_choose_range(hist, vmax, bits)
+            m, pbase = fk.choose_range(hist, vmax, bits)
             codes = body[BODY_FIXED + (nbins + 7) // 8 :]
-            _k.mpicomp_fft_quantize_pack(dense, vmax, pbase, _k.MAX_MANTISSA - m, bits, codes)
+            fk.quantize_pack(dense, vmax, pbase, _k.MAX_MANTISSA - m, bits, codes)
             if r is not None:
-                _k.mpicomp_fft_residual(spec, bitmap, vmax, pbase, _k.MAX_MANTISSA - m, bits, r)
-        _BODY.pack_into(body, 0, pbase << (_k.MAX_MANTISSA - m), m, bits, 0, k)
-        return _wire.pack(self.name, x.shape, body)
+                fk.residual(spec, bitmap, vmax, pbase, _k.MAX_MANTISSA - m, bits, r)
+        _BODY.pack_into(body, 0, pbase << (_k.MAX_MANTISSA - m), m, bits, 0, kept)
+        return _wire.pack(self.name, x.shape, body, kernels=self.kernels)
 
     @staticmethod
     def _residual_view(residual, shape: tuple[int, ...]) -> np.ndarray:
@@ -246,7 +152,7 @@ class FFTCodec(Codec):
             PayloadError: the payload is truncated, corrupted, inconsistent, or not fft's.
         """
         shape, n, spec = self._spectrum(payload, numel, None)
-        return self._inverse(spec, n).reshape(shape)
+        return self._inverse(backend_of(spec, self.kernels).fft, spec, n).reshape(shape)
 
     def decode_sum(self, payloads, numel: int) -> np.ndarray:
         """Return the flat float32 sum of the gradients of ``payloads``, added in their order.
@@ -265,24 +171,22 @@ class FFTCodec(Codec):
             PayloadError: a payload is truncated, corrupted, inconsistent, not fft's,
                 or not of ``numel`` elements (checked before anything is allocated).
         """
-        if _plan(numel) is None:
-            total = np.zeros(numel, dtype=np.float32)
-            for p in payloads:
-                total += self.decode(p, numel=numel).reshape(-1)
-            return total
+        fk = self.kernels.fft
+        if not fk.sum_spectra(numel):
+            return super().decode_sum(payloads, numel)
         spec = None
         for p in payloads:
             _, _, spec = self._spectrum(p, numel, spec)
         if spec is None:
-            return np.zeros(numel, dtype=np.float32)
-        return self._inverse(spec, numel)
+            return self.kernels.xp.zeros(numel, dtype=np.float32)
+        return self._inverse(fk, spec, numel)
 
     def _spectrum(self, payload, numel, spec):
         """Validate ``payload``; add its kept frequencies to ``spec`` (None: a new zero one).
 
         Returns (shape, n, spec): ``spec`` is the interleaved float32 half spectrum.
         """
-        shape, flags, body = _wire.unpack(self.name, payload, numel=numel)
+        shape, flags, body = _wire.unpack(self.name, payload, numel=numel, kernels=self.kernels)
         n = _wire.numel_of(shape)
         nbins = num_bins(n)
         if flags != 0:
@@ -305,27 +209,29 @@ class FFTCodec(Codec):
             spec = np.zeros(2 * nbins, dtype=np.float32)
         if n == 0:
             return shape, n, spec
+        kernels = backend_of(body, self.kernels).fft
         dense = np.empty(2 * k, dtype=np.float32)
         bitmap = body[BODY_FIXED : BODY_FIXED + (nbins + 7) // 8]
-        err = _k.mpicomp_fft_unpack_dequantize(
+        err = kernels.unpack_dequantize(
             body[BODY_FIXED + bitmap.size :], pbase, shift, bits, dense.view(np.uint32)
         )
         if err != _k.DECODE_OK:
             raise PayloadError(f"fft payload codes are invalid: {_DECODE_ERRORS[err]}")
-        err = _k.mpicomp_fft_scatter(bitmap, dense, k, spec)
+        err = kernels.scatter(bitmap, dense, k, spec)
         if err != _k.DECODE_OK:
             raise PayloadError(f"fft payload bitmap is invalid: {_DECODE_ERRORS[err]}")
         return shape, n, spec
 
     @staticmethod
-    def _inverse(spec: np.ndarray, n: int) -> np.ndarray:
-        """Return the flat float32 inverse transform of ``spec``, refusing overflow."""
+    def _inverse(kernels, spec: np.ndarray, n: int) -> np.ndarray:
+        """Return the flat float32 inverse transform of ``spec`` (the ``fft`` launchers
+        ``kernels``), refusing overflow."""
         if n == 0:
             return np.zeros(0, dtype=np.float32)
-        out = _irfft(spec, n)
+        out = kernels.irfft(spec, n)
         # Finite codes can still sum past float32's range in the inverse transform;
         # no encoder makes such a payload, so it is refused rather than returned as Inf.
-        if not mpicomp_all_finite(out):
+        if not kernels.all_finite(out):
             raise PayloadError("fft payload decodes to values beyond float32's range")
         return out
 

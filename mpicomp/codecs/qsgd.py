@@ -17,10 +17,11 @@ from fractions import Fraction
 
 import numpy as np
 
-from mpicomp._backend import as_gradient, get_array_module
+from mpicomp._arrays import as_gradient
 from mpicomp.codecs._base import Codec, check_number, register
-from mpicomp.kernels.cpu import qsgd as _k
-from mpicomp.kernels.cpu import rng as _rng
+from mpicomp.kernels import backend_of
+from mpicomp.kernels import qsgd as _k
+from mpicomp.kernels.rng import key as _rng_key
 
 DEFAULT_K = 10000  # the paper's K for all its GlobalRandK experiments (§5)
 MAX_SCALE_BITS = 24  # 2^(b-1) - 1 levels stay exact in float32 up to here
@@ -36,11 +37,8 @@ def _levels(bits: int) -> int:
 
 
 def _flat(x) -> np.ndarray:
-    """Return ``x`` as a flat contiguous float32 NumPy array (a view where possible)."""
-    x = as_gradient(x)
-    if get_array_module(x) is not np:
-        raise NotImplementedError("qsgd codecs run on NumPy arrays (the CUDA twins come later)")
-    return x.reshape(-1)
+    """Return ``x`` as a flat contiguous float32 array (a view where possible)."""
+    return as_gradient(x).reshape(-1)
 
 
 def _norm(norm) -> np.float32:
@@ -121,18 +119,9 @@ def _raise(err: int, values: np.ndarray, norm) -> None:
         raise ValueError("code_sum holds a value beyond nranks * bound: wrong nranks or codes")
 
 
-def _run(kernel, chunks, n: int, *args):
-    """Call ``kernel`` on [0, n) directly for one chunk or less, else its parallel driver."""
-    if n <= _k.CHUNK:
-        return kernel(*args, 0, n)
-    return chunks(*args, n)
-
-
-def _sumsq_norm(flat: np.ndarray, idx: np.ndarray | None) -> float:
+def _sumsq_norm(kernels, flat: np.ndarray, idx: np.ndarray | None) -> float:
     dense = idx is None
-    n = flat.size if dense else idx.size
-    args = (flat, _NO_INDEX if dense else idx, dense)
-    ss = _run(_k.mpicomp_qsgd_sumsq, _k.mpicomp_qsgd_sumsq_chunks, n, *args)
+    ss = kernels.qsgd.sumsq(flat, _NO_INDEX if dense else idx, dense)
     if not math.isfinite(ss):
         raise ValueError("x holds NaN or Inf")
     norm = math.sqrt(ss)
@@ -145,6 +134,8 @@ class _MaxNorm(Codec):
     """What the four codecs share: ``bits``, ``seed``, levels and the code dtype."""
 
     aggregation = "integer_sum"
+    multiscale = False  # a ScaleIndexCodec (mpicomp.codecs._base)
+    sparse = False  # a SparseCoordinatesCodec
 
     def _setup(self, bits, seed, **more):
         bits = check_number("bits", bits, 2, 16, integer=True)
@@ -157,7 +148,7 @@ class _MaxNorm(Codec):
     def _key(self, step, stream) -> np.uint64:
         step = _counter("step", step)
         stream = _counter("stream", stream, COORDINATE_STREAM - 1)
-        return np.uint64(_rng.mpicomp_key(np.uint64(self.params["seed"]), step, stream))
+        return _rng_key(self.params["seed"], step, stream)
 
     def _limit(self, nranks) -> tuple[int, np.int64]:
         nranks = check_number("nranks", nranks, 1, None, integer=True)
@@ -167,10 +158,9 @@ class _MaxNorm(Codec):
         norm = _norm(norm)
         data, n, width, offset = _packed_sums(data, n, width, offset)
         nranks, limit = self._limit(nranks)
-        out = np.empty(n, dtype=np.float32)
-        args = (data, width, offset, norm, self.levels, nranks, limit, out)
-        kernels = _k.mpicomp_qsgd_dequantize_packed, _k.mpicomp_qsgd_dequantize_packed_chunks
-        err = _run(*kernels, n, *args)
+        k = backend_of(data, self.kernels)
+        out = k.xp.empty(n, dtype=np.float32)
+        err = k.qsgd.dequantize_packed(data, width, offset, norm, self.levels, nranks, limit, out)
         if err:
             _raise(err, out, norm)
         return out
@@ -178,6 +168,8 @@ class _MaxNorm(Codec):
 
 class _Multiscale:
     """The scale set of the multi-scale codecs (paper 000 §3.2)."""
+
+    multiscale = True
 
     def _scales(self, bits, scales) -> tuple[int, ...]:
         bits = check_number("bits", bits, 2, 16, integer=True)
@@ -198,10 +190,10 @@ class _Multiscale:
     def _scale_index(self, flat, idx, norm) -> np.ndarray:
         norm = _norm(norm)
         dense = idx is None
-        out = np.empty(flat.size if dense else idx.size, dtype=np.uint8)
-        args = (flat, _NO_INDEX if dense else idx, dense, norm, self._scales_f32, out)
-        kernels = _k.mpicomp_qsgd_multiscale_index, _k.mpicomp_qsgd_multiscale_index_chunks
-        err = _run(*kernels, out.size, *args)
+        k = backend_of(flat, self.kernels)
+        out = k.xp.empty(flat.size if dense else idx.size, dtype=np.uint8)
+        index = _NO_INDEX if dense else idx
+        err = k.qsgd.multiscale_index(flat, index, dense, norm, self._scales_f32, out)
         if err:
             _raise(err, flat if dense else flat[idx], norm)
         return out
@@ -211,10 +203,12 @@ class _Multiscale:
         dense = idx is None
         n = flat.size if dense else idx.size
         sidx = _int_array(scale_index, "scale_index", n, signed=False)
-        out = np.empty(n, dtype=self.code_dtype)
-        args = (flat, _NO_INDEX if dense else idx, dense, norm, self._scales_f32, sidx, key, out)
-        kernels = _k.mpicomp_qsgd_multiscale_quantize, _k.mpicomp_qsgd_multiscale_quantize_chunks
-        err = _run(*kernels, n, *args)
+        k = backend_of(flat, self.kernels)
+        out = k.xp.empty(n, dtype=self.code_dtype)
+        index = _NO_INDEX if dense else idx
+        err = k.qsgd.multiscale_quantize(
+            flat, index, dense, norm, self._scales_f32, sidx, key, out
+        )
         if err:
             _raise(err, flat if dense else flat[idx], norm)
         return out
@@ -226,13 +220,9 @@ class _Multiscale:
         codes = _int_array(code_sum, "code_sum", n, signed=True)
         sidx = _int_array(scale_index, "scale_index", n, signed=False)
         nranks, limit = self._limit(nranks)
-        out = np.empty(n, dtype=np.float32)
-        args = (codes, sidx, norm, self._scales_f32, nranks, limit, out)
-        kernels = (
-            _k.mpicomp_qsgd_multiscale_dequantize,
-            _k.mpicomp_qsgd_multiscale_dequantize_chunks,
-        )
-        err = _run(*kernels, n, *args)
+        k = backend_of(codes, self.kernels)
+        out = k.xp.empty(n, dtype=np.float32)
+        err = k.qsgd.multiscale_dequantize(codes, sidx, norm, self._scales_f32, nranks, limit, out)
         if err:
             _raise(err, out, norm)
         return out
@@ -242,13 +232,10 @@ class _Multiscale:
         data, n, width, offset = _packed_sums(data, n, width, offset)
         sidx = _int_array(scale_index, "scale_index", n, signed=False)
         nranks, limit = self._limit(nranks)
-        out = np.empty(n, dtype=np.float32)
+        k = backend_of(data, self.kernels)
+        out = k.xp.empty(n, dtype=np.float32)
         args = (data, width, offset, sidx, norm, self._scales_f32, nranks, limit, out)
-        kernels = (
-            _k.mpicomp_qsgd_multiscale_dequantize_packed,
-            _k.mpicomp_qsgd_multiscale_dequantize_packed_chunks,
-        )
-        err = _run(*kernels, n, *args)
+        err = k.qsgd.multiscale_dequantize_packed(*args)
         if err:
             _raise(err, out, norm)
         return out
@@ -256,6 +243,8 @@ class _Multiscale:
 
 class _GlobalRandK:
     """K coordinates per (seed, step), the same on every rank (paper 000 §3.3-3.4)."""
+
+    sparse = True
 
     def _check_k(self, k):
         if isinstance(k, (float, np.floating)):
@@ -288,16 +277,15 @@ class _GlobalRandK:
         if hit is not None:
             self._coords.move_to_end((numel, int(step)))
             return hit
-        key = np.uint64(
-            _rng.mpicomp_key(np.uint64(self.params["seed"]), step, np.uint64(COORDINATE_STREAM))
-        )
-        mask = np.zeros(numel, dtype=np.uint8)
-        picks = np.empty(k, dtype=np.int64)
-        _k.mpicomp_qsgd_grandk_select(np.int64(numel), np.int64(k), key, mask, picks)
+        key = _rng_key(self.params["seed"], step, COORDINATE_STREAM)
+        kernels = self.kernels
+        mask = kernels.xp.zeros(numel, dtype=np.uint8)
+        picks = kernels.xp.empty(k, dtype=np.int64)
+        kernels.qsgd.grandk_select(np.int64(numel), np.int64(k), key, mask, picks)
         if 256 * k < numel:  # few picks: sorting them beats scanning the mask
-            _k.mpicomp_qsgd_grandk_sort(picks)
+            kernels.qsgd.grandk_sort(picks)
         else:
-            _k.mpicomp_qsgd_grandk_compact(mask, picks)
+            kernels.qsgd.grandk_compact(mask, picks)
         picks.flags.writeable = False
         self._coords[(numel, int(step))] = picks
         # local_norm, scale_index, quantize and dequantize of one step share a draw; keep
@@ -316,7 +304,7 @@ class _GlobalRandK:
             ValueError: a selected element is NaN/Inf, or the norm overflows float32.
         """
         flat = _flat(x)
-        return _sumsq_norm(flat, self.coordinates(flat.size, step))
+        return _sumsq_norm(backend_of(flat, self.kernels), flat, self.coordinates(flat.size, step))
 
     def _full(self, shape, step) -> tuple[tuple[int, ...], np.ndarray]:
         """Return the full tensor's shape and the coordinates its codes belong to."""
@@ -326,12 +314,12 @@ class _GlobalRandK:
         return shape, self.coordinates(math.prod(shape), step)
 
 
-def _scatter(vals: np.ndarray, shape: tuple[int, ...], idx: np.ndarray) -> np.ndarray:
+def _scatter(kernels, vals, shape: tuple[int, ...], idx):
     """Return zeros of ``shape`` with vals * (n / K) at the coordinates ``idx``."""
     n = math.prod(shape)
-    out = np.zeros(n, dtype=np.float32)
+    out = kernels.xp.zeros(n, dtype=np.float32)
     if idx.size:
-        _k.mpicomp_qsgd_grandk_scatter(vals, idx, np.float32(n / idx.size), out)
+        kernels.qsgd.grandk_scatter(vals, idx, np.float32(n / idx.size), out)
     return out.reshape(shape)
 
 
@@ -355,7 +343,8 @@ class QSGDMaxNorm(_MaxNorm):
         Raises:
             ValueError: ``x`` holds NaN/Inf, or its norm overflows float32.
         """
-        return _sumsq_norm(_flat(x), None)
+        flat = _flat(x)
+        return _sumsq_norm(backend_of(flat, self.kernels), flat, None)
 
     def quantize(self, x, norm, step: int = 0, stream: int = 0) -> np.ndarray:
         """Return the codes of ``x`` (flattened, ``code_dtype``) against the shared ``norm``.
@@ -370,9 +359,9 @@ class QSGDMaxNorm(_MaxNorm):
         """
         flat = _flat(x)
         norm = _norm(norm)
-        out = np.empty(flat.size, dtype=self.code_dtype)
-        args = (flat, _NO_INDEX, True, norm, self.levels, self._key(step, stream), out)
-        err = _run(_k.mpicomp_qsgd_quantize, _k.mpicomp_qsgd_quantize_chunks, flat.size, *args)
+        k = backend_of(flat, self.kernels)
+        out = k.xp.empty(flat.size, dtype=self.code_dtype)
+        err = k.qsgd.quantize(flat, _NO_INDEX, True, norm, self.levels, self._key(step, stream), out)
         if err:
             _raise(err, flat, norm)
         return out
@@ -389,9 +378,9 @@ class QSGDMaxNorm(_MaxNorm):
         codes = _int_array(code_sum, "code_sum", n, signed=True)
         shape = _out_shape(shape, n)
         nranks, limit = self._limit(nranks)
-        out = np.empty(n, dtype=np.float32)
-        args = (codes, norm, self.levels, nranks, limit, out)
-        err = _run(_k.mpicomp_qsgd_dequantize, _k.mpicomp_qsgd_dequantize_chunks, n, *args)
+        k = backend_of(codes, self.kernels)
+        out = k.xp.empty(n, dtype=np.float32)
+        err = k.qsgd.dequantize(codes, norm, self.levels, nranks, limit, out)
         if err:
             _raise(err, out, norm)
         return out.reshape(shape)
@@ -436,7 +425,8 @@ class QSGDMaxNormMultiscale(_Multiscale, _MaxNorm):
 
     def local_norm(self, x) -> float:
         """Return the float32 ‖x‖₂ of this rank (float64 accumulation, fixed order)."""
-        return _sumsq_norm(_flat(x), None)
+        flat = _flat(x)
+        return _sumsq_norm(backend_of(flat, self.kernels), flat, None)
 
     def scale_index(self, x, norm) -> np.ndarray:
         """Return this rank's uint8 scale index per element (MIN over ranks to share).
@@ -504,10 +494,9 @@ class GRandKMaxNorm(_GlobalRandK, _MaxNorm):
         flat = _flat(x)
         norm = _norm(norm)
         idx = self.coordinates(flat.size, step)
-        out = np.empty(idx.size, dtype=self.code_dtype)
-        key = self._key(step, stream)
-        args = (flat, idx, False, norm, self.levels, key, out)
-        err = _run(_k.mpicomp_qsgd_quantize, _k.mpicomp_qsgd_quantize_chunks, idx.size, *args)
+        k = backend_of(flat, self.kernels)
+        out = k.xp.empty(idx.size, dtype=self.code_dtype)
+        err = k.qsgd.quantize(flat, idx, False, norm, self.levels, self._key(step, stream), out)
         if err:
             _raise(err, flat[idx], norm)
         return out
@@ -526,12 +515,12 @@ class GRandKMaxNorm(_GlobalRandK, _MaxNorm):
         norm = _norm(norm)
         codes = _int_array(code_sum, "code_sum", idx.size, signed=True)
         nranks, limit = self._limit(nranks)
-        vals = np.empty(idx.size, dtype=np.float32)
-        args = (codes, norm, self.levels, nranks, limit, vals)
-        err = _run(_k.mpicomp_qsgd_dequantize, _k.mpicomp_qsgd_dequantize_chunks, idx.size, *args)
+        k = backend_of(codes, self.kernels)
+        vals = k.xp.empty(idx.size, dtype=np.float32)
+        err = k.qsgd.dequantize(codes, norm, self.levels, nranks, limit, vals)
         if err:
             _raise(err, vals, norm)
-        return _scatter(vals, shape, idx)
+        return _scatter(self.kernels, vals, shape, idx)
 
     def dequantize_packed(
         self, data, n: int, width: int, offset: int, norm, nranks: int = 1, shape=None, step=0
@@ -541,7 +530,7 @@ class GRandKMaxNorm(_GlobalRandK, _MaxNorm):
         if n != idx.size:
             raise ValueError(f"code_sum holds {n} elements, expected {idx.size}")
         vals = self._dequantize_packed(data, n, width, offset, norm, nranks)
-        return _scatter(vals, shape, idx)
+        return _scatter(self.kernels, vals, shape, idx)
 
 
 @register
@@ -579,7 +568,7 @@ class GRandKMaxNormMultiscale(_GlobalRandK, _Multiscale, _MaxNorm):
         """Return the full float32 tensor: zeros, and the rescaled average at the coordinates."""
         shape, idx = self._full(shape, step)
         vals = self._ms_dequantize(code_sum, norm, scale_index, nranks, idx.size)
-        return _scatter(vals, shape, idx)
+        return _scatter(self.kernels, vals, shape, idx)
 
     def dequantize_packed(
         self,
@@ -598,4 +587,4 @@ class GRandKMaxNormMultiscale(_GlobalRandK, _Multiscale, _MaxNorm):
         if n != idx.size:
             raise ValueError(f"code_sum holds {n} elements, expected {idx.size}")
         vals = self._ms_dequantize_packed(data, n, width, offset, norm, scale_index, nranks)
-        return _scatter(vals, shape, idx)
+        return _scatter(self.kernels, vals, shape, idx)

@@ -11,12 +11,13 @@ from __future__ import annotations
 
 import numpy as np
 
-from mpicomp._backend import as_gradient
+from mpicomp._arrays import as_gradient
 from mpicomp.codecs import _wire
 from mpicomp.codecs._base import Codec, check_number, register
 from mpicomp.errors import PayloadError
-from mpicomp.kernels.cpu import rng as _rng
-from mpicomp.kernels.cpu import signsgd as _k
+from mpicomp.kernels import backend_of
+from mpicomp.kernels import signsgd as _k
+from mpicomp.kernels.rng import key as _rng_key
 
 _TIES = {"negative": _k.TIE_NEGATIVE, "positive": _k.TIE_POSITIVE, "random": _k.TIE_RANDOM}
 
@@ -50,8 +51,9 @@ class SignSGD(Codec):
             ValueError: ``x`` holds NaN or Inf.
         """
         flat = as_gradient(x).reshape(-1)
-        out = np.empty(flat.size, dtype=np.uint8)
-        if not _k.mpicomp_signsgd_votes(flat, out):
+        k = backend_of(flat, self.kernels)
+        out = k.xp.empty(flat.size, dtype=np.uint8)
+        if not k.signsgd.votes(flat, out):
             raise ValueError("signsgd: input holds NaN or Inf")
         return out
 
@@ -62,15 +64,18 @@ class SignSGD(Codec):
             ValueError: ``x`` holds NaN or Inf.
         """
         flat = as_gradient(x).reshape(-1)
-        out = np.empty((flat.size + 7) // 8, dtype=np.uint8)
-        if not _k.mpicomp_signsgd_pack(flat, out):
+        k = backend_of(flat, self.kernels)
+        out = k.xp.empty((flat.size + 7) // 8, dtype=np.uint8)
+        if not k.signsgd.pack(flat, out):
             raise ValueError("signsgd: input holds NaN or Inf")
         return out
 
     def scale(self, x) -> float:
         """Return mean |x| of this rank (0 for an empty array), the magnitude of its update."""
         flat = as_gradient(x).reshape(-1)
-        return _k.mpicomp_signsgd_abs_sum(flat) / flat.size if flat.size else 0.0
+        if not flat.size:
+            return 0.0
+        return backend_of(flat, self.kernels).signsgd.abs_sum(flat) / flat.size
 
     def votes_and_scale(self, x) -> tuple[np.ndarray, float]:
         """Return ``votes(x)`` and ``scale(x)`` from one pass over ``x``.
@@ -79,8 +84,9 @@ class SignSGD(Codec):
             ValueError: ``x`` holds NaN or Inf.
         """
         flat = as_gradient(x).reshape(-1)
-        out = np.empty(flat.size, dtype=np.uint8)
-        ok, total = _k.mpicomp_signsgd_votes_scale(flat, out)
+        k = backend_of(flat, self.kernels)
+        out = k.xp.empty(flat.size, dtype=np.uint8)
+        ok, total = k.signsgd.votes_scale(flat, out)
         if not ok:
             raise ValueError("signsgd: input holds NaN or Inf")
         return out, (total / flat.size if flat.size else 0.0)
@@ -98,13 +104,13 @@ class SignSGD(Codec):
         Raises:
             ValueError: ``nranks`` < 1, or a count outside [0, nranks].
         """
-        counts = np.ascontiguousarray(counts).reshape(-1)
+        k = backend_of(counts, self.kernels)
+        counts = k.xp.ascontiguousarray(counts).reshape(-1)
         nranks = check_number("nranks", nranks, 1, None, integer=True)
-        out = np.empty((counts.size + 7) // 8, dtype=np.uint8)
-        # Keys come back from numba as Python ints; keep them uint64 on the way back in.
-        key = np.uint64(_rng.mpicomp_key(self.params["seed"], step, 0))
+        out = k.xp.empty((counts.size + 7) // 8, dtype=np.uint8)
+        key = _rng_key(self.params["seed"], step, 0)
         tie = _TIES[self.params["tie"]]
-        if not _k.mpicomp_signsgd_majority(counts, nranks, tie, key, offset, out):
+        if not k.signsgd.majority(counts, nranks, tie, key, offset, out):
             raise ValueError(f"vote counts must lie in [0, {nranks}]")
         return out
 
@@ -114,11 +120,12 @@ class SignSGD(Codec):
         Raises:
             ValueError: ``bits`` holds fewer than ceil(n/8) bytes.
         """
-        bits = np.ascontiguousarray(bits, dtype=np.uint8).reshape(-1)
+        k = backend_of(bits, self.kernels)
+        bits = k.xp.ascontiguousarray(bits, dtype=np.uint8).reshape(-1)
         if bits.size < (n + 7) // 8:
             raise ValueError(f"{bits.size} bytes of sign bits cannot hold {n} elements")
-        out = np.empty(n, dtype=np.float32)
-        _k.mpicomp_signsgd_expand(bits, np.float32(scale), out)
+        out = k.xp.empty(n, dtype=np.float32)
+        k.signsgd.expand(bits, np.float32(scale), out)
         return out
 
     def encode(self, x) -> np.ndarray:
@@ -128,11 +135,11 @@ class SignSGD(Codec):
         body = np.empty(4 + bits.size, dtype=np.uint8)
         body[:4] = np.array([self.scale(x)], dtype="<f4").view(np.uint8)
         body[4:] = bits
-        return _wire.pack(self.name, x.shape, body)
+        return _wire.pack(self.name, x.shape, body, kernels=self.kernels)
 
     def decode(self, payload, numel: int | None = None) -> np.ndarray:
         """Return ±(mean |x|) per element, with the signs the payload carries."""
-        shape, _, body = _wire.unpack(self.name, payload, numel=numel)
+        shape, _, body = _wire.unpack(self.name, payload, numel=numel, kernels=self.kernels)
         n = _wire.numel_of(shape)
         if body.size != 4 + (n + 7) // 8:
             raise PayloadError(

@@ -11,24 +11,21 @@ from __future__ import annotations
 
 import numpy as np
 
-from mpicomp._backend import as_gradient, get_array_module
+from mpicomp._arrays import as_gradient
 from mpicomp.codecs import _wire
-from mpicomp.codecs._base import Codec, check_number, register
+from mpicomp.codecs._base import GatherCodecBase, check_number, register
 from mpicomp.errors import PayloadError
-from mpicomp.kernels.cpu import threelc as _k
+from mpicomp.kernels import backend_of
+from mpicomp.kernels import threelc as _k
+from mpicomp.kernels.threelc import quartic_length as _quartic_length
 
 # Header flag bit 0: the quartic bytes are zero-run encoded.
 FLAG_ZERO_RUN = 1
 _SCALE_BYTES = 4
 
 
-def _quartic_length(n: int) -> int:
-    """Return the number of quartic bytes of ``n`` trits, ceil(n / 5)."""
-    return (n + 4) // 5
-
-
 @register
-class ThreeLC(Codec):
+class ThreeLC(GatherCodecBase):
     """3LC: trits in {-1, 0, 1} times one float32 scale M, five trits per byte.
 
     Args:
@@ -44,7 +41,6 @@ class ThreeLC(Codec):
     """
 
     name = "threelc"
-    aggregation = "gather"
     fused_feedback = True
 
     def __init__(self, sparsity: float = 1.0, zero_run: bool = True):
@@ -70,18 +66,16 @@ class ThreeLC(Codec):
         Raises:
             ValueError: ``x`` (or ``x + residual``) holds NaN or Inf, or
                 ``residual`` does not match ``x``.
-            RuntimeError: ``x`` is not on the CPU (the CUDA kernels come later).
         """
         x = as_gradient(x)
-        if get_array_module(x) is not np:
-            raise RuntimeError("threelc has no CUDA kernels yet; pass a NumPy array")
+        k = backend_of(x, self.kernels).threelc
         flat = x.reshape(-1)
         use_r = residual is not None
         if use_r:
             r = self._residual_view(residual, x.shape)
         else:
             r = flat[:0]
-        scale, ok = _k.mpicomp_threelc_max(flat, r, use_r, self._sparsity)
+        scale, ok = k.max(flat, r, use_r, self._sparsity)
         if not ok:
             what = "x + residual" if use_r else "x"
             raise ValueError(f"threelc cannot encode {what}: it contains NaN or Inf")
@@ -92,14 +86,14 @@ class ThreeLC(Codec):
         flags = 0
         if self.params["zero_run"]:
             quartic = np.empty(n_bytes, dtype=np.uint8)
-            _k.mpicomp_threelc_quartic_encode(flat, r, use_r, scale, quartic)
+            k.quartic_encode(flat, r, use_r, scale, quartic)
             # The zero-run output is never longer than its input, so it fits in place.
-            used = _k.mpicomp_threelc_zero_run_encode(quartic, body[_SCALE_BYTES:])
+            used = k.zero_run_encode(quartic, body[_SCALE_BYTES:])
             body = body[: _SCALE_BYTES + used]
             flags = FLAG_ZERO_RUN
         else:
-            _k.mpicomp_threelc_quartic_encode(flat, r, use_r, scale, body[_SCALE_BYTES:])
-        return _wire.pack(self.name, x.shape, body, flags=flags)
+            k.quartic_encode(flat, r, use_r, scale, body[_SCALE_BYTES:])
+        return _wire.pack(self.name, x.shape, body, flags=flags, kernels=self.kernels)
 
     def decode(self, payload, numel: int | None = None) -> np.ndarray:
         """Return trit * M as a float32 array of the encoded shape.
@@ -109,8 +103,9 @@ class ThreeLC(Codec):
                 codec, or its body is inconsistent with its shape.
         """
         shape, flags, body = _wire.unpack(
-            self.name, payload, known_flags=FLAG_ZERO_RUN, numel=numel
+            self.name, payload, known_flags=FLAG_ZERO_RUN, numel=numel, kernels=self.kernels
         )
+        k = backend_of(body, self.kernels).threelc
         n = _wire.numel_of(shape)
         n_bytes = _quartic_length(n)
         if body.size < _SCALE_BYTES:
@@ -124,7 +119,7 @@ class ThreeLC(Codec):
         if flags & FLAG_ZERO_RUN:
             # Validate before allocating: the buffer size comes from the shape, and
             # the body must expand to exactly that many bytes.
-            expanded = _k.mpicomp_threelc_zero_run_length(stream, n_bytes)
+            expanded = k.zero_run_length(stream, n_bytes)
             if expanded != n_bytes:
                 got = f"more than {n_bytes}" if expanded < 0 else str(expanded)
                 raise PayloadError(
@@ -132,7 +127,7 @@ class ThreeLC(Codec):
                     f"shape {shape} needs {n_bytes}"
                 )
             quartic = np.empty(n_bytes, dtype=np.uint8)
-            if not _k.mpicomp_threelc_zero_run_decode(stream, quartic):
+            if not k.zero_run_decode(stream, quartic):
                 raise PayloadError("threelc payload zero-run body is inconsistent")
         else:
             if stream.size != n_bytes:
@@ -141,7 +136,7 @@ class ThreeLC(Codec):
                 )
             quartic = stream
         out = np.empty(n, dtype=np.float32)
-        code = _k.mpicomp_threelc_quartic_decode(quartic, scale, out)
+        code = k.quartic_decode(quartic, scale, out)
         if code == _k.ERR_BYTE:
             raise PayloadError("threelc payload holds a quartic byte above 242")
         if code == _k.ERR_PAD:

@@ -1,7 +1,7 @@
 """What one rank computes per codec, as timed closures: encode, decode and wire bytes.
 
-``mpicomp bench`` and ``jobs/codec_tour.py`` time these; they run the same kernels
-``CompressedComm`` runs for one rank's share of an all-reduce.
+``mpicomp.bench.kernels`` and ``jobs/codec_tour.py`` time these; they run the same
+kernels ``CompressedComm`` runs for one rank's share of an all-reduce.
 """
 
 from __future__ import annotations
@@ -10,7 +10,8 @@ import math
 
 import numpy as np
 
-from mpicomp.kernels.cpu.bits import mpicomp_bits_pack_shifted, packed_size
+from mpicomp.kernels import backend_of
+from mpicomp.kernels.bits import packed_size
 
 
 def _ring_width(bound: int) -> int:
@@ -45,7 +46,7 @@ def one_rank_round_trip(codec, x: np.ndarray):
             # As reduce_majority: votes and scale in one pass; the ring packs them 1 bit each.
             votes, state["s"] = codec.votes_and_scale(x)
             state["p"] = np.empty(packed_size(votes.size, 1), np.uint8)
-            mpicomp_bits_pack_shifted(votes, 0, 1, state["p"])
+            backend_of(votes, codec.kernels).bits.pack_shifted(votes, 0, 1, state["p"])
 
         def dec():
             return codec.expand(state["p"], x.size, state["s"]).reshape(x.shape)
@@ -63,7 +64,7 @@ def one_rank_round_trip(codec, x: np.ndarray):
         codes = codec.quantize(x, norm, *extra, step=0, stream=0)
         # The ring's first step: codes shifted into [0, 2*bound] and packed by one kernel.
         packed = np.empty(packed_size(codes.size, width), np.uint8)
-        mpicomp_bits_pack_shifted(codes, codec.bound, width, packed)
+        backend_of(codes, codec.kernels).bits.pack_shifted(codes, codec.bound, width, packed)
         state.update(norm=norm, extra=extra, packed=packed, ncodes=codes.size)
 
     def dec():

@@ -6,7 +6,10 @@ are what a ``mpicomp.collectives.traffic.Traffic`` attached as ``tracer`` counte
 the largest over ranks. Both are compared with ``comm.Allreduce`` of the same float32
 buffer in the same run: its time, and the 2(N-1)/N * 4n bytes a ring (bandwidth-optimal)
 float32 all-reduce sends and receives per rank. ``mpicomp bench`` and ``jobs/bench.py``
-run :func:`measure`.
+run :func:`measure`; ``mpicomp.bench.report`` prints its rows.
+
+The one module of ``mpicomp.bench`` that imports ``mpi4py.MPI`` at import time, so the
+package's ``__init__`` imports it only when an all-reduce is measured.
 """
 
 from __future__ import annotations
@@ -15,14 +18,13 @@ import os
 import re
 import shutil
 import subprocess
-import sys
 from time import perf_counter
 
 import numpy as np
 from mpi4py import MPI
 
 import mpicomp
-from mpicomp.bench import gradient, label
+from mpicomp.bench.workload import gradient, label
 from mpicomp.collectives.traffic import Traffic
 
 
@@ -188,42 +190,3 @@ def measure(
             row["allreduce_device_bytes"] = int(round(ref_device))
         rows.append(row)
     return rows
-
-
-def format_table(rows: list[dict], out=None) -> None:
-    """Print ``rows`` of :func:`measure` as a table (to stdout by default)."""
-    out = sys.stdout if out is None else out
-    device = any("device_bytes" in r for r in rows)
-    head = (
-        f"{'elements':>12}  {'codec':<27}{'params':<13}{'time ms':>10}{'speedup':>9}"
-        f"{'sent B/rank':>14}{'x ring':>8}{'recv B/rank':>14}{'x ring':>8}"
-        + (f"{'device B':>15}{'/recv':>7}" if device else "")
-    )
-    print(head, file=out)
-    print("-" * len(head), file=out)
-    last = None
-    for r in rows:
-        if r["numel"] != last:
-            last = r["numel"]
-            ref = r["allreduce_bytes"]
-            dev = f"{r['allreduce_device_bytes']:>15,}{'':>7}" if "device_bytes" in r else ""
-            print(
-                f"{r['numel']:>12,}  {'MPI_Allreduce float32':<40}{1e3 * r['allreduce_s']:>10.2f}"
-                f"{1:>9.2f}{ref:>14,}{'1.00' if ref else '-':>8}{ref:>14,}"
-                f"{'1.00' if ref else '-':>8}{dev}",
-                file=out,
-            )
-
-        def ratio(v):
-            return "-" if v is None else f"{v:.3f}"
-
-        dev = ""
-        if "device_bytes" in r:
-            dev = f"{r['device_bytes']:>15,}{ratio(r['device_over_recv']):>7}"
-        print(
-            f"{r['numel']:>12,}  {r['codec']:<27}{label(r['params']):<13}"
-            f"{1e3 * r['time_s']:>10.2f}{r['speedup']:>9.2f}"
-            f"{r['bytes_sent']:>14,}{ratio(r['sent_ratio']):>8}"
-            f"{r['bytes_recv']:>14,}{ratio(r['recv_ratio']):>8}{dev}",
-            file=out,
-        )

@@ -1,0 +1,131 @@
+"""Benchmarks: codec kernels on one process, and compressed all-reduce against MPI_Allreduce.
+
+``mpicomp bench`` runs :func:`full_run`; ``mpicomp advise`` runs :func:`run`. The
+modules, each importing only those before it:
+
+- ``workload``: the gradient, the codec set, counts and parameter labels;
+- ``roundtrip``: one rank's encode/decode/wire closures per codec;
+- ``kernels``: their throughput on one process (:func:`run`);
+- ``allreduce``: the all-reduce measurement across ranks (imports ``mpi4py.MPI``);
+- ``report``: headers, tables and JSON.
+
+This module re-exports what needs no MPI; the jobs import ``allreduce`` themselves.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+
+from mpicomp.bench.kernels import median_seconds, run
+from mpicomp.bench.report import Report, format_table, print_json
+from mpicomp.bench.workload import (
+    BENCH_SET,
+    codec_set,
+    conv_gradient,
+    gradient,
+    label,
+    parse_count,
+)
+
+__all__ = [
+    "BENCH_SET",
+    "Report",
+    "codec_set",
+    "conv_gradient",
+    "format_table",
+    "full_run",
+    "gradient",
+    "label",
+    "median_seconds",
+    "parse_count",
+    "print_json",
+    "run",
+]
+
+
+def _idle_barrier(comm) -> None:
+    """A barrier that sleeps instead of spinning: ranks waiting for rank 0's kernel timings
+    must not take its cores (MPI barriers busy-poll)."""
+    req = comm.Ibarrier()
+    while not req.Test():
+        time.sleep(0.005)
+
+
+def full_run(
+    comm,
+    codecs: Sequence[str] | None,
+    numel: int | None,
+    sizes: Sequence[int],
+    *,
+    reps: int = 5,
+    allreduce_reps: int = 3,
+    seed: int = 0,
+    trace_dir: str | None = None,
+    tc_dev: str | None = None,
+    progress=None,
+) -> Report:
+    """Run what ``mpicomp bench`` measures on ``comm``: kernels on rank 0, then all-reduces.
+
+    Args:
+        comm: an ``mpi4py.MPI.Comm``; every rank calls this.
+        codecs: codec names (``BENCH_SET``'s parameters); None for all.
+        numel: kernel gradient size; None skips the kernel timings.
+        sizes: all-reduce sizes (may be empty).
+        reps, allreduce_reps: timed repetitions of a kernel / of an all-reduce.
+        seed: seed of the kernel gradient (each rank's all-reduce gradient is seeded
+            by its rank).
+        trace_dir, tc_dev: see ``mpicomp.bench.allreduce.measure``.
+        progress: a text stream for progress lines on rank 0 (None: silent).
+
+    Returns:
+        A :class:`Report` whose ``rows`` hold one dict per codec and backend: the keys
+        of :func:`run` (kernel figures None when skipped) and ``allreduce``, the list of
+        that codec's all-reduce rows (``mpicomp.bench.allreduce.measure``), one per size.
+        On ranks other than 0 the kernel figures are None.
+    """
+    todo = codec_set(codecs)
+    quiet = progress if comm.rank == 0 else None
+    kernel_rows = error = None
+    if numel is not None and comm.rank == 0:
+        try:
+            kernel_rows = run(codecs, numel, reps, seed, progress=quiet)
+        except Exception as e:  # raised on every rank below: none is left waiting
+            error = e
+    _idle_barrier(comm)
+    failed = comm.bcast(None if error is None else f"{type(error).__name__}: {error}", root=0)
+    if error is not None:
+        raise error
+    if failed is not None:
+        raise RuntimeError(f"rank 0's kernel timings failed: {failed}")
+    allreduce = []
+    if sizes:
+        # Here, not at the top: importing mpicomp.bench must not initialize MPI.
+        from mpicomp.bench.allreduce import measure
+
+        for n in sizes:
+            allreduce += measure(
+                comm, n, todo, allreduce_reps, quiet, trace_dir=trace_dir, tc_dev=tc_dev
+            )
+    rows = []
+    for i, (name, params) in enumerate(todo):
+        row = (
+            kernel_rows[i]
+            if kernel_rows
+            else {
+                "codec": name,
+                "params": dict(params),
+                "backend": "cpu",
+                "numel": numel,
+                "encode_gbps": None,
+                "decode_gbps": None,
+                "memcpy_gbps": None,
+                "bits_per_element": None,
+                "rel_error": None,
+            }
+        )
+        row["allreduce"] = [
+            a for a in allreduce if a["codec"] == name and a["params"] == dict(params)
+        ]
+        rows.append(row)
+    return Report(rows, allreduce, comm.size, numel)

@@ -1,0 +1,170 @@
+"""Every module of mpicomp and of the jobs imports, and mpicomp's modules import each other
+without a cycle (one process)."""
+
+import ast
+import importlib
+import importlib.util
+import pkgutil
+
+import pytest
+
+# kernels/ and collectives/ install as subpackages of mpicomp from outside its directory
+# (setup.py's package_dir), so a walk of mpicomp alone would not reach them.
+ROOTS = ("mpicomp", "mpicomp.kernels", "mpicomp.collectives", "jobs")
+
+# Where an import hidden in a function would still be a cycle in the design: the trace
+# writer and its reader share only mpicomp.trace_format, and mpicomp.bench imports one way.
+ONE_WAY = ("mpicomp.trace", "mpicomp.trace_report", "mpicomp.trace_format", "mpicomp.bench")
+
+
+def _walk(root: str) -> list[str]:
+    """Return ``root`` and the modules below it, ``__main__`` modules left out (they run)."""
+    failed = []
+    package = importlib.import_module(root)
+    names = [root]
+    for info in pkgutil.walk_packages(package.__path__, root + ".", onerror=failed.append):
+        if info.name.rpartition(".")[2] != "__main__":
+            names.append(info.name)
+    if failed:  # without onerror, walk_packages skips a package that fails to import
+        raise ImportError(f"could not import package(s) {failed} while walking {root!r}")
+    return names
+
+
+def _modules() -> list[str]:
+    return sorted({name for root in ROOTS for name in _walk(root)})
+
+
+MODULES = _modules()
+OWN = [m for m in MODULES if m.split(".")[0] == "mpicomp"]
+
+
+@pytest.mark.parametrize("name", MODULES)
+def test_module_imports(name):
+    importlib.import_module(name)
+
+
+def _is_type_checking(node: ast.If) -> bool:
+    test = node.test
+    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
+        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING"
+    )
+
+
+def _imports(tree: ast.Module, lazy: bool) -> list[ast.stmt]:
+    """Return the import statements of a module: those run at import time (class bodies,
+    ``if``/``try`` blocks), and with ``lazy`` those in functions too."""
+    found, todo = [], list(tree.body)
+    while todo:
+        node = todo.pop()
+        if isinstance(node, (ast.Import, ast.ImportFrom)):
+            found.append(node)
+        elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)) and not lazy:
+            continue
+        elif isinstance(node, ast.If) and _is_type_checking(node):
+            continue
+        else:
+            todo.extend(ast.iter_child_nodes(node))
+    return found
+
+
+def _targets(node: ast.stmt, module: str, is_package: bool, known: set[str]) -> set[str]:
+    """Return the modules of ``known`` that one import statement of ``module`` loads."""
+    if isinstance(node, ast.Import):
+        out = set()
+        for alias in node.names:
+            parts = alias.name.split(".")
+            # `import a.b.c` runs a, a.b and a.b.c; the deepest one known is the edge.
+            for i in range(len(parts), 0, -1):
+                if ".".join(parts[:i]) in known:
+                    out.add(".".join(parts[:i]))
+                    break
+        return out
+    base = node.module or ""
+    if node.level:
+        package = module if is_package else module.rpartition(".")[0]
+        for _ in range(node.level - 1):
+            package = package.rpartition(".")[0]
+        base = f"{package}.{base}" if base else package
+    out = set()
+    for alias in node.names:
+        # `from pkg import sub` needs only sub: pkg may still be initializing (that is how
+        # a package's __init__ and its submodules import each other safely).
+        sub = f"{base}.{alias.name}"
+        if sub in known:
+            out.add(sub)
+        elif base in known:
+            out.add(base)
+    return out
+
+
+def import_graph(names: list[str], lazy: bool = False) -> dict[str, set[str]]:
+    """Return {module: the modules of ``names`` it imports}, read from their source."""
+    known = set(names)
+    graph = {}
+    for name in names:
+        spec = importlib.util.find_spec(name)
+        with open(spec.origin, encoding="utf-8") as f:
+            tree = ast.parse(f.read(), spec.origin)
+        is_package = spec.submodule_search_locations is not None
+        graph[name] = set()
+        for node in _imports(tree, lazy):
+            graph[name] |= _targets(node, name, is_package, known)
+        graph[name].discard(name)
+    return graph
+
+
+def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    """Return one cycle of ``graph`` as [a, b, ..., a], or None if it is acyclic."""
+    done, path, on_path = set(), [], set()
+
+    def visit(node):
+        path.append(node)
+        on_path.add(node)
+        for nxt in sorted(graph.get(node, ())):
+            if nxt in on_path:
+                return path[path.index(nxt) :] + [nxt]
+            if nxt not in done:
+                cycle = visit(nxt)
+                if cycle:
+                    return cycle
+        on_path.discard(path.pop())
+        done.add(node)
+        return None
+
+    for start in sorted(graph):
+        if start not in done:
+            cycle = visit(start)
+            if cycle:
+                return cycle
+    return None
+
+
+def test_find_cycle_finds_one():
+    graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}
+    assert find_cycle(graph) == ["a", "b", "c", "a"]
+    assert find_cycle({"a": {"b"}, "b": set(), "c": {"a", "b"}}) is None
+
+
+def test_the_graph_covers_every_package():
+    graph = import_graph(OWN)
+    for name in ("mpicomp.comm", "mpicomp.trace", "mpicomp.bench.allreduce"):
+        assert name in graph
+    assert any(m.startswith("mpicomp.kernels.") for m in graph)
+    assert any(m.startswith("mpicomp.collectives.") for m in graph)
+    assert any(m.startswith("mpicomp.codecs.") for m in graph)
+    assert "mpicomp.trace_format" in graph["mpicomp.trace"]  # edges are found
+
+
+def test_no_import_cycle_among_mpicomp_modules():
+    cycle = find_cycle(import_graph(OWN))
+    assert cycle is None, "import cycle: " + " -> ".join(cycle)
+
+
+def test_trace_and_bench_import_one_way_even_in_functions():
+    family = [m for m in OWN if m.startswith(ONE_WAY)]
+    graph = import_graph(family, lazy=True)
+    cycle = find_cycle(graph)
+    assert cycle is None, "import cycle (function-level imports included): " + " -> ".join(cycle)
+    # The writer and the reader share the format module, not each other.
+    assert "mpicomp.trace_report" not in graph["mpicomp.trace"]
+    assert "mpicomp.trace" not in graph["mpicomp.trace_report"]

@@ -1,0 +1,163 @@
+"""The kernel backend seam: records, selection, and every codec through a second backend."""
+
+import ast
+import inspect
+from collections import Counter
+from pathlib import Path
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+from conftest import gradient_like
+
+import mpicomp
+import mpicomp.kernels as K
+from mpicomp.codecs import _base
+
+from _seam import counting_record, poison
+
+ROOT = Path(__file__).resolve().parents[1]
+# Codec parameters that reach every kernel path: multi-scale, error feedback, blocked FFT.
+CASES = [(name, {}) for name in mpicomp.codecs.available()] + [
+    ("threelc", {"zero_run": False}),
+    ("fastsgd", {"bucket": 1000}),
+    ("grandk_maxnorm_multiscale", {"k": 0.3}),
+]
+
+
+def test_numba_record_has_every_family_and_launchers_of_the_same_name_as_documented():
+    rec = K.backend("numba")
+    assert rec.name == "numba" and rec.xp is np
+    assert K.available() == ["numba"] or "numba" in K.available()
+    for fam in K.FAMILIES:
+        launchers = K.launchers(rec, fam)
+        assert launchers, fam
+        for name, fn in launchers.items():
+            inspect.signature(fn)  # every launcher has an inspectable signature
+            assert not name.startswith("mpicomp_"), f"{fam}.{name}: launchers drop the prefix"
+
+
+def test_selection_by_environment_and_clear_errors(monkeypatch):
+    monkeypatch.setenv(K.ENV, "nope")
+    with pytest.raises(ValueError, match="unknown kernel backend 'nope'.*MPICOMP_KERNELS"):
+        mpicomp.codec("topk")
+    monkeypatch.delenv(K.ENV)
+    assert mpicomp.codec("topk").kernels.name == "numba"
+    with pytest.raises(TypeError, match="lacks"):
+        K.register_backend("broken", SimpleNamespace(name="broken", xp=np))
+    with pytest.raises(TypeError, match="expected a NumPy array"):
+        K.backend_of([1.0, 2.0])
+
+
+def test_a_lazy_registration_is_built_once_at_first_use():
+    made = []
+
+    def factory():
+        made.append(1)
+        return counting_record(Counter(), "lazy")
+
+    K.register_backend("lazy", factory)
+    try:
+        assert not made
+        assert K.backend("lazy") is K.backend("lazy") and made == [1]
+    finally:
+        K._REGISTRY.pop("lazy")
+
+
+@pytest.mark.parametrize("name,params", CASES, ids=[f"{n}{p or ''}" for n, p in CASES])
+def test_every_codec_runs_through_a_second_backend_with_the_same_bytes(monkeypatch, name, params):
+    x = gradient_like(300_006, seed=3).reshape(7, -1) if name != "fft" else gradient_like(600_000)
+    ref = _round_trip(mpicomp.codec(name, **params), x)
+    calls = Counter()
+    K.register_backend("counting", counting_record(calls))
+    try:
+        monkeypatch.setenv(K.ENV, "counting")
+        codec = mpicomp.codec(name, **params)
+        assert codec.kernels.name == "counting"
+        poison(monkeypatch, K.backend("numba"))
+        got = _round_trip(codec, x)
+    finally:
+        K._REGISTRY.pop("counting")
+    assert sum(calls.values()) > 0
+    for a, b in zip(ref, got, strict=True):
+        np.testing.assert_array_equal(a, b)
+
+
+def _round_trip(codec, x):
+    """Return the arrays a codec makes of ``x`` on its reduction path, one rank."""
+    kind = codec.aggregation
+    if kind == "sum":
+        wire = codec.to_wire(x)
+        return [codec.encode(x), codec.decode(codec.encode(x)), codec.from_wire(wire, 1)]
+    if kind == "majority":
+        votes, scale = codec.votes_and_scale(x)
+        bits = codec.majority(votes.astype(np.int64), 1, step=2)
+        return [codec.encode(x), codec.decode(codec.encode(x)), bits, codec.expand(bits, x.size)]
+    if kind == "integer_sum":
+        at = {"step": 5} if codec.sparse else {}
+        flat = x.reshape(-1)
+        norm = codec.local_norm(flat, **at)
+        extra = (codec.scale_index(flat, norm, **at),) if codec.multiscale else ()
+        codes = codec.quantize(flat, norm, *extra, step=5, stream=1)
+        width = 2 * codec.bound
+        packed = np.empty((codes.size * width.bit_length() + 7) // 8, np.uint8)
+        K.backend_of(codes, codec.kernels).bits.pack_shifted(
+            codes, codec.bound, width.bit_length(), packed
+        )
+        more = {"shape": flat.shape, "step": 5} if codec.sparse else {}
+        out = codec.dequantize_packed(
+            packed, codes.size, width.bit_length(), codec.bound, norm, *extra, **more
+        )
+        return [codes, out, *extra]
+    payload = codec.encode(x)
+    fb = mpicomp.codecs.ErrorFeedback(codec)
+    p1, p2 = fb.encode(x, "w"), fb.encode(x, "w")
+    return [payload, codec.decode(payload), codec.decode_sum([payload, p1, p2], x.size), p2]
+
+
+@pytest.mark.parametrize("name", mpicomp.codecs.available())
+def test_every_codec_meets_the_protocol_of_its_aggregation_kind(name):
+    codec = mpicomp.codec(name)
+    protocol = _base.PROTOCOLS[codec.aggregation]
+    assert isinstance(codec, protocol), f"{name} does not implement {protocol.__name__}"
+    if codec.aggregation == "integer_sum":
+        assert isinstance(codec, _base.ScaleIndexCodec) or not codec.multiscale
+        assert isinstance(codec, _base.SparseCoordinatesCodec) or not codec.sparse
+        takes_step = "step" in inspect.signature(codec.local_norm).parameters
+        assert takes_step == codec.sparse
+        takes_index = "scale_index" in inspect.signature(codec.quantize).parameters
+        assert takes_index == codec.multiscale
+    for member in ("to_wire", "quantize", "votes_and_scale", "encode", "decode_sum"):
+        if member in protocol.__dict__ and codec.aggregation != "integer_sum":
+            want = inspect.signature(protocol.__dict__[member]).parameters
+            have = inspect.signature(getattr(codec, member)).parameters
+            assert list(have)[: len(want) - 1] == list(want)[1:], (name, member)
+
+
+def _sources(*dirs):
+    for d in dirs:
+        yield from sorted((ROOT / d).rglob("*.py"))
+
+
+def test_nothing_outside_kernels_imports_a_backend_or_looks_at_array_types():
+    for path in _sources("mpicomp", "collectives", "jobs"):
+        tree = ast.parse(path.read_text())
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and node.module:
+                assert not node.module.startswith("mpicomp.kernels.cpu"), (
+                    f"{path.relative_to(ROOT)}:{node.lineno} imports {node.module}: use the "
+                    "launchers of mpicomp.kernels.backend_of(x)"
+                )
+            if isinstance(node, ast.Import):
+                for alias in node.names:
+                    assert not alias.name.startswith("mpicomp.kernels.cpu"), path
+                    # `mpicomp info` may list the GPUs CuPy sees; nothing else touches CuPy.
+                    if path.name != "cli.py":
+                        assert alias.name != "cupy", f"{path.relative_to(ROOT)} imports cupy"
+    # The one function that looks at array types: mpicomp.kernels.backend_of.
+    lookers = [
+        str(p.relative_to(ROOT))
+        for p in _sources("mpicomp", "collectives", "kernels")
+        if "startswith(\"cupy\")" in p.read_text() or "def get_array_module" in p.read_text()
+    ]
+    assert lookers == [], lookers
