@@ -68,4 +68,6 @@ def allgather(comm, sendbuf, recvbuf, *, timeout=None, tracer=None) -> None:
     )
     if tracer is not None:
         sent = nbytes if comm.size > 1 else 0
-        tracer.record("mpi.allgather", 1, sent, (comm.size - 1) * nbytes, 8 * _array(sendbuf).itemsize)
+        tracer.record(
+            "mpi.allgather", 1, sent, (comm.size - 1) * nbytes, 8 * _array(sendbuf).itemsize
+        )

@@ -257,7 +257,9 @@ def _agree(comm, fname, err, n, param, pname, mode, lo, hi, allowed, timeout=Non
         vec[:8] = [n, -n, param, -param, mode, -mode, hi, -lo]
         vec[9] = rank + 1 if out_of_range else 0
     detail = f"agreement (an Iallreduce of {vec.nbytes} bytes over all {comm.Get_size()} ranks)"
-    issue(comm, "Allreduce", MPI.IN_PLACE, vec, op=MPI.MAX, timeout=timeout, name=fname, detail=detail)
+    issue(
+        comm, "Allreduce", MPI.IN_PLACE, vec, op=MPI.MAX, timeout=timeout, name=fname, detail=detail
+    )
     if err is not None:
         raise err
     if vec[8]:

@@ -224,6 +224,8 @@ def expected_bytes(scheme: str, n: int, nranks: int, rank: int) -> tuple[int, in
     B = (n + 7) // 8
     L = [hi - lo for lo, hi in chunks(n, N)]
     Bc = [(m + 7) // 8 for m in L]
+    if N == 1:
+        return 0, 0  # one rank: nothing crosses the wire
     if scheme == "ring":
         steps = range(1, N)
         width = [0] + [i.bit_length() for i in steps]  # ceil(log2(i+1))

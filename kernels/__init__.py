@@ -119,7 +119,9 @@ def launchers(record, family: str) -> dict[str, Callable]:
     return {
         k: getattr(fam, k)
         for k in dir(fam)
-        if not k.startswith("_") and callable(getattr(fam, k)) and not isinstance(getattr(fam, k), type)
+        if not k.startswith("_")
+        and callable(getattr(fam, k))
+        and not isinstance(getattr(fam, k), type)
     }
 
 

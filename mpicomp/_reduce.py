@@ -269,7 +269,12 @@ def reduce_integer(call: Call, codec, flat, encoders: Encoders | None = None) ->
         clock.encoded()
         if codec.index_bits:
             sidx = ring_allreduce_min_agreed(
-                comm, sidx, codec.index_bits, dtype=codec.index_dtype, kernels=call.kernels, **call.io
+                comm,
+                sidx,
+                codec.index_bits,
+                dtype=codec.index_dtype,
+                kernels=call.kernels,
+                **call.io,
             )
             clock.communicated()
         extra = (sidx.astype(codec.index_dtype, copy=False),)

@@ -15,8 +15,7 @@ from functools import partial
 import numpy as np
 from mpi4py import MPI
 
-from mpicomp import _reduce
-from mpicomp import kernels
+from mpicomp import _reduce, kernels
 from mpicomp._arrays import to_float32
 from mpicomp._progress import Handle, Worker
 from mpicomp._reduce import NonFiniteWarning, RankError, Skipped

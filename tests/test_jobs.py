@@ -43,7 +43,12 @@ class TestTrainJob:
             assert r["final_train_loss"] == r["losses"][-1] < r["losses"][0]
 
         # bytes the collectives reported: float32 moves at least 4 bytes per parameter,
-        # 4-bit codes less, 3LC's trits (1.6 bits or less) far less
+        # 4-bit codes less, 3LC's trits (1.6 bits or less) far less; one rank sends nothing
+        from mpi4py import MPI
+
+        if MPI.COMM_WORLD.size == 1:
+            assert all(r["bytes_sent"] == 0 for r in runs.values())
+            return
         assert base["bytes_sent"] >= 4 * N_PARAMS
         assert runs["qsgd_maxnorm_bits4"]["bytes_sent"] < base["bytes_sent"] / 2
         assert runs["threelc_sparsity1.0"]["bytes_sent"] < base["bytes_sent"] / 10

@@ -8,13 +8,12 @@ from types import SimpleNamespace
 
 import numpy as np
 import pytest
+from _seam import counting_record, poison
 from conftest import gradient_like
 
 import mpicomp
 import mpicomp.kernels as K
 from mpicomp.codecs import _base
-
-from _seam import counting_record, poison
 
 ROOT = Path(__file__).resolve().parents[1]
 # Codec parameters that reach every kernel path: multi-scale, error feedback, blocked FFT.
@@ -158,6 +157,6 @@ def test_nothing_outside_kernels_imports_a_backend_or_looks_at_array_types():
     lookers = [
         str(p.relative_to(ROOT))
         for p in _sources("mpicomp", "collectives", "kernels")
-        if "startswith(\"cupy\")" in p.read_text() or "def get_array_module" in p.read_text()
+        if 'startswith("cupy")' in p.read_text() or "def get_array_module" in p.read_text()
     ]
     assert lookers == [], lookers

@@ -5,11 +5,10 @@ from collections import Counter
 
 import numpy as np
 import pytest
+from _seam import counting_record, poison
 
 import mpicomp
 import mpicomp.kernels as K
-
-from _seam import counting_record, poison
 
 
 @pytest.mark.mpi

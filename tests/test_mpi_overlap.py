@@ -231,7 +231,8 @@ def test_trace_records_background_calls_in_start_order(shared_dir):
             mine = events[events["rank"] == r]
             assert mine["step"].tolist() == list(range(2 * TENSORS))
             assert [n.decode() for n in mine["name"]] == [f"t{j}" for j in range(TENSORS)] * 2
-            assert np.all(mine["bytes_sent"] > 0) and np.all(mine["t_total"] > 0)
+            # One rank sends nothing (docs/trace-format.md).
+            assert np.all(mine["bytes_sent"] > 0) == (comm.size > 1) and np.all(mine["t_total"] > 0)
 
 
 @pytest.mark.mpi

@@ -52,6 +52,8 @@ def _numpy_majority(comm, x):
 def _traffic_formula(scheme, n, size, rank):
     """Bytes (sent, received) by ``rank``, written out from docs/collectives.md."""
     B = math.ceil(n / 8)
+    if size == 1:
+        return 0, 0  # one rank: nothing crosses the wire
     if scheme == "ring":  # reduce-scatter at ceil(log2(i+1)) bits, allgather at 1 bit
         sent, recv, _ = ring_traffic(n, size, rank, 8, lambda i: math.ceil(math.log2(i + 1)), 1)
         return sent, recv

@@ -6,7 +6,7 @@ Every kernel is a plain per-bucket / per-element loop without fastmath. The sum 
 exact (integer bins per float32 exponent, then one round-to-nearest-even to float32), so it
 does not depend on the summation order; L is found by comparing |v| with the float64
 thresholds sum / b^L (b^L by repeated float64 multiplication), never through libm's log.
-The CUDA twins (same names, same docstrings) therefore give the same bytes.
+A CUDA twin written the same way (planned) can therefore give the same bytes.
 
 Body layout (little-endian; see docs/codecs/fastsgd.md)::
 
@@ -22,8 +22,6 @@ from llvmlite import ir
 from numba.core import types
 from numba.extending import intrinsic
 
-from .floatbits import bits_float, float_bits
-
 from mpicomp.kernels.fastsgd import (
     BUCKET_HEAD_BYTES,
     ERR_CODE,
@@ -36,14 +34,12 @@ from mpicomp.kernels.fastsgd import (
     ERR_TRAILING,
     ERR_TRUNCATED,
     ERR_WIDTH,
-    MAX_BUCKET,
-    MAX_FLAG_BITS,
-    MAX_TAU,
     OK,
     PREFIX_BYTES,
     SIGN_BIT,
-    bucket_capacity,
 )
+
+from .floatbits import bits_float, float_bits
 
 # Integer bins of the exact sum: bin e holds mantissas of exponent field e (0 shares bin 1);
 # carries move up to 56 bins above 254 for a bucket of 2^29 values below 2^24 each.

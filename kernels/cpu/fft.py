@@ -3,7 +3,7 @@ FFT, spectrum magnitudes, top-k selection, bitmap with prefix-sum packing, the r
 N-bit float and its bit stream.
 
 Floats are handled as their IEEE-754 bit patterns (uint32 views, int64 arithmetic),
-so the CUDA twins can give the same bytes for the same spectrum. Bit streams are
+so a CUDA twin (planned) can give the same bytes for the same spectrum. Bit streams are
 LSB-first: bit b lives in byte b // 8 at position b % 8; code i of width N takes
 stream bits [i*N, (i+1)*N), its least significant bit first.
 
@@ -20,12 +20,6 @@ import math
 import numba as nb
 import numpy as np
 
-from .floatbits import bits_float, float_bits
-
-_ABS = 0x7FFFFFFF
-_EXP_INF = 0x7F800000  # the bit pattern of +Inf: every finite magnitude is below it
-_FP16_MIN_NORMAL = 0x38800000  # 2**-14
-_FP16_MAX = 0x477FE000  # 65504.0
 from mpicomp.kernels.fft import (
     DECODE_COUNT,
     DECODE_NEGATIVE_ZERO,
@@ -38,6 +32,12 @@ from mpicomp.kernels.fft import (
     MAX_MANTISSA,
 )
 
+from .floatbits import bits_float, float_bits
+
+_ABS = 0x7FFFFFFF
+_EXP_INF = 0x7F800000  # the bit pattern of +Inf: every finite magnitude is below it
+_FP16_MIN_NORMAL = 0x38800000  # 2**-14
+_FP16_MAX = 0x477FE000  # 65504.0
 # Elements per task of the parallel loops (bins: a multiple of 8, whole bitmap bytes).
 _CHUNK = 1 << 16
 # Groups of eight N-bit codes (N bytes each) per task of the parallel bit packers.

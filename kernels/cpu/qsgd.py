@@ -1,7 +1,7 @@
 """QSGD-MaxNorm kernels (paper 000 §3.1-3.4): norms, stochastic codes, scale indices,
 reconstruction and the shared GlobalRandK coordinates.
 
-All arithmetic on values is float32 in a fixed order (no fastmath), so a CUDA twin built
+All arithmetic on values is float32 in a fixed order (no fastmath), so a CUDA twin (planned) built
 with --fmad=false gives the same codes: a = |v| / norm; y = a * s; l = floor(y); the
 code is l + 1 iff u < y - l, u the counter-based uniform of (key, element index).
 Error results are bit masks: ERR_VALUE (NaN/Inf, or |v| above the norm bound),
@@ -19,11 +19,11 @@ per element would keep the divisions from vectorizing.
 import numba as nb
 import numpy as np
 
+from mpicomp.kernels.qsgd import CHUNK, ERR_RANGE, ERR_VALUE
+from mpicomp.kernels.qsgd import LIMIT as _LIMIT
+
 from . import bits as _bits
 from .rng import mpicomp_bits, mpicomp_uniform
-
-from mpicomp.kernels.qsgd import CHUNK, ERR_INDEX, ERR_RANGE, ERR_UNSAFE, ERR_VALUE
-from mpicomp.kernels.qsgd import LIMIT as _LIMIT
 
 _ONE = np.float32(1.0)
 _ZERO = np.float32(0.0)

@@ -9,10 +9,10 @@ float whatever the thread count.
 import numba as nb
 import numpy as np
 
+from mpicomp.kernels.signsgd import CHUNK, TIE_POSITIVE, TIE_RANDOM
+
 from . import bits as _bits
 from .rng import mpicomp_bits
-
-from mpicomp.kernels.signsgd import CHUNK, TIE_NEGATIVE, TIE_POSITIVE, TIE_RANDOM
 
 
 @nb.njit(inline="always", cache=True)

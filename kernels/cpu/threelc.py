@@ -2,7 +2,7 @@
 fused error feedback, zero-run encoding and the validating decoders.
 
 Every kernel is a plain per-element or per-byte loop in float32 without fastmath, so
-the CUDA twins (same names, same docstrings) give the same bytes. They are serial on
+a CUDA twin (planned; same names) can give the same bytes. They are serial on
 purpose: written this way LLVM vectorizes them to near memory bandwidth on one core,
 numba's parfor lowering measured slower per thread, and MPI jobs usually run a rank
 per core already, where extra threads only oversubscribe.

@@ -206,9 +206,7 @@ class _Multiscale:
         k = backend_of(flat, self.kernels)
         out = k.xp.empty(n, dtype=self.code_dtype)
         index = _NO_INDEX if dense else idx
-        err = k.qsgd.multiscale_quantize(
-            flat, index, dense, norm, self._scales_f32, sidx, key, out
-        )
+        err = k.qsgd.multiscale_quantize(flat, index, dense, norm, self._scales_f32, sidx, key, out)
         if err:
             _raise(err, flat if dense else flat[idx], norm)
         return out
@@ -361,7 +359,9 @@ class QSGDMaxNorm(_MaxNorm):
         norm = _norm(norm)
         k = backend_of(flat, self.kernels)
         out = k.xp.empty(flat.size, dtype=self.code_dtype)
-        err = k.qsgd.quantize(flat, _NO_INDEX, True, norm, self.levels, self._key(step, stream), out)
+        err = k.qsgd.quantize(
+            flat, _NO_INDEX, True, norm, self.levels, self._key(step, stream), out
+        )
         if err:
             _raise(err, flat, norm)
         return out
