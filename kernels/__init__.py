@@ -60,7 +60,7 @@ def register_backend(name: str, record) -> None:
     """
     if not isinstance(name, str) or not name:
         raise TypeError(f"a backend name must be a non-empty str, got {name!r}")
-    if not callable(record) or _is_record(record):
+    if not _is_factory(record):
         _check_record(name, record)
     _REGISTRY[name] = record
 
@@ -85,7 +85,7 @@ def backend(name: str | None = None):
         raise ValueError(
             f"unknown kernel backend {name!r}{where}; available: {', '.join(available())}"
         ) from None
-    if callable(record) and not _is_record(record):
+    if _is_factory(record):
         record = record()  # a lazy registration: import and build it once
         _check_record(name, record)
         _REGISTRY[name] = record
@@ -116,13 +116,8 @@ def backend_of(x, host=None):
 def launchers(record, family: str) -> dict[str, Callable]:
     """Return the public callables of ``record``'s ``family``: its launchers, by name."""
     fam = getattr(record, family)
-    return {
-        k: getattr(fam, k)
-        for k in dir(fam)
-        if not k.startswith("_")
-        and callable(getattr(fam, k))
-        and not isinstance(getattr(fam, k), type)
-    }
+    public = {k: getattr(fam, k) for k in dir(fam) if not k.startswith("_")}
+    return {k: f for k, f in public.items() if callable(f) and not isinstance(f, type)}
 
 
 def threadsafe(record) -> bool:
@@ -140,12 +135,18 @@ def threadsafe(record) -> bool:
     return numba_threadsafe()
 
 
-def _is_record(obj) -> bool:
-    return all(hasattr(obj, a) for a in ("name", "xp", *FAMILIES))
+def _missing(obj) -> list[str]:
+    """Return the record attributes ``obj`` lacks."""
+    return [a for a in ("name", "xp", *FAMILIES) if not hasattr(obj, a)]
+
+
+def _is_factory(obj) -> bool:
+    """Return True for a lazy registration: a callable that is not itself a record."""
+    return callable(obj) and bool(_missing(obj))
 
 
 def _check_record(name: str, record) -> None:
-    missing = [a for a in ("name", "xp", *FAMILIES) if not hasattr(record, a)]
+    missing = _missing(record)
     if missing:
         raise TypeError(f"kernel backend {name!r} lacks {', '.join(missing)}")
 
