@@ -46,15 +46,15 @@ def _payload_problem(payload) -> TypeError | None:
     return None
 
 
-def _exchange_sizes(comm, payload, tracer, op: str, timeout) -> np.ndarray:
+def _exchange_sizes(comm, payload, recorder, op: str, timeout) -> np.ndarray:
     """Return every rank's payload size; raise on every rank if one rank's input is bad."""
     problem = _payload_problem(payload)
     sizes = np.empty(comm.size, dtype=np.int64)
     mine = np.array([-1 if problem else payload.size], dtype=np.int64)
     detail = f"sizes (an Iallgather of 8 bytes from each of {comm.size} ranks)"
     issue(comm, "Allgather", mine, sizes, timeout=timeout, name=op, detail=detail)
-    if tracer is not None:
-        tracer.record(f"{op}.sizes", 1, 8 if comm.size > 1 else 0, 8 * (comm.size - 1), 64)
+    if recorder is not None:
+        recorder.record(f"{op}.sizes", 1, 8 if comm.size > 1 else 0, 8 * (comm.size - 1), 64)
     bad = np.flatnonzero(sizes < 0).tolist()
     if bad:
         who = f"rank {bad[0]}" if len(bad) == 1 else f"ranks {', '.join(map(str, bad))}"
@@ -64,7 +64,7 @@ def _exchange_sizes(comm, payload, tracer, op: str, timeout) -> np.ndarray:
     return sizes
 
 
-def _by_allgatherv(comm, payload, buf, sizes, displs, tracer, op: str, timeout) -> None:
+def _by_allgatherv(comm, payload, buf, sizes, displs, recorder, op: str, timeout) -> None:
     """Move the bytes in one Allgatherv."""
     total = int(sizes.sum())
     if total > _COUNT_LIMIT:
@@ -78,12 +78,12 @@ def _by_allgatherv(comm, payload, buf, sizes, displs, tracer, op: str, timeout) 
     )
     recvspec = [buf, sizes, displs, MPI.BYTE]
     issue(comm, "Allgatherv", payload, recvspec, timeout=timeout, name=op, detail=detail)
-    if tracer is not None:
+    if recorder is not None:
         mine = int(sizes[comm.rank])
-        tracer.record(f"{op}.data", 1, mine if comm.size > 1 else 0, total - mine, 8)
+        recorder.record(f"{op}.data", 1, mine if comm.size > 1 else 0, total - mine, 8)
 
 
-def _by_ring(comm, payload, buf, sizes, displs, tracer, op: str, timeout) -> None:
+def _by_ring(comm, payload, buf, sizes, displs, recorder, op: str, timeout) -> None:
     """Move the bytes around a ring: N-1 steps, each a nonblocking send and receive."""
     size, rank = comm.size, comm.rank
     right, left = (rank + 1) % size, (rank - 1) % size
@@ -109,30 +109,30 @@ def _by_ring(comm, payload, buf, sizes, displs, tracer, op: str, timeout) -> Non
                 f"{left} and sending {put} bytes to rank {right}"
             ),
         )
-        if tracer is not None:
-            tracer.record(f"{op}.data", step, int(send.size), int(recv.size), 8)
+        if recorder is not None:
+            recorder.record(f"{op}.data", step, int(send.size), int(recv.size), 8)
 
 
-def _allgather(comm, payload, tracer, exchange: Callable, op: str, timeout) -> list[np.ndarray]:
+def _allgather(comm, payload, recorder, exchange: Callable, op: str, timeout) -> list[np.ndarray]:
     """Exchange sizes, allocate one receive buffer, let ``exchange`` fill it; return views."""
     timeout = resolve_timeout(timeout)
-    sizes = _exchange_sizes(comm, payload, tracer, op, timeout)
+    sizes = _exchange_sizes(comm, payload, recorder, op, timeout)
     xp = backend_of(payload).xp
     payload = xp.ascontiguousarray(payload)
     displs = np.zeros(comm.size, dtype=np.int64)
     np.cumsum(sizes[:-1], out=displs[1:])
     buf = xp.empty(int(sizes.sum()), dtype=np.uint8)
-    exchange(comm, payload, buf, sizes, displs, tracer, op, timeout)
+    exchange(comm, payload, buf, sizes, displs, recorder, op, timeout)
     return [buf[d : d + s] for d, s in zip(displs.tolist(), sizes.tolist(), strict=True)]
 
 
-def allgather_bytes(comm, payload, *, tracer=None, timeout=None) -> list[np.ndarray]:
+def allgather_bytes(comm, payload, *, recorder=None, timeout=None) -> list[np.ndarray]:
     """Gather every rank's byte payload on every rank: sizes, then one Allgatherv.
 
     Args:
         comm: an ``mpi4py.MPI.Intracomm``.
         payload: this rank's bytes, a 1-D uint8 array (any length, zero included).
-        tracer: gets ``record("allgather.sizes", 1, 8, 8*(N-1), 64)`` and
+        recorder: gets ``record("allgather.sizes", 1, 8, 8*(N-1), 64)`` and
             ``record("allgather.data", 1, own size, sum of the others' sizes, 8)``.
         timeout: seconds each message may wait before this rank reports what it waits
             for and aborts the job (``comm.Abort``); None: ``MPICOMP_TIMEOUT``, unset or
@@ -147,16 +147,16 @@ def allgather_bytes(comm, payload, *, tracer=None, timeout=None) -> list[np.ndar
             (those ranks are named; on them the local TypeError is the cause), or the
             total exceeds what this MPI can count (2**31-1 bytes before MPI 4).
     """
-    return _allgather(comm, payload, tracer, _by_allgatherv, "allgather", timeout)
+    return _allgather(comm, payload, recorder, _by_allgatherv, "allgather", timeout)
 
 
-def allgather_bytes_ring(comm, payload, *, tracer=None, timeout=None) -> list[np.ndarray]:
+def allgather_bytes_ring(comm, payload, *, recorder=None, timeout=None) -> list[np.ndarray]:
     """Gather every rank's byte payload on every rank by a hand-written ring.
 
     The same arguments, result and checks as ``allgather_bytes``, without the count
-    limit (ring messages are split at ``_RING_CHUNK`` bytes). The tracer gets
+    limit (ring messages are split at ``_RING_CHUNK`` bytes). The recorder gets
     ``record("allgather_ring.sizes", 1, 8, 8*(N-1), 64)`` and, for each step
     i = 1..N-1, ``record("allgather_ring.data", i, sent, received, 8)`` with the exact
     bytes: rank r sends the payload of rank (r-i+1) mod N and receives that of (r-i) mod N.
     """
-    return _allgather(comm, payload, tracer, _by_ring, "allgather_ring", timeout)
+    return _allgather(comm, payload, recorder, _by_ring, "allgather_ring", timeout)

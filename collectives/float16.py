@@ -18,13 +18,13 @@ _TAG = 0x1F16  # run on a communicator of your own (comm.Dup())
 _OP = "fp16 sum"
 
 
-def allreduce_float16(comm, buf, *, tracer=None, timeout=None, kernels=None) -> None:
+def allreduce_float16(comm, buf, *, recorder=None, timeout=None, kernels=None) -> None:
     """Sum the float16 array ``buf`` over the ranks of ``comm``, in place.
 
     Args:
         comm: an ``mpi4py.MPI.Intracomm``; every rank brings an array of the same size.
         buf: a contiguous float16 array (any shape); it holds the sum on return.
-        tracer: gets ``record("fp16.reduce_scatter", i, ...)`` and
+        recorder: gets ``record("fp16.reduce_scatter", i, ...)`` and
             ``record("fp16.allgather", j, ...)`` per step, 16 bits per element.
         timeout: seconds each step may wait before this rank reports what it waits for
             and aborts the job (``comm.Abort``); None: ``MPICOMP_TIMEOUT``, unset or 0: off.
@@ -58,8 +58,8 @@ def allreduce_float16(comm, buf, *, tracer=None, timeout=None, kernels=None) -> 
                 f"rank {left} and sending {send.nbytes} bytes to rank {right}"
             ),
         )
-        if tracer is not None:
-            tracer.record(f"fp16.{phase}", step, send.nbytes, recv.nbytes, 16)
+        if recorder is not None:
+            recorder.record(f"fp16.{phase}", step, send.nbytes, recv.nbytes, 16)
 
     recv = np.empty(width if size > 1 else 0, np.uint16)
     for i in range(1, size):  # reduce-scatter: after step N-1 rank r holds chunk r summed

@@ -169,7 +169,7 @@ def _allreduce(comm, sendbuf, recvbuf, op, timeout, name: str, message: str) -> 
     )
 
 
-def _extreme_allreduce(comm, x, tracer, name: str, timeout=None):
+def _extreme_allreduce(comm, x, recorder, name: str, timeout=None):
     """Reduce ``x`` elementwise over ranks with the operation of ``name``: head, then tail."""
     timeout = resolve_timeout(timeout)
     op_code, mpi_op = _OPS[name]
@@ -189,9 +189,9 @@ def _extreme_allreduce(comm, x, tracer, name: str, timeout=None):
         # Neutral (int64 min) length and dtype: the report below names this rank.
         head[6:8] = comm.size - comm.rank, comm.rank + 1
     _allreduce(comm, MPI.IN_PLACE, head, MPI.MAX, timeout, name, "the head message")
-    if tracer is not None:
+    if recorder is not None:
         wire = head.nbytes if comm.size > 1 else 0  # one rank sends nothing
-        tracer.record(f"{name}.head", 1, wire, wire, 64)
+        recorder.record(f"{name}.head", 1, wire, wire, 64)
     _check_head(comm, head, name, problem)
 
     out = xp.empty(n, dtype=v.dtype)
@@ -208,20 +208,20 @@ def _extreme_allreduce(comm, x, tracer, name: str, timeout=None):
         else:
             # MPI's integer MAX/MIN are exact.
             _allreduce(comm, rest, tail, mpi_op, timeout, name, "the tail message")
-        if tracer is not None:
+        if recorder is not None:
             wire = rest.nbytes if comm.size > 1 else 0
-            tracer.record(f"{name}.tail", 1, wire, wire, 8 * v.dtype.itemsize)
+            recorder.record(f"{name}.tail", 1, wire, wire, 8 * v.dtype.itemsize)
     return out if scalar is None else scalar(out[0])
 
 
-def max_allreduce(comm, x, *, tracer=None, timeout=None):
+def max_allreduce(comm, x, *, recorder=None, timeout=None):
     """Return the elementwise maximum over the ranks of ``comm`` of ``x``, on every rank.
 
     Args:
         comm: an ``mpi4py.MPI.Intracomm``; every rank calls with the same length and dtype.
         x: a 1-D array of int8..int64, uint8..uint64 or float16/32/64 (any strides), or a
             Python int/float or NumPy scalar. It is not modified.
-        tracer: gets ``record("max_allreduce.head", ...)`` and, for vectors longer than
+        recorder: gets ``record("max_allreduce.head", ...)`` and, for vectors longer than
             the head holds, ``record("max_allreduce.tail", ...)`` (bytes at the API level).
         timeout: seconds each message may wait before this rank reports what it waits
             for and aborts the job (``comm.Abort``); None: ``MPICOMP_TIMEOUT``, unset or
@@ -236,10 +236,10 @@ def max_allreduce(comm, x, *, tracer=None, timeout=None):
             numeric array (that rank is named; there the local TypeError/ValueError is
             the cause), or ranks disagree on the length, the dtype or max vs min.
     """
-    return _extreme_allreduce(comm, x, tracer, "max_allreduce", timeout)
+    return _extreme_allreduce(comm, x, recorder, "max_allreduce", timeout)
 
 
-def min_allreduce(comm, x, *, bits=None, tracer=None, timeout=None):
+def min_allreduce(comm, x, *, bits=None, recorder=None, timeout=None):
     """Return the elementwise minimum over the ranks of ``comm`` of ``x``, on every rank.
 
     The same contract as ``max_allreduce``, with ``"min_allreduce.*"`` trace records.
@@ -251,5 +251,5 @@ def min_allreduce(comm, x, *, bits=None, tracer=None, timeout=None):
     if bits is not None:
         from mpicomp.collectives.ring import ring_allreduce_min
 
-        return ring_allreduce_min(comm, x, bits, tracer=tracer, timeout=timeout)
-    return _extreme_allreduce(comm, x, tracer, "min_allreduce", timeout)
+        return ring_allreduce_min(comm, x, bits, recorder=recorder, timeout=timeout)
+    return _extreme_allreduce(comm, x, recorder, "min_allreduce", timeout)

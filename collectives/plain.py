@@ -18,7 +18,7 @@ def _array(buf):
     return buf[0] if isinstance(buf, (list, tuple)) else buf
 
 
-def allreduce(comm, sendbuf, recvbuf, op=MPI.SUM, *, timeout=None, tracer=None) -> None:
+def allreduce(comm, sendbuf, recvbuf, op=MPI.SUM, *, timeout=None, recorder=None) -> None:
     """Reduce ``sendbuf`` over ranks with ``op`` into ``recvbuf`` (``MPI_Allreduce``).
 
     Args:
@@ -28,7 +28,7 @@ def allreduce(comm, sendbuf, recvbuf, op=MPI.SUM, *, timeout=None, tracer=None) 
         op: an ``MPI.Op`` (user-defined ones included).
         timeout: seconds to wait before this rank reports what it waits for and aborts
             the job (``comm.Abort``); None: ``MPICOMP_TIMEOUT``, unset or 0: off.
-        tracer: gets ``record("mpi.allreduce", 1, nbytes, nbytes, 8 * itemsize)``.
+        recorder: gets ``record("mpi.allreduce", 1, nbytes, nbytes, 8 * itemsize)``.
     """
     nbytes = _array(recvbuf).nbytes
     issue(
@@ -41,20 +41,20 @@ def allreduce(comm, sendbuf, recvbuf, op=MPI.SUM, *, timeout=None, tracer=None) 
         name="allreduce",
         detail=lambda: f"an Iallreduce of {nbytes} bytes over all {comm.size} ranks",
     )
-    if tracer is not None:
+    if recorder is not None:
         a = _array(sendbuf)
         wire = a.nbytes if comm.size > 1 else 0  # one rank sends nothing
-        tracer.record("mpi.allreduce", 1, wire, wire, 8 * a.itemsize)
+        recorder.record("mpi.allreduce", 1, wire, wire, 8 * a.itemsize)
 
 
-def allgather(comm, sendbuf, recvbuf, *, timeout=None, tracer=None) -> None:
+def allgather(comm, sendbuf, recvbuf, *, timeout=None, recorder=None) -> None:
     """Gather every rank's ``sendbuf`` into ``recvbuf``, in rank order (``MPI_Allgather``).
 
     Args:
         comm: an ``mpi4py.MPI.Intracomm``.
         sendbuf: this rank's block; recvbuf: N blocks of its size, as for ``comm.Allgather``.
         timeout: as for ``allreduce``.
-        tracer: gets ``record("mpi.allgather", 1, nbytes, (N-1) * nbytes, 8 * itemsize)``.
+        recorder: gets ``record("mpi.allgather", 1, nbytes, (N-1) * nbytes, 8 * itemsize)``.
     """
     nbytes = _array(sendbuf).nbytes
     issue(
@@ -66,8 +66,8 @@ def allgather(comm, sendbuf, recvbuf, *, timeout=None, tracer=None) -> None:
         name="allgather",
         detail=lambda: f"an Iallgather of {nbytes} bytes from each of {comm.size} ranks",
     )
-    if tracer is not None:
+    if recorder is not None:
         sent = nbytes if comm.size > 1 else 0
-        tracer.record(
+        recorder.record(
             "mpi.allgather", 1, sent, (comm.size - 1) * nbytes, 8 * _array(sendbuf).itemsize
         )

@@ -101,7 +101,7 @@ def _ring_allreduce(
     combine: Callable,
     finish: Callable,
     final_width: int,
-    tracer,
+    recorder,
     name: str,
 ):
     """Reduce this rank's values around the ring; return the packed allgathered result.
@@ -123,7 +123,7 @@ def _ring_allreduce(
             reduced over all ranks, into ``out`` at ``final_width`` bits per element;
             ``stream`` is None on a ring of one (this rank's values are the result).
         final_width: bits per element of the allgather phase.
-        tracer: None, or an object with ``record(op, step, sent, recv, bits)``.
+        recorder: None, or an object with ``record(op, step, sent, recv, bits)``.
         name: prefix of the traced op names.
 
     Returns:
@@ -165,8 +165,8 @@ def _ring_allreduce(
         r_lo, r_hi = span(rank - i - 1)
         sent, got = _packed(s_hi - s_lo, width), _packed(r_hi - r_lo, width)
         exchange(sendbuf[:sent], right, recvbuf[:got], left, _RS, i)
-        if tracer is not None:
-            tracer.record(f"{name}.{_RS}", i, sent, got, width)
+        if recorder is not None:
+            recorder.record(f"{name}.{_RS}", i, sent, got, width)
         if i < size - 1:  # the chunk just completed over i+1 ranks is the next one sent
             nxt = width_of_step(i + 1)
             combine(recvbuf[:got], width, r_lo, r_hi, nxt, sendbuf[: _packed(r_hi - r_lo, nxt)])
@@ -178,8 +178,8 @@ def _ring_allreduce(
         s_start, s_stop = region(rank - j + 1)
         r_start, r_stop = region(rank - j)
         exchange(out[s_start:s_stop], right, out[r_start:r_stop], left, _AG, j)
-        if tracer is not None:
-            tracer.record(f"{name}.{_AG}", j, s_stop - s_start, r_stop - r_start, final_width)
+        if recorder is not None:
+            recorder.record(f"{name}.{_AG}", j, s_stop - s_start, r_stop - r_start, final_width)
     return out
 
 
@@ -283,7 +283,7 @@ _MODE_SIGNED, _MODE_UNSIGNED, _MODE_MAJORITY = 0, 1, 2
 
 
 def ring_allreduce_bounded(
-    comm, codes, bound, majority=False, *, signed=True, packed=False, tracer=None, timeout=None
+    comm, codes, bound, majority=False, *, signed=True, packed=False, recorder=None, timeout=None
 ):
     """Sum bounded integer codes over ranks, or take their majority, on a width-growing ring.
 
@@ -300,7 +300,7 @@ def ring_allreduce_bounded(
         signed: codes lie in [-bound, bound] when True, in [0, bound] when False.
         packed: return the sums as the ring leaves them, a ``PackedSums`` (no majority),
             instead of unpacking them to int64.
-        tracer: None, or an object with ``record(op, step, sent, recv, bits)``; called
+        recorder: None, or an object with ``record(op, step, sent, recv, bits)``; called
             once per step with ops ``"ring.reduce_scatter"`` and ``"ring.allgather"``.
         timeout: seconds each step may wait before this rank reports what it waits for
             and aborts the job (``comm.Abort``); None: ``MPICOMP_TIMEOUT``, unset or 0: off.
@@ -352,7 +352,7 @@ def ring_allreduce_bounded(
         err = exc
     allowed = (-b, b) if signed else (0, b)
     _agree(comm, fname, err, n, b, "bound", mode, lo, hi, allowed, timeout)
-    return _bounded(comm, x, b, majority, signed, packed, tracer, timeout, be, fname)
+    return _bounded(comm, x, b, majority, signed, packed, recorder, timeout, be, fname)
 
 
 def ring_allreduce_agreed(
@@ -363,7 +363,7 @@ def ring_allreduce_agreed(
     *,
     signed=True,
     packed=False,
-    tracer=None,
+    recorder=None,
     timeout=None,
     kernels=None,
 ):
@@ -378,11 +378,20 @@ def ring_allreduce_agreed(
     be = backend_of(codes, kernels)
     timeout = resolve_timeout(timeout)
     return _bounded(
-        comm, codes, bound, majority, signed, packed, tracer, timeout, be, "ring_allreduce_bounded"
+        comm,
+        codes,
+        bound,
+        majority,
+        signed,
+        packed,
+        recorder,
+        timeout,
+        be,
+        "ring_allreduce_bounded",
     )
 
 
-def _bounded(comm, x, b, majority, signed, packed, tracer, timeout, be, fname):
+def _bounded(comm, x, b, majority, signed, packed, recorder, timeout, be, fname):
     """The width-growing ring of ``ring_allreduce_bounded`` over agreed arguments."""
     size = comm.Get_size()
     mode = _MODE_MAJORITY if callable(majority) or majority else 0
@@ -434,7 +443,7 @@ def _bounded(comm, x, b, majority, signed, packed, tracer, timeout, be, fname):
         combine,
         finish,
         final_width,
-        tracer,
+        recorder,
         "ring",
     )
     if mode == _MODE_MAJORITY:
@@ -456,7 +465,7 @@ def _paper_majority(xp, nranks: int):
     return decide
 
 
-def ring_allreduce_min(comm, codes, width, *, dtype=np.int64, tracer=None, timeout=None):
+def ring_allreduce_min(comm, codes, width, *, dtype=np.int64, recorder=None, timeout=None):
     """Take the elementwise minimum over ranks of unsigned codes, ``width`` bits on the wire.
 
     Args:
@@ -464,7 +473,7 @@ def ring_allreduce_min(comm, codes, width, *, dtype=np.int64, tracer=None, timeo
         codes: 1-D integer array, the same length on every rank, each in [0, 2**width).
         width: bits per code, 1..32, the same on every rank.
         dtype: integer dtype of the result; it must hold every code (default int64).
-        tracer: None, or an object with ``record(op, step, sent, recv, bits)``; called
+        recorder: None, or an object with ``record(op, step, sent, recv, bits)``; called
             once per step with ops ``"ring_min.reduce_scatter"`` and ``"ring_min.allgather"``.
         timeout: as for ``ring_allreduce_bounded``.
 
@@ -490,21 +499,21 @@ def ring_allreduce_min(comm, codes, width, *, dtype=np.int64, tracer=None, timeo
     except (TypeError, ValueError) as exc:
         err = exc
     _agree(comm, fname, err, n, w, "width", 0, lo, hi, (0, 2**w - 1), timeout)
-    return _minimum(comm, x, w, dtype, tracer, timeout, be, fname)
+    return _minimum(comm, x, w, dtype, recorder, timeout, be, fname)
 
 
 def ring_allreduce_min_agreed(
-    comm, codes, width, *, dtype=np.int64, tracer=None, timeout=None, kernels=None
+    comm, codes, width, *, dtype=np.int64, recorder=None, timeout=None, kernels=None
 ):
     """Run ``ring_allreduce_min``'s ring for a caller whose ranks have agreed already:
     the same arguments and result, nothing checked, no message beyond the ring's (every
     rank brings contiguous 1-D codes of one length, each in [0, 2**width))."""
     be = backend_of(codes, kernels)
     timeout = resolve_timeout(timeout)
-    return _minimum(comm, codes, width, dtype, tracer, timeout, be, "ring_allreduce_min")
+    return _minimum(comm, codes, width, dtype, recorder, timeout, be, "ring_allreduce_min")
 
 
-def _minimum(comm, x, w, dtype, tracer, timeout, be, fname):
+def _minimum(comm, x, w, dtype, recorder, timeout, be, fname):
     """The constant-width MIN ring of ``ring_allreduce_min`` over agreed arguments."""
     bits = be.bits
 
@@ -530,7 +539,7 @@ def _minimum(comm, x, w, dtype, tracer, timeout, be, fname):
         smallest,
         finish,
         w,
-        tracer,
+        recorder,
         "ring_min",
     )
     result = be.xp.empty(x.size, dtype=dtype)

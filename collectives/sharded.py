@@ -33,7 +33,7 @@ def shard_bounds(n: int, nshards: int) -> list[tuple[int, int]]:
     return bounds
 
 
-def alltoall_bytes(comm, payloads, *, tracer=None, timeout=None) -> list[np.ndarray]:
+def alltoall_bytes(comm, payloads, *, recorder=None, timeout=None) -> list[np.ndarray]:
     """Send ``payloads[d]`` to rank d; return the payload each rank sent here, in rank order.
 
     Sizes go first (one Alltoall of int64), then one Alltoallv. A rank whose input is
@@ -82,10 +82,10 @@ def alltoall_bytes(comm, payloads, *, tracer=None, timeout=None) -> list[np.ndar
         f"over all {size} ranks)"
     )
     issue(comm, "Alltoallv", sendspec, recvspec, timeout=timeout, name=_OP, detail=detail)
-    if tracer is not None:
+    if recorder is not None:
         me = comm.rank
-        tracer.record("sharded.sizes", 1, 8 * (size - 1), 8 * (size - 1), 64)
+        recorder.record("sharded.sizes", 1, 8 * (size - 1), 8 * (size - 1), 64)
         sent = int(send_sizes.sum() - send_sizes[me])
         got = int(recv_sizes.sum() - recv_sizes[me])
-        tracer.record("sharded.push", 1, sent, got, 8)
+        recorder.record("sharded.push", 1, sent, got, 8)
     return [recv[d : d + s] for d, s in zip(rdispl, recv_sizes, strict=True)]

@@ -1,11 +1,11 @@
 """What a collective reports: bytes sent and received per message step.
 
-Every collective takes ``tracer=None``; when given, it calls
-``tracer.record(op, step, sent, recv, bits)`` once per exchange step, where ``op``
+Every collective takes ``recorder=None``; when given, it calls
+``recorder.record(op, step, sent, recv, bits)`` once per exchange step, where ``op``
 names the phase (e.g. ``"ring.reduce_scatter"``), ``step`` counts from 1 within the
 phase, ``sent``/``recv`` are the bytes this rank put on / took off the wire in that
 step, and ``bits`` is the per-element width used (0 where it does not apply).
-mpicomp's HDF5 tracer implements this method; ``Traffic`` below is the plain counter.
+mpicomp's HDF5 `Tracer` implements this method; ``Traffic`` below is the plain counter.
 """
 
 from __future__ import annotations

@@ -184,10 +184,10 @@ def open_comm(comm, run: Run, trace_path: str | None):
     if trace_path is not None:
         kwargs["trace"] = trace_path
     cc = mpicomp.CompressedComm(comm, run.codec, **kwargs)
-    # CompressedComm hands ``cc.tracer`` every exchange step of its collectives (the
+    # CompressedComm hands ``cc.recorder`` every exchange step of its collectives (the
     # HDF5 trace, ``cc.trace``, gets them as well): the bytes are counted, not estimated.
     traffic = Traffic()
-    cc.tracer = traffic
+    cc.recorder = traffic
     return cc, traffic
 
 

@@ -4,7 +4,7 @@ Launch with ``mpiexec -n N python -m mpi4py -m jobs.bench [--sizes 1M,25.6M] [--
 qsgd_maxnorm,threelc] [--reps 3] [--json]``. For each gradient size and codec, one
 ``CompressedComm(...).allreduce`` per repetition after a warm-up call: the time is the
 slowest rank's, median over repetitions; the bytes are what a
-``mpicomp.collectives.traffic.Traffic`` attached as ``tracer`` counted per call, the
+``mpicomp.collectives.traffic.Traffic`` attached as ``recorder`` counted per call, the
 largest over ranks. Both are compared with ``comm.Allreduce`` of the same float32
 buffer in the same run: its time, and the 2(N-1)/N * 4n bytes a ring (bandwidth-optimal)
 float32 all-reduce sends and receives per rank.

@@ -21,7 +21,7 @@ four are checked against a NumPy majority of the ranks' signs (counted by a plai
 ``Allreduce``). Chunks are the ring's: C = 8*ceil(n/(8N)) elements, so they fall on bytes.
 
 Time: from the float32 gradient to the decision bits (the sign packing included), the
-slowest rank's, median of ``reps`` calls after a warm-up. Bytes: what a ``Traffic`` tracer
+slowest rank's, median of ``reps`` calls after a warm-up. Bytes: what a ``Traffic`` recorder
 counted in the warm-up call (size exchanges included; collectives done by one MPI call
 count the logical bytes), the largest over ranks, beside the exact formula.
 """
@@ -172,36 +172,36 @@ def _joined(views: list[np.ndarray]) -> np.ndarray:
 # --- the schemes: gradient in, packed majority bits out, the same on every rank ------------
 
 
-def by_ring(comm, x: np.ndarray, tracer=None) -> np.ndarray:
+def by_ring(comm, x: np.ndarray, recorder=None) -> np.ndarray:
     """Majority through paper 003's width-growing ring."""
-    return ring_allreduce_bounded(comm, votes(x), 1, majority=True, signed=False, tracer=tracer)
+    return ring_allreduce_bounded(comm, votes(x), 1, majority=True, signed=False, recorder=recorder)
 
 
-def by_allgather(comm, x: np.ndarray, tracer=None, *, library: bool = False) -> np.ndarray:
+def by_allgather(comm, x: np.ndarray, recorder=None, *, library: bool = False) -> np.ndarray:
     """Majority from every rank's packed signs, gathered on every rank (hand ring, or
     MPI's ``Allgatherv`` with ``library``); every rank decides the whole vector."""
     packed = signs(x)
     gather = allgather_bytes if library else allgather_bytes_ring
-    rows = _joined(gather(comm, packed, tracer=tracer)).reshape(comm.size, packed.size)
+    rows = _joined(gather(comm, packed, recorder=recorder)).reshape(comm.size, packed.size)
     return decide(rows, x.size, comm.size)
 
 
-def by_alltoall_allgather(comm, x: np.ndarray, tracer=None) -> np.ndarray:
+def by_alltoall_allgather(comm, x: np.ndarray, recorder=None) -> np.ndarray:
     """Majority as 1-bit Adam reduces: alltoall of the signs' chunks, owner decides, allgather."""
     packed = signs(x)
     bounds = chunks(x.size, comm.size)
     # Byte ceil of both ends: lo is a multiple of 8 or n (an empty chunk at the end).
     parts = [packed[-(-lo // 8) : -(-hi // 8)] for lo, hi in bounds]
-    pushed = alltoall_bytes(comm, parts, tracer=tracer)
+    pushed = alltoall_bytes(comm, parts, recorder=recorder)
     lo, hi = bounds[comm.rank]
     mine = decide(_joined(pushed).reshape(comm.size, parts[comm.rank].size), hi - lo, comm.size)
-    return _joined(allgather_bytes_ring(comm, mine, tracer=tracer))
+    return _joined(allgather_bytes_ring(comm, mine, recorder=recorder))
 
 
 _RUN: dict[str, Callable] = {
     "ring": by_ring,
     "allgather": by_allgather,
-    "allgatherv": lambda comm, x, tracer=None: by_allgather(comm, x, tracer, library=True),
+    "allgatherv": lambda comm, x, recorder=None: by_allgather(comm, x, recorder, library=True),
     "alltoall_allgather": by_alltoall_allgather,
 }
 

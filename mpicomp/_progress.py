@@ -14,9 +14,28 @@ import threading
 import warnings
 from collections.abc import Callable
 
-__all__ = ["Handle", "Worker"]
+__all__ = ["Handle", "Worker", "overlap_blocker"]
 
 _STOP = object()  # the queue item that ends a worker's thread
+
+
+def overlap_blocker(record) -> str | None:
+    """Return why started calls cannot run on a background thread here (None: they can).
+
+    A second thread making MPI calls needs ``MPI_THREAD_MULTIPLE`` (mpi4py asks for it),
+    and kernels of ``record`` on two threads at once a thread-safe backend.
+    """
+    from mpi4py import MPI
+
+    from mpicomp import kernels
+
+    if MPI.Query_thread() < MPI.THREAD_MULTIPLE:
+        return f"MPI provides thread level {MPI.Query_thread()}, not MPI_THREAD_MULTIPLE"
+    if not kernels.threadsafe(record):
+        if record.name == "numba":
+            return "numba's threading layer is workqueue (install OpenMP or TBB)"
+        return f"the {record.name!r} kernel backend is not thread-safe"
+    return None
 
 
 class Handle:

@@ -5,7 +5,7 @@ how many elements it brings and whether its local encode failed. Ranks that
 disagree or fail make every rank raise the same error before any bulk data moves,
 so a bad tensor on one rank never leaves the others waiting.
 
-Every function takes the ``Call`` it serves: the communicator, the step, the tracer,
+Every function takes the ``Call`` it serves: the communicator, the step, the recorder,
 the NaN/Inf policy, the timeout, and a phase clock (``mpicomp.trace.NO_CLOCK`` when
 untraced): ``clock.encoded()``, ``clock.communicated()`` and ``clock.decoded()`` charge
 the time since the previous mark to local compression work, to messages (collectives
@@ -79,7 +79,7 @@ _RAISE = Guard()
 class Call:
     """What every message of one CompressedComm call shares.
 
-    ``step`` drives the counter-based random draws; ``tracer`` gets the collectives'
+    ``step`` drives the counter-based random draws; ``recorder`` gets the collectives'
     exchange steps and ``clock`` the phase marks (``NO_CLOCK`` when untraced);
     ``layout`` is the name or bucket hash the agreement compares; ``guard`` the NaN/Inf
     policy; ``timeout`` each wait's limit in seconds (None: ``MPICOMP_TIMEOUT``);
@@ -88,7 +88,7 @@ class Call:
 
     comm: object
     step: int = 0
-    tracer: object = None
+    recorder: object = None
     clock: object = NO_CLOCK
     layout: int = 0
     guard: Guard = _RAISE
@@ -98,7 +98,7 @@ class Call:
     @property
     def io(self) -> dict:
         """Return the keyword arguments every collective of this call takes."""
-        return {"tracer": self.tracer, "timeout": self.timeout}
+        return {"recorder": self.recorder, "timeout": self.timeout}
 
 
 def _agree(

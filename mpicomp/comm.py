@@ -2,34 +2,27 @@
 
 from __future__ import annotations
 
-import hashlib
 import json
-import os
 import sys
 import warnings
 import weakref
 import zlib
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from functools import partial
 
 import numpy as np
-from mpi4py import MPI
 
-from mpicomp import _reduce, kernels
+from mpicomp import _reduce
 from mpicomp._arrays import to_float32
-from mpicomp._progress import Handle, Worker
-from mpicomp._reduce import NonFiniteWarning, RankError, Skipped
+from mpicomp._progress import Handle, Worker, overlap_blocker
+from mpicomp._reduce import NonFiniteWarning, RankError
+from mpicomp._same_call import check_same_call
 from mpicomp.codecs import Codec, ErrorFeedback
-from mpicomp.codecs._base import check_number
 from mpicomp.codecs._base import make as make_codec
-from mpicomp.collectives import plain
-from mpicomp.collectives._wait import resolve_timeout
+from mpicomp.options import Options
 from mpicomp.trace import NO_CLOCK
 
-__all__ = ["CompressedComm", "Handle", "NonFiniteWarning", "RankError"]
-
-# Biased gather codecs lose what they do not send unless it is fed back next step.
-_FEEDBACK_DEFAULT = {"threelc", "topk", "fft", "fastsgd"}
+__all__ = ["CompressedComm", "Handle", "NonFiniteWarning", "Options", "RankError"]
 
 
 class CompressedComm:
@@ -112,62 +105,45 @@ class CompressedComm:
             raise TypeError(f"codec must be a name or an mpicomp codec, got {codec!r}")
         self.codec = codec
         self.kernels = codec.kernels  # the backend of NumPy arrays, read when made
-        self.min_numel = check_number("min_numel", min_numel, 0, None, integer=True)
-        self.bucket_numel = check_number("bucket_numel", bucket_numel, 1, None, integer=True)
-        if error_feedback is None:
-            error_feedback = codec.name in _FEEDBACK_DEFAULT
-        if error_feedback and codec.aggregation != "gather":
-            raise ValueError(
-                f"error_feedback applies to gather codecs; {codec.name!r} is {codec.aggregation!r}"
-            )
-        if sharded and codec.aggregation != "gather":
-            raise ValueError(
-                f"sharded applies to gather codecs; {codec.name!r} is {codec.aggregation!r}"
-            )
-        self.sharded = bool(sharded)
-        # The reduction path (mpicomp._reduce.REDUCERS) of every compressed call.
-        self._path = "sharded" if self.sharded else codec.aggregation
-        if not isinstance(nonfinite, str):
-            raise TypeError(f"nonfinite must be a str, got {type(nonfinite).__name__}")
-        if nonfinite not in _reduce.POLICIES:
-            raise ValueError(f"nonfinite must be one of {_reduce.POLICIES}, got {nonfinite!r}")
-        self.nonfinite = nonfinite
-        if debug is None:
-            debug = os.environ.get("MPICOMP_DEBUG", "") not in ("", "0")
-        if not isinstance(debug, (bool, np.bool_)):
-            raise TypeError(f"debug must be a bool or None, got {type(debug).__name__}")
-        self.debug = bool(debug)
-        # Checked now, so a bad value fails at construction, not in the first call.
-        # 0 stays 0 (off, whatever the environment says); None defers to MPICOMP_TIMEOUT.
-        self.timeout = None if timeout is None else (resolve_timeout(timeout) or 0)
-        # A second thread making MPI calls needs MPI_THREAD_MULTIPLE (mpi4py asks for it),
-        # and numba kernels on two threads at once a thread-safe threading layer.
-        if background is not None and not isinstance(background, (bool, np.bool_)):
-            raise TypeError(f"background must be a bool or None, got {type(background).__name__}")
-        why = None
-        if background is None or background:
-            if MPI.Query_thread() < MPI.THREAD_MULTIPLE:
-                why = f"MPI provides thread level {MPI.Query_thread()}, not MPI_THREAD_MULTIPLE"
-            elif not kernels.threadsafe(self.kernels):
-                why = "numba's threading layer is workqueue (install OpenMP or TBB)"
-        if background and why:
+        #: The checked options (``mpicomp.options.Options``), frozen.
+        self.options = opts = Options.resolve(
+            codec,
+            min_numel=min_numel,
+            bucket_numel=bucket_numel,
+            error_feedback=error_feedback,
+            sharded=sharded,
+            trace=trace,
+            trace_level=trace_level,
+            trace_flush_every=trace_flush_every,
+            nonfinite=nonfinite,
+            debug=debug,
+            timeout=timeout,
+            background=background,
+        )
+        why = None if opts.background is False else overlap_blocker(self.kernels)
+        if opts.background and why:
             raise ValueError(
                 f"background=True: {why} (see docs/usage.md, Overlapping communication)"
             )
-        self.background = why is None if background is None else bool(background)
-        self._eager_why = why if background is None else None  # warned once, at first use
+        #: Whether ``iallreduce`` runs its calls on a background thread.
+        self.background = why is None if opts.background is None else opts.background
+        self._eager_why = why if opts.background is None else None  # warned once, at first use
         self._worker = None  # made by the first background iallreduce
-        self._spare = {}  # pre-call copies of residuals, reused call after call
-        self._feedback = ErrorFeedback(codec) if error_feedback else None
-        self._server_feedback = ErrorFeedback(codec) if error_feedback and sharded else None
+        # The reduction path (mpicomp._reduce.REDUCERS) of every compressed call.
+        self._path = "sharded" if opts.sharded else codec.aggregation
+        self._feedback = ErrorFeedback(codec) if opts.error_feedback else None
+        self._server_feedback = (
+            ErrorFeedback(codec) if opts.error_feedback and opts.sharded else None
+        )
         self._plain = make_codec("none")
         self._comm = comm.Dup()
         self.rank = self._comm.rank
         self.size = self._comm.size
         self._calls = 0  # the step of the counter-based RNG: the same on every rank
-        # A recorder of the collectives' exchange steps (``record(op, step, sent, recv,
-        # bits)``, e.g. collectives.traffic.Traffic); with a trace it gets them too.
-        self.tracer = None
+        #: Gets every exchange step of the collectives, ``record(op, step, sent, recv,
+        #: bits)`` (e.g. a ``collectives.traffic.Traffic``); None by default.
+        self.recorder = None
+        #: The HDF5 ``mpicomp.trace.Tracer`` of ``trace=``, or None.
         self.trace = None
         if trace is not None:
             from mpicomp.trace import Tracer
@@ -197,7 +173,7 @@ class CompressedComm:
         """
         self._check_open()
         self._drain()
-        return _deliver(self._job(x, name)())
+        return _deliver(self._average(self._take(x, name)))
 
     def iallreduce(self, x, name: str = "") -> Handle:
         """Start ``allreduce(x, name)`` and return at once; ``wait()`` on the handle gives
@@ -223,7 +199,7 @@ class CompressedComm:
                 are raised by ``wait()``).
         """
         self._check_open()
-        return self._start(self._job(x, name))
+        return self._start(partial(self._average, self._take(x, name)))
 
     def allreduce_many(self, arrays, names=None) -> list:
         """Return the averages of ``arrays``, fusing small tensors into buckets.
@@ -234,7 +210,7 @@ class CompressedComm:
         """
         self._check_open()
         self._drain()
-        return _deliver(self._job_many(arrays, names)())
+        return _deliver(self._many(*self._take_many(arrays, names)))
 
     def iallreduce_many(self, arrays, names=None) -> Handle:
         """Start ``allreduce_many(arrays, names)``; return a ``Handle`` whose ``wait()``
@@ -244,7 +220,7 @@ class CompressedComm:
             RuntimeError: the CompressedComm is closed.
         """
         self._check_open()
-        return self._start(self._job_many(arrays, names))
+        return self._start(partial(self._many, *self._take_many(arrays, names)))
 
     def state_dict(self) -> dict:
         """Return the error-feedback residuals and the step, for a checkpoint.
@@ -285,7 +261,158 @@ class CompressedComm:
     def __repr__(self) -> str:
         return f"CompressedComm(size={self.size}, codec={self.codec!r})"
 
-    # -- internals -------------------------------------------------------------
+    # -- the gradient path: allreduce -> _average -> a reducer -> a collective -> MPI
+
+    def _average(
+        self, t: _Tensor, op: str = "allreduce", layout: int | None = None, ledger=None
+    ) -> tuple:
+        """Run one collective call averaging ``t`` over ranks.
+
+        Returns:
+            (average in ``t``'s framework, shape and dtype; skip messages). A call
+            skipped under ``nonfinite="skip_step"`` returns zeros and its message.
+
+        Error-feedback residuals are snapshot before the call and restored when it
+        fails or is skipped, so such a call changes no residual on any rank; the
+        snapshots are appended to ``ledger`` for a caller that may roll back later.
+
+        Raises:
+            ValueError, TypeError: this rank's input was refused (RankError on the others).
+            RankError: another rank failed, or ranks disagree, in this call.
+        """
+        opts = self.options
+        step = self._calls
+        self._calls += 1  # counted on every rank, failed or not: the RNG steps stay aligned
+        if opts.debug:
+            call = None if t.error else f"{op}({t.name!r}, {t.flat.size} {t.dtype})"
+            config = f"{self.codec!r}, nonfinite={opts.nonfinite!r}"
+            check_same_call(self._comm, call, config, opts.timeout)
+        if t.error is not None:
+            _reduce.fail(self._call(step), t.error)
+        # Below min_numel every codec, fp16 included, steps aside for the float32 sum of `none`.
+        uncompressed = t.flat.size < opts.min_numel and self.codec.name != "none"
+        codec = self._plain if uncompressed else self.codec
+        reduce = _reduce.REDUCERS["sum" if uncompressed else self._path]
+        encoders = None if uncompressed else self._encoders(t.name)
+        snapshots = [] if uncompressed else self._snapshot(t.name)
+        if ledger is not None:
+            ledger.extend(snapshots)
+        rollback = partial(_restore, snapshots) if snapshots else None
+        guard = _reduce.Guard(opts.nonfinite, t.what, t.overflowed, rollback)
+        # Names (and bucket layouts) take part in the agreement: ranks calling with
+        # tensors in different orders raise instead of mixing them.
+        call = self._call(step, zlib.crc32(t.name.encode()) if layout is None else layout, guard)
+        trace = self.trace
+        if trace is not None:
+            label = f"{op} below min_numel" if uncompressed else op
+            trace.begin(step, label, codec.name, t.name, t.flat.size, self.recorder)
+            call = replace(call, recorder=trace, clock=trace)
+        try:
+            avg = reduce(call, codec, t.flat, encoders)
+        except _reduce.Skipped as e:
+            _restore(snapshots)
+            if trace is not None:
+                trace.end()  # a skipped call still exchanged its agreement: keep its event
+            return t.result(np.zeros(t.flat.size, dtype=np.float32)), [e.message]
+        except BaseException:
+            _restore(snapshots)
+            raise
+        if trace is not None:
+            trace.end()
+        return t.result(avg), []
+
+    def _call(self, step: int, layout: int = 0, guard: _reduce.Guard | None = None):
+        """Return the ``_reduce.Call`` of call ``step``: what its messages share (untraced)."""
+        guard = guard or _reduce.Guard()
+        timeout = self.options.timeout
+        return _reduce.Call(
+            self._comm, step, self.recorder, NO_CLOCK, layout, guard, timeout, self.kernels
+        )
+
+    def _encoders(self, name: str) -> _reduce.Encoders | None:
+        """Return how a gather call of ``name`` compresses (through error feedback when on)."""
+        codec, fb = self.codec, self._feedback
+        if codec.aggregation != "gather":
+            return None
+        if fb is None:
+            return _reduce.Encoders(codec.encode, lambda f, s: codec.encode(f), codec.encode)
+        return _reduce.Encoders(
+            lambda f: fb.encode(f, name),
+            lambda f, s: fb.encode(f, f"{name}#shard{s}"),
+            lambda f: self._server_feedback.encode(f, name),
+        )
+
+    def _snapshot(self, name: str) -> list:
+        """Return snapshots of the residuals a compressed call of ``name`` may update."""
+        if self._feedback is None:
+            return []
+        if not self.options.sharded:
+            return [self._feedback.snapshot([name])]
+        shards = [f"{name}#shard{s}" for s in range(self.size)]
+        return [self._feedback.snapshot(shards), self._server_feedback.snapshot([name])]
+
+    # -- inputs -----------------------------------------------------------------
+
+    def _take(self, x, name: str) -> _Tensor:
+        """Read and convert ``x`` now; a refused input is kept with its error, for
+        ``_average`` to raise inside the call (every rank then raises)."""
+        what = f"gradient {name!r}" if name else "gradient"
+        try:
+            flat, overflowed = to_float32(x, what=what)
+            self._check_name(name)
+        except (ValueError, TypeError) as e:
+            return _Tensor.refused(x, name, e)
+        return _Tensor(x, name, flat.reshape(-1), overflowed, _dtype(x))
+
+    def _take_many(self, arrays, names) -> tuple[list, _Tensor | None]:
+        """Return (``arrays`` taken one by one, None), or ([], a refused input) when one
+        of them, or the names, is refused."""
+        arrays = list(arrays)
+        names = [f"#{i}" for i in range(len(arrays))] if names is None else list(names)
+        if len(names) != len(arrays):
+            error = ValueError(f"{len(names)} names for {len(arrays)} arrays")
+            return [], _Tensor.refused(arrays, "", error)
+        tensors = [self._take(a, n) for a, n in zip(arrays, names, strict=True)]
+        refused = next((t for t in tensors if t.error is not None), None)
+        return ([], refused) if refused else (tensors, None)
+
+    def _many(self, tensors: list, refused: _Tensor | None) -> tuple:
+        """Average ``tensors`` in buckets, one call per bucket; return (averages, skip
+        messages). A refused input makes one failing call."""
+        if refused is not None:
+            self._average(refused, "allreduce_many")  # raises on every rank
+        out: list = [None] * len(tensors)
+        skipped, ledger = [], []
+        for members in _buckets([t.flat.size for t in tensors], self.options.bucket_numel):
+            if len(members) == 1:
+                (i,) = members
+                avg, messages = self._average(tensors[i], "allreduce_many", ledger=ledger)
+                out[i] = avg
+            else:
+                bucket = _Tensor.fused([tensors[i] for i in members])
+                label = f"{bucket.name}/{','.join(str(tensors[i].flat.size) for i in members)}"
+                avg, messages = self._average(
+                    bucket, "allreduce_many bucket", zlib.crc32(label.encode()), ledger
+                )
+                start = 0
+                for i in members:
+                    out[i] = tensors[i].result(avg[start : start + tensors[i].flat.size])
+                    start += tensors[i].flat.size
+            # The later buckets still run (every rank makes their calls), but skip_step
+            # means no update at all: zeros, and residuals rolled back, below.
+            skipped += messages
+        if skipped:
+            _restore(ledger)
+            out = [t.result(np.zeros(t.flat.size, dtype=np.float32)) for t in tensors]
+        return out, skipped
+
+    def _check_name(self, name: str) -> None:
+        if self._feedback is not None and not name:
+            raise ValueError(
+                "error feedback keeps one residual per tensor: pass name= (the same each step)"
+            )
+
+    # -- threads and lifetime ---------------------------------------------------
 
     def _start(self, job) -> Handle:
         """Run ``job`` on the worker thread behind the calls started before (or now)."""
@@ -311,161 +438,9 @@ class CompressedComm:
         if self._worker is not None:
             self._worker.drain()
 
-    def _job(self, x, name: str):
-        """Return the function that runs ``allreduce(x, name)``'s collectives.
-
-        Reads and converts ``x`` now; the function returns (average, skip messages)
-        and raises what the call raises.
-        """
-        try:
-            flat, over = to_float32(x, what=f"gradient {name!r}" if name else "gradient")
-            self._check_name(name)
-        except (ValueError, TypeError) as e:
-            return partial(self._fail, e)
-
-        def run():
-            try:
-                avg = self._average(flat.reshape(-1), name, dtype=_dtype(x), over=over)
-            except Skipped as e:
-                return _like(x, np.zeros(np.shape(x), dtype=np.float32)), [e.message]
-            return _like(x, avg.reshape(np.shape(x))), []
-
-        return run
-
-    def _job_many(self, arrays, names):
-        """Return the function that runs ``allreduce_many(arrays, names)``'s collectives."""
-        arrays = list(arrays)
-        names = [f"#{i}" for i in range(len(arrays))] if names is None else list(names)
-        try:
-            if len(names) != len(arrays):
-                raise ValueError(f"{len(names)} names for {len(arrays)} arrays")
-            converted = [
-                to_float32(a, what=f"gradient {n!r}") for a, n in zip(arrays, names, strict=True)
-            ]
-            for n in names:
-                self._check_name(n)
-        except (ValueError, TypeError) as e:
-            return partial(self._fail, e)
-        return partial(self._many, arrays, names, converted)
-
-    def _many(self, arrays: list, names: list, converted: list):
-        """Run the bucketed calls of ``allreduce_many``; return (averages, skip messages)."""
-        flats = [f.reshape(-1) for f, _ in converted]
-        out: list = [None] * len(arrays)
-        skipped, ledger = [], []
-        for members in _buckets([f.size for f in flats], self.bucket_numel):
-            over = any(converted[i][1] for i in members)
-            dtype = "/".join(sorted({_dtype(arrays[i]) for i in members}))
-            if len(members) == 1:
-                (i,) = members
-                call = (flats[i], names[i], "allreduce_many")
-                layout = None
-            else:
-                fused = np.concatenate([flats[i] for i in members])
-                bucket = "bucket:" + "|".join(names[i] for i in members)
-                sizes = ",".join(str(flats[i].size) for i in members)
-                layout = zlib.crc32(f"{bucket}/{sizes}".encode())
-                call = (fused, bucket, "allreduce_many bucket")
-            try:
-                avg = self._average(*call, layout, dtype=dtype, over=over, ledger=ledger)
-            except Skipped as e:
-                # The later buckets still run (every rank makes their calls), but
-                # skip_step means no update at all: zeros and residuals rolled back below.
-                skipped.append(e.message)
-                avg = np.zeros(call[0].size, dtype=np.float32)
-            start = 0
-            for i in members:
-                part = avg[start : start + flats[i].size]
-                out[i] = _like(arrays[i], part.reshape(np.shape(arrays[i])))
-                start += flats[i].size
-        if skipped:
-            for keys, saved in ledger:
-                self._restore(keys, saved)
-            out = [_like(a, np.zeros(np.shape(a), dtype=np.float32)) for a in arrays]
-        return out, skipped
-
     def _check_open(self):
         if self._comm is None:
             raise RuntimeError("CompressedComm is closed")
-
-    def _check_name(self, name: str) -> None:
-        if self._feedback is not None and not name:
-            raise ValueError(
-                "error feedback keeps one residual per tensor: pass name= (the same each step)"
-            )
-
-    def _fail(self, error: Exception):
-        """Raise ``error`` here and a RankError on every other rank, in step with them."""
-        self._calls += 1  # the other ranks count this call: keep the RNG step aligned
-        if self.debug:
-            self._check_same_call(None)
-        _reduce.fail(_reduce.Call(self._comm, tracer=self.tracer, timeout=self.timeout), error)
-
-    def _check_same_call(self, call: str | None) -> None:
-        """Raise RankError on every rank unless all ranks describe the same ``call``.
-
-        One 8-byte hash per rank (Allgather); the descriptions themselves travel
-        only when hashes differ. A rank whose input was refused brings None (hash
-        0) and is left out: the agreement that follows reports it.
-        """
-        desc = None if call is None else f"{call}\n{self.codec!r}, nonfinite={self.nonfinite!r}"
-        h = 0
-        if desc is not None:
-            h = int.from_bytes(hashlib.blake2b(desc.encode(), digest_size=8).digest(), "little")
-            h |= 1  # 0 means "refused"
-        hashes = np.empty(self.size, dtype=np.uint64)
-        plain.allgather(self._comm, np.array([h], dtype=np.uint64), hashes, timeout=self.timeout)
-        live = np.flatnonzero(hashes)
-        if live.size == 0 or (hashes[live] == hashes[live[0]]).all():
-            return
-        from mpicomp.collectives.allgather import allgather_bytes
-
-        mine = np.frombuffer((desc or "").encode(), dtype=np.uint8).copy()
-        descs = [bytes(p).decode() for p in allgather_bytes(self._comm, mine, timeout=self.timeout)]
-        ref = int(live[0])
-        ref_call, ref_conf = descs[ref].split("\n", 1)
-        parts = []
-        for r in live.tolist():
-            if hashes[r] == hashes[ref]:
-                continue
-            r_call, r_conf = descs[r].split("\n", 1)
-            parts.append(
-                f"rank {r} called {r_call}" + (f" with {r_conf}" if r_conf != ref_conf else "")
-            )
-        conf = (
-            "" if all(d.split("\n", 1)[1] == ref_conf for d in descs if d) else f" with {ref_conf}"
-        )
-        raise RankError(f"{'; '.join(parts)} while rank {ref} called {ref_call}{conf}")
-
-    def _residual_keys(self, name: str) -> list:
-        """Return the (ErrorFeedback, key) pairs a compressed call of ``name`` may update."""
-        if self._feedback is None:
-            return []
-        if not self.sharded:
-            return [(self._feedback, name)]
-        keys = [(self._feedback, f"{name}#shard{s}") for s in range(self.size)]
-        return keys + [(self._server_feedback, name)]
-
-    def _save(self, keys: list) -> set:
-        """Copy the residuals of ``keys`` into spare buffers; return the keys that had one."""
-        saved = set()
-        for fb, key in keys:
-            r = fb.residual(key)
-            if r is None:
-                continue
-            spare = self._spare.get((id(fb), key))
-            if spare is None or spare.shape != r.shape or type(spare) is not type(r):
-                spare = self._spare[(id(fb), key)] = kernels.backend_of(r).xp.empty_like(r)
-            spare[...] = r
-            saved.add((id(fb), key))
-        return saved
-
-    def _restore(self, keys: list, saved: set) -> None:
-        """Put the residuals of ``keys`` back as ``_save`` found them (none: zeros)."""
-        for fb, key in keys:
-            r = fb.residual(key)
-            if r is not None:
-                r[...] = self._spare[(id(fb), key)] if (id(fb), key) in saved else 0
 
     def _close(self, flush_trace: bool) -> None:
         if self._comm is None:
@@ -483,96 +458,65 @@ class CompressedComm:
 
     def _trace_attrs(self) -> dict:
         """Return the run attributes a trace records about this CompressedComm."""
+        opts = self.options
         return {
             "backend": self.kernels.name,
             "cuda_aware": False,
             "codec": self.codec.name,
             "codec_params": json.dumps(self.codec.params, sort_keys=True, default=str),
-            "min_numel": self.min_numel,
-            "bucket_numel": self.bucket_numel,
-            "error_feedback": self._feedback is not None,
-            "sharded": self.sharded,
+            "min_numel": opts.min_numel,
+            "bucket_numel": opts.bucket_numel,
+            "error_feedback": opts.error_feedback,
+            "sharded": opts.sharded,
         }
 
-    def _average(
-        self,
-        flat: np.ndarray,
-        name: str,
-        op: str = "allreduce",
-        layout: int | None = None,
-        *,
-        dtype: str = "float32",
-        over: bool = False,
-        ledger: list | None = None,
-    ) -> np.ndarray:
-        """Return the average of ``flat`` over ranks: one collective call.
 
-        Error-feedback residuals are copied before the call and put back when it
-        fails or is skipped, so such a call changes no residual on any rank; the
-        copies are appended to ``ledger`` for a caller that may roll back later.
+@dataclass(frozen=True)
+class _Tensor:
+    """One input of a call, read and converted when the call is made (or refused).
 
-        Raises:
-            Skipped: under ``nonfinite="skip_step"``, when some rank held NaN/Inf.
-        """
-        step = self._calls
-        self._calls += 1
-        if self.debug:
-            self._check_same_call(f"{op}({name!r}, {flat.size} {dtype})")
-        # Below min_numel every codec, fp16 included, steps aside for a float32 sum.
-        uncompressed = flat.size < self.min_numel and self.codec.name != "none"
-        # Names (and bucket layouts) take part in the agreement: ranks calling with
-        # tensors in different orders raise instead of mixing them.
-        if layout is None:
-            layout = zlib.crc32(name.encode())
-        keys = [] if uncompressed else self._residual_keys(name)
-        saved = self._save(keys)
-        if ledger is not None:
-            ledger.append((keys, saved))
-        what = f"gradient {name!r}" if name else "gradient"
-        restore = (lambda: self._restore(keys, saved)) if keys else None  # noqa: E731
-        guard = _reduce.Guard(self.nonfinite, what, over, restore)
-        trace = self.trace
-        call = _reduce.Call(
-            self._comm, step, self.tracer, NO_CLOCK, layout, guard, self.timeout, self.kernels
+    ``flat`` is its float32 copy or view, 1-D; ``overflowed`` says float64 values
+    beyond float32's range became Inf; ``dtype`` names the caller's dtype (debug
+    descriptions); ``error`` is why the input was refused (then ``flat`` is empty).
+    """
+
+    x: object
+    name: str
+    flat: np.ndarray
+    overflowed: bool = False
+    dtype: str = "float32"
+    error: Exception | None = None
+
+    @classmethod
+    def refused(cls, x, name: str, error: Exception) -> _Tensor:
+        return cls(x, name, np.empty(0, dtype=np.float32), error=error)
+
+    @classmethod
+    def fused(cls, members: list[_Tensor]) -> _Tensor:
+        """Return one bucket holding ``members`` end to end."""
+        flat = np.concatenate([t.flat for t in members])
+        return cls(
+            flat,
+            "bucket:" + "|".join(t.name for t in members),
+            flat,
+            any(t.overflowed for t in members),
+            "/".join(sorted({t.dtype for t in members})),
         )
-        # Below min_numel every codec steps aside for the float32 sum of `none`.
-        codec = self._plain if uncompressed else self.codec
-        reduce = _reduce.REDUCERS["sum" if uncompressed else self._path]
-        encoders = None if uncompressed else self._encoders(name)
-        try:
-            if trace is None:
-                return reduce(call, codec, flat, encoders)
-            trace.begin(
-                step,
-                f"{op} below min_numel" if uncompressed else op,
-                codec.name,
-                name,
-                flat.size,
-                self.tracer,
-            )
-            try:
-                out = reduce(replace(call, tracer=trace, clock=trace), codec, flat, encoders)
-            except Skipped:
-                trace.end()  # a skipped call still exchanged its agreement: keep its event
-                raise
-            trace.end()
-            return out
-        except BaseException:
-            self._restore(keys, saved)
-            raise
 
-    def _encoders(self, name: str) -> _reduce.Encoders | None:
-        """Return how a gather call of ``name`` compresses (through error feedback when on)."""
-        codec, fb = self.codec, self._feedback
-        if codec.aggregation != "gather":
-            return None
-        if fb is None:
-            return _reduce.Encoders(codec.encode, lambda f, s: codec.encode(f), codec.encode)
-        return _reduce.Encoders(
-            lambda f: fb.encode(f, name),
-            lambda f, s: fb.encode(f, f"{name}#shard{s}"),
-            lambda f: self._server_feedback.encode(f, name),
-        )
+    @property
+    def what(self) -> str:
+        """How messages name this tensor."""
+        return f"gradient {self.name!r}" if self.name else "gradient"
+
+    def result(self, avg: np.ndarray):
+        """Return float32 ``avg`` in this input's framework, shape and dtype."""
+        return _like(self.x, avg.reshape(np.shape(self.x)))
+
+
+def _restore(snapshots: list) -> None:
+    """Put the residuals of ``snapshots`` back (a failed, skipped or rolled-back call)."""
+    for snapshot in snapshots:
+        snapshot.restore()
 
 
 def _buckets(sizes: list[int], limit: int) -> list[list[int]]:

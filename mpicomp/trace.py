@@ -77,6 +77,21 @@ def _writable(path: str, mode: str):
     return import_h5py().File(path, mode, locking=False)
 
 
+def check_options(path, level: int, flush_every: int | None) -> None:
+    """Raise what ``Tracer(comm, path, level=level, flush_every=flush_every)`` would
+    raise for these arguments (a CompressedComm checks them before its first message).
+    """
+    if not isinstance(path, (str, os.PathLike)):
+        raise TypeError(f"trace path must be a str or os.PathLike, got {path!r}")
+    if isinstance(level, bool) or level not in (1, 2):
+        raise ValueError(f"trace level must be 1 or 2, got {level!r}")
+    if flush_every is not None:
+        if isinstance(flush_every, bool) or not isinstance(flush_every, int):
+            raise TypeError(f"flush_every must be an int or None, got {flush_every!r}")
+        if flush_every < 1:
+            raise ValueError(f"flush_every must be >= 1 or None, got {flush_every!r}")
+
+
 class Tracer:
     """Record one event per collective call per rank; rank 0 writes them to HDF5.
 
@@ -99,15 +114,7 @@ class Tracer:
     """
 
     def __init__(self, comm, path, *, level: int = 1, flush_every: int | None = 100, attrs=None):
-        if not isinstance(path, (str, os.PathLike)):
-            raise TypeError(f"trace path must be a str or os.PathLike, got {path!r}")
-        if isinstance(level, bool) or level not in (1, 2):
-            raise ValueError(f"trace level must be 1 or 2, got {level!r}")
-        if flush_every is not None:
-            if isinstance(flush_every, bool) or not isinstance(flush_every, int):
-                raise TypeError(f"flush_every must be an int or None, got {flush_every!r}")
-            if flush_every < 1:
-                raise ValueError(f"flush_every must be >= 1 or None, got {flush_every!r}")
+        check_options(path, level, flush_every)
         self.path = os.fspath(path)
         self.level = level
         self.flush_every = flush_every
@@ -149,7 +156,7 @@ class Tracer:
         self._t0 = self._last = perf_counter()
 
     def record(self, op: str, step: int, sent: int, recv: int, bits: int = 0) -> None:
-        """Add one exchange step of the current call (the collectives' tracer hook)."""
+        """Add one exchange step of the current call (the collectives' recorder hook)."""
         self._sent += sent
         self._recv += recv
         if self.level >= 2:

@@ -47,12 +47,66 @@ def test_reliability_options_are_checked(monkeypatch):
         mpicomp.CompressedComm(MPI.COMM_SELF, "none", debug="yes")
     monkeypatch.setenv("MPICOMP_DEBUG", "0")
     with mpicomp.CompressedComm(MPI.COMM_SELF, "none") as cc:
-        assert not cc.debug
+        assert not cc.options.debug
     monkeypatch.setenv("MPICOMP_DEBUG", "1")
     with mpicomp.CompressedComm(MPI.COMM_SELF, "none") as cc:
-        assert cc.debug
+        assert cc.options.debug
     with mpicomp.CompressedComm(MPI.COMM_SELF, "none", debug=False) as cc:
-        assert not cc.debug
+        assert not cc.options.debug
+
+
+def test_options_are_one_frozen_record_with_resolved_defaults(monkeypatch, tmp_path):
+    import dataclasses
+
+    import numpy as np
+
+    from mpicomp.options import Options
+
+    monkeypatch.setenv("MPICOMP_DEBUG", "1")
+    opts = Options.resolve(mpicomp.codec("topk"), min_numel=np.int64(8), background=np.True_)
+    assert opts.error_feedback and opts.debug  # the biased codec's default; the environment
+    assert type(opts.min_numel) is int and opts.background is True
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        opts.min_numel = 0
+    assert not Options.resolve(mpicomp.codec("qsgd_maxnorm")).error_feedback
+    with pytest.raises(ValueError, match="sharded applies to gather codecs"):
+        Options.resolve(mpicomp.codec("signsgd"), sharded=True)
+    with pytest.raises(TypeError, match="sharded must be a bool"):
+        Options(sharded="no")
+    with pytest.raises(ValueError, match="bucket_numel"):
+        Options(bucket_numel=0)
+    with pytest.raises(ValueError, match="trace level must be 1 or 2"):
+        Options(trace=tmp_path / "t.h5", trace_level=3)
+    with pytest.raises(ValueError, match="MPICOMP_TIMEOUT|timeout"):
+        Options.resolve(mpicomp.codec("none"), timeout=-1)
+    assert Options.resolve(mpicomp.codec("none"), timeout=0).timeout == 0  # off, not None
+
+
+def test_a_bad_trace_option_fails_before_the_communicator_is_duplicated(tmp_path):
+    class Untouchable:  # a communicator that must not be used
+        def Dup(self):  # noqa: N802 - mpi4py's name
+            raise AssertionError("duplicated before the options were checked")
+
+    with pytest.raises(TypeError, match="flush_every must be an int"):
+        mpicomp.CompressedComm(Untouchable(), "none", trace=tmp_path / "t", trace_flush_every=2.5)
+
+
+def test_a_snapshot_restores_residuals_and_reuses_its_buffers():
+    import numpy as np
+
+    fb = mpicomp.codecs.ErrorFeedback(mpicomp.codec("topk", ratio=0.25))
+    rng = np.random.default_rng(0)
+    fb.encode(rng.standard_normal(64).astype(np.float32), "a")
+    before = fb.residual("a").copy()
+    snap = fb.snapshot(["a", "b"])
+    fb.encode(rng.standard_normal(64).astype(np.float32), "a")
+    fb.encode(rng.standard_normal(8).astype(np.float32), "b")  # born after the snapshot
+    assert not np.array_equal(fb.residual("a"), before)
+    snap.restore()
+    np.testing.assert_array_equal(fb.residual("a"), before)
+    np.testing.assert_array_equal(fb.residual("b"), np.zeros(8, np.float32))
+    buffer = snap._kept[0][1]
+    assert fb.snapshot(["a"])._kept[0][1] is buffer  # no allocation per call
 
 
 def test_float64_beyond_float32_is_refused_not_made_inf():
@@ -184,6 +238,7 @@ def test_ctrl_c_in_an_eager_call_interrupts_the_caller():
 
 
 OVERLAP_JOB = """
+import faulthandler
 import sys
 import time
 
@@ -194,6 +249,7 @@ import mpicomp
 
 mode = sys.argv[1]
 rank = MPI.COMM_WORLD.rank
+faulthandler.dump_traceback_later(45)  # a job still running then shows where it is
 cc = mpicomp.CompressedComm(MPI.COMM_WORLD, "qsgd_maxnorm", min_numel=1)
 x = np.full(3000, rank + 1.0, np.float32)
 if mode == "exit_pending":  # every rank starts calls and exits without wait or close
@@ -235,8 +291,8 @@ def run_overlap_job(tmp_path, mode, timeout_env="2"):
         out, err = proc.communicate(timeout=60)
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)
-        proc.communicate()
-        pytest.fail(f"the {mode!r} job hung: still running after 60 s")
+        out, err = proc.communicate()
+        pytest.fail(f"the {mode!r} job hung: still running after 60 s\n{out}\n{err}")
     return proc.returncode, out, err
 
 

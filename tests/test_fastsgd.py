@@ -1,5 +1,5 @@
 """FastSGD: bytes against a plain NumPy/Python reference of paper 004 §3 and
-docs/codecs/fastsgd.md, the paper's properties, and decoding of hostile payloads."""
+docs/codecs.md ("fastsgd"), the paper's properties, and decoding of hostile payloads."""
 
 import math
 import struct

@@ -129,7 +129,7 @@ def test_traced_bytes_of_allgatherv_are_the_logical_bytes(pattern):
     n, rank = comm.size, comm.rank
     s = [SIZES[pattern](r, n) for r in range(n)]
     t = Traffic()
-    _module().allgather_bytes(comm, _payload(rank, s[rank]), tracer=t)
+    _module().allgather_bytes(comm, _payload(rank, s[rank]), recorder=t)
     assert t.steps == [
         ("allgather.sizes", 1, 8 if n > 1 else 0, 8 * (n - 1), 64),  # N = 1: nothing sent
         ("allgather.data", 1, s[rank] if n > 1 else 0, sum(s) - s[rank], 8),
@@ -145,7 +145,7 @@ def test_traced_bytes_of_the_ring_are_the_exact_bytes_of_each_step(pattern):
     n, rank = comm.size, comm.rank
     s = [SIZES[pattern](r, n) for r in range(n)]
     t = Traffic()
-    _module().allgather_bytes_ring(comm, _payload(rank, s[rank]), tracer=t)
+    _module().allgather_bytes_ring(comm, _payload(rank, s[rank]), recorder=t)
     expected = [("allgather_ring.sizes", 1, 8 if n > 1 else 0, 8 * (n - 1), 64)]
     expected += [
         ("allgather_ring.data", i, s[(rank - i + 1) % n], s[(rank - i) % n], 8) for i in range(1, n)

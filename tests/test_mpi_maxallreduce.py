@@ -143,10 +143,10 @@ def test_traced_bytes_are_the_head_and_the_tail(inline):
     head = 8 * (8 + INLINE) if comm.size > 1 else 0
     tail = 40 if comm.size > 1 else 0
     t = Traffic()
-    _module().max_allreduce(comm, np.zeros(INLINE, dtype=np.float32), tracer=t)
+    _module().max_allreduce(comm, np.zeros(INLINE, dtype=np.float32), recorder=t)
     assert t.steps == [("max_allreduce.head", 1, head, head, 64)]
     t = Traffic()
-    _module().min_allreduce(comm, np.zeros(INLINE + 10, dtype=np.float32), tracer=t)
+    _module().min_allreduce(comm, np.zeros(INLINE + 10, dtype=np.float32), recorder=t)
     assert t.steps == [
         ("min_allreduce.head", 1, head, head, 64),
         ("min_allreduce.tail", 1, tail, tail, 32),
@@ -235,7 +235,7 @@ def test_min_allreduce_of_packed_scale_indices(bits):
     n = 1001
     x = np.random.default_rng(comm.rank).integers(0, 2**bits, n).astype(np.uint8)
     t = Traffic()
-    got = min_allreduce(comm, x, bits=bits, tracer=t)
+    got = min_allreduce(comm, x, bits=bits, recorder=t)
     np.testing.assert_array_equal(got, gather_all(comm, x).min(axis=0))
     # Packed at `bits` bits per element: 2 (N-1) chunks of about n/N elements.
     assert t.sent <= 2 * (comm.size - 1) * (-(-n // comm.size) + 8) * bits // 8 + 2 * comm.size

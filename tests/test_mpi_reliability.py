@@ -180,7 +180,7 @@ def test_debug_from_the_environment_catches_a_dtype_that_plain_mode_lets_through
         cc.allreduce(x, name="w")  # plain mode: sizes and names agree, so it goes through
     monkeypatch.setenv("MPICOMP_DEBUG", "1")
     with mpicomp.CompressedComm(comm, "none") as cc:
-        assert cc.debug
+        assert cc.options.debug
         with pytest.raises(RankError, match=rf"rank {bad} called allreduce\('w', 10 float64\)"):
             cc.allreduce(x, name="w")
 

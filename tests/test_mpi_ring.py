@@ -98,7 +98,7 @@ def test_unsigned_sum_is_the_exact_sum(n, bound, align):
     if n:
         codes[-1] = bound
     traffic = Traffic()
-    total = ring_allreduce_bounded(comm, codes, bound, signed=False, tracer=traffic)
+    total = ring_allreduce_bounded(comm, codes, bound, signed=False, recorder=traffic)
     np.testing.assert_array_equal(total, gather_all(comm, codes).astype(np.int64).sum(axis=0))
     sent, recv, _ = ring_traffic(
         n,
@@ -125,7 +125,7 @@ def test_the_widest_bound_that_fits_32_bits_is_still_exact():
         codes = rng.integers(low, bound + 1, n, dtype=np.int64)
         codes[:4] = [low, bound, low, bound]
         traffic = Traffic()
-        total = ring_allreduce_bounded(comm, codes, bound, signed=signed, tracer=traffic)
+        total = ring_allreduce_bounded(comm, codes, bound, signed=signed, recorder=traffic)
         runs.append((total, gather_all(comm, codes).sum(axis=0), traffic))
     for total, expected, traffic in runs:
         np.testing.assert_array_equal(total, expected)
@@ -178,7 +178,7 @@ def test_signsgd_majority_traffic_equals_the_formula_exactly(n, align):
     n = _length(n, size)
     votes = np.random.default_rng([comm.rank, n, 6]).integers(0, 2, n).astype(np.uint8)
     traffic = Traffic()
-    ring_allreduce_bounded(comm, votes, 1, majority=True, signed=False, tracer=traffic)
+    ring_allreduce_bounded(comm, votes, 1, majority=True, signed=False, recorder=traffic)
     # sum_{i=1}^{N-1} packed(len(chunk sent at i), ceil(log2(i+1))) + sum_j ceil(len/8)
     sent, recv, total = ring_traffic(
         n, size, comm.rank, align, lambda i: math.ceil(math.log2(i + 1)), 1
@@ -203,7 +203,7 @@ def test_signed_bounded_traffic_equals_the_formula_exactly(n, bound, align):
     n = _length(n, size)
     codes = np.random.default_rng([comm.rank, n, 7]).integers(-bound, bound + 1, n)
     traffic = Traffic()
-    ring_allreduce_bounded(comm, codes, bound, tracer=traffic)
+    ring_allreduce_bounded(comm, codes, bound, recorder=traffic)
     widths = [math.ceil(math.log2(2 * i * bound + 1)) for i in range(1, size + 1)]
     sent, recv, total = ring_traffic(n, size, comm.rank, align, lambda i: widths[i - 1], widths[-1])
     totals = np.array([traffic.sent, traffic.recv], dtype=np.int64)
@@ -224,7 +224,7 @@ def test_min_is_the_elementwise_minimum_of_every_ranks_codes(n, width, dtype, al
     rng = np.random.default_rng([comm.rank, n, width])
     codes = rng.integers(0, 2**width, n, dtype=np.uint64).astype(dtype)
     traffic = Traffic()
-    low = ring_allreduce_min(comm, codes, width, tracer=traffic)
+    low = ring_allreduce_min(comm, codes, width, recorder=traffic)
     expected = gather_all(comm, codes).astype(np.int64).min(axis=0, initial=2**width)
     assert low.dtype == np.int64
     np.testing.assert_array_equal(low, expected)

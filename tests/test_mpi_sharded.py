@@ -27,7 +27,7 @@ def _payload(src, dst):
 def test_alltoall_bytes_delivers_every_pair():
     comm = world()
     t = Traffic()
-    got = alltoall_bytes(comm, [_payload(comm.rank, d) for d in range(comm.size)], tracer=t)
+    got = alltoall_bytes(comm, [_payload(comm.rank, d) for d in range(comm.size)], recorder=t)
     for src in range(comm.size):
         np.testing.assert_array_equal(got[src], _payload(src, comm.rank))
     others = [d for d in range(comm.size) if d != comm.rank]
@@ -73,9 +73,9 @@ def test_sharded_receives_fewer_bytes_than_allgather():
     received = {}
     for sharded in (False, True):
         with mpicomp.CompressedComm(comm, "threelc", sharded=sharded, min_numel=0) as cc:
-            cc.tracer = Traffic()
+            cc.recorder = Traffic()
             cc.allreduce(x, name="g")
-            received[sharded] = cc.tracer.recv
+            received[sharded] = cc.recorder.recv
     # Allgather: N-1 whole payloads P. Push/pull: (N-1)/N of one P, plus (N-1)/N of the
     # owners' re-compressed averages, which 3LC sends less sparsely (~1.75 P measured).
     # Below 4 ranks the two are close; from 4 on push/pull must receive less.

@@ -31,16 +31,16 @@ def _one_numba_thread_per_rank():
     numba.set_num_threads(before)
 
 
-def _run(scheme, comm, x, tracer=None):
+def _run(scheme, comm, x, recorder=None):
     from jobs import signsgd_compare as sc
 
     if scheme == "allgatherv":
-        return sc.by_allgather(comm, x, tracer, library=True)
+        return sc.by_allgather(comm, x, recorder, library=True)
     return {
         "ring": sc.by_ring,
         "allgather": sc.by_allgather,
         "alltoall_allgather": sc.by_alltoall_allgather,
-    }[scheme](comm, x, tracer)
+    }[scheme](comm, x, recorder)
 
 
 def _numpy_majority(comm, x):

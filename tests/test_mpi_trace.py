@@ -117,7 +117,7 @@ def test_level_2_steps_sum_to_the_event_bytes(name, shared_dir):
     seen = Traffic()
     opts = {"min_numel": 1024, "bucket_numel": 1000}  # w goes alone, b1 and b2 together
     with mpicomp.CompressedComm(comm, name, trace=path, trace_level=2, **opts) as cc:
-        cc.tracer = seen  # gets every exchange step too
+        cc.recorder = seen  # gets every exchange step too
         for big, small in inputs:
             cc.allreduce(big, name="w")
             cc.allreduce(small, name="b")

@@ -1,6 +1,6 @@
 """QSGD-MaxNorm family (paper 000 §3.1-3.4) against plain NumPy references.
 
-The references below re-derive everything from the paper, DESIGN.md and the RNG's
+The references below re-derive everything from the paper, docs/codecs.md and the RNG's
 published schedule (splitmix64 of seed, step, stream, index); none calls our kernels.
 Statistical tests use fixed seeds and tolerances of 5-6 standard errors computed from
 the exact variance, so they are deterministic and still fail on a bias or a wrong scale.

@@ -20,7 +20,7 @@ from mpicomp.kernels.cpu import threelc as kernels
 FLT_MAX = np.finfo(np.float32).max
 
 
-# --- a naive reference, written from the paper and DESIGN.md -------------------------
+# --- a naive reference, written from the paper and docs/codecs.md -------------------------
 
 
 def ref_zero_run(q):

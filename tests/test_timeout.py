@@ -154,7 +154,7 @@ JOB = textwrap.dedent(
 
 
     class Stall:
-        # A tracer that stalls its rank after the first ring step: a hang mid-call.
+        # A recorder that stalls its rank after the first ring step: a hang mid-call.
         def record(self, op, step, sent, recv, bits=0):
             time.sleep(60)
 
@@ -219,7 +219,7 @@ JOB = textwrap.dedent(
             cc.allreduce(np.ones(3000, np.float32), name="w")
         time.sleep(60)
     elif mode == "stall":
-        ring_allreduce_bounded(comm, codes, 2 * size, tracer=Stall() if rank == 1 else None)
+        ring_allreduce_bounded(comm, codes, 2 * size, recorder=Stall() if rank == 1 else None)
     """
 )
 
@@ -331,5 +331,7 @@ def test_compressed_comm_timeout_zero_is_off_whatever_the_environment(monkeypatc
     import mpicomp
 
     monkeypatch.setenv("MPICOMP_TIMEOUT", "5")
-    assert mpicomp.CompressedComm(MPI.COMM_SELF, "none", timeout=0).timeout == 0
-    assert mpicomp.CompressedComm(MPI.COMM_SELF, "none").timeout is None  # the environment's
+    assert mpicomp.CompressedComm(MPI.COMM_SELF, "none", timeout=0).options.timeout == 0
+    assert (
+        mpicomp.CompressedComm(MPI.COMM_SELF, "none").options.timeout is None
+    )  # the environment's

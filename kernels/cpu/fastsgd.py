@@ -8,7 +8,7 @@ does not depend on the summation order; L is found by comparing |v| with the flo
 thresholds sum / b^L (b^L by repeated float64 multiplication), never through libm's log.
 A CUDA twin written the same way (planned) can therefore give the same bytes.
 
-Body layout (little-endian; see docs/codecs/fastsgd.md)::
+Body layout (little-endian; see docs/codecs.md, "fastsgd")::
 
     prefix  0 f64 base | 8 u32 bucket | 12 u8 tau | 13 u8 flag_bits | 14 u16 reserved (0)
     bucket  0 f32 sum | 4 u32 d | 8 u32 key_bytes | 12 u8 W | 13 d x u8 L code | key bit stream

@@ -2,7 +2,7 @@
 
 For each gradient size and codec, one ``CompressedComm(...).allreduce`` per repetition
 after a warm-up call: the time is the slowest rank's, median over repetitions; the bytes
-are what a ``mpicomp.collectives.traffic.Traffic`` attached as ``tracer`` counted per call,
+are what a ``mpicomp.collectives.traffic.Traffic`` attached as ``recorder`` counted per call,
 the largest over ranks. Both are compared with ``comm.Allreduce`` of the same float32
 buffer in the same run: its time, and the 2(N-1)/N * 4n bytes a ring (bandwidth-optimal)
 float32 all-reduce sends and receives per rank. ``mpicomp bench`` and ``jobs/bench.py``
@@ -153,7 +153,7 @@ def measure(
             def call(cc=cc):
                 cc.allreduce(x, name="grad")
 
-            cc.tracer = traffic
+            cc.recorder = traffic
             before = counter.read()
             t = slowest_median(comm, call, reps)
             after = counter.read()

@@ -1,7 +1,7 @@
 """FastSGD (paper 004 §3): reciprocal mapper, logarithm quantization and threshold filter for
 the values, adaptive delta-key binary encoding for the keys, applied per bucket.
 
-Body after the common header (see docs/codecs/fastsgd.md)::
+Body after the common header (see docs/codecs.md, "fastsgd")::
 
     prefix (16 bytes)  f64 base | u32 bucket | u8 tau | u8 flag_bits | u16 reserved (0)
     per bucket         f32 sum | u32 d | u32 key_bytes | u8 W | d x u8 L code | key bit stream
@@ -20,7 +20,7 @@ from mpicomp.kernels import fastsgd as _k
 
 # The largest base keeps sum / b^tau well inside float64 for every float32 sum.
 MAX_BASE = 16.0
-# Keeps about half of a dense gradient (docs/codecs/fastsgd.md has the table).
+# Keeps about half of a dense gradient (docs/codecs.md, "fastsgd", has the table).
 DEFAULT_BUCKET = 1 << 17
 _PREFIX = np.dtype(
     [("base", "<f8"), ("bucket", "<u4"), ("tau", "u1"), ("flag_bits", "u1"), ("reserved", "<u2")]

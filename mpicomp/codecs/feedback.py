@@ -22,6 +22,7 @@ class ErrorFeedback:
             raise TypeError(f"error feedback wraps gather codecs, not {codec!r}")
         self.codec = codec
         self._memory = {}
+        self._spare = {}  # snapshot buffers, one per name, reused call after call
 
     def encode(self, x, name: str = ""):
         """Return the payload of ``x`` plus the residual of ``name``; update the residual.
@@ -55,6 +56,25 @@ class ErrorFeedback:
         """Return the residual of ``name`` (None before its first encode)."""
         return self._memory.get(name)
 
+    def snapshot(self, names) -> Snapshot:
+        """Copy the residuals of ``names`` aside, for ``Snapshot.restore`` to put back.
+
+        The copies go to buffers kept per name and reused by the next snapshot of that
+        name (no allocation per call in steady state), so a snapshot is only good until
+        the next snapshot of the same name.
+        """
+        kept = []
+        for name in names:
+            r = self._memory.get(name)
+            spare = None
+            if r is not None:
+                spare = self._spare.get(name)
+                if spare is None or spare.shape != r.shape or type(spare) is not type(r):
+                    spare = self._spare[name] = backend_of(r, self.codec.kernels).xp.empty_like(r)
+                spare[...] = r
+            kept.append((name, spare))
+        return Snapshot(self, kept)
+
     def state_dict(self) -> dict:
         """Return copies of the residuals, keyed by tensor name, for a checkpoint."""
         return {k: v.copy() for k, v in self._memory.items()}
@@ -62,3 +82,22 @@ class ErrorFeedback:
     def load_state_dict(self, state: dict) -> None:
         """Restore residuals saved by ``state_dict``."""
         self._memory = {k: as_gradient(v, what=f"residual {k!r}").copy() for k, v in state.items()}
+
+
+class Snapshot:
+    """Residuals as ``ErrorFeedback.snapshot`` found them; ``restore()`` puts them back.
+
+    A call that fails or is skipped restores its snapshot, so it changes no residual
+    on any rank. A residual that did not exist yet is zeroed (as new ones start).
+    """
+
+    def __init__(self, feedback: ErrorFeedback, kept: list):
+        self._feedback = feedback
+        self._kept = kept  # (name, copy or None)
+
+    def restore(self) -> None:
+        """Put the residuals back as they were when the snapshot was taken."""
+        for name, copy in self._kept:
+            r = self._feedback.residual(name)
+            if r is not None:
+                r[...] = 0 if copy is None else copy

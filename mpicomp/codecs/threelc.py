@@ -1,7 +1,7 @@
 """3LC (paper 001 §3): 3-value quantization with a sparsity multiplier, quartic encoding
 (five trits per byte) and zero-run encoding, with error feedback fused into the encode pass.
 
-Body after the common header (see docs/codecs/threelc.md)::
+Body after the common header (see docs/codecs.md, "threelc")::
 
     0  f32 (little-endian)  M = max|x| * sparsity
     4  u8 x m               quartic bytes, zero-run encoded when header flag bit 0 is set

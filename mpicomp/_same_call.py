@@ -1,0 +1,58 @@
+"""The debug check that every rank makes the same call (``CompressedComm(debug=True)``).
+
+MPI matches collectives by order alone: a rank that averages ``"fc.weight"`` while
+another averages ``"fc.bias"`` of the same size mixes them silently, and the size
+agreement of the reduce paths cannot see it. With the check on, each call costs one
+more 8-byte Allgather of a hash of its description, and ranks that differ are named.
+"""
+
+from __future__ import annotations
+
+import hashlib
+
+import numpy as np
+
+from mpicomp._reduce import RankError
+from mpicomp.collectives import plain
+from mpicomp.collectives.allgather import allgather_bytes
+
+
+def check_same_call(comm, call: str | None, config: str, timeout: float | None) -> None:
+    """Raise RankError on every rank unless all ranks describe the same call.
+
+    Args:
+        comm: the communicator (one Allgather of 8 bytes per rank; the descriptions
+            themselves travel only when hashes differ).
+        call: this rank's call, e.g. ``"allreduce('w', 4096 float32)"``; None when this
+            rank refused its input: it is left out, the agreement that follows
+            reports it.
+        config: what else must match (codec, policy), named only where it differs.
+        timeout: each wait's limit in seconds (None: ``MPICOMP_TIMEOUT``).
+    """
+    desc = None if call is None else f"{call}\n{config}"
+    h = 0
+    if desc is not None:
+        h = int.from_bytes(hashlib.blake2b(desc.encode(), digest_size=8).digest(), "little")
+        h |= 1  # 0 means "refused"
+    hashes = np.empty(comm.size, dtype=np.uint64)
+    plain.allgather(comm, np.array([h], dtype=np.uint64), hashes, timeout=timeout)
+    live = np.flatnonzero(hashes)
+    if live.size == 0 or (hashes[live] == hashes[live[0]]).all():
+        return
+    mine = np.frombuffer((desc or "").encode(), dtype=np.uint8).copy()
+    descs = [bytes(p).decode() for p in allgather_bytes(comm, mine, timeout=timeout)]
+    ref = int(live[0])
+    ref_call, ref_conf = descs[ref].split("\n", 1)
+    parts = []
+    for r in live.tolist():
+        if hashes[r] == hashes[ref]:
+            continue
+        r_call, r_conf = descs[r].split("\n", 1)
+        parts.append(
+            f"rank {r} called {r_call}" + (f" with {r_conf}" if r_conf != ref_conf else "")
+        )
+    same_conf = all(d.split("\n", 1)[1] == ref_conf for d in descs if d)
+    raise RankError(
+        f"{'; '.join(parts)} while rank {ref} called {ref_call}"
+        + ("" if same_conf else f" with {ref_conf}")
+    )
