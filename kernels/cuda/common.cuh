@@ -1,0 +1,72 @@
+// Device helpers every family shares. Constants come from Python as -D macros
+// (kernels/cuda/device.py: defines()), so each lives once, in kernels/<family>.py.
+#pragma once
+
+typedef unsigned char u8;
+typedef unsigned int u32;
+typedef unsigned long long u64;
+typedef long long i64;
+
+// ---- counter-based random numbers (kernels/rng.py, kernels/cpu/rng.py) ----------------------
+__device__ __forceinline__ u64 mpicomp_mix64(u64 z) {
+    z = (z ^ (z >> 30)) * MPICOMP_RNG_M1;
+    z = (z ^ (z >> 27)) * MPICOMP_RNG_M2;
+    return z ^ (z >> 31);
+}
+
+// 64 random bits of element `index` under `key` (rng.key(seed, step, stream) on the host).
+__device__ __forceinline__ u64 mpicomp_bits(u64 key, u64 index) {
+    return mpicomp_mix64(key + (index + 1ull) * MPICOMP_RNG_GOLDEN);
+}
+
+// A float32 uniform in [0, 1) from 24 random bits: exact, so every backend agrees.
+__device__ __forceinline__ float mpicomp_uniform(u64 key, u64 index) {
+    return (float)(unsigned)(mpicomp_bits(key, index) >> 40) * 5.9604645e-08f;
+}
+
+// ---- grid-stride loops ------------------------------------------------------------------------
+// Kernels walk their elements with a grid-stride loop, so any grid computes the same result.
+#define MPICOMP_FOR(i, n)                                                                  \
+    for (i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x; i < (i64)(n);                 \
+         i += (i64)gridDim.x * blockDim.x)
+
+// ---- block-wide scans and reductions (blockDim.x a multiple of 32, at most 1024) ---------------
+// `scratch` holds 32 values of T in shared memory; every thread of the block must call. For
+// integers only: a float sum would depend on the block size (results must not).
+
+template <class T> __device__ __forceinline__ T mpicomp_warp_sum(T v) {
+    for (int off = 16; off > 0; off >>= 1) v += __shfl_down_sync(0xffffffffu, v, off);
+    return v;
+}
+
+// Sum over the block; the result is returned to every thread.
+template <class T> __device__ T mpicomp_block_sum(T v, T* scratch) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
+    v = mpicomp_warp_sum(v);
+    if (lane == 0) scratch[warp] = v;
+    __syncthreads();
+    T total = 0;
+    for (int w = 0; w < warps; ++w) total += scratch[w];  // in warp order: deterministic
+    __syncthreads();
+    return total;
+}
+
+// Exclusive prefix sum over the block in thread order; *total gets the block's sum.
+template <class T> __device__ T mpicomp_block_exclusive_scan(T v, T* scratch, T* total) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
+    T inc = v;
+    for (int off = 1; off < 32; off <<= 1) {
+        T y = __shfl_up_sync(0xffffffffu, inc, off);
+        if (lane >= off) inc += y;
+    }
+    if (lane == 31) scratch[warp] = inc;
+    __syncthreads();
+    T before = 0, sum = 0;
+    for (int w = 0; w < warps; ++w) {
+        if (w < warp) before += scratch[w];
+        sum += scratch[w];
+    }
+    __syncthreads();
+    *total = sum;
+    return before + inc - v;
+}

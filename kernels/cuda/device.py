@@ -1,0 +1,129 @@
+"""Where the CUDA sources run, and how they are built: ``Device``.
+
+A ``Device`` is a GPU through CuPy (``Device.cuda()``: ``cupy.RawModule``, one build per
+family and GPU) or the CPU through ``kernels/cuda/emulated.py`` (``Device.emulated()``:
+the same source compiled by g++). The launchers of ``kernels/cuda/<family>.py`` are
+written once against it: ``dev.xp`` allocates, ``dev.kernel(family, name)`` returns a
+kernel called as ``kernel(grid, block, args, shared_mem=0)``, ``dev.grid(n)`` sizes a
+grid-stride launch, and ``dev.to_host(a)`` brings a device array to the host, counted
+in ``dev.syncs`` (the host synchronizations a launcher makes are part of its contract).
+
+Every build uses the same options (``options(family)``): NVRTC's ``--fmad=false`` (no
+``x*s+0.5f`` fused into one FMA: the numba twins round twice), C++17, the include path
+of ``common.cuh``, and the shared constants of ``kernels/<family>.py`` as ``-D`` macros
+(``defines``), so each lives once. CuPy appends ``-ftz=true``; the emulation flushes
+float32 denormals too.
+"""
+
+from __future__ import annotations
+
+import threading
+from functools import cache
+from pathlib import Path
+
+import numpy as np
+
+from mpicomp.kernels import rng
+
+SOURCES = Path(__file__).parent
+
+#: NVRTC options of every module (the emulated build takes the -I and -D ones).
+BASE_OPTIONS = ("--std=c++17", "--fmad=false", f"-I{SOURCES}")
+
+
+def defines() -> dict[str, str]:
+    """Return the macros every module gets: the constants shared with the numba twins."""
+    return {
+        "MPICOMP_RNG_GOLDEN": f"{rng.GOLDEN:#x}ull",
+        "MPICOMP_RNG_M1": f"{rng.M1:#x}ull",
+        "MPICOMP_RNG_M2": f"{rng.M2:#x}ull",
+    }
+
+
+def source(family: str) -> str:
+    """Return the CUDA source of ``family`` (``kernels/cuda/<family>.cu``)."""
+    return (SOURCES / f"{family}.cu").read_text()
+
+
+def options(family: str, extra: dict[str, str] | None = None) -> tuple[str, ...]:
+    """Return the compile options of ``family``: ``BASE_OPTIONS`` and its ``-D`` macros."""
+    macros = {**defines(), **(extra or {})}
+    return BASE_OPTIONS + tuple(f"-D{k}={v}" for k, v in sorted(macros.items()))
+
+
+class Device:
+    """A place to run the CUDA sources: ``name``, ``xp``, launch geometry and builds.
+
+    Args:
+        name: ``"cuda"`` or ``"cuda-emulated"``.
+        xp: the array module of its arrays (CuPy, or NumPy).
+        threads: threads per block of the launchers' kernels (a multiple of 32).
+        max_blocks: the most blocks of a grid-stride launch.
+        build: ``build(family, code, options)`` returning a module with ``get_function``.
+    """
+
+    def __init__(self, name: str, xp, threads: int, max_blocks: int, build):
+        if threads % 32 or not 32 <= threads <= 1024:
+            raise ValueError(f"threads must be a multiple of 32 in [32, 1024], got {threads}")
+        if max_blocks < 1:
+            raise ValueError(f"max_blocks must be >= 1, got {max_blocks}")
+        self.name = name
+        self.xp = xp
+        self.threads = threads
+        self.max_blocks = max_blocks
+        self.syncs = 0  # host synchronizations made by launchers (to_host)
+        self._build = build
+        self._modules = {}
+        self._lock = threading.Lock()
+
+    @classmethod
+    def emulated(cls, threads: int = 64, max_blocks: int = 4) -> Device:
+        """Return the CPU device: the CUDA sources built by g++ (small default geometry:
+        every CUDA thread is an OS thread)."""
+        return cls("cuda-emulated", np, threads, max_blocks, _emulated_build)
+
+    @classmethod
+    def cuda(cls, threads: int = 256, blocks_per_sm: int = 4) -> Device:
+        """Return the current GPU through CuPy (modules built once per GPU and family)."""
+        import cupy
+
+        sms = cupy.cuda.Device().attributes["MultiProcessorCount"]
+
+        def build(family, code, opts):
+            return cupy.RawModule(code=code, options=opts)
+
+        def per_gpu(family, code, opts):
+            return _gpu_build(cupy.cuda.Device().id, family, code, opts, build)
+
+        return cls("cuda", cupy, threads, blocks_per_sm * sms, per_gpu)
+
+    def kernel(self, family: str, name: str, extra: dict[str, str] | None = None):
+        """Return kernel ``name`` of ``family``'s module, built at first use."""
+        opts = options(family, extra)
+        with self._lock:
+            module = self._modules.get(opts)
+            if module is None:
+                module = self._modules[opts] = self._build(family, source(family), opts)
+        return module.get_function(name)
+
+    def grid(self, n: int) -> int:
+        """Return the blocks of a grid-stride launch over ``n`` items."""
+        return int(max(1, min(self.max_blocks, -(-int(n) // self.threads))))
+
+    def to_host(self, a) -> np.ndarray:
+        """Return device array ``a`` on the host: one counted synchronization."""
+        self.syncs += 1
+        return a.get() if hasattr(a, "get") else np.asarray(a)
+
+
+@cache
+def _emulated_build(family: str, code: str, opts: tuple):
+    """Build ``family`` for the CPU once per process (and once per machine on disk)."""
+    from mpicomp.kernels.cuda import emulated
+
+    return emulated.RawModule(code, opts, name=family)
+
+
+@cache
+def _gpu_build(device_id: int, family: str, code: str, opts: tuple, build):
+    return build(family, code, opts)
