@@ -126,7 +126,7 @@ inline unsigned long long arrive(uint64_t key, unsigned long long v, int op,
   if (block && cur->live_threads != cur->nthreads)
     fail("__syncthreads reached after other threads of the block exited (divergent barrier)", at);
   if (!block && (uint32_t(key) & ~cur->live[key >> 32] & cur->lanes[key >> 32]))
-    fail("a *_sync mask names a lane that already exited", at);
+    fail("a warp *_sync mask names a lane that already exited (divergent barrier)", at);
   Group& g = cur->groups[key];
   if (g.arrived == 0) {
     g.acc = op == 2 ? ~0ull : 0;
