@@ -1,0 +1,319 @@
+"""The CUDA ``fastsgd`` launchers (kernels/cuda/fastsgd.cu), run on the CPU through the
+emulation, give the numba twin's bytes on two launch geometries."""
+
+import numpy as np
+import pytest
+
+from mpicomp.kernels import fastsgd as K
+from mpicomp.kernels.cpu import fastsgd as nf
+from mpicomp.kernels.cuda import fastsgd as cf
+from mpicomp.kernels.cuda.device import Device
+
+NUMBA = nf.encode, nf.mpicomp_fastsgd_assemble, nf.mpicomp_fastsgd_scan, nf.mpicomp_fastsgd_decode
+TINY = np.float32(1e-39)  # subnormal: flushed by a careless float32 operation under -ftz
+
+
+@pytest.fixture(scope="module", params=[(64, 4), (32, 3)], ids=["64x4", "32x3"])
+def dev(request):
+    d = Device.emulated(*request.param)
+    d.fs = cf.launchers(d)
+    return d
+
+
+def gradient(n, seed, scale=1e-3):
+    rng = np.random.default_rng(seed)
+    x = (rng.standard_normal(n) * scale).astype(np.float32)
+    if n:
+        x[rng.integers(0, n, max(1, n // 50))] *= np.float32(20)
+    return x
+
+
+def sparse(n, seed, nnz):
+    """Zeros with nnz values far apart: gaps longer than a chunk, chunks that keep nothing."""
+    rng = np.random.default_rng(seed)
+    x = np.zeros(n, np.float32)
+    x[rng.choice(n, nnz, replace=False)] = rng.standard_normal(nnz).astype(np.float32)
+    return x
+
+
+def encode_both(dev, x, bucket, base, tau, fb):
+    """Encode with both twins; assert equal results; return the numba ones."""
+    n = x.size
+    nb = -(-n // bucket) if n else 0
+    cap = K.bucket_capacity(min(bucket, n), fb)
+    powers = nf.mpicomp_fastsgd_powers(base, tau)
+    got = []
+    for enc in (nf.encode, dev.fs.encode):
+        scratch = np.full(nb * cap, 0xA5, np.uint8)
+        sizes = np.full(nb, -7, np.int64)
+        ok = enc(x, bucket, powers, fb, scratch, cap, sizes)
+        got.append((bool(ok), sizes, scratch))
+    (ok, sizes, scratch), (ok2, sizes2, scratch2) = got
+    assert ok == ok2
+    np.testing.assert_array_equal(sizes2, sizes)
+    for k in range(nb):
+        lo = k * cap
+        assert scratch2[lo : lo + sizes[k]].tobytes() == scratch[lo : lo + sizes[k]].tobytes(), k
+    return ok, sizes, scratch, cap
+
+
+def body_of(x, bucket, base, tau, fb):
+    """The numba twin's body: prefix, then the assembled buckets."""
+    n = x.size
+    nb = -(-n // bucket) if n else 0
+    cap = K.bucket_capacity(min(bucket, n), fb)
+    scratch = np.zeros(nb * cap, np.uint8)
+    sizes = np.zeros(nb, np.int64)
+    assert nf.encode(x, bucket, nf.mpicomp_fastsgd_powers(base, tau), fb, scratch, cap, sizes)
+    offsets = K.PREFIX_BYTES + np.concatenate([[0], np.cumsum(sizes)[:-1]]).astype(np.int64)
+    body = np.zeros(K.PREFIX_BYTES + int(sizes.sum()), np.uint8)
+    body[:8] = np.frombuffer(np.float64(base).tobytes(), np.uint8)
+    body[8:12] = np.frombuffer(np.uint32(bucket).tobytes(), np.uint8)
+    body[12], body[13] = tau, fb
+    nf.mpicomp_fastsgd_assemble(scratch, cap, sizes, offsets[:nb], body)
+    return body
+
+
+# ---- powers ----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("base", [1.0001, 1.1, 3.7, 16.0])
+@pytest.mark.parametrize("tau", [1, 127])
+def test_powers(dev, base, tau):
+    want = nf.mpicomp_fastsgd_powers(base, tau)
+    assert dev.fs.powers(base, tau).tobytes() == want.tobytes()
+
+
+# ---- encode ----------------------------------------------------------------------------------
+
+# (n, bucket, base, tau, flag_bits): ragged tails, buckets of several chunks (2048), one
+# bucket per element, every flag size, bases on both sides of the L table's one-step rule.
+ENCODE = [
+    (0, 16, 1.1, 127, 2),
+    (1, 1, 1.1, 127, 2),
+    (7, 3, 1.1, 127, 1),
+    (2049, 4500, 1.1, 127, 2),
+    (5001, 4500, 1.1, 127, 3),
+    (4500, 1000, 1.001, 127, 4),
+    (3001, 777, 2.0, 6, 5),
+    (1500, 1500, 16.0, 127, 1),
+    (2500, 33, 1.3, 20, 2),
+]
+
+
+@pytest.mark.parametrize("n, bucket, base, tau, fb", ENCODE)
+def test_encode_gradient(dev, n, bucket, base, tau, fb):
+    ok, *_ = encode_both(dev, gradient(n, n + fb), bucket, base, tau, fb)
+    assert ok
+
+
+@pytest.mark.parametrize("fb", [1, 2, 5])
+def test_encode_sparse_gaps_across_chunks(dev, fb):
+    # Keys 3000+ apart: whole chunks keep nothing; W reaches 13 bits.
+    ok, sizes, *_ = encode_both(dev, sparse(9000, fb, 4), 9000, 1.1, 127, fb)
+    assert ok and sizes[0] > K.BUCKET_HEAD_BYTES
+
+
+def test_encode_extreme_values(dev):
+    x = gradient(4200, 3)
+    x[:300] = 0.0  # a bucket of zeros: sum 0, nothing kept
+    x[600] = 5.0  # the only value of its bucket: L = 0
+    x[601:900] = 0.0
+    x[900:1200] = np.float32(3e38)  # the sum saturates at FLT_MAX
+    x[1200:1500] = -TINY * np.arange(300, dtype=np.float32)  # subnormals only
+    x[1500:1800:7] = np.float32(-1e-45)  # the smallest subnormal beside normal values
+    x[2000] = -0.0
+    ok, *_ = encode_both(dev, x, 300, 1.1, 127, 2)
+    assert ok
+    ok, *_ = encode_both(dev, x, 300, 16.0, 127, 3)
+    assert ok
+    ok, *_ = encode_both(dev, x, 300, 1.001, 127, 4)  # the exact walk down the L table
+    assert ok
+
+
+@pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf])
+def test_encode_nan_inf(dev, bad):
+    x = gradient(3000, 9)
+    x[1234] = bad
+    ok, sizes, *_ = encode_both(dev, x, 1000, 1.1, 127, 2)
+    assert not ok and sizes[1] == 0
+    x = gradient(3000, 9)
+    x[-1] = bad
+    ok, *_ = encode_both(dev, x, 3000, 1.1, 127, 2)
+    assert not ok
+
+
+# ---- assemble --------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("n, bucket", [(0, 8), (3000, 1000), (5000, 70)])
+def test_assemble(dev, n, bucket):
+    fb = 2
+    _, sizes, scratch, cap = encode_both(dev, gradient(n, 1), bucket, 1.1, 127, fb)
+    offsets = K.PREFIX_BYTES + np.concatenate([[0], np.cumsum(sizes)[:-1]]).astype(np.int64)
+    offsets = offsets[: sizes.size]
+    total = K.PREFIX_BYTES + int(sizes.sum())
+    want = np.full(total, 0x5A, np.uint8)
+    got = want.copy()
+    nf.mpicomp_fastsgd_assemble(scratch, cap, sizes, offsets, want)
+    dev.fs.assemble(scratch, cap, sizes, offsets, got)
+    assert got.tobytes() == want.tobytes()
+
+
+# ---- scan and decode -------------------------------------------------------------------------
+
+
+def scan_both(dev, body, n, bucket, fb):
+    nb = -(-n // bucket) if n else 0
+    res = []
+    for scan in (nf.mpicomp_fastsgd_scan, dev.fs.scan):
+        offsets = np.full(nb + 1, -3, np.int64)
+        sums = np.full(nb, 7, np.uint32)
+        res.append((int(scan(body, n, bucket, fb, offsets, sums)), offsets, sums))
+    (e, o, s), (e2, o2, s2) = res
+    assert e2 == e
+    np.testing.assert_array_equal(o2, o)
+    np.testing.assert_array_equal(s2, s)
+    return e, o, s
+
+
+def decode_both(dev, body, n, bucket, base, tau, fb, offsets, sums, init=None):
+    """Decode with both twins (into ``init``'s copies when accumulating); compare errs and out."""
+    powers = nf.mpicomp_fastsgd_powers(base, tau)
+    res = []
+    for decode in (nf.mpicomp_fastsgd_decode, dev.fs.decode):
+        out = np.full(n, np.float32(9.0)) if init is None else init.copy()
+        errs = np.full(sums.size, -1, np.int64)
+        decode(body, n, bucket, powers, fb, offsets, sums, out, errs, init is not None)
+        res.append((errs, out))
+    (errs, out), (errs2, out2) = res
+    np.testing.assert_array_equal(errs2, errs)
+    assert out2.tobytes() == out.tobytes()
+    return errs, out
+
+
+DECODE = [
+    (1, 1, 1.1, 127, 2),
+    (5001, 4500, 1.1, 127, 3),
+    (2500, 33, 1.3, 20, 1),
+    (3001, 777, 2.0, 6, 5),
+    (1500, 500, 16.0, 127, 4),
+]
+
+
+@pytest.mark.parametrize("n, bucket, base, tau, fb", DECODE)
+def test_scan_and_decode_valid(dev, n, bucket, base, tau, fb):
+    x = gradient(n, n)
+    body = body_of(x, bucket, base, tau, fb)
+    err, offsets, sums = scan_both(dev, body, n, bucket, fb)
+    assert err == K.OK
+    errs, out = decode_both(dev, body, n, bucket, base, tau, fb, offsets, sums)
+    assert not errs.any()
+    # accumulate onto values that include subnormals and signed zeros
+    init = gradient(n, 5) * np.float32(1e-3)
+    init[::5] = TINY
+    init[1::7] = -0.0
+    errs, _ = decode_both(dev, body, n, bucket, base, tau, fb, offsets, sums, init)
+    assert not errs.any()
+
+
+def test_decode_subnormal_values(dev):
+    # Subnormal inputs and base 16: the decoded float32 values are subnormal too.
+    x = (TINY * gradient(3000, 2, scale=1.0)).astype(np.float32)
+    for base in (1.1, 16.0):
+        body = body_of(x, 1000, base, 127, 2)
+        _, offsets, sums = scan_both(dev, body, 3000, 1000, 2)
+        errs, out = decode_both(dev, body, 3000, 1000, base, 127, 2, offsets, sums)
+        assert not errs.any() and (out != 0).any()
+        init = np.full(3000, -TINY)
+        decode_both(dev, body, 3000, 1000, base, 127, 2, offsets, sums, init)
+
+
+def test_scan_empty_and_zeros(dev):
+    body = body_of(np.zeros(0, np.float32), 4, 1.1, 127, 2)
+    assert scan_both(dev, body, 0, 4, 2)[0] == K.OK
+    body = body_of(np.zeros(100, np.float32), 30, 1.1, 127, 2)
+    err, offsets, sums = scan_both(dev, body, 100, 30, 2)
+    assert err == K.OK
+    decode_both(dev, body, 100, 30, 1.1, 127, 2, offsets, sums)
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_scan_corrupted_headers(dev, seed):
+    n, bucket, fb = 2000, 300, 2
+    body = body_of(gradient(n, seed), bucket, 1.1, 127, fb)
+    rng = np.random.default_rng(seed)
+    seen = set()
+    for cut in (body.size - 1, body.size - 40, 20, 16, 10):  # truncated
+        seen.add(scan_both(dev, body[:cut], n, bucket, fb)[0])
+    seen.add(scan_both(dev, np.append(body, np.uint8(0)), n, bucket, fb)[0])  # trailing
+    _, offsets, _ = scan_both(dev, body, n, bucket, fb)
+    for _ in range(12):  # one header byte changed
+        bad = body.copy()
+        k = int(rng.integers(0, offsets.size - 1))
+        bad[offsets[k] + int(rng.integers(0, K.BUCKET_HEAD_BYTES))] ^= np.uint8(
+            rng.integers(1, 256)
+        )
+        seen.add(scan_both(dev, bad, n, bucket, fb)[0])
+    assert len(seen) >= 3
+
+
+@pytest.mark.parametrize("fb", [1, 2, 4])
+def test_decode_corrupted_streams(dev, fb):
+    """Changed codes, key bits or key widths (the headers still pass the scan): the same
+    errors, and the same values written before them."""
+    n, bucket, tau = 3000, 700, 40
+    clean = body_of(gradient(n, fb), bucket, 1.1, tau, fb)
+    _, offsets, _ = scan_both(dev, clean, n, bucket, fb)
+    rng = np.random.default_rng(fb)
+    seen = set()
+    for trial in range(6):
+        body = clean.copy()
+        for k in range(offsets.size - 1):
+            head = offsets[k]
+            if trial % 2:  # a bit flipped in the codes or the key stream
+                p = rng.integers(head + K.BUCKET_HEAD_BYTES, offsets[k + 1])
+                body[p] ^= np.uint8(1 << int(rng.integers(0, 8)))
+            else:  # W one wider or narrower, or one key fewer
+                what = int(rng.integers(0, 3))
+                if what < 2:
+                    body[head + 12] = max(int(body[head + 12]) + (1 if what else -1), 1)
+                else:
+                    body[head + 4] -= np.uint8(1)
+        err, offs, sums = scan_both(dev, body, n, bucket, fb)
+        if err != K.OK:
+            continue
+        errs, _ = decode_both(dev, body, n, bucket, 1.1, tau, fb, offs, sums)
+        decode_both(dev, body, n, bucket, 1.1, tau, fb, offs, sums, np.ones(n, np.float32))
+        seen.update(int(e) for e in errs)
+    assert len(seen - {K.OK}) >= 2, seen
+
+
+@pytest.mark.parametrize("fb", [1, 3])
+def test_decode_short_stream(dev, fb):
+    """The last bucket's key stream one byte short (its header agreeing): ERR_KEY_BITS."""
+    n, bucket = 1000, 400
+    body = body_of(gradient(n, 7), bucket, 1.1, 127, fb)
+    _, offsets, _ = scan_both(dev, body, n, bucket, fb)
+    last = offsets[-2]
+    kb = body[last + 8 : last + 12].view(np.uint32)
+    kb -= np.uint32(1)
+    body = body[:-1]
+    err, offsets, sums = scan_both(dev, body, n, bucket, fb)
+    assert err == K.OK
+    errs, _ = decode_both(dev, body, n, bucket, 1.1, 127, fb, offsets, sums)
+    assert errs[-1] == K.ERR_KEY_BITS and not errs[:-1].any()
+
+
+def test_host_syncs(dev):
+    """encode and scan each bring one value to the host; the others none."""
+    x = gradient(1000, 4)
+    before = dev.syncs
+    encode_both(dev, x, 400, 1.1, 127, 2)
+    assert dev.syncs == before + 1
+    body = body_of(x, 400, 1.1, 127, 2)
+    _, offsets, sums = scan_both(dev, body, 1000, 400, 2)
+    assert dev.syncs == before + 2
+    decode_both(dev, body, 1000, 400, 1.1, 127, 2, offsets, sums)
+    dev.fs.powers(1.1, 127)
+    assert dev.syncs == before + 2
