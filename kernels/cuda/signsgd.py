@@ -1,0 +1,140 @@
+"""CUDA launchers of the signSGD family (``signsgd.cu``), twins of ``kernels/cpu/signsgd.py``.
+
+Same names, arguments, outputs and return values as the numba record's ``signsgd``. The
+launchers that return a flag or a sum bring it to the host once (``dev.to_host``); ``expand``
+brings nothing back.
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import numpy as np
+
+from mpicomp.kernels.signsgd import CHUNK, TIE_POSITIVE, TIE_RANDOM
+
+DEFINES = {
+    "MPICOMP_SIGNSGD_CHUNK": str(CHUNK),
+    "MPICOMP_SIGNSGD_TIE_POSITIVE": str(TIE_POSITIVE),
+    "MPICOMP_SIGNSGD_TIE_RANDOM": str(TIE_RANDOM),
+}
+
+
+def _kind(a) -> np.int32:
+    """Return the kernels' code of ``a``'s integer dtype: log2(itemsize) | 4 if unsigned."""
+    dt = np.dtype(a.dtype)
+    if dt == np.bool_:
+        dt = np.dtype(np.uint8)
+    if dt.kind not in "iu":
+        raise TypeError(f"signsgd majority: counts must be integers, got {dt}")
+    return np.int32(int(dt.itemsize).bit_length() - 1 | (4 if dt.kind == "u" else 0))
+
+
+def _out(a, dtype, size: int, what: str):
+    # The kernels write through a raw pointer: a strided view would be written wrongly.
+    if not a.flags.c_contiguous or a.dtype != dtype:
+        raise ValueError(f"signsgd {what}: out must be a C-contiguous {np.dtype(dtype)} array")
+    a = a.reshape(-1)
+    if a.size < size:
+        raise ValueError(f"signsgd {what}: out has {a.size} elements, needs {size}")
+    return a
+
+
+def launchers(dev) -> SimpleNamespace:
+    """Return the ``signsgd`` launchers bound to ``dev``."""
+    xp = dev.xp
+
+    def kernel(name):
+        return dev.kernel("signsgd", f"mpicomp_signsgd_{name}", DEFINES)
+
+    def bits_of(x, what):
+        x = xp.ascontiguousarray(x).reshape(-1)
+        if x.dtype != np.float32:
+            raise TypeError(f"signsgd {what}: x must be float32, got {x.dtype}")
+        return x.view(np.uint32)  # the kernels read bit patterns (denormals survive -ftz)
+
+    def grid(n):
+        return (dev.grid(n),), (dev.threads,)
+
+    def sum_abs(x, out):
+        """Return (no NaN/Inf, sum |x|); write the votes too when ``out`` is given."""
+        n = x.size
+        if n == 0:
+            return True, 0.0
+        nchunks = (n + CHUNK - 1) // CHUNK
+        lanes = xp.empty(4 * nchunks, np.float64)
+        res = xp.zeros(2, np.uint64)  # the bits of the sum, the NaN/Inf flag
+        if out is None:
+            kernel("abs_lanes")(*grid(4 * nchunks), (x, np.int64(n), lanes, res))
+        else:
+            kernel("votes_lanes")(*grid(4 * nchunks), (x, np.int64(n), out, lanes, res))
+        kernel("total")((1,), (32,), (lanes, np.int64(nchunks), res))
+        res = dev.to_host(res)
+        return not res[1], float(res[:1].view(np.float64)[0])
+
+    def flagged(name, n_items, *args):
+        """Launch ``name`` over ``n_items`` with ``args`` and a flag; return not flag."""
+        flags = xp.zeros(1, np.uint64)
+        kernel(name)(*grid(n_items), (*args, flags))
+        return not dev.to_host(flags)[0]
+
+    def votes(x, out):
+        """Write out[i] = 1 if x[i] > 0 else 0; return False if ``x`` holds NaN/Inf."""
+        x = bits_of(x, "votes")
+        out = _out(out, np.uint8, x.size, "votes")
+        if x.size == 0:
+            return True
+        return flagged("votes", x.size, x, np.int64(x.size), out)
+
+    def pack(x, out):
+        """Pack bit i = (x[i] > 0) LSB-first into ``out``; return False if ``x`` holds NaN/Inf."""
+        x = bits_of(x, "pack")
+        nbytes = (x.size + 7) // 8
+        out = _out(out, np.uint8, nbytes, "pack")
+        if x.size == 0:
+            return True
+        return flagged("pack", nbytes, x, np.int64(x.size), out)
+
+    def votes_scale(x, out):
+        """Write the votes of ``x``; return (no NaN/Inf in x, sum |x| in float64)."""
+        x = bits_of(x, "votes_scale")
+        return sum_abs(x, _out(out, np.uint8, x.size, "votes_scale"))
+
+    def abs_sum(x):
+        """Return sum |x| accumulated in float64 in the twin's order (NaN/Inf propagate)."""
+        return sum_abs(bits_of(x, "abs_sum"), None)[1]
+
+    def majority(counts, nranks, tie, key, offset, out):
+        """Pack bit i = majority of ``nranks`` votes given ``counts[i]``, LSB-first; return
+        False (``out`` then undefined) if a count lies outside [0, nranks]."""
+        counts = xp.ascontiguousarray(counts).reshape(-1)
+        if counts.dtype == np.bool_:
+            counts = counts.view(np.uint8)
+        n = counts.size
+        nbytes = (n + 7) // 8
+        out = _out(out, np.uint8, nbytes, "majority")
+        if n == 0:
+            return True
+        args = (counts, _kind(counts), np.int64(n), np.int64(nranks), np.int32(tie))
+        args += (np.uint64(int(key) % 2**64), np.int64(offset), out)
+        return flagged("majority", nbytes, *args)
+
+    def expand(bits, scale, out):
+        """Write out[i] = +scale if bit i of ``bits`` is set, else -scale."""
+        n = out.size
+        out = _out(out, np.float32, n, "expand")
+        bits = xp.ascontiguousarray(bits).reshape(-1).view(np.uint8)
+        if bits.size < (n + 7) // 8:
+            raise ValueError(f"signsgd expand: {bits.size} bytes cannot hold {n} bits")
+        if n:
+            args = (bits, np.float32(scale), out.view(np.uint32), np.int64(n))
+            kernel("expand")(*grid(n), args)
+
+    return SimpleNamespace(
+        votes=votes,
+        pack=pack,
+        votes_scale=votes_scale,
+        abs_sum=abs_sum,
+        majority=majority,
+        expand=expand,
+    )
