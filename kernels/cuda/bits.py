@@ -1,0 +1,142 @@
+"""CUDA launchers of the bit-packing family (``bits.cu``), twins of ``kernels/cpu/bits.py``.
+
+Same names, arguments and outputs as the numba record's ``bits``: codes of any integer
+dtype, streams of uint8 in ``kernels/bits.py``'s layout, results written into the
+caller's arrays. Packing launches one thread per 32-bit output word, unpacking one per
+element; nothing comes back to the host.
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import numpy as np
+
+from mpicomp.kernels.bits import MAX_WIDTH, packed_size
+
+DEFINES = {"MPICOMP_BITS_MAX_WIDTH": str(MAX_WIDTH)}
+
+
+def _kind(a, what: str) -> np.int32:
+    """Return the kernels' code of ``a``'s integer dtype: log2(itemsize) | 4 if unsigned."""
+    dt = np.dtype(a.dtype)
+    if dt == np.bool_:
+        dt = np.dtype(np.uint8)
+    if dt.kind not in "iu":
+        raise TypeError(f"bits {what}: need an integer array, got {dt}")
+    return np.int32(int(dt.itemsize).bit_length() - 1 | (4 if dt.kind == "u" else 0))
+
+
+def _width(width, what: str) -> np.int32:
+    if not 1 <= int(width) <= MAX_WIDTH:
+        raise ValueError(f"bits {what}: width must lie in [1, {MAX_WIDTH}], got {width!r}")
+    return np.int32(width)
+
+
+def _out(a, what: str):
+    # The kernels write through a raw pointer: a strided view would be written wrongly.
+    if a.dtype == np.bool_:
+        raise TypeError(f"bits {what}: need an integer output array, got bool")
+    if not a.flags.c_contiguous:
+        raise ValueError(f"bits {what}: the output array must be C-contiguous")
+    return a.reshape(-1)
+
+
+def _stream_out(out, nbytes: int, what: str):
+    out = _out(out, what).view(np.uint8)
+    if out.size < nbytes:
+        raise ValueError(f"bits {what}: out has {out.size} bytes, the stream needs {nbytes}")
+    return out
+
+
+def launchers(dev) -> SimpleNamespace:
+    """Return the ``bits`` launchers bound to ``dev``."""
+    xp = dev.xp
+
+    def kernel(name):
+        return dev.kernel("bits", f"mpicomp_bits_{name}", DEFINES)
+
+    def flat(a):
+        a = xp.ascontiguousarray(a).reshape(-1)
+        return a.view(np.uint8) if a.dtype == np.bool_ else a
+
+    def stream_in(stream):
+        return xp.ascontiguousarray(stream).reshape(-1).view(np.uint8)
+
+    def words(nbytes):
+        return (dev.grid((nbytes + 3) // 4),), (dev.threads,)
+
+    def elements(n):
+        return (dev.grid(n),), (dev.threads,)
+
+    def pack_shifted(codes, shift, width, out):
+        """Pack codes[i] + shift (each sum in [0, 2**width)) into ``out``."""
+        codes = flat(codes)
+        w = _width(width, "pack_shifted")
+        nbytes = packed_size(codes.size, int(w))
+        out = _stream_out(out, nbytes, "pack_shifted")
+        if nbytes:
+            args = (codes, _kind(codes, "pack_shifted"), np.int64(codes.size), np.int64(shift))
+            kernel("pack_shifted")(*words(nbytes), (*args, w, out, np.int64(nbytes)))
+
+    def unpack_shifted(stream, width, shift, out):
+        """Write out[i] = (code i of ``stream``) - shift, for the out.size codes."""
+        stream = stream_in(stream)
+        w = _width(width, "unpack_shifted")
+        out = _out(out, "unpack_shifted")
+        if out.size:
+            args = (stream, np.int64(stream.size), w, np.int64(shift), out)
+            args += (_kind(out, "unpack_shifted"), np.int64(out.size))
+            kernel("unpack_shifted")(*elements(out.size), args)
+
+    def pack(codes, width, out):
+        """Pack unsigned ``codes`` (< 2**width) into ``out``, LSB-first."""
+        pack_shifted(codes, 0, width, out)
+
+    def unpack(stream, width, out):
+        """Unpack ``out.size`` codes of ``width`` bits from ``stream``."""
+        unpack_shifted(stream, width, 0, out)
+
+    def add_repack(stream, width, mine, shift, out_width, out):
+        """Pack (code i of ``stream``) + mine[i] + shift at ``out_width`` bits into ``out``."""
+        stream, mine = stream_in(stream), flat(mine)
+        w, ow = _width(width, "add_repack"), _width(out_width, "add_repack")
+        nbytes = packed_size(mine.size, int(ow))
+        out = _stream_out(out, nbytes, "add_repack")
+        if nbytes:
+            args = (stream, np.int64(stream.size), w, mine, _kind(mine, "add_repack"))
+            args += (np.int64(mine.size), np.int64(shift), ow, out, np.int64(nbytes))
+            kernel("add_repack")(*words(nbytes), args)
+
+    def add_unpack(stream, width, mine, shift, out):
+        """Write out[i] = (code i of ``stream``) + mine[i] + shift."""
+        stream, mine = stream_in(stream), flat(mine)
+        w = _width(width, "add_unpack")
+        out = _out(out, "add_unpack")
+        if out.size < mine.size:
+            raise ValueError(f"bits add_unpack: out has {out.size} elements, mine {mine.size}")
+        if mine.size:
+            args = (stream, np.int64(stream.size), w, mine, _kind(mine, "add_unpack"))
+            args += (np.int64(shift), out, _kind(out, "add_unpack"), np.int64(mine.size))
+            kernel("add_unpack")(*elements(mine.size), args)
+
+    def min_repack(stream, width, mine, out):
+        """Pack min(code i of ``stream``, mine[i]) at ``width`` bits into ``out``."""
+        stream, mine = stream_in(stream), flat(mine)
+        w = _width(width, "min_repack")
+        nbytes = packed_size(mine.size, int(w))
+        out = _stream_out(out, nbytes, "min_repack")
+        if nbytes:
+            args = (stream, np.int64(stream.size), w, mine, _kind(mine, "min_repack"))
+            args += (np.int64(mine.size), out, np.int64(nbytes))
+            kernel("min_repack")(*words(nbytes), args)
+
+    return SimpleNamespace(
+        pack=pack,
+        unpack=unpack,
+        pack_shifted=pack_shifted,
+        unpack_shifted=unpack_shifted,
+        add_repack=add_repack,
+        add_unpack=add_unpack,
+        min_repack=min_repack,
+    )

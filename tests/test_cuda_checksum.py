@@ -1,0 +1,76 @@
+"""The CUDA Adler-32 kernel (kernels/cuda/checksum.cu), run on the CPU by the emulation, gives
+the numba twin's (and zlib's) value, and the copy its bytes: ragged and unaligned spans,
+running values, all-0xFF bytes (the largest sums), one host synchronization a call."""
+
+import zlib
+
+import numpy as np
+import pytest
+
+from mpicomp.kernels.checksum import BASE
+from mpicomp.kernels.cpu import record
+from mpicomp.kernels.cuda import checksum as cuda_checksum
+from mpicomp.kernels.cuda.device import Device
+
+REF = record().checksum
+# Ragged sizes, both sides of the twin's 4096-byte zlib shortcut, several grid strides.
+SIZES = [0, 1, 3, 4, 5, 31, 257, 4096, 4097, 20011]
+VALUES = [1, 0, 0xFFF0FFF0, (BASE - 1) << 16 | (BASE - 1), 0x12345678 % (BASE << 16)]
+
+
+@pytest.fixture(scope="module", params=[(64, 4), (32, 3)], ids=["64x4", "32x3"])
+def dev(request):
+    return Device.emulated(*request.param)
+
+
+@pytest.fixture(scope="module")
+def cuda(dev):
+    return cuda_checksum.launchers(dev)
+
+
+def data(n, seed, kind):
+    rng = np.random.default_rng([n, seed])
+    if kind == "ff":
+        return np.full(n, 255, np.uint8)
+    return rng.integers(0, 256, n, dtype=np.uint8)
+
+
+@pytest.mark.parametrize("n", SIZES)
+@pytest.mark.parametrize("kind", ["random", "ff"])
+@pytest.mark.parametrize("offset", [0, 1])
+def test_adler32(dev, cuda, n, kind, offset):
+    """Values agree for spans at every alignment (offset into a buffer), with and without
+    the copy; the copy equals src and bytes around it stay."""
+    buf = data(n + offset + 2, offset, kind)
+    src = buf[offset : offset + n]
+    for value in VALUES:
+        want = REF.adler32(src, value)
+        syncs = dev.syncs
+        got = cuda.adler32(src, value)
+        assert dev.syncs - syncs == (1 if n else 0)
+        assert type(got) is int and got == want
+        if value in (0, 1) or value == VALUES[-1]:
+            assert got == zlib.adler32(src.tobytes(), value)
+    for dst_offset in {0, (offset + 1) % 4}:
+        base = np.random.default_rng(n).integers(0, 256, n + 4, dtype=np.uint8)
+        dst_w, dst_g = base.copy()[dst_offset : dst_offset + n], base.copy()
+        dst_g = dst_g[dst_offset : dst_offset + n]
+        assert cuda.adler32(src, 7, dst=dst_g) == REF.adler32(src, 7, dst=dst_w)
+        assert dst_g.tobytes() == dst_w.tobytes() == src.tobytes()
+
+
+def test_continues_and_combines(cuda):
+    """A checksum continued span by span equals the whole, as the wire format uses it."""
+    x = data(9001, 1, "random")
+    whole = cuda.adler32(x)
+    value = 1
+    for lo, hi in [(0, 13), (13, 4000), (4000, 4001), (4001, 9001)]:
+        value = cuda.adler32(x[lo:hi], value)
+    assert value == whole == REF.adler32(x) == zlib.adler32(x.tobytes())
+
+
+def test_rejects(cuda):
+    with pytest.raises(ValueError, match="dst"):
+        cuda.adler32(np.zeros(5, np.uint8), dst=np.zeros(4, np.uint8))
+    with pytest.raises(TypeError, match="uint8"):
+        cuda.adler32(np.zeros(5, np.float32))
