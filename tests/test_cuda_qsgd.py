@@ -1,0 +1,465 @@
+"""The CUDA QSGD-MaxNorm kernels (kernels/cuda/qsgd.cu), run on the CPU by the emulation, give
+the numba twin's bytes: norms in the twin's summation order, codes from the same counter
+draws, scale indices, reconstruction (also from packed ring sums), GlobalRandK coordinates."""
+
+import os
+
+import numpy as np
+import pytest
+
+from mpicomp.kernels import qsgd as kq
+from mpicomp.kernels.bits import packed_size
+from mpicomp.kernels.cpu import qsgd as cpu_qsgd
+from mpicomp.kernels.cpu import record
+from mpicomp.kernels.cuda import qsgd as cuda_qsgd
+from mpicomp.kernels.cuda.device import Device
+
+REF = record().qsgd
+NO_INDEX = np.empty(0, np.int64)
+# Ragged sizes: none, one, not multiples of 8 or 32, more than a bits BLOCK (2048).
+SIZES = [0, 1, 7, 9, 33, 255, 1027, 4099]
+CODES = [np.int8, np.int16, np.int32, np.int64]
+KEY = np.uint64(0x0123456789ABCDEF)
+
+
+@pytest.fixture(scope="module", params=[(64, 4), (32, 3)], ids=["64x4", "32x3"])
+def dev(request):
+    return Device.emulated(*request.param)
+
+
+@pytest.fixture(scope="module")
+def cuda(dev):
+    return cuda_qsgd.launchers(dev)
+
+
+def levels(bits):
+    return 2 ** (bits - 1) - 1
+
+
+def same(a, b):
+    assert a.dtype == b.dtype and a.shape == b.shape
+    assert a.tobytes() == b.tobytes()
+
+
+def gradient(n, seed, spread=3.0):
+    """Return n float32 values over many magnitudes (normal, none denormal), signs mixed,
+    with zeros, a -0.0 and a few large ones."""
+    rng = np.random.default_rng(seed)
+    x = (rng.standard_normal(n) * np.exp(rng.standard_normal(n) * spread)).astype(np.float32)
+    if n > 4:
+        x[rng.integers(0, n, max(1, n // 50))] = 0.0
+        x[1] = -0.0
+        x[rng.integers(0, n, max(1, n // 100))] *= np.float32(1e4)
+    return x
+
+
+def coords(n, seed):
+    """Return sorted distinct int64 coordinates of [0, n) (about a third of them)."""
+    rng = np.random.default_rng(seed)
+    return np.flatnonzero(rng.random(n) < 0.35).astype(np.int64)
+
+
+def ref_sumsq(x, idx, dense):
+    """The twin's ``sumsq``; under ThreadSanitizer, its chunk driver spelled out serially
+    (numba's OpenMP pool is not instrumented: TSan reports races inside it)."""
+    n = x.size if dense else idx.size
+    if n <= kq.CHUNK or os.environ.get("MPICOMP_EMULATED_SANITIZE") != "thread":
+        return REF.sumsq(x, idx, dense)
+    total = 0.0
+    for lo in range(0, n, kq.CHUNK):
+        total += cpu_qsgd.mpicomp_qsgd_sumsq(x, idx, dense, lo, min(n, lo + kq.CHUNK))
+    return total
+
+
+def norm_of(x, idx=None):
+    ss = REF.sumsq(x, NO_INDEX if idx is None else idx, idx is None)
+    return np.float32(np.sqrt(ss))
+
+
+# ---- squared norm -------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("n", SIZES + [kq.CHUNK - 1, kq.CHUNK + 77, 2 * kq.CHUNK + 5])
+@pytest.mark.parametrize("dense", [True, False], ids=["dense", "index"])
+def test_sumsq_adds_in_the_twins_order(cuda, n, dense):
+    # Many terms of similar size: any other order of the float64 additions changes bits.
+    x = gradient(n, n, spread=0.5)
+    idx = NO_INDEX if dense else coords(n, n + 1)
+    got, want = cuda.sumsq(x, idx, dense), ref_sumsq(x, idx, dense)
+    assert np.float64(got).tobytes() == np.float64(want).tobytes()
+
+
+@pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf])
+def test_sumsq_propagates_nan_and_inf(cuda, bad):
+    x = gradient(3000, 5)
+    x[1234] = bad
+    got, want = cuda.sumsq(x, NO_INDEX, True), REF.sumsq(x, NO_INDEX, True)
+    assert np.isnan(got) == np.isnan(want) and (np.isnan(got) or got == want)
+
+
+def test_sumsq_of_extremes(cuda):
+    fmax = np.finfo(np.float32).max
+    x = np.array([fmax, -fmax, 1e-30, np.finfo(np.float32).tiny] * 7, np.float32)
+    assert cuda.sumsq(x, NO_INDEX, True) == REF.sumsq(x, NO_INDEX, True)
+
+
+# ---- codes --------------------------------------------------------------------------------
+
+
+def both(fn_name, cuda, args, out_index):
+    """Run launcher ``fn_name`` of both twins on copies of ``args``; return (got, want) pairs:
+    the return values and the output argument ``out_index``."""
+    a = [np.copy(v) if isinstance(v, np.ndarray) else v for v in args]
+    b = [np.copy(v) if isinstance(v, np.ndarray) else v for v in args]
+    r1 = getattr(cuda, fn_name)(*a)
+    r2 = getattr(REF, fn_name)(*b)
+    return (r1, a[out_index]), (r2, b[out_index])
+
+
+@pytest.mark.parametrize("n", SIZES)
+@pytest.mark.parametrize("dense", [True, False], ids=["dense", "index"])
+@pytest.mark.parametrize("bits", [2, 3, 5, 8, 12, 16])
+def test_quantize_matches(cuda, n, dense, bits):
+    x = gradient(n, 10 * n + bits)
+    idx = NO_INDEX if dense else coords(n, n)
+    m = n if dense else idx.size
+    norm = norm_of(x, None if dense else idx)
+    dtype = CODES[(bits + n) % len(CODES)]
+    out = np.zeros(m, dtype)
+    key = np.uint64(bits * 7919 + n)
+    (e1, o1), (e2, o2) = both("quantize", cuda, (x, idx, dense, norm, levels(bits), key, out), 6)
+    assert e1 == e2 == 0
+    same(o1, o2)
+
+
+@pytest.mark.parametrize(
+    "case", ["max_norm", "short_norm", "zero_norm", "zero_norm_zeros", "nan", "inf", "huge"]
+)
+def test_quantize_edges_and_errors(cuda, case):
+    n = 1000
+    x = gradient(n, 3)
+    norm = np.float32(np.abs(x).max())  # |x| / norm reaches 1 exactly
+    if case == "short_norm":
+        norm = norm * np.float32(0.9)
+    elif case == "zero_norm":
+        norm = np.float32(0)
+    elif case == "zero_norm_zeros":
+        x[:], norm = 0, np.float32(0)
+        x[::7] = -0.0
+    elif case == "nan":
+        x[17] = np.nan
+    elif case == "inf":
+        x[500] = -np.inf
+    elif case == "huge":
+        x[:] = np.finfo(np.float32).max * np.float32(0.5)
+        x[::3] *= -1
+        norm = np.finfo(np.float32).max
+    for dtype in (np.int8, np.int16):
+        out = np.zeros(n, dtype)
+        (e1, o1), (e2, o2) = both("quantize", cuda, (x, NO_INDEX, True, norm, 127, KEY, out), 6)
+        assert e1 == e2
+        same(o1, o2)
+    if case in ("short_norm", "zero_norm", "nan", "inf"):
+        assert e2 == kq.ERR_VALUE
+
+
+def scale_set(widths):
+    return np.array([levels(b) for b in sorted(widths)], np.float32)
+
+
+SCALE_SETS = [(8,), (4, 8), (8, 12), (2, 6), (2, 3, 6, 10, 24), (16, 17, 20, 24)]
+
+
+@pytest.mark.parametrize("n", SIZES)
+@pytest.mark.parametrize("dense", [True, False], ids=["dense", "index"])
+@pytest.mark.parametrize("widths", SCALE_SETS, ids=str)
+def test_multiscale_index_matches(cuda, n, dense, widths):
+    x = gradient(n, n + len(widths))
+    idx = NO_INDEX if dense else coords(n, 3 * n)
+    m = n if dense else idx.size
+    norm = norm_of(x, None if dense else idx)
+    out = np.zeros(m, np.uint8)
+    (e1, o1), (e2, o2) = both(
+        "multiscale_index", cuda, (x, idx, dense, norm, scale_set(widths), out), 5
+    )
+    assert e1 == e2 == 0
+    same(o1, o2)
+
+
+def test_multiscale_index_errors(cuda):
+    x = gradient(999, 8)
+    x[5] = np.nan
+    norm = np.float32(np.abs(np.nan_to_num(x)).max() * 0.5)
+    out = np.zeros(x.size, np.uint8)
+    args = (x, NO_INDEX, True, norm, scale_set((4, 8, 12)), out)
+    (e1, o1), (e2, o2) = both("multiscale_index", cuda, args, 5)
+    assert e1 == e2 == kq.ERR_VALUE
+    same(o1, o2)
+
+
+def shared_index(x, idx, dense, norm, scales):
+    """The elementwise MIN over two 'ranks' of the scale index (a valid shared index)."""
+    other = x[::-1].copy() * np.float32(0.5)
+    m = x.size if dense else idx.size
+    a, b = np.zeros(m, np.uint8), np.zeros(m, np.uint8)
+    REF.multiscale_index(x, idx, dense, norm, scales, a)
+    REF.multiscale_index(other, idx, dense, norm, scales, b)
+    return np.minimum(a, b)
+
+
+@pytest.mark.parametrize("n", SIZES)
+@pytest.mark.parametrize("dense", [True, False], ids=["dense", "index"])
+@pytest.mark.parametrize("widths", SCALE_SETS, ids=str)
+def test_multiscale_quantize_matches(cuda, n, dense, widths):
+    x = gradient(n, 5 * n + len(widths))
+    idx = NO_INDEX if dense else coords(n, n + 7)
+    m = n if dense else idx.size
+    norm = norm_of(x, None if dense else idx)
+    scales = scale_set(widths)
+    sidx = shared_index(x, idx, dense, norm, scales)
+    dtype = np.int8 if widths[0] <= 8 else np.int16
+    key = np.uint64(n * 31 + len(widths))
+    out = np.zeros(m, dtype)
+    args = (x, idx, dense, norm, scales, sidx, key, out)
+    (e1, o1), (e2, o2) = both("multiscale_quantize", cuda, args, 7)
+    assert e1 == e2 == 0
+    same(o1, o2)
+
+
+@pytest.mark.parametrize(
+    "sidx_dtype", [np.uint8, np.uint16, np.int32, np.int64, np.uint64, np.int8]
+)
+@pytest.mark.parametrize("code_dtype", CODES)
+def test_multiscale_quantize_bad_indices_and_dtypes(cuda, sidx_dtype, code_dtype):
+    # Indices outside the set (ERR_INDEX), too fine for some values (ERR_UNSAFE), values
+    # above the norm (ERR_VALUE): the mask and every code as the twin's.
+    n = 777
+    rng = np.random.default_rng(int(np.dtype(sidx_dtype).itemsize * 10 + len(str(code_dtype))))
+    x = gradient(n, 4)
+    scales = scale_set((3, 6, 9))
+    norm = np.float32(np.abs(x).max() * 0.999)
+    info = np.iinfo(sidx_dtype)
+    sidx = rng.integers(0, 5, n).astype(sidx_dtype)
+    sidx[:3] = [info.max, info.min, 3]
+    x[10], sidx[10] = norm * np.float32(0.9), 2  # a * 255 > 3: unsafe
+    out = np.zeros(n, code_dtype)
+    args = (x, NO_INDEX, True, norm, scales, sidx, KEY, out)
+    (e1, o1), (e2, o2) = both("multiscale_quantize", cuda, args, 7)
+    assert e1 == e2 == kq.ERR_VALUE | kq.ERR_INDEX | kq.ERR_UNSAFE
+    same(o1, o2)
+
+
+# ---- reconstruction -----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("n", SIZES)
+@pytest.mark.parametrize("dtype", CODES + [np.uint16])
+def test_dequantize_matches(cuda, n, dtype):
+    rng = np.random.default_rng(n)
+    nranks, bits = 1 + n % 5, 2 + n % 15
+    limit = np.int64(nranks * levels(bits))
+    info = np.iinfo(dtype)
+    codes = rng.integers(max(-limit, info.min), min(limit, info.max), n, endpoint=True)
+    codes = codes.astype(dtype)
+    norm = np.float32(rng.random() * 10 + 1e-3)
+    out = np.zeros(n, np.float32)
+    args = (codes, norm, levels(bits), nranks, limit, out)
+    (e1, o1), (e2, o2) = both("dequantize", cuda, args, 5)
+    assert e1 == e2 == 0
+    same(o1, o2)
+
+
+@pytest.mark.parametrize("dtype", CODES)
+def test_dequantize_range_errors(cuda, dtype):
+    info = np.iinfo(dtype)
+    codes = np.array([0, 1, -1, 5, -6, info.max, info.min] * 9, dtype)
+    out = np.zeros(codes.size, np.float32)
+    args = (codes, np.float32(3.5), 3, 2, np.int64(5), out)
+    (e1, o1), (e2, o2) = both("dequantize", cuda, args, 5)
+    assert e1 == e2 == kq.ERR_RANGE
+    same(o1, o2)
+
+
+def packed(rng, n, width, shift, offset, extra=3):
+    """Return (a stream of n code sums + shift packed at ``width`` bits, starting at byte
+    ``offset`` of its buffer, garbage bytes after it; the int64 sums)."""
+    top = (1 << width) - 1
+    raw = rng.integers(0, top, n, endpoint=True, dtype=np.int64) if n else np.zeros(0, np.int64)
+    raw[:2] = [0, top][:n]
+    buf = rng.integers(0, 256, offset + packed_size(n, width) + extra, dtype=np.uint8)
+    stream = buf[offset:]
+    # The layout in NumPy (bit b of the stream: byte b // 8, bit b % 8), not the twin's packer:
+    # an independent check, and no numba parallel loop (TSan cannot see OpenMP's barriers).
+    bits = (raw[:, None] >> np.arange(width)) & 1
+    stream[: packed_size(n, width)] = np.packbits(bits.astype(np.uint8).ravel(), bitorder="little")
+    return stream, raw - shift
+
+
+WIDTHS = [1, 2, 3, 5, 7, 8, 9, 12, 13, 15, 16, 17, 23, 24, 25, 31, 32]
+
+
+@pytest.mark.parametrize("width", WIDTHS)
+def test_dequantize_packed_matches(cuda, width):
+    for k, n in enumerate(SIZES):
+        rng = np.random.default_rng([width, n])
+        shift = (1 << (width - 1)) - 1 if width > 1 else 0
+        stream, sums = packed(rng, n, width, shift, offset=k % 4)
+        limit = np.int64(np.abs(sums).max() if n else 0)
+        if k % 3 == 0 and limit:
+            limit -= 1  # some sums beyond the limit: ERR_RANGE
+        nranks = 1 + k
+        out = np.zeros(n, np.float32)
+        args = (stream, width, shift, np.float32(0.37), 127, nranks, limit, out)
+        (e1, o1), (e2, o2) = both("dequantize_packed", cuda, args, 7)
+        assert e1 == e2
+        same(o1, o2)
+
+
+@pytest.mark.parametrize("n", SIZES)
+@pytest.mark.parametrize("code_dtype", CODES)
+def test_multiscale_dequantize_matches(cuda, n, code_dtype):
+    rng = np.random.default_rng([n, np.dtype(code_dtype).itemsize])
+    scales = scale_set((2, 5, 9))
+    nranks = 3
+    limit = np.int64(nranks * levels(2))
+    info = np.iinfo(code_dtype)
+    codes = rng.integers(max(-300, info.min), min(300, info.max), n).astype(code_dtype)
+    sidx_dtype = [np.uint8, np.int64, np.uint32, np.int16][n % 4]
+    sidx = rng.integers(0, 4, n).astype(sidx_dtype)  # 3: outside the set
+    out = np.zeros(n, np.float32)
+    args = (codes, sidx, np.float32(1.75), scales, nranks, limit, out)
+    (e1, o1), (e2, o2) = both("multiscale_dequantize", cuda, args, 6)
+    assert e1 == e2
+    same(o1, o2)
+
+
+@pytest.mark.parametrize("width", [1, 3, 8, 11, 16, 20, 32])
+@pytest.mark.parametrize("sidx_dtype", [np.uint8, np.int64, np.uint16])
+def test_multiscale_dequantize_packed_matches(cuda, width, sidx_dtype):
+    scales = scale_set((4, 8, 12))
+    for k, n in enumerate(SIZES):
+        rng = np.random.default_rng([width, n, 3])
+        shift = (1 << (width - 1)) if width > 1 else 1
+        stream, sums = packed(rng, n, width, shift, offset=(k + 1) % 4)
+        limit = np.int64(np.abs(sums).max() if n else 0) - (k % 2)
+        sidx = rng.integers(0, 3 + k % 2, n).astype(sidx_dtype)
+        out = np.zeros(n, np.float32)
+        args = (stream, width, shift, sidx, np.float32(2.5), scales, 1 + k, limit, out)
+        (e1, o1), (e2, o2) = both("multiscale_dequantize_packed", cuda, args, 8)
+        assert e1 == e2
+        same(o1, o2)
+
+
+# ---- GlobalRandK coordinates --------------------------------------------------------------
+
+SELECT = [(1, 1), (2, 1), (10, 10), (1000, 1), (1000, 300), (1000, 999), (5000, 30), (4099, 4099),
+          (3000, 2000), (700, 64)]  # fmt: skip
+
+
+@pytest.mark.parametrize("n, k", SELECT)
+@pytest.mark.parametrize("seed", [0, 1])
+def test_grandk_select_matches_floyd(cuda, n, k, seed):
+    # Both table layouts: direct when 4n bytes are few (k near n), hashed when k << n.
+    key = np.uint64(seed * 1_000_003 + n * 7 + k)
+    m1, m2 = np.zeros(n, np.uint8), np.zeros(n, np.uint8)
+    p1, p2 = np.empty(k, np.int64), np.empty(k, np.int64)
+    cuda.grandk_select(np.int64(n), np.int64(k), key, m1, p1)
+    REF.grandk_select(np.int64(n), np.int64(k), key, m2, p2)
+    same(p1, p2)
+    same(m1, m2)
+
+
+def test_grandk_select_with_a_preset_mask(cuda):
+    # Coordinates already marked count as taken, as in the twin's `if mask[t]`.
+    n, k = 2000, 500
+    preset = (np.random.default_rng(2).random(n) < 0.1).astype(np.uint8)
+    m1, m2 = preset.copy(), preset.copy()
+    p1, p2 = np.empty(k, np.int64), np.empty(k, np.int64)
+    cuda.grandk_select(np.int64(n), np.int64(k), KEY, m1, p1)
+    REF.grandk_select(np.int64(n), np.int64(k), KEY, m2, p2)
+    same(p1, p2)
+    same(m1, m2)
+
+
+@pytest.mark.parametrize("n", [0, 1, 2, 3, 33, 1000, 4099])
+def test_grandk_sort_matches(cuda, n):
+    rng = np.random.default_rng(n)
+    picks = rng.integers(-50, 10**12, n, dtype=np.int64)
+    if n > 4:
+        picks[rng.integers(0, n, n // 4)] = picks[0]  # duplicates
+    p1, p2 = picks.copy(), picks.copy()
+    cuda.grandk_sort(p1)
+    REF.grandk_sort(p2)
+    same(p1, p2)
+
+
+@pytest.mark.parametrize("n", [0, 1, 7, 4095, 4096, 4097, 9001, 20000])
+@pytest.mark.parametrize("density", [0.0, 0.01, 0.5, 1.0])
+def test_grandk_compact_matches(cuda, n, density):
+    rng = np.random.default_rng([n, int(density * 100)])
+    mask = (rng.random(n) < density).astype(np.uint8)
+    mask[mask.astype(bool)] = rng.integers(1, 256, int(mask.sum()), dtype=np.uint8)  # any nonzero
+    k = int(np.count_nonzero(mask))
+    o1, o2 = np.full(k, -1, np.int64), np.full(k, -1, np.int64)
+    cuda.grandk_compact(mask, o1)
+    REF.grandk_compact(mask, o2)
+    same(o1, o2)
+
+
+@pytest.mark.parametrize("n, k", [(1, 1), (100, 7), (5000, 1234)])
+def test_grandk_scatter_matches(cuda, n, k):
+    rng = np.random.default_rng(k)
+    idx = np.sort(rng.choice(n, k, replace=False)).astype(np.int64)
+    vals = gradient(k, k)
+    ratio = np.float32(n / k)
+    o1, o2 = np.zeros(n, np.float32), np.zeros(n, np.float32)
+    cuda.grandk_scatter(vals, idx, ratio, o1)
+    REF.grandk_scatter(vals, idx, ratio, o2)
+    same(o1, o2)
+
+
+def test_selected_coordinates_end_to_end(cuda):
+    # select -> sort / compact -> quantize at the coordinates -> dequantize -> scatter.
+    n, k = 6000, 40
+    m, picks = np.zeros(n, np.uint8), np.empty(k, np.int64)
+    cuda.grandk_select(np.int64(n), np.int64(k), KEY, m, picks)
+    sorted_, compact = picks.copy(), np.empty(k, np.int64)
+    cuda.grandk_sort(sorted_)
+    cuda.grandk_compact(m, compact)
+    same(sorted_, compact)
+    x = gradient(n, 9)
+    norm = np.float32(np.sqrt(cuda.sumsq(x, compact, False)))
+    codes = np.zeros(k, np.int8)
+    assert cuda.quantize(x, compact, False, norm, 127, KEY, codes) == 0
+    vals = np.zeros(k, np.float32)
+    assert cuda.dequantize(codes, norm, 127, 1, np.int64(127), vals) == 0
+    out = np.zeros(n, np.float32)
+    cuda.grandk_scatter(vals, compact, np.float32(n / k), out)
+    ref_codes = np.zeros(k, np.int8)
+    REF.quantize(x, compact, False, norm, 127, KEY, ref_codes)
+    same(codes, ref_codes)
+
+
+# ---- contract -----------------------------------------------------------------------------
+
+
+def test_host_syncs_are_one_per_result(dev, cuda):
+    x = gradient(500, 1)
+    norm = np.float32(np.abs(x).max())
+    before = dev.syncs
+    cuda.sumsq(x, NO_INDEX, True)
+    cuda.quantize(x, NO_INDEX, True, norm, 7, KEY, np.zeros(500, np.int8))
+    cuda.dequantize(np.zeros(500, np.int8), norm, 7, 1, np.int64(7), np.zeros(500, np.float32))
+    assert dev.syncs - before == 3
+    before = dev.syncs
+    m, p = np.zeros(500, np.uint8), np.empty(50, np.int64)
+    cuda.grandk_select(np.int64(500), np.int64(50), KEY, m, p)
+    cuda.grandk_sort(p)
+    cuda.grandk_compact(m, p)
+    cuda.grandk_scatter(x[:50], p, np.float32(10), np.zeros(500, np.float32))
+    assert cuda.sumsq(x[:0], NO_INDEX, True) == 0.0
+    assert dev.syncs == before
+
+
+def test_launchers_have_the_numba_names(cuda):
+    assert set(vars(cuda)) == set(vars(REF))
