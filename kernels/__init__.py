@@ -157,4 +157,13 @@ def _numba_record() -> SimpleNamespace:
     return record()
 
 
+def _emulated_record() -> SimpleNamespace:
+    from mpicomp.kernels.cuda import record
+    from mpicomp.kernels.cuda.device import Device
+
+    return record(Device.emulated(), FAMILIES)
+
+
 register_backend(DEFAULT, _numba_record)
+#: The CUDA sources of every family run on the CPU (NumPy arrays): kernels/cuda/emulated.py.
+register_backend("cuda-emulated", _emulated_record)

@@ -1,9 +1,13 @@
 """A kernel backend that forwards every launcher of the numba backend and counts calls,
-registered by the documented mechanism (``mpicomp.kernels.register_backend``)."""
+registered by the documented mechanism (``mpicomp.kernels.register_backend``); a poison
+for the numba record; a codec's round trip through every kernel path."""
 
 from collections import Counter
 from types import SimpleNamespace
 
+import numpy as np
+
+import mpicomp
 import mpicomp.kernels as K
 
 
@@ -40,3 +44,35 @@ def poison(monkeypatch, record) -> None:
         family = getattr(record, fam)
         for k in K.launchers(record, fam):
             monkeypatch.setattr(family, k, refuse(f"{fam}.{k}"))
+
+
+def round_trip(codec, x):
+    """Return the arrays a codec makes of ``x`` on its reduction path, one rank."""
+    kind = codec.aggregation
+    if kind == "sum":
+        wire = codec.to_wire(x)
+        return [codec.encode(x), codec.decode(codec.encode(x)), codec.from_wire(wire, 1)]
+    if kind == "majority":
+        votes, scale = codec.votes_and_scale(x)
+        bits = codec.majority(votes.astype(np.int64), 1, step=2)
+        return [codec.encode(x), codec.decode(codec.encode(x)), bits, codec.expand(bits, x.size)]
+    if kind == "integer_sum":
+        at = {"step": 5} if codec.sparse else {}
+        flat = x.reshape(-1)
+        norm = codec.local_norm(flat, **at)
+        extra = (codec.scale_index(flat, norm, **at),) if codec.multiscale else ()
+        codes = codec.quantize(flat, norm, *extra, step=5, stream=1)
+        width = 2 * codec.bound
+        packed = np.empty((codes.size * width.bit_length() + 7) // 8, np.uint8)
+        K.backend_of(codes, codec.kernels).bits.pack_shifted(
+            codes, codec.bound, width.bit_length(), packed
+        )
+        more = {"shape": flat.shape, "step": 5} if codec.sparse else {}
+        out = codec.dequantize_packed(
+            packed, codes.size, width.bit_length(), codec.bound, norm, *extra, **more
+        )
+        return [codes, out, *extra]
+    payload = codec.encode(x)
+    fb = mpicomp.codecs.ErrorFeedback(codec)
+    p1, p2 = fb.encode(x, "w"), fb.encode(x, "w")
+    return [payload, codec.decode(payload), codec.decode_sum([payload, p1, p2], x.size), p2]

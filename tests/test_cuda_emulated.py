@@ -124,3 +124,12 @@ def test_device_geometry_is_validated():
         Device.emulated(threads=48)
     dev = Device.emulated(threads=64, max_blocks=4)
     assert (dev.grid(0), dev.grid(64), dev.grid(65), dev.grid(10**9)) == (1, 1, 2, 4)
+
+
+def test_families_with_the_same_options_get_their_own_modules():
+    from mpicomp.kernels.cuda import checksum, fp16
+
+    assert checksum.DEFINES == fp16.DEFINES  # the same Adler base: the same options
+    dev = Device.emulated()
+    assert dev.kernel("checksum", "mpicomp_checksum_adler32", checksum.DEFINES) is not None
+    assert dev.kernel("fp16", "mpicomp_fp16_all_finite", fp16.DEFINES) is not None

@@ -8,7 +8,7 @@ from types import SimpleNamespace
 
 import numpy as np
 import pytest
-from _seam import counting_record, poison
+from _seam import counting_record, poison, round_trip
 from conftest import gradient_like
 
 import mpicomp
@@ -66,7 +66,7 @@ def test_a_lazy_registration_is_built_once_at_first_use():
 @pytest.mark.parametrize("name,params", CASES, ids=[f"{n}{p or ''}" for n, p in CASES])
 def test_every_codec_runs_through_a_second_backend_with_the_same_bytes(monkeypatch, name, params):
     x = gradient_like(300_006, seed=3).reshape(7, -1) if name != "fft" else gradient_like(600_000)
-    ref = _round_trip(mpicomp.codec(name, **params), x)
+    ref = round_trip(mpicomp.codec(name, **params), x)
     calls = Counter()
     K.register_backend("counting", counting_record(calls))
     try:
@@ -74,44 +74,12 @@ def test_every_codec_runs_through_a_second_backend_with_the_same_bytes(monkeypat
         codec = mpicomp.codec(name, **params)
         assert codec.kernels.name == "counting"
         poison(monkeypatch, K.backend("numba"))
-        got = _round_trip(codec, x)
+        got = round_trip(codec, x)
     finally:
         K._REGISTRY.pop("counting")
     assert sum(calls.values()) > 0
     for a, b in zip(ref, got, strict=True):
         np.testing.assert_array_equal(a, b)
-
-
-def _round_trip(codec, x):
-    """Return the arrays a codec makes of ``x`` on its reduction path, one rank."""
-    kind = codec.aggregation
-    if kind == "sum":
-        wire = codec.to_wire(x)
-        return [codec.encode(x), codec.decode(codec.encode(x)), codec.from_wire(wire, 1)]
-    if kind == "majority":
-        votes, scale = codec.votes_and_scale(x)
-        bits = codec.majority(votes.astype(np.int64), 1, step=2)
-        return [codec.encode(x), codec.decode(codec.encode(x)), bits, codec.expand(bits, x.size)]
-    if kind == "integer_sum":
-        at = {"step": 5} if codec.sparse else {}
-        flat = x.reshape(-1)
-        norm = codec.local_norm(flat, **at)
-        extra = (codec.scale_index(flat, norm, **at),) if codec.multiscale else ()
-        codes = codec.quantize(flat, norm, *extra, step=5, stream=1)
-        width = 2 * codec.bound
-        packed = np.empty((codes.size * width.bit_length() + 7) // 8, np.uint8)
-        K.backend_of(codes, codec.kernels).bits.pack_shifted(
-            codes, codec.bound, width.bit_length(), packed
-        )
-        more = {"shape": flat.shape, "step": 5} if codec.sparse else {}
-        out = codec.dequantize_packed(
-            packed, codes.size, width.bit_length(), codec.bound, norm, *extra, **more
-        )
-        return [codes, out, *extra]
-    payload = codec.encode(x)
-    fb = mpicomp.codecs.ErrorFeedback(codec)
-    p1, p2 = fb.encode(x, "w"), fb.encode(x, "w")
-    return [payload, codec.decode(payload), codec.decode_sum([payload, p1, p2], x.size), p2]
 
 
 @pytest.mark.parametrize("name", mpicomp.codecs.available())

@@ -101,9 +101,10 @@ class Device:
         """Return kernel ``name`` of ``family``'s module, built at first use."""
         opts = options(family, extra)
         with self._lock:
-            module = self._modules.get(opts)
+            module = self._modules.get((family, opts))
             if module is None:
-                module = self._modules[opts] = self._build(family, source(family), opts)
+                module = self._build(family, source(family), opts)
+                self._modules[family, opts] = module
         return module.get_function(name)
 
     def grid(self, n: int) -> int:

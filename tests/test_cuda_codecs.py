@@ -1,0 +1,51 @@
+"""Every codec through the CUDA sources (the ``cuda-emulated`` backend) gives the numba
+backend's payload bytes and decoded arrays, with no numba launcher reachable."""
+
+import inspect
+
+import numpy as np
+import pytest
+from _seam import poison, round_trip
+from conftest import gradient_like
+
+import mpicomp
+import mpicomp.kernels as K
+
+# Sizes that keep the emulation short and reach ragged tails; parameters that reach every
+# kernel path (multi-scale, GlobalRandK, error feedback, buckets, plain quartic).
+CASES = [(name, {}) for name in mpicomp.codecs.available()] + [
+    ("threelc", {"zero_run": False}),
+    ("threelc", {"sparsity": 1.5}),
+    ("fft", {"theta": 0.5, "bits": 6}),
+    ("fastsgd", {"bucket": 1000}),
+    ("grandk_maxnorm_multiscale", {"k": 0.3}),
+    ("qsgd_maxnorm", {"bits": 4}),
+    ("topk", {"ratio": 0.05}),
+]
+
+
+def test_the_emulated_record_has_every_launcher_of_numba_with_its_parameters():
+    numba, cuda = K.backend("numba"), K.backend("cuda-emulated")
+    assert cuda.name == "cuda-emulated" and cuda.xp is np and K.threadsafe(cuda)
+    for fam in K.FAMILIES:
+        mine, theirs = K.launchers(cuda, fam), K.launchers(numba, fam)
+        assert sorted(mine) == sorted(theirs), fam
+        for name, fn in theirs.items():
+            want = list(inspect.signature(fn).parameters)
+            assert list(inspect.signature(mine[name]).parameters) == want, (fam, name, want)
+
+
+@pytest.mark.parametrize("name,params", CASES, ids=[f"{n}{p or ''}" for n, p in CASES])
+@pytest.mark.parametrize("n", [1, 4099])
+def test_every_codec_gives_the_numba_bytes_through_the_cuda_sources(monkeypatch, name, params, n):
+    x = gradient_like(n, seed=n)
+    ref = round_trip(mpicomp.codec(name, **params), x)
+    monkeypatch.setenv(K.ENV, "cuda-emulated")
+    codec = mpicomp.codec(name, **params)
+    assert codec.kernels.name == "cuda-emulated"
+    poison(monkeypatch, K.backend("numba"))
+    got = round_trip(codec, x)
+    for a, b in zip(ref, got, strict=True):
+        a, b = np.asarray(a), np.asarray(b)
+        assert a.dtype == b.dtype and a.shape == b.shape
+        assert a.tobytes() == b.tobytes()
