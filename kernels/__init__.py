@@ -107,8 +107,8 @@ def backend_of(x, host=None):
     module = type(x).__module__.split(".")[0]
     if module == "cupy":
         raise TypeError(
-            "CuPy arrays are not supported yet (mpicomp has no CUDA kernel backend); "
-            "pass a NumPy array"
+            "CuPy arrays are not supported yet (the CUDA kernels run on the CPU as "
+            "MPICOMP_KERNELS=cuda-emulated, not yet on a GPU); pass a NumPy array"
         )
     raise TypeError(f"expected a NumPy array, got {type(x).__module__}.{type(x).__name__}")
 

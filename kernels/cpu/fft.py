@@ -76,8 +76,9 @@ def _round_fp16_span(x, out):
         sub = np.int64(float_bits((abs(xf[i]) + np.float32(0.5)) - np.float32(0.5)))
         r = r if a >= _FP16_MIN_NORMAL else sub
         out[i] = np.uint32(r | (b & 0x80000000))
-        # NaN/Inf and overflow both leave a rounded magnitude above float16's largest.
-        worst = max(worst, r)
+        # Overflow leaves a rounded magnitude above float16's largest; so must NaN/Inf,
+        # whose rounding can wrap past bit 31 (0x7FFFF000 and above): count a itself.
+        worst = max(worst, a if a >= _EXP_INF else r)
     if worst <= _FP16_MAX:
         return FP16_OK
     for i in range(x.size):  # rare: find which error comes first

@@ -69,7 +69,8 @@ extern "C" __global__ void mpicomp_fft_round_fp16(const u32* x, u32* out, i64 n,
         }
         out[i] = (u32)(r | (b & 0x80000000ll));
         const i64 c = i / MPICOMP_FFT_CHUNK;
-        if (r > MPICOMP_FFT_FP16_MAX) atomicMin(bad, (u64)c);
+        // NaN/Inf count by their bits: their rounding can wrap past bit 31.
+        if (r > MPICOMP_FFT_FP16_MAX || a >= MPICOMP_FFT_EXP_INF) atomicMin(bad, (u64)c);
         const int code = a >= MPICOMP_FFT_EXP_INF   ? MPICOMP_FFT_FP16_NONFINITE
                          : r > MPICOMP_FFT_FP16_MAX ? MPICOMP_FFT_FP16_OVERFLOW
                                                     : MPICOMP_FFT_FP16_OK;
