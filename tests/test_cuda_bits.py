@@ -9,6 +9,9 @@ from mpicomp.kernels.cpu import record
 from mpicomp.kernels.cuda import bits as cuda_bits
 from mpicomp.kernels.cuda.device import Device
 
+# The numba reference runs on int64 codes only: for in-range values its bytes do not
+# depend on the code dtype, and each dtype would cost a parallel numba compile (minutes on
+# a fresh machine). The CUDA launchers run on every dtype.
 REF = record().bits
 WIDTHS = range(1, MAX_WIDTH + 1)
 DTYPES = [np.int8, np.int16, np.int32, np.int64, np.uint8, np.uint16, np.uint32, np.uint64]
@@ -83,12 +86,13 @@ def test_pack_unpack(cuda, width):
             nbytes = packed_size(n, width)
             offset = n % 4
             want, got = out_bytes(rng, nbytes, offset)
-            REF.pack_shifted(codes, shift, width, want)
+            REF.pack_shifted(codes.astype(np.int64), shift, width, want)
             cuda.pack_shifted(codes, shift, width, got)
             same(got, want)
-            out_want = np.zeros(n, dtype)
+            out_want = np.zeros(n, np.int64)
             out_got = np.ones(n, dtype)
             REF.unpack_shifted(want, width, shift, out_want)
+            out_want = out_want.astype(dtype)
             cuda.unpack_shifted(want, width, shift, out_got)
             same(out_got, out_want)
             same(out_got, codes)
@@ -113,12 +117,13 @@ def test_add_repack_add_unpack(cuda, width):
             mine = mine.astype(dtype)
             nbytes = packed_size(n, out_width)
             want, got = out_bytes(rng, nbytes, out_width % 4)
-            REF.add_repack(src, width, mine, shift, out_width, want)
+            REF.add_repack(src, width, mine.astype(np.int64), shift, out_width, want)
             cuda.add_repack(src, width, mine, shift, out_width, got)
             same(got, want)
             for out_dtype in (np.int64, dtype):
-                sums_want, sums_got = np.zeros(n, out_dtype), np.ones(n, out_dtype)
-                REF.add_unpack(src, width, mine, shift, sums_want)
+                sums_want, sums_got = np.zeros(n, np.int64), np.ones(n, out_dtype)
+                REF.add_unpack(src, width, mine.astype(np.int64), shift, sums_want)
+                sums_want = sums_want.astype(out_dtype)  # wraps as a store into out_dtype
                 cuda.add_unpack(src, width, mine, shift, sums_got)
                 same(sums_got, sums_want)
 
@@ -133,7 +138,7 @@ def test_min_repack(cuda, width):
             mine[2:4] = codes[2:4]
         nbytes = packed_size(n, width)
         want, got = out_bytes(rng, nbytes, (n + 1) % 4)
-        REF.min_repack(src, width, mine, want)
+        REF.min_repack(src, width, mine.astype(np.int64), want)
         cuda.min_repack(src, width, mine, got)
         same(got, want)
 

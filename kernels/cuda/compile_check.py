@@ -22,13 +22,13 @@ import re
 import shutil
 import subprocess
 import sys
-import tempfile
 
 from mpicomp.kernels.cuda import device
 
 #: Architectures checked by default: A100 (sm_80) and H100/H200 (sm_90).
 ARCHS = ("80", "90")
 
+_IN_MEMORY = "CUPY_CACHE_IN_MEMORY"
 _SPILLS = re.compile(r"(\d+) bytes spill stores, (\d+) bytes spill loads")
 
 
@@ -66,27 +66,27 @@ def nvrtc(family: str, arch: str = "90") -> None:
     log = io.StringIO()
     saved = compiler._get_arch_for_options_for_nvrtc
     compiler._get_arch_for_options_for_nvrtc = explicit_arch
-    cache = os.environ.get("CUPY_CACHE_DIR")
+    in_memory = os.environ.get(_IN_MEMORY)
+    # A cubin from CuPy's disk cache would be loaded without compiling: no log to read.
+    os.environ[_IN_MEMORY] = "1"
     try:
-        with tempfile.TemporaryDirectory() as tmp:
-            os.environ["CUPY_CACHE_DIR"] = tmp  # a cached cubin would hide the log
-            core.compile_with_cache(
-                device.source(family),
-                options=family_options(family),
-                arch=arch,
-                prepend_cupy_headers=False,
-                log_stream=log,
-            )
+        core.compile_with_cache(
+            device.source(family),
+            options=family_options(family),
+            arch=arch,
+            prepend_cupy_headers=False,
+            log_stream=log,
+        )
     except compiler.CompileException as e:
         raise CompileFailed(f"NVRTC sm_{arch}, {family}.cu:\n{e}") from None
     except Exception:  # the cubin was built; loading it needs a driver
         pass
     finally:
         compiler._get_arch_for_options_for_nvrtc = saved
-        if cache is None:
-            os.environ.pop("CUPY_CACHE_DIR", None)
+        if in_memory is None:
+            os.environ.pop(_IN_MEMORY, None)
         else:
-            os.environ["CUPY_CACHE_DIR"] = cache
+            os.environ[_IN_MEMORY] = in_memory
     if "warning" in log.getvalue():
         raise CompileFailed(f"NVRTC sm_{arch}, {family}.cu warns:\n{log.getvalue()}")
 
