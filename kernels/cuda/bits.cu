@@ -7,42 +7,13 @@
 // each thread one element. Every byte of the packed size is written, no byte past it.
 //
 // Integer arrays of any dtype come in as `const void*` with a `kind`:
-// log2(itemsize) | 4 when unsigned (kernels/cuda/bits.py: _kind). The switch is the same for
+// log2(itemsize) | 4 when unsigned (kernels/cuda/device.py: int_kind). The switch is the same for
 // the whole grid, so it costs a uniform branch.
 #include "common.cuh"
 
 #if MPICOMP_BITS_MAX_WIDTH > 32
 #error "the packing kernels hold a code in 32 bits"
 #endif
-
-typedef signed char i8;
-typedef short i16;
-typedef int i32;
-typedef unsigned short u16;
-
-// Element i of an integer array of `kind`, as int64 (uint64 wraps, as np.int64() does).
-__device__ __forceinline__ i64 mpicomp_bits_load(const void* p, int kind, i64 i) {
-    switch (kind) {
-    case 0: return ((const i8*)p)[i];
-    case 1: return ((const i16*)p)[i];
-    case 2: return ((const i32*)p)[i];
-    case 3: return ((const i64*)p)[i];
-    case 4: return ((const u8*)p)[i];
-    case 5: return ((const u16*)p)[i];
-    case 6: return ((const u32*)p)[i];
-    default: return (i64)((const u64*)p)[i];
-    }
-}
-
-// Store the low bits of v into element i of an integer array of `kind` (NumPy's wrap).
-__device__ __forceinline__ void mpicomp_bits_store(void* p, int kind, i64 i, u64 v) {
-    switch (kind & 3) {
-    case 0: ((u8*)p)[i] = (u8)v; break;
-    case 1: ((u16*)p)[i] = (u16)v; break;
-    case 2: ((u32*)p)[i] = (u32)v; break;
-    default: ((u64*)p)[i] = v; break;
-    }
-}
 
 // 32 bits of a stream of `nbytes` bytes from byte 4q, zeros past its end (never read).
 __device__ __forceinline__ u64 mpicomp_bits_word(const u8* s, i64 nbytes, bool aligned, i64 q) {
@@ -101,7 +72,7 @@ extern "C" __global__ void mpicomp_bits_pack_shifted(const void* codes, int kind
                                                      i64 shift, int width, u8* out,
                                                      i64 nbytes) {
     mpicomp_bits_repack(n, width, out, nbytes, [&](i64 e) {
-        return (u32)((u64)mpicomp_bits_load(codes, kind, e) + (u64)shift);
+        return (u32)((u64)mpicomp_load_int(codes, kind, e) + (u64)shift);
     });
 }
 
@@ -112,7 +83,7 @@ extern "C" __global__ void mpicomp_bits_unpack_shifted(const u8* stream, i64 nby
     const bool aligned = mpicomp_bits_aligned(stream);
     MPICOMP_FOR(i, n) {
         const u32 c = mpicomp_bits_code(stream, nbytes_in, aligned, i, width);
-        mpicomp_bits_store(out, kind, i, (u64)c - (u64)shift);
+        mpicomp_store_int(out, kind, i, (u64)c - (u64)shift);
     }
 }
 
@@ -124,7 +95,7 @@ extern "C" __global__ void mpicomp_bits_add_repack(const u8* stream, i64 nbytes_
     const bool aligned = mpicomp_bits_aligned(stream);
     mpicomp_bits_repack(n, out_width, out, nbytes, [&](i64 e) {
         const u32 c = mpicomp_bits_code(stream, nbytes_in, aligned, e, width);
-        return c + (u32)((u64)mpicomp_bits_load(mine, kind, e) + (u64)shift);
+        return c + (u32)((u64)mpicomp_load_int(mine, kind, e) + (u64)shift);
     });
 }
 
@@ -135,8 +106,8 @@ extern "C" __global__ void mpicomp_bits_add_unpack(const u8* stream, i64 nbytes_
     const bool aligned = mpicomp_bits_aligned(stream);
     MPICOMP_FOR(i, n) {
         const u32 c = mpicomp_bits_code(stream, nbytes_in, aligned, i, width);
-        const u64 m = (u64)mpicomp_bits_load(mine, kind, i);
-        mpicomp_bits_store(out, out_kind, i, (u64)c + m + (u64)shift);
+        const u64 m = (u64)mpicomp_load_int(mine, kind, i);
+        mpicomp_store_int(out, out_kind, i, (u64)c + m + (u64)shift);
     }
 }
 
@@ -147,7 +118,7 @@ extern "C" __global__ void mpicomp_bits_min_repack(const u8* stream, i64 nbytes_
     const bool aligned = mpicomp_bits_aligned(stream);
     mpicomp_bits_repack(n, width, out, nbytes, [&](i64 e) {
         const u32 c = mpicomp_bits_code(stream, nbytes_in, aligned, e, width);
-        const u32 m = (u32)mpicomp_bits_load(mine, kind, e);
+        const u32 m = (u32)mpicomp_load_int(mine, kind, e);
         return c < m ? c : m;
     });
 }

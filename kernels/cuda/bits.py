@@ -13,18 +13,9 @@ from types import SimpleNamespace
 import numpy as np
 
 from mpicomp.kernels.bits import MAX_WIDTH, packed_size
+from mpicomp.kernels.cuda.device import int_kind
 
 DEFINES = {"MPICOMP_BITS_MAX_WIDTH": str(MAX_WIDTH)}
-
-
-def _kind(a, what: str) -> np.int32:
-    """Return the kernels' code of ``a``'s integer dtype: log2(itemsize) | 4 if unsigned."""
-    dt = np.dtype(a.dtype)
-    if dt == np.bool_:
-        dt = np.dtype(np.uint8)
-    if dt.kind not in "iu":
-        raise TypeError(f"bits {what}: need an integer array, got {dt}")
-    return np.int32(int(dt.itemsize).bit_length() - 1 | (4 if dt.kind == "u" else 0))
 
 
 def _width(width, what: str) -> np.int32:
@@ -76,7 +67,12 @@ def launchers(dev) -> SimpleNamespace:
         nbytes = packed_size(codes.size, int(w))
         out = _stream_out(out, nbytes, "pack_shifted")
         if nbytes:
-            args = (codes, _kind(codes, "pack_shifted"), np.int64(codes.size), np.int64(shift))
+            args = (
+                codes,
+                int_kind(codes, "bits pack_shifted"),
+                np.int64(codes.size),
+                np.int64(shift),
+            )
             kernel("pack_shifted")(*words(nbytes), (*args, w, out, np.int64(nbytes)))
 
     def unpack_shifted(stream, width, shift, out):
@@ -86,7 +82,7 @@ def launchers(dev) -> SimpleNamespace:
         out = _out(out, "unpack_shifted")
         if out.size:
             args = (stream, np.int64(stream.size), w, np.int64(shift), out)
-            args += (_kind(out, "unpack_shifted"), np.int64(out.size))
+            args += (int_kind(out, "bits unpack_shifted"), np.int64(out.size))
             kernel("unpack_shifted")(*elements(out.size), args)
 
     def pack(codes, width, out):
@@ -104,7 +100,7 @@ def launchers(dev) -> SimpleNamespace:
         nbytes = packed_size(mine.size, int(ow))
         out = _stream_out(out, nbytes, "add_repack")
         if nbytes:
-            args = (stream, np.int64(stream.size), w, mine, _kind(mine, "add_repack"))
+            args = (stream, np.int64(stream.size), w, mine, int_kind(mine, "bits add_repack"))
             args += (np.int64(mine.size), np.int64(shift), ow, out, np.int64(nbytes))
             kernel("add_repack")(*words(nbytes), args)
 
@@ -116,8 +112,8 @@ def launchers(dev) -> SimpleNamespace:
         if out.size < mine.size:
             raise ValueError(f"bits add_unpack: out has {out.size} elements, mine {mine.size}")
         if mine.size:
-            args = (stream, np.int64(stream.size), w, mine, _kind(mine, "add_unpack"))
-            args += (np.int64(shift), out, _kind(out, "add_unpack"), np.int64(mine.size))
+            args = (stream, np.int64(stream.size), w, mine, int_kind(mine, "bits add_unpack"))
+            args += (np.int64(shift), out, int_kind(out, "bits add_unpack"), np.int64(mine.size))
             kernel("add_unpack")(*elements(mine.size), args)
 
     def min_repack(stream, width, mine, out):
@@ -127,7 +123,7 @@ def launchers(dev) -> SimpleNamespace:
         nbytes = packed_size(mine.size, int(w))
         out = _stream_out(out, nbytes, "min_repack")
         if nbytes:
-            args = (stream, np.int64(stream.size), w, mine, _kind(mine, "min_repack"))
+            args = (stream, np.int64(stream.size), w, mine, int_kind(mine, "bits min_repack"))
             args += (np.int64(mine.size), out, np.int64(nbytes))
             kernel("min_repack")(*words(nbytes), args)
 

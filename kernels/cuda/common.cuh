@@ -2,10 +2,41 @@
 // (kernels/cuda/device.py: defines()), so each lives once, in kernels/<family>.py.
 #pragma once
 
+typedef signed char i8;
+typedef short i16;
+typedef int i32;
+typedef long long i64;
 typedef unsigned char u8;
+typedef unsigned short u16;
 typedef unsigned int u32;
 typedef unsigned long long u64;
-typedef long long i64;
+
+// ---- integer arrays of any dtype -------------------------------------------------------------
+// `kind` is log2(itemsize) | 4 if unsigned (kernels/cuda/device.py: int_kind).
+
+// Element i as int64 (uint64 wraps, as np.int64() does).
+__device__ __forceinline__ i64 mpicomp_load_int(const void* p, int kind, i64 i) {
+    switch (kind) {
+    case 0: return ((const i8*)p)[i];
+    case 1: return ((const i16*)p)[i];
+    case 2: return ((const i32*)p)[i];
+    case 3: return ((const i64*)p)[i];
+    case 4: return ((const u8*)p)[i];
+    case 5: return ((const u16*)p)[i];
+    case 6: return ((const u32*)p)[i];
+    default: return (i64)((const u64*)p)[i];
+    }
+}
+
+// Store the low bits of v into element i (NumPy's wrap on a store).
+__device__ __forceinline__ void mpicomp_store_int(void* p, int kind, i64 i, u64 v) {
+    switch (kind & 3) {
+    case 0: ((u8*)p)[i] = (u8)v; break;
+    case 1: ((u16*)p)[i] = (u16)v; break;
+    case 2: ((u32*)p)[i] = (u32)v; break;
+    default: ((u64*)p)[i] = v; break;
+    }
+}
 
 // ---- counter-based random numbers (kernels/rng.py, kernels/cpu/rng.py) ----------------------
 __device__ __forceinline__ u64 mpicomp_mix64(u64 z) {

@@ -51,6 +51,22 @@ def options(family: str, extra: dict[str, str] | None = None) -> tuple[str, ...]
     return BASE_OPTIONS + tuple(f"-D{k}={v}" for k, v in sorted(macros.items()))
 
 
+def int_kind(a, what: str) -> np.int32:
+    """Return the code of integer array ``a``'s dtype that ``common.cuh``'s
+    ``mpicomp_load_int``/``mpicomp_store_int`` take: log2(itemsize) | 4 if unsigned (bool
+    as uint8).
+
+    Raises:
+        TypeError: ``a`` is not an integer (or bool) array; the message starts with ``what``.
+    """
+    dt = np.dtype(a.dtype)
+    if dt == np.bool_:
+        dt = np.dtype(np.uint8)
+    if dt.kind not in "iu":
+        raise TypeError(f"{what}: need an integer array, got {dt}")
+    return np.int32(int(dt.itemsize).bit_length() - 1 | (4 if dt.kind == "u" else 0))
+
+
 class Device:
     """A place to run the CUDA sources: ``name``, ``xp``, launch geometry and builds.
 

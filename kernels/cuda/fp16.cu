@@ -8,7 +8,6 @@
 // integer ones: one partial per block, combined on the host, whatever the grid.
 #include "common.cuh"
 
-typedef unsigned short u16;
 
 // float32 bit patterns (sign cleared).
 #define MPICOMP_F16_MAX_BITS 0x477FE000u    // 65504, the largest finite float16

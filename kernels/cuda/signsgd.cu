@@ -18,10 +18,6 @@
 #error "a chunk owns whole bytes of sign bits"
 #endif
 
-typedef signed char i8;
-typedef short i16;
-typedef int i32;
-typedef unsigned short u16;
 
 #define MPICOMP_SIGNSGD_ABS 0x7fffffffu
 #define MPICOMP_SIGNSGD_INF 0x7f800000u
@@ -40,21 +36,6 @@ __device__ __forceinline__ double mpicomp_signsgd_abs64(u32 b) {
     const u32 a = b & MPICOMP_SIGNSGD_ABS;
     if (a < 0x00800000u) return (double)(i32)a * 0x1p-149;
     return (double)__uint_as_float(a);
-}
-
-// Element i of an integer array of `kind` (log2(itemsize) | 4 if unsigned) as int64; uint64
-// wraps, as np.int64() does.
-__device__ __forceinline__ i64 mpicomp_signsgd_load(const void* p, int kind, i64 i) {
-    switch (kind) {
-    case 0: return ((const i8*)p)[i];
-    case 1: return ((const i16*)p)[i];
-    case 2: return ((const i32*)p)[i];
-    case 3: return ((const i64*)p)[i];
-    case 4: return ((const u8*)p)[i];
-    case 5: return ((const u16*)p)[i];
-    case 6: return ((const u32*)p)[i];
-    default: return (i64)((const u64*)p)[i];
-    }
 }
 
 // out[i] = x[i] > 0; flags[0] |= 1 if x holds NaN/Inf.
@@ -155,7 +136,7 @@ extern "C" __global__ void mpicomp_signsgd_majority(const void* counts, int kind
         const int m = n - lo < 8 ? (int)(n - lo) : 8;
         u32 byte = 0;
         for (int k = 0; k < m; ++k) {
-            const i64 count = mpicomp_signsgd_load(counts, kind, lo + k);
+            const i64 count = mpicomp_load_int(counts, kind, lo + k);
             bad |= (u32)((count < 0) | (count > nranks));
             const i64 twice = (i64)((u64)count * 2ull);  // wraps as int64 does in the twin
             const u64 pick = draw ? mpicomp_bits(key, (u64)offset + (u64)(lo + k)) >> 63 : fixed;

@@ -11,6 +11,7 @@ from types import SimpleNamespace
 
 import numpy as np
 
+from mpicomp.kernels.cuda.device import int_kind
 from mpicomp.kernels.signsgd import CHUNK, TIE_POSITIVE, TIE_RANDOM
 
 DEFINES = {
@@ -18,16 +19,6 @@ DEFINES = {
     "MPICOMP_SIGNSGD_TIE_POSITIVE": str(TIE_POSITIVE),
     "MPICOMP_SIGNSGD_TIE_RANDOM": str(TIE_RANDOM),
 }
-
-
-def _kind(a) -> np.int32:
-    """Return the kernels' code of ``a``'s integer dtype: log2(itemsize) | 4 if unsigned."""
-    dt = np.dtype(a.dtype)
-    if dt == np.bool_:
-        dt = np.dtype(np.uint8)
-    if dt.kind not in "iu":
-        raise TypeError(f"signsgd majority: counts must be integers, got {dt}")
-    return np.int32(int(dt.itemsize).bit_length() - 1 | (4 if dt.kind == "u" else 0))
 
 
 def _out(a, dtype, size: int, what: str):
@@ -115,7 +106,13 @@ def launchers(dev) -> SimpleNamespace:
         out = _out(out, np.uint8, nbytes, "majority")
         if n == 0:
             return True
-        args = (counts, _kind(counts), np.int64(n), np.int64(nranks), np.int32(tie))
+        args = (
+            counts,
+            int_kind(counts, "signsgd majority: counts"),
+            np.int64(n),
+            np.int64(nranks),
+            np.int32(tie),
+        )
         args += (np.uint64(int(key) % 2**64), np.int64(offset), out)
         return flagged("majority", nbytes, *args)
 

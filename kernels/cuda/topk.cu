@@ -21,10 +21,6 @@
 #error "MPICOMP_TOPK_ITEMS comes from kernels/cuda/topk.py (DEFINES)"
 #endif
 
-typedef signed char i8;
-typedef short i16;
-typedef int i32;
-typedef unsigned short u16;
 
 #define MPICOMP_TOPK_ABS 0x7fffffffu
 #define MPICOMP_TOPK_INF 0x7f800000u
@@ -35,31 +31,6 @@ typedef unsigned short u16;
 #define MPICOMP_TOPK_PREFIX 0
 #define MPICOMP_TOPK_LEFT 1
 #define MPICOMP_TOPK_BAD 2
-
-// Element i of an integer array of `kind` (log2(itemsize) | 4 if unsigned) as int64; uint64
-// wraps, as np.int64() does.
-__device__ __forceinline__ i64 mpicomp_topk_load(const void* p, int kind, i64 i) {
-    switch (kind) {
-    case 0: return ((const i8*)p)[i];
-    case 1: return ((const i16*)p)[i];
-    case 2: return ((const i32*)p)[i];
-    case 3: return ((const i64*)p)[i];
-    case 4: return ((const u8*)p)[i];
-    case 5: return ((const u16*)p)[i];
-    case 6: return ((const u32*)p)[i];
-    default: return (i64)((const u64*)p)[i];
-    }
-}
-
-// Store the low bits of v into element i of an integer array of `kind` (NumPy's wrap).
-__device__ __forceinline__ void mpicomp_topk_store(void* p, int kind, i64 i, u64 v) {
-    switch (kind & 3) {
-    case 0: ((u8*)p)[i] = (u8)v; break;
-    case 1: ((u16*)p)[i] = (u16)v; break;
-    case 2: ((u32*)p)[i] = (u32)v; break;
-    default: ((u64*)p)[i] = v; break;
-    }
-}
 
 // Add to hist[0, 2^nbits) the digits (p >> shift) of the patterns whose bits above
 // shift + nbits equal T's chosen so far. The first pass (shift + nbits == 31) flags NaN/Inf;
@@ -190,7 +161,7 @@ extern "C" __global__ void mpicomp_topk_write(const u32* x, i64 n, const u64* st
             const u32 a = p[j] & MPICOMP_TOPK_ABS;
             if (lo + j >= n || a < thresh || (a == thresh && take == 0)) continue;
             take -= a == thresh;
-            mpicomp_topk_store(out_idx, idx_kind, at, (u64)(lo + j));
+            mpicomp_store_int(out_idx, idx_kind, at, (u64)(lo + j));
             out_val[at] = p[j];
             ++at;
         }
@@ -204,8 +175,8 @@ extern "C" __global__ void mpicomp_topk_write(const u32* x, i64 n, const u64* st
 extern "C" __global__ void mpicomp_topk_scatter(const void* indices, int kind, i64 k,
                                                 const u32* values, i64 n, u32* out, u64* err) {
     MPICOMP_FOR(j, k) {
-        const i64 i = mpicomp_topk_load(indices, kind, j);
-        const i64 prev = j > 0 ? mpicomp_topk_load(indices, kind, j - 1) : -1;
+        const i64 i = mpicomp_load_int(indices, kind, j);
+        const i64 prev = j > 0 ? mpicomp_load_int(indices, kind, j - 1) : -1;
         const u32 v = values[j];
         const u64 code = i < 0 || i <= prev || i >= n             ? 1ull
                          : (v & MPICOMP_TOPK_ABS) >= MPICOMP_TOPK_INF ? 2ull

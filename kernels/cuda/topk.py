@@ -11,6 +11,8 @@ from types import SimpleNamespace
 
 import numpy as np
 
+from mpicomp.kernels.cuda.device import int_kind
+
 #: Elements per thread of a compaction tile (CUDA-side only: the result does not depend on it).
 ITEMS = 8
 DEFINES = {"MPICOMP_TOPK_ITEMS": str(ITEMS)}
@@ -20,11 +22,10 @@ PASSES = ((20, 11), (10, 10), (0, 10))
 
 
 def _kind(a, what: str) -> np.int32:
-    """Return the kernels' code of ``a``'s integer dtype: log2(itemsize) | 4 if unsigned."""
-    dt = np.dtype(a.dtype)
-    if dt.kind not in "iu":
-        raise TypeError(f"topk {what}: indices must be integers, got {dt}")
-    return np.int32(int(dt.itemsize).bit_length() - 1 | (4 if dt.kind == "u" else 0))
+    """Return the kernels' code of index array ``a``'s dtype (bool is no index)."""
+    if a.dtype == np.bool_:
+        raise TypeError(f"topk {what}: indices must be integers, got bool")
+    return int_kind(a, f"topk {what}: indices")
 
 
 def _address(a) -> int:
