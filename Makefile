@@ -74,19 +74,26 @@ test-mpi: mpi-check
 # first the planted bugs each must find, then every kernel test of tests/test_cuda_*.py
 # (not the compile checks: the compilers would inherit the preload). numba runs on one
 # thread: TSan takes its OpenMP pool's hand-offs for races (false reports).
-SANITIZER_RUNTIME_thread    := libtsan.so
-SANITIZER_RUNTIME_address   := libasan.so
-SANITIZER_RUNTIME_undefined := libubsan.so
+# ASan also needs libstdc++ preloaded: the harness unwinds a failed launch by throwing, and
+# ASan's __cxa_throw interceptor must find the real one at start.
+SANITIZER_PRELOAD_thread    := libtsan.so
+SANITIZER_PRELOAD_address   := libasan.so libstdc++.so
+SANITIZER_PRELOAD_undefined := libubsan.so
+# TSan is slow (an hour here for the whole suite): e.g. SANITIZERS=address SANITIZE_ARGS="-k 64x4".
+SANITIZERS    ?= thread address undefined
+SANITIZE_ARGS ?=
 test-sanitize: $(VENV)/.installed
 	MPICOMP_TEST_SANITIZERS=1 $(BIN)/python -m pytest -q -p no:cacheprovider tests/test_cuda_sanitize.py
-	@set -e; for s in thread address undefined; do \
-	  case $$s in thread) lib=$(SANITIZER_RUNTIME_thread);; address) lib=$(SANITIZER_RUNTIME_address);; \
-	    *) lib=$(SANITIZER_RUNTIME_undefined);; esac; \
+	@set -e; for s in $(SANITIZERS); do \
+	  case $$s in thread) libs="$(SANITIZER_PRELOAD_thread)";; \
+	    address) libs="$(SANITIZER_PRELOAD_address)";; *) libs="$(SANITIZER_PRELOAD_undefined)";; esac; \
+	  pre=$$(for l in $$libs; do g++ -print-file-name=$$l; done | tr '\n' ' '); \
 	  echo "== CUDA kernels on cuda-emulated under -fsanitize=$$s"; \
 	  NUMBA_NUM_THREADS=1 MPICOMP_EMULATED_SANITIZE=$$s MPICOMP_EMULATED_CACHE=$(CURDIR)/.emulated-cache/$$s \
-	  LD_PRELOAD=$$(g++ -print-file-name=$$lib) ASAN_OPTIONS=detect_leaks=0 \
+	  LD_PRELOAD="$$pre" ASAN_OPTIONS=detect_leaks=0 \
 	  TSAN_OPTIONS=halt_on_error=1 UBSAN_OPTIONS=halt_on_error=1 \
-	  $(BIN)/python -m pytest -q -p no:cacheprovider $$(ls tests/test_cuda_*.py | grep -v "sanitize\|build"); \
+	  $(BIN)/python -m pytest -q -p no:cacheprovider $(SANITIZE_ARGS) \
+	    $$(ls tests/test_cuda_*.py | grep -v "sanitize\|build"); \
 	done
 
 # Fail early when mpi4py loaded another MPI than the one this environment is for.
