@@ -101,3 +101,26 @@ template <class T> __device__ T mpicomp_block_exclusive_scan(T v, T* scratch, T*
     *total = sum;
     return before + inc - v;
 }
+
+// Exclusive max-scan over the block in thread order (`none` for thread 0); *total gets the
+// block's max. Exact in any order, so geometry-free for floats' bit patterns and integers.
+__device__ i64 mpicomp_block_exclusive_max(i64 v, i64 none, i64* scratch, i64* total) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
+    i64 inc = v;
+    for (int off = 1; off < 32; off <<= 1) {
+        const i64 y = __shfl_up_sync(0xffffffffu, inc, off);
+        if (lane >= off) inc = inc < y ? y : inc;
+    }
+    i64 exc = __shfl_up_sync(0xffffffffu, inc, 1);
+    if (lane == 0) exc = none;
+    if (lane == 31) scratch[warp] = inc;
+    __syncthreads();
+    i64 before = none, all = none;
+    for (int w = 0; w < warps; ++w) {
+        if (w < warp) before = before < scratch[w] ? scratch[w] : before;
+        all = all < scratch[w] ? scratch[w] : all;
+    }
+    __syncthreads();
+    *total = all;
+    return before < exc ? exc : before;
+}

@@ -91,28 +91,6 @@ __device__ __forceinline__ FsChunk fs_chunk(i64 ch, i64 n, i64 bucket, i64 cpb) 
 
 // ---- block helpers (every thread of the block calls) --------------------------------------------
 
-// Exclusive max-scan over the block in thread order (identity `none`); *total gets the max.
-__device__ i64 fs_block_exclusive_max(i64 v, i64 none, i64* scratch, i64* total) {
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
-    i64 inc = v;
-    for (int off = 1; off < 32; off <<= 1) {
-        const i64 y = __shfl_up_sync(0xffffffffu, inc, off);
-        if (lane >= off) inc = max(inc, y);
-    }
-    i64 exc = __shfl_up_sync(0xffffffffu, inc, 1);
-    if (lane == 0) exc = none;
-    if (lane == 31) scratch[warp] = inc;
-    __syncthreads();
-    i64 before = none, all = none;
-    for (int w = 0; w < warps; ++w) {
-        if (w < warp) before = max(before, scratch[w]);
-        all = max(all, scratch[w]);
-    }
-    __syncthreads();
-    *total = all;
-    return max(before, exc);
-}
-
 // List in kl[0..count) the chunk-relative indices of [c0, c1) with |x| >= qtau (none when
 // !any), in order; return count (to every thread).
 __device__ int fs_compact(const u32* __restrict__ xbits, i64 c0, i64 c1, bool any, double qtau,
@@ -273,7 +251,7 @@ extern "C" __global__ void mpicomp_fastsgd_plan(i64 nb, i64 cpb, const int* bad,
             const i64 cnt = in ? ccount[ch] : 0;
             i64 tile, tmax;
             const i64 before = mpicomp_block_exclusive_scan(cnt, scratch, &tile);
-            const i64 prevl = max(last, fs_block_exclusive_max(in && cnt ? clast[ch] : -1, -1,
+            const i64 prevl = max(last, mpicomp_block_exclusive_max(in && cnt ? clast[ch] : -1, -1,
                                                               scratch, &tmax));
             if (in) {
                 coff[ch] = run + before;

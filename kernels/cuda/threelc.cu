@@ -16,29 +16,6 @@
 __device__ __forceinline__ i64 tlc_max64(i64 a, i64 b) { return a < b ? b : a; }
 __device__ __forceinline__ i64 tlc_min64(i64 a, i64 b) { return a < b ? a : b; }
 
-// Exclusive max-scan over the block in thread order (identity -1); *total gets the block's max.
-// `scratch` holds 32 values in shared memory; every thread of the block must call.
-__device__ i64 tlc_block_exclusive_max(i64 v, i64* scratch, i64* total) {
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
-    i64 inc = v;
-    for (int off = 1; off < 32; off <<= 1) {
-        const i64 y = __shfl_up_sync(0xffffffffu, inc, off);
-        if (lane >= off) inc = tlc_max64(inc, y);
-    }
-    i64 ex = __shfl_up_sync(0xffffffffu, inc, 1);
-    if (lane == 0) ex = -1;
-    if (lane == 31) scratch[warp] = inc;
-    __syncthreads();
-    i64 before = -1, all = -1;
-    for (int w = 0; w < warps; ++w) {
-        if (w < warp) before = tlc_max64(before, scratch[w]);
-        all = tlc_max64(all, scratch[w]);
-    }
-    __syncthreads();
-    *total = all;
-    return tlc_max64(before, ex);
-}
-
 // ---- max --------------------------------------------------------------------------------------
 // top = max over i of the uint32 pattern of (x[i] + r[i]) with the sign cleared (an integer max:
 // exact in any order; NaN/Inf are exactly the patterns >= 0x7F800000, as in the numba twin).
@@ -115,7 +92,7 @@ extern "C" __global__ void mpicomp_threelc_zero_run_summary(const u8* src, i64 L
             for (int q = 0; q < TLC_ITEMS; ++q)
                 if (i0 + q < end && src[i0 + q] != TLC_ZB) mine = i0 + q;
             i64 tile_last;
-            i64 p = tlc_max64(carry, tlc_block_exclusive_max(mine, scratch64, &tile_last));
+            i64 p = tlc_max64(carry, mpicomp_block_exclusive_max(mine, -1, scratch64, &tile_last));
             u64 c = 0;
             for (int q = 0; q < TLC_ITEMS && i0 + q < end; ++q) {
                 const i64 i = i0 + q;
@@ -174,7 +151,7 @@ extern "C" __global__ void mpicomp_threelc_zero_run_write(const u8* src, i64 L, 
             for (int q = 0; q < TLC_ITEMS; ++q)
                 if (i0 + q < end && src[i0 + q] != TLC_ZB) mine = i0 + q;
             i64 tile_last;
-            const i64 p0 = tlc_max64(carry, tlc_block_exclusive_max(mine, scratch64, &tile_last));
+            const i64 p0 = tlc_max64(carry, mpicomp_block_exclusive_max(mine, -1, scratch64, &tile_last));
             i64 p = p0;
             u32 c = 0;
             for (int q = 0; q < TLC_ITEMS && i0 + q < end; ++q) {
