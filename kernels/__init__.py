@@ -1,13 +1,17 @@
 """Device code of mpicomp, and the one place that looks at array types.
 
-A *backend* is a record: ``name``, ``xp`` (the array module its arrays belong to) and one
-attribute per kernel family (``FAMILIES``) whose public callables are the family's
-host-side launchers. Launchers have the same signatures on every backend; callers
+A *backend* is a record: ``name``, ``xp`` (the array module its arrays belong to),
+``to_host`` (brings one of its arrays to the host as a NumPy array: on a GPU a counted
+synchronization, so callers use it for the few bytes they must read, such as a payload
+header) and one attribute per kernel family (``FAMILIES``) whose public callables are the
+family's host-side launchers. Launchers have the same signatures on every backend; callers
 allocate outputs through ``record.xp`` and pass them in. Codecs and collectives never
 import a backend's modules: they call the launchers of the record ``backend_of(x)``
 returns.
 
-Backends present: ``numba`` (NumPy arrays on the CPU, ``kernels/cpu/``). Another one
+Backends present: ``numba`` (NumPy arrays on the CPU, ``kernels/cpu/``), ``cuda`` (CuPy
+arrays, the sources of ``kernels/cuda/`` through ``cupy.RawModule``) and ``cuda-emulated``
+(NumPy arrays, the same sources compiled for the CPU by g++). Another one
 registers with ``register_backend(name, record)`` (a record, or a function returning
 one, called at first use so its imports stay lazy) and is chosen for NumPy arrays by
 the environment variable ``MPICOMP_KERNELS``, read when a codec or a CompressedComm is
@@ -30,6 +34,7 @@ __all__ = [
     "available",
     "backend",
     "backend_of",
+    "register_array_type",
     "register_backend",
 ]
 
@@ -44,6 +49,8 @@ DEFAULT = "numba"
 
 # name -> record, or a function of no arguments that makes the record at first use.
 _REGISTRY: dict[str, object] = {}
+# array class -> the backend computing on its arrays (NumPy's is chosen per codec instead).
+_ARRAY_TYPES: dict[type, str] = {}
 
 
 def register_backend(name: str, record) -> None:
@@ -51,7 +58,7 @@ def register_backend(name: str, record) -> None:
 
     Args:
         name: what ``backend(name)`` and ``MPICOMP_KERNELS`` call it.
-        record: an object with ``name``, ``xp`` and one attribute per family of
+        record: an object with ``name``, ``xp``, ``to_host`` and one attribute per family of
             ``FAMILIES``, each holding that family's launchers; or a callable of no
             arguments returning such a record, called at the first ``backend(name)``.
 
@@ -92,25 +99,38 @@ def backend(name: str | None = None):
     return record
 
 
+def register_array_type(cls: type, name: str) -> None:
+    """Make ``backend_of`` send arrays of class ``cls`` (and its subclasses) to backend ``name``.
+
+    CuPy's ``cupy.ndarray`` goes to ``cuda`` without registration (so CuPy is never imported
+    here); this is for other device array types, such as the tests' host-backed ones.
+    """
+    if not isinstance(cls, type) or issubclass(cls, (np.ndarray, np.generic)):
+        raise TypeError(f"expected a device array class, got {cls!r}")
+    _ARRAY_TYPES[cls] = name
+
+
 def backend_of(x, host=None):
     """Return the backend record that computes on array ``x``.
 
     NumPy arrays (and NumPy scalars) go to ``host``, a record chosen earlier (codecs and
     CompressedComm read ``MPICOMP_KERNELS`` when they are made), or else to
-    ``backend()``. Arrays of any other module are refused: no GPU backend exists yet.
+    ``backend()``. CuPy arrays go to ``cuda``, the classes of ``register_array_type`` to
+    their backend.
 
     Raises:
         TypeError: ``x`` is not an array of a backend present.
     """
     if isinstance(x, (np.ndarray, np.generic)):
         return backend() if host is None else host
-    module = type(x).__module__.split(".")[0]
-    if module == "cupy":
-        raise TypeError(
-            "CuPy arrays are not supported yet (the CUDA kernels run on the CPU as "
-            "MPICOMP_KERNELS=cuda-emulated, not yet on a GPU); pass a NumPy array"
-        )
-    raise TypeError(f"expected a NumPy array, got {type(x).__module__}.{type(x).__name__}")
+    for cls in type(x).__mro__:
+        name = _ARRAY_TYPES.get(cls)
+        if name is not None:
+            return backend(name)
+    cls = type(x)
+    if cls.__module__.split(".")[0] == "cupy" and cls.__name__ == "ndarray":
+        return backend("cuda")
+    raise TypeError(f"expected a NumPy or CuPy array, got {cls.__module__}.{cls.__name__}")
 
 
 def launchers(record, family: str) -> dict[str, Callable]:
@@ -137,7 +157,7 @@ def threadsafe(record) -> bool:
 
 def _missing(obj) -> list[str]:
     """Return the record attributes ``obj`` lacks."""
-    return [a for a in ("name", "xp", *FAMILIES) if not hasattr(obj, a)]
+    return [a for a in ("name", "xp", "to_host", *FAMILIES) if not hasattr(obj, a)]
 
 
 def _is_factory(obj) -> bool:
@@ -164,6 +184,15 @@ def _emulated_record() -> SimpleNamespace:
     return record(Device.emulated(), FAMILIES)
 
 
+def _cuda_record() -> SimpleNamespace:
+    from mpicomp.kernels.cuda import record
+    from mpicomp.kernels.cuda.device import Device
+
+    return record(Device.cuda(), FAMILIES)
+
+
 register_backend(DEFAULT, _numba_record)
 #: The CUDA sources of every family run on the CPU (NumPy arrays): kernels/cuda/emulated.py.
 register_backend("cuda-emulated", _emulated_record)
+#: The CUDA sources on the current GPU through CuPy (CuPy arrays).
+register_backend("cuda", _cuda_record)

@@ -216,8 +216,9 @@ def info() -> dict[str, str]:
     out["mpi4py ABI"] = _mpi4py_abi(MPI)
     out["MPI world size"] = str(MPI.COMM_WORLD.size)
     out["MPI CUDA support"] = _mpi_cuda_support(libpath, vendor)
-    # No kernel backend computes on GPU arrays yet: MPI only ever gets host buffers.
-    out["CUDA-aware MPI"] = "no (no GPU backend)"
+    # Codecs compute on CuPy arrays, but CompressedComm takes host arrays: MPI only
+    # ever gets host buffers.
+    out["CUDA-aware MPI"] = "no (CompressedComm sends host buffers)"
     out["GPUs"] = _gpus()
     out["backends"] = _backends(numba.config.NUMBA_NUM_THREADS)
     out["codecs"] = ", ".join(mpicomp.codecs.available())
@@ -299,7 +300,7 @@ def _mpi_cuda_support(libpath: str | None, vendor: str) -> str:
 
 
 def _gpus() -> str:
-    """Return the GPUs CuPy sees (mpicomp does not compute on them yet)."""
+    """Return the GPUs CuPy sees (the ``cuda`` kernel backend computes on them)."""
     try:
         import cupy
     except ImportError:

@@ -13,7 +13,7 @@ from functools import partial
 import numpy as np
 
 from mpicomp import _reduce
-from mpicomp._arrays import to_float32
+from mpicomp._arrays import is_device_array, to_float32
 from mpicomp._progress import Handle, Worker, overlap_blocker
 from mpicomp._reduce import NonFiniteWarning, RankError
 from mpicomp._same_call import check_same_call
@@ -358,6 +358,11 @@ class CompressedComm:
         ``_average`` to raise inside the call (every rank then raises)."""
         what = f"gradient {name!r}" if name else "gradient"
         try:
+            if is_device_array(x):
+                raise TypeError(
+                    f"{what} is a {type(x).__module__} device array: CompressedComm takes "
+                    "host arrays in this version (codecs encode device arrays themselves)"
+                )
             flat, overflowed = to_float32(x, what=what)
             self._check_name(name)
         except (ValueError, TypeError) as e:

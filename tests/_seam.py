@@ -28,7 +28,7 @@ def counting_record(calls: Counter, name: str = "counting") -> SimpleNamespace:
         )
         for fam in K.FAMILIES
     }
-    return SimpleNamespace(name=name, xp=numba.xp, **families)
+    return SimpleNamespace(name=name, xp=numba.xp, to_host=numba.to_host, **families)
 
 
 def poison(monkeypatch, record) -> None:

@@ -37,7 +37,7 @@ def test_info_names_the_mpi_library(capsys):
     assert fields["codecs"].split(", ") == sorted(fields["codecs"].split(", "))
     assert "threelc" in fields["codecs"]
     threads = numba.config.NUMBA_NUM_THREADS
-    assert fields["backends"] == f"cuda-emulated, numba (in use; {threads} threads)"
+    assert fields["backends"] == f"cuda, cuda-emulated, numba (in use; {threads} threads)"
     for key in ("mpicomp", "numpy", "numba", "mpi4py", "h5py", "CUDA-aware MPI", "GPUs"):
         assert fields[key]
 
@@ -49,8 +49,8 @@ def test_info_json_matches_the_library(capsys):
     fields = json.loads(capsys.readouterr().out)
     assert fields["MPI vendor"].startswith(MPI.get_vendor()[0])
     assert fields["MPI world size"] == str(MPI.COMM_WORLD.size)
-    # No kernel backend computes on GPU arrays yet, whatever GPUs CuPy may see.
-    assert fields["CUDA-aware MPI"] == "no (no GPU backend)"
+    # CompressedComm takes host arrays, whatever GPUs CuPy may see.
+    assert fields["CUDA-aware MPI"] == "no (CompressedComm sends host buffers)"
     import mpicomp.kernels as K
 
     assert [b.split(" (")[0] for b in fields["backends"].split(", ")] == K.available()

@@ -44,8 +44,27 @@ def test_selection_by_environment_and_clear_errors(monkeypatch):
     assert mpicomp.codec("topk").kernels.name == "numba"
     with pytest.raises(TypeError, match="lacks"):
         K.register_backend("broken", SimpleNamespace(name="broken", xp=np))
-    with pytest.raises(TypeError, match="expected a NumPy array"):
+    with pytest.raises(TypeError, match="expected a NumPy or CuPy array, got builtins.list"):
         K.backend_of([1.0, 2.0])
+
+
+def test_device_array_types_go_to_their_backend():
+    class Arrays:  # a device array type, and one derived from it
+        pass
+
+    class MoreArrays(Arrays):
+        pass
+
+    K.register_backend("arrays", counting_record(Counter(), "arrays"))
+    K.register_array_type(Arrays, "arrays")
+    try:
+        assert K.backend_of(MoreArrays()).name == "arrays"
+        assert K.backend_of(np.zeros(1)).name == K.backend().name  # NumPy: as before
+        with pytest.raises(TypeError, match="device array class"):
+            K.register_array_type(np.ndarray, "arrays")
+    finally:
+        K._ARRAY_TYPES.pop(Arrays)
+        K._REGISTRY.pop("arrays")
 
 
 def test_a_lazy_registration_is_built_once_at_first_use():

@@ -47,6 +47,7 @@ def record() -> SimpleNamespace:
     return SimpleNamespace(
         name="numba",
         xp=np,
+        to_host=np.asarray,  # host arrays already
         threadsafe=numba_threadsafe,
         bits=family(
             pack=bits.mpicomp_bits_pack,

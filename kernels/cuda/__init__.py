@@ -22,4 +22,11 @@ def record(dev, families) -> SimpleNamespace:
     found = {
         f: importlib.import_module(f"mpicomp.kernels.cuda.{f}").launchers(dev) for f in families
     }
-    return SimpleNamespace(name=dev.name, xp=dev.xp, device=dev, threadsafe=lambda: True, **found)
+    return SimpleNamespace(
+        name=dev.name,
+        xp=dev.xp,
+        to_host=dev.to_host,
+        device=dev,
+        threadsafe=lambda: True,
+        **found,
+    )

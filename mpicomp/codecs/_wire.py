@@ -24,6 +24,7 @@ import zlib
 
 import numpy as np
 
+from mpicomp._arrays import is_array
 from mpicomp.errors import PayloadError
 from mpicomp.kernels import backend_of
 from mpicomp.kernels.checksum import combine
@@ -59,9 +60,19 @@ def _checksum(payload: np.ndarray, kernels=None) -> int:
     return adler32(payload[12:], zlib.adler32(payload[:8]))
 
 
-def _head_checksum(payload: np.ndarray, start: int) -> int:
-    """Return Adler-32 of the header bytes the checksum covers (0-7, then 12 to ``start``)."""
-    return zlib.adler32(payload[12:start], zlib.adler32(payload[:8]))
+def _head_checksum(head: np.ndarray, start: int) -> int:
+    """Return Adler-32 of the header bytes the checksum covers (0-7, then 12 to ``start``)
+    of ``head``, the header on the host."""
+    return zlib.adler32(head[12:start], zlib.adler32(head[:8]))
+
+
+def _read_head(payload, kernels) -> np.ndarray:
+    """Return the payload's first bytes (as many as the largest header) on the host: one
+    read of a device payload."""
+    head = payload[: header_size(MAX_NDIM)]
+    if isinstance(head, np.ndarray):
+        return head
+    return backend_of(payload, kernels).to_host(head)
 
 
 def header_size(ndim: int) -> int:
@@ -69,11 +80,12 @@ def header_size(ndim: int) -> int:
     return FIXED_SIZE + 8 * ndim
 
 
-def empty(shape: tuple[int, ...], body_size: int) -> tuple[np.ndarray, np.ndarray]:
-    """Return (payload, body): an unsealed payload of ``body_size`` body bytes, and the
-    view of its body, for an encoder that writes its body in place; then ``seal`` it."""
+def empty(shape: tuple[int, ...], body_size: int, xp=np) -> tuple[np.ndarray, np.ndarray]:
+    """Return (payload, body): an unsealed payload of ``body_size`` body bytes (an array of
+    ``xp``, where the encoder's input lives), and the view of its body, for an encoder that
+    writes its body in place; then ``seal`` it."""
     start = header_size(len(shape))
-    out = np.empty(start + body_size, dtype=np.uint8)
+    out = xp.empty(start + body_size, dtype=np.uint8)
     return out, out[start:]
 
 
@@ -91,40 +103,46 @@ def seal(
     ``body_sum``, when the encoder computed it while writing the body, is the body's
     Adler-32 from 0 (``zlib.adler32(body, 0)``): the body is then not read again.
     ``kernels``: the backend record of host arrays (default ``mpicomp.kernels.backend()``).
+    The header is made on the host and written with one copy.
     """
     ndim = len(shape)
     start = header_size(ndim)
     body_len = payload.size - start
-    _FIXED.pack_into(payload, 0, MAGIC, VERSION, CODEC_IDS[codec], ndim, flags, 0, 0, body_len)
+    head = np.empty(start, dtype=np.uint8)
+    _FIXED.pack_into(head, 0, MAGIC, VERSION, CODEC_IDS[codec], ndim, flags, 0, 0, body_len)
     if ndim:
-        payload[FIXED_SIZE:start] = np.asarray(shape, dtype="<u8").view(np.uint8)
+        head[FIXED_SIZE:] = np.asarray(shape, dtype="<u8").view(np.uint8)
+    k = backend_of(payload, kernels)
     if body_sum is None:
-        body_sum = backend_of(payload, kernels).checksum.adler32(payload[start:], 0)
-    struct.pack_into("<I", payload, 8, combine(_head_checksum(payload, start), body_sum, body_len))
+        body_sum = k.checksum.adler32(payload[start:], 0)
+    struct.pack_into("<I", head, 8, combine(_head_checksum(head, start), body_sum, body_len))
+    payload[:start] = k.xp.asarray(head)
     return payload
 
 
 def pack(
     codec: str, shape: tuple[int, ...], body: np.ndarray, flags: int = 0, *, kernels=None
 ) -> np.ndarray:
-    """Return header + ``body`` (a 1-D uint8 array) as one 1-D uint8 payload."""
-    body = np.ascontiguousarray(body, dtype=np.uint8).reshape(-1)
-    out, dst = empty(shape, body.size)
+    """Return header + ``body`` (a 1-D uint8 array) as one 1-D uint8 payload of its backend."""
+    k = backend_of(body, kernels)
+    body = k.xp.ascontiguousarray(body, dtype=np.uint8).reshape(-1)
+    out, dst = empty(shape, body.size, k.xp)
     # One pass copies the body and sums it.
-    body_sum = backend_of(body, kernels).checksum.adler32(body, 0, dst=dst)
+    body_sum = k.checksum.adler32(body, 0, dst=dst)
     return seal(codec, out, shape, flags, body_sum, kernels=kernels)
 
 
-def verify(codec: str, payload: np.ndarray, body_sum: int) -> None:
+def verify(codec: str, payload: np.ndarray, body_sum: int, *, kernels=None) -> None:
     """Check the checksum of a payload that ``unpack(..., verify=False)`` accepted, given
     its body's Adler-32 from 0 (computed by a decoder in its own pass over the body).
 
     Raises:
-        PayloadError: the checksum does not match.
+        PayloadError: the payload does not match its checksum.
     """
-    start = header_size(int(payload[4]))
-    value = combine(_head_checksum(payload, start), body_sum, payload.size - start)
-    if value != struct.unpack_from("<I", payload, 8)[0]:
+    head = _read_head(payload, kernels)
+    start = header_size(int(head[4]))
+    value = combine(_head_checksum(head, start), body_sum, payload.size - start)
+    if value != struct.unpack_from("<I", head, 8)[0]:
         raise PayloadError(f"{codec} payload fails its checksum (corrupted in transit?)")
 
 
@@ -144,13 +162,14 @@ def unpack(
     agreement), is the element count the payload must describe: checked before any
     decoder allocates, since a few honest bytes of a sparse codec can describe a
     tensor of 2^40 elements. ``verify=False`` skips the checksum, for a decoder that
-    sums the body in its own pass and then calls ``verify``.
+    sums the body in its own pass and then calls ``verify``. A payload on a device is
+    validated there; only its header comes to the host (one read).
 
     Raises:
         PayloadError: wrong type, truncated, wrong magic, version or codec id,
             inconsistent body length, bad checksum or an impossible shape.
     """
-    if not isinstance(payload, np.ndarray) or payload.dtype != np.uint8 or payload.ndim != 1:
+    if not is_array(payload) or payload.dtype != np.uint8 or payload.ndim != 1:
         raise PayloadError(
             f"{codec} payload must be a 1-D uint8 array, got {type(payload).__name__}"
             + (
@@ -163,8 +182,9 @@ def unpack(
         raise PayloadError(
             f"{codec} payload truncated: {payload.size} bytes < {FIXED_SIZE}-byte header"
         )
+    head = _read_head(payload, kernels)
     magic, version, codec_id, ndim, flags, reserved, checksum, body_len = _FIXED.unpack_from(
-        payload, 0
+        head, 0
     )
     if magic != MAGIC:
         raise PayloadError(f"not an mpicomp payload: magic {magic!r}, expected {MAGIC!r}")
@@ -187,7 +207,7 @@ def unpack(
             f"{codec} payload length {payload.size} does not match header "
             f"({start}-byte header + {body_len}-byte body)"
         )
-    shape = tuple(int(d) for d in payload[FIXED_SIZE:start].view("<u8")) if ndim else ()
+    shape = tuple(int(d) for d in head[FIXED_SIZE:start].view("<u8")) if ndim else ()
     # The non-zero dimensions too: a zero-size shape like (0, 2**64 - 1), or (0, 2**38,
     # 2**38), is empty yet cannot be reshaped to.
     if numel_of(tuple(d for d in shape if d)) > MAX_NUMEL:
@@ -196,8 +216,10 @@ def unpack(
         raise PayloadError(
             f"{codec} payload describes {numel_of(shape)} elements, expected {numel}"
         )
-    if verify and _checksum(payload, kernels) != checksum:
-        raise PayloadError(f"{codec} payload fails its checksum (corrupted in transit?)")
+    if verify:
+        adler32 = backend_of(payload, kernels).checksum.adler32
+        if adler32(payload[12:], zlib.adler32(head[:8])) != checksum:
+            raise PayloadError(f"{codec} payload fails its checksum (corrupted in transit?)")
     return shape, flags, payload[start:]
 
 

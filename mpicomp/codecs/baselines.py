@@ -6,7 +6,7 @@ import math
 
 import numpy as np
 
-from mpicomp._arrays import as_gradient
+from mpicomp._arrays import array_module, as_gradient
 from mpicomp.codecs import _wire
 from mpicomp.codecs._base import Codec, GatherCodecBase, check_number, register
 from mpicomp.errors import PayloadError
@@ -31,11 +31,12 @@ class _Dense(Codec):
 
     def from_wire(self, total, nranks: int = 1, shape=None):
         """Return the float32 average over ``nranks`` of the summed wire array."""
-        total = np.asarray(total)
+        xp = array_module(total)
+        total = xp.asarray(total)
         if total.dtype != np.float32:
             total = total.astype(np.float32)
-        out = np.empty(total.shape, np.float32)
-        np.divide(total, np.float32(nranks), out=out)  # one pass: no astype copy first
+        out = xp.empty(total.shape, np.float32)
+        xp.divide(total, np.float32(nranks), out=out)  # one pass: no astype copy first
         return out.reshape(shape) if shape is not None else out
 
     def encode(self, x) -> np.ndarray:
@@ -57,7 +58,7 @@ class _Dense(Codec):
                 f"{self.name} payload body is {body.size} bytes, shape {shape} needs "
                 f"{self.wire_dtype.itemsize} per element"
             )
-        out = np.empty(n, np.float32)
+        out = backend_of(body, self.kernels).xp.empty(n, np.float32)
         finite = self._read_body(body, out, payload)
         if not finite:
             raise PayloadError(f"{self.name} payload holds NaN or Inf, which its encoder refuses")
@@ -67,7 +68,8 @@ class _Dense(Codec):
         """Fill float32 ``out`` from the validated-size ``body``, verify the payload's
         checksum on the way; return False if the codec refuses what it read."""
         adler32 = backend_of(body, self.kernels).checksum.adler32
-        _wire.verify(self.name, payload, adler32(body, 0, dst=out.view(np.uint8)))
+        body_sum = adler32(body, 0, dst=out.view(np.uint8))
+        _wire.verify(self.name, payload, body_sum, kernels=self.kernels)
         return True
 
 
@@ -98,12 +100,12 @@ class Float16(_Dense):
         out = k.xp.empty(x.shape, np.float16)
         ok, _ = k.fp16.encode(x.reshape(-1), out.reshape(-1).view(np.uint16))
         if not ok:
-            self._check_range(x)
+            self._check_range(x, k)
         return out
 
     def from_wire(self, total, nranks: int = 1, shape=None):
         """Return the float32 average over ``nranks`` of the summed float16 array."""
-        total = np.asarray(total)
+        total = array_module(total).asarray(total)
         if total.dtype != np.float16:
             return super().from_wire(total, nranks, shape)  # any other dtype: converted
         k = backend_of(total, self.kernels)
@@ -118,24 +120,23 @@ class Float16(_Dense):
             ValueError: as ``to_wire``.
         """
         x = as_gradient(x)
+        k = backend_of(x, self.kernels)
         # One pass rounds into the payload, checks the range and sums the checksum.
-        payload, body = _wire.empty(x.shape, 2 * x.size)
-        ok, body_sum = backend_of(x, self.kernels).fp16.encode(
-            x.reshape(-1), body.view(np.uint16), body
-        )
+        payload, body = _wire.empty(x.shape, 2 * x.size, k.xp)
+        ok, body_sum = k.fp16.encode(x.reshape(-1), body.view(np.uint16), body)
         if not ok:
-            self._check_range(x)
+            self._check_range(x, k)
         return _wire.seal(self.name, payload, x.shape, body_sum=body_sum, kernels=self.kernels)
 
     def _read_body(self, body, out, payload) -> bool:
         k = backend_of(body, self.kernels)
-        _wire.verify(self.name, payload, k.checksum.adler32(body, 0))
+        _wire.verify(self.name, payload, k.checksum.adler32(body, 0), kernels=self.kernels)
         return k.fp16.decode(body.view("<u2"), out)
 
     @staticmethod
-    def _check_range(x) -> None:
-        """Raise the ValueError that ``x`` (which float16 cannot hold) deserves."""
-        amax = float(np.abs(x).max()) if x.size else 0.0
+    def _check_range(x, k) -> None:
+        """Raise the ValueError that ``x`` (which float16 cannot hold, launchers ``k``) deserves."""
+        amax = float(k.to_host(k.xp.abs(x).max())) if x.size else 0.0
         if not math.isfinite(amax):
             raise ValueError("fp16: input holds NaN or Inf")
         if amax > _FP16_MAX:
@@ -180,14 +181,14 @@ class TopK(GatherCodecBase):
         n, k = flat.size, self.kept(flat.size)
         idt = self._index_dtype(n)
         # The body is written in place: k, then the indices, then the values.
-        payload, body = _wire.empty(x.shape, 8 + k * (idt.itemsize + 4))
-        body[:8] = np.array([k], dtype="<u8").view(np.uint8)
+        payload, body = _wire.empty(x.shape, 8 + k * (idt.itemsize + 4), kernels.xp)
+        body[:8] = kernels.xp.asarray(np.array([k], dtype="<u8").view(np.uint8))
         idx = body[8 : 8 + k * idt.itemsize].view(idt)
         vals = body[8 + k * idt.itemsize :].view("<f4")
         if k == n:
             if n and not kernels.topk.all_finite(flat):
                 raise ValueError("topk: input holds NaN or Inf")
-            idx[:] = np.arange(n, dtype=idt)
+            idx[:] = kernels.xp.arange(n, dtype=idt)
             vals[:] = flat
         elif not kernels.topk.select(flat, k, idx, vals):
             raise ValueError("topk: input holds NaN or Inf")
@@ -196,17 +197,18 @@ class TopK(GatherCodecBase):
     def decode(self, payload, numel: int | None = None) -> np.ndarray:
         """Return the dense float32 array of ``payload`` (zeros where nothing was kept)."""
         shape, _, body = _wire.unpack(self.name, payload, numel=numel, kernels=self.kernels)
+        kernels = backend_of(body, self.kernels)
         n = _wire.numel_of(shape)
         if body.size < 8:
             raise PayloadError(f"topk payload body truncated: {body.size} bytes")
-        k = int(body[:8].view("<u8")[0])
+        k = int(kernels.to_host(body[:8]).view("<u8")[0])
         idt = self._index_dtype(n)
         if k > n or body.size != 8 + k * (idt.itemsize + 4):
             raise PayloadError(f"topk payload holds k={k} for n={n} in a {body.size}-byte body")
         idx = body[8 : 8 + k * idt.itemsize].view(idt)
         vals = body[8 + k * idt.itemsize :].view("<f4")
-        out = np.zeros(n, dtype=np.float32)
-        err = backend_of(body, self.kernels).topk.scatter(idx, vals, n, out)
+        out = kernels.xp.zeros(n, dtype=np.float32)
+        err = kernels.topk.scatter(idx, vals, n, out)
         if err == 1:
             raise PayloadError("topk payload indices are out of range or not increasing")
         if err == 2:

@@ -80,7 +80,7 @@ class FastSGD(GatherCodecBase):
         flag_bits = check_number("flag_bits", flag_bits, 1, _k.MAX_FLAG_BITS, integer=True)
         bucket = check_number("bucket", bucket, 0, _k.MAX_BUCKET, integer=True)
         super().__init__(base=base, tau=tau, flag_bits=flag_bits, bucket=bucket)
-        self._powers = self.kernels.fastsgd.powers(base, tau)
+        self._powers = {}  # backend name -> b^L for L = 0..tau, on its device
 
     def encode(self, x) -> np.ndarray:
         """Return the FastSGD payload of ``x``.
@@ -94,7 +94,8 @@ class FastSGD(GatherCodecBase):
                 more than 2**29 elements.
         """
         x = as_gradient(x)
-        k = backend_of(x, self.kernels).fastsgd
+        kernels = backend_of(x, self.kernels)
+        xp, k = kernels.xp, kernels.fastsgd
         flat = x.reshape(-1)
         n = flat.size
         p = self.params
@@ -107,18 +108,21 @@ class FastSGD(GatherCodecBase):
         # Each bucket is encoded into its own slot of a scratch buffer sized for the worst
         # case (only the bytes written are touched), then the slots are packed in order.
         cap = _k.bucket_capacity(min(bucket, n), p["flag_bits"])
-        scratch = np.empty(nbuckets * cap, np.uint8)
-        sizes = np.empty(nbuckets, np.int64)
-        ok = k.encode(flat, bucket, self._powers, p["flag_bits"], scratch, cap, sizes)
+        scratch = xp.empty(nbuckets * cap, np.uint8)
+        sizes = xp.empty(nbuckets, np.int64)
+        powers = self._powers_on(kernels, p["base"], p["tau"])
+        ok = k.encode(flat, bucket, powers, p["flag_bits"], scratch, cap, sizes)
         if not ok:
             raise ValueError("fastsgd cannot encode x: it contains NaN or Inf")
-        offsets = np.empty(nbuckets, np.int64)
-        offsets[:1] = _k.PREFIX_BYTES
-        np.cumsum(sizes[:-1], out=offsets[1:])
-        offsets[1:] += _k.PREFIX_BYTES
-        payload, body = _wire.empty(x.shape, _k.PREFIX_BYTES + int(sizes.sum()))
-        body[: _k.PREFIX_BYTES] = self._prefix().view(np.uint8)
-        k.assemble(scratch, cap, sizes, offsets, body)
+        # offsets[i] = PREFIX_BYTES + sizes[:i].sum(); its last entry ends the body.
+        offsets = xp.empty(nbuckets + 1, np.int64)
+        offsets[:1] = 0
+        xp.cumsum(sizes, out=offsets[1:])
+        offsets += _k.PREFIX_BYTES
+        end = int(kernels.to_host(offsets[-1:])[0])
+        payload, body = _wire.empty(x.shape, end, xp)
+        body[: _k.PREFIX_BYTES] = xp.asarray(self._prefix().view(np.uint8))
+        k.assemble(scratch, cap, sizes, offsets[:-1], body)
         return _wire.seal(self.name, payload, x.shape, kernels=self.kernels)
 
     def decode(self, payload, numel: int | None = None) -> np.ndarray:
@@ -132,7 +136,7 @@ class FastSGD(GatherCodecBase):
                 codec, or its body is inconsistent with its shape.
         """
         shape, n, scan = self._scan(payload, numel)
-        out = np.empty(n, np.float32)  # every bucket zeroes its own slice
+        out = scan[0].xp.empty(n, np.float32)  # every bucket zeroes its own slice
         self._scatter(scan, out, accumulate=False)
         return out.reshape(shape)
 
@@ -153,7 +157,7 @@ class FastSGD(GatherCodecBase):
                 is allocated).
         """
         scans = [self._scan(p, numel)[2] for p in payloads]
-        out = self.kernels.xp.zeros(numel, np.float32)
+        out = (scans[0][0] if scans else self.kernels).xp.zeros(numel, np.float32)
         for scan in scans:
             self._scatter(scan, out, accumulate=True)
         return out
@@ -162,12 +166,13 @@ class FastSGD(GatherCodecBase):
         """Check ``payload``'s header, prefix and bucket headers (no allocation beyond a
         constant times its size); return (shape, n, what ``_scatter`` needs)."""
         shape, _, body = _wire.unpack(self.name, payload, numel=numel, kernels=self.kernels)
+        kernels = backend_of(body, self.kernels)
         n = _wire.numel_of(shape)
         if body.size < _k.PREFIX_BYTES:
             raise PayloadError(
                 f"fastsgd payload body truncated: {body.size} bytes < {_k.PREFIX_BYTES}-byte prefix"
             )
-        pre = body[: _k.PREFIX_BYTES].view(_PREFIX)[0]
+        pre = kernels.to_host(body[: _k.PREFIX_BYTES]).view(_PREFIX)[0]
         base, tau, flag_bits = float(pre["base"]), int(pre["tau"]), int(pre["flag_bits"])
         if not 1.0 < base <= MAX_BASE or not 1 <= tau <= _k.MAX_TAU:
             raise PayloadError(f"fastsgd payload has base={base!r}, tau={tau}: out of range")
@@ -186,14 +191,13 @@ class FastSGD(GatherCodecBase):
             raise PayloadError(
                 f"fastsgd payload body of {body.size} bytes cannot hold {nbuckets} buckets"
             )
-        offsets = np.empty(nbuckets + 1, np.int64)
-        sums = np.empty(nbuckets, np.uint32)
-        kernels = backend_of(body, self.kernels)
+        offsets = kernels.xp.empty(nbuckets + 1, np.int64)
+        sums = kernels.xp.empty(nbuckets, np.uint32)
         err = kernels.fastsgd.scan(body, n, bucket, flag_bits, offsets, sums)
         if err:
             raise PayloadError(f"fastsgd payload is inconsistent: {_DECODE_ERRORS[err]}")
         powers = (
-            self._powers
+            self._powers_on(kernels, base, tau)
             if (base, tau) == (self.params["base"], self.params["tau"])
             else kernels.fastsgd.powers(base, tau)
         )
@@ -204,16 +208,23 @@ class FastSGD(GatherCodecBase):
         """Write (or add) the values of a ``_scan``ned payload into ``out``; PayloadError
         when its keys or codes are inconsistent."""
         kernels, body, n, bucket, powers, flag_bits, offsets, sums = scan
-        errs = np.zeros(sums.size, np.int64)
+        errs = kernels.xp.zeros(sums.size, np.int64)
         kernels.fastsgd.decode(
             body, n, bucket, powers, flag_bits, offsets, sums, out, errs, accumulate
         )
-        bad = np.flatnonzero(errs)
+        bad = np.flatnonzero(kernels.to_host(errs))
         if bad.size:
             k = int(bad[0])
             raise PayloadError(
                 f"fastsgd payload is inconsistent in bucket {k}: {_DECODE_ERRORS[int(errs[k])]}"
             )
+
+    def _powers_on(self, kernels, base: float, tau: int):
+        """Return this codec's table b^L on ``kernels``' device, made at its first use."""
+        table = self._powers.get(kernels.name)
+        if table is None:
+            table = self._powers[kernels.name] = kernels.fastsgd.powers(base, tau)
+        return table
 
     def _prefix(self) -> np.ndarray:
         p = self.params

@@ -15,7 +15,7 @@ import struct
 
 import numpy as np
 
-from mpicomp._arrays import as_gradient
+from mpicomp._arrays import as_gradient, residual_view
 from mpicomp.codecs import _wire
 from mpicomp.codecs._base import GatherCodecBase, check_number, register
 from mpicomp.errors import PayloadError
@@ -76,8 +76,8 @@ class FFTCodec(GatherCodecBase):
         Args:
             x: a float array of any shape (float16/bfloat16/float64 are converted to
                 float32 once).
-            residual: None, or the error-feedback memory: a C-contiguous float32 NumPy
-                array of the shape of ``x`` holding a half spectrum R, packed (see
+            residual: None, or the error-feedback memory: a C-contiguous float32 array
+                of the shape of ``x`` holding a half spectrum R, packed (see
                 below). X = rfft(x) + R is encoded (with fp16, x is rounded first) and
                 ``residual`` becomes X minus the decoded payload, in the same pass: no
                 inverse transform. Packing: the n // 2 + 1 complex bins of an n-value
@@ -92,17 +92,18 @@ class FFTCodec(GatherCodecBase):
                 ``residual`` does not match ``x``.
         """
         x = as_gradient(x)
-        fk = backend_of(x, self.kernels).fft
+        kernels = backend_of(x, self.kernels)
+        xp, fk = kernels.xp, kernels.fft
         flat = x.reshape(-1)
-        r = None if residual is None else self._residual_view(residual, x.shape)
+        r = None if residual is None else residual_view(residual, x, "fft")
         n, bits = flat.size, self.params["bits"]
         nbins, kept = num_bins(n), self.kept(n)
-        body = np.empty(body_size(n, kept, bits), dtype=np.uint8)
+        body = xp.empty(body_size(n, kept, bits), dtype=np.uint8)
         m, pbase = _k.MAX_MANTISSA, 1
         if n:
             own = False
             if self.params["fp16"]:
-                rounded = np.empty(n, dtype=np.float32)
+                rounded = xp.empty(n, dtype=np.float32)
                 err = fk.round_fp16(flat.view(np.uint32), rounded.view(np.uint32))
                 if err == _k.FP16_NONFINITE:
                     raise ValueError("fft: input holds NaN or Inf")
@@ -117,8 +118,8 @@ class FFTCodec(GatherCodecBase):
             # Bins strictly above the k-th largest magnitude are kept; ties at it go
             # to the lowest frequency index (inside the kernel), so the set is deterministic.
             thresh = np.float32(-np.inf) if kept == nbins else fk.kth_largest(mag2, kept)
-            dense = np.empty(2 * kept, dtype=np.uint32)
-            hist = np.zeros(256, dtype=np.int64)
+            dense = xp.empty(2 * kept, dtype=np.uint32)
+            hist = xp.zeros(256, dtype=np.int64)
             bitmap = body[BODY_FIXED : BODY_FIXED + (nbins + 7) // 8]
             vmax = fk.select_pack(
                 spec.view(np.uint32), mag2, np.float32(thresh), kept, bitmap, dense, hist
@@ -128,22 +129,9 @@ class FFTCodec(GatherCodecBase):
             fk.quantize_pack(dense, vmax, pbase, _k.MAX_MANTISSA - m, bits, codes)
             if r is not None:
                 fk.residual(spec, bitmap, vmax, pbase, _k.MAX_MANTISSA - m, bits, r)
-        _BODY.pack_into(body, 0, pbase << (_k.MAX_MANTISSA - m), m, bits, 0, kept)
+        fixed = _BODY.pack(pbase << (_k.MAX_MANTISSA - m), m, bits, 0, kept)
+        body[:BODY_FIXED] = xp.asarray(np.frombuffer(fixed, dtype=np.uint8))
         return _wire.pack(self.name, x.shape, body, kernels=self.kernels)
-
-    @staticmethod
-    def _residual_view(residual, shape: tuple[int, ...]) -> np.ndarray:
-        """Return ``residual`` as a flat writable view, checking it matches ``x``."""
-        if not isinstance(residual, np.ndarray) or residual.dtype != np.float32:
-            raise ValueError(
-                f"fft residual must be a float32 NumPy array, got {type(residual).__name__}"
-                + (f" of dtype {residual.dtype}" if hasattr(residual, "dtype") else "")
-            )
-        if residual.shape != shape:
-            raise ValueError(f"fft residual has shape {residual.shape}, x has {shape}")
-        if not residual.flags.c_contiguous or not residual.flags.writeable:
-            raise ValueError("fft residual must be C-contiguous and writeable")
-        return residual.reshape(-1)
 
     def decode(self, payload, numel: int | None = None) -> np.ndarray:
         """Return the float32 gradient of ``payload``, in its original shape.
@@ -152,7 +140,7 @@ class FFTCodec(GatherCodecBase):
             PayloadError: the payload is truncated, corrupted, inconsistent, or not fft's.
         """
         shape, n, spec = self._spectrum(payload, numel, None)
-        return self._inverse(backend_of(spec, self.kernels).fft, spec, n).reshape(shape)
+        return self._inverse(backend_of(spec, self.kernels), spec, n).reshape(shape)
 
     def decode_sum(self, payloads, numel: int) -> np.ndarray:
         """Return the flat float32 sum of the gradients of ``payloads``, added in their order.
@@ -171,15 +159,15 @@ class FFTCodec(GatherCodecBase):
             PayloadError: a payload is truncated, corrupted, inconsistent, not fft's,
                 or not of ``numel`` elements (checked before anything is allocated).
         """
-        fk = self.kernels.fft
-        if not fk.sum_spectra(numel):
+        kernels = self.kernels if not payloads else backend_of(payloads[0], self.kernels)
+        if not kernels.fft.sum_spectra(numel):
             return super().decode_sum(payloads, numel)
         spec = None
         for p in payloads:
             _, _, spec = self._spectrum(p, numel, spec)
         if spec is None:
-            return self.kernels.xp.zeros(numel, dtype=np.float32)
-        return self._inverse(fk, spec, numel)
+            return kernels.xp.zeros(numel, dtype=np.float32)
+        return self._inverse(kernels, spec, numel)
 
     def _spectrum(self, payload, numel, spec):
         """Validate ``payload``; add its kept frequencies to ``spec`` (None: a new zero one).
@@ -187,51 +175,51 @@ class FFTCodec(GatherCodecBase):
         Returns (shape, n, spec): ``spec`` is the interleaved float32 half spectrum.
         """
         shape, flags, body = _wire.unpack(self.name, payload, numel=numel, kernels=self.kernels)
+        k = backend_of(body, self.kernels)
         n = _wire.numel_of(shape)
         nbins = num_bins(n)
         if flags != 0:
             raise PayloadError(f"fft payload has unknown flags {flags:#x}")
         if body.size < BODY_FIXED:
             raise PayloadError(f"fft payload body truncated: {body.size} < {BODY_FIXED} bytes")
-        eps_bits, m, bits, reserved, k = _BODY.unpack_from(body, 0)
+        eps_bits, m, bits, reserved, kept = _BODY.unpack_from(k.to_host(body[:BODY_FIXED]), 0)
         if not 4 <= bits <= 16 or m > _k.MAX_MANTISSA or reserved != 0:
             raise PayloadError(f"fft payload holds bits={bits}, m={m}, reserved={reserved}")
-        if k > nbins or body.size != body_size(n, k, bits):
+        if kept > nbins or body.size != body_size(n, kept, bits):
             raise PayloadError(
-                f"fft payload holds k={k} of {nbins} frequencies with N={bits} in a "
-                f"{body.size}-byte body; expected {body_size(n, min(k, nbins), bits)} bytes"
+                f"fft payload holds k={kept} of {nbins} frequencies with N={bits} in a "
+                f"{body.size}-byte body; expected {body_size(n, min(kept, nbins), bits)} bytes"
             )
         shift = _k.MAX_MANTISSA - m
         pbase = eps_bits >> shift
         if eps_bits >= 0x7F800000 or pbase == 0 or (pbase << shift) != eps_bits:
             raise PayloadError(f"fft payload range eps={eps_bits:#010x} is invalid for m={m}")
         if spec is None:
-            spec = np.zeros(2 * nbins, dtype=np.float32)
+            spec = k.xp.zeros(2 * nbins, dtype=np.float32)
         if n == 0:
             return shape, n, spec
-        kernels = backend_of(body, self.kernels).fft
-        dense = np.empty(2 * k, dtype=np.float32)
+        dense = k.xp.empty(2 * kept, dtype=np.float32)
         bitmap = body[BODY_FIXED : BODY_FIXED + (nbins + 7) // 8]
-        err = kernels.unpack_dequantize(
+        err = k.fft.unpack_dequantize(
             body[BODY_FIXED + bitmap.size :], pbase, shift, bits, dense.view(np.uint32)
         )
         if err != _k.DECODE_OK:
             raise PayloadError(f"fft payload codes are invalid: {_DECODE_ERRORS[err]}")
-        err = kernels.scatter(bitmap, dense, k, spec)
+        err = k.fft.scatter(bitmap, dense, kept, spec)
         if err != _k.DECODE_OK:
             raise PayloadError(f"fft payload bitmap is invalid: {_DECODE_ERRORS[err]}")
         return shape, n, spec
 
     @staticmethod
     def _inverse(kernels, spec: np.ndarray, n: int) -> np.ndarray:
-        """Return the flat float32 inverse transform of ``spec`` (the ``fft`` launchers
-        ``kernels``), refusing overflow."""
+        """Return the flat float32 inverse transform of ``spec`` (on backend ``kernels``),
+        refusing overflow."""
         if n == 0:
-            return np.zeros(0, dtype=np.float32)
-        out = kernels.irfft(spec, n)
+            return kernels.xp.zeros(0, dtype=np.float32)
+        out = kernels.fft.irfft(spec, n)
         # Finite codes can still sum past float32's range in the inverse transform;
         # no encoder makes such a payload, so it is refused rather than returned as Inf.
-        if not kernels.all_finite(out):
+        if not kernels.fft.all_finite(out):
             raise PayloadError("fft payload decodes to values beyond float32's range")
         return out
 

@@ -17,7 +17,7 @@ from fractions import Fraction
 
 import numpy as np
 
-from mpicomp._arrays import as_gradient
+from mpicomp._arrays import all_finite, array_module, as_gradient, is_array
 from mpicomp.codecs._base import Codec, check_number, register
 from mpicomp.kernels import backend_of
 from mpicomp.kernels import qsgd as _k
@@ -62,8 +62,8 @@ def _counter(name: str, value, hi: int = 2**64 - 1) -> np.uint64:
 
 def _int_array(a, name: str, n: int, signed: bool) -> np.ndarray:
     """Return ``a`` as a contiguous 1-D integer array of length ``n``."""
-    if not isinstance(a, np.ndarray):
-        raise TypeError(f"{name} must be a NumPy integer array, got {type(a).__name__}")
+    if not is_array(a):
+        raise TypeError(f"{name} must be an integer array, got {type(a).__name__}")
     kinds = "i" if signed else "iu"
     if a.dtype.kind not in kinds:
         what = "a signed integer" if signed else "an integer"
@@ -72,19 +72,19 @@ def _int_array(a, name: str, n: int, signed: bool) -> np.ndarray:
         raise ValueError(f"{name} must be 1-D, got shape {a.shape}")
     if a.size != n:
         raise ValueError(f"{name} holds {a.size} elements, expected {n}")
-    return np.ascontiguousarray(a)
+    return array_module(a).ascontiguousarray(a)
 
 
 def _packed_sums(data, n: int, width: int, offset: int) -> tuple[np.ndarray, int, int, int]:
     """Check a bit-packed stream of n code sums (code i - ``offset``, ``width`` bits each)."""
-    if not isinstance(data, np.ndarray) or data.dtype != np.uint8 or data.ndim != 1:
-        raise TypeError("packed code sums must be a 1-D uint8 NumPy array")
+    if not is_array(data) or data.dtype != np.uint8 or data.ndim != 1:
+        raise TypeError("packed code sums must be a 1-D uint8 array")
     n = check_number("n", n, 0, None, integer=True)
     width = check_number("width", width, 1, 32, integer=True)
     offset = check_number("offset", offset, 0, 2**32 - 1, integer=True)
     if data.size < (n * width + 7) // 8:
         raise ValueError(f"{data.size} bytes cannot hold {n} code sums of {width} bits")
-    return np.ascontiguousarray(data), n, width, offset
+    return array_module(data).ascontiguousarray(data), n, width, offset
 
 
 def _out_shape(shape, n: int | None) -> tuple[int, ...]:
@@ -103,7 +103,7 @@ def _out_shape(shape, n: int | None) -> tuple[int, ...]:
 def _raise(err: int, values: np.ndarray, norm) -> None:
     """Turn a kernel error mask into the ValueError that says what went wrong."""
     if err & _k.ERR_VALUE:
-        if not np.isfinite(values).all():
+        if not all_finite(values):
             raise ValueError("x holds NaN or Inf")
         raise ValueError(
             f"norm {float(norm)!r} is below max|x|: it must bound every |x| (1e-6 slack)"
@@ -185,7 +185,15 @@ class _Multiscale:
         self.n_scales = len(self.scale_levels)
         self.index_bits = (self.n_scales - 1).bit_length()
         self.index_dtype = np.dtype(np.uint8)
-        self._scales_f32 = np.array(self.scale_levels, dtype=np.float32)
+        self._scales = {}  # backend name -> the levels as float32, on its device
+
+    def _scales_on(self, kernels):
+        """Return the scale set's levels as a float32 array of ``kernels``' device."""
+        scales = self._scales.get(kernels.name)
+        if scales is None:
+            host = np.array(self.scale_levels, dtype=np.float32)
+            scales = self._scales[kernels.name] = kernels.xp.asarray(host)
+        return scales
 
     def _scale_index(self, flat, idx, norm) -> np.ndarray:
         norm = _norm(norm)
@@ -193,7 +201,7 @@ class _Multiscale:
         k = backend_of(flat, self.kernels)
         out = k.xp.empty(flat.size if dense else idx.size, dtype=np.uint8)
         index = _NO_INDEX if dense else idx
-        err = k.qsgd.multiscale_index(flat, index, dense, norm, self._scales_f32, out)
+        err = k.qsgd.multiscale_index(flat, index, dense, norm, self._scales_on(k), out)
         if err:
             _raise(err, flat if dense else flat[idx], norm)
         return out
@@ -206,7 +214,8 @@ class _Multiscale:
         k = backend_of(flat, self.kernels)
         out = k.xp.empty(n, dtype=self.code_dtype)
         index = _NO_INDEX if dense else idx
-        err = k.qsgd.multiscale_quantize(flat, index, dense, norm, self._scales_f32, sidx, key, out)
+        scales = self._scales_on(k)
+        err = k.qsgd.multiscale_quantize(flat, index, dense, norm, scales, sidx, key, out)
         if err:
             _raise(err, flat if dense else flat[idx], norm)
         return out
@@ -214,13 +223,14 @@ class _Multiscale:
     def _ms_dequantize(self, code_sum, norm, scale_index, nranks, n=None) -> np.ndarray:
         norm = _norm(norm)
         if n is None:
-            n = code_sum.size if isinstance(code_sum, np.ndarray) else 0
+            n = code_sum.size if is_array(code_sum) else 0
         codes = _int_array(code_sum, "code_sum", n, signed=True)
         sidx = _int_array(scale_index, "scale_index", n, signed=False)
         nranks, limit = self._limit(nranks)
         k = backend_of(codes, self.kernels)
         out = k.xp.empty(n, dtype=np.float32)
-        err = k.qsgd.multiscale_dequantize(codes, sidx, norm, self._scales_f32, nranks, limit, out)
+        scales = self._scales_on(k)
+        err = k.qsgd.multiscale_dequantize(codes, sidx, norm, scales, nranks, limit, out)
         if err:
             _raise(err, out, norm)
         return out
@@ -232,7 +242,7 @@ class _Multiscale:
         nranks, limit = self._limit(nranks)
         k = backend_of(data, self.kernels)
         out = k.xp.empty(n, dtype=np.float32)
-        args = (data, width, offset, sidx, norm, self._scales_f32, nranks, limit, out)
+        args = (data, width, offset, sidx, norm, self._scales_on(k), nranks, limit, out)
         err = k.qsgd.multiscale_dequantize_packed(*args)
         if err:
             _raise(err, out, norm)
@@ -267,16 +277,21 @@ class _GlobalRandK:
         """Return the sorted int64 coordinates selected at ``step`` (read-only, cached).
 
         Floyd's algorithm on the counter-based RNG of (seed, step, COORDINATE_STREAM):
-        every rank and every re-run draws the same set, a uniform K-subset.
+        every rank and every re-run draws the same set, a uniform K-subset. They are
+        host arrays; a device gradient's are drawn on its device (the same values).
         """
+        return self._coordinates(self.kernels, numel, step)
+
+    def _coordinates(self, kernels, numel: int, step: int) -> np.ndarray:
+        """Return ``coordinates(numel, step)`` as an array of backend ``kernels``."""
         k = self.num_coordinates(numel)
         step = _counter("step", step)
-        hit = self._coords.get((numel, int(step)))
+        at = (kernels.name, numel, int(step))
+        hit = self._coords.get(at)
         if hit is not None:
-            self._coords.move_to_end((numel, int(step)))
+            self._coords.move_to_end(at)
             return hit
         key = _rng_key(self.params["seed"], step, COORDINATE_STREAM)
-        kernels = self.kernels
         mask = kernels.xp.zeros(numel, dtype=np.uint8)
         picks = kernels.xp.empty(k, dtype=np.int64)
         kernels.qsgd.grandk_select(np.int64(numel), np.int64(k), key, mask, picks)
@@ -284,8 +299,9 @@ class _GlobalRandK:
             kernels.qsgd.grandk_sort(picks)
         else:
             kernels.qsgd.grandk_compact(mask, picks)
-        picks.flags.writeable = False
-        self._coords[(numel, int(step))] = picks
+        if isinstance(picks, np.ndarray):  # device arrays have no read-only flag
+            picks.flags.writeable = False
+        self._coords[at] = picks
         # local_norm, scale_index, quantize and dequantize of one step share a draw; keep
         # a few recent ones, within a memory budget, and always the newest
         while len(self._coords) > 1 and (
@@ -302,14 +318,16 @@ class _GlobalRandK:
             ValueError: a selected element is NaN/Inf, or the norm overflows float32.
         """
         flat = _flat(x)
-        return _sumsq_norm(backend_of(flat, self.kernels), flat, self.coordinates(flat.size, step))
+        k = backend_of(flat, self.kernels)
+        return _sumsq_norm(k, flat, self._coordinates(k, flat.size, step))
 
-    def _full(self, shape, step) -> tuple[tuple[int, ...], np.ndarray]:
-        """Return the full tensor's shape and the coordinates its codes belong to."""
+    def _full(self, shape, step, kernels) -> tuple[tuple[int, ...], np.ndarray]:
+        """Return the full tensor's shape and the coordinates its codes belong to (on the
+        device of ``kernels``)."""
         if shape is None:
             raise ValueError("shape is required: the shape (or numel) of the full tensor")
         shape = _out_shape(shape, None)
-        return shape, self.coordinates(math.prod(shape), step)
+        return shape, self._coordinates(kernels, math.prod(shape), step)
 
 
 def _scatter(kernels, vals, shape: tuple[int, ...], idx):
@@ -370,11 +388,11 @@ class QSGDMaxNorm(_MaxNorm):
         """Return the float32 average ((code_sum * norm) / s) / nranks, reshaped to ``shape``.
 
         Raises:
-            TypeError: ``code_sum`` is not a signed integer NumPy array.
+            TypeError: ``code_sum`` is not a signed integer array.
             ValueError: wrong length for ``shape``, or |code_sum| > nranks * s.
         """
         norm = _norm(norm)
-        n = code_sum.size if isinstance(code_sum, np.ndarray) else 0
+        n = code_sum.size if is_array(code_sum) else 0
         codes = _int_array(code_sum, "code_sum", n, signed=True)
         shape = _out_shape(shape, n)
         nranks, limit = self._limit(nranks)
@@ -394,7 +412,7 @@ class QSGDMaxNorm(_MaxNorm):
         ``ring_allreduce_bounded(..., packed=True)`` returns, as (data, n, width, offset).
 
         Raises:
-            TypeError: ``data`` is not a 1-D uint8 NumPy array.
+            TypeError: ``data`` is not a 1-D uint8 array.
             ValueError: too few bytes, width outside 1..32, or |sum| > nranks * s.
         """
         shape = _out_shape(shape, n)
@@ -450,7 +468,7 @@ class QSGDMaxNormMultiscale(_Multiscale, _MaxNorm):
         """Return the float32 average ((code_sum * norm) / s_index) / nranks, reshaped.
 
         Raises:
-            TypeError: ``code_sum``/``scale_index`` are not integer NumPy arrays.
+            TypeError: ``code_sum``/``scale_index`` are not integer arrays.
             ValueError: wrong lengths, an index outside the set, |code_sum| > nranks * s_min.
         """
         out = self._ms_dequantize(code_sum, norm, scale_index, nranks)
@@ -493,8 +511,8 @@ class GRandKMaxNorm(_GlobalRandK, _MaxNorm):
         """
         flat = _flat(x)
         norm = _norm(norm)
-        idx = self.coordinates(flat.size, step)
         k = backend_of(flat, self.kernels)
+        idx = self._coordinates(k, flat.size, step)
         out = k.xp.empty(idx.size, dtype=self.code_dtype)
         err = k.qsgd.quantize(flat, idx, False, norm, self.levels, self._key(step, stream), out)
         if err:
@@ -511,26 +529,27 @@ class GRandKMaxNorm(_GlobalRandK, _MaxNorm):
         Raises:
             ValueError: no shape, K codes expected, or |code_sum| > nranks * s.
         """
-        shape, idx = self._full(shape, step)
+        k = backend_of(code_sum, self.kernels) if is_array(code_sum) else self.kernels
+        shape, idx = self._full(shape, step, k)
         norm = _norm(norm)
         codes = _int_array(code_sum, "code_sum", idx.size, signed=True)
         nranks, limit = self._limit(nranks)
-        k = backend_of(codes, self.kernels)
         vals = k.xp.empty(idx.size, dtype=np.float32)
         err = k.qsgd.dequantize(codes, norm, self.levels, nranks, limit, vals)
         if err:
             _raise(err, vals, norm)
-        return _scatter(self.kernels, vals, shape, idx)
+        return _scatter(k, vals, shape, idx)
 
     def dequantize_packed(
         self, data, n: int, width: int, offset: int, norm, nranks: int = 1, shape=None, step=0
     ) -> np.ndarray:
         """Return ``dequantize`` of the K code sums packed in ``data`` (see QSGDMaxNorm)."""
-        shape, idx = self._full(shape, step)
+        k = backend_of(data, self.kernels) if is_array(data) else self.kernels
+        shape, idx = self._full(shape, step, k)
         if n != idx.size:
             raise ValueError(f"code_sum holds {n} elements, expected {idx.size}")
         vals = self._dequantize_packed(data, n, width, offset, norm, nranks)
-        return _scatter(self.kernels, vals, shape, idx)
+        return _scatter(k, vals, shape, idx)
 
 
 @register
@@ -554,21 +573,23 @@ class GRandKMaxNormMultiscale(_GlobalRandK, _Multiscale, _MaxNorm):
     def scale_index(self, x, norm, step: int = 0) -> np.ndarray:
         """Return this rank's uint8 scale index for each of the K selected elements."""
         flat = _flat(x)
-        return self._scale_index(flat, self.coordinates(flat.size, step), norm)
+        idx = self._coordinates(backend_of(flat, self.kernels), flat.size, step)
+        return self._scale_index(flat, idx, norm)
 
     def quantize(self, x, norm, scale_index, step: int = 0, stream: int = 0) -> np.ndarray:
         """Return the K codes of the selected elements at the shared scale indices."""
         flat = _flat(x)
-        idx = self.coordinates(flat.size, step)
+        idx = self._coordinates(backend_of(flat, self.kernels), flat.size, step)
         return self._ms_quantize(flat, idx, norm, scale_index, self._key(step, stream))
 
     def dequantize(
         self, code_sum, norm, scale_index, nranks: int = 1, shape=None, step: int = 0
     ) -> np.ndarray:
         """Return the full float32 tensor: zeros, and the rescaled average at the coordinates."""
-        shape, idx = self._full(shape, step)
+        k = backend_of(code_sum, self.kernels) if is_array(code_sum) else self.kernels
+        shape, idx = self._full(shape, step, k)
         vals = self._ms_dequantize(code_sum, norm, scale_index, nranks, idx.size)
-        return _scatter(self.kernels, vals, shape, idx)
+        return _scatter(k, vals, shape, idx)
 
     def dequantize_packed(
         self,
@@ -583,8 +604,9 @@ class GRandKMaxNormMultiscale(_GlobalRandK, _Multiscale, _MaxNorm):
         step: int = 0,
     ) -> np.ndarray:
         """Return ``dequantize`` of the K code sums packed in ``data`` (see QSGDMaxNorm)."""
-        shape, idx = self._full(shape, step)
+        k = backend_of(data, self.kernels) if is_array(data) else self.kernels
+        shape, idx = self._full(shape, step, k)
         if n != idx.size:
             raise ValueError(f"code_sum holds {n} elements, expected {idx.size}")
         vals = self._ms_dequantize_packed(data, n, width, offset, norm, scale_index, nranks)
-        return _scatter(self.kernels, vals, shape, idx)
+        return _scatter(k, vals, shape, idx)

@@ -131,9 +131,10 @@ class SignSGD(Codec):
     def encode(self, x) -> np.ndarray:
         """Return the payload of ``x`` for the allgather path: float32 mean |x|, then its sign bits."""
         x = as_gradient(x)
+        xp = backend_of(x, self.kernels).xp
         bits = self.signs(x)
-        body = np.empty(4 + bits.size, dtype=np.uint8)
-        body[:4] = np.array([self.scale(x)], dtype="<f4").view(np.uint8)
+        body = xp.empty(4 + bits.size, dtype=np.uint8)
+        body[:4] = xp.asarray(np.array([self.scale(x)], dtype="<f4").view(np.uint8))
         body[4:] = bits
         return _wire.pack(self.name, x.shape, body, kernels=self.kernels)
 
@@ -145,11 +146,12 @@ class SignSGD(Codec):
             raise PayloadError(
                 f"signsgd payload body is {body.size} bytes, {n} elements need {4 + (n + 7) // 8}"
             )
-        scale = float(body[:4].view("<f4")[0])
+        to_host = backend_of(body, self.kernels).to_host
+        scale = float(to_host(body[:4]).view("<f4")[0])
         if not np.isfinite(scale) or scale < 0:
             raise PayloadError(
                 f"signsgd payload scale {scale!r} is not a finite non-negative number"
             )
-        if n % 8 and body[-1] >> (n % 8):
+        if n % 8 and int(to_host(body[-1:])[0]) >> (n % 8):
             raise PayloadError("signsgd payload has bits set past its last element")
         return self.expand(body[4:], n, scale).reshape(shape)

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from mpicomp._arrays import as_gradient
+from mpicomp._arrays import as_gradient, residual_view
 from mpicomp.codecs import _wire
 from mpicomp.codecs._base import GatherCodecBase, check_number, register
 from mpicomp.errors import PayloadError
@@ -60,7 +60,7 @@ class ThreeLC(GatherCodecBase):
             x: a float array of any shape (float16/bfloat16/float64 are
                 converted to float32 once).
             residual: None, or the error-feedback memory: a C-contiguous float32
-                NumPy array of the shape of ``x``. ``x + residual`` is encoded and
+                array of the shape of ``x``, on its device. ``x + residual`` is encoded and
                 ``residual`` becomes ``(x + residual) - trit * M`` in the same pass.
 
         Raises:
@@ -68,11 +68,11 @@ class ThreeLC(GatherCodecBase):
                 ``residual`` does not match ``x``.
         """
         x = as_gradient(x)
-        k = backend_of(x, self.kernels).threelc
+        xp, k = self._launchers(x)
         flat = x.reshape(-1)
         use_r = residual is not None
         if use_r:
-            r = self._residual_view(residual, x.shape)
+            r = residual_view(residual, x, "threelc")
         else:
             r = flat[:0]
         scale, ok = k.max(flat, r, use_r, self._sparsity)
@@ -81,11 +81,11 @@ class ThreeLC(GatherCodecBase):
             raise ValueError(f"threelc cannot encode {what}: it contains NaN or Inf")
         scale = np.float32(scale)
         n_bytes = _quartic_length(flat.size)
-        body = np.empty(_SCALE_BYTES + n_bytes, dtype=np.uint8)
-        body[:_SCALE_BYTES] = np.array([scale], dtype="<f4").view(np.uint8)
+        body = xp.empty(_SCALE_BYTES + n_bytes, dtype=np.uint8)
+        body[:_SCALE_BYTES] = xp.asarray(np.array([scale], dtype="<f4").view(np.uint8))
         flags = 0
         if self.params["zero_run"]:
-            quartic = np.empty(n_bytes, dtype=np.uint8)
+            quartic = xp.empty(n_bytes, dtype=np.uint8)
             k.quartic_encode(flat, r, use_r, scale, quartic)
             # The zero-run output is never longer than its input, so it fits in place.
             used = k.zero_run_encode(quartic, body[_SCALE_BYTES:])
@@ -105,14 +105,14 @@ class ThreeLC(GatherCodecBase):
         shape, flags, body = _wire.unpack(
             self.name, payload, known_flags=FLAG_ZERO_RUN, numel=numel, kernels=self.kernels
         )
-        k = backend_of(body, self.kernels).threelc
+        xp, k = self._launchers(body)
         n = _wire.numel_of(shape)
         n_bytes = _quartic_length(n)
         if body.size < _SCALE_BYTES:
             raise PayloadError(
                 f"threelc payload body truncated: {body.size} bytes < {_SCALE_BYTES}-byte scale"
             )
-        scale = body[:_SCALE_BYTES].view("<f4")[0]
+        scale = backend_of(body, self.kernels).to_host(body[:_SCALE_BYTES]).view("<f4")[0]
         if not np.isfinite(scale) or np.signbit(scale):
             raise PayloadError(f"threelc payload scale M = {scale!r} is not finite and >= +0")
         stream = body[_SCALE_BYTES:]
@@ -126,7 +126,7 @@ class ThreeLC(GatherCodecBase):
                     f"threelc payload zero-run body expands to {got} bytes, "
                     f"shape {shape} needs {n_bytes}"
                 )
-            quartic = np.empty(n_bytes, dtype=np.uint8)
+            quartic = xp.empty(n_bytes, dtype=np.uint8)
             if not k.zero_run_decode(stream, quartic):
                 raise PayloadError("threelc payload zero-run body is inconsistent")
         else:
@@ -135,7 +135,7 @@ class ThreeLC(GatherCodecBase):
                     f"threelc payload has {stream.size} quartic bytes, shape {shape} needs {n_bytes}"
                 )
             quartic = stream
-        out = np.empty(n, dtype=np.float32)
+        out = xp.empty(n, dtype=np.float32)
         code = k.quartic_decode(quartic, scale, out)
         if code == _k.ERR_BYTE:
             raise PayloadError("threelc payload holds a quartic byte above 242")
@@ -145,16 +145,7 @@ class ThreeLC(GatherCodecBase):
             raise PayloadError("threelc payload has M = 0 but non-zero trits")
         return out.reshape(shape)
 
-    @staticmethod
-    def _residual_view(residual, shape: tuple[int, ...]) -> np.ndarray:
-        """Return ``residual`` as a flat writable view, checking it matches ``x``."""
-        if not isinstance(residual, np.ndarray) or residual.dtype != np.float32:
-            raise ValueError(
-                f"threelc residual must be a float32 NumPy array, got {type(residual).__name__}"
-                + (f" of dtype {residual.dtype}" if hasattr(residual, "dtype") else "")
-            )
-        if residual.shape != shape:
-            raise ValueError(f"threelc residual has shape {residual.shape}, x has {shape}")
-        if not residual.flags.c_contiguous or not residual.flags.writeable:
-            raise ValueError("threelc residual must be C-contiguous and writeable")
-        return residual.reshape(-1)
+    def _launchers(self, a):
+        """Return the array module and the ``threelc`` launchers of ``a``'s backend."""
+        k = backend_of(a, self.kernels)
+        return k.xp, k.threelc
