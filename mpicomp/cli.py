@@ -110,6 +110,14 @@ def _parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--seed", type=int, default=0, help="seed of the gradient (0)")
     p.add_argument(
+        "--backend",
+        metavar="NAME",
+        default=None,
+        help="kernel backend of the encode/decode timings: numba, cuda (CuPy arrays on the "
+        "current GPU, beside a device-to-device copy) or cuda-emulated (default: "
+        "MPICOMP_KERNELS, else numba); the all-reduces take host arrays",
+    )
+    p.add_argument(
         "--json",
         action="store_true",
         help="print a JSON list of rows (one per codec and backend) alone on stdout",
@@ -357,6 +365,7 @@ def _cmd_bench(args, parser) -> int:
             trace_dir=args.trace,
             tc_dev=args.tc_dev,
             progress=progress,
+            backend=args.backend,
         )
     except (RuntimeError, OSError) as e:  # raised on every rank: each exits, none hangs
         if comm.rank == 0:

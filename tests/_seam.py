@@ -63,10 +63,9 @@ def round_trip(codec, x):
         extra = (codec.scale_index(flat, norm, **at),) if codec.multiscale else ()
         codes = codec.quantize(flat, norm, *extra, step=5, stream=1)
         width = 2 * codec.bound
-        packed = np.empty((codes.size * width.bit_length() + 7) // 8, np.uint8)
-        K.backend_of(codes, codec.kernels).bits.pack_shifted(
-            codes, codec.bound, width.bit_length(), packed
-        )
+        k = K.backend_of(codes, codec.kernels)
+        packed = k.xp.empty((codes.size * width.bit_length() + 7) // 8, np.uint8)
+        k.bits.pack_shifted(codes, codec.bound, width.bit_length(), packed)
         more = {"shape": flat.shape, "step": 5} if codec.sparse else {}
         out = codec.dequantize_packed(
             packed, codes.size, width.bit_length(), codec.bound, norm, *extra, **more

@@ -1,5 +1,6 @@
-"""Shared fixtures: every codec test runs on each backend present (NumPy always, CuPy
-where a GPU is found) and compares bytes with the NumPy run."""
+"""Shared fixtures: tests taking ``xp`` run on each array module present (NumPy, the
+host-backed stand-ins for CuPy arrays of tests/_device_arrays.py, CuPy where a GPU is
+found)."""
 
 import math
 import os
@@ -9,6 +10,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from _devices import REQUIRE_GPU, gpu_present
 from hypothesis import HealthCheck, settings
 
 settings.register_profile(
@@ -20,28 +22,24 @@ settings.register_profile(
 settings.load_profile("mpicomp")
 
 
-def _backends():
-    names = ["numpy"]
-    try:
-        import cupy
-
-        if cupy.cuda.runtime.getDeviceCount() > 0:
-            names.append("cupy")
-    except Exception:  # no CuPy, or CuPy without a usable GPU
-        pass
-    return names
-
-
-BACKENDS = _backends()
+BACKENDS = ["numpy", "host-backed"] + (["cupy"] if gpu_present() or REQUIRE_GPU else [])
 
 
 @pytest.fixture(params=BACKENDS)
 def xp(request):
-    """The array module of one backend present: numpy, then cupy where a GPU is found."""
+    """The array module of one backend present: numpy, host-backed device arrays, then
+    cupy where a GPU is found."""
     if request.param == "cupy":
+        if not gpu_present():
+            pytest.fail("MPICOMP_TEST_GPU=1 but CuPy finds no GPU")
         import cupy
 
         return cupy
+    if request.param == "host-backed":
+        import _device_arrays
+
+        _device_arrays.install()
+        return _device_arrays.xp
     return np
 
 

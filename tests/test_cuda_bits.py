@@ -3,11 +3,11 @@ the numba twin's bytes: every width, every integer dtype, ragged sizes, unaligne
 
 import numpy as np
 import pytest
+from _devices import device, params
 
 from mpicomp.kernels.bits import MAX_WIDTH, packed_size
 from mpicomp.kernels.cpu import record
 from mpicomp.kernels.cuda import bits as cuda_bits
-from mpicomp.kernels.cuda.device import Device
 
 # The numba reference runs on int64 codes only: for in-range values its bytes do not
 # depend on the code dtype, and each dtype would cost a parallel numba compile (minutes on
@@ -31,9 +31,9 @@ def one_numba_thread():
     numba.set_num_threads(before)
 
 
-@pytest.fixture(scope="module", params=[(64, 4), (32, 3)], ids=["64x4", "32x3"])
+@pytest.fixture(scope="module", params=params())
 def cuda(request):
-    return cuda_bits.launchers(Device.emulated(*request.param))
+    return cuda_bits.launchers(device(request.param))
 
 
 def cases(width):

@@ -6,11 +6,11 @@ import zlib
 
 import numpy as np
 import pytest
+from _devices import device, params
 
 from mpicomp.kernels.checksum import BASE
 from mpicomp.kernels.cpu import record
 from mpicomp.kernels.cuda import checksum as cuda_checksum
-from mpicomp.kernels.cuda.device import Device
 
 REF = record().checksum
 # Ragged sizes, both sides of the twin's 4096-byte zlib shortcut, several grid strides.
@@ -18,9 +18,9 @@ SIZES = [0, 1, 3, 4, 5, 31, 257, 4096, 4097, 20011]
 VALUES = [1, 0, 0xFFF0FFF0, (BASE - 1) << 16 | (BASE - 1), 0x12345678 % (BASE << 16)]
 
 
-@pytest.fixture(scope="module", params=[(64, 4), (32, 3)], ids=["64x4", "32x3"])
+@pytest.fixture(scope="module", params=params())
 def dev(request):
-    return Device.emulated(*request.param)
+    return device(request.param)
 
 
 @pytest.fixture(scope="module")

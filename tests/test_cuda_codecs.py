@@ -3,8 +3,10 @@ backend's payload bytes and decoded arrays, with no numba launcher reachable."""
 
 import inspect
 
+import _device_arrays as D
 import numpy as np
 import pytest
+from _devices import REQUIRE_GPU, gpu_present
 from _seam import poison, round_trip
 from conftest import gradient_like
 
@@ -35,17 +37,46 @@ def test_the_emulated_record_has_every_launcher_of_numba_with_its_parameters():
             assert list(inspect.signature(mine[name]).parameters) == want, (fam, name, want)
 
 
+def _place(where):
+    """Return (to the place, back to the host, array type) of ``where``."""
+    if where == "gpu":
+        if not gpu_present():
+            pytest.fail("MPICOMP_TEST_GPU=1 but CuPy finds no GPU")
+        import cupy
+
+        return cupy.asarray, cupy.asnumpy, cupy.ndarray
+    if where == "host-backed":
+        D.install()
+        return D.to_device, D.to_host, D.DeviceArray
+    return (lambda a: a), (lambda a: a), np.ndarray
+
+
+# Where the CUDA sources compute: the emulation on NumPy arrays (MPICOMP_KERNELS), the same
+# behind device arrays that refuse host access as CuPy's do, and a GPU where one is present.
+PLACES = ["emulated", "host-backed"] + (["gpu"] if gpu_present() or REQUIRE_GPU else [])
+
+
+@pytest.mark.parametrize("where", PLACES)
 @pytest.mark.parametrize("name,params", CASES, ids=[f"{n}{p or ''}" for n, p in CASES])
 @pytest.mark.parametrize("n", [1, 4099])
-def test_every_codec_gives_the_numba_bytes_through_the_cuda_sources(monkeypatch, name, params, n):
+def test_every_codec_gives_the_numba_bytes_through_the_cuda_sources(
+    monkeypatch, where, name, params, n
+):
     x = gradient_like(n, seed=n)
     ref = round_trip(mpicomp.codec(name, **params), x)
-    monkeypatch.setenv(K.ENV, "cuda-emulated")
+    to_place, to_host, array_type = _place(where)
+    if where == "emulated":
+        monkeypatch.setenv(K.ENV, "cuda-emulated")
     codec = mpicomp.codec(name, **params)
-    assert codec.kernels.name == "cuda-emulated"
+    if where == "emulated":
+        assert codec.kernels.name == "cuda-emulated"
     poison(monkeypatch, K.backend("numba"))
-    got = round_trip(codec, x)
+    D.reset_syncs()
+    got = round_trip(codec, to_place(x))
+    # Only explicit reads (the record's to_host) bring device bytes to the host.
+    assert D.SYNCS["implicit"] == 0, D.SYNCS
     for a, b in zip(ref, got, strict=True):
-        a, b = np.asarray(a), np.asarray(b)
+        assert isinstance(b, array_type), (type(b), array_type)
+        a, b = np.asarray(a), to_host(b)
         assert a.dtype == b.dtype and a.shape == b.shape
         assert a.tobytes() == b.tobytes()

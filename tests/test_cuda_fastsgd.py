@@ -3,19 +3,19 @@ emulation, give the numba twin's bytes on two launch geometries."""
 
 import numpy as np
 import pytest
+from _devices import device, params
 
 from mpicomp.kernels import fastsgd as K
 from mpicomp.kernels.cpu import fastsgd as nf
 from mpicomp.kernels.cuda import fastsgd as cf
-from mpicomp.kernels.cuda.device import Device
 
 NUMBA = nf.encode, nf.mpicomp_fastsgd_assemble, nf.mpicomp_fastsgd_scan, nf.mpicomp_fastsgd_decode
 TINY = np.float32(1e-39)  # subnormal: flushed by a careless float32 operation under -ftz
 
 
-@pytest.fixture(scope="module", params=[(64, 4), (32, 3)], ids=["64x4", "32x3"])
+@pytest.fixture(scope="module", params=params())
 def dev(request):
-    d = Device.emulated(*request.param)
+    d = device(request.param)
     d.fs = cf.launchers(d)
     return d
 

@@ -7,17 +7,17 @@ are compared with a tolerance (see ``test_rfft_and_irfft_match_within_float32_ro
 
 import numpy as np
 import pytest
+from _devices import device, params
 
 from mpicomp.kernels import fft as K
 from mpicomp.kernels.cpu import record
 from mpicomp.kernels.cpu import rfft as cpu_rfft
 from mpicomp.kernels.cuda import fft as cuda_fft
-from mpicomp.kernels.cuda.device import Device
 
 
-@pytest.fixture(scope="module", params=[(64, 4), (32, 3)], ids=["64x4", "32x3"])
+@pytest.fixture(scope="module", params=params())
 def cu(request):
-    return cuda_fft.launchers(Device.emulated(*request.param))
+    return cuda_fft.launchers(device(request.param))
 
 
 @pytest.fixture(scope="module")

@@ -6,13 +6,13 @@ import os
 
 import numpy as np
 import pytest
+from _devices import device, params
 
 from mpicomp.kernels import qsgd as kq
 from mpicomp.kernels.bits import packed_size
 from mpicomp.kernels.cpu import qsgd as cpu_qsgd
 from mpicomp.kernels.cpu import record
 from mpicomp.kernels.cuda import qsgd as cuda_qsgd
-from mpicomp.kernels.cuda.device import Device
 
 REF = record().qsgd
 NO_INDEX = np.empty(0, np.int64)
@@ -22,9 +22,9 @@ CODES = [np.int8, np.int16, np.int32, np.int64]
 KEY = np.uint64(0x0123456789ABCDEF)
 
 
-@pytest.fixture(scope="module", params=[(64, 4), (32, 3)], ids=["64x4", "32x3"])
+@pytest.fixture(scope="module", params=params())
 def dev(request):
-    return Device.emulated(*request.param)
+    return device(request.param)
 
 
 @pytest.fixture(scope="module")

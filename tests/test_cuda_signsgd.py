@@ -6,6 +6,7 @@ import math
 
 import numpy as np
 import pytest
+from _devices import device, params
 
 from mpicomp.kernels.cpu import record
 from mpicomp.kernels.cuda import signsgd as cuda_signsgd
@@ -20,9 +21,9 @@ BIG = [CHUNK, 2 * CHUNK + 3]
 KINDS = ["normal", "special", "tiny", "huge"]
 
 
-@pytest.fixture(scope="module", params=[(64, 4), (32, 3)], ids=["64x4", "32x3"])
+@pytest.fixture(scope="module", params=params())
 def cuda(request):
-    return cuda_signsgd.launchers(Device.emulated(*request.param))
+    return cuda_signsgd.launchers(device(request.param))
 
 
 def gradient(n, kind, seed=0):

@@ -2,19 +2,19 @@
 
 import numpy as np
 import pytest
+from _devices import device, params
 
 from mpicomp.kernels import threelc as k3
 from mpicomp.kernels.cpu import threelc as cpu
 from mpicomp.kernels.cuda import threelc as cuda_threelc
-from mpicomp.kernels.cuda.device import Device
 
 # Sizes around the tiles (threads * 8 bytes) and spans of both geometries, with ragged tails.
 SIZES = [0, 1, 4, 5, 6, 31, 33, 257, 1029, 4099]
 
 
-@pytest.fixture(scope="module", params=[(64, 4), (32, 3)], ids=["64x4", "32x3"])
+@pytest.fixture(scope="module", params=params())
 def k(request):
-    return cuda_threelc.launchers(Device.emulated(*request.param))
+    return cuda_threelc.launchers(device(request.param))
 
 
 def gradient(n, seed, zeros=0.0):

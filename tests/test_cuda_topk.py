@@ -4,6 +4,7 @@ zeros of both signs, denormals, extremes), the scatter's error codes, and the fi
 
 import numpy as np
 import pytest
+from _devices import device, params
 
 from mpicomp.kernels.cpu import record
 from mpicomp.kernels.cuda import topk as cuda_topk
@@ -16,9 +17,9 @@ KINDS = ["normal", "ties", "zeros", "equal", "tiny", "huge"]
 INDEX_DTYPES = [np.uint32, np.uint64, np.int64]
 
 
-@pytest.fixture(scope="module", params=[(64, 4), (32, 3)], ids=["64x4", "32x3"])
+@pytest.fixture(scope="module", params=params())
 def cuda(request):
-    return cuda_topk.launchers(Device.emulated(*request.param))
+    return cuda_topk.launchers(device(request.param))
 
 
 def gradient(n, kind, seed=0):

@@ -26,6 +26,7 @@ def record(dev, families) -> SimpleNamespace:
         name=dev.name,
         xp=dev.xp,
         to_host=dev.to_host,
+        synchronize=dev.synchronize,
         device=dev,
         threadsafe=lambda: True,
         **found,

@@ -76,9 +76,11 @@ class Device:
         threads: threads per block of the launchers' kernels (a multiple of 32).
         max_blocks: the most blocks of a grid-stride launch.
         build: ``build(family, code, options)`` returning a module with ``get_function``.
+        synchronize: waits until the device has run every launch made (benchmarks call
+            it; launches on the emulated device return when they are done).
     """
 
-    def __init__(self, name: str, xp, threads: int, max_blocks: int, build):
+    def __init__(self, name: str, xp, threads: int, max_blocks: int, build, synchronize=None):
         if threads % 32 or not 32 <= threads <= 1024:
             raise ValueError(f"threads must be a multiple of 32 in [32, 1024], got {threads}")
         if max_blocks < 1:
@@ -89,6 +91,7 @@ class Device:
         self.max_blocks = max_blocks
         self.syncs = 0  # host synchronizations made by launchers (to_host)
         self._build = build
+        self.synchronize = synchronize or (lambda: None)
         self._modules = {}
         self._lock = threading.Lock()
 
@@ -111,7 +114,14 @@ class Device:
         def per_gpu(family, code, opts):
             return _gpu_build(cupy.cuda.Device().id, family, code, opts, build)
 
-        return cls("cuda", cupy, threads, blocks_per_sm * sms, per_gpu)
+        return cls(
+            "cuda",
+            cupy,
+            threads,
+            blocks_per_sm * sms,
+            per_gpu,
+            lambda: cupy.cuda.Device().synchronize(),
+        )
 
     def kernel(self, family: str, name: str, extra: dict[str, str] | None = None):
         """Return kernel ``name`` of ``family``'s module, built at first use."""

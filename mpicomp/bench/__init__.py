@@ -17,6 +17,7 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 
+import mpicomp.kernels as K
 from mpicomp.bench.kernels import median_seconds, run
 from mpicomp.bench.report import Report, format_table, print_json
 from mpicomp.bench.workload import (
@@ -64,6 +65,7 @@ def full_run(
     trace_dir: str | None = None,
     tc_dev: str | None = None,
     progress=None,
+    backend: str | None = None,
 ) -> Report:
     """Run what ``mpicomp bench`` measures on ``comm``: kernels on rank 0, then all-reduces.
 
@@ -77,6 +79,8 @@ def full_run(
             by its rank).
         trace_dir, tc_dev: see ``mpicomp.bench.allreduce.measure``.
         progress: a text stream for progress lines on rank 0 (None: silent).
+        backend: the kernel backend of the kernel timings (see :func:`run`); the
+            all-reduces take host arrays, on the backend ``MPICOMP_KERNELS`` selects.
 
     Returns:
         A :class:`Report` whose ``rows`` hold one dict per codec and backend: the keys
@@ -89,7 +93,7 @@ def full_run(
     kernel_rows = error = None
     if numel is not None and comm.rank == 0:
         try:
-            kernel_rows = run(codecs, numel, reps, seed, progress=quiet)
+            kernel_rows = run(codecs, numel, reps, seed, progress=quiet, backend=backend)
         except Exception as e:  # raised on every rank below: none is left waiting
             error = e
     _idle_barrier(comm)
@@ -115,7 +119,7 @@ def full_run(
             else {
                 "codec": name,
                 "params": dict(params),
-                "backend": "cpu",
+                "backend": backend or K.backend().name,
                 "numel": numel,
                 "encode_gbps": None,
                 "decode_gbps": None,

@@ -168,7 +168,7 @@ def measure(
             "nranks": size,
             "codec": name,
             "params": dict(params),
-            "backend": "cpu",
+            "backend": cc.kernels.name,
             "time_s": t,
             "allreduce_s": t_ref,
             "time_ratio": t / t_ref,

@@ -1,7 +1,9 @@
-"""Codec throughput on one process: encode and decode GB/s beside memcpy, bits per element.
+"""Codec throughput on one process: encode and decode GB/s beside a copy of the same buffer
+(memcpy on the host, a device-to-device copy on a GPU), bits per element.
 
-``mpicomp bench`` times these on rank 0 alone; the per-codec closures it times are in
-``mpicomp.bench.roundtrip``.
+``mpicomp bench`` times these on rank 0 alone, on the kernel backend it is given (the
+gradient lives where that backend computes: a CuPy array for ``cuda``); the per-codec
+closures it times are in ``mpicomp.bench.roundtrip``.
 """
 
 from __future__ import annotations
@@ -13,19 +15,37 @@ from collections.abc import Callable, Sequence
 import numpy as np
 
 import mpicomp
+import mpicomp.kernels as K
 from mpicomp.bench.roundtrip import one_rank_round_trip
 from mpicomp.bench.workload import codec_set, gradient, label
 
 
-def median_seconds(fn: Callable[[], object], reps: int) -> float:
-    """Return the median wall time of ``reps`` calls of ``fn`` after one warm-up call."""
-    fn()  # warm-up: numba compilation and first-touch allocation
+def median_seconds(fn: Callable[[], object], reps: int, sync=None) -> float:
+    """Return the median wall time of ``reps`` calls of ``fn`` after one warm-up call;
+    ``sync`` (a GPU's synchronize) is called before the clock starts and before it stops."""
+    sync = sync or (lambda: None)
+    fn()  # warm-up: compilation and first-touch allocation
     times = []
     for _ in range(reps):
+        sync()
         t0 = time.perf_counter()
         fn()
+        sync()
         times.append(time.perf_counter() - t0)
     return statistics.median(times)
+
+
+def kernel_backend(name: str | None):
+    """Return the backend record ``name`` (None: what ``MPICOMP_KERNELS`` selects).
+
+    Raises:
+        RuntimeError: the backend is unknown or cannot start here (``cuda`` without CuPy
+            or without a GPU), with the reason.
+    """
+    try:
+        return K.backend(name)
+    except Exception as e:  # ImportError, CUDARuntimeError, ...: say why, on every rank
+        raise RuntimeError(f"kernel backend {name!r} is not available here: {e}") from e
 
 
 def run(
@@ -34,6 +54,7 @@ def run(
     reps: int = 5,
     seed: int = 0,
     progress=None,
+    backend: str | None = None,
 ) -> list[dict]:
     """Measure every codec of ``codecs`` on one gradient of ``numel`` float32 values.
 
@@ -43,40 +64,50 @@ def run(
         reps: timed repetitions per measurement, after one warm-up.
         seed: seed of the gradient.
         progress: a text stream for one line per codec (None: silent).
+        backend: the kernel backend (``numba``, ``cuda``, ``cuda-emulated``; None: what
+            ``MPICOMP_KERNELS`` selects).
 
     Returns:
         One dict per codec and backend: ``codec``, ``params``, ``backend``, ``numel``,
         ``encode_gbps``, ``decode_gbps``, ``memcpy_gbps`` (GB/s of float32 input,
-        1 GB = 1e9 bytes), ``bits_per_element`` (one rank's wire) and ``rel_error``
-        (‖decode(encode(x)) − x‖ / ‖x‖, one rank, no error feedback).
+        1 GB = 1e9 bytes; the copy is device to device on a GPU), ``bits_per_element``
+        (one rank's wire) and ``rel_error`` (‖decode(encode(x)) − x‖ / ‖x‖, one rank,
+        no error feedback).
 
     Raises:
         ValueError: an unknown codec, or ``numel``/``reps`` below 1.
+        RuntimeError: the backend is not available here.
     """
     if isinstance(numel, bool) or not isinstance(numel, int) or numel < 1:
         raise ValueError(f"numel must be an integer >= 1, got {numel!r}")
     if isinstance(reps, bool) or not isinstance(reps, int) or reps < 1:
         raise ValueError(f"reps must be an integer >= 1, got {reps!r}")
     todo = codec_set(codecs)
-    x = gradient(numel, seed)
-    gb = x.nbytes / 1e9
-    norm = float(np.linalg.norm(x.astype(np.float64))) or 1.0
-    dst = np.empty_like(x)
-    memcpy = gb / median_seconds(lambda: np.copyto(dst, x), reps)
+    rec = kernel_backend(backend)
+    host = gradient(numel, seed)
+    gb = host.nbytes / 1e9
+    norm = float(np.linalg.norm(host.astype(np.float64))) or 1.0
+    x = rec.xp.asarray(host)  # on the backend's device
+    dst = rec.xp.empty_like(x)
+    sync = getattr(rec, "synchronize", None)
+    memcpy = gb / median_seconds(lambda: rec.xp.copyto(dst, x), reps, sync)
     rows = []
     for i, (name, params) in enumerate(todo, 1):
         if progress is not None:
             what = f"{name} {label(params)}".strip()
             print(f"bench: {what} ({i}/{len(todo)})", file=progress, flush=True)
-        enc, dec, wire = one_rank_round_trip(mpicomp.codec(name, **params), x)
-        t_enc = median_seconds(enc, reps)
-        t_dec = median_seconds(dec, reps)
-        err = float(np.linalg.norm((np.asarray(dec()).reshape(-1) - x).astype(np.float64)))
+        codec = mpicomp.codec(name, **params)
+        codec.kernels = rec if rec.xp is np else codec.kernels  # the backend of NumPy arrays
+        enc, dec, wire = one_rank_round_trip(codec, x)
+        t_enc = median_seconds(enc, reps, sync)
+        t_dec = median_seconds(dec, reps, sync)
+        got = rec.to_host(dec()).reshape(-1)
+        err = float(np.linalg.norm((got - host).astype(np.float64)))
         rows.append(
             {
                 "codec": name,
                 "params": dict(params),
-                "backend": "cpu",
+                "backend": rec.name,
                 "numel": numel,
                 "encode_gbps": gb / t_enc,
                 "decode_gbps": gb / t_dec,

@@ -37,7 +37,7 @@ def format_table(rows: list[dict], out=None) -> None:
     if not rows:
         return
     head = (
-        f"{'codec':<28}{'params':<14}{'backend':<9}{'bits/elem':>10}{'rel.err':>9}"
+        f"{'codec':<28}{'params':<14}{'backend':<14}{'bits/elem':>10}{'rel.err':>9}"
         f"{'enc GB/s':>10}{'x/memcpy':>9}{'dec GB/s':>10}{'x/memcpy':>9}"
     )
     print(head, file=out)
@@ -45,7 +45,7 @@ def format_table(rows: list[dict], out=None) -> None:
     for r in rows:
         m = r["memcpy_gbps"]
         print(
-            f"{r['codec']:<28}{label(r['params']):<14}{r['backend']:<9}"
+            f"{r['codec']:<28}{label(r['params']):<14}{r['backend']:<14}"
             f"{r['bits_per_element']:>10.3f}{r['rel_error']:>9.4f}"
             f"{r['encode_gbps']:>10.2f}{r['encode_gbps'] / m:>9.2f}"
             f"{r['decode_gbps']:>10.2f}{r['decode_gbps'] / m:>9.2f}",
@@ -107,11 +107,16 @@ class Report:
         out = sys.stdout if out is None else out
         kernels = [r for r in self.rows if r["encode_gbps"] is not None]
         if kernels:
+            backend = kernels[0]["backend"]
+            if backend == "numba":
+                backend += f" backend ({numba.config.NUMBA_NUM_THREADS} threads)"
+            else:
+                backend += " backend"
+            copy = "device-to-device copy" if backend.startswith("cuda ") else "memcpy"
             print(
                 f"{title('bench')}: {self.numel:,} float32 elements "
-                f"({self.numel * 4 / 2**20:.1f} MiB), one process, cpu backend "
-                f"(numba {numba.config.NUMBA_NUM_THREADS} threads), median of {reps} "
-                f"after a warm-up\nmemcpy (np.copyto) of the same buffer, same run: "
+                f"({self.numel * 4 / 2**20:.1f} MiB), one process, {backend}, median of "
+                f"{reps} after a warm-up\n{copy} (copyto) of the same buffer, same run: "
                 f"{kernels[0]['memcpy_gbps']:.2f} GB/s (the x/memcpy columns divide by it)",
                 file=out,
             )

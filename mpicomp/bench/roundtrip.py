@@ -45,8 +45,9 @@ def one_rank_round_trip(codec, x: np.ndarray):
         def enc():
             # As reduce_majority: votes and scale in one pass; the ring packs them 1 bit each.
             votes, state["s"] = codec.votes_and_scale(x)
-            state["p"] = np.empty(packed_size(votes.size, 1), np.uint8)
-            backend_of(votes, codec.kernels).bits.pack_shifted(votes, 0, 1, state["p"])
+            k = backend_of(votes, codec.kernels)
+            state["p"] = k.xp.empty(packed_size(votes.size, 1), np.uint8)
+            k.bits.pack_shifted(votes, 0, 1, state["p"])
 
         def dec():
             return codec.expand(state["p"], x.size, state["s"]).reshape(x.shape)
@@ -63,8 +64,9 @@ def one_rank_round_trip(codec, x: np.ndarray):
         extra = (codec.scale_index(x, norm),) if multiscale else ()
         codes = codec.quantize(x, norm, *extra, step=0, stream=0)
         # The ring's first step: codes shifted into [0, 2*bound] and packed by one kernel.
-        packed = np.empty(packed_size(codes.size, width), np.uint8)
-        backend_of(codes, codec.kernels).bits.pack_shifted(codes, codec.bound, width, packed)
+        k = backend_of(codes, codec.kernels)
+        packed = k.xp.empty(packed_size(codes.size, width), np.uint8)
+        k.bits.pack_shifted(codes, codec.bound, width, packed)
         state.update(norm=norm, extra=extra, packed=packed, ncodes=codes.size)
 
     def dec():
