@@ -55,7 +55,8 @@ def main(argv=None) -> int:
         print_json(rows)
         return 0
     print(
-        f"{title('all-reduce bench')}: {comm.size} ranks, {mpi_library()}, cpu backend\n"
+        f"{title('all-reduce bench')}: {comm.size} ranks, {mpi_library()}, "
+        f"{rows[0]['backend'] if rows else 'no'} kernels\n"
         f"time: the slowest rank's, median of {args.reps} calls after a warm-up; "
         "bytes: per rank per call (Traffic), the largest over ranks;\n"
         "'x ring' divides by the 2(N-1)/N*4n bytes a float32 ring all-reduce sends "

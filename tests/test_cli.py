@@ -6,6 +6,7 @@ import subprocess
 import sys
 
 import pytest
+from _devices import gpu_present
 
 from mpicomp import bench, cli
 
@@ -133,6 +134,19 @@ def test_trace_errors_from_the_reader_become_exit_code_2(tmp_path, capsys, monke
     assert capsys.readouterr().out.strip() == f"table of {f}"
 
 
+def test_bench_times_the_backend_it_is_given(capsys):
+    argv = ["bench", "--json", "--numel", "3000", "--reps", "1", "--codecs", "signsgd"]
+    assert cli.main([*argv, "--no-allreduce", "--backend", "cuda-emulated"]) == 0
+    (row,) = json.loads(capsys.readouterr().out)
+    assert row["backend"] == "cuda-emulated" and row["rel_error"] < 1.0
+    # Without a GPU, `--backend cuda` says why on stderr and fails (on every rank).
+    if not gpu_present():
+        assert cli.main([*argv, "--no-allreduce", "--backend", "cuda"]) == 1
+        assert "kernel backend 'cuda' is not available here" in capsys.readouterr().err
+    assert cli.main([*argv, "--no-allreduce", "--backend", "nope"]) == 1
+    assert "unknown kernel backend 'nope'" in capsys.readouterr().err
+
+
 def test_bench_json_rows(capsys):
     argv = ["bench", "--json", "--numel", "10000", "--reps", "1", "--codecs", "threelc,none"]
     assert cli.main(argv) == 0
@@ -142,7 +156,7 @@ def test_bench_json_rows(capsys):
     for r in rows:
         for key in ("backend", "encode_gbps", "decode_gbps", "memcpy_gbps", "bits_per_element"):
             assert key in r
-        assert r["backend"] == "cpu" and r["numel"] == 10000
+        assert r["backend"] == "numba" and r["numel"] == 10000
         # Throughputs are measurements: only their form is checked here, never their size.
         for key in ("encode_gbps", "decode_gbps", "memcpy_gbps"):
             assert isinstance(r[key], float) and math.isfinite(r[key])

@@ -1,5 +1,6 @@
 """CompressedComm pieces that need no peers: options, bucketing."""
 
+import numpy as np
 import pytest
 
 import mpicomp
@@ -107,6 +108,18 @@ def test_a_snapshot_restores_residuals_and_reuses_its_buffers():
     np.testing.assert_array_equal(fb.residual("b"), np.zeros(8, np.float32))
     buffer = snap._kept[0][1]
     assert fb.snapshot(["a"])._kept[0][1] is buffer  # no allocation per call
+
+
+def test_a_device_array_is_refused_inside_the_call():
+    import _device_arrays as D
+    from mpi4py import MPI
+
+    D.install()
+    x = D.to_device(np.ones(8, np.float32))
+    with mpicomp.CompressedComm(MPI.COMM_SELF, "none") as cc:
+        with pytest.raises(TypeError, match="device array: CompressedComm takes host arrays"):
+            cc.allreduce(x)
+        np.testing.assert_array_equal(cc.allreduce(np.ones(8, np.float32)), np.ones(8))
 
 
 def test_float64_beyond_float32_is_refused_not_made_inf():

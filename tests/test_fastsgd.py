@@ -199,6 +199,78 @@ def test_paper_fig2_ceiling():
     assert y[0] == np.float32(s / 8) and y[0] <= 1.0 and y[0] > 0.5
 
 
+def ref_levels(v, base, tau):
+    """(kept indices, L of each) of one bucket, straight from the definition: float64
+    q[L] = sum / b^L (b^L each the previous times b), L the smallest in [0, tau] with
+    q[L] <= |v|; values with |v| < q[tau] (or a sum of 0) are dropped."""
+    s = ref_abs_sum(v)
+    q = np.array([s / p for p in ref_powers(base, tau)])
+    a = np.abs(v.astype(np.float32)).astype(np.float64)
+    keys = np.flatnonzero(a >= q[tau]) if s else np.zeros(0, np.int64)
+    levels = np.array([next(L for L in range(tau + 1) if q[L] <= a[i]) for i in keys], np.int64)
+    return s, q, keys, levels
+
+
+def tiny_values(kind, n, seed):
+    """Signed float32 values at the bottom of the range: ``subnormal`` (log-uniform over
+    every subnormal binade, with the L table's cell edges and the smallest ones), ``normal``
+    (the lowest normal binades, for contrast) or ``mixed`` (both in the same buckets)."""
+    rng = np.random.default_rng(seed)
+    top = rng.integers(0, 23, n)  # bit patterns in [2^top, 2^(top+1)): exponent field 0
+    sub = rng.integers(1 << top, 2 << top).astype(np.uint32)
+    edges = np.array([1, 2, 3, 5, 1 << 14, (1 << 15) - 1, 1 << 15, (1 << 15) + 1], np.uint32)
+    edges = np.concatenate([edges, (np.arange(1, 256, 7, dtype=np.uint32) << 15) + 1])
+    sub[rng.choice(n, edges.size, replace=False)] = edges
+    norm = ((rng.integers(1, 24, n) << 23) | rng.integers(0, 1 << 23, n)).astype(np.uint32)
+    bits = {"subnormal": sub, "normal": norm, "mixed": np.where(rng.random(n) < 0.5, sub, norm)}
+    x = bits[kind].view(np.float32)
+    return np.where(rng.random(n) < 0.5, -x, x).astype(np.float32)
+
+
+@pytest.mark.parametrize("kind", ["subnormal", "normal", "mixed"])
+@pytest.mark.parametrize("base", [1.001, 1 + 2.0**-7, 1.01, 1.1, 1.5, 2.0, 16.0])
+@pytest.mark.parametrize("tau", [6, 40, 127])
+def test_levels_of_tiny_values_are_the_smallest_level(kind, base, tau):
+    # Buckets of 2 to 64 values: sums small enough (subnormal ones too) for subnormals to
+    # be kept at every base. Every kept value's L code is the smallest L with q[L] <= |v|.
+    n = 3000
+    x = tiny_values(kind, n, seed=int(base * 1000) + tau)
+    for bucket in (2, 5, 64):
+        c = mpicomp.codec("fastsgd", base=base, tau=tau, bucket=bucket)
+        payload = c.encode(x)
+        body = body_of(payload, 1)
+        y = c.decode(payload)
+        pos, wrong, nkept = 16, [], 0
+        want = np.zeros(n, np.float32)
+        for start in range(0, n, bucket):
+            v = x[start : start + bucket]
+            s, q, keys, levels = ref_levels(v, base, tau)
+            got_s, d, kbytes, _ = struct.unpack_from("<fIIB", body, pos)
+            assert (got_s, d) == (np.float32(s), keys.size)
+            codes = body[pos + 13 : pos + 13 + d]
+            assert np.array_equal(codes >> 7, (v[keys] < 0).astype(np.uint8))
+            bad = np.flatnonzero((codes & 0x7F) != levels)
+            wrong += [(float(v[keys[j]]), s, int(codes[j] & 0x7F), int(levels[j])) for j in bad]
+            # The decoded value is +-float32(q[L]) of the defined L.
+            want[start + keys] = np.copysign(q[levels].astype(np.float32), v[keys])
+            nkept += d
+            pos += 13 + d + kbytes
+        assert pos == body.size
+        assert not wrong, f"bucket {bucket}: {len(wrong)} wrong (v, sum, L, want): {wrong[:3]}"
+        assert y.tobytes() == want.tobytes()
+        assert nkept > n // 4  # the buckets keep a good part of the values
+
+
+def test_level_of_a_subnormal_value_example():
+    # Three subnormals, base 2: sum = 2^-130 (1 + 2^-10 + 2^-19) is a little above a power
+    # of two, so sum / 2^L <= |v| first holds at L = 1, 11 and 20 (the last one 2^-149).
+    x = np.array([2.0**-130, -(2.0**-140), 2.0**-149], np.float32)
+    c = mpicomp.codec("fastsgd", base=2.0, tau=127, bucket=0)
+    body = body_of(c.encode(x), 1)
+    assert struct.unpack_from("<I", body, 20)[0] == 3
+    assert body[29:32].tolist() == [1, 0x80 | 11, 20]
+
+
 @given(n=st.integers(0, 10**5), seed=st.integers(0, 2**32 - 1))
 def test_threshold_filter_keeps_exactly_the_large_values(n, seed):
     x = gradient_like(n, seed=seed)

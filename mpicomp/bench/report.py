@@ -112,11 +112,12 @@ class Report:
                 backend += f" backend ({numba.config.NUMBA_NUM_THREADS} threads)"
             else:
                 backend += " backend"
-            copy = "device-to-device copy" if backend.startswith("cuda ") else "memcpy"
+            gpu = backend.startswith("cuda ")
+            copy = "device-to-device copy (cupy.copyto)" if gpu else "memcpy (np.copyto)"
             print(
                 f"{title('bench')}: {self.numel:,} float32 elements "
                 f"({self.numel * 4 / 2**20:.1f} MiB), one process, {backend}, median of "
-                f"{reps} after a warm-up\n{copy} (copyto) of the same buffer, same run: "
+                f"{reps} after a warm-up\n{copy} of the same buffer, same run: "
                 f"{kernels[0]['memcpy_gbps']:.2f} GB/s (the x/memcpy columns divide by it)",
                 file=out,
             )
