@@ -131,6 +131,61 @@ def test_encode_extreme_values(dev):
     assert ok
 
 
+def tiny(n, seed, normal=0.0):
+    """Signed subnormals, log-uniform over every binade (bit patterns 1 .. 2^23 - 1), a
+    fraction ``normal`` of them replaced by values of the lowest normal binades."""
+    rng = np.random.default_rng(seed)
+    top = rng.integers(0, 23, n)
+    bits = rng.integers(1 << top, 2 << top).astype(np.uint32)
+    low = ((rng.integers(1, 8, n) << 23) | rng.integers(0, 1 << 23, n)).astype(np.uint32)
+    bits = np.where(rng.random(n) < normal, low, bits)
+    bits |= (rng.random(n) < 0.5).astype(np.uint32) << np.uint32(31)
+    return bits.view(np.float32)
+
+
+def check_levels(x, bucket, base, tau, sizes, scratch, cap):
+    """Assert each bucket's L codes are the smallest L with q[L] = sum / b^L <= |v| (the
+    definition, in float64); return how many subnormal values were kept."""
+    powers = nf.mpicomp_fastsgd_powers(base, tau)
+    nsub = 0
+    for k in range(sizes.size):
+        slot = scratch[k * cap : k * cap + sizes[k]]
+        s = np.float64(slot[:4].view(np.float32)[0])
+        d = int(slot[4:8].view(np.uint32)[0])
+        v = x[k * bucket : (k + 1) * bucket]
+        a = np.abs(v).astype(np.float64)
+        q = s / powers
+        keys = np.flatnonzero(a >= q[tau]) if s > 0 else np.zeros(0, np.int64)
+        assert d == keys.size, k
+        want = [int(np.argmax(q <= a[i])) for i in keys]
+        codes = slot[K.BUCKET_HEAD_BYTES : K.BUCKET_HEAD_BYTES + d]
+        np.testing.assert_array_equal(codes & 0x7F, want, err_msg=f"bucket {k}")
+        np.testing.assert_array_equal(codes >> 7, v[keys] < 0)
+        nsub += np.count_nonzero(a[keys] < np.finfo(np.float32).tiny)
+    return nsub
+
+
+@pytest.mark.parametrize("base", [1.001, 1 + 2.0**-7, 1.01, 1.1, 2.0, 16.0])
+@pytest.mark.parametrize("bucket, tau, normal", [(2, 127, 0.3), (5, 40, 0.3), (64, 127, 0.0)])
+def test_encode_levels_of_kept_subnormals(dev, base, bucket, tau, normal):
+    # Buckets with sums small enough to keep subnormal values, bases on both sides of the L
+    # table's one-step rule: both twins give the same bytes, and the L codes are exact.
+    x = tiny(100 * bucket, bucket + tau, normal)  # 100 buckets (the emulation is per chunk)
+    ok, sizes, scratch, cap = encode_both(dev, x, bucket, base, tau, 2)
+    assert ok
+    nsub = check_levels(x, bucket, base, tau, sizes, scratch, cap)
+    assert nsub > 0 or (base, bucket) == (1.001, 64)  # 1.001^127 = 1.14: sums of 64 keep none
+
+
+@pytest.mark.parametrize("base", [1.1, 2.0, 16.0])
+def test_encode_levels_of_subnormals_across_chunks(dev, base):
+    # One bucket of subnormals spanning three chunks (2048 values each).
+    x = tiny(6000, 11)
+    ok, sizes, scratch, cap = encode_both(dev, x, 6000, base, 127, 3)
+    assert ok
+    assert check_levels(x, 6000, base, 127, sizes, scratch, cap) > 0
+
+
 @pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf])
 def test_encode_nan_inf(dev, bad):
     x = gradient(3000, 9)

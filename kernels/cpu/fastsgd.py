@@ -50,7 +50,8 @@ _HIST = 33
 # Threshold table size: L = 0..127 and sentinels, so the L search takes 7 fixed steps.
 _QSIZE = 128
 # Cells of the encoder's L table: float32 bit patterns >> _CELL_SHIFT (8 exponent and 8
-# mantissa bits), narrower than any base's step once b > 1 + 2^-8.
+# mantissa bits), narrower than any base's step once b > 1 + 2^-8 for normal values (not
+# for subnormals, whose cells do not shrink with the value: their L is searched for).
 _CELL_SHIFT = 15
 _EXP_MASK = np.uint32(0x7F800000)
 _MANT_MASK = np.uint32(0x007FFFFF)
@@ -303,27 +304,40 @@ def _widest_gap(kept):
 def _encode_levels(xbits, kept, q, qdown, ltab, c_lo, base, codes):
     """Write codes[j] = sign | L of each kept value xbits[kept[j]] (see the L table above).
 
+    The table serves normal values only: a cell of exponent field 0 is not 2^-8 of its
+    value wide but [c, c + 1) * 2^-134 (all of [0, 2^-134) for c = 0), so it can hold
+    any number of thresholds. A subnormal value's L comes from the 7-step search over
+    q instead (``mpicomp_fastsgd_log_level``), exact and bounded; such values are rare.
+
     Kept in its own function (as is ``_encode_keys``): inside the bucket encoder's
     larger body LLVM keeps its loop state in memory and runs it twice as slowly.
     """
     if base >= 1.0 + 2.0**-7:
-        # Cells are narrower than a step of b: at most one threshold inside a cell,
+        # Normal cells are narrower than a step of b: at most one threshold inside a cell,
         # so one comparison corrects the cell's L (qdown[L] = q[L - 1], qdown[0] = inf).
         qdown[0] = np.inf
         qdown[1:] = q[: qdown.size - 1]
         for j in range(kept.size):
             u = np.int64(xbits[kept[j]])
-            a = np.float64(bits_float(np.uint32(u & 0x7FFFFFFF)))
-            L = np.int64(ltab[((u & 0x7FFFFFFF) >> _CELL_SHIFT) - c_lo])
-            L -= qdown[L] <= a
+            ua = u & 0x7FFFFFFF
+            a = np.float64(bits_float(np.uint32(ua)))
+            if ua < _IMPLICIT:
+                L = mpicomp_fastsgd_log_level(q, a)
+            else:
+                L = np.int64(ltab[(ua >> _CELL_SHIFT) - c_lo])
+                L -= qdown[L] <= a
             codes[j] = np.uint8(L | ((u >> 31) << 7))
     else:
         for j in range(kept.size):
             u = np.int64(xbits[kept[j]])
-            a = np.float64(bits_float(np.uint32(u & 0x7FFFFFFF)))
-            L = np.int64(ltab[((u & 0x7FFFFFFF) >> _CELL_SHIFT) - c_lo])
-            while L > 0 and q[L - 1] <= a:
-                L -= 1
+            ua = u & 0x7FFFFFFF
+            a = np.float64(bits_float(np.uint32(ua)))
+            if ua < _IMPLICIT:
+                L = mpicomp_fastsgd_log_level(q, a)
+            else:
+                L = np.int64(ltab[(ua >> _CELL_SHIFT) - c_lo])
+                while L > 0 and q[L - 1] <= a:
+                    L -= 1
             codes[j] = np.uint8(L | ((u >> 31) << 7))
 
 
@@ -368,7 +382,8 @@ def mpicomp_fastsgd_encode_bucket(
     threshold filter, which lists the kept indices, and for the codes and keys.
     L = the smallest L with sum / b^L <= |v| comes from a table over float32 cells
     (bit pattern >> 15: 8 exponent and 8 mantissa bits): ltab holds L at each cell's
-    lower end, and the few thresholds inside a cell are then checked one by one.
+    lower end, and the few thresholds inside a cell are then checked one by one. A
+    subnormal |v| (exponent field 0, cells not scaled to the value) is searched for.
     """
     sbits, ok = mpicomp_fastsgd_abs_sum(xbits, acc)
     if not ok:

@@ -23,7 +23,6 @@
 #define FS_QSIZE 128    // threshold table: L = 0..127, -1 beyond tau (7-step search)
 #define FS_CHUNK 2048   // elements of one chunk (fixed: results never depend on it)
 #define FS_LIMBS 10     // 32-bit limbs of the exact sum: < 2^(24 + 253 + 29) < 2^320
-#define FS_CELL_SHIFT 15  // cells of the numba twin's L table: float32 bits >> 15
 
 // ---- scalar helpers ---------------------------------------------------------------------------
 
@@ -303,23 +302,16 @@ extern "C" __global__ void mpicomp_fastsgd_codes(
         const int count = fs_compact(xbits, c.c0, c.c1, s > 0.0, s / powers[tau], kl, iscratch);
         u8* codes = scratch_out + c.k * cap + MPICOMP_FASTSGD_HEAD + coff[ch];
         const i64 rel = c.j * FS_CHUNK, prev0 = cprev[ch];
-        const bool one_step = powers[1] >= 1.0 + 0x1p-7;  // cells narrower than a step of b
         i64 bits = 0;
         for (int r = threadIdx.x; r < count; r += blockDim.x) {
             const u32 u = xbits[c.c0 + kl[r]], ua = u & 0x7FFFFFFFu;
-            const double a = fs_f32_to_f64(ua);
-            // The numba twin's L table: the smallest L with q[L] <= the lower end of a's cell
-            // (8 exponent and 8 mantissa bits), then one step down when b >= 1 + 2^-7, else
-            // down while q[L-1] <= a. (Exactly the smallest L with q[L] <= a for normal a;
-            // in a subnormal cell the one step may stop short: the twin's bytes all the same.)
-            const double alo = fs_f32_to_f64((ua >> FS_CELL_SHIFT) << FS_CELL_SHIFT);
+            const double a = fs_f32_to_f64(ua);  // exact, subnormals too (no float32 math)
+            // L = the smallest L with q[L] <= a, by the 7-step search over q (non-increasing,
+            // -1 beyond tau; a >= q[tau], as a was kept). The numba twin finds the same L in
+            // its table of float32 cells for a normal a, and by this search for a subnormal a
+            // (whose cell, of exponent field 0, can hold many thresholds).
             int L = 0;
-            for (int step = FS_QSIZE >> 1; step; step >>= 1) L += q[L + step - 1] > alo ? step : 0;
-            if (one_step) {
-                L -= L > 0 && q[L - 1] <= a;
-            } else {
-                while (L > 0 && q[L - 1] <= a) --L;
-            }
+            for (int step = FS_QSIZE >> 1; step; step >>= 1) L += q[L + step - 1] > a ? step : 0;
             codes[r] = (u8)(L | ((u >> 31) << 7));
             const i64 delta = rel + kl[r] - (r ? rel + kl[r - 1] : prev0);
             bits += fb + width[flag_of[fs_bitlen((u64)delta)]];
