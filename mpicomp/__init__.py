@@ -19,6 +19,7 @@ __all__ = [
     "Handle",
     "NonFiniteWarning",
     "PayloadError",
+    "RankError",
     "__version__",
     "codec",
     "codecs",
@@ -31,4 +32,8 @@ def __getattr__(name):
         from mpicomp import comm
 
         return getattr(comm, name)
+    if name == "RankError":  # raised on the ranks whose own input was fine
+        from mpicomp._reduce import RankError
+
+        return RankError
     raise AttributeError(f"module 'mpicomp' has no attribute {name!r}")

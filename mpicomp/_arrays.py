@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from mpicomp.kernels import backend_of
+from mpicomp.kernels import backend, backend_of
 
 _ACCEPTED = (np.float16, np.float32, np.float64)
 _F32_MAX = float(np.finfo(np.float32).max)
@@ -132,18 +132,41 @@ def _home(a) -> type:
     return np.ndarray if isinstance(a, np.ndarray) else type(a)
 
 
+# DLPack device types (dlpack.h): where a producer's memory is.
+_DL_CPU, _DL_CUDA, _DL_CUDA_HOST, _DL_CUDA_MANAGED = 1, 2, 3, 13
+
+
 def _from_dlpack(x, what: str):
-    """Import a DLPack producer without a copy; convert once where NumPy cannot hold its dtype."""
+    """Import a DLPack producer without a copy (a CUDA tensor as a CuPy array, through the
+    ``cuda`` backend); convert once where the consumer cannot hold its dtype (bfloat16)."""
+    kind = _DL_CPU
+    if callable(getattr(x, "__dlpack_device__", None)):
+        kind, _ = x.__dlpack_device__()
+    if kind in (_DL_CUDA, _DL_CUDA_MANAGED):
+        try:
+            from_dlpack = backend("cuda").xp.from_dlpack
+        except Exception as e:  # no CuPy, or CuPy without a GPU
+            raise TypeError(
+                f"{what}: a CUDA {type(x).__name__} needs the cuda kernel backend (CuPy and a "
+                f"GPU), which is not available here ({e})"
+            ) from e
+    elif kind in (_DL_CPU, _DL_CUDA_HOST):
+        from_dlpack = np.from_dlpack
+    else:
+        raise TypeError(
+            f"{what}: a {type(x).__name__} on DLPack device type {kind} (not the CPU or a CUDA "
+            "GPU) is not supported"
+        )
     try:
         try:
-            return np.from_dlpack(x)
+            return from_dlpack(x)
         except (RuntimeError, BufferError, TypeError):
             # NumPy has no bfloat16: a PyTorch bfloat16 tensor is converted by its own .float().
             if not callable(getattr(x, "float", None)):
                 raise
-            return np.from_dlpack(x.float())
+            return from_dlpack(x.float())
     except (RuntimeError, BufferError, TypeError) as e:
         raise TypeError(
             f"{what}: cannot import {type(x).__name__} through DLPack ({e}); mpicomp takes "
-            "NumPy arrays, CuPy arrays, and tensors in host memory"
+            "NumPy arrays, CuPy arrays, and tensors in host memory or on a CUDA GPU"
         ) from e

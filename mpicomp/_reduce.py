@@ -10,6 +10,11 @@ the NaN/Inf policy, the timeout, and a phase clock (``mpicomp.trace.NO_CLOCK`` w
 untraced): ``clock.encoded()``, ``clock.communicated()`` and ``clock.decoded()`` charge
 the time since the previous mark to local compression work, to messages (collectives
 with their own packing, and waiting for other ranks), and to decoding and averaging.
+
+A gradient on a device (a CuPy array) is encoded and decoded there; what goes to MPI
+(wire arrays, codes, votes, payloads) is copied into the call's staging buffers on the
+host (``_down``), the collectives run on the host as for NumPy input, and their results
+are copied back (``_up``) before the device decodes them.
 """
 
 from __future__ import annotations
@@ -20,7 +25,8 @@ from dataclasses import dataclass
 import numpy as np
 from mpi4py import MPI
 
-from mpicomp._arrays import all_finite, zero_nonfinite
+from mpicomp._arrays import all_finite, is_device_array, zero_nonfinite
+from mpicomp._transport import Staging
 from mpicomp.collectives import plain
 from mpicomp.collectives.allgather import allgather_bytes
 from mpicomp.collectives.float16 import allreduce_float16
@@ -83,7 +89,8 @@ class Call:
     exchange steps and ``clock`` the phase marks (``NO_CLOCK`` when untraced);
     ``layout`` is the name or bucket hash the agreement compares; ``guard`` the NaN/Inf
     policy; ``timeout`` each wait's limit in seconds (None: ``MPICOMP_TIMEOUT``);
-    ``kernels`` the kernel backend of NumPy arrays (None: ``mpicomp.kernels.backend()``).
+    ``kernels`` the kernel backend of NumPy arrays (None: ``mpicomp.kernels.backend()``);
+    ``staging`` the host buffers device bytes cross MPI in (needed for device input).
     """
 
     comm: object
@@ -94,11 +101,32 @@ class Call:
     guard: Guard = _RAISE
     timeout: float | None = None
     kernels: object = None
+    staging: Staging | None = None
 
     @property
     def io(self) -> dict:
         """Return the keyword arguments every collective of this call takes."""
         return {"recorder": self.recorder, "timeout": self.timeout}
+
+
+def _device(a):
+    """Return the backend record of device array ``a``; None for a host array."""
+    return backend_of(a) if is_device_array(a) else None
+
+
+def _down(call: Call, dev, a, slot: str):
+    """Return what MPI is handed of ``a``: ``a`` itself on the host, else its copy in the
+    staging buffer ``slot`` (valid until the next use of that slot)."""
+    if dev is None or a is None or isinstance(a, np.ndarray):
+        return a
+    if call.staging is None:
+        raise TypeError("a device array needs a Call with staging buffers")
+    return call.staging.down(dev, a, slot)
+
+
+def _up(dev, a):
+    """Return host array ``a`` on the device of ``dev`` (as it is for host input)."""
+    return a if dev is None else dev.xp.asarray(a)
 
 
 def _agree(
@@ -204,10 +232,11 @@ def reduce_sum(call: Call, codec, flat, encoders: Encoders | None = None) -> np.
     rank look at its own input (and, under ``"zero"``, the sum is made again).
     """
     comm, clock, guard = call.comm, call.clock, call.guard
+    dev = _device(flat)
     wire, flat, err, bad = _local(codec.to_wire, flat, guard)
     clock.encoded()
     _agree(call, flat.size, err, nonfinite=bad)
-    total = _sum(call, wire)
+    total = _sum(call, _down(call, dev, wire, "wire"))
     clock.communicated()
     if not _sum_finite(call, total):
         local = not all_finite(flat)
@@ -221,13 +250,13 @@ def reduce_sum(call: Call, codec, flat, encoders: Encoders | None = None) -> np.
         if guard.policy == "zero":
             if local:
                 flat = zero_nonfinite(flat)
-            total = _sum(call, codec.to_wire(flat))
+            total = _sum(call, _down(call, dev, codec.to_wire(flat), "wire"))
             clock.communicated()
             if not _sum_finite(call, total):
                 raise RankError(f"{codec.name}: the sum over ranks overflows float32")
         else:
             _nonfinite(ranks, local, guard, None)
-    out = codec.from_wire(total, comm.size)
+    out = codec.from_wire(_up(dev, total), comm.size)
     clock.decoded()
     return out
 
@@ -256,6 +285,7 @@ def reduce_integer(call: Call, codec, flat, encoders: Encoders | None = None) ->
     """Average QSGD-MaxNorm codes: MaxAllReduce of norms, [MinAllReduce of scale
     indices], exact ring sum of the codes, dequantize."""
     comm, clock, step = call.comm, call.clock, call.step
+    dev = _device(flat)
     at = {"step": step} if codec.sparse else {}  # GlobalRandK: K coordinates drawn per step
     norm, flat, err, bad = _local(lambda f: codec.local_norm(f, **at), flat, call.guard)
     clock.encoded()
@@ -270,23 +300,30 @@ def reduce_integer(call: Call, codec, flat, encoders: Encoders | None = None) ->
         if codec.index_bits:
             sidx = ring_allreduce_min_agreed(
                 comm,
-                sidx,
+                _down(call, dev, sidx, "index"),
                 codec.index_bits,
                 dtype=codec.index_dtype,
                 kernels=call.kernels,
                 **call.io,
             )
             clock.communicated()
-        extra = (sidx.astype(codec.index_dtype, copy=False),)
+        extra = (_up(dev, sidx).astype(codec.index_dtype, copy=False),)
     codes = codec.quantize(flat, norm, *extra, step=step, stream=comm.rank)
     clock.encoded()
     # The sums stay packed as the ring left them; dequantize_packed unpacks as it goes.
-    total = ring_allreduce_agreed(
-        comm, codes, codec.bound, packed=True, kernels=call.kernels, **call.io
+    data, n, width, offset = ring_allreduce_agreed(
+        comm,
+        _down(call, dev, codes, "codes"),
+        codec.bound,
+        packed=True,
+        kernels=call.kernels,
+        **call.io,
     )
     clock.communicated()
     at = {"shape": flat.shape, "step": step} if codec.sparse else {}
-    out = codec.dequantize_packed(*total, norm, *extra, nranks=comm.size, **at)
+    out = codec.dequantize_packed(
+        _up(dev, data), n, width, offset, norm, *extra, nranks=comm.size, **at
+    )
     clock.decoded()
     return out
 
@@ -294,6 +331,7 @@ def reduce_integer(call: Call, codec, flat, encoders: Encoders | None = None) ->
 def reduce_majority(call: Call, codec, flat, encoders: Encoders | None = None) -> np.ndarray:
     """signSGD: ring sum of votes, majority decided by each chunk's owner, ±mean scale."""
     comm, clock, step = call.comm, call.clock, call.step
+    dev = _device(flat)
     found, flat, err, bad = _local(codec.votes_and_scale, flat, call.guard)
     votes, scale = found if err is None else (None, 0.0)
     clock.encoded()
@@ -307,10 +345,16 @@ def reduce_majority(call: Call, codec, flat, encoders: Encoders | None = None) -
 
     # The owners' majority decisions run inside the ring: charged to comm.
     bits = ring_allreduce_agreed(
-        comm, votes, 1, majority=decide, signed=False, kernels=call.kernels, **call.io
+        comm,
+        _down(call, dev, votes, "votes"),
+        1,
+        majority=decide,
+        signed=False,
+        kernels=call.kernels,
+        **call.io,
     )
     clock.communicated()
-    out = codec.expand(bits, flat.size, float(scales.sum() / comm.size))
+    out = codec.expand(_up(dev, bits), flat.size, float(scales.sum() / comm.size))
     clock.decoded()
     return out
 
@@ -318,12 +362,13 @@ def reduce_majority(call: Call, codec, flat, encoders: Encoders | None = None) -
 def reduce_gather(call: Call, codec, flat, encoders: Encoders) -> np.ndarray:
     """Allgather every rank's payload; every rank decodes all and averages in rank order."""
     clock = call.clock
+    dev = _device(flat)
     payload, flat, err, bad = _local(encoders.encode, flat, call.guard)
     clock.encoded()
     _agree(call, flat.size, err, nonfinite=bad)
-    payloads = _exchange(call, allgather_bytes, payload, None)
+    payloads = _exchange(call, allgather_bytes, _down(call, dev, payload, "payload"), None)
     clock.communicated()
-    out = _decode_mean(codec, payloads, flat.size)
+    out = _decode_mean(codec, _up_all(dev, payloads), flat.size)
     clock.decoded()
     return out
 
@@ -336,6 +381,7 @@ def reduce_sharded(call: Call, codec, flat, encoders: Encoders) -> np.ndarray:
     """
     encode_push, encode_pull = encoders.push, encoders.pull
     comm, clock = call.comm, call.clock
+    dev = _device(flat)
     bounds = shard_bounds(flat.size, comm.size)
 
     def push(f):
@@ -344,7 +390,9 @@ def reduce_sharded(call: Call, codec, flat, encoders: Encoders) -> np.ndarray:
     pushed, flat, err, bad = _local(push, flat, call.guard)
     clock.encoded()
     _agree(call, flat.size, err, nonfinite=bad)
-    received = _exchange(call, alltoall_bytes, pushed, None)
+    if pushed is not None:
+        pushed = [_down(call, dev, p, f"push{s}") for s, p in enumerate(pushed)]
+    received = _up_all(dev, _exchange(call, alltoall_bytes, pushed, None))
     clock.communicated()
     a, b = bounds[comm.rank]
     # Only this owner decodes its pushes, and its average can still be refused (a
@@ -354,15 +402,27 @@ def reduce_sharded(call: Call, codec, flat, encoders: Encoders) -> np.ndarray:
     clock.decoded()
     pull, err = (None, err) if err is not None else _attempt(encode_pull, mine)
     clock.encoded()
-    pulled = _exchange(call, allgather_bytes, pull, err)
+    pulled = _up_all(dev, _exchange(call, allgather_bytes, _down(call, dev, pull, "pull"), err))
     clock.communicated()
     # Sizes were agreed: a payload of another size is corrupt (PayloadError everywhere).
     parts = [
         codec.decode(p, numel=b - a).reshape(-1) for p, (a, b) in zip(pulled, bounds, strict=True)
     ]
-    out = np.concatenate(parts) if parts else np.zeros(0, np.float32)
+    xp = np if dev is None else dev.xp
+    out = xp.concatenate(parts) if parts else xp.zeros(0, np.float32)
     clock.decoded()
     return out
+
+
+def _up_all(dev, payloads: list) -> list:
+    """Return host ``payloads`` on the device of ``dev``: one copy of them end to end,
+    then a view per payload (as they are for host input)."""
+    if dev is None or not payloads:
+        return payloads
+    sizes = [p.size for p in payloads]
+    whole = dev.xp.asarray(np.concatenate(payloads))
+    ends = np.cumsum(sizes).tolist()
+    return [whole[e - n : e] for n, e in zip(sizes, ends, strict=True)]
 
 
 def _exchange(call: Call, collective, data, err):

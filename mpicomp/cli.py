@@ -3,24 +3,13 @@
 from __future__ import annotations
 
 import argparse
-import ctypes
 import json
 import os
 import platform
-import re
 import sys
 
 import mpicomp
-from mpicomp import bench
-
-# A library call that answers "built with CUDA and enabled at run time", per vendor.
-# MPICH: MPIX_GPU_query_support(MPIX_GPU_SUPPORT_CUDA = 0, &flag) (MPICH >= 4.0);
-# Open MPI and MPICH both: MPIX_Query_cuda_support() (Open MPI's mpi-ext.h).
-_MPIX_GPU_SUPPORT_CUDA = 0
-_FALSE = ("0", "no", "false", "off", "disable")
-# libmpi.so.12 (MPICH, Intel MPI), libmpi.so.40 (Open MPI), libmpi_abi.so (the MPI-5 ABI),
-# libmpich.so, libmpi_cray.so (Cray MPICH).
-_LIBMPI = re.compile(r"libmpi(ch|_cray|_abi)?\.so")
+from mpicomp import _transport, bench
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -219,14 +208,17 @@ def info() -> dict[str, str]:
     out["MPI library"] = " ".join(text.splitlines()[0].split())
     out["MPI vendor"] = f"{vendor} {'.'.join(map(str, vversion))}"
     out["MPI standard"] = "{}.{}".format(*MPI.Get_version())
-    libpath = _libmpi_path()
+    libpath = _transport.libmpi_path()
     out["MPI library file"] = libpath or "unknown"
     out["mpi4py ABI"] = _mpi4py_abi(MPI)
     out["MPI world size"] = str(MPI.COMM_WORLD.size)
-    out["MPI CUDA support"] = _mpi_cuda_support(libpath, vendor)
-    # Codecs compute on CuPy arrays, but CompressedComm takes host arrays: MPI only
-    # ever gets host buffers.
-    out["CUDA-aware MPI"] = "no (CompressedComm sends host buffers)"
+    out["MPI CUDA support"] = _transport.describe(_transport.library_cuda_support(libpath, vendor))
+    try:
+        aware, how = _transport.cuda_aware()
+        decided = f"{'yes' if aware else 'no'} ({how})"
+    except ValueError as e:  # a bad MPICOMP_CUDA_AWARE: info still reports the rest
+        decided = f"unknown ({e})"
+    out["CUDA-aware MPI"] = f"{decided}; device arrays are staged through host memory"
     out["GPUs"] = _gpus()
     out["backends"] = _backends(numba.config.NUMBA_NUM_THREADS)
     out["codecs"] = ", ".join(mpicomp.codecs.available())
@@ -259,20 +251,6 @@ def _version(module: str) -> str:
         return "not installed"
 
 
-def _libmpi_path() -> str | None:
-    """Return the file of the MPI library this process has mapped (Linux), else None."""
-    try:
-        with open("/proc/self/maps") as f:
-            maps = f.read()
-    except OSError:  # not Linux: no cheap way to ask the loader
-        return None
-    for line in maps.splitlines():
-        parts = line.split(maxsplit=5)
-        if len(parts) == 6 and _LIBMPI.match(os.path.basename(parts[5])):
-            return parts[5]
-    return None
-
-
 def _mpi4py_abi(MPI) -> str:
     # mpi4py's PyPI wheels carry one extension per MPI ABI (MPI.mpich.so, MPI.openmpi.so)
     # and pick it from the library they load; a source build has a plain MPI.so.
@@ -281,30 +259,6 @@ def _mpi4py_abi(MPI) -> str:
     if len(parts) > 2 and parts[1] in ("mpich", "openmpi", "mpiabi", "impi", "msmpi"):
         return f"{parts[1]} (mpi4py wheel)"
     return "built against this library"
-
-
-def _mpi_cuda_support(libpath: str | None, vendor: str) -> str:
-    """Return whether the MPI library reports CUDA support, and how that was asked."""
-    env = os.environ.get("MPIR_CVAR_ENABLE_GPU")
-    if vendor == "MPICH" and env is not None and env.strip().lower() in _FALSE:
-        return f"no (MPIR_CVAR_ENABLE_GPU={env})"
-    if libpath is None:
-        return "unknown (MPI library file not found)"
-    try:
-        lib = ctypes.CDLL(libpath)  # already loaded: this returns the same handle
-    except OSError as e:
-        return f"unknown ({e})"
-    query = getattr(lib, "MPIX_GPU_query_support", None)
-    if query is not None:
-        flag = ctypes.c_int(0)
-        query.argtypes = [ctypes.c_int, ctypes.POINTER(ctypes.c_int)]
-        if query(_MPIX_GPU_SUPPORT_CUDA, ctypes.byref(flag)) == 0:
-            return f"{'yes' if flag.value else 'no'} (MPIX_GPU_query_support)"
-    query = getattr(lib, "MPIX_Query_cuda_support", None)
-    if query is not None:
-        query.restype = ctypes.c_int
-        return f"{'yes' if query() else 'no'} (MPIX_Query_cuda_support)"
-    return "unknown (the library has no MPIX_Query_cuda_support)"
 
 
 def _gpus() -> str:

@@ -13,10 +13,11 @@ from functools import partial
 import numpy as np
 
 from mpicomp import _reduce
-from mpicomp._arrays import is_device_array, to_float32
+from mpicomp._arrays import array_module, is_device_array, to_float32
 from mpicomp._progress import Handle, Worker, overlap_blocker
 from mpicomp._reduce import NonFiniteWarning, RankError
 from mpicomp._same_call import check_same_call
+from mpicomp._transport import Staging, cuda_aware
 from mpicomp.codecs import Codec, ErrorFeedback
 from mpicomp.codecs._base import make as make_codec
 from mpicomp.options import Options
@@ -105,6 +106,7 @@ class CompressedComm:
             raise TypeError(f"codec must be a name or an mpicomp codec, got {codec!r}")
         self.codec = codec
         self.kernels = codec.kernels  # the backend of NumPy arrays, read when made
+        self._staging = Staging()  # host buffers for device arrays' bytes, reused
         #: The checked options (``mpicomp.options.Options``), frozen.
         self.options = opts = Options.resolve(
             codec,
@@ -326,7 +328,15 @@ class CompressedComm:
         guard = guard or _reduce.Guard()
         timeout = self.options.timeout
         return _reduce.Call(
-            self._comm, step, self.recorder, NO_CLOCK, layout, guard, timeout, self.kernels
+            self._comm,
+            step,
+            self.recorder,
+            NO_CLOCK,
+            layout,
+            guard,
+            timeout,
+            self.kernels,
+            self._staging,
         )
 
     def _encoders(self, name: str) -> _reduce.Encoders | None:
@@ -358,11 +368,6 @@ class CompressedComm:
         ``_average`` to raise inside the call (every rank then raises)."""
         what = f"gradient {name!r}" if name else "gradient"
         try:
-            if is_device_array(x):
-                raise TypeError(
-                    f"{what} is a {type(x).__module__} device array: CompressedComm takes "
-                    "host arrays in this version (codecs encode device arrays themselves)"
-                )
             flat, overflowed = to_float32(x, what=what)
             self._check_name(name)
         except (ValueError, TypeError) as e:
@@ -379,6 +384,10 @@ class CompressedComm:
             return [], _Tensor.refused(arrays, "", error)
         tensors = [self._take(a, n) for a, n in zip(arrays, names, strict=True)]
         refused = next((t for t in tensors if t.error is not None), None)
+        if refused is None and len({array_module(t.flat) for t in tensors}) > 1:
+            # A fused bucket lives in one place: host and device arrays do not mix.
+            error = TypeError("allreduce_many takes host arrays or device arrays, not both")
+            refused = _Tensor.refused(arrays, "", error)
         return ([], refused) if refused else (tensors, None)
 
     def _many(self, tensors: list, refused: _Tensor | None) -> tuple:
@@ -466,7 +475,9 @@ class CompressedComm:
         opts = self.options
         return {
             "backend": self.kernels.name,
-            "cuda_aware": False,
+            "cuda_aware": False,  # device bytes are staged through host memory
+            "device_transport": "staged",
+            "mpi_cuda_aware": _mpi_cuda_aware(),
             "codec": self.codec.name,
             "codec_params": json.dumps(self.codec.params, sort_keys=True, default=str),
             "min_numel": opts.min_numel,
@@ -498,8 +509,9 @@ class _Tensor:
 
     @classmethod
     def fused(cls, members: list[_Tensor]) -> _Tensor:
-        """Return one bucket holding ``members`` end to end."""
-        flat = np.concatenate([t.flat for t in members])
+        """Return one bucket holding ``members`` end to end (all on the host, or all on
+        one device)."""
+        flat = array_module(members[0].flat).concatenate([t.flat for t in members])
         return cls(
             flat,
             "bucket:" + "|".join(t.name for t in members),
@@ -544,6 +556,15 @@ def _buckets(sizes: list[int], limit: int) -> list[list[int]]:
     return out
 
 
+def _mpi_cuda_aware() -> str:
+    """Return whether the MPI library takes GPU buffers, and how that was decided."""
+    try:
+        aware, how = cuda_aware()
+    except ValueError as e:  # a bad MPICOMP_CUDA_AWARE
+        return f"unknown ({e})"
+    return f"{'yes' if aware else 'no'} ({how})"
+
+
 def _dtype(x) -> str:
     """Return the name of ``x``'s dtype as the caller passed it (for debug descriptions)."""
     dt = getattr(x, "dtype", None)
@@ -572,7 +593,7 @@ def _warn(messages: list[str]) -> None:
 def _like(x, avg: np.ndarray):
     """Return float32 ``avg`` in ``x``'s dtype and framework (NumPy, or the DLPack producer's)."""
     dtype = getattr(x, "dtype", None)
-    if isinstance(x, np.ndarray):
+    if isinstance(x, np.ndarray) or is_device_array(x):
         return avg.astype(x.dtype, copy=False)
     if isinstance(x, np.generic):
         return avg.astype(dtype).reshape(())[()]

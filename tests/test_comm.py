@@ -2,6 +2,7 @@
 
 import numpy as np
 import pytest
+from _devices import gpu_present as _gpu_present
 
 import mpicomp
 from mpicomp.comm import _buckets
@@ -110,15 +111,68 @@ def test_a_snapshot_restores_residuals_and_reuses_its_buffers():
     assert fb.snapshot(["a"])._kept[0][1] is buffer  # no allocation per call
 
 
-def test_a_device_array_is_refused_inside_the_call():
+# Host synchronizations of one call on one rank (the device's counted ``to_host`` reads:
+# staging copies, payload headers, scalars and error flags), per codec. They are part of
+# a codec's contract: a change that adds one shows here.
+SYNCS = {
+    "none": 1,
+    "fp16": 3,
+    "topk": 11,
+    "signsgd": 2,
+    "qsgd_maxnorm": 4,
+    "qsgd_maxnorm_multiscale": 6,
+    "grandk_maxnorm": 4,
+    "grandk_maxnorm_multiscale": 6,
+    "threelc": 10,
+    "fft": 14,
+    "fastsgd": None,  # set below from the bucket count
+}
+
+
+@pytest.mark.parametrize("name", sorted(SYNCS))
+def test_a_device_array_call_makes_its_counted_syncs_and_no_hidden_one(name):
     import _device_arrays as D
     from mpi4py import MPI
 
     D.install()
-    x = D.to_device(np.ones(8, np.float32))
+    host = (np.random.default_rng(0).standard_normal(5000) * 1e-3).astype(np.float32)
+    dev = mpicomp.kernels.backend(D.BACKEND).device
+    with mpicomp.CompressedComm(MPI.COMM_SELF, name, min_numel=1) as cc:
+        ref = cc.allreduce(host, name="w")
+    with mpicomp.CompressedComm(MPI.COMM_SELF, name, min_numel=1) as cc:
+        cc.allreduce(D.to_device(host), name="w")  # the first call builds tables
+        D.reset_syncs()
+        before = dev.syncs
+        out = cc.allreduce(D.to_device(host), name="w")
+    assert D.SYNCS["implicit"] == 0 and D.SYNCS["get"] == dev.syncs - before
+    assert isinstance(out, D.DeviceArray) and out.shape == ref.shape
+    want = SYNCS[name]
+    if want is not None:
+        assert dev.syncs - before == want
+
+
+def test_a_cuda_dlpack_tensor_without_cuda_is_refused_on_every_rank_by_name():
+    from mpi4py import MPI
+
+    class CudaTensor:  # what a torch CUDA tensor shows of itself
+        dtype = np.float32
+
+        def __dlpack_device__(self):
+            return (2, 0)
+
+        def __dlpack__(self, **kwargs):
+            raise AssertionError("not to be read without the cuda backend")
+
+    class OtherDevice(CudaTensor):
+        def __dlpack_device__(self):
+            return (14, 0)  # oneAPI
+
     with mpicomp.CompressedComm(MPI.COMM_SELF, "none") as cc:
-        with pytest.raises(TypeError, match="device array: CompressedComm takes host arrays"):
-            cc.allreduce(x)
+        if not _gpu_present():
+            with pytest.raises(TypeError, match="a CUDA CudaTensor needs the cuda kernel backend"):
+                cc.allreduce(CudaTensor())
+        with pytest.raises(TypeError, match="DLPack device type 14"):
+            cc.allreduce(OtherDevice())
         np.testing.assert_array_equal(cc.allreduce(np.ones(8, np.float32)), np.ones(8))
 
 

@@ -78,9 +78,13 @@ class Device:
         build: ``build(family, code, options)`` returning a module with ``get_function``.
         synchronize: waits until the device has run every launch made (benchmarks call
             it; launches on the emulated device return when they are done).
+        pinned: ``pinned(nbytes)`` returns a page-locked host buffer of ``nbytes`` bytes
+            (uint8) for staging copies; default an ordinary NumPy array.
     """
 
-    def __init__(self, name: str, xp, threads: int, max_blocks: int, build, synchronize=None):
+    def __init__(
+        self, name: str, xp, threads: int, max_blocks: int, build, synchronize=None, pinned=None
+    ):
         if threads % 32 or not 32 <= threads <= 1024:
             raise ValueError(f"threads must be a multiple of 32 in [32, 1024], got {threads}")
         if max_blocks < 1:
@@ -92,6 +96,7 @@ class Device:
         self.syncs = 0  # host synchronizations made by launchers (to_host)
         self._build = build
         self.synchronize = synchronize or (lambda: None)
+        self.pinned = pinned or (lambda nbytes: np.empty(nbytes, np.uint8))
         self._modules = {}
         self._lock = threading.Lock()
 
@@ -114,6 +119,10 @@ class Device:
         def per_gpu(family, code, opts):
             return _gpu_build(cupy.cuda.Device().id, family, code, opts, build)
 
+        def pinned(nbytes):
+            memory = cupy.cuda.alloc_pinned_memory(nbytes)
+            return np.frombuffer(memory, np.uint8, nbytes)  # keeps ``memory`` alive
+
         return cls(
             "cuda",
             cupy,
@@ -121,6 +130,7 @@ class Device:
             blocks_per_sm * sms,
             per_gpu,
             lambda: cupy.cuda.Device().synchronize(),
+            pinned,
         )
 
     def kernel(self, family: str, name: str, extra: dict[str, str] | None = None):
@@ -137,10 +147,16 @@ class Device:
         """Return the blocks of a grid-stride launch over ``n`` items."""
         return int(max(1, min(self.max_blocks, -(-int(n) // self.threads))))
 
-    def to_host(self, a) -> np.ndarray:
-        """Return device array ``a`` on the host: one counted synchronization."""
+    def to_host(self, a, out: np.ndarray | None = None) -> np.ndarray:
+        """Return device array ``a`` on the host (in ``out`` when given, of ``a``'s shape
+        and dtype): one counted synchronization."""
         self.syncs += 1
-        return a.get() if hasattr(a, "get") else np.asarray(a)
+        if hasattr(a, "get"):
+            return a.get(out=out)
+        if out is None:
+            return np.asarray(a)
+        np.copyto(out, a)
+        return out
 
 
 @cache
