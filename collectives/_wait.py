@@ -23,6 +23,8 @@ from collections.abc import Callable
 
 import numpy as np
 
+from mpicomp.kernels import backend_of
+
 #: The environment variable that sets the default timeout, in seconds (unset or 0: off).
 ENV = "MPICOMP_TIMEOUT"
 
@@ -89,6 +91,27 @@ def timeout_message(comm, op: str, detail: str, timeout: float, elapsed: float) 
     )
 
 
+def ready(*buffers) -> None:
+    """Wait until the device work that wrote ``buffers`` is done, before MPI reads them.
+
+    A buffer is an array or a buffer spec (``[array, ...]``); NumPy arrays need nothing.
+    Kernels run asynchronously on a GPU, and MPI does not wait for them: without this a
+    CUDA-aware library may send bytes a kernel has not yet written.
+    """
+    for b in buffers:
+        a = b[0] if isinstance(b, (list, tuple)) and b else b
+        if a is None or isinstance(a, (np.ndarray, np.generic, int, float)):
+            continue
+        try:
+            record = backend_of(a)
+        except TypeError:  # not an array (a datatype, a count)
+            continue
+        sync = getattr(record, "synchronize", None)
+        if sync is not None:
+            sync()
+            return  # one device per call: one synchronize covers every buffer
+
+
 def issue(comm, call: str, *args, timeout: float | None, name: str, detail, **kwargs) -> None:
     """Make the MPI call ``call`` of ``comm`` blocking, or with a timeout its nonblocking
     twin waited on by ``wait_all``.
@@ -101,6 +124,7 @@ def issue(comm, call: str, *args, timeout: float | None, name: str, detail, **kw
         name, detail: the collective and what it waits for, reported on timeout
             (``wait_all``'s ``op`` and ``detail``).
     """
+    ready(*args)
     if timeout is None:
         getattr(comm, call)(*args, **kwargs)
         return

@@ -20,7 +20,7 @@ from collections.abc import Callable
 import numpy as np
 from mpi4py import MPI
 
-from mpicomp.collectives._wait import issue, resolve_timeout, wait_all
+from mpicomp.collectives._wait import issue, ready, resolve_timeout, wait_all
 from mpicomp.kernels import backend_of
 
 # Bytes one message may carry: the 32-bit count of MPI before version 4 (mpi4py >= 4
@@ -89,6 +89,7 @@ def _by_ring(comm, payload, buf, sizes, displs, recorder, op: str, timeout) -> N
     right, left = (rank + 1) % size, (rank - 1) % size
     chunk = min(_RING_CHUNK, _COUNT_LIMIT)
     buf[displs[rank] : displs[rank] + sizes[rank]] = payload
+    ready(buf)  # the copy above may still run on a device
     for step in range(1, size):
         # Send what arrived in the step before (own payload first); receive the block
         # one rank further left. Sizes are known, so each side knows its message count.

@@ -61,7 +61,7 @@ def allreduce_float16(comm, buf, *, recorder=None, timeout=None, kernels=None) -
         if recorder is not None:
             recorder.record(f"fp16.{phase}", step, send.nbytes, recv.nbytes, 16)
 
-    recv = np.empty(width if size > 1 else 0, np.uint16)
+    recv = backend_of(buf, kernels).xp.empty(width if size > 1 else 0, np.uint16)
     for i in range(1, size):  # reduce-scatter: after step N-1 rank r holds chunk r summed
         (s_lo, s_hi), (r_lo, r_hi) = span(rank - i), span(rank - i - 1)
         got = recv[: r_hi - r_lo]

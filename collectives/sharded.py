@@ -18,6 +18,7 @@ from mpi4py import MPI
 
 from mpicomp.collectives._wait import issue, resolve_timeout
 from mpicomp.collectives.allgather import _COUNT_LIMIT
+from mpicomp.kernels import backend_of
 
 _OP = "alltoall_bytes"
 
@@ -31,6 +32,20 @@ def shard_bounds(n: int, nshards: int) -> list[tuple[int, int]]:
         bounds.append((start, stop))
         start = stop
     return bounds
+
+
+def _is_bytes(p) -> bool:
+    """Return True for a 1-D uint8 array, on the host or a device."""
+    try:
+        backend_of(p)
+    except TypeError:
+        return False
+    return p.dtype == np.uint8 and p.ndim == 1
+
+
+def _module(p):
+    """Return the array module of ``p`` (NumPy, CuPy)."""
+    return backend_of(p).xp
 
 
 def alltoall_bytes(comm, payloads, *, recorder=None, timeout=None) -> list[np.ndarray]:
@@ -49,7 +64,8 @@ def alltoall_bytes(comm, payloads, *, recorder=None, timeout=None) -> list[np.nd
     ok = (
         isinstance(payloads, (list, tuple))
         and len(payloads) == size
-        and all(isinstance(p, np.ndarray) and p.dtype == np.uint8 and p.ndim == 1 for p in payloads)
+        and all(_is_bytes(p) for p in payloads)
+        and len({_module(p) for p in payloads}) <= 1
     )
     send_sizes = np.array([p.size for p in payloads] if ok else [-1] * size, dtype=np.int64)
     recv_sizes = np.empty(size, dtype=np.int64)
@@ -71,10 +87,11 @@ def alltoall_bytes(comm, payloads, *, recorder=None, timeout=None) -> list[np.nd
             f"alltoall_bytes: a rank moves {largest[0]} bytes, more than this MPI's "
             f"count limit {_COUNT_LIMIT}; use smaller buckets"
         )
-    send = np.concatenate(payloads) if size else np.empty(0, np.uint8)
+    xp = _module(payloads[0]) if size else np
+    send = xp.concatenate(payloads) if size else np.empty(0, np.uint8)
     sdispl = np.concatenate([[0], np.cumsum(send_sizes)[:-1]])
     rdispl = np.concatenate([[0], np.cumsum(recv_sizes)[:-1]])
-    recv = np.empty(int(recv_sizes.sum()), dtype=np.uint8)
+    recv = xp.empty(int(recv_sizes.sum()), dtype=np.uint8)
     sendspec = [send, send_sizes, sdispl, MPI.BYTE]
     recvspec = [recv, recv_sizes, rdispl, MPI.BYTE]
     detail = (

@@ -11,10 +11,12 @@ untraced): ``clock.encoded()``, ``clock.communicated()`` and ``clock.decoded()``
 the time since the previous mark to local compression work, to messages (collectives
 with their own packing, and waiting for other ranks), and to decoding and averaging.
 
-A gradient on a device (a CuPy array) is encoded and decoded there; what goes to MPI
-(wire arrays, codes, votes, payloads) is copied into the call's staging buffers on the
-host (``_down``), the collectives run on the host as for NumPy input, and their results
-are copied back (``_up``) before the device decodes them.
+A gradient on a device (a CuPy array) is encoded and decoded there. What goes to MPI
+(wire arrays, codes, votes, payloads) is handed over by ``_down``: with a CUDA-aware MPI
+the device arrays themselves (the collectives run on the device and synchronize it
+before each MPI call), else copies in the call's staging buffers on the host, the
+collectives then running on the host as for NumPy input; ``_up`` brings host results
+back to the device before it decodes them.
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ import numpy as np
 from mpi4py import MPI
 
 from mpicomp._arrays import all_finite, is_device_array, zero_nonfinite
-from mpicomp._transport import Staging
+from mpicomp._transport import Transport
 from mpicomp.collectives import plain
 from mpicomp.collectives.allgather import allgather_bytes
 from mpicomp.collectives.float16 import allreduce_float16
@@ -90,7 +92,8 @@ class Call:
     ``layout`` is the name or bucket hash the agreement compares; ``guard`` the NaN/Inf
     policy; ``timeout`` each wait's limit in seconds (None: ``MPICOMP_TIMEOUT``);
     ``kernels`` the kernel backend of NumPy arrays (None: ``mpicomp.kernels.backend()``);
-    ``staging`` the host buffers device bytes cross MPI in (needed for device input).
+    ``transport`` how device bytes reach MPI (``mpicomp._transport``; needed for device
+    input).
     """
 
     comm: object
@@ -101,7 +104,7 @@ class Call:
     guard: Guard = _RAISE
     timeout: float | None = None
     kernels: object = None
-    staging: Staging | None = None
+    transport: Transport | None = None
 
     @property
     def io(self) -> dict:
@@ -115,18 +118,22 @@ def _device(a):
 
 
 def _down(call: Call, dev, a, slot: str):
-    """Return what MPI is handed of ``a``: ``a`` itself on the host, else its copy in the
-    staging buffer ``slot`` (valid until the next use of that slot)."""
+    """Return what MPI is handed of ``a``: ``a`` itself on the host or with a direct
+    transport, else its copy in the staging buffer ``slot`` (valid until the next use
+    of that slot)."""
     if dev is None or a is None or isinstance(a, np.ndarray):
         return a
-    if call.staging is None:
-        raise TypeError("a device array needs a Call with staging buffers")
-    return call.staging.down(dev, a, slot)
+    if call.transport is None:
+        raise TypeError("a device array needs a Call with a transport")
+    if call.transport.direct:
+        return a
+    return call.transport.down(dev, a, slot)
 
 
 def _up(dev, a):
-    """Return host array ``a`` on the device of ``dev`` (as it is for host input)."""
-    return a if dev is None else dev.xp.asarray(a)
+    """Return what a collective gave back on the device of ``dev`` (a host result is
+    copied there; a device one, or any result for host input, stays as it is)."""
+    return a if dev is None or not isinstance(a, np.ndarray) else dev.xp.asarray(a)
 
 
 def _agree(
@@ -267,7 +274,7 @@ def _sum(call: Call, wire) -> np.ndarray:
         # Summed in place: ``wire`` is this call's own buffer from ``to_wire``.
         allreduce_float16(call.comm, wire, kernels=call.kernels, **call.io)
         return wire
-    total = np.empty_like(wire)
+    total = backend_of(wire, call.kernels).xp.empty_like(wire)
     # Through collectives.plain: blocking, or nonblocking under MPICOMP_TIMEOUT.
     plain.allreduce(call.comm, wire, total, MPI.SUM, **call.io)
     return total
@@ -417,7 +424,7 @@ def reduce_sharded(call: Call, codec, flat, encoders: Encoders) -> np.ndarray:
 def _up_all(dev, payloads: list) -> list:
     """Return host ``payloads`` on the device of ``dev``: one copy of them end to end,
     then a view per payload (as they are for host input)."""
-    if dev is None or not payloads:
+    if dev is None or not payloads or not isinstance(payloads[0], np.ndarray):
         return payloads
     sizes = [p.size for p in payloads]
     whole = dev.xp.asarray(np.concatenate(payloads))

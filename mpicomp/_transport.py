@@ -7,10 +7,10 @@ of the common builds, else no. ``Staging`` holds the host buffers that device by
 cross MPI in: pinned where the device backend can pin, one per use, grown when a call
 needs more and reused by every later call (no allocation in steady state).
 
-In this version ``CompressedComm`` always stages: the codecs compute on the device, and
-what they hand to MPI (payloads, codes, votes, wire arrays) is copied to host buffers
-first, the result copied back. ``cuda_aware()`` is reported (``mpicomp info``, trace run
-attributes) so that a run says which path a later version would take.
+``Transport`` is what a ``CompressedComm`` does with the bytes its device gradients send
+(payloads, codes, votes, wire arrays): hand the device arrays to MPI once their kernels
+are done (``direct``, when ``cuda_aware()``), or copy them into its staging buffers and
+the results back (``staged``). Traces and ``mpicomp info`` say which.
 """
 
 from __future__ import annotations
@@ -113,8 +113,10 @@ def cuda_aware() -> tuple[bool, str]:
     return False, f"{how}; no environment hint"
 
 
-class Staging:
-    """Host buffers for device bytes on their way to and from MPI, one per ``slot``.
+class Transport:
+    """How one CompressedComm hands device bytes to MPI: ``direct`` (the device arrays
+    themselves, to a CUDA-aware library, after their device work is done) or staged
+    through host buffers, one per ``slot``.
 
     A slot's buffer is made at the first request and grows (by half again at least) when
     a larger one comes; every later call reuses it, so a training loop allocates only in
@@ -123,9 +125,15 @@ class Staging:
     asynchronous-capable and about twice as fast as pageable ones on a GPU.
     """
 
-    def __init__(self):
+    def __init__(self, direct: bool = False):
+        self.direct = bool(direct)
         self._buffers: dict[str, np.ndarray] = {}
         self.allocations = 0  # buffers made so far (tests check it stops growing)
+
+    @property
+    def path(self) -> str:
+        """``"direct"`` or ``"staged"``: what traces and ``mpicomp info`` report."""
+        return "direct" if self.direct else "staged"
 
     def host(self, record, slot: str, dtype, n: int) -> np.ndarray:
         """Return a host array of ``n`` ``dtype`` values in ``slot``'s buffer (a view)."""

@@ -17,7 +17,7 @@ from mpicomp._arrays import array_module, is_device_array, to_float32
 from mpicomp._progress import Handle, Worker, overlap_blocker
 from mpicomp._reduce import NonFiniteWarning, RankError
 from mpicomp._same_call import check_same_call
-from mpicomp._transport import Staging, cuda_aware
+from mpicomp._transport import Transport, cuda_aware
 from mpicomp.codecs import Codec, ErrorFeedback
 from mpicomp.codecs._base import make as make_codec
 from mpicomp.options import Options
@@ -106,7 +106,8 @@ class CompressedComm:
             raise TypeError(f"codec must be a name or an mpicomp codec, got {codec!r}")
         self.codec = codec
         self.kernels = codec.kernels  # the backend of NumPy arrays, read when made
-        self._staging = Staging()  # host buffers for device arrays' bytes, reused
+        # How device gradients' bytes reach MPI: directly when the library is CUDA-aware.
+        self._transport = Transport(direct=cuda_aware()[0])
         #: The checked options (``mpicomp.options.Options``), frozen.
         self.options = opts = Options.resolve(
             codec,
@@ -336,7 +337,7 @@ class CompressedComm:
             guard,
             timeout,
             self.kernels,
-            self._staging,
+            self._transport,
         )
 
     def _encoders(self, name: str) -> _reduce.Encoders | None:
@@ -475,8 +476,8 @@ class CompressedComm:
         opts = self.options
         return {
             "backend": self.kernels.name,
-            "cuda_aware": False,  # device bytes are staged through host memory
-            "device_transport": "staged",
+            "cuda_aware": self._transport.direct,
+            "device_transport": self._transport.path,
             "mpi_cuda_aware": _mpi_cuda_aware(),
             "codec": self.codec.name,
             "codec_params": json.dumps(self.codec.params, sort_keys=True, default=str),

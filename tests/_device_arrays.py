@@ -188,7 +188,7 @@ class DeviceArray:
 
     @property
     def __cuda_array_interface__(self) -> dict:
-        # For code that detects device arrays by this attribute; the pointer is host memory.
+        # How mpi4py reads a device buffer (a CUDA-aware MPI gets this pointer: host memory).
         host = self._host
         return {
             "shape": host.shape,
@@ -205,13 +205,9 @@ class DeviceArray:
             "Please use `.get()` to construct a NumPy array explicitly."
         )
 
-    def __dlpack_device__(self) -> tuple[int, int]:
-        return (2, 0)  # kDLCUDA, device 0
-
-    def __dlpack__(self, *, stream=None, max_version=None, dl_device=None, copy=None):
-        # A real CUDA capsule cannot be made without a GPU; NumPy refuses one anyway, which
-        # is all a NumPy consumer (np.from_dlpack) would see.
-        raise BufferError("DLPack: the array is on a CUDA device; it cannot be read on the host")
+    # No __dlpack__: a CUDA capsule cannot be made without a GPU. MPI (mpi4py) reads these
+    # arrays through __cuda_array_interface__, whose pointer is host memory here, as
+    # mpi4py's own tests of GPU buffers do; np.from_dlpack refuses them, as CuPy's.
 
     # ------------------------------------------------------------------ host transfers
     def get(self, stream=None, order="C", out=None, blocking=True) -> np.ndarray:

@@ -22,6 +22,19 @@ def _gradients(rank: int) -> list[np.ndarray]:
     return [rng.standard_normal(n).astype(np.float32) * 1e-3 for n in (3001, 700, 64)]
 
 
+@pytest.fixture(params=["staged", "direct"])
+def transport(request, monkeypatch):
+    """Both ways device bytes reach MPI: staged through host buffers, or handed to a
+    CUDA-aware MPI (MPICOMP_CUDA_AWARE=1: any MPI reads these arrays, whose memory is
+    host memory, through __cuda_array_interface__)."""
+    from mpicomp import _transport
+
+    monkeypatch.setenv(_transport.ENV, "1" if request.param == "direct" else "0")
+    _transport.cuda_aware.cache_clear()
+    yield request.param
+    _transport.cuda_aware.cache_clear()
+
+
 def _run(world, name, sharded, xs, to_place):
     """Two steps of one tensor (error feedback carries over), then a fused bucket."""
     with mpicomp.CompressedComm(world, name, sharded=sharded, min_numel=1, bucket_numel=1000) as cc:
@@ -29,24 +42,25 @@ def _run(world, name, sharded, xs, to_place):
         out += cc.allreduce_many([to_place(x) for x in xs[1:]], ["a", "b"])
         handle = cc.iallreduce(to_place(xs[0]), name="w")
         out.append(handle.wait())
-        return out
+        return out, cc._transport.path
 
 
 @pytest.mark.mpi
 @pytest.mark.parametrize("name,sharded", PATHS, ids=[f"{n}{'-sharded' * s}" for n, s in PATHS])
-def test_device_arrays_give_the_numpy_results(name, sharded):
+def test_device_arrays_give_the_numpy_results(name, sharded, transport):
     from mpi4py import MPI
 
     world = MPI.COMM_WORLD
     if world.size > 3:
-        # Staging does not depend on the rank count (the host collectives are tested at
+        # The transports do not depend on the rank count (the collectives are tested at
         # every N); the emulated kernels of 4-5 ranks on 2 cores would take minutes.
         pytest.skip("device arrays are checked at 1-3 ranks")
     D.install()
     xs = _gradients(world.rank)
-    ref = _run(world, name, sharded, xs, lambda a: a)
+    ref, _ = _run(world, name, sharded, xs, lambda a: a)
     D.reset_syncs()
-    got = _run(world, name, sharded, xs, D.to_device)
+    got, path = _run(world, name, sharded, xs, D.to_device)
+    assert path == transport
     assert D.SYNCS["implicit"] == 0, D.SYNCS
     for a, b in zip(ref, got, strict=True):
         assert isinstance(b, D.DeviceArray)
@@ -54,8 +68,13 @@ def test_device_arrays_give_the_numpy_results(name, sharded):
 
 
 @pytest.mark.mpi
-def test_staging_buffers_are_reused_call_after_call():
+def test_staging_buffers_are_reused_call_after_call(monkeypatch):
     from mpi4py import MPI
+
+    from mpicomp import _transport
+
+    monkeypatch.setenv(_transport.ENV, "0")
+    _transport.cuda_aware.cache_clear()
 
     world = MPI.COMM_WORLD
     D.install()
@@ -63,11 +82,11 @@ def test_staging_buffers_are_reused_call_after_call():
     with mpicomp.CompressedComm(world, "threelc", sharded=True, min_numel=1) as cc:
         for _ in range(2):  # payload lengths vary: the first calls size the buffers
             cc.allreduce(x, name="w")
-        made = cc._staging.allocations
+        made = cc._transport.allocations
         assert made >= 1
         for _ in range(4):
             cc.allreduce(x, name="w")
-        assert cc._staging.allocations == made
+        assert cc._transport.allocations == made
 
 
 @pytest.mark.mpi
