@@ -43,6 +43,12 @@ def _parser() -> argparse.ArgumentParser:
         "CUDA-aware MPI, GPUs, backends and codecs.",
     )
     p.add_argument("--json", action="store_true", help="print one JSON object instead of text")
+    p.add_argument(
+        "--all-ranks",
+        action="store_true",
+        help="under mpiexec/srun: also one line per rank (host, local rank, visible GPUs, "
+        "the GPU it computes on, CUDA-aware MPI)",
+    )
     p.set_defaults(run=_cmd_info)
 
     p = sub.add_parser(
@@ -284,15 +290,67 @@ def _cmd_info(args, parser) -> int:
     fields = info()
     from mpi4py import MPI
 
+    ranks = MPI.COMM_WORLD.gather(rank_info(MPI.COMM_WORLD), root=0) if args.all_ranks else None
     if MPI.COMM_WORLD.rank != 0:  # under mpiexec: one report, not one per rank
         return 0
     if args.json:
-        print(json.dumps(fields, indent=1))
-    else:
-        width = max(map(len, fields)) + 2
-        for key, value in fields.items():
-            print(f"{key + ':':<{width}}{value}")
+        print(json.dumps(fields if ranks is None else {**fields, "ranks": ranks}, indent=1))
+        return 0
+    width = max(map(len, fields)) + 2
+    for key, value in fields.items():
+        print(f"{key + ':':<{width}}{value}")
+    if ranks is not None:
+        keys = list(ranks[0])
+        widths = [max(len(k), *(len(str(r[k])) for r in ranks)) for k in keys]
+        print()
+        print("  ".join(k.ljust(w) for k, w in zip(keys, widths, strict=True)).rstrip())
+        for r in ranks:
+            cells = (str(r[k]).ljust(w) for k, w in zip(keys, widths, strict=True))
+            print("  ".join(cells).rstrip())
     return 0
+
+
+def rank_info(comm) -> dict[str, object]:
+    """Return what ``mpicomp info --all-ranks`` shows of this rank: where it runs and
+    which GPU its device gradients would compute on (CuPy's current device)."""
+    local = comm.Split_type(_shared_type(), key=comm.rank)
+    try:
+        local_rank = local.rank
+    finally:
+        local.Free()
+    try:
+        aware, how = _transport.cuda_aware()
+        decided = f"{'yes' if aware else 'no'} ({how})"
+    except ValueError as e:
+        decided = f"unknown ({e})"
+    return {
+        "rank": comm.rank,
+        "host": platform.node(),
+        "local rank": local_rank,
+        "CUDA_VISIBLE_DEVICES": os.environ.get("CUDA_VISIBLE_DEVICES", "(unset)"),
+        "GPU": _current_gpu(),
+        "CUDA-aware MPI": decided,
+    }
+
+
+def _shared_type():
+    from mpi4py import MPI
+
+    return MPI.COMM_TYPE_SHARED
+
+
+def _current_gpu() -> str:
+    """Return the GPU CuPy launches go to on this rank (its id and name), or why none."""
+    try:
+        import cupy
+    except ImportError:
+        return "none (CuPy not installed)"
+    try:
+        gpu = cupy.cuda.runtime.getDevice()
+        name = cupy.cuda.runtime.getDeviceProperties(gpu)["name"].decode(errors="replace")
+    except Exception as e:  # CUDARuntimeError and friends: no driver, no device
+        return f"none ({type(e).__name__})"
+    return f"{gpu} ({name})"
 
 
 # -- bench ---------------------------------------------------------------------------

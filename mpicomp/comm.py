@@ -20,6 +20,7 @@ from mpicomp._same_call import check_same_call
 from mpicomp._transport import Transport, cuda_aware
 from mpicomp.codecs import Codec, ErrorFeedback
 from mpicomp.codecs._base import make as make_codec
+from mpicomp.kernels import backend_of
 from mpicomp.options import Options
 from mpicomp.trace import NO_CLOCK
 
@@ -108,6 +109,7 @@ class CompressedComm:
         self.kernels = codec.kernels  # the backend of NumPy arrays, read when made
         # How device gradients' bytes reach MPI: directly when the library is CUDA-aware.
         self._transport = Transport(direct=cuda_aware()[0])
+        self._gpu = None  # the GPU of this rank's device gradients, fixed at the first one
         #: The checked options (``mpicomp.options.Options``), frozen.
         self.options = opts = Options.resolve(
             codec,
@@ -370,6 +372,8 @@ class CompressedComm:
         what = f"gradient {name!r}" if name else "gradient"
         try:
             flat, overflowed = to_float32(x, what=what)
+            if is_device_array(flat):
+                self._check_gpu(flat, what)
             self._check_name(name)
         except (ValueError, TypeError) as e:
             return _Tensor.refused(x, name, e)
@@ -420,6 +424,24 @@ class CompressedComm:
             _restore(ledger)
             out = [t.result(np.zeros(t.flat.size, dtype=np.float32)) for t in tensors]
         return out, skipped
+
+    def _check_gpu(self, flat, what: str) -> None:
+        """Check that device array ``flat`` is on this communicator's GPU: the current
+        CUDA device at its first device call (launches go to the current device)."""
+        gpu = flat.device.id
+        if self._gpu is None:
+            current = backend_of(flat).device.current()
+            if gpu != current:
+                raise TypeError(
+                    f"{what} is on GPU {gpu}, but this rank's current CUDA device is "
+                    f"{current}: make it current first (cupy.cuda.Device({gpu}).use())"
+                )
+            self._gpu = gpu
+        elif gpu != self._gpu:
+            raise TypeError(
+                f"{what} is on GPU {gpu}; this CompressedComm works on GPU {self._gpu} "
+                "(one GPU per communicator and rank)"
+            )
 
     def _check_name(self, name: str) -> None:
         if self._feedback is not None and not name:

@@ -113,3 +113,58 @@ def test_a_bad_device_input_on_one_rank_raises_on_every_rank(bad):
         # Every rank is still in step: the next call works.
         ok = [D.to_device(x) for x in _gradients(world.rank)[1:]]
         assert len(cc.allreduce_many(ok, ["a", "b"])) == 2
+
+
+class _OnGpu1(D.DeviceArray):
+    """A device array on GPU 1 (the others live on GPU 0, the current device)."""
+
+    @property
+    def device(self):
+        class Gpu1:
+            id = 1
+
+        return Gpu1()
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("when", ["first call", "later call"])
+def test_a_gradient_on_another_gpu_raises_on_every_rank(when):
+    from mpi4py import MPI
+
+    world = MPI.COMM_WORLD
+    D.install()
+    x = _gradients(world.rank)[1]
+    culprit = world.size - 1
+    with mpicomp.CompressedComm(world, "signsgd", min_numel=1) as cc:
+        if when == "later call":
+            cc.allreduce(D.to_device(x))  # fixes this communicator's GPU: 0
+        mine = _OnGpu1._wrap(x.copy()) if world.rank == culprit else D.to_device(x)
+        want = "current CUDA device is 0" if when == "first call" else "works on GPU 0"
+        if world.rank == culprit:
+            with pytest.raises(TypeError, match=f"is on GPU 1.*{want}"):
+                cc.allreduce(mine)
+        elif world.size > 1:
+            with pytest.raises(RankError, match=f"rank {culprit} failed"):
+                cc.allreduce(mine)
+        assert cc.allreduce(D.to_device(x)).shape == x.shape  # still in step
+
+
+@pytest.mark.mpi
+def test_info_all_ranks_reports_every_rank(capsys):
+    import json
+
+    from mpi4py import MPI
+
+    from mpicomp import cli
+
+    world = MPI.COMM_WORLD
+    assert cli.main(["info", "--all-ranks", "--json"]) == 0
+    out = capsys.readouterr().out
+    if world.rank != 0:
+        assert out == ""
+        return
+    ranks = json.loads(out)["ranks"]
+    assert [r["rank"] for r in ranks] == list(range(world.size))
+    assert all(0 <= r["local rank"] < world.size for r in ranks)
+    for r in ranks:
+        assert r["GPU"] and r["host"] and r["CUDA-aware MPI"].startswith(("yes (", "no ("))

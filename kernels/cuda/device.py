@@ -80,10 +80,20 @@ class Device:
             it; launches on the emulated device return when they are done).
         pinned: ``pinned(nbytes)`` returns a page-locked host buffer of ``nbytes`` bytes
             (uint8) for staging copies; default an ordinary NumPy array.
+        current: ``current()`` returns the id of the GPU launches go to now (CuPy's
+            current device); default 0.
     """
 
     def __init__(
-        self, name: str, xp, threads: int, max_blocks: int, build, synchronize=None, pinned=None
+        self,
+        name: str,
+        xp,
+        threads: int,
+        max_blocks: int,
+        build,
+        synchronize=None,
+        pinned=None,
+        current=None,
     ):
         if threads % 32 or not 32 <= threads <= 1024:
             raise ValueError(f"threads must be a multiple of 32 in [32, 1024], got {threads}")
@@ -97,6 +107,7 @@ class Device:
         self._build = build
         self.synchronize = synchronize or (lambda: None)
         self.pinned = pinned or (lambda nbytes: np.empty(nbytes, np.uint8))
+        self.current = current or (lambda: 0)
         self._modules = {}
         self._lock = threading.Lock()
 
@@ -131,6 +142,7 @@ class Device:
             per_gpu,
             lambda: cupy.cuda.Device().synchronize(),
             pinned,
+            cupy.cuda.runtime.getDevice,
         )
 
     def kernel(self, family: str, name: str, extra: dict[str, str] | None = None):
