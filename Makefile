@@ -29,7 +29,8 @@ VENDOR_mpich   := MPICH
 VENDOR_openmpi := Open MPI
 export MPI4PY_LIBMPI := $(abspath $(VENV))/lib/$(LIBMPI_$(MPI))
 
-.PHONY: demo tour test test-unit test-mpi test-sanitize test-gpu test-gpu-unit test-gpu-sanitize \
+.PHONY: demo tour test test-unit test-mpi test-sanitize test-gpu test-gpu-unit test-gpu-mpi \
+        test-gpu-sanitize \
         bench-gpu mpi-check bench bench-mpi bench-netem lint clean fuzz soak
 
 $(BIN)/activate:
@@ -105,10 +106,15 @@ COMPUTE_SANITIZER ?= compute-sanitizer
 GPU_SANITIZERS    ?= memcheck racecheck synccheck
 GPU_SANITIZE_ARGS ?=
 GPU_BENCH_SIZES   ?= 25.6M 100M
-test-gpu: test-gpu-unit test-gpu-sanitize bench-gpu
+test-gpu: test-gpu-unit test-gpu-mpi test-gpu-sanitize bench-gpu
 
 test-gpu-unit: $(VENV)/.installed
 	MPICOMP_TEST_GPU=1 $(BIN)/python -m pytest -q -p no:cacheprovider
+
+# 4 ranks sharing the GPU: CompressedComm on CuPy arrays against the NumPy path.
+test-gpu-mpi: mpi-check
+	MPICOMP_TEST_GPU=1 $(MPIENV) $(MPIRUN) -n 4 $(BIN)/python -m mpi4py -m pytest -q \
+	  --with-mpi -m mpi -p no:cacheprovider -k gpu tests/test_mpi_device.py
 
 test-gpu-sanitize: $(VENV)/.installed
 	@set -e; for t in $(GPU_SANITIZERS); do \

@@ -54,6 +54,24 @@ def device(param) -> Device:
     return mirrored_gpu()
 
 
+def place(where: str):
+    """Return (to the place, back to the host, array type) of device arrays ``where``:
+    ``"gpu"`` (CuPy), ``"host-backed"`` (tests/_device_arrays.py) or ``"emulated"``
+    (NumPy arrays as they are)."""
+    if where == "gpu":
+        if not gpu_present():
+            pytest.fail("MPICOMP_TEST_GPU=1 but CuPy finds no GPU")
+        import cupy
+
+        return cupy.asarray, cupy.asnumpy, cupy.ndarray
+    if where == "host-backed":
+        import _device_arrays as D
+
+        D.install()
+        return D.to_device, D.to_host, D.DeviceArray
+    return (lambda a: a), (lambda a: a), np.ndarray
+
+
 def mirrored_gpu(threads: int = 256, blocks_per_sm: int = 4) -> Device:
     """Return the current GPU as a device of NumPy arrays (module docstring)."""
     import cupy

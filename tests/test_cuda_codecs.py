@@ -6,7 +6,7 @@ import inspect
 import _device_arrays as D
 import numpy as np
 import pytest
-from _devices import REQUIRE_GPU, gpu_present
+from _devices import REQUIRE_GPU, gpu_present, place
 from _seam import poison, round_trip
 from conftest import gradient_like
 
@@ -37,20 +37,6 @@ def test_the_emulated_record_has_every_launcher_of_numba_with_its_parameters():
             assert list(inspect.signature(mine[name]).parameters) == want, (fam, name, want)
 
 
-def _place(where):
-    """Return (to the place, back to the host, array type) of ``where``."""
-    if where == "gpu":
-        if not gpu_present():
-            pytest.fail("MPICOMP_TEST_GPU=1 but CuPy finds no GPU")
-        import cupy
-
-        return cupy.asarray, cupy.asnumpy, cupy.ndarray
-    if where == "host-backed":
-        D.install()
-        return D.to_device, D.to_host, D.DeviceArray
-    return (lambda a: a), (lambda a: a), np.ndarray
-
-
 # Where the CUDA sources compute: the emulation on NumPy arrays (MPICOMP_KERNELS), the same
 # behind device arrays that refuse host access as CuPy's do, and a GPU where one is present.
 PLACES = ["emulated", "host-backed"] + (["gpu"] if gpu_present() or REQUIRE_GPU else [])
@@ -64,7 +50,7 @@ def test_every_codec_gives_the_numba_bytes_through_the_cuda_sources(
 ):
     x = gradient_like(n, seed=n)
     ref = round_trip(mpicomp.codec(name, **params), x)
-    to_place, to_host, array_type = _place(where)
+    to_place, to_host, array_type = place(where)
     if where == "emulated":
         monkeypatch.setenv(K.ENV, "cuda-emulated")
     codec = mpicomp.codec(name, **params)

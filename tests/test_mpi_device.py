@@ -6,6 +6,7 @@ growing after the first calls; a bad device input on one rank raises on every ra
 import _device_arrays as D
 import numpy as np
 import pytest
+from _devices import REQUIRE_GPU, gpu_present, place
 
 import mpicomp
 from mpicomp import RankError
@@ -35,6 +36,15 @@ def transport(request, monkeypatch):
     _transport.cuda_aware.cache_clear()
 
 
+def _library_takes_gpu_buffers() -> bool:
+    from mpi4py import MPI
+
+    from mpicomp import _transport
+
+    answer, _ = _transport.library_cuda_support(_transport.libmpi_path(), MPI.get_vendor()[0])
+    return bool(answer)
+
+
 def _run(world, name, sharded, xs, to_place):
     """Two steps of one tensor (error feedback carries over), then a fused bucket."""
     with mpicomp.CompressedComm(world, name, sharded=sharded, min_numel=1, bucket_numel=1000) as cc:
@@ -45,26 +55,33 @@ def _run(world, name, sharded, xs, to_place):
         return out, cc._transport.path
 
 
+# The host-backed stand-ins everywhere; CuPy arrays where a GPU is present (ranks share it).
+PLACES = ["host-backed"] + (["gpu"] if gpu_present() or REQUIRE_GPU else [])
+
+
 @pytest.mark.mpi
+@pytest.mark.parametrize("where", PLACES)
 @pytest.mark.parametrize("name,sharded", PATHS, ids=[f"{n}{'-sharded' * s}" for n, s in PATHS])
-def test_device_arrays_give_the_numpy_results(name, sharded, transport):
+def test_device_arrays_give_the_numpy_results(name, sharded, transport, where):
     from mpi4py import MPI
 
     world = MPI.COMM_WORLD
-    if world.size > 3:
+    if world.size > 3 and where == "host-backed":
         # The transports do not depend on the rank count (the collectives are tested at
         # every N); the emulated kernels of 4-5 ranks on 2 cores would take minutes.
-        pytest.skip("device arrays are checked at 1-3 ranks")
-    D.install()
+        pytest.skip("host-backed device arrays are checked at 1-3 ranks")
+    if where == "gpu" and transport == "direct" and not _library_takes_gpu_buffers():
+        pytest.skip("this MPI library is not CUDA-aware: GPU pointers would crash it")
+    to_place, to_host, array_type = place(where)
     xs = _gradients(world.rank)
     ref, _ = _run(world, name, sharded, xs, lambda a: a)
     D.reset_syncs()
-    got, path = _run(world, name, sharded, xs, D.to_device)
+    got, path = _run(world, name, sharded, xs, to_place)
     assert path == transport
     assert D.SYNCS["implicit"] == 0, D.SYNCS
     for a, b in zip(ref, got, strict=True):
-        assert isinstance(b, D.DeviceArray)
-        assert a.tobytes() == D.to_host(b).tobytes()
+        assert isinstance(b, array_type)
+        assert a.tobytes() == to_host(b).tobytes()
 
 
 @pytest.mark.mpi
