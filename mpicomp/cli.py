@@ -221,10 +221,11 @@ def info() -> dict[str, str]:
     out["MPI CUDA support"] = _transport.describe(_transport.library_cuda_support(libpath, vendor))
     try:
         aware, how = _transport.cuda_aware()
-        decided = f"{'yes' if aware else 'no'} ({how})"
+        path = "handed to MPI directly" if aware else "staged through host memory"
+        decided = f"{'yes' if aware else 'no'} ({how}); device arrays are {path}"
     except ValueError as e:  # a bad MPICOMP_CUDA_AWARE: info still reports the rest
         decided = f"unknown ({e})"
-    out["CUDA-aware MPI"] = f"{decided}; device arrays are staged through host memory"
+    out["CUDA-aware MPI"] = decided
     out["GPUs"] = _gpus()
     out["backends"] = _backends(numba.config.NUMBA_NUM_THREADS)
     out["codecs"] = ", ".join(mpicomp.codecs.available())

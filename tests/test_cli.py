@@ -67,7 +67,9 @@ def test_mpicomp_cuda_aware_overrides_the_detection(monkeypatch):
     for value, word in (("1", "yes"), ("0", "no")):
         monkeypatch.setenv("MPICOMP_CUDA_AWARE", value)
         _transport.cuda_aware.cache_clear()
-        assert cli.info()["CUDA-aware MPI"].startswith(f"{word} (MPICOMP_CUDA_AWARE={value})")
+        text = cli.info()["CUDA-aware MPI"]
+        assert text.startswith(f"{word} (MPICOMP_CUDA_AWARE={value})")
+        assert text.endswith("handed to MPI directly" if value == "1" else "host memory")
     monkeypatch.setenv("MPICOMP_CUDA_AWARE", "maybe")
     _transport.cuda_aware.cache_clear()
     assert "MPICOMP_CUDA_AWARE must be 0 or 1" in cli.info()["CUDA-aware MPI"]
