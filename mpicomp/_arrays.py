@@ -3,9 +3,13 @@ CuPy), converted once, checked for NaN/Inf."""
 
 from __future__ import annotations
 
+import ctypes
+import math
+import os
+
 import numpy as np
 
-from mpicomp.kernels import backend, backend_of
+from mpicomp.kernels import ENV, backend, backend_of
 
 _ACCEPTED = (np.float16, np.float32, np.float64)
 _F32_MAX = float(np.finfo(np.float32).max)
@@ -39,9 +43,12 @@ def to_float32(x, what: str = "x"):
     if isinstance(x, np.generic):  # a NumPy scalar: treat as a 0-d array
         x = np.asarray(x)
     elif not isinstance(x, np.ndarray) and not is_device_array(x):
-        if not hasattr(x, "__dlpack__"):
+        if hasattr(x, "__dlpack__"):
+            x = _from_dlpack(x, what)
+        elif hasattr(x, "__cuda_array_interface__"):
+            x = _from_cai(x, what)
+        else:
             raise TypeError(f"{what} must be an array, got {type(x).__name__}")
-        x = _from_dlpack(x, what)
     dt = x.dtype
     if dt != np.float32 and dt not in _ACCEPTED and dt.name != "bfloat16":
         raise TypeError(f"{what} must be a floating-point array, got dtype {dt!r}")
@@ -136,12 +143,50 @@ def _home(a) -> type:
 _DL_CPU, _DL_CUDA, _DL_CUDA_HOST, _DL_CUDA_MANAGED = 1, 2, 3, 13
 
 
+def _from_cai(x, what: str):
+    """Take an object exposing ``__cuda_array_interface__`` (and no DLPack) without a copy:
+    as a CuPy array through the ``cuda`` backend; or, where the selected backend is
+    ``cuda-emulated`` (whose device memory is host memory, as in mpi4py's tests of GPU
+    buffers), as a NumPy array over its pointer."""
+    try:
+        return backend("cuda").xp.asarray(x)
+    except Exception as gpu_error:  # no CuPy, no GPU, or CuPy refused the interface
+        if (os.environ.get(ENV) or "") != "cuda-emulated":
+            raise TypeError(
+                f"{what}: a {type(x).__name__} exposing __cuda_array_interface__ needs the "
+                f"cuda kernel backend (CuPy and a GPU), which is not available here "
+                f"({gpu_error}); under MPICOMP_KERNELS=cuda-emulated its memory is read as "
+                "host memory"
+            ) from gpu_error
+    try:
+        cai = x.__cuda_array_interface__
+        shape = tuple(int(d) for d in cai["shape"])
+        dtype = np.dtype(cai["typestr"])
+        pointer = int(cai["data"][0])
+        strides = cai.get("strides")
+    except Exception as e:  # a malformed interface: the input's fault
+        raise TypeError(f"{what}: unreadable __cuda_array_interface__ ({e!r})") from e
+    numel = math.prod(shape)
+    if numel == 0:
+        return np.empty(shape, dtype)
+    if strides is None:  # C order
+        strides = tuple(dtype.itemsize * math.prod(shape[i + 1 :]) for i in range(len(shape)))
+    span = sum((d - 1) * abs(st) for d, st in zip(shape, strides, strict=True)) + dtype.itemsize
+    if pointer == 0 or any(st < 0 for st in strides):
+        raise TypeError(f"{what}: __cuda_array_interface__ with a null pointer or negative strides")
+    memory = np.ctypeslib.as_array((ctypes.c_char * span).from_address(pointer))
+    return np.lib.stride_tricks.as_strided(memory.view(np.uint8).view(dtype), shape, strides)
+
+
 def _from_dlpack(x, what: str):
     """Import a DLPack producer without a copy (a CUDA tensor as a CuPy array, through the
     ``cuda`` backend); convert once where the consumer cannot hold its dtype (bfloat16)."""
     kind = _DL_CPU
     if callable(getattr(x, "__dlpack_device__", None)):
-        kind, _ = x.__dlpack_device__()
+        try:
+            kind, _ = x.__dlpack_device__()
+        except Exception as e:  # e.g. a tensor on a device DLPack cannot describe
+            raise TypeError(f"{what}: {type(x).__name__} cannot say where it lives ({e})") from e
     if kind in (_DL_CUDA, _DL_CUDA_MANAGED):
         try:
             from_dlpack = backend("cuda").xp.from_dlpack
@@ -165,7 +210,7 @@ def _from_dlpack(x, what: str):
             if not callable(getattr(x, "float", None)):
                 raise
             return from_dlpack(x.float())
-    except (RuntimeError, BufferError, TypeError) as e:
+    except Exception as e:  # whatever the producer raises: the input's fault
         raise TypeError(
             f"{what}: cannot import {type(x).__name__} through DLPack ({e}); mpicomp takes "
             "NumPy arrays, CuPy arrays, and tensors in host memory or on a CUDA GPU"

@@ -550,7 +550,7 @@ class _Tensor:
 
     def result(self, avg: np.ndarray):
         """Return float32 ``avg`` in this input's framework, shape and dtype."""
-        return _like(self.x, avg.reshape(np.shape(self.x)))
+        return _like(self.x, avg.reshape(_shape(self.x)))
 
 
 def _restore(snapshots: list) -> None:
@@ -577,6 +577,13 @@ def _buckets(sizes: list[int], limit: int) -> list[list[int]]:
     if current:
         out.append(current)
     return out
+
+
+def _shape(x) -> tuple:
+    """Return the shape of input ``x``: an array's, a tensor's, or its CUDA array interface's."""
+    if hasattr(x, "__cuda_array_interface__") and not hasattr(x, "shape"):
+        return tuple(x.__cuda_array_interface__["shape"])
+    return np.shape(x)
 
 
 def _mpi_cuda_aware() -> str:
@@ -618,6 +625,9 @@ def _like(x, avg: np.ndarray):
     dtype = getattr(x, "dtype", None)
     if isinstance(x, np.ndarray) or is_device_array(x):
         return avg.astype(x.dtype, copy=False)
+    if hasattr(x, "__cuda_array_interface__") and not hasattr(x, "__dlpack__"):
+        # No framework to return it in: a CuPy array (or NumPy under cuda-emulated).
+        return avg.astype(np.dtype(x.__cuda_array_interface__["typestr"]), copy=False)
     if isinstance(x, np.generic):
         return avg.astype(dtype).reshape(())[()]
     # A DLPack producer (PyTorch, JAX): hand the result back through its own from_dlpack.

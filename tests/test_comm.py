@@ -377,3 +377,28 @@ def test_a_stalled_rank_aborts_a_background_call_instead_of_hanging(tmp_path, mo
     assert code == _wait.ABORT_CODE, err
     assert "mpicomp: rank 0 of 2 timed out in max_allreduce after " in err
     assert "aborting the job" in err
+
+
+def test_cuda_array_interface_input_is_read_as_the_emulated_devices_memory(monkeypatch):
+    from test_mpi_device import CaiArray
+
+    from mpicomp._arrays import to_float32
+
+    x = np.arange(12, dtype=np.float64).reshape(3, 4)
+    if not _gpu_present():
+        with pytest.raises(TypeError, match="exposing __cuda_array_interface__ needs the cuda"):
+            to_float32(CaiArray(x))
+    monkeypatch.setenv("MPICOMP_KERNELS", "cuda-emulated")
+    y, over = to_float32(CaiArray(x))
+    assert not over and y.dtype == np.float32 and y.shape == (3, 4)
+    np.testing.assert_array_equal(y, x)
+
+    class Strided(CaiArray):  # a view: its interface gives strides
+        @property
+        def __cuda_array_interface__(self):
+            return dict(super().__cuda_array_interface__, strides=self.host.strides)
+
+    strided = Strided(x)
+    strided.host = x[:, ::2]
+    np.testing.assert_array_equal(to_float32(strided)[0], x[:, ::2])
+    assert to_float32(CaiArray(np.zeros((0, 5), np.float32)))[0].shape == (0, 5)

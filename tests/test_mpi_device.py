@@ -185,3 +185,63 @@ def test_info_all_ranks_reports_every_rank(capsys):
     assert all(0 <= r["local rank"] < world.size for r in ranks)
     for r in ranks:
         assert r["GPU"] and r["host"] and r["CUDA-aware MPI"].startswith(("yes (", "no ("))
+
+
+class CaiArray:
+    """An array type exposing host memory through ``__cuda_array_interface__`` only, as
+    mpi4py's tests of GPU buffers use: under MPICOMP_KERNELS=cuda-emulated its memory is
+    the emulated device's."""
+
+    def __init__(self, a: np.ndarray):
+        self.host = np.ascontiguousarray(a)
+
+    @property
+    def __cuda_array_interface__(self) -> dict:
+        h = self.host
+        return {
+            "shape": h.shape,
+            "typestr": h.dtype.str,
+            "data": (h.ctypes.data, False),
+            "strides": None,
+            "version": 3,
+        }
+
+
+class OnOtherDevice:
+    """A tensor on a device DLPack names but mpicomp does not compute on (Metal)."""
+
+    dtype = np.float32
+
+    def __dlpack_device__(self):
+        return (8, 0)
+
+    def __dlpack__(self, **kwargs):
+        raise AssertionError("never read")
+
+
+@pytest.mark.mpi
+def test_cuda_array_interface_objects_under_cuda_emulated(monkeypatch):
+    from mpi4py import MPI
+
+    import mpicomp.kernels as K
+
+    world = MPI.COMM_WORLD
+    if world.size > 3:
+        pytest.skip("emulated kernels are checked at 1-3 ranks")
+    xs = _gradients(world.rank)
+    with mpicomp.CompressedComm(world, "qsgd_maxnorm", min_numel=1) as cc:
+        ref = [cc.allreduce(xs[0], name="w"), *cc.allreduce_many(xs[1:])]
+    monkeypatch.setenv(K.ENV, "cuda-emulated")
+    with mpicomp.CompressedComm(world, "qsgd_maxnorm", min_numel=1) as cc:
+        got = [cc.allreduce(CaiArray(xs[0]), name="w")]
+        got += cc.allreduce_many([CaiArray(x) for x in xs[1:]])
+        culprit = world.size - 1
+        bad = OnOtherDevice() if world.rank == culprit else CaiArray(xs[0])
+        if world.rank == culprit:
+            with pytest.raises(TypeError, match="DLPack device type 8"):
+                cc.allreduce(bad, name="w")
+        elif world.size > 1:
+            with pytest.raises(RankError, match=f"rank {culprit} failed"):
+                cc.allreduce(bad, name="w")
+    for a, b in zip(ref, got, strict=True):
+        assert a.tobytes() == np.asarray(b).tobytes()
