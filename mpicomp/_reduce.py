@@ -27,7 +27,7 @@ from dataclasses import dataclass
 import numpy as np
 from mpi4py import MPI
 
-from mpicomp._arrays import all_finite, is_device_array, zero_nonfinite
+from mpicomp._arrays import all_finite, array_module, is_device_array, zero_nonfinite
 from mpicomp._transport import Transport
 from mpicomp.collectives import plain
 from mpicomp.collectives.allgather import allgather_bytes
@@ -415,7 +415,7 @@ def reduce_sharded(call: Call, codec, flat, encoders: Encoders) -> np.ndarray:
     parts = [
         codec.decode(p, numel=b - a).reshape(-1) for p, (a, b) in zip(pulled, bounds, strict=True)
     ]
-    xp = np if dev is None else dev.xp
+    xp = array_module(flat)
     out = xp.concatenate(parts) if parts else xp.zeros(0, np.float32)
     clock.decoded()
     return out

@@ -3,14 +3,14 @@
 ``cuda_aware()`` decides once per process whether the MPI library takes GPU buffers:
 ``MPICOMP_CUDA_AWARE=0/1`` when set, else the library's own answer
 (``MPIX_GPU_query_support``, ``MPIX_Query_cuda_support``), else the environment hints
-of the common builds, else no. ``Staging`` holds the host buffers that device bytes
-cross MPI in: pinned where the device backend can pin, one per use, grown when a call
-needs more and reused by every later call (no allocation in steady state).
+of the common builds, else no.
 
 ``Transport`` is what a ``CompressedComm`` does with the bytes its device gradients send
 (payloads, codes, votes, wire arrays): hand the device arrays to MPI once their kernels
 are done (``direct``, when ``cuda_aware()``), or copy them into its staging buffers and
-the results back (``staged``). Traces and ``mpicomp info`` say which.
+the results back (``staged``). The staging buffers are pinned where the device backend
+can pin, one per use, grown when a call needs more and reused by every later call (no
+allocation in steady state). Traces and ``mpicomp info`` say which path is taken.
 """
 
 from __future__ import annotations
