@@ -285,7 +285,7 @@ def _sum_finite(call: Call, total) -> bool:
     if total.dtype == np.float16:
         fp16 = backend_of(total, call.kernels).fp16
         return fp16.all_finite(total.reshape(-1).view(np.uint16))
-    return all_finite(total)
+    return all_finite(total, call.kernels)
 
 
 def reduce_integer(call: Call, codec, flat, encoders: Encoders | None = None) -> np.ndarray:

@@ -154,5 +154,5 @@ class Transport:
     def down(self, record, a, slot: str) -> np.ndarray:
         """Return device array ``a`` copied into ``slot``'s host buffer (same shape)."""
         out = self.host(record, slot, a.dtype, a.size).reshape(a.shape)
-        record.to_host(a, out=out)
+        record.to_host(a, out=out, why="staging: device to host")
         return out

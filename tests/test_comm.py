@@ -2,6 +2,7 @@
 
 import numpy as np
 import pytest
+from _devices import REQUIRE_GPU
 from _devices import gpu_present as _gpu_present
 
 import mpicomp
@@ -111,44 +112,89 @@ def test_a_snapshot_restores_residuals_and_reuses_its_buffers():
     assert fb.snapshot(["a"])._kept[0][1] is buffer  # no allocation per call
 
 
-# Host synchronizations of one call on one rank (the device's counted ``to_host`` reads:
-# staging copies, payload headers, scalars and error flags), per codec. They are part of
-# a codec's contract: a change that adds one shows here.
+# Host synchronizations of one call on one rank (the counted ``to_host`` reads: payload
+# headers, scalars, error flags, staging copies), per codec: (on ``cuda-emulated`` and on a
+# device whose MPI is CUDA-aware, staged through host memory). They are part of a codec's
+# contract: a change that adds one shows here. Staging adds its downloads and checks the
+# MPI results it downloaded on the host instead of on the device.
 SYNCS = {
-    "none": 1,
-    "fp16": 3,
-    "topk": 11,
-    "signsgd": 2,
-    "qsgd_maxnorm": 4,
-    "qsgd_maxnorm_multiscale": 6,
-    "grandk_maxnorm": 4,
-    "grandk_maxnorm_multiscale": 6,
-    "threelc": 10,
-    "fft": 14,
-    "fastsgd": None,  # set below from the bucket count
+    "none": (1, 1),
+    "fp16": (3, 3),
+    "topk": (10, 11),
+    "signsgd": (2, 2),
+    "qsgd_maxnorm": (3, 4),
+    "qsgd_maxnorm_multiscale": (4, 6),
+    "grandk_maxnorm": (3, 4),
+    "grandk_maxnorm_multiscale": (4, 6),
+    "threelc": (9, 10),
+    "fft": (13, 14),
+    "fastsgd": (13, 14),
 }
 
 
-@pytest.mark.parametrize("name", sorted(SYNCS))
-def test_a_device_array_call_makes_its_counted_syncs_and_no_hidden_one(name):
+def _syncs_of_a_call(name: str, place: str, monkeypatch):
+    """Return (the reasons of the host reads of a second call of ``name`` at ``place``,
+    its result, the NumPy path's result, the device's implicit transfers)."""
     import _device_arrays as D
+    from _devices import place as placed
     from mpi4py import MPI
 
-    D.install()
+    from mpicomp import _transport
+
     host = (np.random.default_rng(0).standard_normal(5000) * 1e-3).astype(np.float32)
-    dev = mpicomp.kernels.backend(D.BACKEND).device
     with mpicomp.CompressedComm(MPI.COMM_SELF, name, min_numel=1) as cc:
-        ref = cc.allreduce(host, name="w")
+        cc.allreduce(host, name="w")
+        ref = cc.allreduce(host, name="w")  # the second call: residuals in play
+    where, transport = place.split("/")
+    monkeypatch.setenv(_transport.ENV, "1" if transport == "direct" else "0")
+    _transport.cuda_aware.cache_clear()
+    if where == "emulated":
+        monkeypatch.setenv(mpicomp.kernels.ENV, "cuda-emulated")
+        backend = "cuda-emulated"
+    else:
+        D.install()
+        backend = D.BACKEND if where == "host-backed" else "cuda"
+    to_place, to_host, _ = placed(where)
+    dev = mpicomp.kernels.backend(backend).device
     with mpicomp.CompressedComm(MPI.COMM_SELF, name, min_numel=1) as cc:
-        cc.allreduce(D.to_device(host), name="w")  # the first call builds tables
+        cc.allreduce(to_place(host), name="w")  # the first call builds tables
         D.reset_syncs()
-        before = dev.syncs
-        out = cc.allreduce(D.to_device(host), name="w")
-    assert D.SYNCS["implicit"] == 0 and D.SYNCS["get"] == dev.syncs - before
-    assert isinstance(out, D.DeviceArray) and out.shape == ref.shape
-    want = SYNCS[name]
-    if want is not None:
-        assert dev.syncs - before == want
+        before = dev.sync_reasons.copy()
+        out = cc.allreduce(to_place(host), name="w")
+    _transport.cuda_aware.cache_clear()
+    return dev.sync_reasons - before, to_host(out), ref, dict(D.SYNCS)
+
+
+def _sync_places() -> list:
+    places = ["emulated/staged", "host-backed/direct", "host-backed/staged"]
+    if _gpu_present() or REQUIRE_GPU:
+        from mpicomp._transport import cuda_aware
+
+        places.append("gpu/" + ("direct" if cuda_aware()[0] else "staged"))
+    return places
+
+
+@pytest.mark.parametrize("place", _sync_places())
+@pytest.mark.parametrize("name", sorted(SYNCS))
+def test_a_call_makes_its_named_syncs_and_no_hidden_one(name, place, monkeypatch):
+    reasons, out, ref, hidden = _syncs_of_a_call(name, place, monkeypatch)
+    direct, staged = SYNCS[name]
+    want = direct if place.startswith("emulated") or place.endswith("direct") else staged
+    assert sum(reasons.values()) == want, dict(reasons)
+    assert "unnamed" not in reasons
+    if place.startswith("host-backed"):
+        assert hidden["implicit"] == 0 and hidden["get"] == want
+    if name != "fft":
+        np.testing.assert_array_equal(out, ref)
+
+
+def test_cuda_emulated_counts_the_reads_a_device_makes(monkeypatch):
+    """The same reads, by name, on cuda-emulated (NumPy arrays) as on device arrays whose
+    MPI is CUDA-aware: the emulation stands for a GPU in the count too."""
+    for name in ("topk", "fft", "qsgd_maxnorm_multiscale", "none"):
+        emulated = _syncs_of_a_call(name, "emulated/staged", monkeypatch)[0]
+        device = _syncs_of_a_call(name, "host-backed/direct", monkeypatch)[0]
+        assert emulated == device, name
 
 
 def test_a_cuda_dlpack_tensor_without_cuda_is_refused_on_every_rank_by_name():

@@ -46,6 +46,12 @@ def launchers(dev) -> SimpleNamespace:
         partials = xp.empty(2 * blocks, np.uint64)
         args = (src, dst.reshape(-1) if copy else src, np.int32(copy), np.int64(n), partials)
         dev.kernel("checksum", "mpicomp_checksum_adler32", DEFINES)((blocks,), (dev.threads,), args)
-        return combine(int(value), span_sums(dev.to_host(partials).reshape(blocks, 2), n), n)
+        return combine(
+            int(value),
+            span_sums(
+                dev.to_host(partials, why="checksum.adler32: block sums").reshape(blocks, 2), n
+            ),
+            n,
+        )
 
     return SimpleNamespace(adler32=adler32)

@@ -5,8 +5,9 @@ family and GPU) or the CPU through ``kernels/cuda/emulated.py`` (``Device.emulat
 the same source compiled by g++). The launchers of ``kernels/cuda/<family>.py`` are
 written once against it: ``dev.xp`` allocates, ``dev.kernel(family, name)`` returns a
 kernel called as ``kernel(grid, block, args, shared_mem=0)``, ``dev.grid(n)`` sizes a
-grid-stride launch, and ``dev.to_host(a)`` brings a device array to the host, counted
-in ``dev.syncs`` (the host synchronizations a launcher makes are part of its contract).
+grid-stride launch, and ``dev.to_host(a, why=...)`` brings a device array to the host,
+counted in ``dev.syncs`` and, under its name, in ``dev.sync_reasons`` (the host
+synchronizations a launcher makes are part of its contract).
 
 Every build uses the same options (``options(family)``): NVRTC's ``--fmad=false`` (no
 ``x*s+0.5f`` fused into one FMA: the numba twins round twice), C++17, the include path
@@ -18,6 +19,7 @@ float32 denormals too.
 from __future__ import annotations
 
 import threading
+from collections import Counter
 from functools import cache
 from pathlib import Path
 
@@ -103,7 +105,8 @@ class Device:
         self.xp = xp
         self.threads = threads
         self.max_blocks = max_blocks
-        self.syncs = 0  # host synchronizations made by launchers (to_host)
+        self.syncs = 0  # host synchronizations made through to_host
+        self.sync_reasons = Counter()  # the same, by the name each read gives
         self._build = build
         self.synchronize = synchronize or (lambda: None)
         self.pinned = pinned or (lambda nbytes: np.empty(nbytes, np.uint8))
@@ -159,10 +162,12 @@ class Device:
         """Return the blocks of a grid-stride launch over ``n`` items."""
         return int(max(1, min(self.max_blocks, -(-int(n) // self.threads))))
 
-    def to_host(self, a, out: np.ndarray | None = None) -> np.ndarray:
+    def to_host(self, a, out: np.ndarray | None = None, *, why: str = "unnamed") -> np.ndarray:
         """Return device array ``a`` on the host (in ``out`` when given, of ``a``'s shape
-        and dtype): one counted synchronization."""
+        and dtype): one synchronization, counted in ``syncs`` and under ``why`` (what the
+        value is, e.g. ``"checksum.adler32: block sums"``) in ``sync_reasons``."""
         self.syncs += 1
+        self.sync_reasons[why] += 1
         if hasattr(a, "get"):
             return a.get(out=out)
         if out is None:

@@ -99,7 +99,7 @@ def launchers(dev) -> SimpleNamespace:
         k("copy")(
             gc, t, (i64(nb), i64(cpb), bad, dk, kbytes, cboff, words, i64(wcap), scratch, i64(cap))
         )
-        return not int(dev.to_host(anybad)[0])
+        return not int(dev.to_host(anybad, why="fastsgd.encode: non-finite flag")[0])
 
     def assemble(scratch, cap, sizes, offsets, body):
         """Copy bucket k's sizes[k] bytes from scratch[k*cap:] to body[offsets[k]:]."""
@@ -118,7 +118,7 @@ def launchers(dev) -> SimpleNamespace:
         nb = int(offsets.size) - 1
         args = (body, i64(body.size), i64(n), i64(bucket), i64(flag_bits), offsets, sums)
         k("scan")((1,), (32,), (*args, i64(nb), err))
-        return int(dev.to_host(err)[0])
+        return int(dev.to_host(err, why="fastsgd.scan: corrupt-stream flag")[0])
 
     def decode(body, n, bucket, powers, flag_bits, offsets, sums, out, errs, accumulate):
         """Scatter +-float32(sum / b^L) at the decoded keys of each bucket into out; set errs[k]

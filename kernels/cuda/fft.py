@@ -92,14 +92,14 @@ def launchers(dev) -> SimpleNamespace:
         result = xp.zeros(1, dtype=np.int64)
         kernel("round_fp16")(*grid(n), (x, out, np.int64(n), chunk_err, bad))
         kernel("round_fp16_result")((1,), (32,), (chunk_err, bad, result))
-        return int(dev.to_host(result)[0])
+        return int(dev.to_host(result, why="fft.tiles: tile count")[0])
 
     def magnitude_ok(spec, mag2):
         # |X|^2 into mag2; True when every part of spec is finite.
         flag = xp.zeros(1, dtype=np.uint32)
         if mag2.size:
             kernel("magnitude")(*grid(mag2.size), (spec, mag2, np.int64(mag2.size), flag))
-        return bool(dev.to_host(flag)[0] == 0)
+        return bool(dev.to_host(flag, why="fft.magnitude_ok: overflow flag")[0] == 0)
 
     def rfft(flat, own):
         """Return (interleaved float32 half spectrum, |X|^2 in float32, all finite) of
@@ -126,7 +126,7 @@ def launchers(dev) -> SimpleNamespace:
         if x.size:
             u = x.reshape(-1).view(np.uint32)
             kernel("all_finite")(*grid(u.size), (u, np.int64(u.size), flag))
-        return bool(dev.to_host(flag)[0] == 0)
+        return bool(dev.to_host(flag, why="fft.all_finite: flag")[0] == 0)
 
     def add_residual(spec, r, mag2):
         """Add the packed residual ``r`` to the half spectrum ``spec``, |X|^2 into ``mag2``;
@@ -135,7 +135,7 @@ def launchers(dev) -> SimpleNamespace:
         flag = xp.zeros(1, dtype=np.uint32)
         if n:
             kernel("add_residual")(*grid(n // 2 + 1), (spec, r, mag2, np.int64(n), flag))
-        return bool(dev.to_host(flag)[0] == 0)
+        return bool(dev.to_host(flag, why="fft.add_residual: non-finite flag")[0] == 0)
 
     def kth_largest(mag2, k):
         """Return the k-th largest of non-negative float32 ``mag2`` (1 <= k <= size)."""
@@ -149,7 +149,7 @@ def launchers(dev) -> SimpleNamespace:
             args = (u, np.int64(n), np.int64(level), state, hist[level])
             kernel("kth_histogram")(*grid(n), args)
             kernel("kth_select")(*one, (hist[level], np.int64(level), np.int64(k), state))
-        bits = np.uint32(dev.to_host(state)[2])
+        bits = np.uint32(dev.to_host(state, why="fft.kth_largest: threshold bits")[2])
         return float(bits.view(np.float32))
 
     def select_pack(spec, mag2, thresh, k, bitmap, dense, hist):
@@ -172,7 +172,7 @@ def launchers(dev) -> SimpleNamespace:
         kernel("select_scan")(*one, args)
         args = (spec, u, np.int64(nbins), t, np.int64(k), tile_first, tile_ebefore, state)
         kernel("select_pack")(*launch, (*args, bitmap, dense, hist, vmax))
-        return int(dev.to_host(vmax)[0])
+        return int(dev.to_host(vmax, why="fft.select_pack: largest kept value")[0])
 
     def choose_range(hist, vmax, bits):
         """Return (m, pbase) of the N-bit float: the largest code covers ``vmax``."""
@@ -180,7 +180,7 @@ def launchers(dev) -> SimpleNamespace:
             raise ValueError(f"fft choose_range: bits must lie in [1, 32], got {bits!r}")
         out = xp.zeros(2, dtype=np.int64)
         kernel("choose_range")((1,), (32,), (hist, np.int64(vmax), np.int64(bits), out))
-        m, pbase = dev.to_host(out)
+        m, pbase = dev.to_host(out, why="fft.choose_range: range and base")
         return int(m), int(pbase)
 
     def quantize_pack(values, vmax, pbase, shift, bits, out):
@@ -205,7 +205,7 @@ def launchers(dev) -> SimpleNamespace:
             args = (stream, ns, np.int64(pbase), s, b, out, np.int64(n), err)
             kernel("unpack_dequantize")(*grid(-(-n // 8)), args)
         kernel("unpack_result")((1,), (32,), (stream, ns, b, np.int64(n), err, result))
-        return int(dev.to_host(result)[0])
+        return int(dev.to_host(result, why="fft.unpack_dequantize: error count")[0])
 
     def scatter(bitmap, dense, k, spec):
         """Add dense[0:k] / dense[k:2k] to the bins set in ``bitmap``; return DECODE_OK,
@@ -227,7 +227,7 @@ def launchers(dev) -> SimpleNamespace:
         kernel("scatter_scan")(*one, args)
         args = (bitmap, dense, np.int64(k), tile_first, state, spec, np.int64(nbins))
         kernel("scatter_add")(*launch, args)
-        return int(dev.to_host(state)[0])
+        return int(dev.to_host(state, why="fft.scatter: bad-bitmap count")[0])
 
     def residual(spec, bitmap, vmax, pbase, shift, bits, r):
         """Write the packed residual of ``spec`` (kept bins: their N-bit float errors) into ``r``."""

@@ -60,7 +60,7 @@ def launchers(dev) -> SimpleNamespace:
         partials = xp.empty(3 * blocks, np.uint64)
         want = np.int32(h8 is not None)
         kernel("encode")(*launch, (x.view(np.uint32), h16, np.int64(n), want, partials))
-        p = dev.to_host(partials).reshape(blocks, 3)
+        p = dev.to_host(partials, why="fp16.encode: block flags and sums").reshape(blocks, 3)
         if not want:
             return not p[:, 0].any(), 0
         # Exact sums mod BASE: s2 of the bytes from (0, 0) is m * s1 - sum(i * b_i).
@@ -83,7 +83,7 @@ def launchers(dev) -> SimpleNamespace:
         flags = xp.empty(blocks, np.uint32)
         args = (h16, out.view(np.uint32), np.int64(n), by, np.int32(divide), flags)
         kernel("decode")(*launch, args)
-        return not dev.to_host(flags).any()
+        return not dev.to_host(flags, why="fp16.decode: non-finite flags").any()
 
     def add(a, b):
         """Set float16-bits array ``b`` (uint16) to float16(float32(a) + float32(b))."""
@@ -100,6 +100,6 @@ def launchers(dev) -> SimpleNamespace:
         blocks, launch = geometry(h.size)
         flags = xp.empty(blocks, np.uint32)
         kernel("all_finite")(*launch, (h, np.int64(h.size), flags))
-        return not dev.to_host(flags).any()
+        return not dev.to_host(flags, why="fp16.all_finite: flags").any()
 
     return SimpleNamespace(encode=encode, decode=decode, add=add, all_finite=all_finite)

@@ -82,8 +82,8 @@ def launchers(dev) -> SimpleNamespace:
     def flags():
         return xp.zeros(1, dtype=np.uint32)
 
-    def result(err) -> int:
-        return int(dev.to_host(err)[0])
+    def result(err, launcher: str) -> int:
+        return int(dev.to_host(err, why=f"qsgd.{launcher}: error mask")[0])
 
     def scale_set(scales):
         return scales if scales.dtype == np.float32 else scales.astype(np.float32)
@@ -112,7 +112,7 @@ def launchers(dev) -> SimpleNamespace:
             lanes,
         )
         kernel("sumsq_total")((1,), (dev.threads,), (lanes, np.int64(nchunks), total))
-        return float(dev.to_host(total)[0])
+        return float(dev.to_host(total, why="qsgd.sumsq: sum of squares")[0])
 
     def quantize(x, idx, dense, norm, levels, key, out) -> int:
         """Write the codes of x (``dense``) or x[idx] into ``out``; return an error mask."""
@@ -134,7 +134,7 @@ def launchers(dev) -> SimpleNamespace:
             np.int64(n),
             err,
         )
-        return result(err)
+        return result(err, "quantize")
 
     def multiscale_index(x, idx, dense, norm, scales, out) -> int:
         """Write each element's scale index into uint8 ``out``; return an error mask."""
@@ -157,7 +157,7 @@ def launchers(dev) -> SimpleNamespace:
             np.int64(n),
             err,
         )
-        return result(err)
+        return result(err, "multiscale_index")
 
     def multiscale_quantize(x, idx, dense, norm, scales, sidx, key, out) -> int:
         """Write the codes at the shared scale indices ``sidx`` into ``out``; return an error mask."""
@@ -182,7 +182,7 @@ def launchers(dev) -> SimpleNamespace:
             np.int64(n),
             err,
         )
-        return result(err)
+        return result(err, "multiscale_quantize")
 
     def dequantize(codes, norm, levels, nranks, limit, out) -> int:
         """Write out = ((codes * norm) / levels) / nranks in float32; return an error mask."""
@@ -203,7 +203,7 @@ def launchers(dev) -> SimpleNamespace:
             np.int64(n),
             err,
         )
-        return result(err)
+        return result(err, "dequantize")
 
     def dequantize_packed(stream, width, shift, norm, levels, nranks, limit, out) -> int:
         """As ``dequantize`` for codes[i] = (the ``width``-bit code i of ``stream``) - shift."""
@@ -226,7 +226,7 @@ def launchers(dev) -> SimpleNamespace:
             np.int64(n),
             err,
         )
-        return result(err)
+        return result(err, "dequantize_packed")
 
     def multiscale_dequantize(codes, sidx, norm, scales, nranks, limit, out) -> int:
         """Write out = ((codes * norm) / scales[sidx]) / nranks in float32; return an error mask."""
@@ -250,7 +250,7 @@ def launchers(dev) -> SimpleNamespace:
             np.int64(n),
             err,
         )
-        return result(err)
+        return result(err, "multiscale_dequantize")
 
     def multiscale_dequantize_packed(stream, width, shift, sidx, norm, scales, nranks, limit, out):
         """As ``multiscale_dequantize`` for codes read from a packed ``stream`` (less ``shift``)."""
@@ -276,7 +276,7 @@ def launchers(dev) -> SimpleNamespace:
             np.int64(n),
             err,
         )
-        return result(err)
+        return result(err, "multiscale_dequantize_packed")
 
     def grandk_scatter(vals, idx, ratio, out) -> None:
         """Write out[idx[j]] = vals[j] * ratio (float32); out is zero elsewhere already."""

@@ -60,14 +60,14 @@ def launchers(dev) -> SimpleNamespace:
         else:
             kernel("votes_lanes")(*grid(4 * nchunks), (x, np.int64(n), out, lanes, res))
         kernel("total")((1,), (32,), (lanes, np.int64(nchunks), res))
-        res = dev.to_host(res)
+        res = dev.to_host(res, why="signsgd.sum_abs: sum and non-finite flag")
         return not res[1], float(res[:1].view(np.float64)[0])
 
     def flagged(name, n_items, *args):
         """Launch ``name`` over ``n_items`` with ``args`` and a flag; return not flag."""
         flags = xp.zeros(1, np.uint64)
         kernel(name)(*grid(n_items), (*args, flags))
-        return not dev.to_host(flags)[0]
+        return not dev.to_host(flags, why=f"signsgd.{name}: flag")[0]
 
     def votes(x, out):
         """Write out[i] = 1 if x[i] > 0 else 0; return False if ``x`` holds NaN/Inf."""

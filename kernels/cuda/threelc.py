@@ -53,7 +53,7 @@ def launchers(dev) -> SimpleNamespace:
         kernel("max")(
             (dev.grid(n),), (dev.threads,), (x, r, np.int32(bool(use_r)), np.int64(n), top)
         )
-        top = np.uint32(dev.to_host(top)[0])
+        top = np.uint32(dev.to_host(top, why="threelc.max: largest magnitude")[0])
         if top >= _EXP_MASK:
             return 0.0, False
         # The product on the host, in NumPy float32: a GPU would flush a denormal max to zero.
@@ -81,7 +81,7 @@ def launchers(dev) -> SimpleNamespace:
             (1,), (32,), (last, lead, rest, np.int64(nspans), *geo[:2], pin, offs, total)
         )
         kernel("zero_run_write")((nspans,), (dev.threads,), (src, *geo, pin, offs, dst))
-        return int(dev.to_host(total)[0])
+        return int(dev.to_host(total, why="threelc.zero_run_encode: length")[0])
 
     def decoded_length(src):
         """Return (total, offs, (L, span, nspans)) of src's zero-run expansion, on the device."""
@@ -98,7 +98,7 @@ def launchers(dev) -> SimpleNamespace:
         """Return the zero-run-decoded length of src, or -1 if it exceeds ``limit``."""
         if src.size == 0:
             return 0  # the twin compares with limit only after a byte
-        total = int(dev.to_host(decoded_length(src)[0])[0])
+        total = int(dev.to_host(decoded_length(src)[0], why="threelc.zero_run_length: length")[0])
         # Every byte adds >= 1: the running total exceeds limit at some point iff at the end.
         return -1 if total > int(limit) else total
 
@@ -112,7 +112,7 @@ def launchers(dev) -> SimpleNamespace:
             (src, *geo, offs, total, dst, np.int64(Ld)),
         )
         # A byte past dst makes the total exceed it: False exactly when the twin's is.
-        return int(dev.to_host(total)[0]) == Ld
+        return int(dev.to_host(total, why="threelc.zero_run_decode: length")[0]) == Ld
 
     def quartic_decode(src, scale, out):
         """Write out[k*L + j] = (digit k of src[j] - 1) * M; return an error code (0 if valid)."""
@@ -126,7 +126,7 @@ def launchers(dev) -> SimpleNamespace:
         kernel("quartic_check")(
             (dev.grid(L),), (dev.threads,), (src, np.int64(L), np.int64(n), zero, flags)
         )
-        bad = int(dev.to_host(flags)[0])
+        bad = int(dev.to_host(flags, why="threelc.quartic_decode: bad-code flag")[0])
         for flag, code in (
             (_BAD_BYTE, k3.ERR_BYTE),
             (_BAD_PAD, k3.ERR_PAD),

@@ -97,7 +97,7 @@ def launchers(dev) -> SimpleNamespace:
         kernel("scan")((1,), (dev.threads,), (np.int64(ntiles), state, gt, eq, start))
         args = (u, np.int64(n), state, eq, start, idx, kind, val.view(np.uint32))
         kernel("write")(*blocks, args)
-        if dev.to_host(state[2:])[0]:
+        if dev.to_host(state[2:], why="topk.select: non-finite flag")[0]:
             return False
         if idx is not out_idx:
             out_idx[:k] = idx[:k]
@@ -124,7 +124,7 @@ def launchers(dev) -> SimpleNamespace:
         args = (indices, _kind(indices, "scatter"), np.int64(indices.size), values)
         args += (np.int64(n), out.view(np.uint32), err)
         kernel("scatter")(*grid(indices.size), args)
-        err = int(dev.to_host(err)[0])
+        err = int(dev.to_host(err, why="topk.scatter: bad-index flag")[0])
         return 0 if err == np.iinfo(np.uint64).max else err & 3
 
     def all_finite(x):
@@ -134,6 +134,6 @@ def launchers(dev) -> SimpleNamespace:
             return True
         flags = xp.zeros(1, np.uint64)
         kernel("all_finite")(*grid(u.size), (u, np.int64(u.size), flags))
-        return not dev.to_host(flags)[0]
+        return not dev.to_host(flags, why="topk.all_finite: flag")[0]
 
     return SimpleNamespace(select=select, scatter=scatter, all_finite=all_finite)

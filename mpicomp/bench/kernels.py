@@ -101,7 +101,7 @@ def run(
         enc, dec, wire = one_rank_round_trip(codec, x)
         t_enc = median_seconds(enc, reps, sync)
         t_dec = median_seconds(dec, reps, sync)
-        got = rec.to_host(dec()).reshape(-1)
+        got = rec.to_host(dec(), why="bench: decoded gradient").reshape(-1)
         err = float(np.linalg.norm((got - host).astype(np.float64)))
         rows.append(
             {

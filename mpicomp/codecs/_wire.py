@@ -68,11 +68,9 @@ def _head_checksum(head: np.ndarray, start: int) -> int:
 
 def _read_head(payload, kernels) -> np.ndarray:
     """Return the payload's first bytes (as many as the largest header) on the host: one
-    read of a device payload."""
+    read of a device payload (counted on ``cuda-emulated`` too, as it would be on a GPU)."""
     head = payload[: header_size(MAX_NDIM)]
-    if isinstance(head, np.ndarray):
-        return head
-    return backend_of(payload, kernels).to_host(head)
+    return backend_of(payload, kernels).to_host(head, why="payload header")
 
 
 def header_size(ndim: int) -> int:

@@ -136,7 +136,11 @@ class Float16(_Dense):
     @staticmethod
     def _check_range(x, k) -> None:
         """Raise the ValueError that ``x`` (which float16 cannot hold, launchers ``k``) deserves."""
-        amax = float(k.to_host(k.xp.abs(x).max())) if x.size else 0.0
+        amax = (
+            float(k.to_host(k.xp.abs(x).max(), why="fp16 encode: max |x| of a refused input"))
+            if x.size
+            else 0.0
+        )
         if not math.isfinite(amax):
             raise ValueError("fp16: input holds NaN or Inf")
         if amax > _FP16_MAX:
@@ -201,7 +205,7 @@ class TopK(GatherCodecBase):
         n = _wire.numel_of(shape)
         if body.size < 8:
             raise PayloadError(f"topk payload body truncated: {body.size} bytes")
-        k = int(kernels.to_host(body[:8]).view("<u8")[0])
+        k = int(kernels.to_host(body[:8], why="topk decode: k").view("<u8")[0])
         idt = self._index_dtype(n)
         if k > n or body.size != 8 + k * (idt.itemsize + 4):
             raise PayloadError(f"topk payload holds k={k} for n={n} in a {body.size}-byte body")

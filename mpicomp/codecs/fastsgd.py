@@ -119,7 +119,7 @@ class FastSGD(GatherCodecBase):
         offsets[:1] = 0
         xp.cumsum(sizes, out=offsets[1:])
         offsets += _k.PREFIX_BYTES
-        end = int(kernels.to_host(offsets[-1:])[0])
+        end = int(kernels.to_host(offsets[-1:], why="fastsgd encode: body length")[0])
         payload, body = _wire.empty(x.shape, end, xp)
         body[: _k.PREFIX_BYTES] = xp.asarray(self._prefix().view(np.uint8))
         k.assemble(scratch, cap, sizes, offsets[:-1], body)
@@ -172,7 +172,9 @@ class FastSGD(GatherCodecBase):
             raise PayloadError(
                 f"fastsgd payload body truncated: {body.size} bytes < {_k.PREFIX_BYTES}-byte prefix"
             )
-        pre = kernels.to_host(body[: _k.PREFIX_BYTES]).view(_PREFIX)[0]
+        pre = kernels.to_host(body[: _k.PREFIX_BYTES], why="fastsgd decode: prefix").view(_PREFIX)[
+            0
+        ]
         base, tau, flag_bits = float(pre["base"]), int(pre["tau"]), int(pre["flag_bits"])
         if not 1.0 < base <= MAX_BASE or not 1 <= tau <= _k.MAX_TAU:
             raise PayloadError(f"fastsgd payload has base={base!r}, tau={tau}: out of range")
@@ -212,7 +214,7 @@ class FastSGD(GatherCodecBase):
         kernels.fastsgd.decode(
             body, n, bucket, powers, flag_bits, offsets, sums, out, errs, accumulate
         )
-        bad = np.flatnonzero(kernels.to_host(errs))
+        bad = np.flatnonzero(kernels.to_host(errs, why="fastsgd decode: corrupt buckets"))
         if bad.size:
             k = int(bad[0])
             raise PayloadError(

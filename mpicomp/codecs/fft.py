@@ -182,7 +182,9 @@ class FFTCodec(GatherCodecBase):
             raise PayloadError(f"fft payload has unknown flags {flags:#x}")
         if body.size < BODY_FIXED:
             raise PayloadError(f"fft payload body truncated: {body.size} < {BODY_FIXED} bytes")
-        eps_bits, m, bits, reserved, kept = _BODY.unpack_from(k.to_host(body[:BODY_FIXED]), 0)
+        eps_bits, m, bits, reserved, kept = _BODY.unpack_from(
+            k.to_host(body[:BODY_FIXED], why="fft decode: body fields"), 0
+        )
         if not 4 <= bits <= 16 or m > _k.MAX_MANTISSA or reserved != 0:
             raise PayloadError(f"fft payload holds bits={bits}, m={m}, reserved={reserved}")
         if kept > nbins or body.size != body_size(n, kept, bits):

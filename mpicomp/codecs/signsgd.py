@@ -147,11 +147,11 @@ class SignSGD(Codec):
                 f"signsgd payload body is {body.size} bytes, {n} elements need {4 + (n + 7) // 8}"
             )
         to_host = backend_of(body, self.kernels).to_host
-        scale = float(to_host(body[:4]).view("<f4")[0])
+        scale = float(to_host(body[:4], why="signsgd decode: scale").view("<f4")[0])
         if not np.isfinite(scale) or scale < 0:
             raise PayloadError(
                 f"signsgd payload scale {scale!r} is not a finite non-negative number"
             )
-        if n % 8 and int(to_host(body[-1:])[0]) >> (n % 8):
+        if n % 8 and int(to_host(body[-1:], why="signsgd decode: padding bits")[0]) >> (n % 8):
             raise PayloadError("signsgd payload has bits set past its last element")
         return self.expand(body[4:], n, scale).reshape(shape)

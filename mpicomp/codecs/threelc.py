@@ -112,7 +112,11 @@ class ThreeLC(GatherCodecBase):
             raise PayloadError(
                 f"threelc payload body truncated: {body.size} bytes < {_SCALE_BYTES}-byte scale"
             )
-        scale = backend_of(body, self.kernels).to_host(body[:_SCALE_BYTES]).view("<f4")[0]
+        scale = (
+            backend_of(body, self.kernels)
+            .to_host(body[:_SCALE_BYTES], why="threelc decode: scale")
+            .view("<f4")[0]
+        )
         if not np.isfinite(scale) or np.signbit(scale):
             raise PayloadError(f"threelc payload scale M = {scale!r} is not finite and >= +0")
         stream = body[_SCALE_BYTES:]
