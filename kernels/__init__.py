@@ -34,6 +34,7 @@ __all__ = [
     "available",
     "backend",
     "backend_of",
+    "place",
     "register_array_type",
     "register_backend",
 ]
@@ -131,6 +132,13 @@ def backend_of(x, host=None):
     if cls.__module__.split(".")[0] == "cupy" and cls.__name__ == "ndarray":
         return backend("cuda")
     raise TypeError(f"expected a NumPy or CuPy array, got {cls.__module__}.{cls.__name__}")
+
+
+def place(record) -> tuple[str, int]:
+    """Return where ``record`` computes now: its name and, on a GPU, the current device's
+    id (0 elsewhere). Device arrays a codec keeps (constant tables) are cached per place."""
+    device = getattr(record, "device", None)
+    return record.name, (device.current() if device is not None else 0)
 
 
 def launchers(record, family: str) -> dict[str, Callable]:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import ctypes
 import math
 import os
+from contextlib import nullcontext
 
 import numpy as np
 
@@ -52,17 +53,18 @@ def to_float32(x, what: str = "x"):
     dt = x.dtype
     if dt != np.float32 and dt not in _ACCEPTED and dt.name != "bfloat16":
         raise TypeError(f"{what} must be a floating-point array, got dtype {dt!r}")
-    xp = np if isinstance(x, np.ndarray) else backend_of(x).xp
-    # asarray(order='C'), not ascontiguousarray, which makes a 0-d array 1-d.
-    if dt != np.float64:
-        return xp.asarray(x, dtype=np.float32, order="C"), False
-    if xp is not np:
+    if not isinstance(x, np.ndarray):
         k = backend_of(x)
-        out = xp.asarray(x, dtype=np.float32, order="C")
-        # Overflow is a finite value cast to Inf: one pass and one read-back on a device.
-        return out, bool(
-            k.to_host(k.xp.any(k.xp.isinf(out) & k.xp.isfinite(x)), why="float64 overflow flag")
-        )
+        with on_device(x):
+            # asarray(order='C'), not ascontiguousarray, which makes a 0-d array 1-d.
+            out = k.xp.asarray(x, dtype=np.float32, order="C")
+            if dt != np.float64:
+                return out, False
+            # Overflow is a finite value cast to Inf: one pass and one read-back on a device.
+            over = k.xp.any(k.xp.isinf(out) & k.xp.isfinite(x))
+            return out, bool(k.to_host(over, why="float64 overflow flag"))
+    if dt != np.float64:
+        return np.asarray(x, dtype=np.float32, order="C"), False
     # The cast sets the FPU's overflow flag for free: no extra pass over the data.
     try:
         with np.errstate(over="raise"):
@@ -81,6 +83,16 @@ def is_device_array(x) -> bool:
     except TypeError:
         return False
     return True
+
+
+def on_device(x):
+    """Return a context manager inside which work on ``x`` goes to the GPU it lives on
+    (CuPy allocates and launches on the current device); for a host array, one that does
+    nothing."""
+    if not is_device_array(x):
+        return nullcontext()
+    device = getattr(backend_of(x), "device", None)
+    return nullcontext() if device is None else device.on(x.device.id)
 
 
 def array_module(x):

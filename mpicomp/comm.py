@@ -7,8 +7,9 @@ import sys
 import warnings
 import weakref
 import zlib
+from contextlib import nullcontext
 from dataclasses import dataclass, replace
-from functools import partial
+from functools import partial, wraps
 
 import numpy as np
 
@@ -25,6 +26,18 @@ from mpicomp.options import Options
 from mpicomp.trace import NO_CLOCK
 
 __all__ = ["CompressedComm", "Handle", "NonFiniteWarning", "Options", "RankError"]
+
+
+def _on_its_gpu(method):
+    """Run a CompressedComm ``method`` with the communicator's GPU current, in whichever
+    thread runs it (CuPy's current device is per thread: the worker's starts at GPU 0)."""
+
+    @wraps(method)
+    def run(self, *args, **kwargs):
+        with self._gpu_on():
+            return method(self, *args, **kwargs)
+
+    return run
 
 
 class CompressedComm:
@@ -110,6 +123,7 @@ class CompressedComm:
         # How device gradients' bytes reach MPI: directly when the library is CUDA-aware.
         self._transport = Transport(direct=cuda_aware()[0])
         self._gpu = None  # the GPU of this rank's device gradients, fixed at the first one
+        self._gpu_on = nullcontext  # a context making that GPU current
         #: The checked options (``mpicomp.options.Options``), frozen.
         self.options = opts = Options.resolve(
             codec,
@@ -268,6 +282,7 @@ class CompressedComm:
 
     # -- the gradient path: allreduce -> _average -> a reducer -> a collective -> MPI
 
+    @_on_its_gpu
     def _average(
         self, t: _Tensor, op: str = "allreduce", layout: int | None = None, ledger=None
     ) -> tuple:
@@ -395,6 +410,7 @@ class CompressedComm:
             refused = _Tensor.refused(arrays, "", error)
         return ([], refused) if refused else (tensors, None)
 
+    @_on_its_gpu
     def _many(self, tensors: list, refused: _Tensor | None) -> tuple:
         """Average ``tensors`` in buckets, one call per bucket; return (averages, skip
         messages). A refused input makes one failing call."""
@@ -426,16 +442,12 @@ class CompressedComm:
         return out, skipped
 
     def _check_gpu(self, flat, what: str) -> None:
-        """Check that device array ``flat`` is on this communicator's GPU: the current
-        CUDA device at its first device call (launches go to the current device)."""
+        """Check that device array ``flat`` is on this communicator's GPU: the one its
+        first device gradient lives on (every call then runs with that GPU current)."""
         gpu = flat.device.id
         if self._gpu is None:
-            current = backend_of(flat).device.current()
-            if gpu != current:
-                raise TypeError(
-                    f"{what} is on GPU {gpu}, but this rank's current CUDA device is "
-                    f"{current}: make it current first (cupy.cuda.Device({gpu}).use())"
-                )
+            device = getattr(backend_of(flat), "device", None)
+            self._gpu_on = partial(device.on, gpu) if device is not None else nullcontext
             self._gpu = gpu
         elif gpu != self._gpu:
             raise TypeError(

@@ -9,12 +9,18 @@ refuses what ``cupy.ndarray`` (CuPy 14) refuses; ``xp`` stands for the ``cupy`` 
 the emulation behind kernels that refuse host pointers. Allowed but hidden device-to-host
 transfers (``int(a)``, ``a.item()``, iteration's conversions, ...) are counted in ``SYNCS``
 so a test can assert that a codec made none.
+
+Several GPUs are simulated: an array is on the GPU that was current in its thread when it
+was made (``gpu(i)`` works as ``cupy.cuda.Device(i)``: ``with gpu(1): ...``), and kernels
+and operations refuse an array of another GPU than the current one, as CuPy does where
+GPUs have no peer access.
 """
 
 from __future__ import annotations
 
 import functools
 import importlib
+import threading
 import warnings
 from types import ModuleType
 
@@ -24,7 +30,9 @@ __all__ = [
     "BACKEND",
     "SYNCS",
     "DeviceArray",
+    "current_gpu",
     "device_record",
+    "gpu",
     "install",
     "reset_syncs",
     "to_device",
@@ -93,19 +101,42 @@ class _Flags:
         )
 
 
-class _Device:
-    """``cupy.cuda.Device(0)``: every host-backed array lives on device 0."""
+# The GPU new arrays are allocated on and launches go to, per thread (as CuPy's current
+# device): tests simulate several GPUs with it (``gpu``).
+_current = threading.local()
 
-    id = 0
+
+def current_gpu() -> int:
+    """Return the id of this thread's current (simulated) GPU: 0 unless changed."""
+    return getattr(_current, "id", 0)
+
+
+def _check_device(a: DeviceArray) -> None:
+    # CuPy's own words, for a kernel given an array of a GPU that is not the current one.
+    if a._gpu != current_gpu():
+        raise ValueError(
+            "Array device must be same as the current device: "
+            f"array device = {a._gpu} while current = {current_gpu()}"
+        )
+
+
+class _Device:
+    """``cupy.cuda.Device(id)``: a context manager that makes GPU ``id`` current."""
+
+    def __init__(self, id: int = 0):
+        self.id = int(id)
+        self._before: list[int] = []
 
     def __enter__(self) -> _Device:
+        self._before.append(current_gpu())
+        _current.id = self.id
         return self
 
     def __exit__(self, *exc) -> None:
-        return None
+        _current.id = self._before.pop()
 
     def use(self) -> None:
-        return None
+        _current.id = self.id
 
     def synchronize(self) -> None:
         return None
@@ -120,18 +151,18 @@ class _Device:
         return f"<CUDA Device {self.id}>"
 
 
-_DEVICE = _Device()
+gpu = _Device
 
 
 class _MemoryPointer:
     """``cupy.ndarray.data``: ``ptr`` is the first element's address (host memory here, so
     alignment checks see what they would on a GPU)."""
 
-    __slots__ = ("ptr",)
-    device = _DEVICE
+    __slots__ = ("device", "ptr")
 
-    def __init__(self, ptr: int):
+    def __init__(self, ptr: int, gpu: int):
         self.ptr = ptr
+        self.device = _Device(gpu)
 
     def __int__(self) -> int:
         return self.ptr
@@ -152,13 +183,16 @@ class DeviceArray:
         if memptr is not None or strides is not None:
             raise NotImplementedError("DeviceArray(memptr=, strides=) is not emulated")
         self._host = np.empty(shape, dtype, order=order)
+        self._gpu = current_gpu()
         self.base: DeviceArray | None = None
 
     @classmethod
     def _wrap(cls, host: np.ndarray, base: DeviceArray | None = None) -> DeviceArray:
-        """Return a DeviceArray over ``host`` (no copy); ``base``: the array it views."""
+        """Return a DeviceArray over ``host`` (no copy); ``base``: the array it views (and
+        whose GPU it is on; a new array is on the current GPU)."""
         a = object.__new__(cls)
         a._host = host
+        a._gpu = current_gpu() if base is None else base._gpu
         a.base = None if base is None else (base.base if base.base is not None else base)
         return a
 
@@ -171,8 +205,8 @@ class DeviceArray:
     itemsize = property(lambda self: self._host.itemsize)
     strides = property(lambda self: self._host.strides)
     flags = property(lambda self: _Flags(self))
-    device = property(lambda self: _DEVICE)
-    data = property(lambda self: _MemoryPointer(self._host.ctypes.data))
+    device = property(lambda self: _Device(self._gpu))
+    data = property(lambda self: _MemoryPointer(self._host.ctypes.data, self._gpu))
 
     @property
     def T(self) -> DeviceArray:
@@ -297,7 +331,9 @@ class DeviceArray:
 
     def _assign(self, key, value) -> None:
         key, advanced = _index(key)
+        _check_device(self)
         if isinstance(value, DeviceArray):
+            _check_device(value)
             self._host[key] = value._host
         elif isinstance(value, _SCALARS):
             self._host[key] = value
@@ -324,12 +360,14 @@ class DeviceArray:
 
     # ------------------------------------------------------------------ methods
     def astype(self, dtype, order="K", casting=None, subok=None, copy=True) -> DeviceArray:
+        _check_device(self)
         extra = {} if casting is None else {"casting": casting}
         with _quiet():
             out = self._host.astype(dtype, order=order, copy=copy, **extra)
         return self if out is self._host else DeviceArray._wrap(out)
 
     def copy(self, order="C") -> DeviceArray:
+        _check_device(self)
         return DeviceArray._wrap(self._host.copy(order=order))
 
     def __copy__(self) -> DeviceArray:
@@ -484,6 +522,7 @@ def _to_host(obj, views: list):
     """Return ``obj`` with device arrays replaced by their wrapped arrays (noted in
     ``views``), through lists, tuples and dicts; a NumPy array is refused."""
     if isinstance(obj, DeviceArray):
+        _check_device(obj)
         views.append(obj)
         return obj._host
     if isinstance(obj, np.ndarray):
@@ -732,9 +771,11 @@ xp = _ArrayModule(
 xp.fft = _ArrayModule(np.fft, "fft")
 
 
-def to_device(a) -> DeviceArray:
-    """Return a device copy of host data ``a`` (for tests: not counted in ``SYNCS``)."""
-    return DeviceArray._wrap(np.array(a, copy=True, order="C"))
+def to_device(a, gpu: int | None = None) -> DeviceArray:
+    """Return a device copy of host data ``a`` on GPU ``gpu`` (default: the current one;
+    for tests: not counted in ``SYNCS``)."""
+    with _Device(current_gpu() if gpu is None else gpu):
+        return DeviceArray._wrap(np.array(a, copy=True, order="C"))
 
 
 def to_host(a: DeviceArray) -> np.ndarray:
@@ -762,6 +803,8 @@ class _Kernel:
                     f"{self.name}: argument {i} is a NumPy array: a GPU kernel cannot read "
                     "host memory"
                 )
+            if isinstance(a, DeviceArray):
+                _check_device(a)
             host.append(a._host if isinstance(a, DeviceArray) else a)
         self._kernel(grid, block, tuple(host), shared_mem=shared_mem)
 
@@ -786,7 +829,8 @@ def device_record():
     def build(family, code, opts):
         return _Module(_emulated_build(family, code, opts))
 
-    return record(Device(BACKEND, xp, 64, 4, build), K.FAMILIES)
+    dev = Device(BACKEND, xp, 64, 4, build, current=current_gpu, on=_Device)
+    return record(dev, K.FAMILIES)
 
 
 def install() -> None:

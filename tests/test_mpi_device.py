@@ -132,20 +132,8 @@ def test_a_bad_device_input_on_one_rank_raises_on_every_rank(bad):
         assert len(cc.allreduce_many(ok, ["a", "b"])) == 2
 
 
-class _OnGpu1(D.DeviceArray):
-    """A device array on GPU 1 (the others live on GPU 0, the current device)."""
-
-    @property
-    def device(self):
-        class Gpu1:
-            id = 1
-
-        return Gpu1()
-
-
 @pytest.mark.mpi
-@pytest.mark.parametrize("when", ["first call", "later call"])
-def test_a_gradient_on_another_gpu_raises_on_every_rank(when):
+def test_a_gradient_on_another_gpu_raises_on_every_rank():
     from mpi4py import MPI
 
     world = MPI.COMM_WORLD
@@ -153,17 +141,41 @@ def test_a_gradient_on_another_gpu_raises_on_every_rank(when):
     x = _gradients(world.rank)[1]
     culprit = world.size - 1
     with mpicomp.CompressedComm(world, "signsgd", min_numel=1) as cc:
-        if when == "later call":
-            cc.allreduce(D.to_device(x))  # fixes this communicator's GPU: 0
-        mine = _OnGpu1._wrap(x.copy()) if world.rank == culprit else D.to_device(x)
-        want = "current CUDA device is 0" if when == "first call" else "works on GPU 0"
+        cc.allreduce(D.to_device(x))  # fixes this communicator's GPU: 0
+        mine = D.to_device(x, gpu=1 if world.rank == culprit else 0)
         if world.rank == culprit:
-            with pytest.raises(TypeError, match=f"is on GPU 1.*{want}"):
+            with pytest.raises(TypeError, match="is on GPU 1.*works on GPU 0"):
                 cc.allreduce(mine)
         elif world.size > 1:
             with pytest.raises(RankError, match=f"rank {culprit} failed"):
                 cc.allreduce(mine)
         assert cc.allreduce(D.to_device(x)).shape == x.shape  # still in step
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("codec", ["topk", "qsgd_maxnorm"])
+def test_a_rank_computes_on_the_gpu_its_gradients_live_on(codec):
+    """Rank r's gradients on (simulated) GPU r % 2 while GPU 0 stays current: the calls,
+    blocking and started on the worker thread, run on the gradients' GPU (the stand-ins
+    refuse any launch or operation on another one) and match the NumPy path."""
+    from mpi4py import MPI
+
+    world = MPI.COMM_WORLD
+    D.install()
+    gpu = world.rank % 2
+    xs = _gradients(world.rank)[:2]
+    with mpicomp.CompressedComm(world, codec, min_numel=1) as cc:
+        want = [cc.allreduce(x, name=f"w{i}") for i, x in enumerate(xs)]
+    assert D.current_gpu() == 0
+    with mpicomp.CompressedComm(world, codec, min_numel=1) as cc:
+        got = [cc.allreduce(D.to_device(xs[0], gpu=gpu), name="w0")]
+        got.append(cc.iallreduce(D.to_device(xs[1], gpu=gpu), name="w1").wait())
+        fused = cc.allreduce_many([D.to_device(x, gpu=gpu) for x in xs], ["a", "b"])
+    assert D.current_gpu() == 0
+    for g, w in zip(got, want, strict=True):
+        assert g.device.id == gpu
+        np.testing.assert_array_equal(D.to_host(g), w)
+    assert [f.device.id for f in fused] == [gpu, gpu]
 
 
 @pytest.mark.mpi

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import threading
 from collections import Counter
+from contextlib import nullcontext
 from functools import cache
 from pathlib import Path
 
@@ -84,6 +85,8 @@ class Device:
             (uint8) for staging copies; default an ordinary NumPy array.
         current: ``current()`` returns the id of the GPU launches go to now (CuPy's
             current device); default 0.
+        on: ``on(gpu)`` returns a context manager inside which launches and allocations
+            go to GPU ``gpu`` (``cupy.cuda.Device(gpu)``); default one that does nothing.
     """
 
     def __init__(
@@ -96,6 +99,7 @@ class Device:
         synchronize=None,
         pinned=None,
         current=None,
+        on=None,
     ):
         if threads % 32 or not 32 <= threads <= 1024:
             raise ValueError(f"threads must be a multiple of 32 in [32, 1024], got {threads}")
@@ -111,6 +115,7 @@ class Device:
         self.synchronize = synchronize or (lambda: None)
         self.pinned = pinned or (lambda nbytes: np.empty(nbytes, np.uint8))
         self.current = current or (lambda: 0)
+        self.on = on or (lambda gpu: nullcontext())
         self._modules = {}
         self._lock = threading.Lock()
 
@@ -146,16 +151,17 @@ class Device:
             lambda: cupy.cuda.Device().synchronize(),
             pinned,
             cupy.cuda.runtime.getDevice,
+            cupy.cuda.Device,  # a new one per use: its context stack is not thread-safe
         )
 
     def kernel(self, family: str, name: str, extra: dict[str, str] | None = None):
         """Return kernel ``name`` of ``family``'s module, built at first use."""
         opts = options(family, extra)
+        at = (self.current(), family, opts)  # a module per GPU: kernels run where built
         with self._lock:
-            module = self._modules.get((family, opts))
+            module = self._modules.get(at)
             if module is None:
-                module = self._build(family, source(family), opts)
-                self._modules[family, opts] = module
+                module = self._modules[at] = self._build(family, source(family), opts)
         return module.get_function(name)
 
     def grid(self, n: int) -> int:

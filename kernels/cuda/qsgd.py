@@ -40,7 +40,7 @@ _U32_MAX = 0xFFFFFFFF
 def launchers(dev) -> SimpleNamespace:
     """Return the ``qsgd`` launchers bound to ``dev``."""
     xp = dev.xp
-    no_index = xp.empty(0, dtype=np.int64)  # a device array where the twin gets a NumPy one
+    no_index = {}  # per GPU: a device array where the twin gets a NumPy one
 
     def kernel(name):
         return dev.kernel("qsgd", f"mpicomp_qsgd_{name}", DEFINES)
@@ -60,7 +60,10 @@ def launchers(dev) -> SimpleNamespace:
 
     def index(idx, dense):
         if dense:
-            return no_index
+            gpu = dev.current()
+            if gpu not in no_index:
+                no_index[gpu] = xp.empty(0, dtype=np.int64)
+            return no_index[gpu]
         return idx if idx.dtype == np.int64 else idx.astype(np.int64)
 
     def codes_of(a):

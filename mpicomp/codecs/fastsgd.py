@@ -15,7 +15,7 @@ from mpicomp._arrays import as_gradient
 from mpicomp.codecs import _wire
 from mpicomp.codecs._base import GatherCodecBase, check_number, register
 from mpicomp.errors import PayloadError
-from mpicomp.kernels import backend_of
+from mpicomp.kernels import backend_of, place
 from mpicomp.kernels import fastsgd as _k
 
 # The largest base keeps sum / b^tau well inside float64 for every float32 sum.
@@ -80,7 +80,7 @@ class FastSGD(GatherCodecBase):
         flag_bits = check_number("flag_bits", flag_bits, 1, _k.MAX_FLAG_BITS, integer=True)
         bucket = check_number("bucket", bucket, 0, _k.MAX_BUCKET, integer=True)
         super().__init__(base=base, tau=tau, flag_bits=flag_bits, bucket=bucket)
-        self._powers = {}  # backend name -> b^L for L = 0..tau, on its device
+        self._powers = {}  # place (backend, GPU) -> b^L for L = 0..tau, on that device
 
     def encode(self, x) -> np.ndarray:
         """Return the FastSGD payload of ``x``.
@@ -223,9 +223,10 @@ class FastSGD(GatherCodecBase):
 
     def _powers_on(self, kernels, base: float, tau: int):
         """Return this codec's table b^L on ``kernels``' device, made at its first use."""
-        table = self._powers.get(kernels.name)
+        at = place(kernels)
+        table = self._powers.get(at)
         if table is None:
-            table = self._powers[kernels.name] = kernels.fastsgd.powers(base, tau)
+            table = self._powers[at] = kernels.fastsgd.powers(base, tau)
         return table
 
     def _prefix(self) -> np.ndarray:

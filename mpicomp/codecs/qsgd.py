@@ -19,7 +19,7 @@ import numpy as np
 
 from mpicomp._arrays import all_finite, array_module, as_gradient, is_array
 from mpicomp.codecs._base import Codec, check_number, register
-from mpicomp.kernels import backend_of
+from mpicomp.kernels import backend_of, place
 from mpicomp.kernels import qsgd as _k
 from mpicomp.kernels.rng import key as _rng_key
 
@@ -185,14 +185,15 @@ class _Multiscale:
         self.n_scales = len(self.scale_levels)
         self.index_bits = (self.n_scales - 1).bit_length()
         self.index_dtype = np.dtype(np.uint8)
-        self._scales = {}  # backend name -> the levels as float32, on its device
+        self._scales = {}  # place (backend, GPU) -> the levels as float32, on that device
 
     def _scales_on(self, kernels):
         """Return the scale set's levels as a float32 array of ``kernels``' device."""
-        scales = self._scales.get(kernels.name)
+        at = place(kernels)
+        scales = self._scales.get(at)
         if scales is None:
             host = np.array(self.scale_levels, dtype=np.float32)
-            scales = self._scales[kernels.name] = kernels.xp.asarray(host)
+            scales = self._scales[at] = kernels.xp.asarray(host)
         return scales
 
     def _scale_index(self, flat, idx, norm) -> np.ndarray:
@@ -286,7 +287,7 @@ class _GlobalRandK:
         """Return ``coordinates(numel, step)`` as an array of backend ``kernels``."""
         k = self.num_coordinates(numel)
         step = _counter("step", step)
-        at = (kernels.name, numel, int(step))
+        at = (place(kernels), numel, int(step))
         hit = self._coords.get(at)
         if hit is not None:
             self._coords.move_to_end(at)
