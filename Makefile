@@ -124,9 +124,13 @@ test-gpu-sanitize: $(VENV)/.installed
 	    $$(ls tests/test_cuda_*.py | grep -v "sanitize\|build\|emulated"); \
 	done
 
+# Then the all-reduce of CuPy gradients on 4 ranks sharing the GPU, against MPI_Allreduce of
+# the same device buffer (staged; direct too where MPI is CUDA-aware), phase split per codec.
 bench-gpu: $(VENV)/.installed
 	@set -e; for n in $(GPU_BENCH_SIZES); do \
 	  $(BIN)/mpicomp bench --backend cuda --numel $$n --no-allreduce $(BENCH_ARGS); done
+	$(MPIENV) $(MPIRUN) -n 4 $(BIN)/python -m mpi4py -m mpicomp bench --backend cuda \
+	  --no-kernels --sizes 1M,25.6M $(BENCH_ARGS)
 
 # Fail early when mpi4py loaded another MPI than the one this environment is for.
 mpi-check: $(VENV)/.installed

@@ -57,8 +57,9 @@ def _parser() -> argparse.ArgumentParser:
         description="Encode and decode throughput (GB/s of float32 input) of each codec on "
         "one gradient-shaped tensor beside np.copyto of the same buffer, the bits per element "
         "one rank sends, then CompressedComm.allreduce against MPI_Allreduce of float32 on "
-        "MPI.COMM_WORLD (launch with mpiexec/srun for more than one rank). Medians of "
-        "--reps after a warm-up; the kernels are timed on rank 0 alone.",
+        "MPI.COMM_WORLD (launch with mpiexec/srun for more than one rank), with its "
+        "encode/exchange/decode split; both on --backend's arrays. Medians of --reps "
+        "after a warm-up; the kernels are timed on rank 0 alone.",
     )
     p.add_argument(
         "--codecs",
@@ -108,9 +109,11 @@ def _parser() -> argparse.ArgumentParser:
         "--backend",
         metavar="NAME",
         default=None,
-        help="kernel backend of the encode/decode timings: numba, cuda (CuPy arrays on the "
-        "current GPU, beside a device-to-device copy) or cuda-emulated (default: "
-        "MPICOMP_KERNELS, else numba); the all-reduces take host arrays",
+        help="kernel backend of the encode/decode timings and of the all-reduces: numba, "
+        "cuda (CuPy arrays on the current GPU: kernels beside a device-to-device copy, "
+        "all-reduces of device arrays against MPI_Allreduce of the same buffer, staged and, "
+        "where MPI is CUDA-aware, direct) or cuda-emulated (default: MPICOMP_KERNELS, else "
+        "numba)",
     )
     p.add_argument(
         "--json",

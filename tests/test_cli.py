@@ -232,3 +232,77 @@ def test_bench_reports_a_bad_tc_device_instead_of_hanging(capsys):
     argv += ["--allreduce-reps", "1", "--tc-dev", "mpicomp-no-such-dev", "-q"]
     assert cli.main(argv) == 1
     assert "mpicomp bench: error: " in capsys.readouterr().err
+
+
+def test_bench_backend_applies_to_the_allreduce_too(capsys):
+    argv = ["bench", "--json", "--no-kernels", "--sizes", "2K", "--codecs", "signsgd", "-q"]
+    argv += ["--allreduce-reps", "1"]
+    assert cli.main([*argv, "--backend", "cuda-emulated"]) == 0
+    (row,) = json.loads(capsys.readouterr().out)
+    (a,) = row["allreduce"]
+    assert a["backend"] == "cuda-emulated" and "transport" not in a  # host arrays
+    assert all(a[k] >= 0 for k in ("encode_s", "exchange_s", "decode_s"))
+    if not gpu_present():  # the all-reduce alone fails the same way the kernels do
+        assert cli.main([*argv, "--backend", "cuda"]) == 1
+        assert "kernel backend 'cuda' is not available here" in capsys.readouterr().err
+    assert cli.main(["bench", "--help"]) == 0
+    help_text = " ".join(capsys.readouterr().out.split())
+    assert "of the encode/decode timings and of the all-reduces" in help_text
+
+
+def _allreduce_row(codec, **extra):
+    row = {
+        "numel": 4096,
+        "nranks": 2,
+        "codec": codec,
+        "params": {},
+        "backend": "numba",
+        "time_s": 0.004,
+        "allreduce_s": 0.001,
+        "time_ratio": 4.0,
+        "speedup": 0.25,
+        "bytes_sent": 712,
+        "bytes_recv": 712,
+        "sent_total": 1424,
+        "recv_total": 1424,
+        "allreduce_bytes": 16384,
+        "sent_ratio": 712 / 16384,
+        "recv_ratio": 712 / 16384,
+        "encode_s": 0.001,
+        "exchange_s": 0.002,
+        "decode_s": 0.0005,
+    }
+    row.update(extra)
+    return row
+
+
+def test_allreduce_table_columns():
+    import io
+
+    from mpicomp.bench.report import format_allreduce_table
+
+    out = io.StringIO()
+    format_allreduce_table([_allreduce_row("signsgd")], out)
+    head, _, ref, row = out.getvalue().splitlines()
+    assert head.split()[-3:] == ["ring", "enc/xchg/dec", "ms"] and "path" not in head
+    assert ref.split()[1:3] == ["MPI_Allreduce", "float32"] and ref.split()[-1] == "1.00"
+    assert row.split()[1] == "signsgd" and row.split()[-1] == "1.00/2.00/0.50"
+    device = {"backend": "cuda", "transport": "direct", "allreduce_staged_s": 0.002}
+    device |= {"allreduce_direct_s": 0.001, "time_ratio_staged": 2.0, "time_ratio_direct": 4.0}
+    out = io.StringIO()
+    format_allreduce_table([_allreduce_row("signsgd", **device)], out)
+    head, _, staged, direct, row = out.getvalue().splitlines()
+    assert head.split()[-6:] == ["ring", "path", "/staged", "/direct", "enc/xchg/dec", "ms"]
+    # the reference lines: time ms, speedup (over the row's own path: direct), path, ratios
+    assert staged.split()[3:6] == ["staged", "2.00", "0.50"]
+    assert staged.split()[-3:] == ["staged", "1.00", "2.00"]
+    assert direct.split()[3:6] == ["direct", "1.00", "1.00"]
+    assert direct.split()[-3:] == ["direct", "0.50", "1.00"]
+    assert row.split()[-4:] == ["direct", "2.00", "4.00", "1.00/2.00/0.50"]
+    # staged only (MPI not CUDA-aware): one reference line, '-' for direct
+    device |= {"transport": "staged", "allreduce_direct_s": None, "time_ratio_direct": None}
+    out = io.StringIO()
+    format_allreduce_table([_allreduce_row("signsgd", **device)], out)
+    head, _, staged, row = out.getvalue().splitlines()
+    assert staged.split()[-3:] == ["staged", "1.00", "-"]
+    assert row.split()[-4:] == ["staged", "2.00", "-", "1.00/2.00/0.50"]

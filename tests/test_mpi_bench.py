@@ -1,4 +1,6 @@
-"""jobs/bench.py on every world size: rows, byte counts and the JSON output."""
+"""jobs/bench.py on every world size: rows, byte counts and the JSON output; the
+all-reduce rows on a device backend (staged and direct references, phase split) and on
+the host backend given; errors raised on every rank."""
 
 import json
 import math
@@ -120,3 +122,124 @@ def test_kernels_cache_per_rank():
     if "NUMBA_CACHE_DIR" in __import__("os").environ:
         pytest.skip("NUMBA_CACHE_DIR chosen by the user")
     assert numba.config.CACHE_DIR.endswith(f"rank{comm.rank}")
+
+
+# The CUDA sources run on the CPU through g++ (kernels/cuda/emulated.py).
+needs_gxx = pytest.mark.skipif(
+    __import__("shutil").which("g++") is None, reason="g++ is not on PATH: no emulated kernels"
+)
+DEVICE_CODECS = ["topk", "qsgd_maxnorm"]
+PHASES = ("encode_s", "exchange_s", "decode_s")
+
+
+@pytest.fixture(params=["staged", "direct"])
+def transport(request, monkeypatch):
+    """Both ways device buffers reach MPI (MPICOMP_CUDA_AWARE=1: any MPI reads the
+    host-backed arrays of tests/_device_arrays.py, whose memory is host memory)."""
+    from mpicomp import _transport
+
+    monkeypatch.setenv(_transport.ENV, "1" if request.param == "direct" else "0")
+    _transport.cuda_aware.cache_clear()
+    yield request.param
+    _transport.cuda_aware.cache_clear()
+
+
+def _check_phases(r):
+    split = [r[k] for k in PHASES]
+    assert all(v >= 0 for v in split), r
+    # Phases are parts of the slowest rank's call, which the timed call contains
+    # (with 2 repetitions the medians are means, so the sum stays within time_s).
+    assert sum(split) <= 1.05 * r["time_s"], r
+
+
+@pytest.mark.mpi
+@needs_gxx
+def test_device_rows_carry_both_references_and_the_phase_split(transport):
+    import _device_arrays as D
+
+    from mpicomp.bench import codec_set, full_run
+    from mpicomp.bench.allreduce import measure
+
+    comm = world()
+    D.install()
+    report = full_run(comm, DEVICE_CODECS, None, [4096], allreduce_reps=2, backend=D.BACKEND)
+    rows = report.allreduce
+    host = measure(comm, 4096, codec_set(DEVICE_CODECS), 1, backend="numba")
+    assert [(r["codec"], r["params"]) for r in rows] == [(r["codec"], r["params"]) for r in host]
+    direct = transport == "direct"
+    for r, h in zip(rows, host, strict=True):
+        assert r["backend"] == D.BACKEND and r["transport"] == transport
+        assert r["allreduce_staged_s"] > 0
+        assert (r["allreduce_direct_s"] is not None) == direct
+        assert (r["time_ratio_direct"] is not None) == direct
+        ref = r["allreduce_direct_s"] if direct else r["allreduce_staged_s"]
+        assert r["allreduce_s"] == ref
+        assert r["time_ratio"] == pytest.approx(r["time_s"] / ref)
+        assert r["time_ratio_staged"] == pytest.approx(r["time_s"] / r["allreduce_staged_s"])
+        _check_phases(r)
+        # Device arrays put the same bytes on the wire as host arrays.
+        for key in ("bytes_sent", "bytes_recv", "sent_total", "recv_total"):
+            assert r[key] == h[key], key
+        assert "transport" not in h and h["backend"] == "numba"
+        _check_phases(h)
+    # full_run files them under their codec's row
+    assert [a for row in report.rows for a in row["allreduce"]] == rows
+
+
+@pytest.mark.mpi
+@needs_gxx
+def test_host_backend_given_runs_the_allreduce_rows(monkeypatch):
+    import os
+
+    from mpicomp.bench import full_run
+    from mpicomp.kernels import ENV
+
+    comm = world()
+    monkeypatch.delenv(ENV, raising=False)
+    report = full_run(
+        comm, ["qsgd_maxnorm"], None, [2048], allreduce_reps=1, backend="cuda-emulated"
+    )
+    assert len(report.allreduce) == 2
+    for r in report.allreduce:
+        assert r["backend"] == "cuda-emulated" and "transport" not in r
+        assert r["allreduce_s"] > 0 and all(r[k] >= 0 for k in PHASES)
+    assert ENV not in os.environ  # selected while CompressedComm was made, then restored
+    (row,) = full_run(comm, ["none"], None, [2048], allreduce_reps=1).allreduce
+    assert row["backend"] == "numba"
+
+
+@pytest.mark.mpi
+def test_a_backend_missing_on_one_rank_raises_on_every_rank(monkeypatch):
+    import mpicomp.bench.allreduce as A
+
+    comm = world()
+    with pytest.raises(RuntimeError, match="unknown kernel backend 'nope'"):
+        A.measure(comm, 2000, [("none", {})], 1, backend="nope")
+    if comm.size == 1:
+        return
+
+    real = A.kernel_backend
+
+    def no_gpu_on_the_last_rank(name):
+        if comm.rank == comm.size - 1:
+            raise RuntimeError(f"kernel backend {name!r} is not available here: no GPU")
+        return real(name)
+
+    monkeypatch.setattr(A, "kernel_backend", no_gpu_on_the_last_rank)
+    # The other ranks name the rank that failed instead of waiting for it.
+    match = "no GPU" if comm.rank == comm.size - 1 else f"rank {comm.size - 1}: .*no GPU"
+    with pytest.raises(RuntimeError, match=match):
+        A.measure(comm, 2000, [("none", {})], 1, backend="numba")
+
+
+@pytest.mark.mpi
+def test_a_trace_dir_rank_0_cannot_make_raises_on_every_rank(shared_dir):
+    from mpicomp.bench.allreduce import measure
+
+    comm = world()
+    blocker = shared_dir / "a-file"
+    if comm.rank == 0:
+        blocker.write_text("not a directory")
+    comm.Barrier()
+    with pytest.raises(RuntimeError, match="rank 0: NotADirectoryError"):
+        measure(comm, 2000, [("none", {})], 1, trace_dir=str(blocker / "traces"))

@@ -79,8 +79,10 @@ def full_run(
             by its rank).
         trace_dir, tc_dev: see ``mpicomp.bench.allreduce.measure``.
         progress: a text stream for progress lines on rank 0 (None: silent).
-        backend: the kernel backend of the kernel timings (see :func:`run`); the
-            all-reduces take host arrays, on the backend ``MPICOMP_KERNELS`` selects.
+        backend: the kernel backend of the kernel timings (see :func:`run`) and of the
+            all-reduces (None: what ``MPICOMP_KERNELS`` selects); on a device backend
+            (``cuda``) the all-reduces take device arrays (see
+            ``mpicomp.bench.allreduce.measure``).
 
     Returns:
         A :class:`Report` whose ``rows`` hold one dict per codec and backend: the keys
@@ -109,7 +111,14 @@ def full_run(
 
         for n in sizes:
             allreduce += measure(
-                comm, n, todo, allreduce_reps, quiet, trace_dir=trace_dir, tc_dev=tc_dev
+                comm,
+                n,
+                todo,
+                allreduce_reps,
+                quiet,
+                trace_dir=trace_dir,
+                tc_dev=tc_dev,
+                backend=backend,
             )
     rows = []
     for i, (name, params) in enumerate(todo):

@@ -3,10 +3,14 @@
 For each gradient size and codec, one ``CompressedComm(...).allreduce`` per repetition
 after a warm-up call: the time is the slowest rank's, median over repetitions; the bytes
 are what a ``mpicomp.collectives.traffic.Traffic`` attached as ``recorder`` counted per call,
-the largest over ranks. Both are compared with ``comm.Allreduce`` of the same float32
-buffer in the same run: its time, and the 2(N-1)/N * 4n bytes a ring (bandwidth-optimal)
-float32 all-reduce sends and receives per rank. ``mpicomp bench`` and ``jobs/bench.py``
-run :func:`measure`; ``mpicomp.bench.report`` prints its rows.
+the largest over ranks; the encode / exchange / decode split comes from the trace of
+those calls. Both are compared with ``comm.Allreduce`` of the same float32 buffer in the
+same run: its time, and the 2(N-1)/N * 4n bytes a ring (bandwidth-optimal) float32
+all-reduce sends and receives per rank. On a device backend (``cuda``: CuPy arrays) the
+gradient lives on the device and the reference is ``MPI_Allreduce`` of that device
+buffer, staged through pinned host buffers and, where the MPI library is CUDA-aware,
+handed to MPI directly. ``mpicomp bench`` and ``jobs/bench.py`` run :func:`measure`;
+``mpicomp.bench.report`` prints its rows.
 
 The one module of ``mpicomp.bench`` that imports ``mpi4py.MPI`` at import time, so the
 package's ``__init__`` imports it only when an all-reduce is measured.
@@ -14,16 +18,21 @@ package's ``__init__`` imports it only when an all-reduce is measured.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import shutil
 import subprocess
+import tempfile
 from time import perf_counter
 
 import numpy as np
 from mpi4py import MPI
 
 import mpicomp
+import mpicomp.kernels as K
+from mpicomp._transport import cuda_aware
+from mpicomp.bench.kernels import kernel_backend
 from mpicomp.bench.workload import gradient, label
 from mpicomp.collectives.traffic import Traffic
 
@@ -88,11 +97,147 @@ class _Counter:
         return value
 
 
-def _trace_path(trace_dir: str | None, numel: int, name: str, params: dict) -> str | None:
-    if trace_dir is None:
-        return None
+def _trace_path(trace_dir: str, numel: int, name: str, params: dict) -> str:
     tag = "-".join([str(numel), name] + [f"{k}{v}" for k, v in params.items()])
     return os.path.join(trace_dir, f"{tag}.h5")
+
+
+def _on_rank_0(comm, fn):
+    """Return ``fn()``, run on rank 0 alone, on every rank; if it raises there, every rank
+    raises a RuntimeError saying what (none is left waiting)."""
+    value = error = None
+    if comm.rank == 0:
+        try:
+            value = fn()
+        except Exception as e:  # raised on every rank below
+            error = e
+    why = None if error is None else f"rank 0: {type(error).__name__}: {error}"
+    value, why = comm.bcast((value, why), root=0)
+    if why is not None:
+        raise RuntimeError(why) from error
+    return value
+
+
+def _backend_on_every_rank(comm, name: str | None):
+    """Return the backend record ``name`` (None: ``MPICOMP_KERNELS``'s); if any rank cannot
+    start it (no GPU there), every rank raises a RuntimeError saying why."""
+    rec = mine = None
+    try:
+        rec = kernel_backend(name)
+    except RuntimeError as e:
+        mine = e
+    errors = comm.allgather(None if mine is None else str(mine))
+    if mine is not None:
+        raise mine
+    for rank, why in enumerate(errors):
+        if why is not None:
+            raise RuntimeError(f"rank {rank}: {why}")
+    return rec
+
+
+@contextlib.contextmanager
+def _traces_in(comm, trace_dir: str | None):
+    """Yield the directory the traces go to, the same path on every rank: ``trace_dir``
+    (made if missing, kept), else a temporary directory removed afterwards. Rank 0 alone
+    writes trace files, so it makes the directory, on its own node."""
+
+    def make() -> str:
+        if trace_dir is None:
+            return tempfile.mkdtemp(prefix="mpicomp-bench-")
+        os.makedirs(trace_dir, exist_ok=True)
+        return trace_dir
+
+    where = _on_rank_0(comm, make)
+    try:
+        yield where
+    finally:
+        if trace_dir is None and comm.rank == 0:
+            shutil.rmtree(where, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def _host_kernels(name: str | None):
+    """Select backend ``name`` for NumPy arrays while a CompressedComm is made (None: leave
+    ``MPICOMP_KERNELS`` alone): it and the codecs it makes (its own, and the float32 one
+    below ``min_numel``) read the variable then, and keep that backend. Restored after."""
+    if name is None:
+        yield
+        return
+    saved = os.environ.get(K.ENV)
+    os.environ[K.ENV] = name
+    try:
+        yield
+    finally:
+        if saved is None:
+            del os.environ[K.ENV]
+        else:
+            os.environ[K.ENV] = saved
+
+
+def phase_split(path: str) -> dict:
+    """Return the per-call phase seconds of a bench trace and the transport it recorded.
+
+    The first call (the warm-up) is left out. For each later call the slowest rank's
+    event (largest ``t_total``) is kept; ``encode_s``, ``exchange_s`` (the trace's
+    ``t_comm``: every message, waiting for other ranks included) and ``decode_s`` are the
+    medians over calls of its ``t_encode``, ``t_comm`` and ``t_decode``; ``transport`` is
+    the trace's ``device_transport`` attribute.
+
+    Raises:
+        ValueError: ``path`` is not a readable mpicomp trace, or holds no timed call.
+    """
+    from mpicomp.trace_report import read
+
+    events, _, attrs = read(path)
+    timed = events[events["call"] > 0]
+    if timed.size == 0:
+        raise ValueError(f"{path}: no call after the warm-up")
+    _, first = np.unique(timed["call"], return_index=True)  # rows: by call, then rank
+    per_call = np.split(timed, first[1:])
+    slowest = np.stack([rows[np.argmax(rows["t_total"])] for rows in per_call])
+    return {
+        "encode_s": float(np.median(slowest["t_encode"])),
+        "exchange_s": float(np.median(slowest["t_comm"])),
+        "decode_s": float(np.median(slowest["t_decode"])),
+        "transport": attrs.get("device_transport"),
+    }
+
+
+def _host_float32(rec, n: int) -> np.ndarray:
+    """Return ``n`` float32 values of host memory, pinned where ``rec``'s device can pin
+    (as CompressedComm's staging buffers are), else ordinary."""
+    pinned = getattr(getattr(rec, "device", None), "pinned", None)
+    nbytes = 4 * n
+    raw = pinned(nbytes) if pinned is not None else np.empty(nbytes, np.uint8)
+    return raw[:nbytes].view(np.float32)
+
+
+def device_references(comm, rec, x, reps: int) -> tuple[float, float | None]:
+    """Return the times of ``MPI_Allreduce`` of device array ``x`` (float32): staged, and
+    direct (None unless ``cuda_aware()``); the slowest rank's, median of ``reps``.
+
+    Staged: ``x`` copied into a pinned host buffer, ``comm.Allreduce`` of host buffers,
+    the sum copied back into a device array, then a device synchronize: all three timed.
+    Direct: a device synchronize (MPI knows nothing of pending kernels), then
+    ``comm.Allreduce`` of the device arrays themselves, which only a CUDA-aware MPI takes.
+    """
+    sync = getattr(rec, "synchronize", None) or (lambda: None)
+    out = rec.xp.empty_like(x)
+    send, recv = _host_float32(rec, x.size), _host_float32(rec, x.size)
+
+    def staged():
+        rec.to_host(x, out=send, why="bench: staged MPI_Allreduce, device to host")
+        comm.Allreduce(send, recv, op=MPI.SUM)
+        out.set(recv)
+        sync()
+
+    def direct():
+        sync()
+        comm.Allreduce(x, out, op=MPI.SUM)
+
+    t_staged = slowest_median(comm, staged, reps)
+    t_direct = slowest_median(comm, direct, reps) if cuda_aware()[0] else None
+    return t_staged, t_direct
 
 
 def measure(
@@ -104,6 +249,7 @@ def measure(
     *,
     trace_dir: str | None = None,
     tc_dev: str | None = None,
+    backend: str | None = None,
 ) -> list[dict]:
     """Return one row per codec of all-reduces of ``numel`` float32 values on ``comm``.
 
@@ -114,10 +260,16 @@ def measure(
         reps: timed repetitions per measurement, after one warm-up.
         progress: a stream for one line per codec on rank 0 (None: silent).
         trace_dir: a directory (made on rank 0 if missing): each codec's calls are
-            traced to ``<numel>-<codec>[-<params>].h5`` there (docs/trace-format.md).
+            traced to ``<numel>-<codec>[-<params>].h5`` there (docs/trace-format.md)
+            and kept. Without it they are traced to a temporary directory, removed
+            once the phase split is read. The timed calls are traced either way.
         tc_dev: a network device whose root qdisc counts bytes (``tc -s qdisc``, read on
             rank 0): each row gets the device bytes of its measurement (warm-up
             included), to check against what the ranks say they sent.
+        backend: the kernel backend (None: what ``MPICOMP_KERNELS`` selects). A host
+            backend (``numba``, ``cuda-emulated``) computes on NumPy gradients; on a
+            device backend (``cuda``: CuPy) each rank's gradient is placed on the
+            device and CompressedComm gets the device array.
 
     Returns:
         One dict per codec: ``numel``, ``nranks``, ``codec``, ``params``, ``backend``,
@@ -125,68 +277,109 @@ def measure(
         quotient), ``speedup`` (its inverse), ``bytes_sent``/``bytes_recv`` (per call,
         the largest over ranks), ``allreduce_bytes`` (float32 ring, per rank),
         ``sent_ratio``/``recv_ratio``, ``sent_total``/``recv_total`` (per call, summed over ranks),
-        and with ``tc_dev``: ``device_bytes`` (per call) and ``device_over_recv``
+        ``encode_s``/``exchange_s``/``decode_s`` (per call: the slowest rank's phases,
+        median over the timed calls; see :func:`phase_split`), and with ``tc_dev``:
+        ``device_bytes`` (per call) and ``device_over_recv``
         (device bytes over ``recv_total``: every byte crosses the device once, on its
         way to the rank that receives it); the float32 MPI_Allreduce's own device bytes
-        are ``allreduce_device_bytes``.
+        are ``allreduce_device_bytes`` (the staged one on a device backend).
+        On a device backend also ``transport`` (``"direct"`` or ``"staged"``: how
+        CompressedComm's device buffers reached MPI), ``allreduce_staged_s`` and
+        ``allreduce_direct_s`` (:func:`device_references`; direct None when the MPI
+        library is not CUDA-aware) and ``time_ratio_staged``/``time_ratio_direct``
+        (``time_s`` over each; None without direct); ``allreduce_s`` is the reference of
+        the row's own transport.
+
+    Raises:
+        RuntimeError: the backend cannot start on some rank, or rank 0 could not make
+            ``trace_dir`` or read a trace (on every rank).
     """
+    rec = _backend_on_every_rank(comm, backend)
+    device = rec.xp is not np
+    sync = (getattr(rec, "synchronize", None) or (lambda: None)) if device else (lambda: None)
     n, size = numel, comm.size
-    x = gradient(n, seed=comm.rank)
-    out = np.empty_like(x)
+    host = gradient(n, seed=comm.rank)
+    x = rec.xp.asarray(host) if device else host
     counter = _Counter(comm, tc_dev)
-    if trace_dir is not None and comm.rank == 0:
-        os.makedirs(trace_dir, exist_ok=True)
     before = counter.read()
-    t_ref = slowest_median(comm, lambda: comm.Allreduce(x, out, op=MPI.SUM), reps)
+    if device:
+        t_staged, t_direct = device_references(comm, rec, x, reps)
+    else:
+        out = np.empty_like(host)
+        t_staged = slowest_median(comm, lambda: comm.Allreduce(host, out, op=MPI.SUM), reps)
+        t_direct = None
     after = counter.read()
     ref_device = None if before is None else (after - before) / (reps + 1)
     ring_bytes = 2 * (size - 1) * 4 * n // size  # float32 ring all-reduce, per rank
     rows = []
-    for i, (name, params) in enumerate(codecs, 1):
-        if progress is not None and comm.rank == 0:
-            what = f"{name} {label(params)}".strip()
-            print(f"bench: {n:,} elements, {what} ({i}/{len(codecs)})", file=progress, flush=True)
-        path = _trace_path(trace_dir, n, name, params)
-        with mpicomp.CompressedComm(comm, name, trace=path, **params) as cc:
-            traffic = Traffic()
+    with _traces_in(comm, trace_dir) as where:
+        for i, (name, params) in enumerate(codecs, 1):
+            if progress is not None and comm.rank == 0:
+                what = f"{name} {label(params)}".strip()
+                print(
+                    f"bench: {n:,} elements, {what} ({i}/{len(codecs)})",
+                    file=progress,
+                    flush=True,
+                )
+            path = _trace_path(where, n, name, params)
+            # Written at close only: no flush inside the timed calls.
+            with _host_kernels(None if device else rec.name):
+                cc = mpicomp.CompressedComm(
+                    comm, name, trace=path, trace_flush_every=None, **params
+                )
+            with cc:
+                traffic = Traffic()
 
-            def call(cc=cc):
-                cc.allreduce(x, name="grad")
+                def call(cc=cc):
+                    cc.allreduce(x, name="grad")
+                    sync()  # a device result is done when the clock stops
 
-            cc.recorder = traffic
-            before = counter.read()
-            t = slowest_median(comm, call, reps)
-            after = counter.read()
-        calls = reps + 1  # the warm-up call is traced too: bytes are a mean per call
-        mine = np.array([traffic.sent, traffic.recv], dtype=np.float64) / calls
-        most = np.empty_like(mine)
-        comm.Allreduce(mine, most, op=MPI.MAX)
-        total, total_recv = comm.allreduce(mine, op=MPI.SUM)
-        sent, recv = (int(round(v)) for v in most)
-        row = {
-            "numel": n,
-            "nranks": size,
-            "codec": name,
-            "params": dict(params),
-            "backend": cc.kernels.name,
-            "time_s": t,
-            "allreduce_s": t_ref,
-            "time_ratio": t / t_ref,
-            "speedup": t_ref / t,
-            "bytes_sent": sent,
-            "bytes_recv": recv,
-            "sent_total": int(round(total)),
-            "recv_total": int(round(total_recv)),
-            "allreduce_bytes": ring_bytes,
-            "sent_ratio": sent / ring_bytes if ring_bytes else None,
-            "recv_ratio": recv / ring_bytes if ring_bytes else None,
-        }
-        if path is not None:
-            row["trace"] = path
-        if before is not None:
-            device = (after - before) / calls
-            row["device_bytes"] = int(round(device))
-            row["device_over_recv"] = device / total_recv if total_recv else None
-            row["allreduce_device_bytes"] = int(round(ref_device))
-        rows.append(row)
+                cc.recorder = traffic
+                before = counter.read()
+                t = slowest_median(comm, call, reps)
+                after = counter.read()
+            phases = _on_rank_0(comm, lambda path=path: phase_split(path))
+            calls = reps + 1  # the warm-up call is traced too: bytes are a mean per call
+            mine = np.array([traffic.sent, traffic.recv], dtype=np.float64) / calls
+            most = np.empty_like(mine)
+            comm.Allreduce(mine, most, op=MPI.MAX)
+            total, total_recv = comm.allreduce(mine, op=MPI.SUM)
+            sent, recv = (int(round(v)) for v in most)
+            direct = device and phases["transport"] == "direct" and t_direct is not None
+            t_ref = t_direct if direct else t_staged
+            row = {
+                "numel": n,
+                "nranks": size,
+                "codec": name,
+                "params": dict(params),
+                "backend": rec.name if device else cc.kernels.name,
+                "time_s": t,
+                "allreduce_s": t_ref,
+                "time_ratio": t / t_ref,
+                "speedup": t_ref / t,
+                "bytes_sent": sent,
+                "bytes_recv": recv,
+                "sent_total": int(round(total)),
+                "recv_total": int(round(total_recv)),
+                "allreduce_bytes": ring_bytes,
+                "sent_ratio": sent / ring_bytes if ring_bytes else None,
+                "recv_ratio": recv / ring_bytes if ring_bytes else None,
+                "encode_s": phases["encode_s"],
+                "exchange_s": phases["exchange_s"],
+                "decode_s": phases["decode_s"],
+            }
+            if device:
+                row["transport"] = phases["transport"]
+                row["allreduce_staged_s"] = t_staged
+                row["allreduce_direct_s"] = t_direct
+                row["time_ratio_staged"] = t / t_staged
+                row["time_ratio_direct"] = None if t_direct is None else t / t_direct
+            if trace_dir is not None:
+                row["trace"] = path
+            if before is not None:
+                device_bytes = (after - before) / calls
+                row["device_bytes"] = int(round(device_bytes))
+                row["device_over_recv"] = device_bytes / total_recv if total_recv else None
+                row["allreduce_device_bytes"] = int(round(ref_device))
+            rows.append(row)
     return rows

@@ -53,15 +53,40 @@ def format_table(rows: list[dict], out=None) -> None:
         )
 
 
+def _ratio(v) -> str:
+    return "-" if v is None else f"{v:.3f}"
+
+
+def _times(v) -> str:
+    return "-" if v is None else f"{v:.2f}"
+
+
+def _phases(r: dict) -> str:
+    """Return a row's encode/exchange/decode milliseconds as ``e/x/d`` ("-" without them)."""
+    split = [r.get(k) for k in ("encode_s", "exchange_s", "decode_s")]
+    if any(v is None for v in split):
+        return "-"
+    return "/".join(f"{1e3 * v:.2f}" for v in split)
+
+
 def format_allreduce_table(rows: list[dict], out=None) -> None:
     """Print all-reduce rows (``mpicomp.bench.allreduce.measure``) as a table (to stdout
-    by default)."""
+    by default).
+
+    Rows of a device backend (with ``transport``) add the path their device buffers
+    took and their time over each MPI_Allreduce reference (staged, direct), with one
+    reference line each; every row ends with its encode/exchange/decode split.
+    """
     out = sys.stdout if out is None else out
-    device = any("device_bytes" in r for r in rows)
+    tc = any("device_bytes" in r for r in rows)
+    device = any("transport" in r for r in rows)
+    phases = "enc/xchg/dec ms"
     head = (
         f"{'elements':>12}  {'codec':<27}{'params':<13}{'time ms':>10}{'speedup':>9}"
         f"{'sent B/rank':>14}{'x ring':>8}{'recv B/rank':>14}{'x ring':>8}"
-        + (f"{'device B':>15}{'/recv':>7}" if device else "")
+        + (f"{'device B':>15}{'/recv':>7}" if tc else "")
+        + (f"{'path':>8}{'/staged':>9}{'/direct':>9}" if device else "")
+        + f"{phases:>22}"
     )
     print(head, file=out)
     print("-" * len(head), file=out)
@@ -69,26 +94,56 @@ def format_allreduce_table(rows: list[dict], out=None) -> None:
     for r in rows:
         if r["numel"] != last:
             last = r["numel"]
-            ref = r["allreduce_bytes"]
-            dev = f"{r['allreduce_device_bytes']:>15,}{'':>7}" if "device_bytes" in r else ""
-            print(
-                f"{r['numel']:>12,}  {'MPI_Allreduce float32':<40}{1e3 * r['allreduce_s']:>10.2f}"
-                f"{1:>9.2f}{ref:>14,}{'1.00' if ref else '-':>8}{ref:>14,}"
-                f"{'1.00' if ref else '-':>8}{dev}",
-                file=out,
-            )
-
-        def ratio(v):
-            return "-" if v is None else f"{v:.3f}"
-
+            _reference_lines(r, tc, device, out)
         dev = ""
-        if "device_bytes" in r:
-            dev = f"{r['device_bytes']:>15,}{ratio(r['device_over_recv']):>7}"
+        if tc:
+            dev = (
+                f"{r['device_bytes']:>15,}{_ratio(r['device_over_recv']):>7}"
+                if "device_bytes" in r
+                else f"{'':>22}"
+            )
+        path = ""
+        if device:
+            path = (
+                f"{r['transport']:>8}{_times(r['time_ratio_staged']):>9}"
+                f"{_times(r['time_ratio_direct']):>9}"
+                if "transport" in r
+                else f"{'':>26}"
+            )
         print(
             f"{r['numel']:>12,}  {r['codec']:<27}{label(r['params']):<13}"
             f"{1e3 * r['time_s']:>10.2f}{r['speedup']:>9.2f}"
-            f"{r['bytes_sent']:>14,}{ratio(r['sent_ratio']):>8}"
-            f"{r['bytes_recv']:>14,}{ratio(r['recv_ratio']):>8}{dev}",
+            f"{r['bytes_sent']:>14,}{_ratio(r['sent_ratio']):>8}"
+            f"{r['bytes_recv']:>14,}{_ratio(r['recv_ratio']):>8}{dev}{path}"
+            f"{_phases(r):>22}",
+            file=out,
+        )
+
+
+def _reference_lines(r: dict, tc: bool, device: bool, out) -> None:
+    """Print the MPI_Allreduce line(s) of ``r``'s size: one on the host; staged, and
+    direct when measured, on a device."""
+    ref = r["allreduce_bytes"]
+    one = "1.00" if ref else "-"
+    dev = ""
+    if tc:
+        dev = f"{r['allreduce_device_bytes']:>15,}{'':>7}" if "device_bytes" in r else f"{'':>22}"
+    if "transport" in r:
+        staged, direct = r["allreduce_staged_s"], r["allreduce_direct_s"]
+        lines = [("staged", staged)] + ([("direct", direct)] if direct is not None else [])
+    else:
+        lines = [("", r["allreduce_s"])]
+    for path, t in lines:
+        what = f"MPI_Allreduce float32{' ' + path if path else ''}"
+        extra = ""
+        if device:
+            extra = f"{'':>26}"
+            if path:
+                over_direct = None if direct is None else t / direct
+                extra = f"{path:>8}{_times(t / staged):>9}{_times(over_direct):>9}"
+        print(
+            f"{r['numel']:>12,}  {what:<40}{1e3 * t:>10.2f}"
+            f"{r['allreduce_s'] / t:>9.2f}{ref:>14,}{one:>8}{ref:>14,}{one:>8}{dev}{extra}",
             file=out,
         )
 
@@ -129,12 +184,26 @@ class Report:
                 file=out,
             )
         if self.allreduce:
+            first = self.allreduce[0]
+            device = "transport" in first
+            where = "device arrays" if device else "host arrays"
             print(
-                f"\nall-reduce on {self.nranks} rank(s): CompressedComm.allreduce against "
-                f"MPI_Allreduce of float32, the slowest rank's time, median of "
-                f"{allreduce_reps} after a warm-up;\nspeedup = MPI_Allreduce time / "
-                "compressed time; bytes per rank per call, 'x ring' over a float32 ring's "
-                "2(N-1)/N*4n",
+                f"\nall-reduce on {self.nranks} rank(s), {where}, {first['backend']} kernels: "
+                "CompressedComm.allreduce against MPI_Allreduce of float32, the slowest "
+                f"rank's time, median of {allreduce_reps} after a warm-up;\nspeedup = "
+                "MPI_Allreduce time / compressed time; bytes per rank per call, 'x ring' "
+                "over a float32 ring's 2(N-1)/N*4n;\nenc/xchg/dec ms: per call, the slowest "
+                "rank's encode / exchange (every message, waiting included) / decode, "
+                "median (from a trace of the timed calls)",
                 file=out,
             )
+            if device:
+                print(
+                    "path: how CompressedComm's device buffers reached MPI (staged through "
+                    "pinned host buffers, or direct to a CUDA-aware MPI); /staged, /direct: "
+                    "compressed time over\nMPI_Allreduce of the same device buffer staged "
+                    "(device to pinned host, MPI_Allreduce, host to device) or direct (only "
+                    "when MPI is CUDA-aware); speedup: over the reference of the row's path",
+                    file=out,
+                )
             format_allreduce_table(self.allreduce, out)
