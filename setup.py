@@ -61,6 +61,8 @@ setup(
             "hypothesis>=6",
             "scikit-learn>=1.3",
             "matplotlib>=3.7",
+            # DLPack producers and tensors on devices mpicomp refuses (CPU wheel here).
+            "torch==2.13.0",
         ]
         + _CUDA_COMPILE,
         # Compiles the CUDA sources as CuPy does, without a GPU (tests/test_cuda_build.py).
