@@ -231,8 +231,18 @@ class OnOtherDevice:
         raise AssertionError("never read")
 
 
+def _unsupported_device(kind: str):
+    """A float32 tensor on a device mpicomp does not compute on."""
+    if kind == "metal":
+        return OnOtherDevice()
+    torch = pytest.importorskip("torch")
+    return torch.zeros(700, device="meta")  # says it is on no device DLPack knows
+
+
 @pytest.mark.mpi
-def test_cuda_array_interface_objects_under_cuda_emulated(monkeypatch):
+@pytest.mark.parametrize("codec", ["qsgd_maxnorm", "topk"])
+@pytest.mark.parametrize("bad", ["metal", "torch meta"])
+def test_cuda_array_interface_objects_under_cuda_emulated(codec, bad, monkeypatch):
     from mpi4py import MPI
 
     import mpicomp.kernels as K
@@ -241,19 +251,20 @@ def test_cuda_array_interface_objects_under_cuda_emulated(monkeypatch):
     if world.size > 3:
         pytest.skip("emulated kernels are checked at 1-3 ranks")
     xs = _gradients(world.rank)
-    with mpicomp.CompressedComm(world, "qsgd_maxnorm", min_numel=1) as cc:
+    with mpicomp.CompressedComm(world, codec, min_numel=1) as cc:
         ref = [cc.allreduce(xs[0], name="w"), *cc.allreduce_many(xs[1:])]
     monkeypatch.setenv(K.ENV, "cuda-emulated")
-    with mpicomp.CompressedComm(world, "qsgd_maxnorm", min_numel=1) as cc:
+    with mpicomp.CompressedComm(world, codec, min_numel=1) as cc:
         got = [cc.allreduce(CaiArray(xs[0]), name="w")]
         got += cc.allreduce_many([CaiArray(x) for x in xs[1:]])
         culprit = world.size - 1
-        bad = OnOtherDevice() if world.rank == culprit else CaiArray(xs[0])
+        mine = _unsupported_device(bad) if world.rank == culprit else CaiArray(xs[0])
         if world.rank == culprit:
-            with pytest.raises(TypeError, match="DLPack device type 8"):
-                cc.allreduce(bad, name="w")
+            with pytest.raises(TypeError, match="DLPack device type 8|Unknown device type meta"):
+                cc.allreduce(mine, name="w")
         elif world.size > 1:
             with pytest.raises(RankError, match=f"rank {culprit} failed"):
-                cc.allreduce(bad, name="w")
+                cc.allreduce(mine, name="w")
+        assert cc.allreduce(CaiArray(xs[0]), name="v").shape == xs[0].shape  # still in step
     for a, b in zip(ref, got, strict=True):
         assert a.tobytes() == np.asarray(b).tobytes()
