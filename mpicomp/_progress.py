@@ -9,12 +9,15 @@ caller gets a ``Handle`` at once. A job's result or exception lands in its handl
 
 from __future__ import annotations
 
+import logging
 import queue
 import threading
 import warnings
 from collections.abc import Callable
 
 __all__ = ["Handle", "Worker", "overlap_blocker"]
+
+_log = logging.getLogger("mpicomp")
 
 _STOP = object()  # the queue item that ends a worker's thread
 
@@ -43,13 +46,16 @@ class Handle:
 
     ``wait()`` blocks until the call has run and returns its result, or raises the
     error it raised (on every call of ``wait``); ``test()`` and ``done`` tell whether
-    it has finished without blocking.
+    it has finished without blocking; ``add_done_callback(fn)`` runs ``fn(handle)``
+    when it finishes (as ``concurrent.futures.Future`` does).
     """
 
-    __slots__ = ("_deliver", "_error", "_event", "_result", "_seen")
+    __slots__ = ("_callbacks", "_deliver", "_error", "_event", "_lock", "_result", "_seen")
 
     def __init__(self, deliver: Callable | None = None):
         self._event = threading.Event()
+        self._lock = threading.Lock()  # orders add_done_callback against completion
+        self._callbacks: list[Callable] = []
         self._result = None
         self._error: BaseException | None = None
         self._deliver = deliver  # run once, in the thread that first waits
@@ -78,6 +84,19 @@ class Handle:
             self._result = deliver(self._result)
         return self._result
 
+    def add_done_callback(self, fn: Callable) -> None:
+        """Call ``fn(handle)`` once the call has finished: at once (in this thread) if it
+        has, else in the thread that finishes it (the background worker's).
+
+        ``fn`` may call ``wait()``, which then returns or raises without blocking. An
+        exception ``fn`` raises is logged to the ``mpicomp`` logger and ignored.
+        """
+        with self._lock:
+            if not self._event.is_set():
+                self._callbacks.append(fn)
+                return
+        _call_back(fn, self)
+
     def _run(self, job: Callable) -> None:
         """Run ``job()`` and keep its result or exception; mark the handle done."""
         try:
@@ -91,7 +110,11 @@ class Handle:
                 self._seen = True
                 raise  # Ctrl-C during an eager call interrupts the caller now
         finally:
-            self._event.set()
+            with self._lock:
+                self._event.set()
+                callbacks, self._callbacks = self._callbacks, []
+            for fn in callbacks:
+                _call_back(fn, self)
 
     def __del__(self):
         # Like asyncio's "exception was never retrieved": an error nobody waited for
@@ -107,6 +130,14 @@ class Handle:
     def __repr__(self) -> str:
         state = "pending" if not self.done else ("failed" if self._error else "done")
         return f"<mpicomp Handle {state}>"
+
+
+def _call_back(fn: Callable, handle: Handle) -> None:
+    """Run a done-callback; log what it raises (it must not kill the worker thread)."""
+    try:
+        fn(handle)
+    except Exception:
+        _log.exception("a done-callback of %r raised", handle)
 
 
 class Worker:

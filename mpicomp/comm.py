@@ -284,9 +284,15 @@ class CompressedComm:
 
     @_on_its_gpu
     def _average(
-        self, t: _Tensor, op: str = "allreduce", layout: int | None = None, ledger=None
+        self,
+        t: _Tensor,
+        op: str = "allreduce",
+        layout: int | None = None,
+        ledger=None,
+        compress: bool = True,
     ) -> tuple:
-        """Run one collective call averaging ``t`` over ranks.
+        """Run one collective call averaging ``t`` over ranks (``compress=False``: the
+        float32 sum of ``none``, as below ``min_numel``; a warm-up step).
 
         Returns:
             (average in ``t``'s framework, shape and dtype; skip messages). A call
@@ -310,7 +316,8 @@ class CompressedComm:
         if t.error is not None:
             _reduce.fail(self._call(step), t.error)
         # Below min_numel every codec, fp16 included, steps aside for the float32 sum of `none`.
-        uncompressed = t.flat.size < opts.min_numel and self.codec.name != "none"
+        small = t.flat.size < opts.min_numel
+        uncompressed = (small or not compress) and self.codec.name != "none"
         codec = self._plain if uncompressed else self.codec
         reduce = _reduce.REDUCERS["sum" if uncompressed else self._path]
         encoders = None if uncompressed else self._encoders(t.name)
@@ -324,7 +331,9 @@ class CompressedComm:
         call = self._call(step, zlib.crc32(t.name.encode()) if layout is None else layout, guard)
         trace = self.trace
         if trace is not None:
-            label = f"{op} below min_numel" if uncompressed else op
+            label = (
+                op if not uncompressed else f"{op} below min_numel" if small else f"{op} warm-up"
+            )
             trace.begin(step, label, codec.name, t.name, t.flat.size, self.recorder)
             call = replace(call, recorder=trace, clock=trace)
         try:
@@ -378,6 +387,26 @@ class CompressedComm:
             return [self._feedback.snapshot([name])]
         shards = [f"{name}#shard{s}" for s in range(self.size)]
         return [self._feedback.snapshot(shards), self._server_feedback.snapshot([name])]
+
+    # -- for the framework adapters (mpicomp.torch, mpicomp.jax) -----------------
+
+    def _istart(self, x, name: str, layout: int, ledger: list, compress: bool = True) -> Handle:
+        """Start one call as ``iallreduce`` does; its handle's ``wait()`` returns the raw
+        outcome (average, skip messages) without warning, and the residual snapshots the
+        call takes are appended to ``ledger``, so an adapter can skip and roll back a
+        whole optimizer step of several calls. ``layout`` joins the agreement (ranks
+        calling with different buckets raise); ``compress=False`` is a warm-up call."""
+        self._check_open()
+        job = partial(self._average, self._take(x, name), "allreduce", layout, ledger, compress)
+        return self._start(job, deliver=_raw)
+
+    def _forget(self, name: str) -> None:
+        """Drop the residuals of tensor ``name`` (its layout changed, e.g. DDP rebuilt
+        its buckets): the next call starts it from zero."""
+        self._drain()
+        for feedback in (self._feedback, self._server_feedback):
+            if feedback is not None:
+                feedback.forget(name)
 
     # -- inputs -----------------------------------------------------------------
 
@@ -463,8 +492,10 @@ class CompressedComm:
 
     # -- threads and lifetime ---------------------------------------------------
 
-    def _start(self, job) -> Handle:
-        """Run ``job`` on the worker thread behind the calls started before (or now)."""
+    def _start(self, job, deliver=None) -> Handle:
+        """Run ``job`` on the worker thread behind the calls started before (or now);
+        the handle's ``wait()`` returns ``deliver(outcome)`` (default ``_deliver``)."""
+        deliver = deliver or _deliver
         if not self.background:
             if self._eager_why:
                 why, self._eager_why = self._eager_why, None
@@ -473,14 +504,14 @@ class CompressedComm:
                     RuntimeWarning,
                     stacklevel=3,
                 )
-            handle = Handle(_deliver)
+            handle = Handle(deliver)
             handle._run(job)
             return handle
         if self._worker is None:
             self._worker = Worker(f"mpicomp-worker-{self.rank}")
             # An unclosed communicator still finishes its started calls at exit.
             self._stop_worker = weakref.finalize(self, self._worker.stop)
-        return self._worker.submit(job, _deliver)
+        return self._worker.submit(job, deliver)
 
     def _drain(self) -> None:
         """Wait until every started ``iallreduce`` has finished (errors stay in handles)."""
@@ -613,6 +644,10 @@ def _dtype(x) -> str:
     return str(dt).removeprefix("torch.") if dt is not None else type(x).__name__
 
 
+def _raw(outcome: tuple) -> tuple:
+    return outcome
+
+
 def _deliver(outcome: tuple):
     """Return a call's result from (result, skip messages), warning in the caller's thread.
 
@@ -642,7 +677,11 @@ def _like(x, avg: np.ndarray):
         return avg.astype(np.dtype(x.__cuda_array_interface__["typestr"]), copy=False)
     if isinstance(x, np.generic):
         return avg.astype(dtype).reshape(())[()]
-    # A DLPack producer (PyTorch, JAX): hand the result back through its own from_dlpack.
+    jax = sys.modules.get("jax")  # never imported here: a jax.Array means JAX already is
+    if jax is not None and isinstance(x, jax.Array):
+        # Its type lives in jaxlib, which has no from_dlpack: put it back where x was.
+        return jax.device_put(jax.numpy.from_dlpack(avg).astype(x.dtype), x.sharding)
+    # A DLPack producer (PyTorch): hand the result back through its own from_dlpack.
     lib = sys.modules.get(type(x).__module__.split(".")[0])
     from_dlpack = getattr(lib, "from_dlpack", None)
     result = from_dlpack(avg) if from_dlpack is not None else avg

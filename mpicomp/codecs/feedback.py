@@ -75,6 +75,12 @@ class ErrorFeedback:
             kept.append((name, spare))
         return Snapshot(self, kept)
 
+    def forget(self, name: str) -> None:
+        """Drop the residuals of ``name`` and of its shards (``name#shard<i>``)."""
+        for key in [k for k in self._memory if k == name or k.startswith(f"{name}#shard")]:
+            del self._memory[key]
+            self._spare.pop(key, None)
+
     def state_dict(self) -> dict:
         """Return copies of the residuals, keyed by tensor name, for a checkpoint."""
         return {k: v.copy() for k, v in self._memory.items()}

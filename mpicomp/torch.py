@@ -1,0 +1,617 @@
+"""PyTorch in two lines: a distributed optimizer, a DDP communication hook, broadcasts.
+
+``DistributedOptimizer`` wraps any ``torch.optim`` optimizer: gradients are averaged
+through a ``CompressedComm`` while backward still runs (buckets of parameters, each
+started as soon as all its gradients are accumulated), and ``step()`` waits, writes
+the averages into ``p.grad`` and steps. ``comm_hook`` with a ``HookState`` does the
+same inside ``torch.nn.parallel.DistributedDataParallel``. ``broadcast_parameters``
+and ``broadcast_optimizer_state`` start every rank from rank ``root``'s state.
+
+Needs PyTorch (``pip install 'mpicomp[torch]'``). See docs/pytorch.md.
+"""
+
+from __future__ import annotations
+
+import io
+import threading
+import warnings
+import zlib
+from dataclasses import dataclass, field
+
+try:
+    import torch
+except ImportError as e:  # pragma: no cover - the test extras install torch
+    raise ImportError("mpicomp.torch needs PyTorch: pip install 'mpicomp[torch]'") from e
+
+from mpicomp._reduce import NonFiniteWarning, RankError
+from mpicomp.comm import CompressedComm
+
+__all__ = [
+    "DistributedOptimizer",
+    "HookState",
+    "broadcast_optimizer_state",
+    "broadcast_parameters",
+    "comm_hook",
+]
+
+
+def _compressed(comm, codec, options) -> CompressedComm:
+    """Return ``comm`` if it is a CompressedComm (then no codec or options), else a
+    CompressedComm over the mpi4py communicator ``comm``."""
+    if isinstance(comm, CompressedComm):
+        if codec is not None or options:
+            raise TypeError("a CompressedComm comes with its codec and options: pass neither")
+        return comm
+    return CompressedComm(comm, "none" if codec is None else codec, **options)
+
+
+def _mpi(comm):
+    """Return the mpi4py communicator of ``comm`` (a CompressedComm's own duplicate)."""
+    return comm._comm if isinstance(comm, CompressedComm) else comm
+
+
+def _quiet(comm):
+    """Return ``comm``'s mpi4py communicator once no started call of a CompressedComm
+    uses it (collectives of one communicator must not run on two threads at once)."""
+    if isinstance(comm, CompressedComm):
+        comm._check_open()
+        comm._drain()
+    return _mpi(comm)
+
+
+def _cuda_staging(device: torch.device) -> bool:
+    """Return True if tensors on ``device`` must be staged through host memory: a CUDA
+    device without mpicomp's ``cuda`` kernel backend (CuPy and a GPU)."""
+    if device.type != "cuda":
+        return False
+    from mpicomp.kernels import backend
+
+    try:
+        backend("cuda")
+    except Exception:
+        return True
+    return False
+
+
+class _Staging:
+    """Pinned host buffers for CUDA tensors when CuPy is missing; warns once per owner."""
+
+    def __init__(self, owner: str):
+        self.owner = owner
+        self.warned = False
+
+    def buffer(self, numel: int) -> torch.Tensor:
+        if not self.warned:
+            self.warned = True
+            warnings.warn(
+                f"{self.owner}: CUDA tensors are staged through pinned host memory and "
+                "compressed on the CPU (install CuPy, cupy-cuda12x or cupy-cuda13x, for the "
+                "GPU kernels)",
+                RuntimeWarning,
+                stacklevel=4,
+            )
+        return torch.empty(numel, dtype=torch.float32, pin_memory=True)
+
+
+# -- the distributed optimizer ------------------------------------------------------
+
+
+@dataclass
+class _Bucket:
+    """Parameters reduced by one collective call, end to end in a float32 buffer."""
+
+    index: int
+    names: list[str]
+    params: list[torch.Tensor]
+    offsets: list[int]
+    buffer: torch.Tensor  # float32, on the parameters' device (or pinned host: staging)
+    layout: int  # crc32 of names and sizes: ranks with other buckets raise
+    ready: int = 0  # parameters whose gradients are complete this step
+    handle: object = None
+    has_grad: list[bool] = field(default_factory=list)
+
+
+class DistributedOptimizer(torch.optim.Optimizer):
+    """Wrap ``optimizer`` so that its gradients are averaged over the ranks of ``comm``.
+
+    Args:
+        optimizer: any ``torch.optim.Optimizer``; its parameter groups and state are
+            shared, not copied (learning-rate schedulers work on either object).
+        comm: an ``mpi4py`` communicator (a ``CompressedComm`` is made over it from
+            ``codec`` and ``options``) or a ``CompressedComm``.
+        named_parameters: ``model.named_parameters()``: names key error-feedback
+            residuals and messages, and the order fixes the buckets (reverse order,
+            as DDP: the last layers' gradients are ready first). Default: the
+            optimizer's parameters, named ``group<g>.param<i>``. Every parameter
+            of the optimizer must be in it.
+        codec: a codec name (``"none"``, ``"qsgd_maxnorm"``, ...) or a made codec.
+        backward_passes_per_step: gradients accumulate over this many backward passes
+            before they are averaged (the average over ranks of the accumulated sum).
+        start_step: the first ``start_step`` steps average uncompressed (float32 sum),
+            then the codec takes over (PowerSGD's ``start_powerSGD_iter``).
+        overlap: start each bucket's reduction from the gradient hooks, during
+            backward; False starts them all in ``step()``.
+        **options: ``CompressedComm`` options (``bucket_numel``, ``error_feedback``,
+            ``nonfinite``, ``trace``, ...) and codec parameters (``bits=4``).
+
+    ``step()`` waits for the reductions, writes the averages into ``p.grad`` (in each
+    gradient's own device and dtype) and steps the wrapped optimizer. Call
+    ``synchronize()`` first when something must read the averaged gradients before
+    the step (gradient clipping, ``GradScaler.unscale_``); ``step()`` then does not
+    wait again. A parameter without a gradient on some rank counts as zeros there;
+    one without a gradient on every rank keeps ``grad = None``. Under
+    ``nonfinite="skip_step"`` a NaN/Inf on any rank skips the wrapped optimizer's
+    step on every rank (momentum, weight decay and residuals untouched) with a
+    ``NonFiniteWarning``; ``skipped`` tells it.
+
+    Every rank must wrap the same parameters in the same order.
+    """
+
+    def __init__(
+        self,
+        optimizer: torch.optim.Optimizer,
+        comm,
+        named_parameters=None,
+        codec=None,
+        *,
+        backward_passes_per_step: int = 1,
+        start_step: int = 0,
+        overlap: bool = True,
+        **options,
+    ):
+        if not isinstance(optimizer, torch.optim.Optimizer):
+            raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {optimizer!r}")
+        if int(backward_passes_per_step) < 1:
+            raise ValueError(
+                f"backward_passes_per_step must be >= 1, got {backward_passes_per_step}"
+            )
+        if int(start_step) < 0:
+            raise ValueError(f"start_step must be >= 0, got {start_step}")
+        self._building = True
+        # The parent's bookkeeping (hooks, profiling) over the wrapped groups; the
+        # groups and state are then the wrapped optimizer's own objects.
+        super().__init__(optimizer.param_groups, optimizer.defaults)
+        self.param_groups = optimizer.param_groups
+        self.state = optimizer.state
+        self._building = False
+        self.optimizer = optimizer
+        self._owns_comm = not isinstance(comm, CompressedComm)
+        self.comm = _compressed(comm, codec, options)
+        self.backward_passes_per_step = int(backward_passes_per_step)
+        self.start_step = int(start_step)
+        self.overlap = bool(overlap)
+        #: Steps taken (skipped ones included): the same on every rank.
+        self.steps = 0
+        #: Whether the last ``step()`` skipped the wrapped optimizer's step (NaN/Inf).
+        self.skipped = False
+        self._staging = _Staging("mpicomp.torch.DistributedOptimizer")
+        self._buckets = self._make_buckets(_names(optimizer, named_parameters))
+        self._owner = {p: b for b in self._buckets for p in b.params}
+        self._passes = dict.fromkeys(self._owner, 0)
+        # Which parameters have gradients goes through a communicator of its own: the
+        # CompressedComm's may be busy with this step's calls on its worker thread.
+        self._control = _mpi(self.comm).Dup()
+        # Autograd may run hooks on one thread per device: buckets start one at a time.
+        self._lock = threading.Lock()
+        self._next = 0  # the next bucket to start: buckets start in order on every rank
+        self._ledger: list = []  # residual snapshots of this step's calls
+        self._synchronized = False
+        self._hooks = []
+        if self.overlap:
+            for b in self._buckets:
+                for p in b.params:
+                    self._hooks.append(p.register_post_accumulate_grad_hook(self._on_grad))
+
+    def _make_buckets(self, named: list[tuple[str, torch.Tensor]]) -> list[_Bucket]:
+        """Group trainable parameters, in reverse order, into buckets of at most
+        ``bucket_numel`` elements, one device and dtype each."""
+        limit = self.comm.options.bucket_numel
+        buckets: list[_Bucket] = []
+        group: list[tuple[str, torch.Tensor]] = []
+        total = 0
+
+        def close():
+            nonlocal group, total
+            if group:
+                buckets.append(self._bucket(len(buckets), group))
+            group, total = [], 0
+
+        for name, p in reversed(named):
+            if not p.requires_grad:
+                continue
+            if group and (
+                total + p.numel() > limit
+                or p.device != group[0][1].device
+                or p.dtype != group[0][1].dtype
+            ):
+                close()
+            group.append((name, p))
+            total += p.numel()
+        close()
+        return buckets
+
+    def _bucket(self, index: int, group: list[tuple[str, torch.Tensor]]) -> _Bucket:
+        names = [n for n, _ in group]
+        params = [p for _, p in group]
+        offsets = [0]
+        for p in params:
+            offsets.append(offsets[-1] + p.numel())
+        device = params[0].device
+        if _cuda_staging(device):
+            buffer = self._staging.buffer(offsets[-1])
+        else:
+            buffer = torch.empty(offsets[-1], dtype=torch.float32, device=device)
+        label = ";".join(f"{n}:{p.numel()}" for n, p in group)
+        return _Bucket(index, names, params, offsets, buffer, zlib.crc32(label.encode()))
+
+    # -- during backward ---------------------------------------------------------
+
+    def _on_grad(self, p: torch.Tensor) -> None:
+        """A parameter's gradient was accumulated: count the pass; start the buckets
+        that are full, in order (a full bucket waits for those before it)."""
+        with self._lock:
+            self._passes[p] += 1
+            if self._passes[p] != self.backward_passes_per_step:
+                return
+            bucket = self._owner[p]
+            bucket.ready += 1
+            while self._next < len(self._buckets):
+                b = self._buckets[self._next]
+                if b.ready < len(b.params):
+                    break
+                self._launch(b)
+
+    def _launch(self, b: _Bucket) -> None:
+        """Copy the bucket's gradients (zeros where none) into its buffer; start its call."""
+        b.has_grad = []
+        with torch.no_grad():
+            for p, lo, hi in zip(b.params, b.offsets, b.offsets[1:], strict=False):
+                part = b.buffer[lo:hi]
+                if p.grad is None:
+                    part.zero_()
+                else:
+                    part.copy_(p.grad.reshape(-1))
+                b.has_grad.append(p.grad is not None)
+        compress = self.steps >= self.start_step
+        b.handle = self.comm._istart(
+            b.buffer, f"bucket{b.index}", b.layout, self._ledger, compress=compress
+        )
+        self._next = b.index + 1
+
+    # -- the step ----------------------------------------------------------------
+
+    def synchronize(self) -> None:
+        """Start the reductions not started yet, wait for all, and write the averages
+        into ``p.grad``. Idempotent until the next ``step()``.
+
+        Raises:
+            RankError, ValueError, TypeError: the reduction failed on this rank or
+                another (every rank raises; nothing was written, residuals unchanged).
+        """
+        if self._synchronized:
+            return
+        for b in self._buckets[self._next :]:
+            self._launch(b)
+        flags = self._agree_on_grads()
+        outcomes, error = [], None
+        for b in self._buckets:
+            try:
+                outcomes.append(b.handle.wait())
+            except Exception as e:  # wait for every call before raising the first error
+                error = error or e
+        ledger, self._ledger = self._ledger, []
+        self._reset_passes()
+        skipped = [m for _, messages in outcomes for m in messages]
+        if error is not None or skipped:
+            from mpicomp.comm import _restore
+
+            _restore(ledger)  # no residual moves in a step that does not happen
+        if error is not None:
+            raise error
+        self.skipped = bool(skipped)
+        self._synchronized = True
+        if skipped:
+            text = "; ".join(skipped)
+            warnings.warn(
+                f"{text}: optimizer step {self.steps} skipped on every rank",
+                NonFiniteWarning,
+                stacklevel=3,
+            )
+            return
+        with torch.no_grad():
+            i = 0
+            for b, (avg, _) in zip(self._buckets, outcomes, strict=True):
+                for p, lo, hi in zip(b.params, b.offsets, b.offsets[1:], strict=False):
+                    if flags[i]:
+                        if p.grad is None:
+                            p.grad = torch.zeros_like(p)
+                        p.grad.copy_(avg[lo:hi].view_as(p))
+                    i += 1
+
+    def _agree_on_grads(self) -> list[bool]:
+        """Return, per parameter in bucket order, whether any rank has its gradient (one
+        small MPI call): a parameter unused everywhere keeps ``grad = None``."""
+        import numpy as np
+        from mpi4py import MPI
+
+        mine = np.array([h for b in self._buckets for h in b.has_grad], dtype=np.uint8)
+        anyone = np.empty_like(mine)
+        self._control.Allreduce(mine, anyone, op=MPI.BOR)
+        return anyone.astype(bool).tolist()
+
+    def _reset_passes(self) -> None:
+        for p in self._passes:
+            self._passes[p] = 0
+        for b in self._buckets:
+            b.ready, b.handle = 0, None
+        self._next = 0
+
+    def step(self, closure=None):
+        """Average the gradients (``synchronize``), then step the wrapped optimizer,
+        unless a NaN/Inf skipped this step. Returns ``closure()``'s loss, if given."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        try:
+            self.synchronize()
+        finally:
+            self._synchronized = False
+            self.steps += 1
+        if not self.skipped:
+            self.optimizer.step()
+        return loss
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.optimizer.zero_grad(set_to_none=set_to_none)
+
+    def add_param_group(self, param_group: dict) -> None:
+        if self._building:
+            return super().add_param_group(param_group)
+        raise RuntimeError(
+            "DistributedOptimizer: add parameter groups to the wrapped optimizer before "
+            "wrapping it (every rank's buckets are fixed when it is made)"
+        )
+
+    def state_dict(self) -> dict:
+        """The wrapped optimizer's state, plus mpicomp's: this rank's error-feedback
+        residuals and the step counter (as tensors: ``torch.load`` reads them with
+        ``weights_only=True``)."""
+        state = self.optimizer.state_dict()
+        comm = self.comm.state_dict()
+        state["mpicomp"] = {
+            "steps": self.steps,
+            "comm_step": comm["step"],
+            "residuals": _tensors(comm["residuals"]),
+            "server_residuals": _tensors(comm["server_residuals"]),
+        }
+        return state
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        state = dict(state_dict)
+        ours = state.pop("mpicomp", None)
+        self.optimizer.load_state_dict(state)
+        if ours is not None:
+            self.steps = int(ours["steps"])
+            self.comm.load_state_dict(
+                {
+                    "step": int(ours["comm_step"]),
+                    "residuals": dict(ours["residuals"]),
+                    "server_residuals": dict(ours["server_residuals"]),
+                }
+            )
+
+    def close(self) -> None:
+        """Remove the gradient hooks and release the communicators (the CompressedComm
+        too when this optimizer made it). Safe twice."""
+        for h in self._hooks:
+            h.remove()
+        self._hooks = []
+        if self._control is not None:
+            if self._owns_comm:
+                self.comm.close()
+            self._control.Free()
+            self._control = None
+
+    def __repr__(self) -> str:
+        return (
+            f"DistributedOptimizer({self.optimizer.__class__.__name__}, "
+            f"codec={self.comm.codec!r}, buckets={len(self._buckets)})"
+        )
+
+
+def _names(optimizer, named_parameters) -> list[tuple[str, torch.Tensor]]:
+    """Return (name, parameter) for every parameter of ``optimizer``, checked."""
+    params = [p for g in optimizer.param_groups for p in g["params"]]
+    if named_parameters is None:
+        return [
+            (f"group{g}.param{i}", p)
+            for g, group in enumerate(optimizer.param_groups)
+            for i, p in enumerate(group["params"])
+        ]
+    named = list(named_parameters)
+    names = [n for n, _ in named]
+    if len(set(names)) != len(names):
+        twice = sorted({n for n in names if names.count(n) > 1})
+        raise ValueError(f"named_parameters names {twice} more than once")
+    known = {id(p) for _, p in named}
+    missing = [i for i, p in enumerate(params) if id(p) not in known]
+    if missing:
+        raise ValueError(
+            f"{len(missing)} parameters of the optimizer are not in named_parameters "
+            "(pass model.named_parameters() of the model the optimizer trains)"
+        )
+    mine = {id(p) for p in params}
+    return [(n, p) for n, p in named if id(p) in mine]
+
+
+def _tensors(arrays: dict) -> dict:
+    """Return residual arrays (NumPy or CuPy) as torch tensors (no copy)."""
+    return {k: torch.from_dlpack(v) for k, v in arrays.items()}
+
+
+# -- broadcasts -----------------------------------------------------------------------
+
+
+def broadcast_parameters(params, comm, root: int = 0) -> None:
+    """Overwrite, in place, every rank's parameters and buffers with rank ``root``'s.
+
+    Args:
+        params: a ``torch.nn.Module`` (its ``state_dict()``: parameters and buffers),
+            a dict of tensors, or (name, tensor) pairs.
+        comm: an mpi4py communicator or a ``CompressedComm``.
+        root: the rank whose values everyone gets.
+
+    Raises:
+        ValueError: ranks hold different names, shapes or dtypes (on the ranks that
+            differ from ``root``; RankError on the others).
+    """
+    mpi = _quiet(comm)
+    if isinstance(params, torch.nn.Module):
+        params = params.state_dict()
+    named = list(params.items() if isinstance(params, dict) else params)
+    mine = [(n, tuple(t.shape), str(t.dtype)) for n, t in named]
+    theirs = mpi.bcast(mine, root=root)
+    _agree(mpi, None if mine == theirs else _difference(mine, theirs, root), "broadcast_parameters")
+    if not named:
+        return
+    # One message: every tensor's bytes end to end.
+    data = [t.detach().reshape(-1).contiguous().view(torch.uint8).cpu() for _, t in named]
+    sizes = [d.numel() for d in data]
+    payload = torch.cat(data) if mpi.rank == root else torch.empty(sum(sizes), dtype=torch.uint8)
+    mpi.Bcast(payload.numpy(), root=root)
+    if mpi.rank == root:
+        return
+    with torch.no_grad():
+        for (_, t), part in zip(named, torch.split(payload, sizes), strict=True):
+            t.copy_(part.view(t.dtype).view(t.shape))
+
+
+def broadcast_optimizer_state(optimizer, comm, root: int = 0) -> None:
+    """Give every rank's optimizer rank ``root``'s state (momentum, step counts, groups'
+    hyperparameters). For a ``DistributedOptimizer``, its wrapped optimizer's state:
+    error-feedback residuals are each rank's own and stay.
+
+    Raises:
+        ValueError: this rank's optimizer cannot take ``root``'s state (other parameter
+            groups or shapes); RankError on the other ranks.
+    """
+    mpi = _quiet(comm)
+    inner = optimizer.optimizer if isinstance(optimizer, DistributedOptimizer) else optimizer
+    blob = None
+    if mpi.rank == root:
+        out = io.BytesIO()
+        torch.save(inner.state_dict(), out)
+        blob = out.getvalue()
+    blob = _bcast_bytes(mpi, blob, root)
+    error = None
+    if mpi.rank != root:
+        try:
+            state = torch.load(io.BytesIO(blob), map_location="cpu", weights_only=True)
+            inner.load_state_dict(state)  # moves each state tensor to its parameter's device
+        except (ValueError, KeyError, RuntimeError) as e:
+            error = ValueError(f"rank {mpi.rank}: cannot load rank {root}'s optimizer state: {e}")
+    _agree(mpi, error, "broadcast_optimizer_state")
+
+
+def _bcast_bytes(mpi, blob: bytes | None, root: int) -> bytes:
+    """Broadcast a byte string of any size (a length, then one Bcast of the bytes)."""
+    import numpy as np
+
+    n = mpi.bcast(len(blob) if blob is not None else None, root=root)
+    buf = np.frombuffer(blob, dtype=np.uint8).copy() if mpi.rank == root else np.empty(n, np.uint8)
+    mpi.Bcast(buf, root=root)
+    return buf.tobytes()
+
+
+def _agree(mpi, error, what: str) -> None:
+    """Raise on every rank if any rank has an ``error`` (a message or an exception)."""
+    errors = mpi.allgather(None if error is None else str(error))
+    if error is not None:
+        raise error if isinstance(error, Exception) else ValueError(error)
+    bad = [r for r, e in enumerate(errors) if e is not None]
+    if bad:
+        raise RankError(f"{what} failed on rank(s) {bad}: {errors[bad[0]]}")
+
+
+def _difference(mine: list, theirs: list, root: int) -> str:
+    """Describe how this rank's (name, shape, dtype) list differs from ``root``'s."""
+    if len(mine) != len(theirs):
+        return f"{len(mine)} tensors here, {len(theirs)} on rank {root}"
+    for a, b in zip(mine, theirs, strict=True):
+        if a != b:
+            return f"tensor {a[0]!r} {a[1]} {a[2]} here, {b[0]!r} {b[1]} {b[2]} on rank {root}"
+    return "tensors differ"  # pragma: no cover
+
+
+# -- DDP communication hook --------------------------------------------------------------
+
+
+class HookState:
+    """The state of ``comm_hook`` for ``DistributedDataParallel.register_comm_hook``.
+
+    Args:
+        comm: an mpi4py communicator (a ``CompressedComm`` is made over it) or a
+            ``CompressedComm``. Its ranks must be the process group's, in order.
+        codec: a codec name or a made codec.
+        start_step: iterations averaged uncompressed (float32) first. DDP rebuilds its
+            buckets after the first iteration; residuals are keyed by bucket index and
+            dropped when a bucket's size changes, so ``start_step >= 1`` (as PowerSGD's
+            ``start_powerSGD_iter``) loses no error feedback.
+        **options: ``CompressedComm`` options and codec parameters.
+    """
+
+    def __init__(self, comm, codec=None, *, start_step: int = 0, **options):
+        if int(start_step) < 0:
+            raise ValueError(f"start_step must be >= 0, got {start_step}")
+        self.comm = _compressed(comm, codec, options)
+        self.start_step = int(start_step)
+        #: Iterations seen (counted at each iteration's last bucket).
+        self.iteration = 0
+        self._sizes: dict[int, int] = {}
+        self._staging = _Staging("mpicomp.torch.comm_hook")
+
+
+def comm_hook(state: HookState, bucket) -> torch.futures.Future:
+    """Average a DDP gradient bucket through ``state.comm``; return a future of it.
+
+    Register with ``ddp.register_comm_hook(state, mpicomp.torch.comm_hook)``. The
+    bucket's buffer is reduced on mpicomp's background thread and overwritten with
+    the average when the future completes. Under ``nonfinite="skip_step"`` a skipped
+    bucket averages to zeros (DDP cannot skip the optimizer step: use
+    ``DistributedOptimizer`` for that).
+    """
+    buffer = bucket.buffer()
+    index = bucket.index()
+    name = f"ddp_bucket{index}"
+    if state._sizes.get(index, buffer.numel()) != buffer.numel():
+        state.comm._forget(name)  # DDP rebuilt its buckets: another layout under this index
+    state._sizes[index] = buffer.numel()
+    source = buffer
+    if _cuda_staging(buffer.device):
+        source = state._staging.buffer(buffer.numel())
+        source.copy_(buffer)
+    compress = state.iteration >= state.start_step
+    layout = zlib.crc32(f"{name}:{buffer.numel()}".encode())
+    handle = state.comm._istart(source, name, layout, [], compress=compress)
+    if bucket.is_last():
+        state.iteration += 1
+    future = torch.futures.Future()
+
+    def complete(h) -> None:
+        try:
+            avg, skipped = h.wait()
+            if skipped:
+                warnings.warn(
+                    "; ".join(skipped) + ": bucket averaged to zeros",
+                    NonFiniteWarning,
+                    stacklevel=2,
+                )
+            with torch.no_grad():
+                buffer.copy_(avg.reshape(buffer.shape))
+            future.set_result(buffer)
+        except BaseException as e:
+            future.set_exception(e)
+
+    handle.add_done_callback(complete)
+    return future

@@ -1,0 +1,318 @@
+"""mpicomp.torch on one rank: DistributedOptimizer's buckets, hooks, warm-up, gradient
+accumulation, unused parameters, NaN steps, checkpoints and schedulers; Handle callbacks.
+
+With one rank the average of a gradient is the gradient itself (float32 sums of one
+term are exact), so the wrapped optimizer must take exactly the steps of the plain
+one; compressed codecs must not (that is how warm-up steps are told apart).
+"""
+
+import io
+import logging
+import threading
+import warnings
+
+import pytest
+
+torch = pytest.importorskip("torch", reason="mpicomp.torch needs PyTorch")
+
+import mpicomp  # noqa: E402
+import mpicomp.torch as mt  # noqa: E402
+from mpicomp._progress import Handle, Worker  # noqa: E402
+
+
+def _self():
+    from mpi4py import MPI
+
+    return MPI.COMM_SELF
+
+
+def _model(seed=0, dtype=torch.float32):
+    with torch.random.fork_rng():
+        torch.manual_seed(seed)
+        return torch.nn.Sequential(
+            torch.nn.Linear(12, 40), torch.nn.ReLU(), torch.nn.Linear(40, 3)
+        ).to(dtype)
+
+
+def _batch(step, n=16, dtype=torch.float32):
+    g = torch.Generator().manual_seed(100 + step)
+    return torch.randn(n, 12, generator=g).to(dtype), torch.randint(0, 3, (n,), generator=g)
+
+
+def _loss(model, step, dtype=torch.float32):
+    x, y = _batch(step, dtype=dtype)
+    return torch.nn.functional.cross_entropy(model(x).float(), y)
+
+
+def _wrap(model, codec="none", lr=0.1, **kw):
+    kw.setdefault("min_numel", 8)
+    inner = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)
+    return mt.DistributedOptimizer(inner, _self(), model.named_parameters(), codec, **kw)
+
+
+def _train(model, opt, steps, dtype=torch.float32):
+    for step in range(steps):
+        opt.zero_grad()
+        _loss(model, step, dtype).backward()
+        opt.step()
+
+
+def _same(a, b):
+    return all(torch.equal(p, q) for p, q in zip(a.parameters(), b.parameters(), strict=True))
+
+
+# -- Handle.add_done_callback -------------------------------------------------------------
+
+
+def test_done_callback_runs_once_when_the_call_finishes_or_at_once_after():
+    worker = Worker("test-callbacks")
+    gate = threading.Event()
+    seen = []
+    h = worker.submit(lambda: gate.wait() and 7)  # wait() gives True
+    h.add_done_callback(lambda handle: seen.append(("before", handle.wait())))
+    assert seen == []  # still running: the callback waits for completion
+    gate.set()
+    worker.drain()
+    h.add_done_callback(lambda handle: seen.append(("after", handle.wait())))
+    assert seen == [("before", 7), ("after", 7)]
+    worker.stop()
+
+
+def test_a_raising_callback_is_logged_and_the_others_still_run(caplog):
+    h = Handle()
+    seen = []
+    h.add_done_callback(lambda _: 1 / 0)
+    h.add_done_callback(lambda handle: seen.append(handle.done))
+    with caplog.at_level(logging.ERROR, logger="mpicomp"):
+        h._run(lambda: None)
+    assert seen == [True]
+    assert "done-callback" in caplog.text and "ZeroDivisionError" in caplog.text
+
+
+# -- DistributedOptimizer -----------------------------------------------------------------
+
+
+def test_one_rank_uncompressed_takes_exactly_the_plain_optimizers_steps():
+    plain, wrapped = _model(), _model()
+    ref = torch.optim.SGD(plain.parameters(), lr=0.1, momentum=0.9)
+    opt = _wrap(wrapped)
+    _train(plain, ref, 4)
+    _train(wrapped, opt, 4)
+    assert _same(plain, wrapped)
+    assert opt.steps == 4 and not opt.skipped
+
+
+def test_buckets_take_parameters_in_reverse_order_up_to_bucket_numel():
+    model = _model()
+    opt = _wrap(model, bucket_numel=60)
+    names = [b.names for b in opt._buckets]
+    # sizes: 0.weight 480, 0.bias 40, 2.weight 120, 2.bias 3; reversed, at most 60 each
+    # unless a parameter alone is larger.
+    assert names == [["2.bias"], ["2.weight"], ["0.bias"], ["0.weight"]]
+    opt = _wrap(_model(), bucket_numel=1000)
+    assert [b.names for b in opt._buckets] == [["2.bias", "2.weight", "0.bias", "0.weight"]]
+
+
+def test_a_new_dtype_starts_a_new_bucket():
+    model = _model()
+    model[2].to(torch.bfloat16)
+    opt = _wrap(model, bucket_numel=10_000)
+    assert [b.names for b in opt._buckets] == [["2.bias", "2.weight"], ["0.bias", "0.weight"]]
+
+
+@pytest.mark.parametrize("overlap", [True, False])
+def test_overlap_starts_every_bucket_during_backward(overlap):
+    model = _model()
+    opt = _wrap(model, bucket_numel=60, overlap=overlap)
+    _loss(model, 0).backward()
+    started = [b.handle is not None for b in opt._buckets]
+    assert started == [overlap] * len(opt._buckets)
+    opt.step()
+    assert all(b.handle is None for b in opt._buckets)
+
+
+def test_bfloat16_gradients_come_back_as_bfloat16_averages():
+    plain, wrapped = _model(dtype=torch.bfloat16), _model(dtype=torch.bfloat16)
+    ref = torch.optim.SGD(plain.parameters(), lr=0.1, momentum=0.9)
+    opt = _wrap(wrapped)
+    _train(plain, ref, 3, torch.bfloat16)
+    _train(wrapped, opt, 3, torch.bfloat16)
+    assert all(p.grad.dtype == torch.bfloat16 for p in wrapped.parameters())
+    assert _same(plain, wrapped)  # bf16 -> float32 -> bf16 is exact
+
+
+def test_gradients_accumulate_over_backward_passes_per_step():
+    plain, wrapped = _model(), _model()
+    ref = torch.optim.SGD(plain.parameters(), lr=0.1, momentum=0.9)
+    opt = _wrap(wrapped, backward_passes_per_step=2, bucket_numel=60)
+    for model, o in ((plain, ref), (wrapped, opt)):
+        for step in range(2):
+            o.zero_grad()
+            _loss(model, 2 * step).backward()
+            if o is opt:
+                assert all(b.handle is None for b in opt._buckets)  # one pass: nothing started
+            _loss(model, 2 * step + 1).backward()
+            if o is opt:
+                assert all(b.handle is not None for b in opt._buckets)
+            o.step()
+    assert _same(plain, wrapped)
+
+
+def test_a_parameter_without_a_gradient_keeps_none_and_is_not_stepped():
+    model = _model()
+    extra = torch.nn.Parameter(torch.ones(5))
+    model.register_parameter("unused", extra)
+    inner = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, weight_decay=0.1)
+    opt = mt.DistributedOptimizer(inner, _self(), model.named_parameters(), min_numel=8)
+    _train(model, opt, 2)
+    assert extra.grad is None
+    assert torch.equal(extra.detach(), torch.ones(5))  # weight decay never touched it
+
+
+def test_warm_up_steps_are_uncompressed_then_the_codec_takes_over():
+    model = _model()
+    opt = _wrap(model, "qsgd_maxnorm", bits=2, start_step=1, bucket_numel=10_000)
+    grads = []
+    for step in range(2):
+        opt.zero_grad()
+        _loss(model, step).backward()
+        local = [p.grad.clone() for p in model.parameters()]
+        opt.synchronize()
+        grads.append(
+            [torch.equal(a, p.grad) for a, p in zip(local, model.parameters(), strict=True)]
+        )
+        opt.step()
+    assert all(grads[0])  # warm-up: a float32 average of one rank is the gradient
+    assert not any(grads[1])  # 2-bit codes are not
+
+
+def test_a_nan_skips_the_optimizer_step_and_keeps_momentum(recwarn):
+    model = _model()
+    opt = _wrap(model, nonfinite="skip_step")
+    _train(model, opt, 1)
+    before = [p.detach().clone() for p in model.parameters()]
+    momentum = [opt.state[p]["momentum_buffer"].clone() for p in model.parameters()]
+    opt.zero_grad()
+    # The gradient turns NaN as it is made: buckets start during backward.
+    hook = model[0].weight.register_hook(lambda g: g * float("nan"))
+    _loss(model, 1).backward()
+    hook.remove()
+    with pytest.warns(mpicomp.NonFiniteWarning, match="optimizer step 1 skipped"):
+        opt.step()
+    assert opt.skipped and opt.steps == 2
+    assert all(torch.equal(a, p) for a, p in zip(before, model.parameters(), strict=True))
+    for m, p in zip(momentum, model.parameters(), strict=True):
+        assert torch.equal(m, opt.state[p]["momentum_buffer"])
+    _train(model, opt, 1)
+    assert not opt.skipped
+    assert not all(torch.equal(a, p) for a, p in zip(before, model.parameters(), strict=True))
+
+
+def test_a_nan_skip_rolls_back_the_residuals_of_every_bucket():
+    model = _model()
+    opt = _wrap(model, "topk", ratio=0.05, nonfinite="skip_step", bucket_numel=60, overlap=False)
+    _train(model, opt, 2)
+    saved = {k: v.clone() for k, v in opt.state_dict()["mpicomp"]["residuals"].items()}
+    opt.zero_grad()
+    _loss(model, 5).backward()
+    model[0].weight.grad[0, 0] = float("inf")  # only the last bucket holds it
+    with pytest.warns(mpicomp.NonFiniteWarning):
+        opt.step()
+    after = opt.state_dict()["mpicomp"]["residuals"]
+    assert set(after) == set(saved) and len(saved) == 3  # bucket0 is below min_numel
+    assert all(torch.equal(saved[k], after[k]) for k in saved)
+
+
+def test_checkpoints_carry_residuals_and_steps_through_torch_save():
+    a, b = _model(), _model()
+    opt_a = _wrap(a, "topk", ratio=0.05, bucket_numel=60)
+    _train(a, opt_a, 3)
+    buf = io.BytesIO()
+    torch.save({"model": a.state_dict(), "opt": opt_a.state_dict()}, buf)
+    buf.seek(0)
+    saved = torch.load(buf, weights_only=True)
+    opt_b = _wrap(b, "topk", ratio=0.05, bucket_numel=60)
+    b.load_state_dict(saved["model"])
+    opt_b.load_state_dict(saved["opt"])
+    assert opt_b.steps == 3
+    for step in range(3, 5):  # both continue identically only if residuals came along
+        for model, opt in ((a, opt_a), (b, opt_b)):
+            opt.zero_grad()
+            _loss(model, step).backward()
+            opt.step()
+    assert _same(a, b)
+
+
+def test_a_checkpoint_without_residuals_continues_differently():
+    """The check above can fail: dropping the residuals changes the next steps."""
+    a, b = _model(), _model()
+    opt_a = _wrap(a, "topk", ratio=0.05, bucket_numel=60)
+    _train(a, opt_a, 3)
+    state = opt_a.state_dict()
+    state["mpicomp"]["residuals"] = {}
+    opt_b = _wrap(b, "topk", ratio=0.05, bucket_numel=60)
+    b.load_state_dict(a.state_dict())
+    opt_b.load_state_dict(state)
+    for model, opt in ((a, opt_a), (b, opt_b)):
+        opt.zero_grad()
+        _loss(model, 3).backward()
+        opt.step()
+    assert not _same(a, b)
+
+
+def test_learning_rate_schedulers_drive_the_wrapped_optimizer():
+    model = _model()
+    opt = _wrap(model, lr=1.0)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+    for step in range(3):
+        opt.zero_grad()
+        _loss(model, step).backward()
+        opt.step()
+        sched.step()
+    assert opt.optimizer.param_groups[0]["lr"] == pytest.approx(0.125)
+    assert isinstance(opt, torch.optim.Optimizer)
+
+
+def test_bad_arguments_are_named():
+    model = _model()
+    inner = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(TypeError, match="torch.optim.Optimizer"):
+        mt.DistributedOptimizer(object(), _self())
+    with pytest.raises(ValueError, match="backward_passes_per_step"):
+        mt.DistributedOptimizer(inner, _self(), backward_passes_per_step=0)
+    with pytest.raises(ValueError, match="start_step"):
+        mt.DistributedOptimizer(inner, _self(), start_step=-1)
+    with pytest.raises(ValueError, match="not in named_parameters"):
+        mt.DistributedOptimizer(inner, _self(), list(model.named_parameters())[:2])
+    twice = [("w", p) for p in model.parameters()]
+    with pytest.raises(ValueError, match="more than once"):
+        mt.DistributedOptimizer(inner, _self(), twice)
+    cc = mpicomp.CompressedComm(_self())
+    with pytest.raises(TypeError, match="pass neither"):
+        mt.DistributedOptimizer(inner, cc, codec="topk")
+    opt = mt.DistributedOptimizer(inner, cc, model.named_parameters())
+    with pytest.raises(RuntimeError, match="before wrapping"):
+        opt.add_param_group({"params": [torch.nn.Parameter(torch.ones(2))]})
+    opt.close()
+    cc.close()
+
+
+def test_default_names_cover_every_parameter():
+    model = _model()
+    opt = mt.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), _self())
+    names = sorted(n for b in opt._buckets for n in b.names)
+    assert names == [f"group0.param{i}" for i in range(4)]
+
+
+def test_cuda_staging_buffers_are_pinned_and_warn_once_per_owner(monkeypatch):
+    pinned = []
+    monkeypatch.setattr(
+        torch, "empty", lambda n, dtype, pin_memory=False: pinned.append(pin_memory)
+    )
+    staging = mt._Staging("owner")
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        staging.buffer(10)
+        staging.buffer(20)
+    assert pinned == [True, True]
+    assert [str(w.message).startswith("owner: CUDA tensors are staged") for w in seen] == [True]
