@@ -55,6 +55,7 @@ setup(
         # The training comparison: scikit-learn ships the digits data set (no download).
         "jobs": ["scikit-learn>=1.3", "matplotlib>=3.7", "threadpoolctl>=3"],
         "torch": ["torch>=2.1"],
+        "jax": ["jax>=0.4.30"],
         "test": [
             "pytest>=8",
             "pytest-mpi>=0.6",
@@ -63,6 +64,8 @@ setup(
             "matplotlib>=3.7",
             # DLPack producers and tensors on devices mpicomp refuses (CPU wheel here).
             "torch==2.13.0",
+            # mpicomp.jax (CPU jaxlib).
+            "jax==0.10.2",
         ]
         + _CUDA_COMPILE,
         # Compiles the CUDA sources as CuPy does, without a GPU (tests/test_cuda_build.py).

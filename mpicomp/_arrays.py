@@ -220,10 +220,13 @@ def _from_dlpack(x, what: str):
         try:
             return from_dlpack(x)
         except (RuntimeError, BufferError, TypeError):
-            # NumPy has no bfloat16: a PyTorch bfloat16 tensor is converted by its own .float().
-            if not callable(getattr(x, "float", None)):
-                raise
-            return from_dlpack(x.float())
+            # NumPy has no bfloat16: the producer converts it itself (PyTorch's .float(),
+            # JAX's .astype).
+            if callable(getattr(x, "float", None)):
+                return from_dlpack(x.float())
+            if callable(getattr(x, "astype", None)):
+                return from_dlpack(x.astype("float32"))
+            raise
     except Exception as e:  # whatever the producer raises: the input's fault
         raise TypeError(
             f"{what}: cannot import {type(x).__name__} through DLPack ({e}); mpicomp takes "

@@ -484,7 +484,8 @@ def broadcast_parameters(params, comm, root: int = 0) -> None:
         return
     with torch.no_grad():
         for (_, t), part in zip(named, torch.split(payload, sizes), strict=True):
-            t.copy_(part.view(t.dtype).view(t.shape))
+            # clone: a slice of the byte buffer may not be aligned for t's dtype
+            t.copy_(part.clone().view(t.dtype).view(t.shape))
 
 
 def broadcast_optimizer_state(optimizer, comm, root: int = 0) -> None:
@@ -615,3 +616,8 @@ def comm_hook(state: HookState, bucket) -> torch.futures.Future:
 
     handle.add_done_callback(complete)
     return future
+
+
+# DDP compares the annotation with the type itself (a string, under postponed evaluation,
+# is refused).
+comm_hook.__annotations__["return"] = torch.futures.Future[torch.Tensor]
