@@ -316,3 +316,24 @@ def test_cuda_staging_buffers_are_pinned_and_warn_once_per_owner(monkeypatch):
         staging.buffer(20)
     assert pinned == [True, True]
     assert [str(w.message).startswith("owner: CUDA tensors are staged") for w in seen] == [True]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA build of PyTorch and a GPU")
+@pytest.mark.parametrize("codec,params", [("qsgd_maxnorm", {"bits": 4}), ("topk", {"ratio": 0.1})])
+def test_cuda_gradients_average_to_the_cpu_bytes(codec, params):
+    """The same gradients on the GPU and on the CPU: the GPU buckets (CUDA kernels, or
+    pinned staging without CuPy) give the numba path's averages byte for byte."""
+    cpu, gpu = _model(), _model().cuda()
+    opts = [_wrap(m, codec, overlap=False, bucket_numel=60, **params) for m in (cpu, gpu)]
+    for step in range(3):
+        _loss(cpu, step).backward()
+        for p, q in zip(cpu.parameters(), gpu.parameters(), strict=True):
+            q.grad = p.grad.cuda()
+        for opt in opts:
+            opt.synchronize()
+        for p, q in zip(cpu.parameters(), gpu.parameters(), strict=True):
+            assert q.grad.device.type == "cuda"
+            assert p.grad.numpy().tobytes() == q.grad.cpu().numpy().tobytes()
+        for opt in opts:
+            opt.step()
+            opt.zero_grad()
