@@ -1,91 +1,238 @@
-"""The training comparison of jobs.train with a torch.nn.Module (PyTorch, CPU).
+"""The training comparison with PyTorch: a CNN through ``mpicomp.torch.DistributedOptimizer``.
 
-The same digits data, shards, initial weights, batches and learning-rate schedule;
-the MLP is a ``torch.nn.Sequential`` trained by ``torch.optim.SGD`` with momentum.
-After ``loss.backward()`` the gradients of ``model.parameters()`` go through
-``CompressedComm.allreduce_many`` as torch tensors (taken through DLPack without a
-copy; torch tensors come back) and are written back with ``p.grad.copy_(avg)``
-before ``optimizer.step()``.
+Every rank trains ``jobs._cnn.make_cnn(seed)`` (Conv-BN-ReLU, 9,978 parameters) on its
+own shard of the digits training set; ``torch.optim.SGD(lr, momentum=0.9)`` is wrapped
+in ``mpicomp.torch.DistributedOptimizer``, which averages the gradients through a
+``CompressedComm`` while backward still runs (``--overlap on``), or all at once in
+``step()`` (``--overlap off``). One run per codec (``--codecs``, the syntax of
+jobs.train), every codec against float32 (``none``): the same initial weights (rank 0's,
+broadcast by ``mpicomp.torch.broadcast_parameters``), the same shards and batches, the
+same cosine learning-rate schedule, all runs interleaved step by step so that they
+share the machine's load alike. Rank 0 prints a table (final training loss, test
+accuracy, bytes per step, step time against ``none``) and writes results.json, loss.png
+and one HDF5 trace per run into --out (default runs/train_torch). See docs/training.md.
 
-Run: ``NUMBA_NUM_THREADS=1 mpiexec -n 2 python -m mpi4py -m jobs.train_torch
-[--codecs none,qsgd_maxnorm_bits4,threelc] [--out runs/train_torch]``. Needs
-PyTorch: ``pip install 'mpicomp[torch]'``.
+Run: ``NUMBA_NUM_THREADS=1 mpiexec -n 4 python -m mpi4py -m jobs.train_torch
+[--codecs none,qsgd_maxnorm_bits4,threelc] [--overlap on|off|both] [--steps N]
+[--out DIR]`` (``--help`` for all). Needs PyTorch: ``pip install 'mpicomp[torch]'``.
 """
 
 from __future__ import annotations
 
+import argparse
+import contextlib
 import os
+import platform
 import sys
-from collections import OrderedDict
+import textwrap
+import time
+from dataclasses import dataclass
 
 import numpy as np
 
-from jobs import _mlp
-from jobs._loop import run_main
+from jobs import _compare as cmp
+from jobs._loop import _any_rank
 
-# A subset by default: the baseline and one codec of each aggregation kind.
-DEFAULT_CODECS = "none,qsgd_maxnorm_bits4,qsgd_maxnorm_multiscale_bits2,threelc_sparsity1.0,signsgd"
+# The baseline and one codec of each kind: ring quantizers, 3LC, sign vote, sparsifier.
+DEFAULT_CODECS = (
+    "none,qsgd_maxnorm_bits4,qsgd_maxnorm_multiscale_bits2,threelc_sparsity1.0,signsgd,topk"
+)
+# Two buckets for the CNN (parameters in reverse order, as DDP): the classifier and the
+# second BatchNorm (5,194 values), then the convolutions and the first BatchNorm
+# (4,784). The first is reduced while backward computes the second's gradients.
+DEFAULT_BUCKET_NUMEL = 8192
+OVERLAP_MODES = {"on": (True,), "off": (False,), "both": (True, False)}
 
 
-class TorchMLP:
-    """A ``torch.nn.Sequential`` MLP with ``torch.optim.SGD(momentum=...)``.
+@dataclass
+class TorchResult(cmp.Result):
+    """``jobs._compare.Result`` and how the run averaged."""
 
-    It starts from ``jobs._mlp.init_mlp``'s weights (torch's ``Linear`` stores the
-    transpose), so both jobs start from the same point.
-    """
+    overlap: bool = True
+    # max over ranks and parameters of |w_rank - w_rank0| at the end: 0.0 when every rank
+    # holds the same weights, as data-parallel SGD must
+    weight_spread: float = float("nan")
 
-    def __init__(self, sizes: list[int], seed: int, momentum: float):
+
+class _Trainer:
+    """One run: a codec, an overlap mode, its model, optimizer, batches and measures."""
+
+    def __init__(self, comm, run: cmp.Run, overlap: bool, label: str, data, args, trace):
         import torch
-        from torch import nn
 
-        init = _mlp.init_mlp(sizes, seed)
-        layers = OrderedDict()
-        n = len(sizes) - 1
-        for i in range(1, n + 1):
-            lin = nn.Linear(sizes[i - 1], sizes[i])
-            with torch.no_grad():
-                lin.weight.copy_(torch.from_numpy(init[f"fc{i}.weight"].T.copy()))
-                lin.bias.copy_(torch.from_numpy(init[f"fc{i}.bias"]))
-            layers[f"fc{i}"] = lin
-            if i < n:
-                layers[f"relu{i}"] = nn.ReLU()
-        self.model = nn.Sequential(layers)
-        named = list(self.model.named_parameters())
-        self.names = [name for name, _ in named]
-        self._params = [p for _, p in named]
+        from jobs._cnn import make_cnn
+        from jobs._data import ShardSampler
+        from mpicomp.collectives.traffic import Traffic
+        from mpicomp.torch import DistributedOptimizer, broadcast_parameters
+
+        self.torch, self.comm, self.run, self.data, self.args = torch, comm, run, data, args
+        self.model = make_cnn(args.seed)
+        # What a user does: every rank starts from rank 0's weights (and buffers).
+        broadcast_parameters(self.model, comm, root=0)
         # lr is set before every step (cosine schedule); 0 here is a placeholder
-        self.optimizer = torch.optim.SGD(self._params, lr=0.0, momentum=momentum)
-        self._torch = torch
+        sgd = torch.optim.SGD(self.model.parameters(), lr=0.0, momentum=args.momentum)
+        options = dict(run.params, bucket_numel=args.bucket_numel)
+        if trace is not None:
+            options["trace"] = trace
+        self.opt = DistributedOptimizer(
+            sgd, comm, self.model.named_parameters(), run.codec, overlap=overlap, **options
+        )
+        # The collectives hand every exchange to the recorder: bytes counted, not estimated.
+        self.traffic = Traffic()
+        self.opt.comm.recorder = self.traffic
+        # every run draws the same batches: the same seed, a sampler of its own
+        self.sampler = ShardSampler(len(data.y_train), args.batch, comm.rank, comm.size, args.seed)
+        # The local mean gradient times this weight averages over ranks to the global
+        # batch's mean, whatever the split (local batches differ by at most one sample).
+        self.weight = comm.size * self.sampler.local / args.batch
+        self.eval_every = max(1, args.steps // 50)
+        self.snapshots = {0: self._state()}
+        self.result = TorchResult(
+            label, run.codec, dict(run.params), args.steps, [], [], overlap=overlap
+        )
+        self.result.trace = trace
+        self.t_step: list[float] = []
+        self.t_comm: list[float] = []
+        self.loss = float("nan")  # the last local batch loss, for progress lines
 
-    def grads(self, x: np.ndarray, y: np.ndarray, scale: float):
-        """Return (mean loss, [scale * p.grad per parameter]) on one local batch."""
-        torch = self._torch
-        self.optimizer.zero_grad(set_to_none=False)
-        logits = self.model(torch.from_numpy(x))
+    @property
+    def active(self) -> bool:
+        return not self.result.diverged
+
+    def _state(self) -> dict[str, np.ndarray]:
+        """A NumPy copy of this rank's parameters and BatchNorm buffers."""
+        return {k: v.detach().numpy().copy() for k, v in self.model.state_dict().items()}
+
+    def _params_finite(self) -> bool:
+        # parameters only: they are the same on every rank, the BatchNorm buffers are not
+        return all(bool(self.torch.isfinite(p).all()) for p in self.model.parameters())
+
+    def step(self, step: int) -> None:
+        """Take SGD step ``step`` (0-based); on NaN/Inf, mark the run diverged."""
+        torch = self.torch
+        t0 = time.perf_counter()
+        idx = self.sampler.next()
+        x, y = torch.from_numpy(self.data.x_train[idx]), torch.from_numpy(self.data.y_train[idx])
+        for group in self.opt.param_groups:
+            group["lr"] = cmp.cosine_lr(self.args.lr, step, self.args.steps)
+        self.opt.zero_grad()
+        loss = torch.nn.functional.cross_entropy(self.model(x), y)
+        (loss * self.weight).backward()  # with overlap, the gradient hooks start the buckets
+        self.loss = float(loss.item())
+        t1 = time.perf_counter()
+        try:
+            self.opt.step()  # waits for the reductions, writes the averages, steps SGD
+        except (ValueError, RuntimeError):
+            # Every rank raises in the same step (CompressedComm's agreement, nonfinite=
+            # "raise"); it is divergence when some rank's gradient is NaN/Inf, a bug else.
+            grads = [p.grad for p in self.model.parameters() if p.grad is not None]
+            local_bad = not all(bool(torch.isfinite(g).all()) for g in grads)
+            if not _any_rank(self.comm, local_bad):
+                raise
+            self.result.diverged = step + 1
+            return
+        t2 = time.perf_counter()
+        self.t_step.append(t2 - t0)
+        self.t_comm.append(t2 - t1)
+        done = step + 1
+        if done % self.eval_every == 0 or done == self.args.steps:
+            self.snapshots[done] = self._state()
+            if not self._params_finite():  # the same weights on every rank: the same answer
+                self.result.diverged = done
+
+    def finish(self) -> TorchResult:
+        """Score rank 0's snapshots, gather bytes, times and the weight spread."""
+        r = self.result
+        self.traffic.steps.clear()  # only the totals are needed from here
+        r.weight_spread = _weight_spread(self.comm, self.model)
+        # BatchNorm running statistics are each rank's own (they are buffers, not
+        # gradients: nothing averages them). The job evaluates rank 0's model, its
+        # weights and its running statistics, as a user who saves rank 0's checkpoint.
+        snapshots = self.comm.bcast(self.snapshots if self.comm.rank == 0 else None, root=0)
+        r.loss_steps = list(snapshots)
+        r.losses = _train_losses(self.comm, snapshots, self.data, self.args.seed)
+        cmp.summarize(self.comm, r, self.traffic, self.t_step, self.t_comm)
+        r.final_train_loss = r.losses[-1]
+        last = snapshots[r.loss_steps[-1]]
+        r.test_accuracy = _evaluate(last, self.data.x_test, self.data.y_test, self.args.seed)[1]
+        return r
+
+
+def _evaluate(state: dict, x: np.ndarray, y: np.ndarray, seed: int) -> tuple[float, float]:
+    """Return (mean cross-entropy, accuracy) of the CNN with ``state`` in eval mode."""
+    import torch
+
+    from jobs._cnn import make_cnn
+
+    model = make_cnn(seed)
+    model.load_state_dict({k: torch.from_numpy(v) for k, v in state.items()})
+    model.eval()  # BatchNorm normalizes with the running statistics
+    with torch.no_grad():
+        logits = model(torch.from_numpy(x))
         loss = torch.nn.functional.cross_entropy(logits, torch.from_numpy(y))
-        (loss * scale).backward()
-        return float(loss.item()), [p.grad for p in self._params]
+        accuracy = (logits.argmax(dim=1) == torch.from_numpy(y)).double().mean()
+    return float(loss), float(accuracy)
 
-    def apply(self, averages: list, lr: float) -> None:
-        """Write the averaged gradients into ``p.grad`` and take one optimizer step."""
-        with self._torch.no_grad():
-            for p, avg in zip(self._params, averages, strict=True):
-                p.grad.copy_(avg)
-        for group in self.optimizer.param_groups:
-            group["lr"] = lr
-        self.optimizer.step()
 
-    def params(self) -> dict[str, np.ndarray]:
-        """Return a NumPy copy of the weights in ``jobs._mlp`` layout (weights (in, out))."""
-        out = {}
-        for name, p in zip(self.names, self._params, strict=True):
-            a = p.detach().numpy()
-            out[name] = (a.T if a.ndim == 2 else a).copy()
-        return out
+def _train_losses(comm, snapshots: dict, data, seed: int) -> list[float]:
+    """Return the whole-training-set loss of every snapshot (ranks share the work)."""
+    steps = list(snapshots)
+    mine = np.zeros(len(steps))
+    for i in range(comm.rank, len(steps), comm.size):
+        mine[i] = _evaluate(snapshots[steps[i]], data.x_train, data.y_train, seed)[0]
+    total = np.empty_like(mine)
+    comm.Allreduce(mine, total)
+    return total.tolist()
+
+
+def _weight_spread(comm, model) -> float:
+    """Return max over ranks of max |w - rank 0's w| over the parameters (0.0: identical)."""
+    from mpi4py import MPI
+
+    mine = np.concatenate([p.detach().numpy().ravel() for p in model.parameters()])
+    root = mine.copy()
+    comm.Bcast(root, root=0)
+    local = 0.0
+    if not np.array_equal(mine, root, equal_nan=True):
+        with np.errstate(invalid="ignore"):  # a diverged run's inf - inf
+            diff = np.abs(mine - root)
+        local = float(np.max(np.where(np.isnan(diff), np.inf, diff)))
+    return float(comm.allreduce(local, op=MPI.MAX))
+
+
+def _parse(argv):
+    ap = argparse.ArgumentParser(
+        prog="jobs.train_torch",
+        description=__doc__.splitlines()[0],
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    cmp.add_common_args(
+        ap, steps=300, lr=0.05, out=os.path.join("runs", "train_torch"), codecs=DEFAULT_CODECS
+    )
+    ap.add_argument(
+        "--overlap",
+        choices=sorted(OVERLAP_MODES),
+        default="on",
+        help="start each bucket's reduction during backward (on), in step() (off), or "
+        "run every codec both ways (both: labels end in _overlap and _no-overlap)",
+    )
+    ap.add_argument(
+        "--bucket-numel",
+        type=int,
+        default=DEFAULT_BUCKET_NUMEL,
+        help="largest bucket, in values (the default cuts the CNN into two buckets)",
+    )
+    args = ap.parse_args(argv)
+    if args.hidden != ap.get_default("hidden"):
+        raise ValueError("--hidden is jobs.train's (MLP); the CNN of jobs/_cnn.py has fixed widths")
+    if args.bucket_numel < 1:
+        raise ValueError(f"--bucket-numel must be >= 1, got {args.bucket_numel!r}")
+    cmp.check_args(args)
+    return args
 
 
 def main(argv=None) -> int:
-    """Run the comparison with PyTorch on every rank; return 0, or 2 without PyTorch."""
+    """Run the comparison on every rank of MPI.COMM_WORLD; return 0, or 2 without PyTorch."""
     try:
         import torch
     except ImportError:
@@ -98,18 +245,128 @@ def main(argv=None) -> int:
                 file=sys.stderr,
             )
         return 2
+    from mpi4py import MPI
+
+    import mpicomp
+    from jobs._data import load_digits, local_batch_size
+
     # One intra-op thread per rank: several ranks share the cores (as NUMBA_NUM_THREADS=1).
     torch.set_num_threads(1)
-    return run_main(
-        argv,
-        "jobs.train_torch",
-        __doc__.splitlines()[0],
-        TorchMLP,
-        steps=300,
-        lr=0.05,
-        out=os.path.join("runs", "train_torch"),
-        codecs=DEFAULT_CODECS,
+    args = _parse(argv)
+    runs = cmp.parse_runs(args.codecs)
+    for run in runs:  # a bad name or parameter fails here, before any rank trains
+        mpicomp.codec(run.codec, **run.params)
+    modes = OVERLAP_MODES[args.overlap]
+    # (run, overlap, label): each codec's modes side by side
+    plan = [
+        (run, ov, run.label + ("" if len(modes) == 1 else "_overlap" if ov else "_no-overlap"))
+        for run in runs
+        for ov in modes
+    ]
+    comm = MPI.COMM_WORLD
+    rank, size = comm.rank, comm.size
+
+    def say(msg: str) -> None:
+        if rank == 0:
+            print(msg, flush=True)
+
+    if not args.no_plot:
+        cmp.require_matplotlib()
+    trace = not args.no_trace
+    data = load_digits()
+    if rank == 0:
+        os.makedirs(args.out, exist_ok=True)
+    comm.Barrier()  # the directory exists before any rank writes into it
+    lo, hi = local_batch_size(args.batch, size - 1, size), local_batch_size(args.batch, 0, size)
+    say(
+        f"jobs.train_torch: digits {len(data.y_train)} train / {len(data.y_test)} test, "
+        f"CNN (jobs/_cnn.py), {size} ranks, global batch {args.batch} "
+        f"({lo if lo == hi else f'{lo}-{hi}'} per rank), {args.steps} steps, lr {args.lr} "
+        f"cosine, momentum {args.momentum}, seed {args.seed}, bucket_numel "
+        f"{args.bucket_numel}, overlap {args.overlap}, torch {torch.__version__}"
     )
+    results = _train_all(comm, plan, data, args, trace, say)
+    if rank == 0:
+        _report(results, args, argv, size, trace)
+    comm.Barrier()  # rank 0's files are complete when main returns on any rank
+    return 0
+
+
+def _train_all(comm, plan, data, args, trace: bool, say) -> list[TorchResult]:
+    """Train one fresh model per (run, overlap), all in turn at every step, as
+    ``jobs._loop.train_all`` does (the same machine load for every run)."""
+    report_every = max(1, args.steps // 4)
+    t_start = time.perf_counter()
+    with contextlib.ExitStack() as stack:
+        trainers = []
+        for run, overlap, label in plan:
+            path = os.path.join(args.out, f"{label}.h5") if trace else None
+            t = _Trainer(comm, run, overlap, label, data, args, path)
+            # LIFO: leaving by an exception, the CompressedComm closes first without its
+            # final trace gather (other ranks may be elsewhere: it could hang); leaving
+            # normally it writes the trace; then close() removes the hooks.
+            stack.callback(t.opt.close)
+            stack.enter_context(t.opt.comm)
+            trainers.append(t)
+        for step in range(args.steps):
+            for t in trainers:
+                if t.active:
+                    t.step(step)
+                    if not t.active:
+                        say(f"  {t.result.label}: diverged at step {t.result.diverged} (NaN/Inf)")
+            done = step + 1
+            if done % report_every == 0 or done == args.steps:
+                losses = ", ".join(f"{t.result.label} {t.loss:.3g}" for t in trainers if t.active)
+                say(
+                    textwrap.fill(
+                        f"step {done}/{args.steps} ({time.perf_counter() - t_start:.0f} s), "
+                        f"batch loss on rank 0: {losses}",
+                        width=100,
+                        subsequent_indent="    ",
+                    )
+                )
+    return [t.finish() for t in trainers]
+
+
+def _report(results: list[TorchResult], args, argv, size: int, trace: bool) -> None:
+    """Print the table(s) and write results.json, loss.png (rank 0)."""
+    import torch
+    from mpi4py import MPI
+
+    modes = OVERLAP_MODES[args.overlap]
+    for ov in modes:
+        mine = [r for r in results if r.overlap == ov]
+        print(
+            f"\noverlap {'on' if ov else 'off'} (x base: against none, overlap {'on' if ov else 'off'})"
+        )
+        print(cmp.table(mine))
+    spread = max(r.weight_spread for r in results)
+    print(f"\nlargest difference of the final weights between ranks: {spread:g}")
+    meta = {
+        "job": "jobs.train_torch",
+        "model": "jobs._cnn.make_cnn",
+        "ranks": size,
+        "argv": list(sys.argv[1:] if argv is None else argv),
+        "steps": args.steps,
+        "batch": args.batch,
+        "lr": args.lr,
+        "momentum": args.momentum,
+        "seed": args.seed,
+        "overlap": args.overlap,
+        "bucket_numel": args.bucket_numel,
+        "evaluated": "rank 0's model (its BatchNorm running statistics)",
+        "torch": torch.__version__,
+        "host": platform.node(),
+        "mpi": MPI.Get_library_version().splitlines()[0],
+    }
+    print(f"\nwrote {cmp.write_results(args.out, results, meta)}")
+    if not args.no_plot:
+        png = os.path.join(args.out, "loss.png")
+        title = f"jobs.train_torch: digits CNN, {size} ranks, global batch {args.batch}"
+        cmp.plot(png, results, title)
+        print(f"wrote {png}")
+    if trace:
+        print(f"wrote {len(results)} traces: {os.path.join(args.out, '<label>.h5')}")
 
 
 if __name__ == "__main__":

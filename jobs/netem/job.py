@@ -12,6 +12,9 @@ The ranks share one shaped loopback: the rate caps their aggregate traffic, like
 shared segment, not one link per node. The unshaped TCP path is measured first; a rate
 above it is skipped and said so. Output: a table on stdout, ``OUT/netem.json`` and the
 traces under ``OUT/<rate>/``. Needs root (``ip netns``, ``tc``).
+
+``--overlap-torch`` runs jobs/overlap_torch.py at each rate instead of the bench
+(backward-only, all-reduce-only, sequential and overlapped steps of a torch model).
 """
 
 from __future__ import annotations
@@ -293,6 +296,29 @@ def report_overlap(rows: list[dict], rate: str, out=sys.stdout) -> None:
         )
 
 
+def overlap_torch(runner: Runner, ns: Namespace, rate: str, args) -> dict:
+    """jobs/overlap_torch.py on the link shaped to ``rate``: a torch model of about
+    ``--numel`` parameters, backward-only, all-reduce-only, sequential and overlapped
+    steps; return the result record."""
+    ns.shape(_rate_bps(rate))
+    argv = ["-m", "jobs.overlap_torch", "--params", str(args.numel), "--reps", str(args.reps)]
+    return {"rate": rate, "overlap_torch": runner.json(argv + ["--json"])}
+
+
+def report_overlap_torch(result: dict, out=sys.stdout) -> None:
+    """Print jobs/overlap_torch.py's table for one rate."""
+    from jobs.overlap_torch import format_table  # imports torch: only in this mode
+
+    rows = result["overlap_torch"]
+    print(
+        f"\n{result['rate']}: torch MLP of {rows[0]['model_params']:,} parameters on "
+        f"{rows[0]['ranks']} ranks, batch {rows[0]['batch']} per rank, {rows[0]['buckets']} "
+        "buckets; ms per step (the slowest rank's, median)",
+        file=out,
+    )
+    format_table(rows, out)
+
+
 def probe(runner: Runner, ns: Namespace, numel: int) -> float:
     """Return the unshaped TCP path's rate (bit/s) as MPI_Allreduce achieves it.
 
@@ -339,6 +365,13 @@ def main(argv=None) -> int:
         "with blocking all-reduces against iallreduce overlapping the next bucket's compute "
         "(0 to skip; 8)",
     )
+    ap.add_argument(
+        "--overlap-torch",
+        action="store_true",
+        help="instead of the bench, run jobs.overlap_torch (a torch model of --numel "
+        "parameters: backward-only, all-reduce-only, sequential and overlapped steps) at "
+        "each rate",
+    )
     args = ap.parse_args(argv)
     try:
         args.numel = parse_count(args.numel)
@@ -374,6 +407,11 @@ def main(argv=None) -> int:
                     )
                     print(f"\n{rate}: {note}")
                     summary["rates"].append({"rate": rate, "skipped": note})
+                    continue
+                if args.overlap_torch:
+                    result = overlap_torch(runner, ns, rate, args)
+                    summary["rates"].append(result)
+                    report_overlap_torch(result)
                     continue
                 result = run_rate(runner, ns, rate, args, args.out)
                 summary["rates"].append(result)
