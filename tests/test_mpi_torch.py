@@ -335,3 +335,20 @@ def test_the_ddp_hook_drops_a_residual_when_ddp_rebuilds_its_buckets(gloo):
     residuals = state.comm.state_dict()["residuals"]
     sizes = {name: r.size for name, r in residuals.items()}
     assert sizes == {f"ddp_bucket{i}": n for i, n in state._sizes.items() if n >= 16}
+
+
+def test_a_tensor_mpicomp_cannot_take_on_one_rank_raises_on_every_rank():
+    """One rank's model lives on torch's meta device (no data: nothing to send)."""
+    comm = world()
+    odd = comm.rank == comm.size - 1
+    model = _model().to("meta") if odd else _model()
+    opt = mt.DistributedOptimizer(
+        torch.optim.SGD(model.parameters(), lr=0.1), comm, model.named_parameters(), min_numel=8
+    )
+    x, y = _batches(0, comm.size)[comm.rank]
+    if odd:
+        x, y = x.to("meta"), y.to("meta")
+    _loss(model, (x, y)).backward()
+    with pytest.raises(TypeError if odd else RankError):
+        opt.step()
+    opt.close()
