@@ -1,7 +1,8 @@
 """What the training comparisons share: the codec list, byte counting, the table, the plot.
 
-``jobs.train`` (NumPy MLP) and ``jobs.train_torch`` (torch MLP) differ only in how
-they compute gradients; everything about codecs, measuring and reporting is here.
+``jobs.train`` (NumPy MLP, averaging through ``CompressedComm``) and ``jobs.train_torch``
+(a torch CNN through ``mpicomp.torch.DistributedOptimizer``) differ in how they compute
+and average gradients; the codec list, measuring and reporting are here.
 """
 
 from __future__ import annotations
@@ -101,14 +102,21 @@ def parse_runs(text: str | None) -> list[Run]:
 
 
 def add_common_args(
-    ap: argparse.ArgumentParser, *, steps: int, lr: float, out: str, codecs: str | None = None
+    ap: argparse.ArgumentParser,
+    *,
+    steps: int,
+    lr: float,
+    out: str,
+    codecs: str | None = None,
+    hidden: bool = True,
 ) -> None:
-    """Add the options both training jobs take."""
+    """Add the options both training jobs take (``--hidden`` only where the model is an MLP)."""
     ap.add_argument("--steps", type=int, default=steps, help="SGD steps per codec")
     ap.add_argument("--batch", type=int, default=64, help="global batch, split over the ranks")
     ap.add_argument("--lr", type=float, default=lr, help="peak learning rate (cosine decay)")
     ap.add_argument("--momentum", type=float, default=0.9, help="heavy-ball momentum")
-    ap.add_argument("--hidden", default="128", help="hidden layer widths, comma list")
+    if hidden:
+        ap.add_argument("--hidden", default="128", help="hidden layer widths, comma list")
     ap.add_argument(
         "--codecs",
         default=codecs,
@@ -135,6 +143,8 @@ def check_args(args) -> None:
         raise ValueError(f"--lr must be > 0, got {args.lr!r}")
     if not 0 <= args.momentum < 1:
         raise ValueError(f"--momentum must be in [0, 1), got {args.momentum!r}")
+    if not hasattr(args, "hidden"):
+        return
     try:
         hidden = [int(h) for h in args.hidden.split(",") if h.strip()]
     except ValueError:

@@ -26,7 +26,7 @@ import platform
 import sys
 import textwrap
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -207,7 +207,12 @@ def _parse(argv):
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     cmp.add_common_args(
-        ap, steps=300, lr=0.05, out=os.path.join("runs", "train_torch"), codecs=DEFAULT_CODECS
+        ap,
+        steps=300,
+        lr=0.05,
+        out=os.path.join("runs", "train_torch"),
+        codecs=DEFAULT_CODECS,
+        hidden=False,  # the CNN's widths are fixed
     )
     ap.add_argument(
         "--overlap",
@@ -223,8 +228,6 @@ def _parse(argv):
         help="largest bucket, in values (the default cuts the CNN into two buckets)",
     )
     args = ap.parse_args(argv)
-    if args.hidden != ap.get_default("hidden"):
-        raise ValueError("--hidden is jobs.train's (MLP); the CNN of jobs/_cnn.py has fixed widths")
     if args.bucket_numel < 1:
         raise ValueError(f"--bucket-numel must be >= 1, got {args.bucket_numel!r}")
     cmp.check_args(args)
@@ -336,9 +339,11 @@ def _report(results: list[TorchResult], args, argv, size: int, trace: bool) -> N
     modes = OVERLAP_MODES[args.overlap]
     for ov in modes:
         mine = [r for r in results if r.overlap == ov]
-        print(
-            f"\noverlap {'on' if ov else 'off'} (x base: against none, overlap {'on' if ov else 'off'})"
-        )
+        if len(modes) > 1:  # one table per mode, headed by it: the codec labels fit the column
+            suffix = "_overlap" if ov else "_no-overlap"
+            mine = [replace(r, label=r.label.removesuffix(suffix)) for r in mine]
+        mode = "on" if ov else "off"
+        print(f"\noverlap {mode} (x base: against none with overlap {mode})")
         print(cmp.table(mine))
     spread = max(r.weight_spread for r in results)
     print(f"\nlargest difference of the final weights between ranks: {spread:g}")
