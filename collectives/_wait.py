@@ -15,14 +15,15 @@ match a blocking collective with a nonblocking one.
 
 from __future__ import annotations
 
+import logging
 import math
 import os
-import sys
 import time
 from collections.abc import Callable
 
 import numpy as np
 
+from mpicomp._log import log
 from mpicomp.kernels import backend_of
 
 #: The environment variable that sets the default timeout, in seconds (unset or 0: off).
@@ -183,12 +184,15 @@ def remove_abort_hook(hook) -> None:
 
 
 def expire(comm, op: str, detail, timeout: float, elapsed: float) -> None:
-    """Write the timeout report to stderr, run the abort hooks, abort the job through ``comm``."""
+    """Log the timeout report (CRITICAL: on stderr even where logging is not set up), run
+    the abort hooks, abort the job through ``comm``."""
     text = detail() if callable(detail) else detail
-    print(timeout_message(comm, op, text, timeout, elapsed), file=sys.stderr, flush=True)
+    log.critical("%s", timeout_message(comm, op, text, timeout, elapsed))
     for hook in list(_ABORT_HOOKS):
         try:
             hook()
-        except Exception as e:  # a failing hook must not stop the abort
-            print(f"mpicomp: abort hook {hook!r} failed: {e!r}", file=sys.stderr, flush=True)
+        except Exception:  # a failing hook must not stop the abort
+            log.exception("mpicomp: abort hook %r failed", hook)
+    for handler in logging.getLogger().handlers + log.handlers:
+        handler.flush()  # MPI_Abort kills the process: nothing buffered survives it
     comm.Abort(ABORT_CODE)

@@ -9,15 +9,15 @@ caller gets a ``Handle`` at once. A job's result or exception lands in its handl
 
 from __future__ import annotations
 
-import logging
 import queue
 import threading
 import warnings
 from collections.abc import Callable
 
+from mpicomp._log import log
+
 __all__ = ["Handle", "Worker", "overlap_blocker"]
 
-_log = logging.getLogger("mpicomp")
 
 _STOP = object()  # the queue item that ends a worker's thread
 
@@ -137,7 +137,7 @@ def _call_back(fn: Callable, handle: Handle) -> None:
     try:
         fn(handle)
     except Exception:
-        _log.exception("a done-callback of %r raised", handle)
+        log.exception("a done-callback of %r raised", handle)
 
 
 class Worker:

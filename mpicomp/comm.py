@@ -15,6 +15,7 @@ import numpy as np
 
 from mpicomp import _reduce
 from mpicomp._arrays import array_module, is_device_array, to_float32
+from mpicomp._log import log
 from mpicomp._progress import Handle, Worker, overlap_blocker
 from mpicomp._reduce import NonFiniteWarning, RankError
 from mpicomp._same_call import check_same_call
@@ -178,6 +179,14 @@ class CompressedComm:
             except BaseException:
                 self._comm.Free()
                 raise
+        log.info(
+            "CompressedComm on %d ranks: codec %r, %s kernels, device transport %s, iallreduce %s",
+            self.size,
+            codec,
+            self.kernels.name,
+            self._transport.path,
+            "on a background thread" if self.background else f"in the caller's thread ({why})",
+        )
 
     # -- the API ---------------------------------------------------------------
 

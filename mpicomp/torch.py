@@ -23,6 +23,7 @@ try:
 except ImportError as e:  # pragma: no cover - the test extras install torch
     raise ImportError("mpicomp.torch needs PyTorch: pip install 'mpicomp[torch]'") from e
 
+from mpicomp._log import log
 from mpicomp._reduce import NonFiniteWarning, RankError
 from mpicomp.comm import CompressedComm
 
@@ -197,6 +198,13 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self._ledger: list = []  # residual snapshots of this step's calls
         self._synchronized = False
         self._hooks = []
+        log.info(
+            "DistributedOptimizer: %d buckets of %s values, overlap %s, start_step %d",
+            len(self._buckets),
+            [b.buffer.numel() for b in self._buckets],
+            self.overlap,
+            self.start_step,
+        )
         if self.overlap:
             for b in self._buckets:
                 for p in b.params:

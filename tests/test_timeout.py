@@ -126,10 +126,10 @@ class FakeComm:
         self.aborted = code
 
 
-def test_expire_reports_what_was_awaited_and_aborts(capsys):
+def test_expire_reports_what_was_awaited_and_aborts(caplog):
     comm = FakeComm()
     _wait.expire(comm, "allgather", lambda: "sizes from rank 2", 2.0, 2.0004)
-    err = capsys.readouterr().err
+    err = caplog.text  # logged CRITICAL to "mpicomp" (stderr where logging is not set up)
     assert comm.aborted == _wait.ABORT_CODE
     assert "rank 3 of 5 timed out in allgather after 2 s (timeout 2 s): sizes from rank 2" in err
 
