@@ -38,7 +38,7 @@ $(BIN)/activate:
 	$(BIN)/python -m pip install -q --upgrade pip
 
 $(VENV)/.installed: $(BIN)/activate setup.py pyproject.toml
-	MPICOMP_MPI=$(MPI) $(BIN)/python -m pip install -q -e ".[test,jobs]"
+	$(BIN)/python -m pip install -q -e ".[test,jobs,$(MPI)]"
 	touch $@
 
 # The main job: data-parallel training on 4 ranks, once per codec, compared with float32.

