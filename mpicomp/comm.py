@@ -83,6 +83,13 @@ class CompressedComm:
             the caller's work. Default: when MPI provides ``MPI_THREAD_MULTIPLE``
             (``MPI.Query_thread()``); False (or a lower thread level) runs them at
             once in the caller's thread, their handles already complete.
+        on_call: called with every finished call's event on this rank, a dict of
+            the trace's columns (``op``, ``name``, ``numel``, ``bytes_sent``,
+            ``bytes_recv``, ``t_start``, ``t_encode``, ``t_comm``, ``t_decode``,
+            ``t_total``, ...; docs/trace-format.md), with or without ``trace``: for
+            TensorBoard, W&B or a log. It runs in the thread that ran the call (the
+            background thread for ``iallreduce``): keep it short; what it raises is
+            logged and ignored.
         **codec_params: parameters of the codec when ``codec`` is a name.
 
     Every rank must make the same calls in the same order with tensors of the same
@@ -111,6 +118,7 @@ class CompressedComm:
         debug: bool | None = None,
         timeout: float | None = None,
         background: bool | None = None,
+        on_call=None,
         **codec_params,
     ):
         if isinstance(codec, str):
@@ -163,9 +171,10 @@ class CompressedComm:
         #: Gets every exchange step of the collectives, ``record(op, step, sent, recv,
         #: bits)`` (e.g. a ``collectives.traffic.Traffic``); None by default.
         self.recorder = None
-        #: The HDF5 ``mpicomp.trace.Tracer`` of ``trace=``, or None.
+        #: The ``mpicomp.trace.Tracer`` of ``trace=`` and ``on_call=`` (without a file
+        #: when only ``on_call`` is given), or None.
         self.trace = None
-        if trace is not None:
+        if trace is not None or on_call is not None:
             from mpicomp.trace import Tracer
 
             try:
@@ -173,8 +182,9 @@ class CompressedComm:
                     self._comm,
                     trace,
                     level=trace_level,
-                    flush_every=trace_flush_every,
+                    flush_every=trace_flush_every if trace is not None else None,
                     attrs=self._trace_attrs(),
+                    on_call=on_call,
                 )
             except BaseException:
                 self._comm.Free()

@@ -11,10 +11,12 @@ from __future__ import annotations
 import datetime
 import os
 import sys
+import time
 from time import perf_counter
 
 import numpy as np
 
+from mpicomp._log import log
 from mpicomp.collectives import _wait
 from mpicomp.trace_format import (
     CODEC_LEN,
@@ -81,7 +83,7 @@ def check_options(path, level: int, flush_every: int | None) -> None:
     """Raise what ``Tracer(comm, path, level=level, flush_every=flush_every)`` would
     raise for these arguments (a CompressedComm checks them before its first message).
     """
-    if not isinstance(path, (str, os.PathLike)):
+    if path is not None and not isinstance(path, (str, os.PathLike)):
         raise TypeError(f"trace path must be a str or os.PathLike, got {path!r}")
     if isinstance(level, bool) or level not in (1, 2):
         raise ValueError(f"trace level must be 1 or 2, got {level!r}")
@@ -99,13 +101,21 @@ class Tracer:
     ranks create, end calls, flush and close in the same order (``CompressedComm``
     does, since every rank makes the same calls).
 
+    Start times (``t_start``, and each step's ``t_end``) are seconds since an epoch all
+    ranks share: the end of a barrier when the tracer is made (on one node the ranks'
+    clocks then agree to microseconds; across nodes to the barrier's skew).
+
     Args:
         comm: an ``mpi4py.MPI.Comm``; ``CompressedComm`` passes its private duplicate.
-        path: the HDF5 file rank 0 creates (an existing file is replaced).
+        path: the HDF5 file rank 0 creates (an existing file is replaced); None keeps
+            no file (events only go to ``on_call``).
         level: 1 records events only; 2 also every exchange step into ``/steps``.
         flush_every: gather to rank 0 and append to the file every this many calls
             (None: only at ``close``); rows of earlier flushes survive a crash.
         attrs: run attributes for the root group (str, int, float or bool values).
+        on_call: called with each finished call's event as a dict (the columns of
+            ``/events``, names as given, not cut), in the thread that ran the call; an
+            exception it raises is logged to ``mpicomp`` and ignored.
 
     Raises:
         TypeError: ``path`` is not a str or os.PathLike, or ``flush_every`` not an int.
@@ -113,9 +123,21 @@ class Tracer:
         OSError: rank 0 could not create the file (on every rank).
     """
 
-    def __init__(self, comm, path, *, level: int = 1, flush_every: int | None = 100, attrs=None):
+    def __init__(
+        self,
+        comm,
+        path,
+        *,
+        level: int = 1,
+        flush_every: int | None = 100,
+        attrs=None,
+        on_call=None,
+    ):
         check_options(path, level, flush_every)
-        self.path = os.fspath(path)
+        if on_call is not None and not callable(on_call):
+            raise TypeError(f"on_call must be callable, got {on_call!r}")
+        self.path = None if path is None else os.fspath(path)
+        self._on_call = on_call
         self.level = level
         self.flush_every = flush_every
         self._comm = comm
@@ -130,7 +152,11 @@ class Tracer:
         self._closed = False
         self._also = None
         self._sent = self._recv = 0
+        comm.Barrier()  # the shared epoch of start times
+        self._epoch = perf_counter()
         self._attrs = self._run_attrs(attrs or {})
+        if self.path is None:
+            return
         self._collective_error(self._create, self._attrs, what="create")
         _wait.on_abort(self.save_local)
 
@@ -154,6 +180,7 @@ class Tracer:
         self._sent = self._recv = 0
         self._t_encode = self._t_comm = self._t_decode = 0.0
         self._t0 = self._last = perf_counter()
+        self._t_start = self._t0 - self._epoch
 
     def record(self, op: str, step: int, sent: int, recv: int, bits: int = 0) -> None:
         """Add one exchange step of the current call (the collectives' recorder hook)."""
@@ -162,7 +189,8 @@ class Tracer:
         if self.level >= 2:
             if self._ns == self._steps.size:
                 self._steps = _grown(self._steps, self._ns)
-            self._steps[self._ns] = (self._call, self._rank, op, step, sent, recv, bits)
+            done = perf_counter() - self._epoch
+            self._steps[self._ns] = (self._call, self._rank, op, step, sent, recv, bits, done)
             self._ns += 1
         if self._also is not None:
             self._also.record(op, step, sent, recv, bits)
@@ -208,13 +236,28 @@ class Tracer:
             self._t_comm,
             self._t_decode,
             total,
+            self._t_start,
         )
         self._n += 1
         self._call += 1
         self._open = False
         self._also = None
-        if self.flush_every is not None and self._n >= self.flush_every:
+        if self._on_call is not None:
+            self._report(self._events[self._n - 1], op, codec, name)
+        if self.path is None:  # no file: nothing is kept
+            self._n = 0
+            self._ns = self._call_steps
+        elif self.flush_every is not None and self._n >= self.flush_every:
             self.flush()
+
+    def _report(self, row, op: str, codec: str, name: str) -> None:
+        """Hand one event to ``on_call`` as a dict of Python values."""
+        event = {k: row[k].item() for k in EVENT_DTYPE.names}
+        event.update(op=op, codec=codec, name=name)
+        try:
+            self._on_call(event)
+        except Exception:  # user code must not break the collective path
+            log.exception("on_call raised for %s %r", op, name)
 
     # -- writing -----------------------------------------------------------------
 
@@ -225,6 +268,8 @@ class Tracer:
         if self._open:  # a call that raised: its steps never become an event
             self._ns = self._call_steps
             self._open = False
+        if self.path is None:
+            return
         counts = np.array([self._n, self._ns], dtype=np.int64)
         every = np.empty((self._comm.Get_size(), 2), dtype=np.int64) if self._rank == 0 else None
         self._comm.Gather(counts, every, root=0)
@@ -243,7 +288,7 @@ class Tracer:
         trace's format and attributes, plus ``aborted = True`` and ``rank``; None when
         nothing was pending.
         """
-        if self._closed or self._n == 0:
+        if self._closed or self._n == 0 or self.path is None:
             return None
         side = f"{self.path}.rank{self._rank}.h5"
         attrs = dict(self._attrs, aborted=True, rank=self._rank)
@@ -263,6 +308,8 @@ class Tracer:
         _wait.remove_abort_hook(self.save_local)
         self.flush()
         self._closed = True
+        if self.path is None:
+            return
         stamp = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
         self._collective_error(self._stamp, stamp, what="close")
 
@@ -325,6 +372,8 @@ class Tracer:
             "start_time": datetime.datetime.now(datetime.timezone.utc).isoformat(
                 timespec="seconds"
             ),
+            # rank 0's wall clock at the epoch of t_start (Unix seconds)
+            "epoch_unix": time.time() - (perf_counter() - self._epoch),
         }
         attrs.update(extra)
         return attrs

@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import numpy as np
 
-# Readers refuse a file of another version (docs/trace-format.md, Versioning).
-FORMAT_VERSION = 1
+# The version written; readers take every version of READABLE (docs/trace-format.md,
+# Versioning). Version 2 added t_start (events) and t_end (steps): a timeline.
+FORMAT_VERSION = 2
+READABLE = (1, 2)
 
 # Root attribute holding FORMAT_VERSION: its presence marks a file as an mpicomp trace.
 VERSION_ATTR = "mpicomp_trace_version"
@@ -38,6 +40,8 @@ EVENT_DTYPE = np.dtype(
         ("t_comm", "<f8"),
         ("t_decode", "<f8"),
         ("t_total", "<f8"),
+        # seconds since the ranks' common epoch (a barrier when the trace was made)
+        ("t_start", "<f8"),
     ]
 )
 
@@ -50,8 +54,22 @@ STEP_DTYPE = np.dtype(
         ("sent", "<i8"),
         ("recv", "<i8"),
         ("bits", "<i4"),
+        ("t_end", "<f8"),  # when the step's messages were done, on the events' clock
     ]
 )
+
+
+def upgraded(rows: np.ndarray, dtype: np.dtype) -> np.ndarray:
+    """Return rows of an older version in ``dtype``: columns it lacks are NaN (times)."""
+    if rows.dtype == dtype:
+        return rows
+    out = np.zeros(rows.shape, dtype=dtype)
+    for name in dtype.names:
+        if name in rows.dtype.names:
+            out[name] = rows[name]
+        else:
+            out[name] = np.nan
+    return out
 
 
 def import_h5py():
@@ -68,10 +86,12 @@ __all__ = [
     "EVENT_DTYPE",
     "FORMAT_VERSION",
     "NAME_LEN",
+    "READABLE",
     "OP_LEN",
     "STEPS",
     "STEP_DTYPE",
     "STEP_OP_LEN",
     "VERSION_ATTR",
     "import_h5py",
+    "upgraded",
 ]

@@ -10,7 +10,16 @@ import os
 
 import numpy as np
 
-from mpicomp.trace_format import EVENTS, FORMAT_VERSION, STEPS, VERSION_ATTR, import_h5py
+from mpicomp.trace_format import (
+    EVENT_DTYPE,
+    EVENTS,
+    READABLE,
+    STEP_DTYPE,
+    STEPS,
+    VERSION_ATTR,
+    import_h5py,
+    upgraded,
+)
 
 
 def read(path) -> tuple[np.ndarray, np.ndarray | None, dict]:
@@ -31,13 +40,14 @@ def read(path) -> tuple[np.ndarray, np.ndarray | None, dict]:
         version = f.attrs.get(VERSION_ATTR)
         if version is None or EVENTS not in f:
             raise ValueError(f"not an mpicomp trace (no {VERSION_ATTR}): {os.fspath(path)!r}")
-        if int(version) != FORMAT_VERSION:
+        if int(version) not in READABLE:
             raise ValueError(
                 f"trace format version {int(version)} of {os.fspath(path)!r} is not supported "
-                f"(this mpicomp reads version {FORMAT_VERSION})"
+                f"(this mpicomp reads versions {', '.join(map(str, READABLE))})"
             )
-        events = f[EVENTS][()]
-        steps = f[STEPS][()] if STEPS in f else None
+        # Older versions come back in today's columns, the missing times NaN.
+        events = upgraded(f[EVENTS][()], EVENT_DTYPE)
+        steps = upgraded(f[STEPS][()], STEP_DTYPE) if STEPS in f else None
         attrs = {k: _plain(v) for k, v in f.attrs.items()}
     return events, steps, attrs
 

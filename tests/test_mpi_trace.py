@@ -104,7 +104,12 @@ def test_events_hold_one_row_per_call_per_rank_with_the_exact_bytes(name, shared
     phases = events["t_encode"] + events["t_comm"] + events["t_decode"]
     assert (phases <= events["t_total"] * (1 + 1e-9)).all()
     assert attrs["world_size"] == size and attrs["codec"] == name
-    assert attrs["mpicomp_trace_version"] == 1 and "end_time" in attrs
+    assert attrs["mpicomp_trace_version"] == 2 and "end_time" in attrs
+    # A timeline: one rank's calls follow one another on the shared clock.
+    for r in range(size):
+        rows = events[events["rank"] == r]
+        ends = rows["t_start"] + rows["t_total"]
+        assert rows["t_start"][0] >= 0 and (rows["t_start"][1:] >= ends[:-1]).all()
     assert attrs["error_feedback"] is False and attrs["min_numel"] == 1024
 
 
@@ -134,6 +139,10 @@ def test_level_2_steps_sum_to_the_event_bytes(name, shared_dir):
             ev["bytes_sent"],
             ev["bytes_recv"],
         )
+        # each step ends inside its call, in order
+        assert (rows["t_end"] >= ev["t_start"]).all()
+        assert (rows["t_end"] <= ev["t_start"] + ev["t_total"]).all()
+        assert (np.diff(rows["t_end"]) >= 0).all()
     # What the extra recorder saw is what this rank's rows hold.
     assert (seen.sent, seen.recv) == (int(mine["bytes_sent"].sum()), int(mine["bytes_recv"].sum()))
     my_steps = steps[steps["rank"] == comm.rank]

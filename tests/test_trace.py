@@ -21,8 +21,13 @@ def _self():
     return MPI.COMM_SELF
 
 
+# Version 1's events: version 2's without t_start (readers must still take them).
+V1_EVENT_DTYPE = np.dtype([f for f in trace_format.EVENT_DTYPE.descr if f[0] != "t_start"])
+
+
 def _synthetic(path, version=1):
-    """Write a trace as docs/trace-format.md describes it, with h5py alone, known numbers.
+    """Write a version-1 trace as docs/trace-format.md describes it, with h5py alone,
+    known numbers.
 
     Two ranks; "fc1.weight" (qsgd_maxnorm, 1000 elements, 500 bytes sent: ratio 8) on
     calls 0, 2, ..., 18 with t_total = 1..10 ms; "fc1.bias" (none, 10 elements) between.
@@ -49,9 +54,7 @@ def _synthetic(path, version=1):
         f.attrs["codec"] = "qsgd_maxnorm"
         f.attrs["codec_params"] = '{"bits": 4, "seed": 0}'
         f.attrs["trace_level"] = 1
-        f.create_dataset(
-            "events", data=np.array(rows, dtype=trace_format.EVENT_DTYPE), maxshape=(None,)
-        )
+        f.create_dataset("events", data=np.array(rows, dtype=V1_EVENT_DTYPE), maxshape=(None,))
 
 
 def test_summarize_reports_codecs_bytes_ratio_latency_and_phases(tmp_path):
@@ -98,13 +101,13 @@ def test_paths_that_are_not_traces_raise_value_error(tmp_path):
     with h5py.File(other, "w") as f:
         f["x"] = np.arange(3)
     future = tmp_path / "future.h5"
-    _synthetic(future, version=2)
+    _synthetic(future, version=trace_format.FORMAT_VERSION + 1)
     cases = [
         (tmp_path / "missing.h5", "no such file"),
         (tmp_path, "no such file"),
         (text, "not an HDF5 file"),
         (other, "not an mpicomp trace"),
-        (future, "version 2"),
+        (future, f"version {trace_format.FORMAT_VERSION + 1}"),
     ]
     for path, message in cases:
         for fn in (trace_report.read, trace_report.summarize):
