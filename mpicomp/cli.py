@@ -46,8 +46,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--all-ranks",
         action="store_true",
-        help="under mpiexec/srun: also one line per rank (host, local rank, visible GPUs, "
-        "the GPU it computes on, CUDA-aware MPI)",
+        help="under mpiexec/srun: also one line per rank (host, local rank, CPU affinity, "
+        "visible GPUs, the MPI library, CUDA-aware MPI, kernel backend, numba threads), "
+        "then warnings about settings that cost speed; rank 0 prints",
     )
     p.set_defaults(run=_cmd_info)
 
@@ -149,6 +150,11 @@ def _parser() -> argparse.ArgumentParser:
     tsub = p.add_subparsers(dest="trace_command", required=True, metavar="ACTION")
     t = tsub.add_parser("summary", help="print a table of a trace", description="Print a table.")
     t.add_argument("file", metavar="FILE", help="an HDF5 trace file")
+    t.add_argument(
+        "--json",
+        action="store_true",
+        help='print one JSON object ({"run": attributes, "rows": one per codec and tensor})',
+    )
     t.set_defaults(run=_cmd_trace_summary, sub_parser=t)
     t = tsub.add_parser("plot", help="draw a trace to an image", description="Draw a trace.")
     t.add_argument("file", metavar="FILE", help="an HDF5 trace file")
@@ -156,6 +162,16 @@ def _parser() -> argparse.ArgumentParser:
         "-o", "--output", metavar="OUT", help="image file to write (default: FILE with .png)"
     )
     t.set_defaults(run=_cmd_trace_plot, sub_parser=t)
+    t = tsub.add_parser(
+        "export",
+        help="write a trace as a timeline (Chrome/Perfetto JSON)",
+        description="Write a trace as a timeline that ui.perfetto.dev or chrome://tracing "
+        "opens: one process per rank; calls, their phases and (level 2) exchange steps.",
+    )
+    t.add_argument("file", metavar="FILE", help="an HDF5 trace file (format 2)")
+    t.add_argument("--format", default="chrome", choices=["chrome"], help="output format")
+    t.add_argument("-o", "--output", metavar="OUT", help="file to write (default: FILE with .json)")
+    t.set_defaults(run=_cmd_trace_export, sub_parser=t)
     return parser
 
 
@@ -294,67 +310,27 @@ def _cmd_info(args, parser) -> int:
     fields = info()
     from mpi4py import MPI
 
-    ranks = MPI.COMM_WORLD.gather(rank_info(MPI.COMM_WORLD), root=0) if args.all_ranks else None
+    from mpicomp import diagnostics
+
+    ranks = diagnostics.gather(MPI.COMM_WORLD) if args.all_ranks else None
     if MPI.COMM_WORLD.rank != 0:  # under mpiexec: one report, not one per rank
         return 0
+    warnings = diagnostics.warnings(ranks) if ranks is not None else None
     if args.json:
-        print(json.dumps(fields if ranks is None else {**fields, "ranks": ranks}, indent=1))
+        extra = {} if ranks is None else {"ranks": ranks, "warnings": warnings}
+        print(json.dumps({**fields, **extra}, indent=1))
         return 0
     width = max(map(len, fields)) + 2
     for key, value in fields.items():
         print(f"{key + ':':<{width}}{value}")
     if ranks is not None:
-        keys = list(ranks[0])
-        widths = [max(len(k), *(len(str(r[k])) for r in ranks)) for k in keys]
         print()
-        print("  ".join(k.ljust(w) for k, w in zip(keys, widths, strict=True)).rstrip())
-        for r in ranks:
-            cells = (str(r[k]).ljust(w) for k, w in zip(keys, widths, strict=True))
-            print("  ".join(cells).rstrip())
+        print("\n".join(diagnostics.table(ranks)))
+        print()
+        print("warnings:" if warnings else "warnings: none")
+        for w in warnings:
+            print(f"  - {w}")
     return 0
-
-
-def rank_info(comm) -> dict[str, object]:
-    """Return what ``mpicomp info --all-ranks`` shows of this rank: where it runs and
-    which GPU its device gradients would compute on (CuPy's current device)."""
-    local = comm.Split_type(_shared_type(), key=comm.rank)
-    try:
-        local_rank = local.rank
-    finally:
-        local.Free()
-    try:
-        aware, how = _transport.cuda_aware()
-        decided = f"{'yes' if aware else 'no'} ({how})"
-    except ValueError as e:
-        decided = f"unknown ({e})"
-    return {
-        "rank": comm.rank,
-        "host": platform.node(),
-        "local rank": local_rank,
-        "CUDA_VISIBLE_DEVICES": os.environ.get("CUDA_VISIBLE_DEVICES", "(unset)"),
-        "GPU": _current_gpu(),
-        "CUDA-aware MPI": decided,
-    }
-
-
-def _shared_type():
-    from mpi4py import MPI
-
-    return MPI.COMM_TYPE_SHARED
-
-
-def _current_gpu() -> str:
-    """Return the GPU CuPy launches go to on this rank (its id and name), or why none."""
-    try:
-        import cupy
-    except ImportError:
-        return "none (CuPy not installed)"
-    try:
-        gpu = cupy.cuda.runtime.getDevice()
-        name = cupy.cuda.runtime.getDeviceProperties(gpu)["name"].decode(errors="replace")
-    except Exception as e:  # CUDARuntimeError and friends: no driver, no device
-        return f"none ({type(e).__name__})"
-    return f"{gpu} ({name})"
 
 
 # -- bench ---------------------------------------------------------------------------
@@ -447,10 +423,49 @@ def _trace_error(args, e: Exception) -> int:
 
 def _cmd_trace_summary(args, parser) -> int:
     try:
-        text = _trace_module(args).summarize(args.file)
+        module = _trace_module(args)
+        if args.json:
+            text = json.dumps(_trace_summary_json(module, args.file), indent=1)
+        else:
+            text = module.summarize(args.file)
     except (ValueError, RuntimeError, OSError, KeyError) as e:
         return _trace_error(args, e)
     print(text)
+    return 0
+
+
+#: The columns of `mpicomp trace summary`'s table, as its --json names them.
+_TRACE_COLUMNS = ("codec", "tensor", "calls", "sent/call", "recv/call", "ratio",
+                  "p50 ms", "p90 ms", "p99 ms", "encode", "comm", "decode")  # fmt: skip
+
+
+def _trace_summary_json(trace_report, path) -> dict:
+    """Return the data of `mpicomp trace summary`'s table: the run's attributes and one
+    row per (codec, tensor) plus an "all" row, keyed by the table's column names."""
+    events, steps, attrs = trace_report.read(path)
+    rows = []
+    if events.size:
+        nranks = max(int(attrs.get("world_size", 0)), len({int(r) for r in events["rank"]}))
+        groups = [(c, n or "(unnamed)", events[m]) for c, n, m in trace_report._groups(events)]
+        for codec, name, ev in [*groups, ("all", "", events)]:
+            row = trace_report._summary_row(codec, name, ev, nranks)
+            rows.append(dict(zip(_TRACE_COLUMNS, row, strict=True)))
+    run = {k: v for k, v in attrs.items() if isinstance(v, (str, int, float, bool))}
+    run["events"] = int(events.size)
+    run["steps"] = None if steps is None else int(steps.size)
+    return {"file": os.fspath(path), "run": run, "rows": rows}
+
+
+def _cmd_trace_export(args, parser) -> int:
+    out = args.output or os.path.splitext(args.file)[0] + ".json"
+    try:
+        _trace_module(args)  # checks the file exists
+        from mpicomp.trace_export import export
+
+        n = export(args.file, out, args.format)
+    except (ValueError, RuntimeError, OSError, KeyError) as e:
+        return _trace_error(args, e)
+    print(f"wrote {out} ({n} trace events)", file=sys.stderr)
     return 0
 
 

