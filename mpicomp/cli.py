@@ -101,9 +101,10 @@ def _parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--tc-dev",
-        metavar="DEV",
+        metavar="DEV[,DEV...]",
         default=None,
-        help="also count the bytes DEV's root qdisc sent (tc -s qdisc) per all-reduce",
+        help="also count the bytes these devices' root qdiscs sent (tc -s qdisc) per "
+        "all-reduce, summed; NETNS/DEV names one in another network namespace",
     )
     p.add_argument("--seed", type=int, default=0, help="seed of the gradient (0)")
     p.add_argument(
@@ -355,7 +356,7 @@ def _cmd_bench(args, parser) -> int:
             allreduce_reps=args.allreduce_reps,
             seed=args.seed,
             trace_dir=args.trace,
-            tc_dev=args.tc_dev,
+            tc_dev=args.tc_dev and args.tc_dev.split(","),
             progress=progress,
             backend=args.backend,
         )

@@ -2,13 +2,16 @@
 
 import json
 import os
+import signal
 import subprocess
 import sys
+import time
+import types
 
 import pytest
 
 from jobs.netem import job
-from jobs.netem.namespace import Namespace, NeedsRoot
+from jobs.netem.namespace import NIC, SUBNET, SWITCH_ADDRESS, Hosts, Namespace, NeedsRoot
 from mpicomp.advise import parse_rate
 
 
@@ -28,6 +31,66 @@ def test_mpi_env_forces_tcp():
     assert mpich["MPIR_CVAR_NOLOCAL"] == "1"
     ompi = job.mpi_env("Open MPI")
     assert ompi["OMPI_MCA_btl"] == "tcp,self" and ompi["OMPI_MCA_btl_tcp_if_include"] == "lo"
+
+
+def test_mpi_env_per_host_uses_the_nic_and_shares_memory_within_a_host_unless_told():
+    shm = job.mpi_env("MPICH", hosts=True, intra_host="shm")
+    assert shm["FI_TCP_IFACE"] == NIC and "MPIR_CVAR_NOLOCAL" not in shm
+    assert job.mpi_env("MPICH", hosts=True, intra_host="tcp")["MPIR_CVAR_NOLOCAL"] == "1"
+    ompi = job.mpi_env("Open MPI", hosts=True, intra_host="shm")
+    assert ompi["OMPI_MCA_btl"] == "tcp,self,sm" and ompi["OMPI_MCA_btl_tcp_if_include"] == NIC
+    assert job.mpi_env("Open MPI", hosts=True, intra_host="tcp")["OMPI_MCA_btl"] == "tcp,self"
+
+
+def test_host_launch_writes_each_vendors_hostfile_and_names_the_launcher(tmp_path):
+    hosts = types.SimpleNamespace(
+        workdir=str(tmp_path), count=3, launcher="/x/enter-host", address=Hosts.address
+    )
+    mpich = job.host_launch("MPICH", hosts, 2)
+    assert mpich[mpich.index("-launcher-exec") + 1] == "/x/enter-host"
+    assert mpich[mpich.index("-localhost") + 1] == SWITCH_ADDRESS
+    lines = (tmp_path / "hostfile").read_text().split()
+    assert lines == [f"{SUBNET}.1:2", f"{SUBNET}.2:2", f"{SUBNET}.3:2"]
+    ompi = job.host_launch("Open MPI", hosts, 1)
+    assert ompi[ompi.index("plm_ssh_agent") + 1] == "/x/enter-host"
+    text = (tmp_path / "hostfile").read_text()
+    assert text.splitlines() == [f"{SUBNET}.{i} slots=1" for i in (1, 2, 3)]
+
+
+def test_hosts_options_give_the_rank_count_and_refuse_a_rank_count_beside_them():
+    args = job._parse(["--hosts", "3", "--ranks-per-host", "2", "--rates", "1gbit"])
+    assert args.ranks == 6 and args.scheme_ranks == [6]
+    assert job._parse(["--rates", "1gbit"]).ranks == 4
+    for bad in (["--hosts", "2", "--ranks", "4"], ["--hosts", "0x"], ["--hosts", "99"]):
+        with pytest.raises(SystemExit):
+            job._parse(bad)
+
+
+def test_link_totals_check_that_the_switch_delivers_what_the_hosts_sent():
+    before = {f"h{i} {d}": 100 for i in range(2) for d in ("up", "down", "lo")}
+    after = {"h0 up": 1100, "h0 down": 2100, "h0 lo": 100, "h1 up": 2100, "h1 down": 1100}
+    after["h1 lo"] = 600
+    links = job.link_totals(before, after, 2)
+    assert links["per_host"] == [(1000, 2000, 0), (2000, 1000, 500)] and links["ok"]
+    after["h1 down"] = 900  # 200 bytes lost between the hosts: a bypass or a leak
+    assert not job.link_totals(before, after, 2)["ok"]
+
+
+def test_byte_checks_are_skipped_and_said_so_where_shared_memory_hides_bytes():
+    two_per_host = job._parse(["--hosts", "2", "--ranks-per-host", "2"])
+    why = job.uncounted(two_per_host)
+    assert "shared memory" in why
+    assert job.uncounted(job._parse(["--hosts", "2"])) is None
+    assert job.uncounted(job._parse(["--hosts", "2", "--ranks-per-host", "2",
+                                     "--intra-host", "tcp"])) is None  # fmt: skip
+    (check,) = job.check_rows([_row("signsgd", 1000, 700)], reps=1, uncounted=why)
+    assert check["ok"] is None and check["not_checked"] == why
+    summary = {"rates": [{"rate": "1gbit", "checks": [check]}]}
+    assert job.failed_checks(summary) == []
+    check = dict(check, ok=False, traced_bytes=2e6)
+    summary["rates"][0].update(checks=[check], train={"ok": False, "device_bytes": 3,
+                                                      "expected_bytes": 2})  # fmt: skip
+    assert len(job.failed_checks(summary)) == 2
 
 
 def _row(codec, recv_total, device_bytes, nranks=4):
@@ -102,4 +165,70 @@ def test_small_shaped_run_counts_what_the_traces_say(tmp_path):
     assert {r["scheme"] for r in rate["signsgd_schemes"]} >= {"ring", "alltoall_allgather"}
     assert all(r["bytes_match"] and r["decisions_match"] for r in rate["signsgd_schemes"])
     assert {r["codec"] for r in rate["overlap"]} == {"none", "qsgd_maxnorm", "threelc"}
+    assert _namespaces() - before == set()
+
+
+_REPO = os.path.dirname(os.path.dirname(__file__))
+
+
+@pytest.mark.skipif(not _netns_usable(), reason="needs root and network namespaces")
+def test_hosts_with_links_of_their_own_count_what_the_traces_say(tmp_path):
+    # 2 hosts, 1 rank each, 1 Gbit/s per link: the bench and 4 training steps, a few
+    # seconds. Every link's bytes must match the traces and the namespaces must go.
+    before = _namespaces()
+    out = subprocess.run(
+        [sys.executable, "-m", "jobs.netem", "--hosts", "2", "--numel", "400K",
+         "--codecs", "none,signsgd,threelc", "--reps", "1", "--rates", "1gbit",
+         "--overlap-buckets", "0", "--train-steps", "4", "--train-hidden", "512,512",
+         "--out", str(tmp_path)],
+        capture_output=True, text=True, timeout=300, cwd=_REPO,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr[-3000:]
+    summary = json.loads((tmp_path / "netem.json").read_text())
+    assert summary["hosts"] == 2 and summary["ranks"] == 2
+    (rate,) = summary["rates"]
+    for c in rate["checks"]:
+        if c["traced_bytes"] >= 1e6:
+            assert c["ok"], c
+        else:  # headers and ACKs are a larger share of a small transfer
+            assert 0.95 <= c["device_over_traced"] / c["expected"] <= 1.25, c
+    links = rate["links"]
+    assert links["ok"] and all(up > 0 and down > 0 for up, down, _ in links["per_host"])
+    assert rate["train"]["ok"] and {r["codec"] for r in rate["train"]["runs"]} >= {"none"}
+    assert all(r["bytes_match"] for r in rate["signsgd_schemes"])
+    assert _namespaces() - before == set()
+
+
+@pytest.mark.skipif(not _netns_usable(), reason="needs root and network namespaces")
+def test_each_emulated_host_is_a_host_to_mpi_and_to_mpicomp_info(tmp_path):
+    vendor = job.mpi_vendor()
+    with Hosts(2, base=f"mpicomp-test-{os.getpid()}") as hosts:
+        hosts.shape(None)
+        env = job.mpi_env(vendor, hosts=True, intra_host="shm")
+        runner = job.Runner(hosts, 4, env, job.host_launch(vendor, hosts, 2))
+        ranks = runner.json(["-m", "mpicomp", "info", "--all-ranks", "--json"])["ranks"]
+        assert [r["host"] for r in ranks] == ["h0", "h0", "h1", "h1"]
+        assert [r["local rank"] for r in ranks] == [0, 1, 0, 1]
+    assert not os.path.exists(hosts.launcher or "/nonexistent")
+
+
+@pytest.mark.skipif(not _netns_usable(), reason="needs root and network namespaces")
+def test_ctrl_c_removes_every_namespace(tmp_path):
+    before = _namespaces()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "jobs.netem", "--hosts", "3", "--numel", "400K",
+         "--rates", "1gbit", "--reps", "50", "--out", str(tmp_path)],
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, cwd=_REPO,
+    )  # fmt: skip
+    try:
+        deadline = time.monotonic() + 60
+        while len(_namespaces() - before) < 4 and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert len(_namespaces() - before) == 4  # the switch and three hosts
+        time.sleep(1)  # let it start MPI inside them
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+    assert proc.returncode == 130, err[-2000:]
     assert _namespaces() - before == set()

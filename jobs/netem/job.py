@@ -1,17 +1,22 @@
-"""Compressed all-reduce against MPI_Allreduce on an emulated slow link (``make bench-netem``).
+"""Compressed all-reduce against MPI_Allreduce on an emulated slow network (``make bench-netem``).
 
-Runs ``mpicomp bench`` with ``--ranks`` ranks inside a private network namespace
-whose loopback is shaped with tc tbf to each of ``--rates``, MPI forced onto TCP so
-that every byte crosses the shaper, then checks and reports:
+Runs ``mpicomp bench`` on an emulated network shaped with tc tbf to each of
+``--rates``, MPI forced onto TCP so that every byte crosses a shaper, then checks and
+reports:
 
 - the bytes tc counted against the bytes the HDF5 traces say the ranks received;
 - MPI_Allreduce's achieved bandwidth against the shaped rate;
 - each codec's speedup over MPI_Allreduce of float32 against issue 7's targets.
 
-The ranks share one shaped loopback: the rate caps their aggregate traffic, like a
-shared segment, not one link per node. The unshaped TCP path is measured first; a rate
-above it is skipped and said so. Output: a table on stdout, ``OUT/netem.json`` and the
+Two networks (jobs/netem/namespace.py): by default ``--ranks`` ranks share one shaped
+loopback, the rate capping their aggregate traffic like a shared segment; with
+``--hosts H`` each of H emulated hosts has a link of its own into a switch, shaped in
+both directions (a NIC per node), ``--ranks-per-host`` ranks on each, MPI started
+across them from a hostfile. The unshaped TCP path is measured first; a rate above
+it is skipped and said so. Output: a table on stdout, ``OUT/netem.json`` and the
 traces under ``OUT/<rate>/``. Needs root (``ip netns``, ``tc``).
+
+``--train-steps N`` also runs the training job (jobs/train.py) at each rate.
 
 ``--overlap-torch`` runs jobs/overlap_torch.py at each rate instead of the bench
 (backward-only, all-reduce-only, sequential and overlapped steps of a torch model).
@@ -28,7 +33,8 @@ import subprocess
 import sys
 import time
 
-from jobs.netem.namespace import Namespace, NeedsRoot
+from jobs.netem import namespace
+from jobs.netem.namespace import Hosts, Namespace, NeedsRoot
 from mpicomp.advise import parse_rate
 from mpicomp.bench import codec_set, label, parse_count
 from mpicomp.trace_report import read
@@ -54,29 +60,77 @@ TARGETS = {
 # most for bulk messages on a 64 KiB-MTU loopback.
 DEVICE_TOLERANCE = 0.05
 
+# The training run's byte check needs this many traced bytes: its untraced messages
+# (MPI start-up, gathering results) come to ~100 KB.
+TRAIN_CHECK_MIN = 10 * 10**6
+
 # Codecs whose sum is MPI_Allreduce itself: their traces count the buffer handed to MPI
 # (logical bytes, docs/trace-format.md), and MPI's ring moves 2(N-1)/N times that.
 MPI_SUM = {"none"}
 
 
-def mpi_env(vendor: str) -> dict[str, str]:
-    """Environment that puts ``vendor``'s ranks on TCP over loopback, one numba thread each."""
+# How ranks on one emulated host talk to each other: shared memory, as an MPI library
+# does on a real node, or TCP over the host's own loopback (counted, so the byte check
+# covers every byte).
+INTRA_HOST = ("shm", "tcp")
+
+
+def mpi_env(vendor: str, hosts: bool = False, intra_host: str = "shm") -> dict[str, str]:
+    """Environment that puts ``vendor``'s ranks on TCP, one numba thread each.
+
+    On the shared loopback every rank is remote to every other (all traffic through
+    ``lo``); with ``hosts`` ranks on different hosts talk TCP over the host's NIC and
+    ranks on one host as ``intra_host`` says.
+    """
     env = {"NUMBA_NUM_THREADS": "1"}
+    local = hosts and intra_host == "shm"
     if vendor == "Open MPI":
         env.update(
             OMPI_MCA_pml="ob1",
-            OMPI_MCA_btl="tcp,self",
-            OMPI_MCA_btl_tcp_if_include="lo",
+            OMPI_MCA_btl="tcp,self,sm" if local else "tcp,self",
+            OMPI_MCA_btl_tcp_if_include=namespace.NIC if hosts else "lo",
             OMPI_ALLOW_RUN_AS_ROOT="1",
             OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1",
-            PRTE_MCA_rmaps_default_mapping_policy=":oversubscribe",
             OMPI_MCA_mpi_yield_when_idle="1",
         )
+        if not hosts:  # more ranks than cores on the one node (a hostfile gives slots)
+            env["PRTE_MCA_rmaps_default_mapping_policy"] = ":oversubscribe"
     else:
-        # The mpich wheel's default netmod (UCX) keeps using shared memory even with
-        # NOLOCAL; libfabric's tcp provider really goes through the socket.
-        env.update(MPIR_CVAR_NOLOCAL="1", MPIR_CVAR_CH4_NETMOD="ofi", FI_PROVIDER="tcp")
+        # The mpich wheel's default netmod (UCX) uses shared memory between processes
+        # of one machine whatever the network namespace (and even with NOLOCAL);
+        # libfabric's tcp provider really goes through the socket.
+        env.update(MPIR_CVAR_CH4_NETMOD="ofi", FI_PROVIDER="tcp")
+        if hosts:
+            env["FI_TCP_IFACE"] = namespace.NIC
+        if not local:
+            env["MPIR_CVAR_NOLOCAL"] = "1"
     return env
+
+
+def host_launch(vendor: str, hosts: Hosts, per_host: int) -> list[str]:
+    """mpiexec's arguments that start ``per_host`` ranks on each emulated host.
+
+    MPICH's hydra and Open MPI's prterun both take an ssh stand-in (``hosts.launcher``)
+    and a hostfile of the hosts' addresses; their daemons call back to mpiexec at the
+    switch's address.
+    """
+    path = os.path.join(hosts.workdir, "hostfile")
+    addresses = [hosts.address(i) for i in range(hosts.count)]
+    with open(path, "w") as f:
+        if vendor == "Open MPI":
+            f.writelines(f"{a} slots={per_host}\n" for a in addresses)
+        else:
+            f.writelines(f"{a}:{per_host}\n" for a in addresses)
+    if vendor == "Open MPI":
+        return [
+            "--prtemca", "plm_ssh_agent", hosts.launcher,
+            "--prtemca", "oob_tcp_if_include", f"{namespace.SUBNET}.0/24",
+            "--hostfile", path,
+        ]  # fmt: skip
+    return [
+        "-launcher", "ssh", "-launcher-exec", hosts.launcher,
+        "-f", path, "-localhost", namespace.SWITCH_ADDRESS,
+    ]  # fmt: skip
 
 
 def mpi_vendor() -> str:
@@ -99,16 +153,18 @@ def mpiexec() -> str:
 
 
 class Runner:
-    """Launch MPI programs inside a namespace; kill the whole job on interrupt."""
+    """Launch MPI programs on an emulated network; kill the whole job on interrupt."""
 
-    def __init__(self, ns: Namespace, ranks: int, env: dict[str, str]):
-        self.ns, self.ranks, self.env = ns, ranks, env
+    def __init__(self, net, ranks: int, env: dict[str, str], launch: list[str] = ()):
+        self.net, self.ranks, self.env, self.launch = net, ranks, env, list(launch)
 
-    def json(self, args: list[str], ranks: int | None = None) -> list:
-        """Run ``python -m mpi4py ARGS`` on the ranks; return the JSON it printed."""
-        cmd = self.ns.prefix() + ["env"] + [f"{k}={v}" for k, v in self.env.items()]
-        cmd += [mpiexec(), "-n", str(ranks or self.ranks), sys.executable, "-m", "mpi4py"]
-        proc = subprocess.Popen(cmd + args, stdout=subprocess.PIPE, start_new_session=True)
+    def run(self, args: list[str], ranks: int | None = None, stdout=None) -> str | None:
+        """Run ``python -m mpi4py ARGS`` on the ranks; return its stdout if ``stdout``
+        is ``subprocess.PIPE``."""
+        cmd = self.net.prefix() + ["env"] + [f"{k}={v}" for k, v in self.env.items()]
+        cmd += [mpiexec(), *self.launch, "-n", str(ranks or self.ranks)]
+        cmd += [sys.executable, "-m", "mpi4py"]
+        proc = subprocess.Popen(cmd + args, stdout=stdout, start_new_session=True)
         try:
             out, _ = proc.communicate()
         except BaseException:
@@ -117,11 +173,16 @@ class Runner:
             raise
         if proc.returncode != 0:
             raise RuntimeError(f"{' '.join(args[:3])} ... exited with {proc.returncode}")
-        return json.loads(out)
+        return out
+
+    def json(self, args: list[str], ranks: int | None = None) -> list:
+        """Run ``python -m mpi4py ARGS`` on the ranks; return the JSON it printed."""
+        return json.loads(self.run(args, ranks, stdout=subprocess.PIPE))
 
     def bench(self, numel: int, codecs: list[str], reps: int, trace_dir: str | None) -> list:
         args = ["-m", "mpicomp", "bench", "--no-kernels", "--sizes", str(numel)]
-        args += ["--allreduce-reps", str(reps), "--tc-dev", "lo", "--json", "--codecs"]
+        args += ["--allreduce-reps", str(reps), "--tc-dev", ",".join(self.net.tc_devs())]
+        args += ["--json", "--codecs"]
         args += [",".join(codecs)]
         if trace_dir is not None:
             args += ["--trace", trace_dir]
@@ -134,14 +195,16 @@ def traced_recv(path: str) -> int:
     return int(events["bytes_recv"].sum())
 
 
-def check_rows(rows: list[dict], reps: int) -> list[dict]:
+def check_rows(rows: list[dict], reps: int, uncounted: str | None = None) -> list[dict]:
     """Compare tc's bytes with the traces' bytes, per codec; return one check per row.
 
-    Every byte crosses the loopback once, on its way to the rank that receives it, so
-    tc should count what the traces say the ranks received (a trace's *sent* column
-    counts a payload once even when an allgather relays it N - 1 times). For the
-    ``MPI_SUM`` codecs the trace has MPI_Allreduce's logical 4n per rank and MPI's ring
-    moves 2(N-1)/N times that.
+    Every byte crosses one counted qdisc once, on its way to the rank that receives it
+    (the shared loopback; or a host's download link, or its loopback between its own
+    ranks), so tc should count what the traces say the ranks received (a trace's
+    *sent* column counts a payload once even when an allgather relays it N - 1 times).
+    For the ``MPI_SUM`` codecs the trace has MPI_Allreduce's logical 4n per rank and
+    MPI's ring moves 2(N-1)/N times that. ``uncounted``: why some bytes cross no
+    qdisc (ranks of one host over shared memory); the checks then say so, ``ok`` None.
     """
     checks = []
     for r in rows:
@@ -159,19 +222,26 @@ def check_rows(rows: list[dict], reps: int) -> list[dict]:
                 "traced_bytes": traced,
                 "device_over_traced": ratio,
                 "expected": expected,
-                "ok": ratio is not None and abs(ratio / expected - 1) <= DEVICE_TOLERANCE,
+                "ok": None
+                if uncounted
+                else ratio is not None and abs(ratio / expected - 1) <= DEVICE_TOLERANCE,
             }
         )
+        if uncounted:
+            checks[-1]["not_checked"] = uncounted
     return checks
 
 
 def report(result: dict, out=sys.stdout) -> None:
     """Print the summary table of one shaped rate."""
     rate = result["rate"]
+    where = (
+        f"per host link ({result['hosts']} hosts)" if result.get("hosts") else "aggregate, one lo"
+    )
     print(
         f"\n{rate}: MPI_Allreduce of {result['numel']:,} float32 on {result['ranks']} ranks "
         f"{result['allreduce_s']:.2f} s, achieved {result['achieved_gbit']:.2f} Gbit/s "
-        f"({100 * result['achieved_over_rate']:.0f}% of the rate; aggregate device "
+        f"({100 * result['achieved_over_rate']:.0f}% of the rate; {where}: device "
         "bytes / time)",
         file=out,
     )
@@ -194,50 +264,160 @@ def report(result: dict, out=sys.stdout) -> None:
             f"{r['overhead_s']:>11.3f}{even:>14}",
             file=out,
         )
+    unchecked = {c["not_checked"] for c in result["checks"] if c.get("not_checked")}
+    for why in unchecked:
+        print(f"tc/trace not checked: {why}", file=out)
+    if "links" in result:
+        report_links(result["links"], out)
+
+
+def report_links(links: dict, out=sys.stdout) -> None:
+    """Print each host's link bytes over the whole run of one rate (both directions)."""
+    print(
+        f"links over the run: up {links['up'] / 1e6:,.1f} MB, down {links['down'] / 1e6:,.1f} MB "
+        f"(down/up {links['down_over_up']:.3f}); per host MB up/down/lo: "
+        + ", ".join(
+            f"h{i} {u / 1e6:.0f}/{d / 1e6:.0f}/{lo / 1e6:.0f}"
+            for i, (u, d, lo) in enumerate(links["per_host"])
+        ),
+        file=out,
+    )
 
 
 def _rate_bps(rate: str) -> int | None:
     return None if rate == UNSHAPED else parse_rate(rate)
 
 
-def add_overhead(rows: list[dict]) -> None:
-    """Add each row's compute overhead and the aggregate link rate at which it breaks even.
+def link_bytes(links: dict[str, int], net) -> float:
+    """Bytes per shaped link (the mean over links) of a row's ``device_links``."""
+    return sum(links[d] for d in net.link_devs()) / net.nlinks
 
-    ``overhead_s``: the row's time less what its device bytes take at the rate
-    MPI_Allreduce achieved in the same run; ``break_even_gbit``: the aggregate rate at
-    which the bytes it saves take exactly that long (compression pays below it).
+
+def add_overhead(rows: list[dict], net) -> None:
+    """Add each row's compute overhead and the link rate at which it breaks even.
+
+    ``overhead_s``: the row's time less what its link bytes take at the rate
+    MPI_Allreduce achieved in the same run; ``break_even_gbit``: the rate per link
+    (aggregate on the shared loopback) at which the bytes it saves take exactly that
+    long (compression pays below it).
     """
     for r in rows:
-        ref_bytes, ref_s = r["allreduce_device_bytes"], r["allreduce_s"]
-        overhead = r["time_s"] - ref_s * r["device_bytes"] / ref_bytes
-        saved = ref_bytes - r["device_bytes"]
+        ref_bytes = link_bytes(r["allreduce_device_links"], net)
+        mine = link_bytes(r["device_links"], net)
+        overhead = r["time_s"] - r["allreduce_s"] * mine / ref_bytes
+        saved = ref_bytes - mine
         r["overhead_s"] = overhead
         pays = overhead > 0 and saved > 0.01 * ref_bytes
         r["break_even_gbit"] = 8 * saved / overhead / 1e9 if pays else None
 
 
-def run_rate(runner: Runner, ns: Namespace, rate: str, args, out_dir: str) -> dict:
+def uncounted(args) -> str | None:
+    """Why some traced bytes cross no counted qdisc in this layout, or None."""
+    if args.hosts and args.ranks_per_host > 1 and args.intra_host == "shm":
+        return (
+            "ranks of one host talk over shared memory, which no qdisc counts "
+            "(--intra-host tcp counts them on the host's loopback)"
+        )
+    return None
+
+
+def link_totals(before: dict[str, int], after: dict[str, int], hosts: int) -> dict:
+    """Every host link's bytes between two ``Hosts.counters()`` readings; whether what
+    the hosts sent up is what the switch delivered down."""
+    delta = {k: after[k] - before[k] for k in before}
+    per_host = [(delta[f"h{i} up"], delta[f"h{i} down"], delta[f"h{i} lo"]) for i in range(hosts)]
+    up, down = sum(u for u, _, _ in per_host), sum(d for _, d, _ in per_host)
+    ratio = down / up if up else None
+    return {
+        "per_host": per_host,
+        "up": up,
+        "down": down,
+        "down_over_up": ratio,
+        "ok": ratio is not None and abs(ratio - 1) <= DEVICE_TOLERANCE,
+    }
+
+
+def run_rate(runner: Runner, rate: str, args, out_dir: str) -> dict:
     """Shape to ``rate``, run the bench, check bytes; return the result record."""
+    net = runner.net
     bps = _rate_bps(rate)
-    ns.shape(bps)
+    net.shape(bps)
     trace_dir = os.path.join(out_dir, rate)
+    before = net.counters() if args.hosts else None
     rows = runner.bench(args.numel, args.codecs, args.reps, trace_dir)
-    add_overhead(rows)
+    add_overhead(rows, net)
     ref = rows[0]
-    achieved = ref["allreduce_device_bytes"] * 8 / ref["allreduce_s"]
+    achieved = link_bytes(ref["allreduce_device_links"], net) * 8 / ref["allreduce_s"]
     bps = bps or achieved
     result = {
         "rate": rate,
         "rate_bps": bps,
         "ranks": args.ranks,
+        "hosts": args.hosts,
         "numel": args.numel,
         "allreduce_s": ref["allreduce_s"],
         "achieved_gbit": achieved / 1e9,
         "achieved_over_rate": achieved / bps,
         "rows": rows,
-        "checks": check_rows(rows, args.reps),
+        "checks": check_rows(rows, args.reps, uncounted(args)),
     }
+    if before is not None:
+        result["links"] = link_totals(before, net.counters(), args.hosts)
     return result
+
+
+def train(runner: Runner, rate: str, args, out_dir: str) -> dict:
+    """jobs/train.py (every codec against float32) on the network shaped to ``rate``;
+    return its results.json with tc's bytes against the traced ones over the run."""
+    net = runner.net
+    net.shape(_rate_bps(rate))
+    out = os.path.join(out_dir, f"train-{rate}")
+    devs = net.tc_devs()
+    before = {d: net.sent_bytes(d) for d in devs}
+    argv = ["-m", "jobs.train", "--steps", str(args.train_steps), "--out", out, "--no-plot"]
+    runner.run(argv + ["--hidden", args.train_hidden])
+    device = sum(net.sent_bytes(d) - before[d] for d in devs)
+    with open(os.path.join(out, "results.json")) as f:
+        result = json.load(f)
+    n = args.ranks
+    ring = 2 * (n - 1) / n if n > 1 else 1.0
+    # what tc should count: the traced bytes, MPI_Allreduce's logical ones times its ring's
+    expected = sum(
+        traced_recv(r["trace"]) * (ring if r["codec"] in MPI_SUM else 1.0) for r in result["runs"]
+    )
+    result.update(rate=rate, device_bytes=device, expected_bytes=expected)
+    why = uncounted(args)
+    if expected < TRAIN_CHECK_MIN:
+        why = (
+            f"under {TRAIN_CHECK_MIN / 1e6:.0f} MB traced: the job's untraced messages "
+            "(start-up, results) are too large a share"
+        )
+    result["ok"] = None if why else abs(device / expected - 1) <= DEVICE_TOLERANCE
+    if why:
+        result["not_checked"] = why
+    return result
+
+
+def report_train(result: dict, out=sys.stdout) -> None:
+    """Print the training job's figures at one rate."""
+    print(f"\n{result['rate']}: jobs.train, {result['meta']['steps']} steps", file=out)
+    head = f"{'run':<36}{'test acc':>9}{'ms/step':>9}{'comm ms':>9}{'x float32':>10}"
+    print(head, file=out)
+    print("-" * len(head), file=out)
+    base = next((r for r in result["runs"] if r["codec"] == "none"), None)
+    for r in result["runs"]:
+        speed = base["ms_step"] / r["ms_step"] if base else float("nan")
+        print(
+            f"{r['label']:<36}{100 * r['test_accuracy']:>8.1f}%{r['ms_step']:>9.1f}"
+            f"{r['ms_comm']:>9.1f}{speed:>10.2f}",
+            file=out,
+        )
+    print(
+        f"tc counted {result['device_bytes'] / 1e6:,.1f} MB over the run, the traces say "
+        f"{result['expected_bytes'] / 1e6:,.1f} MB"
+        + (f" (not checked: {result['not_checked']})" if result.get("not_checked") else ""),
+        file=out,
+    )
 
 
 def schemes(runner: Runner, args) -> list[dict]:
@@ -296,11 +476,11 @@ def report_overlap(rows: list[dict], rate: str, out=sys.stdout) -> None:
         )
 
 
-def overlap_torch(runner: Runner, ns: Namespace, rate: str, args) -> dict:
-    """jobs/overlap_torch.py on the link shaped to ``rate``: a torch model of about
+def overlap_torch(runner: Runner, rate: str, args) -> dict:
+    """jobs/overlap_torch.py on the network shaped to ``rate``: a torch model of about
     ``--numel`` parameters, backward-only, all-reduce-only, sequential and overlapped
     steps; return the result record."""
-    ns.shape(_rate_bps(rate))
+    runner.net.shape(_rate_bps(rate))
     argv = ["-m", "jobs.overlap_torch", "--params", str(args.numel), "--reps", str(args.reps)]
     return {"rate": rate, "overlap_torch": runner.json(argv + ["--json"])}
 
@@ -319,29 +499,50 @@ def report_overlap_torch(result: dict, out=sys.stdout) -> None:
     format_table(rows, out)
 
 
-def probe(runner: Runner, ns: Namespace, numel: int) -> float:
-    """Return the unshaped TCP path's rate (bit/s) as MPI_Allreduce achieves it.
+def probe(runner: Runner, numel: int, groups: int) -> float:
+    """Return the unshaped TCP path's rate (bit/s, per link) as MPI_Allreduce achieves it.
+
+    ``groups``: the ranks, or the hosts (whose own ranks may share memory): a float32
+    all-reduce moves at least 2(groups - 1) 4n bytes across the counted qdiscs.
 
     Raises:
         RuntimeError: tc saw (almost) none of the all-reduce's bytes: MPI is not on TCP
-            over this loopback, so a shaper would be bypassed and figures fiction.
+            over the emulated network, so a shaper would be bypassed and figures fiction.
     """
-    ns.shape(None)
+    net = runner.net
+    net.shape(None)
     ref = runner.bench(numel, ["none"], 1, None)[0]
-    expected = 2 * (runner.ranks - 1) * 4 * numel  # float32 ring, all ranks together
+    expected = 2 * (groups - 1) * 4 * numel
     if ref["allreduce_device_bytes"] < 0.5 * expected:
         raise RuntimeError(
-            f"tc counted {ref['allreduce_device_bytes']:,} bytes on lo for an all-reduce that "
-            f"moves about {expected:,}: the MPI library is not using TCP over loopback, so the "
-            "shaper would be bypassed (for MPICH set MPIR_CVAR_CH4_NETMOD=ofi FI_PROVIDER=tcp)"
+            f"tc counted {ref['allreduce_device_bytes']:,} bytes on the emulated links for an "
+            f"all-reduce that moves about {expected:,}: the MPI library is not using TCP over "
+            "them, so the shaper would be bypassed (for MPICH set MPIR_CVAR_CH4_NETMOD=ofi "
+            "FI_PROVIDER=tcp)"
         )
-    return ref["allreduce_device_bytes"] * 8 / ref["allreduce_s"]
+    return link_bytes(ref["allreduce_device_links"], net) * 8 / ref["allreduce_s"]
 
 
-def main(argv=None) -> int:
-    """Run the emulated-network benchmark; return 0, 1 (a check failed) or 2 (cannot run)."""
+def _parse(argv):
     ap = argparse.ArgumentParser(prog="jobs.netem", description=__doc__.splitlines()[0])
-    ap.add_argument("--ranks", type=int, default=4, help="MPI ranks (4)")
+    ap.add_argument("--ranks", type=int, default=None, help="MPI ranks on the shared lo (4)")
+    ap.add_argument(
+        "--hosts",
+        type=int,
+        default=0,
+        help="emulate this many hosts, each with a link of its own into a switch, shaped "
+        "to the rate in both directions (0: every rank on one shared loopback; 0)",
+    )
+    ap.add_argument(
+        "--ranks-per-host", type=int, default=1, help="with --hosts: ranks on each host (1)"
+    )
+    ap.add_argument(
+        "--intra-host",
+        choices=INTRA_HOST,
+        default="shm",
+        help="with --hosts: how ranks of one host talk, shared memory as on a cluster node "
+        "or TCP over the host's loopback, which tc counts (shm)",
+    )
     ap.add_argument("--numel", default="25.6M", help="gradient elements (25.6M)")
     ap.add_argument(
         "--rates",
@@ -355,7 +556,7 @@ def main(argv=None) -> int:
         "--scheme-ranks",
         default="4,8",
         help="at 1gbit, also compare signSGD's ring, allgather and alltoall+allgather at "
-        "these rank counts ('' to skip; 4,8)",
+        "these rank counts ('' to skip; 4,8; with --hosts the job's ranks only)",
     )
     ap.add_argument(
         "--overlap-buckets",
@@ -372,34 +573,93 @@ def main(argv=None) -> int:
         "parameters: backward-only, all-reduce-only, sequential and overlapped steps) at "
         "each rate",
     )
+    ap.add_argument(
+        "--train-steps",
+        type=int,
+        default=0,
+        help="also run the training job (jobs.train, every codec) for this many steps at "
+        "each rate (0: not; 0)",
+    )
+    ap.add_argument(
+        "--train-hidden",
+        default="1024,1024",
+        help="hidden widths of the training job's MLP (1024,1024: 1.1M parameters)",
+    )
     args = ap.parse_args(argv)
     try:
         args.numel = parse_count(args.numel)
-        rates = [r.strip() for r in args.rates.split(",") if r.strip()]
-        for r in rates:
+        args.rates = [r.strip() for r in args.rates.split(",") if r.strip()]
+        for r in args.rates:
             _rate_bps(r)
         args.scheme_ranks = [int(r) for r in args.scheme_ranks.split(",") if r.strip()]
         names = args.codecs.split(",") if args.codecs else None
         args.codecs = list(dict.fromkeys(n for n, _ in codec_set(names)))
     except ValueError as e:
         ap.error(str(e))
-    if args.ranks < 1 or args.reps < 1 or args.numel < 1:
-        ap.error("--ranks, --reps and --numel must be >= 1")
+    if args.hosts:
+        if args.ranks is not None:
+            ap.error("--ranks is for the shared loopback; with --hosts give --ranks-per-host")
+        if not 1 <= args.hosts <= namespace.MAX_HOSTS or args.ranks_per_host < 1:
+            ap.error(f"--hosts must be 1..{namespace.MAX_HOSTS}, --ranks-per-host >= 1")
+        args.ranks = args.hosts * args.ranks_per_host
+        args.scheme_ranks = [args.ranks] if args.scheme_ranks else []
+    elif args.ranks is None:
+        args.ranks = 4
+    if args.ranks < 1 or args.reps < 1 or args.numel < 1 or args.train_steps < 0:
+        ap.error("--ranks, --reps and --numel must be >= 1, --train-steps >= 0")
+    return args
+
+
+def _network(args, vendor: str):
+    """The emulated network of ``args`` (a context manager) and its Runner's factory."""
+    if not args.hosts:
+        ns = Namespace()
+        return ns, lambda: Runner(ns, args.ranks, mpi_env(vendor))
+    hosts = Hosts(args.hosts)
+    env = mpi_env(vendor, hosts=True, intra_host=args.intra_host)
+    return hosts, lambda: Runner(
+        hosts, args.ranks, env, host_launch(vendor, hosts, args.ranks_per_host)
+    )
+
+
+def _describe(args, vendor: str, net) -> str:
+    if not args.hosts:
+        return f"jobs.netem: namespace {net.name}, {vendor} over TCP on lo"
+    return (
+        f"jobs.netem: {args.hosts} hosts ({net.base}-h0..) on a switch, "
+        f"{args.ranks_per_host} rank(s) each, {vendor} over TCP on {namespace.NIC}, "
+        f"within a host over {args.intra_host}"
+    )
+
+
+def main(argv=None) -> int:
+    """Run the emulated-network benchmark; return 0, 1 (a check failed) or 2 (cannot run)."""
+    args = _parse(argv)
     os.makedirs(args.out, exist_ok=True)
     vendor = mpi_vendor()
-    summary = {"ranks": args.ranks, "numel": args.numel, "mpi": vendor, "rates": []}
+    summary = {
+        "ranks": args.ranks,
+        "hosts": args.hosts,
+        "ranks_per_host": args.ranks_per_host if args.hosts else None,
+        "intra_host": args.intra_host if args.hosts else None,
+        "numel": args.numel,
+        "mpi": vendor,
+        "rates": [],
+    }
     started = time.time()
     try:
-        with Namespace() as ns:
-            runner = Runner(ns, args.ranks, mpi_env(vendor))
-            print(f"jobs.netem: namespace {ns.name}, {vendor} over TCP on lo", file=sys.stderr)
-            unshaped = probe(runner, ns, args.numel)
+        net, make_runner = _network(args, vendor)
+        with net:
+            runner = make_runner()
+            print(_describe(args, vendor, net), file=sys.stderr)
+            unshaped = probe(runner, args.numel, args.hosts or args.ranks)
             summary["unshaped_gbit"] = unshaped / 1e9
             print(
-                f"unshaped TCP loopback: MPI_Allreduce achieves {unshaped / 1e9:.2f} Gbit/s "
-                "(aggregate device bytes / time)"
+                f"unshaped TCP {'links' if args.hosts else 'loopback'}: MPI_Allreduce "
+                f"achieves {unshaped / 1e9:.2f} Gbit/s "
+                f"({'per host link' if args.hosts else 'aggregate'} device bytes / time)"
             )
-            for rate in rates:
+            for rate in args.rates:
                 if rate != UNSHAPED and parse_rate(rate) > unshaped:
                     note = (
                         f"skipped: the unshaped path reaches {unshaped / 1e9:.2f} Gbit/s, "
@@ -409,43 +669,62 @@ def main(argv=None) -> int:
                     summary["rates"].append({"rate": rate, "skipped": note})
                     continue
                 if args.overlap_torch:
-                    result = overlap_torch(runner, ns, rate, args)
+                    result = overlap_torch(runner, rate, args)
                     summary["rates"].append(result)
                     report_overlap_torch(result)
                     continue
-                result = run_rate(runner, ns, rate, args, args.out)
+                result = run_rate(runner, rate, args, args.out)
                 summary["rates"].append(result)
                 report(result)
                 if result["rate_bps"] == TARGET_RATE and rate != UNSHAPED:
-                    result["signsgd_schemes"] = schemes(runner, args)
-                    report_schemes(result["signsgd_schemes"], rate)
+                    if args.scheme_ranks:
+                        result["signsgd_schemes"] = schemes(runner, args)
+                        report_schemes(result["signsgd_schemes"], rate)
                     if args.overlap_buckets:
                         result["overlap"] = overlap(runner, args)
                         report_overlap(result["overlap"], rate)
+                if args.train_steps:
+                    result["train"] = train(runner, rate, args, args.out)
+                    report_train(result["train"])
     except NeedsRoot as e:
         print(f"jobs.netem: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
-        print("jobs.netem: interrupted; namespace removed", file=sys.stderr)
+        print("jobs.netem: interrupted; namespaces removed", file=sys.stderr)
         return 130
     summary["seconds"] = time.time() - started
     path = os.path.join(args.out, "netem.json")
     with open(path, "w") as f:
         json.dump(summary, f, indent=1)
-    bad = [
-        c
-        for r in summary["rates"]
-        for c in r.get("checks", [])
-        if not c["ok"] and c["traced_bytes"] > 1e6
-    ]
-    for c in bad:
-        print(
-            f"check failed: {c['codec']} {label(c['params'])}: tc counted "
-            f"{c['device_over_traced']:.3f}x the traced bytes",
-            file=sys.stderr,
-        )
+    bad = failed_checks(summary)
+    for line in bad:
+        print(f"check failed: {line}", file=sys.stderr)
     print(f"\nwrote {path} ({summary['seconds']:.0f} s)")
     return 1 if bad else 0
+
+
+def failed_checks(summary: dict) -> list[str]:
+    """Every byte check of the run that failed, said in a line each."""
+    bad = []
+    for r in summary["rates"]:
+        for c in r.get("checks", []):
+            if c["ok"] is False and c["traced_bytes"] > 1e6:
+                bad.append(
+                    f"{r['rate']} {c['codec']} {label(c['params'])}: tc counted "
+                    f"{c['device_over_traced']:.3f}x the traced bytes"
+                )
+        links = r.get("links")
+        if links and not links["ok"]:
+            bad.append(
+                f"{r['rate']}: the switch delivered {links['down_over_up']}x what the hosts sent"
+            )
+        run = r.get("train")
+        if run and run["ok"] is False:
+            bad.append(
+                f"{r['rate']} jobs.train: tc counted "
+                f"{run['device_bytes'] / run['expected_bytes']:.3f}x the traced bytes"
+            )
+    return bad
 
 
 if __name__ == "__main__":

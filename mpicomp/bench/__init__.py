@@ -63,7 +63,7 @@ def full_run(
     allreduce_reps: int = 3,
     seed: int = 0,
     trace_dir: str | None = None,
-    tc_dev: str | None = None,
+    tc_dev: str | list[str] | None = None,
     progress=None,
     backend: str | None = None,
 ) -> Report:

@@ -59,6 +59,9 @@ def slowest_median(comm, fn, reps: int, warmup: bool = True) -> float:
 def tc_sent_bytes(dev: str) -> int:
     """Return the bytes ``tc -s qdisc show dev DEV`` says the device's root qdisc sent.
 
+    ``dev`` is a device of this network namespace, or ``NETNS/DEV`` for one in the
+    named namespace (``tc -n NETNS``; root reads any).
+
     Raises:
         RuntimeError: ``tc`` is missing, fails, or prints no counter for ``dev``.
     """
@@ -67,8 +70,13 @@ def tc_sent_bytes(dev: str) -> int:
     )
     if tc is None:
         raise RuntimeError("tc (iproute2) not found: needed for --tc-dev")
+    netns, _, name = dev.rpartition("/")
+    where = ["-n", netns] if netns else []
     out = subprocess.run(
-        [tc, "-s", "qdisc", "show", "dev", dev], capture_output=True, text=True, check=False
+        [tc, *where, "-s", "qdisc", "show", "dev", name],
+        capture_output=True,
+        text=True,
+        check=False,
     )
     found = re.search(r"Sent (\d+) bytes", out.stdout)
     if out.returncode != 0 or found is None:
@@ -77,24 +85,30 @@ def tc_sent_bytes(dev: str) -> int:
 
 
 class _Counter:
-    """Device bytes around a measurement, read on rank 0 (the counter is per host)."""
+    """Device bytes around a measurement, summed over ``devs``, read on rank 0 (a
+    counter belongs to a host, not to a rank)."""
 
-    def __init__(self, comm, dev: str | None):
-        self.comm, self.dev = comm, dev
+    def __init__(self, comm, devs: list[str] | None):
+        self.comm, self.devs = comm, devs or []
 
-    def read(self) -> int | None:
-        if self.dev is None:
+    def read(self) -> dict[str, int] | None:
+        """Return ``{dev: bytes sent so far}`` on every rank (None without devices)."""
+        if not self.devs:
             return None
         value = error = None
         if self.comm.rank == 0:
             try:
-                value = tc_sent_bytes(self.dev)
+                value = {dev: tc_sent_bytes(dev) for dev in self.devs}
             except RuntimeError as e:
                 error = str(e)
         value, error = self.comm.bcast((value, error), root=0)
         if error is not None:  # on every rank, so none waits for the others
             raise RuntimeError(error)
         return value
+
+
+def _per_call(before: dict[str, int], after: dict[str, int], calls: int) -> dict[str, float]:
+    return {dev: (after[dev] - before[dev]) / calls for dev in before}
 
 
 def _trace_path(trace_dir: str, numel: int, name: str, params: dict) -> str:
@@ -248,7 +262,7 @@ def measure(
     progress=None,
     *,
     trace_dir: str | None = None,
-    tc_dev: str | None = None,
+    tc_dev: str | list[str] | None = None,
     backend: str | None = None,
 ) -> list[dict]:
     """Return one row per codec of all-reduces of ``numel`` float32 values on ``comm``.
@@ -263,9 +277,10 @@ def measure(
             traced to ``<numel>-<codec>[-<params>].h5`` there (docs/trace-format.md)
             and kept. Without it they are traced to a temporary directory, removed
             once the phase split is read. The timed calls are traced either way.
-        tc_dev: a network device whose root qdisc counts bytes (``tc -s qdisc``, read on
-            rank 0): each row gets the device bytes of its measurement (warm-up
-            included), to check against what the ranks say they sent.
+        tc_dev: network devices (``DEV`` or ``NETNS/DEV``, a list or one name) whose
+            root qdiscs count bytes (``tc -s qdisc``, read on rank 0): each row gets
+            their bytes of its measurement (warm-up included), summed and per device,
+            to check against what the ranks say they received.
         backend: the kernel backend (None: what ``MPICOMP_KERNELS`` selects). A host
             backend (``numba``, ``cuda-emulated``) computes on NumPy gradients; on a
             device backend (``cuda``: CuPy) each rank's gradient is placed on the
@@ -279,10 +294,12 @@ def measure(
         ``sent_ratio``/``recv_ratio``, ``sent_total``/``recv_total`` (per call, summed over ranks),
         ``encode_s``/``exchange_s``/``decode_s`` (per call: the slowest rank's phases,
         median over the timed calls; see :func:`phase_split`), and with ``tc_dev``:
-        ``device_bytes`` (per call) and ``device_over_recv``
+        ``device_bytes`` (per call, summed over the devices), ``device_links`` (per
+        call, per device) and ``device_over_recv``
         (device bytes over ``recv_total``: every byte crosses the device once, on its
         way to the rank that receives it); the float32 MPI_Allreduce's own device bytes
-        are ``allreduce_device_bytes`` (the staged one on a device backend).
+        are ``allreduce_device_bytes`` and ``allreduce_device_links`` (the staged
+        one on a device backend).
         On a device backend also ``transport`` (``"direct"`` or ``"staged"``: how
         CompressedComm's device buffers reached MPI), ``allreduce_staged_s`` and
         ``allreduce_direct_s`` (:func:`device_references`; direct None when the MPI
@@ -300,7 +317,7 @@ def measure(
     n, size = numel, comm.size
     host = gradient(n, seed=comm.rank)
     x = rec.xp.asarray(host) if device else host
-    counter = _Counter(comm, tc_dev)
+    counter = _Counter(comm, [tc_dev] if isinstance(tc_dev, str) else tc_dev)
     before = counter.read()
     if device:
         t_staged, t_direct = device_references(comm, rec, x, reps)
@@ -309,7 +326,7 @@ def measure(
         t_staged = slowest_median(comm, lambda: comm.Allreduce(host, out, op=MPI.SUM), reps)
         t_direct = None
     after = counter.read()
-    ref_device = None if before is None else (after - before) / (reps + 1)
+    ref_links = None if before is None else _per_call(before, after, reps + 1)
     ring_bytes = 2 * (size - 1) * 4 * n // size  # float32 ring all-reduce, per rank
     rows = []
     with _traces_in(comm, trace_dir) as where:
@@ -377,9 +394,12 @@ def measure(
             if trace_dir is not None:
                 row["trace"] = path
             if before is not None:
-                device_bytes = (after - before) / calls
+                links = _per_call(before, after, calls)
+                device_bytes = sum(links.values())
+                row["device_links"] = {dev: int(round(v)) for dev, v in links.items()}
                 row["device_bytes"] = int(round(device_bytes))
                 row["device_over_recv"] = device_bytes / total_recv if total_recv else None
-                row["allreduce_device_bytes"] = int(round(ref_device))
+                row["allreduce_device_bytes"] = int(round(sum(ref_links.values())))
+                row["allreduce_device_links"] = {d: int(round(v)) for d, v in ref_links.items()}
             rows.append(row)
     return rows
