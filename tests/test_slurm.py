@@ -153,8 +153,9 @@ def test_stub_sets_the_task_variables_per_rank(launcher, tmp_path):
     env, _ = batch_env(SCRIPTS / "train.sbatch", tmp_path)
     probe = (
         "import os; from mpi4py import MPI; c = MPI.COMM_WORLD; "
-        "print(c.rank, c.size, *(os.environ[k] for k in "
-        "('SLURM_PROCID', 'SLURM_LOCALID', 'SLURM_NTASKS')))"
+        # one write per rank: print() writes its fields apart, and two ranks' lines mix
+        "v = [os.environ[k] for k in ('SLURM_PROCID', 'SLURM_LOCALID', 'SLURM_NTASKS')]; "
+        "os.write(1, ' '.join(map(str, [c.rank, c.size, *v])).encode() + b'\\n')"
     )
     rc, out, err = run(
         ["srun", "--cpu-bind=cores", "--mpi", "pmi2", "python", "-c", probe], env, tmp_path
