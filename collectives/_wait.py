@@ -138,6 +138,7 @@ def sendrecv(
 ) -> None:
     """Send ``sendbuf`` to ``dest`` while receiving ``recvbuf`` from ``source``: one
     ``Sendrecv``, or with a timeout an Irecv/Isend pair waited on by ``wait_all``."""
+    ready(sendbuf)  # a kernel may still be writing a device buffer
     if timeout is None:
         comm.Sendrecv(sendbuf, dest, tag, recvbuf, source, tag)
         return

@@ -74,12 +74,12 @@ class PackedSums(NamedTuple):
 # --- layout -------------------------------------------------------------------------------
 
 
-def _width(max_value: int) -> int:
+def bits_for(max_value: int) -> int:
     """Return ceil(log2(max_value + 1)): the bits that hold every integer in [0, max_value]."""
     return int(max_value).bit_length()
 
 
-def _chunk_size(n: int, nranks: int) -> int:
+def chunk_size(n: int, nranks: int) -> int:
     """Return C, the elements per chunk: ceil(n/N) rounded up to a multiple of CHUNK_ALIGN."""
     align = CHUNK_ALIGN
     if align <= 0 or align % 8:
@@ -112,7 +112,7 @@ def _ring_allreduce(
     Args:
         comm: the communicator; rank r talks to (r+1) % N and (r-1) % N only.
         exchange: ``exchange(sendbuf, dest, recvbuf, source, phase, step)`` moves one
-            step's messages (``_exchanger`` builds it: blocking or with a timeout).
+            step's messages (``exchanger`` builds it: blocking or with a timeout).
         n: the number of values, the same on every rank.
         be: the kernel backend record owning the values.
         width_of_step: bits per element of a partial over i ranks (reduce-scatter step i).
@@ -131,7 +131,7 @@ def _ring_allreduce(
     """
     xp = be.xp
     size, rank = comm.Get_size(), comm.Get_rank()
-    C = _chunk_size(n, size)
+    C = chunk_size(n, size)
     longest = min(C, n)
     right, left = (rank + 1) % size, (rank - 1) % size
 
@@ -174,17 +174,30 @@ def _ring_allreduce(
             start, stop = region(rank)
             finish(recvbuf[:got], width, r_lo, r_hi, out[start:stop])
 
+    allgather_chunks(comm, exchange, out, region, final_width, recorder, name)
+    return out
+
+
+def allgather_chunks(comm, exchange: Callable, out, region: Callable, width: int, recorder, name):
+    """Complete ``out`` around the ring: this rank holds chunk r of it, packed in place.
+
+    At step j (1..N-1) rank r forwards chunk (r - j + 1) mod N to r + 1 unchanged and
+    receives chunk (r - j) mod N from r - 1 into its place; ``region(c)`` gives the
+    [start, stop) bytes of chunk c in ``out``, ``width`` its bits per element (traced).
+    """
+    size, rank = comm.Get_size(), comm.Get_rank()
+    right, left = (rank + 1) % size, (rank - 1) % size
     for j in range(1, size):
         s_start, s_stop = region(rank - j + 1)
         r_start, r_stop = region(rank - j)
         exchange(out[s_start:s_stop], right, out[r_start:r_stop], left, _AG, j)
         if recorder is not None:
-            recorder.record(f"{name}.{_AG}", j, s_stop - s_start, r_stop - r_start, final_width)
-    return out
+            recorder.record(f"{name}.{_AG}", j, s_stop - s_start, r_stop - r_start, width)
 
 
-def _exchanger(comm, timeout: float | None, op: str) -> Callable:
-    """Return ``exchange(sendbuf, dest, recvbuf, source, phase, step)`` for the core."""
+def exchanger(comm, timeout: float | None, op: str, tag: int = _TAG) -> Callable:
+    """Return ``exchange(sendbuf, dest, recvbuf, source, phase, step)``: one step's
+    ``Sendrecv`` (with a timeout, an Irecv/Isend pair that reports what it waited for)."""
 
     def exchange(sendbuf, dest, recvbuf, source, phase, step):
         sendrecv(
@@ -193,7 +206,7 @@ def _exchanger(comm, timeout: float | None, op: str) -> Callable:
             dest,
             recvbuf,
             source,
-            _TAG,
+            tag,
             timeout=timeout,
             name=op,
             detail=lambda: (
@@ -320,8 +333,18 @@ def ring_allreduce_bounded(
     """
     fname = "ring_allreduce_bounded"
     timeout = resolve_timeout(timeout)
+    x, b, be = check_bounded(comm, codes, bound, majority, signed, packed, fname, timeout)
+    return _bounded(comm, x, b, majority, signed, packed, recorder, timeout, be, fname)
+
+
+def check_bounded(comm, codes, bound, majority, signed, packed, fname: str, timeout):
+    """Check the arguments of a bounded sum or majority and agree on them across ranks.
+
+    Returns (codes as a contiguous 1-D array, bound, kernel backend record). Raises what
+    ``ring_allreduce_bounded`` documents, on every rank (one Allreduce of 10 int64).
+    """
     size = comm.Get_size()
-    err, n, b, lo, hi, mode = None, 0, 0, 0, 0, _MODE_SIGNED
+    err, x, be, n, b, lo, hi, mode = None, None, None, 0, 0, 0, 0, _MODE_SIGNED
     try:
         x, be = _as_codes(codes, fname)
         n = x.size
@@ -342,9 +365,9 @@ def ring_allreduce_bounded(
         elif not signed:
             mode = _MODE_UNSIGNED
         top = (2 if signed else 1) * size * b
-        if _width(top) > MAX_WIDTH:
+        if bits_for(top) > MAX_WIDTH:
             raise ValueError(
-                f"{fname}: sums of bound={b} over N={size} ranks need {_width(top)} bits, "
+                f"{fname}: sums of bound={b} over N={size} ranks need {bits_for(top)} bits, "
                 f"more than {MAX_WIDTH}; use bound <= {(2**MAX_WIDTH - 1) // (top // b)}"
             )
         lo, hi = _extremes(x)
@@ -352,7 +375,7 @@ def ring_allreduce_bounded(
         err = exc
     allowed = (-b, b) if signed else (0, b)
     _agree(comm, fname, err, n, b, "bound", mode, lo, hi, allowed, timeout)
-    return _bounded(comm, x, b, majority, signed, packed, recorder, timeout, be, fname)
+    return x, b, be
 
 
 def ring_allreduce_agreed(
@@ -391,14 +414,61 @@ def ring_allreduce_agreed(
     )
 
 
+class Plan(NamedTuple):
+    """How a bounded sum or majority travels, whatever the schedule.
+
+    Codes go on the wire shifted by ``shift`` into [0, ``span``]; the sum over N ranks
+    is packed at ``final_width`` bits (1 for majority decisions); ``decide`` (majority
+    only) turns a chunk's int64 vote counts into its packed decision bits.
+    """
+
+    majority: bool
+    shift: int
+    span: int
+    final_width: int
+    decide: Callable | None
+
+
+def plan(size: int, b: int, majority, signed: bool, xp) -> Plan:
+    """Return the ``Plan`` of a call over ``size`` ranks with bound ``b``."""
+    voting = bool(callable(majority) or majority)
+    span = 2 * b if signed else b
+    decide = None
+    if voting:
+        decide = majority if callable(majority) else _paper_majority(xp, size)
+    return Plan(voting, b if signed else 0, span, 1 if voting else bits_for(size * span), decide)
+
+
+def decided(p: Plan, counts, offset: int, out, fname: str) -> None:
+    """Write the owner's decision bits of a chunk's ``counts`` (from ``offset``) into ``out``."""
+    bits = p.decide(counts, offset)
+    bits = backend_of(out).xp.asarray(bits, dtype=np.uint8).reshape(-1)
+    if bits.size != out.size:
+        raise ValueError(
+            f"{fname}: decide returned {bits.size} bytes for {counts.size} elements, "
+            f"expected {out.size}"
+        )
+    out[...] = bits
+
+
+def unpacked(result, n: int, p: Plan, size: int, packed: bool, be):
+    """Return what a bounded call gives back from its allgathered ``result`` stream."""
+    if p.majority:
+        return result
+    offset = size * p.shift
+    if packed:
+        return PackedSums(result, n, p.final_width, offset)
+    sums = be.xp.empty(n, dtype=np.int64)
+    be.bits.unpack_shifted(result, p.final_width, offset, sums)
+    return sums
+
+
 def _bounded(comm, x, b, majority, signed, packed, recorder, timeout, be, fname):
     """The width-growing ring of ``ring_allreduce_bounded`` over agreed arguments."""
     size = comm.Get_size()
-    mode = _MODE_MAJORITY if callable(majority) or majority else 0
-    # Codes travel shifted into [0, 2*bound]; the kernels add the shift as they read them.
-    shift = b if signed else 0
-    span = 2 * b if signed else b
-    final_width = 1 if mode == _MODE_MAJORITY else _width(size * span)
+    p = plan(size, b, majority, signed, be.xp)
+    # Codes travel shifted into [0, span]; the kernels add the shift as they read them.
+    shift, final_width = p.shift, p.final_width
     xp = be.xp
     bits = be.bits
 
@@ -408,8 +478,7 @@ def _bounded(comm, x, b, majority, signed, packed, recorder, timeout, be, fname)
     def combine(stream, width, lo, hi, out_width, out):
         bits.add_repack(stream, width, x[lo:hi], shift, out_width, out)
 
-    if mode == _MODE_MAJORITY:
-        decide = majority if callable(majority) else _paper_majority(xp, size)
+    if p.majority:
 
         def finish(stream, width, lo, hi, out):
             if stream is None:
@@ -417,13 +486,7 @@ def _bounded(comm, x, b, majority, signed, packed, recorder, timeout, be, fname)
             else:
                 counts = xp.empty(hi - lo, dtype=np.int64)
                 bits.add_unpack(stream, width, x[lo:hi], 0, counts)
-            decided = xp.asarray(decide(counts, lo), dtype=np.uint8).reshape(-1)
-            if decided.size != out.size:
-                raise ValueError(
-                    f"{fname}: decide returned {decided.size} bytes for {hi - lo} elements, "
-                    f"expected {out.size}"
-                )
-            out[...] = decided
+            decided(p, counts, lo, out, fname)
 
     else:
 
@@ -435,10 +498,10 @@ def _bounded(comm, x, b, majority, signed, packed, recorder, timeout, be, fname)
 
     result = _ring_allreduce(
         comm,
-        _exchanger(comm, timeout, fname),
+        exchanger(comm, timeout, fname),
         x.size,
         be,
-        lambda i: _width(i * span),
+        lambda i: bits_for(i * p.span),
         pack_mine,
         combine,
         finish,
@@ -446,14 +509,7 @@ def _bounded(comm, x, b, majority, signed, packed, recorder, timeout, be, fname)
         recorder,
         "ring",
     )
-    if mode == _MODE_MAJORITY:
-        return result
-    offset = size * shift
-    if packed:
-        return PackedSums(result, x.size, final_width, offset)
-    sums = xp.empty(x.size, dtype=np.int64)
-    bits.unpack_shifted(result, final_width, offset, sums)
-    return sums
+    return unpacked(result, x.size, p, size, packed, be)
 
 
 def _paper_majority(xp, nranks: int):
@@ -531,7 +587,7 @@ def _minimum(comm, x, w, dtype, recorder, timeout, be, fname):
 
     packed = _ring_allreduce(
         comm,
-        _exchanger(comm, timeout, fname),
+        exchanger(comm, timeout, fname),
         x.size,
         be,
         lambda i: w,

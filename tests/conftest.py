@@ -116,6 +116,25 @@ def ring_traffic(n, size, rank, align, rs_width, ag_width):
     return sent, recv, total
 
 
+def direct_traffic(n, size, rank, align, code_width, sum_width):
+    """Bytes sent/received by ``rank`` in one direct reduce-scatter + ring allgather call,
+    and the world totals (docs/collectives.md): at alltoall step k a rank sends its chunk
+    (r + k) at ``code_width`` bits and receives its own chunk r from rank r - k; the
+    allgather is the ring's, at ``sum_width`` bits."""
+    lens = [hi - lo for lo, hi in ring_chunks(n, size, align)]
+
+    def nbytes(count, width):
+        return math.ceil(count * width / 8)
+
+    steps = range(1, size)
+    sent = sum(nbytes(lens[(rank + k) % size], code_width) for k in steps)
+    sent += sum(nbytes(lens[(rank - j + 1) % size], sum_width) for j in steps)
+    recv = (size - 1) * nbytes(lens[rank], code_width)
+    recv += sum(nbytes(lens[(rank - j) % size], sum_width) for j in steps)
+    total = (size - 1) * sum(nbytes(m, code_width) + nbytes(m, sum_width) for m in lens)
+    return sent, recv, total
+
+
 # The CUDA sources run on the CPU through g++ (kernels/cuda/emulated.py): without it, the
 # tests that run them are skipped with that reason (the compile checks skip on their own).
 _EMULATED_TESTS = ("test_cuda_", "test_mpi_cuda_emulated")
