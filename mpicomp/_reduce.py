@@ -31,6 +31,7 @@ from mpicomp._arrays import all_finite, array_module, is_device_array, zero_nonf
 from mpicomp._transport import Transport
 from mpicomp.collectives import plain
 from mpicomp.collectives.allgather import allgather_bytes
+from mpicomp.collectives.direct import direct_allreduce_agreed
 from mpicomp.collectives.float16 import allreduce_float16
 from mpicomp.collectives.maxallreduce import max_allreduce
 from mpicomp.collectives.ring import ring_allreduce_agreed, ring_allreduce_min_agreed
@@ -93,7 +94,7 @@ class Call:
     policy; ``timeout`` each wait's limit in seconds (None: ``MPICOMP_TIMEOUT``);
     ``kernels`` the kernel backend of NumPy arrays (None: ``mpicomp.kernels.backend()``);
     ``transport`` how device bytes reach MPI (``mpicomp._transport``; needed for device
-    input).
+    input); ``schedule`` how bounded codes are summed (``"ring"`` or ``"direct"``).
     """
 
     comm: object
@@ -105,6 +106,7 @@ class Call:
     timeout: float | None = None
     kernels: object = None
     transport: Transport | None = None
+    schedule: str = "ring"
 
     @property
     def io(self) -> dict:
@@ -290,7 +292,7 @@ def _sum_finite(call: Call, total) -> bool:
 
 def reduce_integer(call: Call, codec, flat, encoders: Encoders | None = None) -> np.ndarray:
     """Average QSGD-MaxNorm codes: MaxAllReduce of norms, [MinAllReduce of scale
-    indices], exact ring sum of the codes, dequantize."""
+    indices], exact sum of the codes (ring or direct), dequantize."""
     comm, clock, step = call.comm, call.clock, call.step
     dev = _device(flat)
     at = {"step": step} if codec.sparse else {}  # GlobalRandK: K coordinates drawn per step
@@ -317,8 +319,8 @@ def reduce_integer(call: Call, codec, flat, encoders: Encoders | None = None) ->
         extra = (_up(dev, sidx).astype(codec.index_dtype, copy=False),)
     codes = codec.quantize(flat, norm, *extra, step=step, stream=comm.rank)
     clock.encoded()
-    # The sums stay packed as the ring left them; dequantize_packed unpacks as it goes.
-    data, n, width, offset = ring_allreduce_agreed(
+    # The sums stay packed as the schedule left them; dequantize_packed unpacks as it goes.
+    data, n, width, offset = _BOUNDED[call.schedule](
         comm,
         _down(call, dev, codes, "codes"),
         codec.bound,
@@ -336,7 +338,8 @@ def reduce_integer(call: Call, codec, flat, encoders: Encoders | None = None) ->
 
 
 def reduce_majority(call: Call, codec, flat, encoders: Encoders | None = None) -> np.ndarray:
-    """signSGD: ring sum of votes, majority decided by each chunk's owner, ±mean scale."""
+    """signSGD: sum of votes (ring or direct), majority decided by each chunk's owner,
+    ±mean scale."""
     comm, clock, step = call.comm, call.clock, call.step
     dev = _device(flat)
     found, flat, err, bad = _local(codec.votes_and_scale, flat, call.guard)
@@ -350,8 +353,8 @@ def reduce_majority(call: Call, codec, flat, encoders: Encoders | None = None) -
     def decide(counts, offset):
         return codec.majority(counts, comm.size, step=step, offset=offset)
 
-    # The owners' majority decisions run inside the ring: charged to comm.
-    bits = ring_allreduce_agreed(
+    # The owners' majority decisions run inside the exchange: charged to comm.
+    bits = _BOUNDED[call.schedule](
         comm,
         _down(call, dev, votes, "votes"),
         1,
@@ -364,6 +367,10 @@ def reduce_majority(call: Call, codec, flat, encoders: Encoders | None = None) -
     out = codec.expand(_up(dev, bits), flat.size, float(scales.sum() / comm.size))
     clock.decoded()
     return out
+
+
+#: How bounded codes (QSGD's, signSGD's votes) are summed, by schedule name.
+_BOUNDED = {"ring": ring_allreduce_agreed, "direct": direct_allreduce_agreed}
 
 
 def reduce_gather(call: Call, codec, flat, encoders: Encoders) -> np.ndarray:

@@ -58,6 +58,13 @@ class CompressedComm:
             an alltoallv then an allgather) instead of allgathering whole payloads;
             each rank receives O(1) compressed tensors instead of N - 1. With error
             feedback, workers keep a residual per shard and owners one per tensor.
+            The same as ``schedule="sharded"``.
+        schedule: how a compressed call moves its bytes (docs/collectives.md, "Which
+            collective for which codec"): QSGD and signSGD ``"ring"`` (default, the
+            width-growing ring) or ``"direct"`` (a direct reduce-scatter: each code
+            sent once to its chunk's owner, fewer bytes from 3 ranks on, the same
+            results bit for bit); gather codecs ``"allgather"`` (default) or
+            ``"sharded"``; ``none`` and ``fp16`` ``"allreduce"``. None: the default.
         trace: a path (str or os.PathLike): record every collective call of every
             rank (bytes, phase times) into this HDF5 file, written by rank 0 (see
             docs/trace-format.md). The ``mpicomp.trace.Tracer`` is ``self.trace``.
@@ -111,6 +118,7 @@ class CompressedComm:
         bucket_numel: int = 1 << 22,
         error_feedback: bool | None = None,
         sharded: bool = False,
+        schedule: str | None = None,
         trace=None,
         trace_level: int = 1,
         trace_flush_every: int | None = 100,
@@ -140,6 +148,7 @@ class CompressedComm:
             bucket_numel=bucket_numel,
             error_feedback=error_feedback,
             sharded=sharded,
+            schedule=schedule,
             trace=trace,
             trace_level=trace_level,
             trace_flush_every=trace_flush_every,
@@ -158,7 +167,7 @@ class CompressedComm:
         self._eager_why = why if opts.background is None else None  # warned once, at first use
         self._worker = None  # made by the first background iallreduce
         # The reduction path (mpicomp._reduce.REDUCERS) of every compressed call.
-        self._path = "sharded" if opts.sharded else codec.aggregation
+        self._path = "sharded" if opts.schedule == "sharded" else codec.aggregation
         self._feedback = ErrorFeedback(codec) if opts.error_feedback else None
         self._server_feedback = (
             ErrorFeedback(codec) if opts.error_feedback and opts.sharded else None
@@ -383,6 +392,7 @@ class CompressedComm:
             timeout,
             self.kernels,
             self._transport,
+            self.options.schedule if self.options.schedule in ("ring", "direct") else "ring",
         )
 
     def _encoders(self, name: str) -> _reduce.Encoders | None:
@@ -569,6 +579,7 @@ class CompressedComm:
             "bucket_numel": opts.bucket_numel,
             "error_feedback": opts.error_feedback,
             "sharded": opts.sharded,
+            "schedule": opts.schedule,
         }
 
 

@@ -18,6 +18,17 @@ DEBUG_ENV = "MPICOMP_DEBUG"
 # Biased gather codecs lose what they do not send unless it is fed back next step.
 FEEDBACK_DEFAULT = frozenset({"threelc", "topk", "fft", "fastsgd"})
 
+#: The schedules of each aggregation kind, its default first (docs/collectives.md):
+#: ``allreduce`` MPI's sum of the wire array; ``ring`` the width-growing ring; ``direct``
+#: the direct reduce-scatter and ring allgather; ``allgather`` every payload to every
+#: rank; ``sharded`` push/pull through shard owners.
+SCHEDULES = {
+    "sum": ("allreduce",),
+    "integer_sum": ("ring", "direct"),
+    "majority": ("ring", "direct"),
+    "gather": ("allgather", "sharded"),
+}
+
 
 @dataclass(frozen=True)
 class Options:
@@ -37,6 +48,7 @@ class Options:
     bucket_numel: int = 1 << 22
     error_feedback: bool = False
     sharded: bool = False
+    schedule: str = "allreduce"
     nonfinite: str = "raise"
     debug: bool = False
     timeout: float | None = None
@@ -54,6 +66,15 @@ class Options:
             fix(flag, _checked_bool(flag, getattr(self, flag)))
         if self.background is not None:
             fix("background", _checked_bool("background", self.background, "or None"))
+        if not isinstance(self.schedule, str):
+            raise TypeError(f"schedule must be a str or None, got {type(self.schedule).__name__}")
+        if self.schedule not in {name for names in SCHEDULES.values() for name in names}:
+            raise ValueError(f"schedule: no schedule named {self.schedule!r}")
+        if self.sharded != (self.schedule == "sharded"):
+            raise ValueError(
+                f"sharded={self.sharded} contradicts schedule={self.schedule!r} "
+                "(sharded=True is schedule='sharded')"
+            )
         if not isinstance(self.nonfinite, str):
             raise TypeError(f"nonfinite must be a str, got {type(self.nonfinite).__name__}")
         if self.nonfinite not in POLICIES:
@@ -67,17 +88,26 @@ class Options:
 
     @classmethod
     def resolve(
-        cls, codec, *, error_feedback=None, sharded=False, debug=None, timeout=None, **given
+        cls,
+        codec,
+        *,
+        error_feedback=None,
+        sharded=False,
+        schedule=None,
+        debug=None,
+        timeout=None,
+        **given,
     ) -> Options:
         """Return the options of a CompressedComm of ``codec`` from its keyword arguments.
 
         Defaults: ``error_feedback`` on for the biased gather codecs (3LC, top-k, FFT,
-        FastSGD); ``debug`` from ``MPICOMP_DEBUG``; ``timeout=None`` left to
+        FastSGD); ``schedule`` the codec's first in ``SCHEDULES`` (``sharded`` when
+        ``sharded=True``); ``debug`` from ``MPICOMP_DEBUG``; ``timeout=None`` left to
         ``MPICOMP_TIMEOUT`` at each call, 0 off whatever the environment says.
 
         Raises:
             ValueError: ``error_feedback`` or ``sharded`` asked of a codec that does not
-                gather payloads; any field out of range.
+                gather payloads; a schedule the codec has not; any field out of range.
             TypeError: a field of the wrong type.
         """
         if error_feedback is None:
@@ -87,13 +117,36 @@ class Options:
                 raise ValueError(
                     f"{what} applies to gather codecs; {codec.name!r} is {codec.aggregation!r}"
                 )
+        schedule = _schedule(codec, schedule, sharded)
         if debug is None:
             debug = os.environ.get(DEBUG_ENV, "") not in ("", "0")
         if timeout is not None:
             timeout = resolve_timeout(timeout) or 0
         return cls(
-            error_feedback=error_feedback, sharded=sharded, debug=debug, timeout=timeout, **given
+            error_feedback=error_feedback,
+            sharded=schedule == "sharded",
+            schedule=schedule,
+            debug=debug,
+            timeout=timeout,
+            **given,
         )
+
+
+def _schedule(codec, asked, sharded) -> str:
+    """Return the schedule of ``codec`` asked for (None: its default, or ``sharded``)."""
+    names = SCHEDULES[codec.aggregation]
+    if asked is None:
+        return "sharded" if sharded is True else names[0]
+    if not isinstance(asked, str):
+        raise TypeError(f"schedule must be a str or None, got {type(asked).__name__}")
+    if asked not in names:
+        raise ValueError(
+            f"schedule={asked!r}: codec {codec.name!r} ({codec.aggregation}) runs "
+            f"{' or '.join(map(repr, names))}"
+        )
+    if sharded is True and asked != "sharded":
+        raise ValueError(f"sharded=True contradicts schedule={asked!r}")
+    return asked
 
 
 def _checked_bool(name: str, value, alternative: str = "") -> bool:

@@ -104,7 +104,7 @@ def summarize(path) -> str:
         lines.append(f"  {'codec':<14}{attrs['codec']} {attrs.get('codec_params', '{}')}")
     options = [
         f"{k}={attrs[k]}"
-        for k in ("min_numel", "bucket_numel", "error_feedback", "sharded")
+        for k in ("min_numel", "bucket_numel", "error_feedback", "sharded", "schedule")
         if k in attrs
     ]
     if options:

@@ -85,6 +85,35 @@ def test_options_are_one_frozen_record_with_resolved_defaults(monkeypatch, tmp_p
     assert Options.resolve(mpicomp.codec("none"), timeout=0).timeout == 0  # off, not None
 
 
+def test_each_codec_takes_the_schedules_of_its_aggregation():
+    from mpicomp.options import Options
+
+    def schedule(name, **kw):
+        return Options.resolve(mpicomp.codec(name), **kw).schedule
+
+    assert [schedule(n) for n in ("none", "fp16", "qsgd_maxnorm", "signsgd", "fft")] == [
+        "allreduce",
+        "allreduce",
+        "ring",
+        "ring",
+        "allgather",
+    ]
+    assert schedule("signsgd", schedule="direct") == "direct"
+    assert schedule("threelc", sharded=True) == "sharded"
+    opts = Options.resolve(mpicomp.codec("threelc"), schedule="sharded")
+    assert opts.sharded and opts.schedule == "sharded"
+    with pytest.raises(
+        ValueError, match=r"codec 'threelc' \(gather\) runs 'allgather' or 'sharded'"
+    ):
+        schedule("threelc", schedule="direct")
+    with pytest.raises(ValueError, match="sharded=True contradicts schedule='allgather'"):
+        schedule("topk", sharded=True, schedule="allgather")
+    with pytest.raises(TypeError, match="schedule must be a str"):
+        schedule("signsgd", schedule=1)
+    with pytest.raises(ValueError, match="no schedule named 'tree'"):
+        Options(schedule="tree")
+
+
 def test_a_bad_trace_option_fails_before_the_communicator_is_duplicated(tmp_path):
     class Untouchable:  # a communicator that must not be used
         def Dup(self):  # noqa: N802 - mpi4py's name

@@ -70,6 +70,23 @@ def test_every_codec_averages_like_the_reference(name):
 
 
 @pytest.mark.mpi
+@pytest.mark.parametrize(
+    "name", ["signsgd", "qsgd_maxnorm", "qsgd_maxnorm_multiscale", "grandk_maxnorm"]
+)
+def test_the_direct_schedule_averages_like_the_reference_bit_for_bit(name):
+    """schedule="direct" sums the same codes another way: the reference's (and so the
+    ring's) result exactly, on every rank, three calls in a row (the RNG steps)."""
+    comm = world()
+    xs = [gradient_like(N, seed=30 + 7 * c + comm.rank) for c in range(3)]
+    with mpicomp.CompressedComm(comm, name, min_numel=0, schedule="direct") as cc:
+        assert cc.options.schedule == "direct"
+        ys = [cc.allreduce(x, name="w") for x in xs]
+    for step, (x, y) in enumerate(zip(xs, ys, strict=True)):
+        np.testing.assert_array_equal(y, reference_average(name, gather_all(comm, x), step))
+        _same_on_every_rank(comm, y)
+
+
+@pytest.mark.mpi
 def test_backend_shape_and_dtype_come_back_as_given():
     comm = world()
     x = gradient_like(4 * 6 * 50, seed=comm.rank).astype(np.float64).reshape(4, 6, 50)

@@ -7,7 +7,7 @@ import math
 
 import numpy as np
 import pytest
-from conftest import gather_all, gradient_like, ring_traffic, world
+from conftest import direct_traffic, gather_all, gradient_like, ring_traffic, world
 
 import mpicomp
 from mpicomp import trace, trace_report
@@ -28,19 +28,25 @@ def _one_numba_thread_per_rank():
     numba.set_num_threads(before)
 
 
-def _expected_bytes(name, comm, x):
+def _expected_bytes(name, comm, x, schedule=None):
     """(sent, recv) of this rank for one CompressedComm call on ``x``, from the docs."""
     size, rank = comm.size, comm.rank
     if name == "signsgd":
-        # Agreement, the allgather of every rank's mean |x| (8 bytes), the majority ring.
-        ring = ring_traffic(x.size, size, rank, 8, lambda i: math.ceil(math.log2(i + 1)), 1)
-        return HEAD + 8 + ring[0], HEAD + 8 * (size - 1) + ring[1]
+        # Agreement, the allgather of every rank's mean |x| (8 bytes), the majority votes.
+        if schedule == "direct":
+            votes = direct_traffic(x.size, size, rank, 8, 1, 1)
+        else:
+            votes = ring_traffic(x.size, size, rank, 8, lambda i: math.ceil(math.log2(i + 1)), 1)
+        return HEAD + 8 + votes[0], HEAD + 8 * (size - 1) + votes[1]
     if name == "qsgd_maxnorm":
-        # Agreement carrying the norm, then the signed ring with bound s = 2^(4-1) - 1 = 7.
-        ring = ring_traffic(
-            x.size, size, rank, 8, lambda i: (14 * i).bit_length(), (14 * size).bit_length()
-        )
-        return HEAD + ring[0], HEAD + ring[1]
+        # Agreement carrying the norm, then the signed sum with bound s = 2^(4-1) - 1 = 7.
+        if schedule == "direct":
+            sums = direct_traffic(x.size, size, rank, 8, 4, (14 * size).bit_length())
+        else:
+            sums = ring_traffic(
+                x.size, size, rank, 8, lambda i: (14 * i).bit_length(), (14 * size).bit_length()
+            )
+        return HEAD + sums[0], HEAD + sums[1]
     # threelc: the agreement, sizes (one int64 each), then the payloads by Allgatherv.
     own = mpicomp.codec(name).encode(x).size
     every = gather_all(comm, np.array([own], dtype=np.int64)).reshape(-1)
@@ -59,21 +65,30 @@ def _inputs(rank, calls):
 
 
 @pytest.mark.mpi
-@pytest.mark.parametrize("name", ["qsgd_maxnorm", "signsgd", "threelc"])
-def test_events_hold_one_row_per_call_per_rank_with_the_exact_bytes(name, shared_dir):
+@pytest.mark.parametrize(
+    "name,schedule",
+    [
+        ("qsgd_maxnorm", None),
+        ("qsgd_maxnorm", "direct"),
+        ("signsgd", None),
+        ("signsgd", "direct"),
+        ("threelc", None),
+    ],
+)
+def test_events_hold_one_row_per_call_per_rank_with_the_exact_bytes(name, schedule, shared_dir):
     comm = world()
-    path = shared_dir / f"{name}.h5"
+    path = shared_dir / f"{name}-{schedule}.h5"
     params = {"bits": 4} if name == "qsgd_maxnorm" else {}
     inputs = _inputs(comm.rank, 3)
     with mpicomp.CompressedComm(
-        comm, name, min_numel=1024, error_feedback=False, trace=path, **params
+        comm, name, min_numel=1024, error_feedback=False, trace=path, schedule=schedule, **params
     ) as cc:
         for big, small in inputs:
             cc.allreduce(big, name="w")
             cc.allreduce(small, name="b")
     expected = []
     for big, _ in inputs:
-        expected += [_expected_bytes(name, comm, big), (_plain_bytes(SMALL),) * 2]
+        expected += [_expected_bytes(name, comm, big, schedule), (_plain_bytes(SMALL),) * 2]
     if comm.size == 1:
         expected = [(0, 0)] * len(expected)  # one rank: nothing crosses the wire
     mine = np.array(expected, dtype=np.int64)
@@ -111,6 +126,7 @@ def test_events_hold_one_row_per_call_per_rank_with_the_exact_bytes(name, shared
         ends = rows["t_start"] + rows["t_total"]
         assert rows["t_start"][0] >= 0 and (rows["t_start"][1:] >= ends[:-1]).all()
     assert attrs["error_feedback"] is False and attrs["min_numel"] == 1024
+    assert attrs["schedule"] == schedule or (schedule is None and attrs["schedule"] != "direct")
 
 
 @pytest.mark.mpi
