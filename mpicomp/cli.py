@@ -106,6 +106,15 @@ def _parser() -> argparse.ArgumentParser:
         help="also count the bytes these devices' root qdiscs sent (tc -s qdisc) per "
         "all-reduce, summed; NETNS/DEV names one in another network namespace",
     )
+    p.add_argument(
+        "--schedules",
+        type=_schedule_list,
+        default=None,
+        metavar="NAMES|all",
+        help="the all-reduce schedules each codec runs (CompressedComm(schedule=...)): "
+        "'all' its every one, or names among ring, direct, allgather, sharded, allreduce "
+        "(default: its default; a codec with none of the names runs its default)",
+    )
     p.add_argument("--seed", type=int, default=0, help="seed of the gradient (0)")
     p.add_argument(
         "--backend",
@@ -207,6 +216,21 @@ def _codec_list(text: str) -> list[str]:
         if name not in known:
             raise argparse.ArgumentTypeError(
                 f"unknown codec {name!r}; available: {', '.join(known)}"
+            )
+    return names
+
+
+def _schedule_list(text: str):
+    if text.strip() == "all":
+        return "all"
+    from mpicomp.options import SCHEDULES
+
+    names = [n.strip() for n in text.split(",") if n.strip()]
+    known = sorted({n for group in SCHEDULES.values() for n in group})
+    for name in names or [""]:
+        if name not in known:
+            raise argparse.ArgumentTypeError(
+                f"unknown schedule {name!r}; 'all' or names among: {', '.join(known)}"
             )
     return names
 
@@ -359,6 +383,7 @@ def _cmd_bench(args, parser) -> int:
             tc_dev=args.tc_dev and args.tc_dev.split(","),
             progress=progress,
             backend=args.backend,
+            schedules=args.schedules,
         )
     except (RuntimeError, OSError) as e:  # raised on every rank: each exits, none hangs
         if comm.rank == 0:

@@ -106,6 +106,8 @@ def test_module_help_works():
         (["bench", "--numel", "1.5"], "--numel"),
         (["bench", "--numel", "abc"], "--numel"),
         (["bench", "--reps", "0"], "--reps"),
+        (["bench", "--schedules", "tree"], "unknown schedule 'tree'; 'all' or names among"),
+        (["bench", "--schedules", ","], "unknown schedule ''"),
     ],
 )
 def test_bad_arguments_are_usage_errors(argv, expect, capsys):
@@ -117,6 +119,13 @@ def test_bad_arguments_are_usage_errors(argv, expect, capsys):
     assert "usage: mpicomp" in err
     assert "error:" in err and expect in err
     assert "Traceback" not in err
+
+
+def test_bench_schedules_parse_to_all_or_names():
+    parse = cli._parser().parse_args
+    assert parse(["bench", "--schedules", "all"]).schedules == "all"
+    assert parse(["bench", "--schedules", "direct,sharded"]).schedules == ["direct", "sharded"]
+    assert parse(["bench"]).schedules is None
 
 
 def test_bad_argument_in_a_fresh_process_has_no_traceback():

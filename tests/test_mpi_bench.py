@@ -52,6 +52,32 @@ class TestAllreduceBench:
             rows[2]["bytes_recv"] <= (192 + 8 * size + (size - 1) * (N * 8 // 5 // 8 + 64)) * wire
         )
 
+    def test_every_schedule_gets_a_row_with_its_exact_bytes(self):
+        from conftest import direct_traffic
+
+        from mpicomp.bench.allreduce import measure
+
+        comm = world()
+        codecs = [("signsgd", {}), ("threelc", {}), ("none", {})]
+        rows = measure(comm, 8 * 64 * comm.size, codecs, reps=1, schedules="all")
+        got = [(r["codec"], r["schedule"]) for r in rows]
+        assert got == [
+            ("signsgd", "ring"),
+            ("signsgd", "direct"),
+            ("threelc", "allgather"),
+            ("threelc", "sharded"),
+            ("none", "allreduce"),
+        ]
+        # signSGD direct: the agreement, the scales (8 bytes), 1-bit votes to the owners
+        # and 1-bit decisions back (equal chunks: every rank the same).
+        n, size = rows[1]["numel"], comm.size
+        votes = direct_traffic(n, size, 0, 8, 1, 1)
+        if size > 1:
+            assert rows[1]["bytes_sent"] == 192 + 8 + votes[0]
+            assert rows[1]["bytes_recv"] == 192 + 8 * (size - 1) + votes[1]
+        named = measure(comm, 512, codecs, reps=1, schedules=["direct"])
+        assert [r["schedule"] for r in named] == ["direct", "allgather", "allreduce"]
+
     def test_main_prints_json_on_rank_0_only(self, capsys):
         from jobs.bench import main
 

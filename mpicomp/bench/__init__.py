@@ -66,6 +66,7 @@ def full_run(
     tc_dev: str | list[str] | None = None,
     progress=None,
     backend: str | None = None,
+    schedules=None,
 ) -> Report:
     """Run what ``mpicomp bench`` measures on ``comm``: kernels on rank 0, then all-reduces.
 
@@ -77,7 +78,7 @@ def full_run(
         reps, allreduce_reps: timed repetitions of a kernel / of an all-reduce.
         seed: seed of the kernel gradient (each rank's all-reduce gradient is seeded
             by its rank).
-        trace_dir, tc_dev: see ``mpicomp.bench.allreduce.measure``.
+        trace_dir, tc_dev, schedules: see ``mpicomp.bench.allreduce.measure``.
         progress: a text stream for progress lines on rank 0 (None: silent).
         backend: the kernel backend of the kernel timings (see :func:`run`) and of the
             all-reduces (None: what ``MPICOMP_KERNELS`` selects); on a device backend
@@ -87,7 +88,8 @@ def full_run(
     Returns:
         A :class:`Report` whose ``rows`` hold one dict per codec and backend: the keys
         of :func:`run` (kernel figures None when skipped) and ``allreduce``, the list of
-        that codec's all-reduce rows (``mpicomp.bench.allreduce.measure``), one per size.
+        that codec's all-reduce rows (``mpicomp.bench.allreduce.measure``), one per size
+        and schedule.
         On ranks other than 0 the kernel figures are None.
     """
     todo = codec_set(codecs)
@@ -119,6 +121,7 @@ def full_run(
                 trace_dir=trace_dir,
                 tc_dev=tc_dev,
                 backend=backend,
+                schedules=schedules,
             )
     rows = []
     for i, (name, params) in enumerate(todo):

@@ -35,6 +35,7 @@ from mpicomp._transport import cuda_aware
 from mpicomp.bench.kernels import kernel_backend
 from mpicomp.bench.workload import gradient, label
 from mpicomp.collectives.traffic import Traffic
+from mpicomp.options import SCHEDULES
 
 
 def slowest_median(comm, fn, reps: int, warmup: bool = True) -> float:
@@ -111,9 +112,20 @@ def _per_call(before: dict[str, int], after: dict[str, int], calls: int) -> dict
     return {dev: (after[dev] - before[dev]) / calls for dev in before}
 
 
-def _trace_path(trace_dir: str, numel: int, name: str, params: dict) -> str:
-    tag = "-".join([str(numel), name] + [f"{k}{v}" for k, v in params.items()])
+def _trace_path(trace_dir: str, numel: int, name: str, params: dict, schedule: str) -> str:
+    tag = "-".join([str(numel), name] + [f"{k}{v}" for k, v in params.items()] + [schedule])
     return os.path.join(trace_dir, f"{tag}.h5")
+
+
+def schedules_of(name: str, params: dict, asked) -> list[str]:
+    """Return the schedules to measure of codec ``name``: ``asked`` None, its default;
+    ``"all"``, every one it has; a list, those of them it has (its default if none)."""
+    names = SCHEDULES[mpicomp.codec(name, **params).aggregation]
+    if asked is None:
+        return [names[0]]
+    if asked == "all":
+        return list(names)
+    return [s for s in names if s in asked] or [names[0]]
 
 
 def _on_rank_0(comm, fn):
@@ -264,8 +276,10 @@ def measure(
     trace_dir: str | None = None,
     tc_dev: str | list[str] | None = None,
     backend: str | None = None,
+    schedules=None,
 ) -> list[dict]:
-    """Return one row per codec of all-reduces of ``numel`` float32 values on ``comm``.
+    """Return one row per codec and schedule of all-reduces of ``numel`` float32 values
+    on ``comm``.
 
     Args:
         comm: the communicator to benchmark on (every rank calls this).
@@ -285,9 +299,13 @@ def measure(
             backend (``numba``, ``cuda-emulated``) computes on NumPy gradients; on a
             device backend (``cuda``: CuPy) each rank's gradient is placed on the
             device and CompressedComm gets the device array.
+        schedules: which ``CompressedComm(schedule=...)`` each codec runs (see
+            :func:`schedules_of`): None its default, ``"all"`` each of its own, or a
+            list of names.
 
     Returns:
-        One dict per codec: ``numel``, ``nranks``, ``codec``, ``params``, ``backend``,
+        One dict per codec and schedule: ``numel``, ``nranks``, ``codec``, ``params``,
+        ``schedule``, ``backend``,
         ``time_s`` and ``allreduce_s`` (slowest rank, median), ``time_ratio`` (their
         quotient), ``speedup`` (its inverse), ``bytes_sent``/``bytes_recv`` (per call,
         the largest over ranks), ``allreduce_bytes`` (float32 ring, per rank),
@@ -329,20 +347,21 @@ def measure(
     ref_links = None if before is None else _per_call(before, after, reps + 1)
     ring_bytes = 2 * (size - 1) * 4 * n // size  # float32 ring all-reduce, per rank
     rows = []
+    runs = [(nm, pr, sch) for nm, pr in codecs for sch in schedules_of(nm, pr, schedules)]
     with _traces_in(comm, trace_dir) as where:
-        for i, (name, params) in enumerate(codecs, 1):
+        for i, (name, params, schedule) in enumerate(runs, 1):
             if progress is not None and comm.rank == 0:
                 what = f"{name} {label(params)}".strip()
                 print(
-                    f"bench: {n:,} elements, {what} ({i}/{len(codecs)})",
+                    f"bench: {n:,} elements, {what}, {schedule} ({i}/{len(runs)})",
                     file=progress,
                     flush=True,
                 )
-            path = _trace_path(where, n, name, params)
+            path = _trace_path(where, n, name, params, schedule)
             # Written at close only: no flush inside the timed calls.
             with _host_kernels(None if device else rec.name):
                 cc = mpicomp.CompressedComm(
-                    comm, name, trace=path, trace_flush_every=None, **params
+                    comm, name, trace=path, trace_flush_every=None, schedule=schedule, **params
                 )
             with cc:
                 traffic = Traffic()
@@ -369,6 +388,7 @@ def measure(
                 "nranks": size,
                 "codec": name,
                 "params": dict(params),
+                "schedule": schedule,
                 "backend": rec.name if device else cc.kernels.name,
                 "time_s": t,
                 "allreduce_s": t_ref,

@@ -82,7 +82,7 @@ def format_allreduce_table(rows: list[dict], out=None) -> None:
     device = any("transport" in r for r in rows)
     phases = "enc/xchg/dec ms"
     head = (
-        f"{'elements':>12}  {'codec':<27}{'params':<13}{'time ms':>10}{'speedup':>9}"
+        f"{'elements':>12}  {'codec':<27}{'params':<13}{'schedule':<10}{'time ms':>10}{'speedup':>9}"
         f"{'sent B/rank':>14}{'x ring':>8}{'recv B/rank':>14}{'x ring':>8}"
         + (f"{'device B':>15}{'/recv':>7}" if tc else "")
         + (f"{'path':>8}{'/staged':>9}{'/direct':>9}" if device else "")
@@ -112,7 +112,7 @@ def format_allreduce_table(rows: list[dict], out=None) -> None:
             )
         print(
             f"{r['numel']:>12,}  {r['codec']:<27}{label(r['params']):<13}"
-            f"{1e3 * r['time_s']:>10.2f}{r['speedup']:>9.2f}"
+            f"{r.get('schedule', ''):<10}{1e3 * r['time_s']:>10.2f}{r['speedup']:>9.2f}"
             f"{r['bytes_sent']:>14,}{_ratio(r['sent_ratio']):>8}"
             f"{r['bytes_recv']:>14,}{_ratio(r['recv_ratio']):>8}{dev}{path}"
             f"{_phases(r):>22}",
@@ -142,7 +142,7 @@ def _reference_lines(r: dict, tc: bool, device: bool, out) -> None:
                 over_direct = None if direct is None else t / direct
                 extra = f"{path:>8}{_times(t / staged):>9}{_times(over_direct):>9}"
         print(
-            f"{r['numel']:>12,}  {what:<40}{1e3 * t:>10.2f}"
+            f"{r['numel']:>12,}  {what:<50}{1e3 * t:>10.2f}"
             f"{r['allreduce_s'] / t:>9.2f}{ref:>14,}{one:>8}{ref:>14,}{one:>8}{dev}{extra}",
             file=out,
         )
