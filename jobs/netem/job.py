@@ -179,11 +179,20 @@ class Runner:
         """Run ``python -m mpi4py ARGS`` on the ranks; return the JSON it printed."""
         return json.loads(self.run(args, ranks, stdout=subprocess.PIPE))
 
-    def bench(self, numel: int, codecs: list[str], reps: int, trace_dir: str | None) -> list:
+    def bench(
+        self,
+        numel: int,
+        codecs: list[str],
+        reps: int,
+        trace_dir: str | None,
+        schedules: str | None = None,
+    ) -> list:
         args = ["-m", "mpicomp", "bench", "--no-kernels", "--sizes", str(numel)]
         args += ["--allreduce-reps", str(reps), "--tc-dev", ",".join(self.net.tc_devs())]
         args += ["--json", "--codecs"]
         args += [",".join(codecs)]
+        if schedules:
+            args += ["--schedules", schedules]
         if trace_dir is not None:
             args += ["--trace", trace_dir]
         return [a for row in self.json(args) for a in row["allreduce"]]
@@ -245,7 +254,8 @@ def report(result: dict, out=sys.stdout) -> None:
         "bytes / time)",
         file=out,
     )
-    head = f"{'codec':<27}{'params':<14}{'time s':>8}{'speedup':>9}{'target':>8}  {'':<5}"
+    head = f"{'codec':<27}{'params':<14}{'schedule':<10}{'time s':>8}{'speedup':>9}"
+    head += f"{'target':>8}  {'':<5}"
     head += (
         f"{'sent MB/rank':>13}{'tc/trace':>9}{'expect':>8}{'overhead s':>11}{'b-even Gbit/s':>14}"
     )
@@ -258,7 +268,8 @@ def report(result: dict, out=sys.stdout) -> None:
         ratio = "-" if c["device_over_traced"] is None else f"{c['device_over_traced']:.3f}"
         even = "-" if r["break_even_gbit"] is None else f"{r['break_even_gbit']:.2f}"
         print(
-            f"{r['codec']:<27}{label(r['params']):<14}{r['time_s']:>8.2f}{r['speedup']:>9.2f}"
+            f"{r['codec']:<27}{label(r['params']):<14}{r.get('schedule', ''):<10}"
+            f"{r['time_s']:>8.2f}{r['speedup']:>9.2f}"
             f"{'' if target is None else f'{target:.0f}x':>8}  {verdict:<5}"
             f"{r['bytes_sent'] / 1e6:>13.2f}{ratio:>9}{c['expected']:>8.3f}"
             f"{r['overhead_s']:>11.3f}{even:>14}",
@@ -344,7 +355,7 @@ def run_rate(runner: Runner, rate: str, args, out_dir: str) -> dict:
     net.shape(bps)
     trace_dir = os.path.join(out_dir, rate)
     before = net.counters() if args.hosts else None
-    rows = runner.bench(args.numel, args.codecs, args.reps, trace_dir)
+    rows = runner.bench(args.numel, args.codecs, args.reps, trace_dir, args.schedules)
     add_overhead(rows, net)
     ref = rows[0]
     achieved = link_bytes(ref["allreduce_device_links"], net) * 8 / ref["allreduce_s"]
@@ -551,6 +562,11 @@ def _parse(argv):
     )
     ap.add_argument("--codecs", default=None, help="comma-separated codec names (all)")
     ap.add_argument("--reps", type=int, default=3, help="timed all-reduces per codec (3)")
+    ap.add_argument(
+        "--schedules",
+        default=None,
+        help="the schedules each codec runs, as `mpicomp bench --schedules` (its default)",
+    )
     ap.add_argument("--out", default="netem-out", help="output directory (netem-out)")
     ap.add_argument(
         "--scheme-ranks",
