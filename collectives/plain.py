@@ -1,8 +1,10 @@
-"""The library's own MPI collectives (Allreduce, Allgather) behind the same timeout.
+"""The library's own MPI collectives (Allreduce, Allgather, Reduce_scatter, Allgatherv)
+behind the same timeout.
 
-``CompressedComm`` makes two MPI calls outside the hand-written collectives: the
-float32/float16 ``MPI_Allreduce`` of ``none``/``fp16`` and signSGD's ``MPI_Allgather`` of
-the per-rank scales. These wrappers make them with the blocking call when there is no
+``CompressedComm`` makes these MPI calls outside the hand-written collectives: the
+float32/float16 ``MPI_Allreduce`` of ``none``/``fp16``, signSGD's ``MPI_Allgather`` of
+the per-rank scales, and the float32 reduce-scatter and allgather within a host of the
+hierarchical schedules. These wrappers make them with the blocking call when there is no
 timeout, or nonblocking and waited on by ``_wait.wait_all`` when there is one.
 """
 
@@ -71,3 +73,55 @@ def allgather(comm, sendbuf, recvbuf, *, timeout=None, recorder=None) -> None:
         recorder.record(
             "mpi.allgather", 1, sent, (comm.size - 1) * nbytes, 8 * _array(sendbuf).itemsize
         )
+
+
+def reduce_scatter(comm, sendbuf, recvbuf, counts, *, timeout=None, recorder=None) -> None:
+    """Sum ``sendbuf`` over ranks; rank r receives elements of block r, ``counts[r]``
+    of them (``MPI_Reduce_scatter``).
+
+    ``recorder`` gets ``record("mpi.reduce_scatter", 1, sent, recv, 8 * itemsize)``: the
+    bytes of the other ranks' blocks this rank must send, and of the other ranks'
+    contributions to its own block (what a pairwise exchange moves).
+    """
+    total = _array(sendbuf).nbytes
+    issue(
+        comm,
+        "Reduce_scatter",
+        sendbuf,
+        recvbuf,
+        list(counts),
+        MPI.SUM,
+        timeout=resolve_timeout(timeout),
+        name="reduce_scatter",
+        detail=lambda: f"an Ireduce_scatter of {total} bytes over {comm.size} ranks",
+    )
+    if recorder is not None:
+        own = _array(recvbuf).nbytes
+        recorder.record(
+            "mpi.reduce_scatter", 1, total - own, (comm.size - 1) * own, 8 * recvbuf.itemsize
+        )
+
+
+def allgatherv(comm, sendbuf, recvbuf, counts, *, timeout=None, recorder=None) -> None:
+    """Gather every rank's ``sendbuf`` (``counts[r]`` elements from rank r) into
+    ``recvbuf`` end to end, in rank order (``MPI_Allgatherv``).
+
+    ``recorder`` gets ``record("mpi.allgatherv", 1, own, others, 8 * itemsize)``: this
+    rank's block, and the other ranks' blocks.
+    """
+    counts = list(counts)
+    displs = [sum(counts[:r]) for r in range(len(counts))]
+    total = _array(recvbuf).nbytes
+    issue(
+        comm,
+        "Allgatherv",
+        sendbuf,
+        [recvbuf, (counts, displs)],
+        timeout=resolve_timeout(timeout),
+        name="allgatherv",
+        detail=lambda: f"an Iallgatherv of {total} bytes over {comm.size} ranks",
+    )
+    if recorder is not None:
+        own = _array(sendbuf).nbytes if comm.size > 1 else 0
+        others = total - _array(sendbuf).nbytes
+        recorder.record("mpi.allgatherv", 1, own, others, 8 * recvbuf.itemsize)

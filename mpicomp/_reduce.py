@@ -22,7 +22,7 @@ back to the device before it decodes them.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 from mpi4py import MPI
@@ -458,6 +458,79 @@ def _decode_mean(codec, payloads, n: int) -> np.ndarray:
     a dense array, FFT by one inverse transform of the summed spectra).
     """
     return codec.decode_sum(payloads, numel=n) / np.float32(len(payloads))
+
+
+@dataclass(frozen=True)
+class Hosts:
+    """The communicators of the hierarchical schedules: ``node`` the ranks of this host,
+    ``cross`` the ranks holding the same local rank on every host (one per host)."""
+
+    node: object
+    cross: object
+
+    def free(self) -> None:
+        self.node.Free()
+        self.cross.Free()
+
+
+# What a local rank's exchange between hosts ended with, the worst one decides.
+_DONE, _SKIPPED, _FAILED = 0, 1, 2
+
+
+def reduce_hierarchical(
+    call: Call, codec, flat, encoders: Encoders | None, *, inner: str, hosts: Hosts
+) -> np.ndarray:
+    """Reduce within the host, compress between hosts, share within the host.
+
+    After the agreement over every rank (NaN/Inf and sizes, as every path), the R ranks
+    of a host sum their float32 gradients by one ``MPI_Reduce_scatter``: local rank i
+    holds shard i of the host's sum. Local rank i then runs the compressed path
+    ``inner`` (a key of ``REDUCERS``) on that shard with local rank i of every other
+    host (``hosts.cross``): R exchanges between hosts at once, each of 1/R of the tensor.
+    Their average over H hosts, times H/N, is the average over all N ranks; an
+    ``MPI_Allgatherv`` within the host gives every rank the whole tensor.
+
+    Raises:
+        as every path; a failure or skip in one exchange between hosts reaches every rank
+        (one byte per rank within each host, before the allgather).
+    """
+    comm, clock, guard = call.comm, call.clock, call.guard
+    dev = _device(flat)
+    bad = not all_finite(flat, call.kernels)
+    if bad and guard.policy == "zero":
+        flat, bad = zero_nonfinite(flat), False
+    clock.encoded()
+    _agree(call, flat.size, guard.error() if bad else None, nonfinite=bad)
+    node = hosts.node
+    bounds = shard_bounds(flat.size, node.size)
+    counts = [b - a for a, b in bounds]
+    a, b = bounds[node.rank]
+    src = _down(call, dev, flat, "hier.in")
+    mine = array_module(src).empty(b - a, dtype=np.float32)
+    plain.reduce_scatter(node, src, mine, counts, **call.io)
+    clock.communicated()
+    status, error, avg = _DONE, None, None
+    try:
+        avg = REDUCERS[inner](replace(call, comm=hosts.cross), codec, _up(dev, mine), encoders)
+    except Skipped as e:
+        status, error = _SKIPPED, e
+    except (ValueError, TypeError, RuntimeError) as e:
+        status, error = _FAILED, e
+    worst = np.empty(1, dtype=np.int8)
+    plain.allreduce(node, np.array([status], dtype=np.int8), worst, MPI.MAX, **call.io)
+    if worst[0] != _DONE:
+        if error is not None:
+            raise error
+        if worst[0] == _SKIPPED:
+            raise Skipped([], f"{guard.what}: a host's sum overflowed float32; call skipped")
+        raise RankError("another rank of this host failed between hosts (see its error)")
+    avg *= np.float32(hosts.cross.size / comm.size)  # the mean over hosts of host sums
+    part = _down(call, dev, avg, "hier.out")
+    out = array_module(part).empty(flat.size, dtype=np.float32)
+    plain.allgatherv(node, part, out, counts, **call.io)
+    out = _up(dev, out)
+    clock.communicated()
+    return out
 
 
 #: The reduction path of each aggregation kind; ``"sharded"`` is the gather kind through

@@ -16,6 +16,10 @@ counts what each rank really moves and decodes: a float32 ring moves 2(N-1)/N M 
 rank; the ring codecs (QSGD, signSGD, fp16) move 2(N-1)/N M/k and decode once; the gather
 codecs receive (N-1) M/k and decode N payloads. From that, the break-even bandwidth:
 compression pays on any link slower than it.
+
+:func:`schedule_table` asks the schedule chooser instead (``mpicomp.schedules``): for
+each codec and tensor size, every candidate schedule's predicted time on a topology of
+hosts, with latency, and the one ``CompressedComm(schedule="auto")`` would run.
 """
 
 from __future__ import annotations
@@ -130,5 +134,175 @@ def format_table(advice: list[dict], link_bps: float, nranks: int, out) -> None:
         print(
             f"{a['codec']:<28}{label(a['params']):<14}{a['ratio']:>8.1f}{need:>11}"
             f"{'yes' if a['pays'] else 'no':>6}{a['speedup']:>9.2f}{a['break_even_gbit']:>19.2f}",
+            file=out,
+        )
+
+
+# -- the schedule table: what schedule="auto" picks per tensor size ---------------------
+
+#: The tensor sizes of the schedule table when a model is given without sizes: from a
+#: latency-bound bias vector to ResNet-50's whole gradient.
+DEFAULT_SIZES = (4_000, 64_000, 1_000_000, 25_600_000)
+
+# Units per second: dividing by them gives 20us the same float as 20e-6.
+_PER_SECOND = (("ms", 1e3), ("us", 1e6), ("µs", 1e6), ("ns", 1e9), ("s", 1.0))
+
+
+def parse_seconds(text: str) -> float:
+    """Return the seconds of ``50us``, ``0.05ms``, ``5e-5`` or ``0.00005s`` (µs is us).
+
+    Raises:
+        ValueError: not a time in these units, or negative, or not finite.
+    """
+    s = str(text).strip().lower()
+    per = 1.0
+    for unit, unit_per in _PER_SECOND:
+        if s.endswith(unit):
+            s, per = s[: -len(unit)], unit_per
+            break
+    try:
+        value = float(s) / per
+    except ValueError:
+        value = math.nan
+    if not (math.isfinite(value) and value >= 0):
+        raise ValueError(f"not a time >= 0: {text!r} (use e.g. 50us, 0.5ms, 5e-5)")
+    return value
+
+
+def rate_model(
+    link_bps: float, intra_bps: float, alpha: float, rows: list[dict], source: str = "given"
+):
+    """Return the ``mpicomp.model.Model`` of a link rate: ``link_bps`` between hosts,
+    ``intra_bps`` within one, ``alpha`` seconds per message on both, and the codec
+    speeds of ``mpicomp bench --json`` rows that have kernel figures (from ``source``)."""
+    from mpicomp.model import Model, speeds_from_bench
+    from mpicomp.schedules import Network
+
+    return Model(
+        intra=Network(alpha, intra_bps / 8),
+        inter=Network(alpha, link_bps / 8),
+        speeds=speeds_from_bench(rows),
+        source=source,
+    )
+
+
+def codecs_of(speeds: dict) -> list:
+    """Return the codecs ``speeds`` (``codec_key`` to ``Speed``) has figures for, made.
+
+    Raises:
+        ValueError: a key that does not name a codec and its parameters.
+    """
+    import json
+
+    out = []
+    for key in speeds:
+        name, _, params = key.partition(":")
+        try:
+            out.append(mpicomp.codec(name, **json.loads(params or "{}")))
+        except (ValueError, TypeError) as e:
+            raise ValueError(f"speed {key!r} names no codec ({e})") from None
+    return out
+
+
+def schedule_table(model, topology, codecs, sizes) -> list[dict]:
+    """Return what ``schedule="auto"`` predicts and picks for each codec and size.
+
+    Args:
+        model: a ``mpicomp.model.Model`` with a speed for each codec.
+        topology: a ``mpicomp.schedules.Topology`` of at least two ranks.
+        codecs: made codecs (``mpicomp.codec(...)``).
+        sizes: tensor sizes in elements.
+
+    Returns:
+        One dict per codec and size, codecs first: ``codec``, ``params`` (all of the
+        codec's), ``numel``, ``seconds`` (every candidate of ``schedules_of``, in its
+        order, to its predicted seconds), ``choice`` (the cheapest) and ``speedup``
+        (the float32 MPI_Allreduce's predicted seconds over the choice's).
+
+    Raises:
+        ValueError: a topology of one rank (nothing to choose), or a codec the model
+            has no speed for.
+    """
+    from mpicomp.schedules import FLOAT32, choose, predict
+
+    if topology.nranks < 2:
+        raise ValueError(f"the schedule table needs >= 2 ranks, got a topology of {topology}")
+    rows = []
+    for codec in codecs:
+        for n in sizes:
+            choice, seconds = choose(codec, n, topology, model)
+            # none's only candidate is its own allreduce: float32 is predicted for reference.
+            if FLOAT32 in seconds:
+                plain = seconds[FLOAT32]
+            else:
+                plain = predict(FLOAT32, codec, n, topology, model)
+            rows.append(
+                {
+                    "codec": codec.name,
+                    "params": dict(codec.params),
+                    "numel": n,
+                    "seconds": seconds,
+                    "choice": choice,
+                    "speedup": plain / seconds[choice] if seconds[choice] > 0 else 1.0,
+                }
+            )
+    return rows
+
+
+def _columns(rows: list[dict]) -> list[str]:
+    """The schedules of ``rows`` in ``schedules_of`` order: flat, hierarchical, float32."""
+    from mpicomp.options import SCHEDULES
+    from mpicomp.schedules import FLOAT32, HIER
+
+    flat = list(dict.fromkeys(s for group in SCHEDULES.values() for s in group))
+    seen = {s for r in rows for s in r["seconds"]}
+    return [s for s in (*flat, *(HIER + s for s in flat), FLOAT32) if s in seen]
+
+
+def _count(n: int) -> str:
+    """``n`` as the command line spells it: 4K, 25.6M (``parse_count`` reads it back)."""
+    for scale, suffix in ((10**9, "G"), (10**6, "M"), (10**3, "K")):
+        if n >= scale:
+            return f"{n / scale:g}{suffix}"
+    return str(n)
+
+
+def _given_params(name: str, params: dict) -> dict:
+    """The parameters of ``params`` that differ from codec ``name``'s defaults."""
+    defaults = mpicomp.codec(name).params
+    return {k: v for k, v in params.items() if defaults.get(k, object()) != v}
+
+
+def format_schedule_table(rows: list[dict], model, topology, out) -> None:
+    """Print ``schedule_table`` rows as a table, under a header naming ``model``'s
+    networks and ``topology``."""
+    from mpicomp.bench import label
+
+    def net(n) -> str:
+        return f"alpha {n.alpha * 1e6:.4g} us, {n.beta * 8 / 1e9:.4g} Gbit/s"
+
+    print(
+        f"{topology.hosts} host(s) x {topology.per_host} rank(s); within a host: "
+        f"{net(model.intra)}; between hosts: {net(model.inter)}; speeds: {model.source}.\n"
+        "Predicted ms per call of each schedule ('-': not a candidate); choice: what "
+        "schedule='auto' runs; speedup: float32's time over the choice's.",
+        file=out,
+    )
+    columns = _columns(rows)
+    widths = [max(len(s), 9) + 2 for s in columns]
+    head = f"{'codec':<28}{'params':<14}{'size':>8}"
+    head += "".join(f"{s:>{w}}" for s, w in zip(columns, widths, strict=True))
+    head += f"  {'choice':<16}{'speedup':>8}"
+    print(head, file=out)
+    print("-" * len(head), file=out)
+    for r in rows:
+        times = "".join(
+            f"{1e3 * r['seconds'][s]:>{w}.3f}" if s in r["seconds"] else f"{'-':>{w}}"
+            for s, w in zip(columns, widths, strict=True)
+        )
+        params = label(_given_params(r["codec"], r["params"]))
+        print(
+            f"{r['codec']:<28}{params:<14}{_count(r['numel']):>8}{times}"
+            f"  {r['choice']:<16}{r['speedup']:>8.2f}",
             file=out,
         )

@@ -112,8 +112,17 @@ def _parser() -> argparse.ArgumentParser:
         default=None,
         metavar="NAMES|all",
         help="the all-reduce schedules each codec runs (CompressedComm(schedule=...)): "
-        "'all' its every one, or names among ring, direct, allgather, sharded, allreduce "
-        "(default: its default; a codec with none of the names runs its default)",
+        "'all' every candidate of schedule='auto' on these hosts and 'auto' itself, or "
+        "names among ring, direct, allgather, sharded, allreduce, hier:NAME, auto "
+        "(default: its default; a codec with none of the names runs its default). With "
+        "schedules, every row carries the model's prediction (measured now, or --model)",
+    )
+    p.add_argument(
+        "--model",
+        metavar="FILE",
+        default=None,
+        help="with --schedules: predict with this model (`mpicomp bench --save-model`) "
+        "instead of measuring one",
     )
     p.add_argument("--seed", type=int, default=0, help="seed of the gradient (0)")
     p.add_argument(
@@ -132,6 +141,15 @@ def _parser() -> argparse.ArgumentParser:
         help="print a JSON list of rows (one per codec and backend) alone on stdout",
     )
     p.add_argument("-q", "--quiet", action="store_true", help="no progress on stderr")
+    p.add_argument(
+        "--save-model",
+        metavar="FILE",
+        default=None,
+        help="then measure the network (latency and bandwidth, within and between hosts) "
+        "and write it with the codecs' speeds (the kernel timings; measured on every rank "
+        "under --no-kernels) as a model for CompressedComm(schedule='auto', model=FILE) "
+        "and `mpicomp advise --model FILE`; rank 0 writes",
+    )
     p.set_defaults(run=_cmd_bench)
 
     p = sub.add_parser(
@@ -140,10 +158,17 @@ def _parser() -> argparse.ArgumentParser:
         description="Paper 002's Eq. 4 with measured encode/decode throughput: the smallest "
         "compression ratio that pays on a link, whether each codec reaches it, the modelled "
         "all-reduce speedup at --ranks, and the link rate below which each codec is faster. "
-        "Kernel figures come from --bench (a `mpicomp bench --json` file) or are measured now.",
+        "Kernel figures come from --bench (a `mpicomp bench --json` file) or are measured now. "
+        "With --sizes or --model: instead, per codec and tensor size, every schedule's "
+        "predicted time on --hosts x --ranks-per-host and the one schedule='auto' picks.",
     )
-    p.add_argument("bandwidth", help="each rank's link: 1gbit, 10gbit, 100mbit, ...")
-    p.add_argument("--ranks", type=_positive_count, default=4, metavar="N", help="ranks (4)")
+    p.add_argument(
+        "bandwidth",
+        nargs="?",
+        default=None,
+        help="each rank's link (between hosts): 1gbit, 10gbit, 100mbit, ... (not with --model)",
+    )
+    p.add_argument("--ranks", type=_positive_count, default=None, metavar="N", help="ranks (4)")
     p.add_argument("--bench", metavar="FILE", default=None, help="`mpicomp bench --json` output")
     p.add_argument("--codecs", type=_codec_list, default=None, metavar="NAMES", help="codecs (all)")
     p.add_argument(
@@ -152,6 +177,48 @@ def _parser() -> argparse.ArgumentParser:
         default=25_600_000,
         metavar="N",
         help="gradient size when measuring now (25.6M)",
+    )
+    p.add_argument(
+        "--sizes",
+        type=_count_list,
+        default=None,
+        metavar="N,N",
+        help="tensor sizes of the schedule table (default with --model: 4K,64K,1M,25.6M)",
+    )
+    p.add_argument(
+        "--hosts",
+        type=_positive_count,
+        default=None,
+        metavar="H",
+        help="hosts (--ranks / --ranks-per-host)",
+    )
+    p.add_argument(
+        "--ranks-per-host",
+        type=_positive_count,
+        default=None,
+        metavar="R",
+        help="ranks on each host (1)",
+    )
+    p.add_argument(
+        "--alpha",
+        type=_seconds,
+        default=None,
+        metavar="TIME",
+        help="latency per message, within and between hosts: 50us, 0.5ms, 5e-5 (50us)",
+    )
+    p.add_argument(
+        "--intra",
+        type=_rate,
+        default=None,
+        metavar="RATE",
+        help="each rank's bandwidth within a host (100gbit)",
+    )
+    p.add_argument(
+        "--model",
+        metavar="FILE",
+        default=None,
+        help="a model `mpicomp bench --save-model` wrote: its networks and codec speeds "
+        "instead of BANDWIDTH, --alpha, --intra and --bench",
     )
     p.add_argument("--json", action="store_true", help="print a JSON list alone on stdout")
     p.set_defaults(run=_cmd_advise)
@@ -207,6 +274,24 @@ def _count_list(text: str) -> list[int]:
     return counts
 
 
+def _seconds(text: str) -> float:
+    from mpicomp.advise import parse_seconds
+
+    try:
+        return parse_seconds(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def _rate(text: str) -> int:
+    from mpicomp.advise import parse_rate
+
+    try:
+        return parse_rate(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
 def _codec_list(text: str) -> list[str]:
     names = [n.strip() for n in text.split(",") if n.strip()]
     if not names:
@@ -223,10 +308,10 @@ def _codec_list(text: str) -> list[str]:
 def _schedule_list(text: str):
     if text.strip() == "all":
         return "all"
-    from mpicomp.options import SCHEDULES
+    from mpicomp.options import SCHEDULES, schedule_names
 
     names = [n.strip() for n in text.split(",") if n.strip()]
-    known = sorted({n for group in SCHEDULES.values() for n in group})
+    known = sorted({n for kind in SCHEDULES for n in schedule_names(kind)})
     for name in names or [""]:
         if name not in known:
             raise argparse.ArgumentTypeError(
@@ -364,12 +449,26 @@ def _cmd_info(args, parser) -> int:
 def _cmd_bench(args, parser) -> int:
     if args.no_kernels and args.no_allreduce:
         parser.error("bench: --no-kernels and --no-allreduce leave nothing to measure")
+    if args.save_model and args.no_kernels and args.backend is not None:
+        parser.error(
+            "bench: --save-model --no-kernels measures the codecs' speeds on the default "
+            "backend, not --backend's; leave out --no-kernels to save --backend's"
+        )
     numel = args.numel or 25_600_000
     sizes = args.sizes or ([args.numel] if args.numel else [1_000_000, 25_600_000])
     progress = None if args.quiet else sys.stderr
     from mpi4py import MPI
 
     comm = MPI.COMM_WORLD
+    if args.save_model:
+        # Before the run, not after it: a mistyped directory should not cost a whole bench.
+        where = os.path.dirname(os.path.abspath(args.save_model))
+        if not comm.bcast(os.path.isdir(where) if comm.rank == 0 else None, root=0):
+            if comm.rank == 0:
+                print(
+                    f"mpicomp bench: error: --save-model: no directory {where!r}", file=sys.stderr
+                )
+            return 2
     try:
         report = bench.full_run(
             comm,
@@ -384,7 +483,13 @@ def _cmd_bench(args, parser) -> int:
             progress=progress,
             backend=args.backend,
             schedules=args.schedules,
+            model=args.model,
         )
+        if args.save_model:
+            from mpicomp.model import SPEED_NUMEL
+
+            rows = None if args.no_kernels else report.rows
+            model = bench.measure_model(comm, rows, args.codecs, args.numel or SPEED_NUMEL)
     except (RuntimeError, OSError) as e:  # raised on every rank: each exits, none hangs
         if comm.rank == 0:
             print(f"mpicomp bench: error: {e}", file=sys.stderr)
@@ -395,38 +500,155 @@ def _cmd_bench(args, parser) -> int:
         bench.print_json(report.rows)
     else:
         report.print(args.reps, args.allreduce_reps)
+    return _save_model(model, args.save_model) if args.save_model else 0
+
+
+def _save_model(model, path: str) -> int:
+    """Write ``model`` to ``path`` and say so on stderr; return the exit status."""
+    try:
+        model.save(path)
+    except OSError as e:
+        print(f"mpicomp bench: error: --save-model: {e}", file=sys.stderr)
+        return 1
+
+    def net(n) -> str:
+        return f"alpha {n.alpha * 1e6:.4g} us, beta {n.beta * 8 / 1e9:.4g} Gbit/s"
+
+    print(
+        f"mpicomp bench: wrote the model to {path}: within a host {net(model.intra)}; "
+        f"between hosts {net(model.inter)}; {len(model.speeds)} codec speed(s)",
+        file=sys.stderr,
+    )
     return 0
 
 
 def _cmd_advise(args, parser) -> int:
     from mpicomp import advise
 
-    try:
-        link = advise.parse_rate(args.bandwidth)
-    except ValueError as e:
-        parser.error(str(e))
-    if args.ranks < 2:
+    if args.sizes is not None or args.model is not None:
+        return _advise_schedules(args, parser)
+    for flag, value in (
+        ("--hosts", args.hosts),
+        ("--ranks-per-host", args.ranks_per_host),
+        ("--alpha", args.alpha),
+        ("--intra", args.intra),
+    ):
+        if value is not None:
+            parser.error(f"advise: {flag} is for the schedule table: give --sizes too")
+    link = _advise_link(args, parser)
+    ranks = 4 if args.ranks is None else args.ranks
+    if ranks < 2:
         parser.error("advise: --ranks must be >= 2")
-    if args.bench is not None:
-        try:
-            with open(args.bench) as f:
-                rows = json.load(f)
-            if not isinstance(rows, list) or not all(isinstance(r, dict) for r in rows):
-                raise ValueError("expected a JSON list of rows, as `mpicomp bench --json` prints")
-            if args.codecs:
-                rows = [r for r in rows if r.get("codec") in args.codecs]
-            result = advise.advise(rows, link, args.ranks)
-        except (OSError, ValueError, KeyError, TypeError) as e:
-            print(f"mpicomp advise: error: {args.bench}: {e}", file=sys.stderr)
-            return 2
-    else:
-        rows = bench.run(args.codecs, args.numel, 5, progress=sys.stderr)
-        result = advise.advise(rows, link, args.ranks)
+    try:
+        result = advise.advise(_bench_rows(args), link, ranks)
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        print(f"mpicomp advise: error: {_where(args)}{e}", file=sys.stderr)
+        return 2
     if args.json:
         bench.print_json(result)
     else:
-        advise.format_table(result, link, args.ranks, sys.stdout)
+        advise.format_table(result, link, ranks, sys.stdout)
     return 0
+
+
+def _advise_schedules(args, parser) -> int:
+    """``mpicomp advise --sizes/--model``: the schedule table."""
+    from mpicomp import advise
+    from mpicomp.model import Model
+
+    topology = _advise_topology(args, parser)
+    if args.model is not None:
+        given = [
+            flag
+            for flag, value in (
+                ("BANDWIDTH", args.bandwidth),
+                ("--alpha", args.alpha),
+                ("--intra", args.intra),
+                ("--bench", args.bench),
+            )
+            if value is not None
+        ]
+        if given:
+            parser.error(
+                f"advise: --model brings the networks and speeds; leave out {', '.join(given)}"
+            )
+    else:
+        link = _advise_link(args, parser)
+    try:
+        if args.model is not None:
+            model = Model.load(args.model)  # its errors name the file
+        else:
+            alpha = 50e-6 if args.alpha is None else args.alpha
+            intra = 100 * 10**9 if args.intra is None else args.intra
+            where = args.bench or "kernels measured now"
+            model = advise.rate_model(link, intra, alpha, _bench_rows(args), where)
+        codecs = advise.codecs_of(model.speeds)
+        codecs = [c for c in codecs if args.codecs is None or c.name in args.codecs]
+        if not codecs:
+            raise ValueError(
+                "no codec has kernel figures (encode and decode speeds) to predict with"
+            )
+        rows = advise.schedule_table(model, topology, codecs, args.sizes or advise.DEFAULT_SIZES)
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        print(f"mpicomp advise: error: {'' if args.model else _where(args)}{e}", file=sys.stderr)
+        return 2
+    if args.json:
+        bench.print_json(rows)
+    else:
+        advise.format_schedule_table(rows, model, topology, sys.stdout)
+    return 0
+
+
+def _advise_link(args, parser) -> int:
+    """Return the bits per second of advise's BANDWIDTH (a usage error when missing or bad)."""
+    from mpicomp import advise
+
+    if args.bandwidth is None:
+        parser.error("advise: give the link's bandwidth (e.g. 1gbit) or --model FILE")
+    try:
+        return advise.parse_rate(args.bandwidth)
+    except ValueError as e:
+        parser.error(str(e))
+
+
+def _advise_topology(args, parser):
+    """Return the ``Topology`` of advise's --hosts, --ranks-per-host and --ranks."""
+    from mpicomp.schedules import Topology
+
+    per_host = args.ranks_per_host or 1
+    if args.hosts is None:
+        ranks = 4 if args.ranks is None else args.ranks
+        if ranks % per_host:
+            parser.error(
+                f"advise: --ranks {ranks} is not a multiple of --ranks-per-host {per_host}"
+            )
+        hosts = ranks // per_host
+    else:
+        hosts = args.hosts
+        if args.ranks is not None and args.ranks != hosts * per_host:
+            parser.error(
+                f"advise: --ranks {args.ranks} is not --hosts x --ranks-per-host "
+                f"({hosts} x {per_host})"
+            )
+    if hosts * per_host < 2:
+        parser.error("advise: the schedule table needs >= 2 ranks (--hosts x --ranks-per-host)")
+    return Topology(hosts, per_host)
+
+
+def _bench_rows(args) -> list[dict]:
+    """Return the kernel rows advise predicts with: --bench's, or measured now; --codecs'."""
+    if args.bench is None:
+        return bench.run(args.codecs, args.numel, 5, progress=sys.stderr)
+    with open(args.bench) as f:
+        rows = json.load(f)
+    if not isinstance(rows, list) or not all(isinstance(r, dict) for r in rows):
+        raise ValueError("expected a JSON list of rows, as `mpicomp bench --json` prints")
+    return [r for r in rows if r.get("codec") in args.codecs] if args.codecs else rows
+
+
+def _where(args) -> str:
+    """The prefix of advise's errors about its kernel rows: the --bench file, if any."""
+    return f"{args.bench}: " if args.bench is not None else ""
 
 
 # -- trace ---------------------------------------------------------------------------

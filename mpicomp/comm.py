@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import sys
 import warnings
 import weakref
@@ -14,6 +15,7 @@ from functools import partial, wraps
 import numpy as np
 
 from mpicomp import _reduce
+from mpicomp import model as model_mod
 from mpicomp._arrays import array_module, is_device_array, to_float32
 from mpicomp._log import log
 from mpicomp._progress import Handle, Worker, overlap_blocker
@@ -23,7 +25,8 @@ from mpicomp._transport import Transport, cuda_aware
 from mpicomp.codecs import Codec, ErrorFeedback
 from mpicomp.codecs._base import make as make_codec
 from mpicomp.kernels import backend_of
-from mpicomp.options import Options
+from mpicomp.options import AUTO, Options
+from mpicomp.schedules import FLOAT32, HIER, Topology, choose, predict
 from mpicomp.trace import NO_CLOCK
 
 __all__ = ["CompressedComm", "Handle", "NonFiniteWarning", "Options", "RankError"]
@@ -64,7 +67,21 @@ class CompressedComm:
             width-growing ring) or ``"direct"`` (a direct reduce-scatter: each code
             sent once to its chunk's owner, fewer bytes from 3 ranks on, the same
             results bit for bit); gather codecs ``"allgather"`` (default) or
-            ``"sharded"``; ``none`` and ``fp16`` ``"allreduce"``. None: the default.
+            ``"sharded"``; ``none`` and ``fp16`` ``"allreduce"``. Also, for every
+            codec but ``none``: ``"float32"`` (MPI_Allreduce of float32, uncompressed),
+            ``"hier:NAME"`` (reduce within each host, NAME between hosts; several
+            hosts of as many ranks each; docs/collectives.md, "Hierarchy") and
+            ``"auto"``: per call, the schedule ``model`` predicts to be cheapest for
+            the tensor's size (the same on every rank; docs/collectives.md,
+            "Choosing a schedule"). None: the codec's default.
+        model: what ``schedule="auto"`` predicts with (``mpicomp.model.Model``, or
+            a file from ``mpicomp bench --save-model``); None: the file
+            ``MPICOMP_MODEL`` names, else the network and the codec measured when
+            this CompressedComm is made (collective, a fraction of a second). With
+            another schedule, a given model only fills the trace's ``t_predicted``.
+        local_comm: the ranks of ``comm`` that share this rank's host, for the
+            hierarchical schedules and the model (default:
+            ``comm.Split_type(MPI.COMM_TYPE_SHARED)``; e.g. one per socket).
         trace: a path (str or os.PathLike): record every collective call of every
             rank (bytes, phase times) into this HDF5 file, written by rank 0 (see
             docs/trace-format.md). The ``mpicomp.trace.Tracer`` is ``self.trace``.
@@ -119,6 +136,8 @@ class CompressedComm:
         error_feedback: bool | None = None,
         sharded: bool = False,
         schedule: str | None = None,
+        model=None,
+        local_comm=None,
         trace=None,
         trace_level: int = 1,
         trace_flush_every: int | None = 100,
@@ -166,16 +185,27 @@ class CompressedComm:
         self.background = why is None if opts.background is None else opts.background
         self._eager_why = why if opts.background is None else None  # warned once, at first use
         self._worker = None  # made by the first background iallreduce
-        # The reduction path (mpicomp._reduce.REDUCERS) of every compressed call.
-        self._path = "sharded" if opts.schedule == "sharded" else codec.aggregation
         self._feedback = ErrorFeedback(codec) if opts.error_feedback else None
-        self._server_feedback = (
-            ErrorFeedback(codec) if opts.error_feedback and opts.sharded else None
+        may_shard = opts.schedule in ("sharded", HIER + "sharded") or (
+            opts.schedule == AUTO and codec.aggregation == "gather"
         )
+        self._server_feedback = ErrorFeedback(codec) if opts.error_feedback and may_shard else None
         self._plain = make_codec("none")
         self._comm = comm.Dup()
         self.rank = self._comm.rank
         self.size = self._comm.size
+        #: Where the ranks are (``mpicomp.schedules.Topology``; one host unless a
+        #: hierarchical or ``"auto"`` schedule asked, or a model was given).
+        self.topology = Topology(1, self.size)
+        #: What the schedules' times are predicted with (``mpicomp.model.Model``), or None.
+        self.model = None
+        self._hosts = None  # the communicators of the hierarchical schedules
+        self._plans = {}  # numel -> (schedule, predicted seconds)
+        try:
+            self._place(local_comm, model)
+        except BaseException:
+            self._comm.Free()
+            raise
         self._calls = 0  # the step of the counter-based RNG: the same on every rank
         #: Gets every exchange step of the collectives, ``record(op, step, sent, recv,
         #: bits)`` (e.g. a ``collectives.traffic.Traffic``); None by default.
@@ -345,11 +375,12 @@ class CompressedComm:
             _reduce.fail(self._call(step), t.error)
         # Below min_numel every codec, fp16 included, steps aside for the float32 sum of `none`.
         small = t.flat.size < opts.min_numel
-        uncompressed = (small or not compress) and self.codec.name != "none"
+        schedule, predicted = self._plan(t.flat.size, compress and not small)
+        uncompressed = schedule == FLOAT32
         codec = self._plain if uncompressed else self.codec
-        reduce = _reduce.REDUCERS["sum" if uncompressed else self._path]
+        reduce = _reduce.REDUCERS["sum"] if uncompressed else self._reducer(schedule)
         encoders = None if uncompressed else self._encoders(t.name)
-        snapshots = [] if uncompressed else self._snapshot(t.name)
+        snapshots = [] if uncompressed else self._snapshot(t.name, schedule)
         if ledger is not None:
             ledger.extend(snapshots)
         rollback = partial(_restore, snapshots) if snapshots else None
@@ -357,12 +388,14 @@ class CompressedComm:
         # Names (and bucket layouts) take part in the agreement: ranks calling with
         # tensors in different orders raise instead of mixing them.
         call = self._call(step, zlib.crc32(t.name.encode()) if layout is None else layout, guard)
+        call = replace(call, schedule=schedule.removeprefix(HIER))
         trace = self.trace
         if trace is not None:
-            label = (
-                op if not uncompressed else f"{op} below min_numel" if small else f"{op} warm-up"
+            aside = (small or not compress) and self.codec.name != "none"
+            label = op if not aside else f"{op} below min_numel" if small else f"{op} warm-up"
+            trace.begin(
+                step, label, codec.name, t.name, t.flat.size, self.recorder, schedule, predicted
             )
-            trace.begin(step, label, codec.name, t.name, t.flat.size, self.recorder)
             call = replace(call, recorder=trace, clock=trace)
         try:
             avg = reduce(call, codec, t.flat, encoders)
@@ -378,6 +411,66 @@ class CompressedComm:
             trace.end()
         return t.result(avg), []
 
+    def _place(self, local_comm, model) -> None:
+        """Find the hosts, make the hierarchical schedules' communicators and the model,
+        as the options ask (collective; a problem raises on every rank)."""
+        schedule = self.options.schedule
+        hier = schedule.startswith(HIER) or schedule == AUTO
+        if not hier and model is None:
+            return
+        node = model_mod.host_comm(self._comm, local_comm)
+        try:
+            self.topology = topo = model_mod.topology(self._comm, node)
+            if schedule.startswith(HIER) and not topo.hierarchical:
+                raise ValueError(
+                    f"schedule={schedule!r} needs several hosts holding as many ranks "
+                    f"each; here {topo.hosts} host(s), up to {topo.per_host} rank(s) each"
+                    + ("" if topo.even else " (not the same on every host)")
+                )
+            if schedule == AUTO or model is not None:
+                self.model = model_mod.resolve(self._comm, node, self.codec, model)
+        except BaseException:
+            node.Free()
+            raise
+        if hier and topo.hierarchical:
+            self._hosts = _reduce.Hosts(node, self._comm.Split(node.rank, self.rank))
+        else:
+            node.Free()
+
+    def schedule_for(self, numel: int) -> tuple[str, float]:
+        """Return the schedule a call of ``numel`` elements runs by, and the seconds the
+        model predicts for it (NaN without a model): under ``schedule="auto"`` the
+        cheapest, the same on every rank."""
+        return self._plan(numel, numel >= self.options.min_numel)
+
+    def _plan(self, numel: int, compress: bool) -> tuple[str, float]:
+        """Return the schedule of a call of ``numel`` elements and its predicted seconds
+        (NaN without a model): the float32 sum when not compressing, the cheapest under
+        ``"auto"`` (the same on every rank: same model, same size), else the option."""
+        schedule = self.options.schedule
+        if self.codec.name == "none":
+            schedule = "allreduce"
+        elif not compress:
+            schedule = FLOAT32
+        key = (numel, schedule)
+        if key not in self._plans:
+            predicted = math.nan
+            if schedule == AUTO:
+                schedule, times = choose(self.codec, numel, self.topology, self.model)
+                predicted = times.get(schedule, math.nan)
+            elif self.model is not None and self.size > 1:
+                predicted = predict(schedule, self.codec, numel, self.topology, self.model)
+            self._plans[key] = (schedule, predicted)
+        return self._plans[key]
+
+    def _reducer(self, schedule: str):
+        """Return the reduction of a compressed call by ``schedule``."""
+        inner = schedule.removeprefix(HIER)
+        path = "sharded" if inner == "sharded" else self.codec.aggregation
+        if inner == schedule:
+            return _reduce.REDUCERS[path]
+        return partial(_reduce.reduce_hierarchical, inner=path, hosts=self._hosts)
+
     def _call(self, step: int, layout: int = 0, guard: _reduce.Guard | None = None):
         """Return the ``_reduce.Call`` of call ``step``: what its messages share (untraced)."""
         guard = guard or _reduce.Guard()
@@ -392,7 +485,6 @@ class CompressedComm:
             timeout,
             self.kernels,
             self._transport,
-            self.options.schedule if self.options.schedule in ("ring", "direct") else "ring",
         )
 
     def _encoders(self, name: str) -> _reduce.Encoders | None:
@@ -408,13 +500,15 @@ class CompressedComm:
             lambda f: self._server_feedback.encode(f, name),
         )
 
-    def _snapshot(self, name: str) -> list:
-        """Return snapshots of the residuals a compressed call of ``name`` may update."""
+    def _snapshot(self, name: str, schedule: str) -> list:
+        """Return snapshots of the residuals a compressed call of ``name`` by ``schedule``
+        may update."""
         if self._feedback is None:
             return []
-        if not self.options.sharded:
+        if schedule.removeprefix(HIER) != "sharded":
             return [self._feedback.snapshot([name])]
-        shards = [f"{name}#shard{s}" for s in range(self.size)]
+        owners = self._hosts.cross.size if schedule.startswith(HIER) else self.size
+        shards = [f"{name}#shard{s}" for s in range(owners)]
         return [self._feedback.snapshot(shards), self._server_feedback.snapshot([name])]
 
     # -- for the framework adapters (mpicomp.torch, mpicomp.jax) -----------------
@@ -562,6 +656,8 @@ class CompressedComm:
             if self.trace is not None and flush_trace:
                 self.trace.close()
         finally:
+            if self._hosts is not None:
+                self._hosts.free()
             self._comm.Free()
             self._comm = None
 

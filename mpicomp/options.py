@@ -29,6 +29,21 @@ SCHEDULES = {
     "gather": ("allgather", "sharded"),
 }
 
+#: Beyond a codec's own schedules, ``schedule=`` takes ``"auto"`` (the cheapest per call,
+#: ``mpicomp.schedules.choose``), ``"float32"`` (MPI_Allreduce of float32: no compression)
+#: and ``"hier:NAME"`` (reduce within each host, then NAME between hosts).
+AUTO = "auto"
+
+
+def schedule_names(aggregation: str) -> tuple[str, ...]:
+    """Return every ``schedule=`` a codec of ``aggregation`` takes, its default first."""
+    from mpicomp.schedules import FLOAT32, HIER
+
+    flat = SCHEDULES[aggregation]
+    if aggregation == "sum":
+        return (*flat, FLOAT32, AUTO)
+    return (*flat, *(HIER + s for s in flat), FLOAT32, AUTO)
+
 
 @dataclass(frozen=True)
 class Options:
@@ -68,7 +83,7 @@ class Options:
             fix("background", _checked_bool("background", self.background, "or None"))
         if not isinstance(self.schedule, str):
             raise TypeError(f"schedule must be a str or None, got {type(self.schedule).__name__}")
-        if self.schedule not in {name for names in SCHEDULES.values() for name in names}:
+        if self.schedule not in {n for kind in SCHEDULES for n in schedule_names(kind)}:
             raise ValueError(f"schedule: no schedule named {self.schedule!r}")
         if self.sharded != (self.schedule == "sharded"):
             raise ValueError(
@@ -134,7 +149,7 @@ class Options:
 
 def _schedule(codec, asked, sharded) -> str:
     """Return the schedule of ``codec`` asked for (None: its default, or ``sharded``)."""
-    names = SCHEDULES[codec.aggregation]
+    names = schedule_names(codec.aggregation)
     if asked is None:
         return "sharded" if sharded is True else names[0]
     if not isinstance(asked, str):

@@ -25,6 +25,7 @@ from mpicomp.trace_format import (
     FORMAT_VERSION,
     NAME_LEN,
     OP_LEN,
+    SCHEDULE_LEN,
     STEP_DTYPE,
     STEPS,
     VERSION_ATTR,
@@ -162,12 +163,23 @@ class Tracer:
 
     # -- one call ----------------------------------------------------------------
 
-    def begin(self, step: int, op: str, codec: str, name: str, numel: int, also=None) -> None:
+    def begin(
+        self,
+        step: int,
+        op: str,
+        codec: str,
+        name: str,
+        numel: int,
+        also=None,
+        schedule: str = "",
+        predicted: float = float("nan"),
+    ) -> None:
         """Start the event of one collective call; starts its clock.
 
         ``also``: another recorder (``record(op, step, sent, recv, bits)``) that gets
-        every exchange step of this call too. A call begun and never ended (it raised)
-        is dropped with its steps.
+        every exchange step of this call too. ``schedule`` and ``predicted``: how the
+        call moves its bytes and the seconds a model predicted for it. A call begun and
+        never ended (it raised) is dropped with its steps.
         """
         if self._closed:
             raise RuntimeError(f"tracer of {self.path!r} is closed")
@@ -176,7 +188,7 @@ class Tracer:
         self._open = True
         self._call_steps = self._ns
         self._also = also
-        self._meta = (step, op, codec, name, numel)
+        self._meta = (step, op, codec, name, numel, schedule, predicted)
         self._sent = self._recv = 0
         self._t_encode = self._t_comm = self._t_decode = 0.0
         self._t0 = self._last = perf_counter()
@@ -218,7 +230,7 @@ class Tracer:
         total = perf_counter() - self._t0
         if not self._open:
             raise RuntimeError("tracer: end() without begin()")
-        step, op, codec, name, numel = self._meta
+        step, op, codec, name, numel, schedule, predicted = self._meta
         if self._n == self._events.size:
             self._events = _grown(self._events, self._n)
         self._events[self._n] = (
@@ -237,23 +249,25 @@ class Tracer:
             self._t_decode,
             total,
             self._t_start,
+            _fixed(schedule, SCHEDULE_LEN),
+            predicted,
         )
         self._n += 1
         self._call += 1
         self._open = False
         self._also = None
         if self._on_call is not None:
-            self._report(self._events[self._n - 1], op, codec, name)
+            self._report(self._events[self._n - 1], op, codec, name, schedule)
         if self.path is None:  # no file: nothing is kept
             self._n = 0
             self._ns = self._call_steps
         elif self.flush_every is not None and self._n >= self.flush_every:
             self.flush()
 
-    def _report(self, row, op: str, codec: str, name: str) -> None:
+    def _report(self, row, op: str, codec: str, name: str, schedule: str) -> None:
         """Hand one event to ``on_call`` as a dict of Python values."""
         event = {k: row[k].item() for k in EVENT_DTYPE.names}
-        event.update(op=op, codec=codec, name=name)
+        event.update(op=op, codec=codec, name=name, schedule=schedule)
         try:
             self._on_call(event)
         except Exception:  # user code must not break the collective path

@@ -56,7 +56,10 @@ def chrome(path) -> dict:
             "bytes_in": int(ev["bytes_in"]),
             "bytes_sent": int(ev["bytes_sent"]),
             "bytes_recv": int(ev["bytes_recv"]),
+            "schedule": ev["schedule"].decode(),
         }
+        if np.isfinite(ev["t_predicted"]):
+            args["predicted_ms"] = float(ev["t_predicted"]) * 1e3
         out.append(_span(f"{op} {name}".strip(), "call", rank, 0, start, ev["t_total"], args))
         at = start
         for phase, column in (

@@ -10,9 +10,10 @@ from __future__ import annotations
 import numpy as np
 
 # The version written; readers take every version of READABLE (docs/trace-format.md,
-# Versioning). Version 2 added t_start (events) and t_end (steps): a timeline.
-FORMAT_VERSION = 2
-READABLE = (1, 2)
+# Versioning). Version 2 added t_start (events) and t_end (steps): a timeline; version 3
+# the schedule of each call and its predicted time.
+FORMAT_VERSION = 3
+READABLE = (1, 2, 3)
 
 # Root attribute holding FORMAT_VERSION: its presence marks a file as an mpicomp trace.
 VERSION_ATTR = "mpicomp_trace_version"
@@ -22,7 +23,7 @@ EVENTS, STEPS = "events", "steps"
 
 # Fixed-length byte fields: longer values are cut to these many bytes (at a UTF-8
 # character boundary), so every row has the same size and Gatherv moves raw bytes.
-OP_LEN, CODEC_LEN, NAME_LEN, STEP_OP_LEN = 40, 32, 128, 32
+OP_LEN, CODEC_LEN, NAME_LEN, STEP_OP_LEN, SCHEDULE_LEN = 40, 32, 128, 32, 16
 
 EVENT_DTYPE = np.dtype(
     [
@@ -42,6 +43,9 @@ EVENT_DTYPE = np.dtype(
         ("t_total", "<f8"),
         # seconds since the ranks' common epoch (a barrier when the trace was made)
         ("t_start", "<f8"),
+        # how the call moved its bytes, and the model's prediction of t_total (NaN: none)
+        ("schedule", f"S{SCHEDULE_LEN}"),
+        ("t_predicted", "<f8"),
     ]
 )
 
@@ -60,14 +64,15 @@ STEP_DTYPE = np.dtype(
 
 
 def upgraded(rows: np.ndarray, dtype: np.dtype) -> np.ndarray:
-    """Return rows of an older version in ``dtype``: columns it lacks are NaN (times)."""
+    """Return rows of an older version in ``dtype``: columns it lacks are NaN (times) or
+    empty (text)."""
     if rows.dtype == dtype:
         return rows
     out = np.zeros(rows.shape, dtype=dtype)
     for name in dtype.names:
         if name in rows.dtype.names:
             out[name] = rows[name]
-        else:
+        elif dtype[name].kind != "S":
             out[name] = np.nan
     return out
 
@@ -88,6 +93,7 @@ __all__ = [
     "NAME_LEN",
     "READABLE",
     "OP_LEN",
+    "SCHEDULE_LEN",
     "STEPS",
     "STEP_DTYPE",
     "STEP_OP_LEN",

@@ -315,3 +315,178 @@ def test_allreduce_table_columns():
     head, _, staged, row = out.getvalue().splitlines()
     assert staged.split()[-3:] == ["staged", "1.00", "-"]
     assert row.split()[-4:] == ["staged", "2.00", "-", "1.00/2.00/0.50"]
+
+
+# -- advise's schedule table --------------------------------------------------------------
+
+
+def _kernel_row(codec, bits, gbps, **params):
+    """A row as `mpicomp bench --json` prints it (kernel figures only)."""
+    return {
+        "codec": codec,
+        "params": params,
+        "backend": "numba",
+        "numel": 25_600_000,
+        "encode_gbps": gbps,
+        "decode_gbps": gbps,
+        "memcpy_gbps": 10.0,
+        "bits_per_element": bits,
+        "rel_error": 0.5,
+    }
+
+
+@pytest.fixture
+def bench_file(tmp_path):
+    rows = [
+        _kernel_row("none", 32.0, 8.0),
+        _kernel_row("signsgd", 1.0, 4.0),
+        _kernel_row("threelc", 0.5, 2.0, sparsity=1.5),
+    ]
+    path = tmp_path / "bench.json"
+    path.write_text(json.dumps(rows))
+    return path
+
+
+def _advise_json(capsys, *argv):
+    assert cli.main(["advise", *argv, "--json"]) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+def test_advise_sizes_chooses_per_size_by_the_model(capsys, bench_file):
+    import mpicomp
+    from mpicomp.schedules import Topology, schedules_of
+
+    argv = ["1gbit", "--sizes", "4K,25.6M", "--hosts", "4", "--alpha", "1ms"]
+    rows = _advise_json(capsys, *argv, "--bench", str(bench_file))
+    got = {(r["codec"], r["numel"]): r for r in rows}
+    assert list(got) == [(c, n) for c in ("none", "signsgd", "threelc") for n in (4000, 25_600_000)]
+    # A 1 ms message makes the 2 log2 N + 2 messages of float32 cheapest for a small tensor;
+    # at 25.6M the 1-bit votes sent straight to their owners win.
+    assert got["signsgd", 4000]["choice"] == "float32"
+    assert got["signsgd", 25_600_000]["choice"] == "direct"
+    # float32 on 4 ranks: the agreement (2 rounds of 192 bytes), then MPI_Allreduce's
+    # 2 log2 4 messages carrying 2 (N-1)/N of the 16,000 bytes, at 125 MB/s.
+    assert got["signsgd", 4000]["seconds"]["float32"] == pytest.approx(6e-3 + 24384 / 125e6)
+    for r in rows:
+        codec = mpicomp.codec(r["codec"], **r["params"])
+        assert list(r["seconds"]) == list(schedules_of(codec, Topology(4, 1)))
+        assert not any(s.startswith("hier:") for s in r["seconds"])  # one rank per host
+        assert r["choice"] == min(r["seconds"], key=r["seconds"].get)
+        plain = r["seconds"].get("float32", r["seconds"].get("allreduce"))
+        assert r["speedup"] == pytest.approx(plain / r["seconds"][r["choice"]])
+    assert got["signsgd", 25_600_000]["speedup"] > 5  # 32x fewer bytes on a slow link
+
+
+def test_advise_sizes_with_ranks_per_host_adds_the_hierarchical_columns(capsys, bench_file):
+    argv = ["advise", "10gbit", "--sizes", "25.6M", "--hosts", "4", "--ranks-per-host", "2"]
+    argv += ["--codecs", "signsgd,threelc", "--bench", str(bench_file)]
+    assert cli.main(argv) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].startswith("4 host(s) x 2 rank(s); within a host: alpha 50 us, 100 Gbit/s;")
+    assert "between hosts: alpha 50 us, 10 Gbit/s;" in lines[0]
+    head, rule, signsgd, threelc = lines[2:]
+    flat, hier = ["ring", "direct", "allgather", "sharded"], ["hier:ring", "hier:direct"]
+    hier += ["hier:allgather", "hier:sharded"]
+    columns = ["codec", "params", "size", *flat, *hier, "float32", "choice", "speedup"]
+    assert head.split() == columns and set(rule) == {"-"}
+    cells = dict(zip(columns[2:], signsgd.split()[1:], strict=True))  # no params: blank
+    assert cells["size"] == "25.6M"
+    gathers = ("allgather", "sharded", "hier:allgather", "hier:sharded")
+    assert [cells[s] for s in gathers] == ["-"] * 4
+    assert cells["choice"] in ("ring", "direct", "hier:ring", "hier:direct")
+    cells = dict(zip(columns, threelc.split(), strict=True))
+    assert cells["params"] == "sparsity=1.5"  # the parameters that differ from the defaults
+    assert [cells[s] for s in ("ring", "direct", "hier:ring", "hier:direct")] == ["-"] * 4
+    times = {s: float(cells[s]) for s in (*gathers, "float32")}
+    assert cells["choice"] == min(times, key=times.get)
+
+
+def test_advise_model_file_gives_the_networks_and_speeds(capsys, bench_file, tmp_path):
+    from mpicomp import advise
+    from mpicomp.model import Model, speeds_from_bench
+    from mpicomp.schedules import Network
+
+    speeds = speeds_from_bench(json.loads(bench_file.read_text()))
+    path = tmp_path / "model.json"
+    Model(Network(20e-6, 100e9 / 8), Network(20e-6, 1e9 / 8), speeds).save(path)
+    by_model = _advise_json(capsys, "--model", str(path), "--hosts", "4", "--ranks-per-host", "2")
+    # Without --sizes a model gets the default sweep, every codec it has a speed for.
+    assert [r["numel"] for r in by_model] == 3 * list(advise.DEFAULT_SIZES)
+    argv = ["1gbit", "--alpha", "20us", "--hosts", "4", "--ranks-per-host", "2"]
+    sizes = ",".join(map(str, advise.DEFAULT_SIZES))
+    by_rates = _advise_json(capsys, *argv, "--sizes", sizes, "--bench", str(bench_file))
+    assert by_model == by_rates
+    slower = _advise_json(
+        capsys, *argv, "--intra", "10gbit", "--sizes", "1M", "--bench", str(bench_file)
+    )
+    (same,) = [r for r in by_rates if r["codec"] == "signsgd" and r["numel"] == 10**6]
+    (slow,) = [r for r in slower if r["codec"] == "signsgd"]
+    # --intra is the hierarchical schedules' reduce within the host; a flat one never uses it.
+    assert slow["seconds"]["hier:ring"] > same["seconds"]["hier:ring"]
+    assert slow["seconds"]["ring"] == same["seconds"]["ring"]
+
+
+def test_advise_without_sizes_or_model_keeps_the_eq4_table(capsys, bench_file):
+    assert cli.main(["advise", "1gbit", "--bench", str(bench_file)]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("link 1 Gbit/s per rank, 4 ranks.") and "Eq.4 k_min" in out
+
+
+@pytest.mark.parametrize(
+    "argv, expect",
+    [
+        (["1gbit", "--sizes", "4K", "--alpha", "-1"], "argument --alpha: not a time >= 0: '-1'"),
+        (["1gbit", "--sizes", "4K", "--alpha", "5 parsecs"], "not a time >= 0"),
+        (["1gbit", "--sizes", "4K", "--intra", "fast"], "argument --intra: not a rate: 'fast'"),
+        (["--sizes", "4K"], "give the link's bandwidth (e.g. 1gbit) or --model FILE"),
+        (["--model", "BENCH"], "BENCH: not an mpicomp model"),
+        (["--model", "MISSING"], "No such file"),
+        (
+            ["1gbit", "--model", "BENCH"],
+            "--model brings the networks and speeds; leave out BANDWIDTH",
+        ),
+        (["1gbit", "--hosts", "2"], "--hosts is for the schedule table: give --sizes too"),
+        (["1gbit", "--sizes", "4K", "--hosts", "1"], "needs >= 2 ranks"),
+        (["1gbit", "--sizes", "4K", "--ranks", "6", "--hosts", "2"], "--ranks 6 is not --hosts x"),
+        (["1gbit", "--sizes", "4K", "--ranks", "5", "--ranks-per-host", "2"], "not a multiple"),
+        (["1gbit", "--sizes", "4K", "--codecs", "topk"], "no codec has kernel figures"),
+    ],
+)
+def test_advise_schedule_table_rejects_bad_input(argv, expect, capsys, bench_file, tmp_path):
+    files = {"BENCH": str(bench_file), "MISSING": str(tmp_path / "missing.json")}
+    argv = [files.get(a, a) for a in argv]
+    if "--bench" not in argv and "--model" not in argv and "1gbit" in argv:
+        argv += ["--bench", str(bench_file)]  # never measure kernels here
+    assert cli.main(["advise", *argv]) == 2
+    captured = capsys.readouterr()
+    expect = expect.replace("BENCH", str(bench_file))
+    assert expect in captured.err and "Traceback" not in captured.err
+    assert captured.out == ""
+
+
+def test_parse_seconds():
+    from mpicomp.advise import parse_seconds
+
+    for text, value in (
+        ("50us", 5e-5),
+        ("50µs", 5e-5),
+        ("0.5ms", 5e-4),
+        ("5e-5", 5e-5),
+        ("2s", 2.0),
+        ("0", 0.0),
+    ):
+        assert parse_seconds(text) == pytest.approx(value), text
+    for bad in ("", "us", "-1us", "nan", "inf", "1h"):
+        with pytest.raises(ValueError, match="not a time"):
+            parse_seconds(bad)
+
+
+def test_bench_save_model_checks_its_arguments_before_measuring(capsys, tmp_path):
+    argv = ["bench", "--numel", "1K", "--codecs", "none", "--reps", "1", "-q"]
+    missing = tmp_path / "no-such-dir" / "model.json"
+    assert cli.main([*argv, "--no-allreduce", "--save-model", str(missing)]) == 2
+    assert f"--save-model: no directory {str(missing.parent)!r}" in capsys.readouterr().err
+    argv += ["--no-kernels", "--backend", "cuda-emulated", "--save-model", str(tmp_path / "m")]
+    assert cli.main(argv) == 2
+    assert "leave out --no-kernels to save --backend's" in capsys.readouterr().err
+    assert list(tmp_path.iterdir()) == []

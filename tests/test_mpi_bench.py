@@ -61,13 +61,25 @@ class TestAllreduceBench:
         codecs = [("signsgd", {}), ("threelc", {}), ("none", {})]
         rows = measure(comm, 8 * 64 * comm.size, codecs, reps=1, schedules="all")
         got = [(r["codec"], r["schedule"]) for r in rows]
+        # On one host: each codec's own schedules, then auto (none has only its own).
         assert got == [
             ("signsgd", "ring"),
             ("signsgd", "direct"),
+            ("signsgd", "auto"),
             ("threelc", "allgather"),
             ("threelc", "sharded"),
+            ("threelc", "auto"),
             ("none", "allreduce"),
         ]
+        # Every row carries the schedule it ran by and the model's prediction of it;
+        # auto's is the cheapest predicted of the codec's candidates.
+        for r in rows:
+            assert r["chosen"] == r["schedule"] or r["schedule"] == "auto"
+            assert r["predicted_s"] is not None and r["allreduce_predicted_s"] is not None
+        auto = rows[2]
+        assert auto["chosen"] in ("ring", "direct", "float32")
+        assert auto["predicted_s"] <= min(r["predicted_s"] for r in rows[:2]) + 1e-12
+        assert auto["predicted_s"] <= auto["allreduce_predicted_s"] + 1e-12
         # signSGD direct: the agreement, the scales (8 bytes), 1-bit votes to the owners
         # and 1-bit decisions back (equal chunks: every rank the same).
         n, size = rows[1]["numel"], comm.size
@@ -269,3 +281,48 @@ def test_a_trace_dir_rank_0_cannot_make_raises_on_every_rank(shared_dir):
     comm.Barrier()
     with pytest.raises(RuntimeError, match="rank 0: NotADirectoryError"):
         measure(comm, 2000, [("none", {})], 1, trace_dir=str(blocker / "traces"))
+
+
+@pytest.mark.mpi
+def test_save_model_writes_the_networks_and_the_speeds_of_the_codecs_timed(capsys, shared_dir):
+    import mpicomp
+    from mpicomp.cli import main
+    from mpicomp.model import Model, codec_key
+    from mpicomp.schedules import Network
+
+    comm = world()
+    kernels, measured = shared_dir / "kernels.json", shared_dir / "measured.json"
+    argv = ["bench", "--numel", "64K", "--codecs", "signsgd,threelc", "--reps", "1", "-q"]
+    assert main([*argv, "--no-allreduce", "--json", "--save-model", str(kernels)]) == 0
+    out, err = capsys.readouterr()
+    # Without kernel timings the speeds are measured on every rank, at --numel.
+    argv = ["bench", "--numel", "64K", "--codecs", "signsgd", "--no-kernels", "--sizes", "2K"]
+    assert main([*argv, "--allreduce-reps", "1", "-q", "--save-model", str(measured)]) == 0
+    comm.Barrier()
+    by_kernels, by_ranks = Model.load(kernels), Model.load(measured)
+    signsgd, threelc = mpicomp.codec("signsgd"), mpicomp.codec("threelc", sparsity=1.5)
+    assert set(by_kernels.speeds) == {codec_key(signsgd), codec_key(threelc)}
+    assert set(by_ranks.speeds) == {codec_key(signsgd)}
+    # The same 64K gradient: the same payload bits, however the time was measured.
+    assert by_ranks.speed(signsgd).bits == by_kernels.speed(signsgd).bits
+    for model in (by_kernels, by_ranks):
+        assert all(s.encode > 0 and s.decode > 0 for s in model.speeds.values())
+        if comm.size == 1:  # nothing to measure: a free network
+            assert model.intra == model.inter == Network(0.0, 1e12)
+        else:
+            assert model.intra.alpha > 0 and model.inter.alpha > 0
+            assert 0 < model.intra.beta < 1e12 and 0 < model.inter.beta < 1e12
+    if comm.rank != 0:
+        assert out == "" and err == ""
+        return
+    # Rank 0 timed the kernels: the speeds are its rows' throughputs, per element.
+    rows = {r["codec"]: r for r in json.loads(out)}
+    for codec in (signsgd, threelc):
+        row, speed = rows[codec.name], by_kernels.speed(codec)
+        assert speed.encode == pytest.approx(4 / (row["encode_gbps"] * 1e9))
+        assert speed.decode == pytest.approx(4 / (row["decode_gbps"] * 1e9))
+        assert speed.bits == row["bits_per_element"]
+    intra = by_kernels.intra
+    line = f"mpicomp bench: wrote the model to {kernels}: within a host alpha "
+    line += f"{intra.alpha * 1e6:.4g} us, beta {intra.beta * 8 / 1e9:.4g} Gbit/s;"
+    assert err.startswith(line) and err.rstrip().endswith("; 2 codec speed(s)")

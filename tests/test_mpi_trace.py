@@ -119,7 +119,7 @@ def test_events_hold_one_row_per_call_per_rank_with_the_exact_bytes(name, schedu
     phases = events["t_encode"] + events["t_comm"] + events["t_decode"]
     assert (phases <= events["t_total"] * (1 + 1e-9)).all()
     assert attrs["world_size"] == size and attrs["codec"] == name
-    assert attrs["mpicomp_trace_version"] == 2 and "end_time" in attrs
+    assert attrs["mpicomp_trace_version"] == 3 and "end_time" in attrs
     # A timeline: one rank's calls follow one another on the shared clock.
     for r in range(size):
         rows = events[events["rank"] == r]

@@ -8,6 +8,7 @@ import pytest
 from conftest import direct_traffic, ring_traffic
 
 import mpicomp
+from mpicomp.kernels.bits import packed_size
 from mpicomp.schedules import AGREEMENT_BYTES, Cost, Network, bounded, cost, gathered
 
 
@@ -103,3 +104,162 @@ def test_the_network_predicts_latency_plus_bytes_over_bandwidth():
     assert net.time(cost("float32", signsgd, small, 8)) < net.time(cost("ring", signsgd, small, 8))
     assert net.time(cost("direct", signsgd, large, 8)) < net.time(cost("ring", signsgd, large, 8))
     assert net.time(cost("ring", signsgd, large, 8)) < net.time(cost("float32", signsgd, large, 8))
+
+
+# -- topology, compute and the choice (mpicomp.schedules.predict / choose) --------------
+
+from mpicomp.model import Model, Speed, codec_key  # noqa: E402
+from mpicomp.schedules import (  # noqa: E402
+    FLOAT32,
+    Topology,
+    choose,
+    compute_seconds,
+    predict,
+    schedules_of,
+)
+
+GBIT = 1e9 / 8  # bytes per second
+
+
+FREE = Speed(0.0, 0.0, 2.0)
+LINK_1GBIT = Network(50e-6, GBIT)
+
+
+def _model(codec, speed=FREE, inter=LINK_1GBIT, intra=None):
+    intra = intra or Network(1e-6, 100 * GBIT)
+    return Model(intra, inter, {codec_key(codec): speed})
+
+
+def test_the_candidates_are_the_codecs_own_schedules_the_hierarchy_and_float32():
+    qsgd, fp16, none = (mpicomp.codec(n) for n in ("qsgd_maxnorm", "fp16", "none"))
+    flat, hosts = Topology(1, 4), Topology(2, 2)
+    assert schedules_of(qsgd, flat) == ("ring", "direct", FLOAT32)
+    assert schedules_of(qsgd, hosts) == ("ring", "direct", "hier:ring", "hier:direct", FLOAT32)
+    assert schedules_of(mpicomp.codec("fft"), hosts)[:4] == (
+        "allgather", "sharded", "hier:allgather", "hier:sharded"
+    )  # fmt: skip
+    assert schedules_of(fp16, hosts) == ("allreduce", FLOAT32)  # MPI runs its sum by host
+    assert schedules_of(none, hosts) == ("allreduce",)
+    assert not Topology(3, 2, even=False).hierarchical and not Topology(1, 8).hierarchical
+
+
+def test_small_tensors_go_uncompressed_and_large_ones_compressed_on_a_slow_link():
+    signsgd = mpicomp.codec("signsgd")
+    model = _model(signsgd, Speed(1e-10, 1e-10))  # 40 GB/s kernels
+    topo = Topology(8, 1)
+    # 2(N-1) ring steps of latency against 2 log2 N: float32 wins while latency rules.
+    assert choose(signsgd, 256, topo, model)[0] == FLOAT32
+    chosen, times = choose(signsgd, 25_600_000, topo, model)
+    assert chosen == "direct" and times["direct"] < times["ring"] < times[FLOAT32]
+    # Slow kernels on a fast link: compression does not pay at any size.
+    fast = _model(signsgd, Speed(2e-9, 2e-9), inter=Network(2e-6, 100 * GBIT))
+    assert choose(signsgd, 25_600_000, topo, fast)[0] == FLOAT32
+
+
+def test_two_ranks_tie_ring_and_direct_and_the_default_wins_the_tie():
+    qsgd = mpicomp.codec("qsgd_maxnorm", bits=4)
+    chosen, times = choose(qsgd, 1_000_000, Topology(2, 1), _model(qsgd, Speed(1e-10, 1e-10)))
+    assert times["ring"] == times["direct"] and chosen == "ring"
+
+
+def test_all_to_all_bytes_share_the_hosts_link_and_ring_bytes_do_not():
+    signsgd = mpicomp.codec("signsgd")
+    model, n = _model(signsgd), 8 * 8 * 10_000
+    flat, paired = Topology(8, 1), Topology(4, 2)
+    assert predict("ring", signsgd, n, paired, model) == predict("ring", signsgd, n, flat, model)
+    alltoall = 7 * packed_size(n // 8, 1)  # the direct schedule's codes, 1 bit each
+    extra = predict("direct", signsgd, n, paired, model) - predict(
+        "direct", signsgd, n, flat, model
+    )
+    assert extra == pytest.approx(alltoall / GBIT)
+
+
+def test_the_hierarchy_pays_for_compute_heavy_codecs_with_ranks_to_spare():
+    fft = mpicomp.codec("fft")
+    slow = Speed(20e-9, 20e-9, 2.0)  # FFT-like kernels: 0.2 GB/s
+    topo, n = Topology(4, 2), 25_600_000
+    chosen, times = choose(fft, n, topo, _model(fft, slow))
+    # Each rank compresses 1/R of the host's sum among H ranks instead of all of it among N.
+    assert chosen.startswith("hier:") and times[chosen] < times["allgather"]
+    assert compute_seconds("allgather", fft, slow, n // 2, 4) == pytest.approx(
+        compute_seconds("allgather", fft, slow, n, 8) / 2
+    )
+
+
+def test_decoding_n_payloads_costs_n_decodes_unless_the_codec_sums_first():
+    speed, n = Speed(1e-9, 2e-9, 1.0), 10_000
+    topk, fft = mpicomp.codec("topk"), mpicomp.codec("fft")
+    assert compute_seconds("allgather", topk, speed, n, 4) == pytest.approx((1 + 4 * 2) * 1e-9 * n)
+    assert compute_seconds("allgather", fft, speed, n, 4) == pytest.approx((1 + 2) * 1e-9 * n)
+    assert compute_seconds(FLOAT32, topk, speed, n, 4) == 0
+    assert compute_seconds("ring", mpicomp.codec("signsgd"), speed, n, 4) == pytest.approx(3e-9 * n)
+
+
+def test_predictions_refuse_what_the_topology_or_the_model_lacks():
+    qsgd = mpicomp.codec("qsgd_maxnorm")
+    with pytest.raises(ValueError, match="needs several hosts"):
+        predict("hier:ring", qsgd, 1000, Topology(1, 4), _model(qsgd))
+    other = _model(mpicomp.codec("qsgd_maxnorm", bits=2))
+    with pytest.raises(ValueError, match=r"no speed for qsgd_maxnorm:\{.*bits.: 8"):
+        predict("ring", qsgd, 1000, Topology(1, 4), other)
+    with pytest.raises(ValueError, match="hosts >= 1"):
+        Topology(0, 1)
+
+
+def test_a_model_survives_its_json_file(tmp_path):
+    qsgd = mpicomp.codec("qsgd_maxnorm", bits=4)
+    model = _model(qsgd, Speed(1.5e-9, 2.5e-9, 4.0), inter=Network(3e-5, 1.1e8))
+    model.save(tmp_path / "m.json")
+    back = Model.load(tmp_path / "m.json")
+    assert (back.intra, back.inter, back.speeds) == (model.intra, model.inter, model.speeds)
+    assert back.source == str(tmp_path / "m.json") and back.speed(qsgd).bits == 4.0
+    (tmp_path / "bad.json").write_text('{"format": "mpicomp-model-1", "intra": {}}')
+    with pytest.raises(ValueError, match=r"bad\.json: a malformed mpicomp model"):
+        Model.load(tmp_path / "bad.json")
+    (tmp_path / "other.json").write_text("[1, 2]")
+    with pytest.raises(ValueError, match="not an mpicomp model"):
+        Model.load(tmp_path / "other.json")
+    with pytest.raises(ValueError, match="Speed.encode must be"):
+        Speed(-1.0, 0.0)
+    with pytest.raises(TypeError, match="intra must be"):
+        Model(1e-6)
+
+
+def test_schedule_names_beyond_the_codecs_own():
+    from mpicomp.options import Options
+
+    for codec, ok, bad in (
+        ("threelc", ["hier:sharded", "auto", "float32"], ["hier:ring", "ring"]),
+        ("signsgd", ["hier:direct", "auto"], ["hier:allgather", "hier:"]),
+        ("fp16", ["float32", "auto"], ["hier:allreduce"]),
+        ("none", ["auto", "allreduce"], ["ring", "hier:allreduce"]),
+    ):
+        c = mpicomp.codec(codec)
+        for name in ok:
+            assert Options.resolve(c, schedule=name).schedule == name
+        for name in bad:
+            with pytest.raises(ValueError, match=f"schedule={name!r}: codec {codec!r}"):
+                Options.resolve(c, schedule=name)
+
+
+def test_the_verdicts_read_autos_choice_against_the_fastest_measured():
+    from mpicomp.bench.report import chooser_verdicts
+
+    def row(schedule, t, chosen=None, numel=1000):
+        return {
+            "codec": "signsgd", "params": {}, "numel": numel, "schedule": schedule,
+            "chosen": chosen or schedule, "time_s": t, "allreduce_s": 0.5,
+            "predicted_s": t / 2, "allreduce_predicted_s": 0.25,
+        }  # fmt: skip
+
+    rows = [row("ring", 0.4), row("direct", 0.2), row("auto", 0.21, "direct")]
+    rows += [row("ring", 0.9, numel=9), row("direct", 0.8, numel=9), row("auto", 0.5, "ring", 9)]
+    first, second = chooser_verdicts(rows)
+    assert (first["chosen"], first["fastest"], first["right"], first["regret"]) == (
+        "direct", "direct", True, 1.0
+    )  # fmt: skip
+    assert first["times"] == {"ring": 0.4, "direct": 0.2, "float32": 0.5}
+    assert first["predicted"]["float32"] == 0.25
+    # float32 (MPI_Allreduce, 0.5 s) was fastest; auto's ring took 0.9 s there.
+    assert (second["fastest"], second["right"]) == ("float32", False)
+    assert second["regret"] == pytest.approx(0.9 / 0.5)

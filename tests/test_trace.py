@@ -22,7 +22,14 @@ def _self():
 
 
 # Version 1's events: version 2's without t_start (readers must still take them).
-V1_EVENT_DTYPE = np.dtype([f for f in trace_format.EVENT_DTYPE.descr if f[0] != "t_start"])
+# Version 1 had neither t_start (version 2) nor schedule and t_predicted (version 3).
+V1_EVENT_DTYPE = np.dtype(
+    [
+        f
+        for f in trace_format.EVENT_DTYPE.descr
+        if f[0] not in ("t_start", "schedule", "t_predicted")
+    ]
+)
 
 
 def _synthetic(path, version=1):

@@ -38,7 +38,7 @@ def test_on_call_gets_every_event_the_file_holds(tmp_path):
     seen = []
     _run(tmp_path / "t.h5", seen.append)
     events, _, attrs = trace_report.read(tmp_path / "t.h5")
-    assert attrs["mpicomp_trace_version"] == 2 and "epoch_unix" in attrs
+    assert attrs["mpicomp_trace_version"] == 3 and "epoch_unix" in attrs
     assert len(seen) == events.size == 7  # 6 calls, then one fused bucket
     for ev, row in zip(seen, events, strict=True):
         assert ev["op"] == row["op"].decode() and ev["name"] == row["name"].decode()
@@ -112,4 +112,4 @@ def test_cli_export_writes_json(tmp_path, capsys):
     assert sum(e["ph"] == "X" and e["cat"] == "call" for e in doc["traceEvents"]) == 7
     assert "wrote" in capsys.readouterr().err
     with h5py.File(path) as f:
-        assert f["events"].dtype.names[-1] == "t_start"
+        assert f["events"].dtype.names[-3:] == ("t_start", "schedule", "t_predicted")

@@ -37,6 +37,7 @@ from jobs.netem import namespace
 from jobs.netem.namespace import Hosts, Namespace, NeedsRoot
 from mpicomp.advise import parse_rate
 from mpicomp.bench import codec_set, label, parse_count
+from mpicomp.bench.report import chooser_verdicts, format_verdicts, schedule_label
 from mpicomp.trace_report import read
 
 # --rates entry for the loopback without a shaper (a byte-counting fifo).
@@ -254,7 +255,7 @@ def report(result: dict, out=sys.stdout) -> None:
         "bytes / time)",
         file=out,
     )
-    head = f"{'codec':<27}{'params':<14}{'schedule':<10}{'time s':>8}{'speedup':>9}"
+    head = f"{'codec':<27}{'params':<14}{'schedule':<22}{'time s':>8}{'pred s':>8}{'speedup':>9}"
     head += f"{'target':>8}  {'':<5}"
     head += (
         f"{'sent MB/rank':>13}{'tc/trace':>9}{'expect':>8}{'overhead s':>11}{'b-even Gbit/s':>14}"
@@ -268,18 +269,23 @@ def report(result: dict, out=sys.stdout) -> None:
         ratio = "-" if c["device_over_traced"] is None else f"{c['device_over_traced']:.3f}"
         even = "-" if r["break_even_gbit"] is None else f"{r['break_even_gbit']:.2f}"
         print(
-            f"{r['codec']:<27}{label(r['params']):<14}{r.get('schedule', ''):<10}"
-            f"{r['time_s']:>8.2f}{r['speedup']:>9.2f}"
+            f"{r['codec']:<27}{label(r['params']):<14}{schedule_label(r):<22}"
+            f"{r['time_s']:>8.2f}{_seconds(r.get('predicted_s')):>8}{r['speedup']:>9.2f}"
             f"{'' if target is None else f'{target:.0f}x':>8}  {verdict:<5}"
             f"{r['bytes_sent'] / 1e6:>13.2f}{ratio:>9}{c['expected']:>8.3f}"
             f"{r['overhead_s']:>11.3f}{even:>14}",
             file=out,
         )
+    format_verdicts(chooser_verdicts(result["rows"]), out)
     unchecked = {c["not_checked"] for c in result["checks"] if c.get("not_checked")}
     for why in unchecked:
         print(f"tc/trace not checked: {why}", file=out)
     if "links" in result:
         report_links(result["links"], out)
+
+
+def _seconds(v) -> str:
+    return "-" if v is None else f"{v:.2f}"
 
 
 def report_links(links: dict, out=sys.stdout) -> None:

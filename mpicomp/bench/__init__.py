@@ -1,7 +1,7 @@
 """Benchmarks: codec kernels on one process, and compressed all-reduce against MPI_Allreduce.
 
-``mpicomp bench`` runs :func:`full_run`; ``mpicomp advise`` runs :func:`run`. The
-modules, each importing only those before it:
+``mpicomp bench`` runs :func:`full_run` (and :func:`measure_model` for ``--save-model``);
+``mpicomp advise`` runs :func:`run`. The modules, each importing only those before it:
 
 - ``workload``: the gradient, the codec set, counts and parameter labels;
 - ``roundtrip``: one rank's encode/decode/wire closures per codec;
@@ -38,6 +38,7 @@ __all__ = [
     "full_run",
     "gradient",
     "label",
+    "measure_model",
     "median_seconds",
     "parse_count",
     "print_json",
@@ -67,6 +68,7 @@ def full_run(
     progress=None,
     backend: str | None = None,
     schedules=None,
+    model=None,
 ) -> Report:
     """Run what ``mpicomp bench`` measures on ``comm``: kernels on rank 0, then all-reduces.
 
@@ -78,7 +80,7 @@ def full_run(
         reps, allreduce_reps: timed repetitions of a kernel / of an all-reduce.
         seed: seed of the kernel gradient (each rank's all-reduce gradient is seeded
             by its rank).
-        trace_dir, tc_dev, schedules: see ``mpicomp.bench.allreduce.measure``.
+        trace_dir, tc_dev, schedules, model: see ``mpicomp.bench.allreduce.measure``.
         progress: a text stream for progress lines on rank 0 (None: silent).
         backend: the kernel backend of the kernel timings (see :func:`run`) and of the
             all-reduces (None: what ``MPICOMP_KERNELS`` selects); on a device backend
@@ -122,6 +124,7 @@ def full_run(
                 tc_dev=tc_dev,
                 backend=backend,
                 schedules=schedules,
+                model=model,
             )
     rows = []
     for i, (name, params) in enumerate(todo):
@@ -145,3 +148,34 @@ def full_run(
         ]
         rows.append(row)
     return Report(rows, allreduce, comm.size, numel)
+
+
+def measure_model(comm, rows: list[dict] | None, codecs: Sequence[str] | None, numel: int):
+    """Return the schedule chooser's model of ``comm``, the same on every rank (collective):
+    its networks measured now, and codec speeds.
+
+    Args:
+        comm: an ``mpi4py.MPI.Comm``; every rank calls this.
+        rows: ``full_run``'s rows, whose kernel figures on rank 0 give the speeds, or
+            None to measure the speeds of ``codecs`` on every rank now.
+        codecs: codec names (``BENCH_SET``'s parameters; None for all) when ``rows``
+            is None.
+        numel: elements of the gradient those speeds are measured on.
+
+    Returns:
+        A ``mpicomp.model.Model`` (``source`` ``"measured"``).
+    """
+    import mpicomp
+    from mpicomp.model import host_comm, measure, measured_speeds, speeds_from_bench
+
+    node = host_comm(comm)  # what CompressedComm measures "intra" on
+    try:
+        model = measure(comm, node, codecs=[])
+    finally:
+        node.Free()
+    if rows is None:
+        made = [mpicomp.codec(name, **params) for name, params in codec_set(codecs)]
+        return model.with_speeds(measured_speeds(comm, made, numel))
+    # Only rank 0 timed the kernels.
+    speeds = comm.bcast(speeds_from_bench(rows) if comm.rank == 0 else None, root=0)
+    return model.with_speeds(speeds)

@@ -35,7 +35,9 @@ from mpicomp._transport import cuda_aware
 from mpicomp.bench.kernels import kernel_backend
 from mpicomp.bench.workload import gradient, label
 from mpicomp.collectives.traffic import Traffic
-from mpicomp.options import SCHEDULES
+from mpicomp.options import AUTO, SCHEDULES
+from mpicomp.schedules import FLOAT32, Topology, predict
+from mpicomp.schedules import schedules_of as candidate_schedules
 
 
 def slowest_median(comm, fn, reps: int, warmup: bool = True) -> float:
@@ -117,15 +119,49 @@ def _trace_path(trace_dir: str, numel: int, name: str, params: dict, schedule: s
     return os.path.join(trace_dir, f"{tag}.h5")
 
 
-def schedules_of(name: str, params: dict, asked) -> list[str]:
+def schedules_of(name: str, params: dict, asked, topology: Topology | None = None) -> list[str]:
     """Return the schedules to measure of codec ``name``: ``asked`` None, its default;
-    ``"all"``, every one it has; a list, those of them it has (its default if none)."""
-    names = SCHEDULES[mpicomp.codec(name, **params).aggregation]
+    ``"all"``, every one ``schedule="auto"`` chooses among on ``topology`` (its own, the
+    hierarchical ones where the hosts allow; not float32, every row's reference) and
+    ``"auto"`` itself; a list, those of them it has (its default if none)."""
+    codec = mpicomp.codec(name, **params)
+    default = SCHEDULES[codec.aggregation][0]
     if asked is None:
-        return [names[0]]
+        return [default]
+    candidates = [s for s in candidate_schedules(codec, topology or Topology()) if s != FLOAT32]
+    if codec.name != "none":
+        candidates.append(AUTO)
     if asked == "all":
-        return list(names)
-    return [s for s in names if s in asked] or [names[0]]
+        return candidates
+    return [s for s in candidates if s in asked] or [default]
+
+
+def _placement(comm, codecs, measure: bool, given):
+    """Return the topology of ``comm`` and the model of a run: ``given`` (a Model or a
+    file) with the speeds it lacks measured now, else measured now for every codec of
+    ``codecs`` when ``measure``, else None. Every CompressedComm of the run then
+    predicts with it (none measures again)."""
+    from mpicomp import model as model_mod
+
+    node = model_mod.host_comm(comm)
+    try:
+        topology = model_mod.topology(comm, node)
+        made = [mpicomp.codec(name, **params) for name, params in codecs]
+        if given is not None:
+            model = model_mod.resolve(comm, node, mpicomp.codec("none"), given)
+            missing = [
+                c for c in made if c.name != "none" and model_mod.codec_key(c) not in model.speeds
+            ]
+            return topology, model.with_speeds(model_mod.measured_speeds(comm, missing))
+        if measure:
+            return topology, model_mod.measure(comm, node, [c for c in made if c.name != "none"])
+        return topology, None
+    finally:
+        node.Free()
+
+
+def _finite(v: float) -> float | None:
+    return None if v != v else float(v)  # NaN (no model) as JSON's null
 
 
 def _on_rank_0(comm, fn):
@@ -277,6 +313,7 @@ def measure(
     tc_dev: str | list[str] | None = None,
     backend: str | None = None,
     schedules=None,
+    model=None,
 ) -> list[dict]:
     """Return one row per codec and schedule of all-reduces of ``numel`` float32 values
     on ``comm``.
@@ -300,8 +337,11 @@ def measure(
             device backend (``cuda``: CuPy) each rank's gradient is placed on the
             device and CompressedComm gets the device array.
         schedules: which ``CompressedComm(schedule=...)`` each codec runs (see
-            :func:`schedules_of`): None its default, ``"all"`` each of its own, or a
-            list of names.
+            :func:`schedules_of`): None its default, ``"all"`` every candidate of
+            ``schedule="auto"`` here and ``"auto"``, or a list of names.
+        model: what every CompressedComm predicts its time with (``mpicomp.model.Model``
+            or a file); None: measured once here when a schedule is asked for
+            (``mpicomp.model.measure``), else no predictions.
 
     Returns:
         One dict per codec and schedule: ``numel``, ``nranks``, ``codec``, ``params``,
@@ -311,7 +351,10 @@ def measure(
         the largest over ranks), ``allreduce_bytes`` (float32 ring, per rank),
         ``sent_ratio``/``recv_ratio``, ``sent_total``/``recv_total`` (per call, summed over ranks),
         ``encode_s``/``exchange_s``/``decode_s`` (per call: the slowest rank's phases,
-        median over the timed calls; see :func:`phase_split`), and with ``tc_dev``:
+        median over the timed calls; see :func:`phase_split`), ``chosen`` (the schedule
+        the call ran by: ``auto``'s choice), ``predicted_s`` and ``allreduce_predicted_s``
+        (the model's times of ``chosen`` and of the float32 MPI_Allreduce; None without
+        a model), ``hosts`` and ``ranks_per_host``, and with ``tc_dev``:
         ``device_bytes`` (per call, summed over the devices), ``device_links`` (per
         call, per device) and ``device_over_recv``
         (device bytes over ``recv_total``: every byte crosses the device once, on its
@@ -346,8 +389,9 @@ def measure(
     after = counter.read()
     ref_links = None if before is None else _per_call(before, after, reps + 1)
     ring_bytes = 2 * (size - 1) * 4 * n // size  # float32 ring all-reduce, per rank
+    topology, model = _placement(comm, codecs, schedules is not None, model)
     rows = []
-    runs = [(nm, pr, sch) for nm, pr in codecs for sch in schedules_of(nm, pr, schedules)]
+    runs = [(nm, pr, sch) for nm, pr in codecs for sch in schedules_of(nm, pr, schedules, topology)]
     with _traces_in(comm, trace_dir) as where:
         for i, (name, params, schedule) in enumerate(runs, 1):
             if progress is not None and comm.rank == 0:
@@ -361,7 +405,13 @@ def measure(
             # Written at close only: no flush inside the timed calls.
             with _host_kernels(None if device else rec.name):
                 cc = mpicomp.CompressedComm(
-                    comm, name, trace=path, trace_flush_every=None, schedule=schedule, **params
+                    comm,
+                    name,
+                    trace=path,
+                    trace_flush_every=None,
+                    schedule=schedule,
+                    model=model,
+                    **params,
                 )
             with cc:
                 traffic = Traffic()
@@ -374,6 +424,7 @@ def measure(
                 before = counter.read()
                 t = slowest_median(comm, call, reps)
                 after = counter.read()
+                chosen, predicted = cc.schedule_for(n)
             phases = _on_rank_0(comm, lambda path=path: phase_split(path))
             calls = reps + 1  # the warm-up call is traced too: bytes are a mean per call
             mine = np.array([traffic.sent, traffic.recv], dtype=np.float64) / calls
@@ -404,6 +455,13 @@ def measure(
                 "encode_s": phases["encode_s"],
                 "exchange_s": phases["exchange_s"],
                 "decode_s": phases["decode_s"],
+                "chosen": chosen,
+                "predicted_s": _finite(predicted),
+                "allreduce_predicted_s": (
+                    None if model is None else predict(FLOAT32, cc.codec, n, topology, model)
+                ),
+                "hosts": topology.hosts,
+                "ranks_per_host": topology.per_host,
             }
             if device:
                 row["transport"] = phases["transport"]

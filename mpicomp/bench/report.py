@@ -69,6 +69,69 @@ def _phases(r: dict) -> str:
     return "/".join(f"{1e3 * v:.2f}" for v in split)
 
 
+def _ms(seconds) -> str:
+    return "-" if seconds is None else f"{1e3 * seconds:.2f}"
+
+
+def schedule_label(r: dict) -> str:
+    """Return a row's schedule, with what ``auto`` chose: ``auto -> direct``."""
+    schedule = r.get("schedule", "")
+    return f"auto -> {r['chosen']}" if schedule == "auto" and r.get("chosen") else schedule
+
+
+def chooser_verdicts(rows: list[dict]) -> list[dict]:
+    """Return, for every codec and size with an ``auto`` row, what it chose against
+    what was fastest in the same run.
+
+    The candidates are the rows of the other schedules of that codec and size and the
+    float32 MPI_Allreduce (``allreduce_s``). Each verdict: ``codec``, ``params``,
+    ``numel``, ``chosen``, ``fastest``, ``right`` (chosen is fastest),
+    ``regret`` (the chosen schedule's measured time over the fastest's; 1.0 when right),
+    ``auto_s`` (the auto row's own time), ``times`` (schedule to seconds) and
+    ``predicted`` (schedule to the model's seconds).
+    """
+    out = []
+    for auto in (r for r in rows if r.get("schedule") == "auto"):
+        key = (auto["codec"], auto["params"], auto["numel"])
+        peers = [
+            r for r in rows
+            if (r["codec"], r["params"], r["numel"]) == key and r.get("schedule") != "auto"
+        ]  # fmt: skip
+        times = {r["schedule"]: r["time_s"] for r in peers}
+        times["float32"] = auto["allreduce_s"]
+        predicted = {r["schedule"]: r.get("predicted_s") for r in peers}
+        predicted["float32"] = auto.get("allreduce_predicted_s")
+        fastest = min(times, key=times.__getitem__)
+        chosen = auto["chosen"]
+        out.append({
+            "codec": auto["codec"], "params": auto["params"], "numel": auto["numel"],
+            "chosen": chosen, "fastest": fastest, "right": chosen == fastest,
+            "regret": times.get(chosen, auto["time_s"]) / times[fastest],
+            "auto_s": auto["time_s"], "times": times, "predicted": predicted,
+        })  # fmt: skip
+    return out
+
+
+def format_verdicts(verdicts: list[dict], out=None) -> None:
+    """Print ``chooser_verdicts`` and how often the choice was the fastest."""
+    out = sys.stdout if out is None else out
+    if not verdicts:
+        return
+    right = sum(v["right"] for v in verdicts)
+    print(
+        "\nschedule='auto' chose the fastest of its candidates (float32: MPI_Allreduce) "
+        f"{right} of {len(verdicts)} times; regret = the chosen schedule's time over the "
+        "fastest's, same run",
+        file=out,
+    )
+    for v in verdicts:
+        print(
+            f"{v['numel']:>12,}  {v['codec']:<27}{label(v['params']):<13}chose {v['chosen']:<16}"
+            f"fastest {v['fastest']:<16}regret {v['regret']:.2f}",
+            file=out,
+        )
+
+
 def format_allreduce_table(rows: list[dict], out=None) -> None:
     """Print all-reduce rows (``mpicomp.bench.allreduce.measure``) as a table (to stdout
     by default).
@@ -82,7 +145,8 @@ def format_allreduce_table(rows: list[dict], out=None) -> None:
     device = any("transport" in r for r in rows)
     phases = "enc/xchg/dec ms"
     head = (
-        f"{'elements':>12}  {'codec':<27}{'params':<13}{'schedule':<10}{'time ms':>10}{'speedup':>9}"
+        f"{'elements':>12}  {'codec':<27}{'params':<13}{'schedule':<22}{'time ms':>10}"
+        f"{'pred ms':>9}{'speedup':>9}"
         f"{'sent B/rank':>14}{'x ring':>8}{'recv B/rank':>14}{'x ring':>8}"
         + (f"{'device B':>15}{'/recv':>7}" if tc else "")
         + (f"{'path':>8}{'/staged':>9}{'/direct':>9}" if device else "")
@@ -112,7 +176,8 @@ def format_allreduce_table(rows: list[dict], out=None) -> None:
             )
         print(
             f"{r['numel']:>12,}  {r['codec']:<27}{label(r['params']):<13}"
-            f"{r.get('schedule', ''):<10}{1e3 * r['time_s']:>10.2f}{r['speedup']:>9.2f}"
+            f"{schedule_label(r):<22}{1e3 * r['time_s']:>10.2f}{_ms(r.get('predicted_s')):>9}"
+            f"{r['speedup']:>9.2f}"
             f"{r['bytes_sent']:>14,}{_ratio(r['sent_ratio']):>8}"
             f"{r['bytes_recv']:>14,}{_ratio(r['recv_ratio']):>8}{dev}{path}"
             f"{_phases(r):>22}",
@@ -142,7 +207,7 @@ def _reference_lines(r: dict, tc: bool, device: bool, out) -> None:
                 over_direct = None if direct is None else t / direct
                 extra = f"{path:>8}{_times(t / staged):>9}{_times(over_direct):>9}"
         print(
-            f"{r['numel']:>12,}  {what:<50}{1e3 * t:>10.2f}"
+            f"{r['numel']:>12,}  {what:<62}{1e3 * t:>10.2f}{_ms(r.get('allreduce_predicted_s')):>9}"
             f"{r['allreduce_s'] / t:>9.2f}{ref:>14,}{one:>8}{ref:>14,}{one:>8}{dev}{extra}",
             file=out,
         )
@@ -207,3 +272,4 @@ class Report:
                     file=out,
                 )
             format_allreduce_table(self.allreduce, out)
+            format_verdicts(chooser_verdicts(self.allreduce), out)

@@ -87,6 +87,9 @@ class GatherCodecBase(Codec):
 
     aggregation = "gather"
     fused_feedback: ClassVar[bool] = False
+    #: ``decode_sum`` of N payloads costs about one ``decode`` (the schedule chooser's
+    #: compute model; else N decodes).
+    sums_before_decoding: ClassVar[bool] = False
 
     def decode_sum(self, payloads, numel: int):
         """Return the flat float32 sum of the decoded ``payloads``, added in their order.

@@ -1,0 +1,285 @@
+"""Schedules across real ranks: ``schedule="auto"`` makes one choice on every rank (rank
+0's model), the hierarchical schedules against NumPy references of every rank's gradient
+with their exact traced bytes, and errors on every rank. Hosts are emulated by
+``local_comm``: ranks 2h and 2h + 1 form host h. Run with ``mpiexec -n N python -m
+mpi4py -m pytest --with-mpi -m mpi``."""
+
+import math
+
+import h5py
+import numpy as np
+import pytest
+from conftest import gather_all, ring_traffic, world
+
+import mpicomp
+from mpicomp._reduce import RankError
+from mpicomp.collectives import ring
+from mpicomp.collectives.sharded import shard_bounds
+from mpicomp.collectives.traffic import Traffic
+from mpicomp.model import Model, Speed, codec_key
+from mpicomp.schedules import Network, Topology, choose
+
+N_ELEMS = 20_011  # odd: shards and chunks of unequal lengths
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_numba_thread_per_rank():
+    """Ranks share the cores: one kernel thread each (see test_mpi_ring.py)."""
+    import numba
+
+    before = numba.get_num_threads()
+    numba.set_num_threads(1)
+    yield
+    numba.set_num_threads(before)
+
+
+def _pairs(comm):
+    """Return the emulated host communicator: ranks 2h and 2h + 1 on host h."""
+    return comm.Split(comm.rank // 2, comm.rank)
+
+
+def _hierarchical(comm) -> bool:
+    return comm.size >= 4 and comm.size % 2 == 0
+
+
+def _model(speed: Speed, codec, inter_gbit=1.0) -> Model:
+    return Model(
+        Network(2e-6, 10e9), Network(50e-6, inter_gbit * 1e9 / 8), {codec_key(codec): speed}
+    )
+
+
+def _grad(comm, n=N_ELEMS, seed=0):
+    return np.random.default_rng([comm.rank, n, seed]).standard_normal(n).astype(np.float32)
+
+
+@pytest.mark.mpi
+def test_auto_makes_rank_0s_choice_on_every_rank_whatever_each_rank_was_given():
+    comm = world()
+    codec = mpicomp.codec("signsgd")
+    # Each rank brings another model: compute so slow on rank 0 that only the
+    # uncompressed float32 pays, free elsewhere. Rank 0's is the one every rank uses.
+    speed = Speed(1e-6, 1e-6) if comm.rank == 0 else Speed(0.0, 0.0)
+    cc = mpicomp.CompressedComm(comm, codec, schedule="auto", model=_model(speed, codec))
+    with cc:
+        cc.allreduce(_grad(comm), name="w")
+        chosen, predicted = cc.schedule_for(N_ELEMS)
+    everyone = comm.allgather((chosen, predicted))
+    assert len(set(everyone)) == 1
+    if comm.size > 1:
+        expected, times = choose(codec, N_ELEMS, cc.topology, _model(Speed(1e-6, 1e-6), codec))
+        assert chosen == expected == "float32"
+        assert predicted == times["float32"]
+
+
+@pytest.mark.mpi
+def test_auto_measures_a_model_when_given_none_and_chooses_alike(monkeypatch):
+    comm = world()
+    monkeypatch.delenv("MPICOMP_MODEL", raising=False)
+    with mpicomp.CompressedComm(comm, "qsgd_maxnorm", bits=4, schedule="auto") as cc:
+        y = cc.allreduce(_grad(comm), name="w")
+        model = cc.model
+        assert model.source == "measured"
+        assert model.intra.beta > 0 and model.inter.alpha >= 0
+        assert codec_key(cc.codec) in model.speeds
+        plan = cc.schedule_for(N_ELEMS)
+    assert len(set(comm.allgather((plan, model.to_json()["intra"]["beta"])))) == 1
+    np.testing.assert_array_equal(gather_all(comm, y)[0], y)  # one average everywhere
+
+
+def _host_sums(comm, x):
+    """Return the per-host sums of every rank's ``x`` (host h: ranks 2h, 2h + 1), float64."""
+    every = gather_all(comm, x).astype(np.float64)
+    return every.reshape(comm.size // 2, 2, -1).sum(axis=1)
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("inner", ["ring", "direct"])
+def test_hierarchical_qsgd_quantizes_each_hosts_sum_once(inner):
+    """Every element of the result is within one quantization step of the true average:
+    each host's sum is quantized on the grid of the largest host-sum L2 norm (QSGD)."""
+    comm = world()
+    if not _hierarchical(comm):
+        pytest.skip("needs an even number of ranks >= 4 (hosts of two)")
+    x = _grad(comm)
+    cc = mpicomp.CompressedComm(
+        comm, "qsgd_maxnorm", bits=8, schedule=f"hier:{inner}", local_comm=_pairs(comm)
+    )
+    with cc:
+        assert cc.topology == Topology(comm.size // 2, 2)
+        y = cc.allreduce(x, name="w")
+    sums = _host_sums(comm, x)
+    bounds = shard_bounds(x.size, 2)
+    hosts, levels = sums.shape[0], 2 ** (8 - 1) - 1
+    for a, b in bounds:  # each local rank's shard has its own norm
+        norm = np.linalg.norm(sums[:, a:b], axis=1).max()
+        step = norm / levels * hosts / comm.size
+        assert np.abs(y[a:b] - sums[:, a:b].sum(axis=0) / comm.size).max() <= step * 1.0001
+    every = gather_all(comm, y)
+    assert (every == every[0]).all()
+
+
+@pytest.mark.mpi
+def test_hierarchical_ring_and_direct_give_the_same_bytes():
+    comm = world()
+    if not _hierarchical(comm):
+        pytest.skip("needs an even number of ranks >= 4 (hosts of two)")
+    x = _grad(comm, seed=3)
+    out = {}
+    for inner in ("ring", "direct"):
+        for codec, params in (("qsgd_maxnorm", {"bits": 4}), ("signsgd", {})):
+            with mpicomp.CompressedComm(
+                comm, codec, schedule=f"hier:{inner}", local_comm=_pairs(comm), **params
+            ) as cc:
+                out[inner, codec] = cc.allreduce(x, name="w")
+    for codec in ("qsgd_maxnorm", "signsgd"):
+        np.testing.assert_array_equal(out["ring", codec], out["direct", codec])
+
+
+@pytest.mark.mpi
+def test_hierarchical_signsgd_is_the_majority_of_the_hosts_sums():
+    comm = world()
+    if not _hierarchical(comm):
+        pytest.skip("needs an even number of ranks >= 4 (hosts of two)")
+    x = _grad(comm, seed=5)
+    with mpicomp.CompressedComm(
+        comm, "signsgd", schedule="hier:ring", local_comm=_pairs(comm)
+    ) as cc:
+        y = cc.allreduce(x, name="w")
+    sums = _host_sums(comm, x)
+    votes = (sums >= 0).sum(axis=0)
+    hosts = sums.shape[0]
+    decided = votes * 2 != hosts  # ties are broken by the codec's draw
+    np.testing.assert_array_equal(
+        np.sign(y[decided]), np.where(votes[decided] * 2 > hosts, 1.0, -1.0)
+    )
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("codec,params", [("threelc", {}), ("topk", {"ratio": 0.05})])
+@pytest.mark.parametrize("inner", ["allgather", "sharded"])
+def test_hierarchical_gather_codecs_average_the_hosts_decoded_sums(codec, params, inner):
+    """Without error feedback a host's sum is what its local rank compresses: the result
+    is the average of the decoded host sums (the codec applied to each, here by NumPy)."""
+    comm = world()
+    if not _hierarchical(comm):
+        pytest.skip("needs an even number of ranks >= 4 (hosts of two)")
+    x = _grad(comm, seed=7)
+    c = mpicomp.codec(codec, **params)
+    with mpicomp.CompressedComm(
+        comm, c, schedule=f"hier:{inner}", local_comm=_pairs(comm), error_feedback=False
+    ) as cc:
+        y = cc.allreduce(x, name="w")
+    every = gather_all(comm, x).reshape(comm.size // 2, 2, -1)
+    host_sums = every[:, 0] + every[:, 1]  # float32, as MPI sums two ranks
+    hosts = host_sums.shape[0]
+
+    def round_trip(v):
+        return c.decode(c.encode(np.ascontiguousarray(v))).astype(np.float64)
+
+    expected = np.empty(x.size, dtype=np.float64)
+    for a, b in shard_bounds(x.size, 2):  # each local rank's shard of each host's sum
+        if inner == "allgather":
+            expected[a:b] = np.sum([round_trip(s[a:b]) for s in host_sums], axis=0)
+            continue
+        # Pushed to owners by sub-shard, averaged there, compressed again and pulled.
+        for lo, hi in shard_bounds(b - a, hosts):
+            pushed = np.sum([round_trip(s[a + lo : a + hi]) for s in host_sums], axis=0)
+            average = (pushed / hosts).astype(np.float32)
+            expected[a + lo : a + hi] = round_trip(average) * hosts
+    np.testing.assert_allclose(y, expected / comm.size, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.mpi
+def test_hierarchical_bytes_are_the_reduce_scatter_the_ring_between_hosts_and_the_allgather():
+    comm = world()
+    if not _hierarchical(comm):
+        pytest.skip("needs an even number of ranks >= 4 (hosts of two)")
+    cc = mpicomp.CompressedComm(comm, "signsgd", schedule="hier:ring", local_comm=_pairs(comm))
+    cc.recorder = traffic = Traffic()
+    with cc:
+        cc.allreduce(_grad(comm), name="w")
+    ops = traffic.by_op()
+    a, b = shard_bounds(N_ELEMS, 2)[comm.rank % 2]
+    shard, hosts = b - a, comm.size // 2
+    assert ops["mpi.reduce_scatter"] == (4 * (N_ELEMS - shard), 4 * shard)
+    assert ops["mpi.allgatherv"] == (4 * shard, 4 * (N_ELEMS - shard))
+    # Between hosts: the majority ring of the shard over H ranks (host h is rank h there).
+    sent, recv, _ = ring_traffic(
+        shard, hosts, comm.rank // 2, ring.CHUNK_ALIGN, lambda i: math.ceil(math.log2(i + 1)), 1
+    )
+    ring_ops = [v for k, v in ops.items() if k.startswith("ring.")]
+    assert tuple(map(sum, zip(*ring_ops, strict=True))) == (sent, recv)
+
+
+@pytest.mark.mpi
+def test_hierarchical_schedules_refuse_a_topology_without_them_on_every_rank():
+    comm = world()
+    if _hierarchical(comm):
+        pytest.skip("these ranks make hosts of two")
+    with pytest.raises(ValueError, match=r"schedule='hier:ring' needs several hosts"):
+        mpicomp.CompressedComm(comm, "signsgd", schedule="hier:ring", local_comm=_pairs(comm))
+    # auto never picks one there.
+    codec = mpicomp.codec("signsgd")
+    model = _model(Speed(0.0, 0.0), codec, inter_gbit=0.01)
+    with mpicomp.CompressedComm(
+        comm, codec, schedule="auto", local_comm=_pairs(comm), model=model
+    ) as cc:
+        cc.allreduce(_grad(comm), name="w")
+        assert not cc.schedule_for(N_ELEMS)[0].startswith("hier:")
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("policy", ["raise", "skip_step", "zero"])
+def test_a_nan_on_one_rank_of_a_hierarchical_call_reaches_every_rank(policy):
+    comm = world()
+    if not _hierarchical(comm):
+        pytest.skip("needs an even number of ranks >= 4 (hosts of two)")
+    x = _grad(comm)
+    if comm.rank == comm.size - 1:
+        x[17] = np.nan
+    cc = mpicomp.CompressedComm(
+        comm,
+        "qsgd_maxnorm",
+        bits=8,
+        schedule="hier:ring",
+        local_comm=_pairs(comm),
+        nonfinite=policy,
+    )
+    with cc:
+        if policy == "raise":
+            error = ValueError if comm.rank == comm.size - 1 else RankError
+            with pytest.raises(error, match="NaN or Inf"):
+                cc.allreduce(x, name="w")
+        elif policy == "skip_step":
+            with pytest.warns(mpicomp.NonFiniteWarning, match=f"rank.s. {comm.size - 1}"):
+                y = cc.allreduce(x, name="w")
+            assert not y.any()
+        else:
+            y = cc.allreduce(x, name="w")
+            assert np.isfinite(y).all()
+        # The communicator is still in step: a clean call follows on every rank.
+        assert np.isfinite(cc.allreduce(_grad(comm), name="w")).all()
+
+
+@pytest.mark.mpi
+def test_the_trace_records_each_calls_schedule_and_prediction(shared_dir):
+    comm = world()
+    path = shared_dir / "auto.h5"
+    codec = mpicomp.codec("qsgd_maxnorm", bits=4)
+    model = _model(Speed(1e-9, 1e-9, 4.0), codec)
+    with mpicomp.CompressedComm(
+        comm, codec, schedule="auto", model=model, trace=path, min_numel=1000
+    ) as cc:
+        cc.allreduce(_grad(comm), name="big")
+        cc.allreduce(_grad(comm, 100), name="small")
+        plan = cc.schedule_for(N_ELEMS)
+    if comm.rank == 0:
+        with h5py.File(path, "r") as f:
+            assert f.attrs["mpicomp_trace_version"] == 3
+            events = f["events"][:]
+        big = events[events["name"] == b"big"]
+        small = events[events["name"] == b"small"]
+        assert (big["schedule"] == plan[0].encode()).all()
+        assert np.allclose(big["t_predicted"], plan[1]) and np.isfinite(plan[1])
+        assert (small["schedule"] == b"float32").all()  # below min_numel
+    comm.Barrier()
