@@ -682,11 +682,6 @@ def _cmd_trace_summary(args, parser) -> int:
     return 0
 
 
-#: The columns of `mpicomp trace summary`'s table, as its --json names them.
-_TRACE_COLUMNS = ("codec", "tensor", "calls", "sent/call", "recv/call", "ratio",
-                  "p50 ms", "p90 ms", "p99 ms", "encode", "comm", "decode")  # fmt: skip
-
-
 def _trace_summary_json(trace_report, path) -> dict:
     """Return the data of `mpicomp trace summary`'s table: the run's attributes and one
     row per (codec, tensor) plus an "all" row, keyed by the table's column names."""
@@ -697,7 +692,7 @@ def _trace_summary_json(trace_report, path) -> dict:
         groups = [(c, n or "(unnamed)", events[m]) for c, n, m in trace_report._groups(events)]
         for codec, name, ev in [*groups, ("all", "", events)]:
             row = trace_report._summary_row(codec, name, ev, nranks)
-            rows.append(dict(zip(_TRACE_COLUMNS, row, strict=True)))
+            rows.append(dict(zip(trace_report.SUMMARY_COLUMNS, row, strict=True)))
     run = {k: v for k, v in attrs.items() if isinstance(v, (str, int, float, bool))}
     run["events"] = int(events.size)
     run["steps"] = None if steps is None else int(steps.size)

@@ -62,8 +62,10 @@ def _plain(value):
 
 
 def _groups(events: np.ndarray) -> list[tuple[str, str, np.ndarray]]:
-    """Return (codec, name, row mask) per (codec, tensor name), in order of first call."""
+    """Return (codec, name, row mask) per (codec, tensor name, schedule), in order of
+    first call (a tensor whose calls ran by several schedules has a row for each)."""
     keys = np.char.add(np.char.add(events["codec"], b"\0"), events["name"])
+    keys = np.char.add(np.char.add(keys, b"\0"), events["schedule"])
     _, first, inverse = np.unique(keys, return_index=True, return_inverse=True)
     out = []
     for g in np.argsort(first, kind="stable"):
@@ -80,10 +82,12 @@ def _ratio(bytes_in: float, sent: float) -> str:
 def summarize(path) -> str:
     """Return a text table of a trace: per (codec, tensor name), bytes, ratio, latency, phases.
 
-    Columns: calls (collective calls, each made by every rank); sent/call and
-    recv/call (mean bytes per rank per call); ratio (float32 input bytes / bytes sent);
-    latency p50/p90/p99 of t_total over every rank's calls (ms); the share of t_total
-    spent in encode, comm and decode (the rest is bookkeeping).
+    Columns: schedule (how the calls moved their bytes; empty before format 3); calls
+    (collective calls, each made by every rank); sent/call and recv/call (mean bytes per
+    rank per call); ratio (float32 input bytes / bytes sent); latency p50/p90/p99 of
+    t_total over every rank's calls (ms); pred ms (the model's median prediction, "-"
+    without one); the share of t_total spent in encode, comm and decode (the rest is
+    bookkeeping).
 
     Raises:
         ValueError: ``path`` is not a readable mpicomp trace (see ``read``).
@@ -124,13 +128,12 @@ def summarize(path) -> str:
         lines.append("no events recorded")
         return "\n".join(lines)
     nranks = max(int(attrs.get("world_size", 0)), len(np.unique(events["rank"])))
-    head = ("codec", "tensor", "calls", "sent/call", "recv/call", "ratio",
-            "p50 ms", "p90 ms", "p99 ms", "encode", "comm", "decode")  # fmt: skip
+    head = SUMMARY_COLUMNS
     rows = [_summary_row(c, n or "(unnamed)", events[m], nranks) for c, n, m in _groups(events)]
     rows.append(_summary_row("all", "", events, nranks))
     widths = [max(len(str(r[i])) for r in [head, *rows]) for i in range(len(head))]
     fmt = lambda r: "  ".join(  # noqa: E731
-        str(c).ljust(w) if i < 2 else str(c).rjust(w)
+        str(c).ljust(w) if i < 3 else str(c).rjust(w)
         for i, (c, w) in enumerate(zip(r, widths, strict=True))
     )
     lines.append(fmt(head))
@@ -139,15 +142,23 @@ def summarize(path) -> str:
     return "\n".join(lines)
 
 
+#: The columns of the summary table (and of ``mpicomp trace summary --json``'s rows).
+SUMMARY_COLUMNS = ("codec", "tensor", "schedule", "calls", "sent/call", "recv/call", "ratio",
+                   "p50 ms", "p90 ms", "p99 ms", "pred ms", "encode", "comm", "decode")  # fmt: skip
+
+
 def _summary_row(codec: str, name: str, ev: np.ndarray, nranks: int) -> tuple:
     if len(name) > 40:
         name = name[:39] + "~"
     total = ev["t_total"].sum()
     share = lambda col: f"{100 * ev[col].sum() / total:.0f}%" if total > 0 else "-"  # noqa: E731
     p50, p90, p99 = np.percentile(ev["t_total"], [50, 90, 99]) * 1e3
+    schedules = {_plain(s) for s in np.unique(ev["schedule"])}
+    predicted = ev["t_predicted"][np.isfinite(ev["t_predicted"])]
     return (
         codec,
         name,
+        "/".join(sorted(schedules)),
         -(-ev.size // nranks),
         f"{ev['bytes_sent'].mean():.0f}",
         f"{ev['bytes_recv'].mean():.0f}",
@@ -155,6 +166,7 @@ def _summary_row(codec: str, name: str, ev: np.ndarray, nranks: int) -> tuple:
         f"{p50:.3f}",
         f"{p90:.3f}",
         f"{p99:.3f}",
+        f"{np.median(predicted) * 1e3:.3f}" if predicted.size else "-",
         share("t_encode"),
         share("t_comm"),
         share("t_decode"),

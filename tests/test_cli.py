@@ -302,10 +302,11 @@ def test_allreduce_table_columns():
     format_allreduce_table([_allreduce_row("signsgd", **device)], out)
     head, _, staged, direct, row = out.getvalue().splitlines()
     assert head.split()[-6:] == ["ring", "path", "/staged", "/direct", "enc/xchg/dec", "ms"]
-    # the reference lines: time ms, speedup (over the row's own path: direct), path, ratios
-    assert staged.split()[3:6] == ["staged", "2.00", "0.50"]
+    # the reference lines: time ms, predicted ms (no model: -), speedup (over the row's
+    # own path: direct), path, ratios
+    assert staged.split()[3:7] == ["staged", "2.00", "-", "0.50"]
     assert staged.split()[-3:] == ["staged", "1.00", "2.00"]
-    assert direct.split()[3:6] == ["direct", "1.00", "1.00"]
+    assert direct.split()[3:7] == ["direct", "1.00", "-", "1.00"]
     assert direct.split()[-3:] == ["direct", "0.50", "1.00"]
     assert row.split()[-4:] == ["direct", "2.00", "4.00", "1.00/2.00/0.50"]
     # staged only (MPI not CUDA-aware): one reference line, '-' for direct

@@ -212,8 +212,8 @@ def check_rows(rows: list[dict], reps: int, uncounted: str | None = None) -> lis
     (the shared loopback; or a host's download link, or its loopback between its own
     ranks), so tc should count what the traces say the ranks received (a trace's
     *sent* column counts a payload once even when an allgather relays it N - 1 times).
-    For the ``MPI_SUM`` codecs the trace has MPI_Allreduce's logical 4n per rank and
-    MPI's ring moves 2(N-1)/N times that. ``uncounted``: why some bytes cross no
+    For the ``MPI_SUM`` codecs (and calls that ran by ``float32``) the trace has
+    MPI_Allreduce's logical 4n per rank and MPI's ring moves 2(N-1)/N times that. ``uncounted``: why some bytes cross no
     qdisc (ranks of one host over shared memory); the checks then say so, ``ok`` None.
     """
     checks = []
@@ -223,7 +223,8 @@ def check_rows(rows: list[dict], reps: int, uncounted: str | None = None) -> lis
         device = r["device_bytes"] * calls
         ratio = device / traced if traced else None
         n = r["nranks"]
-        expected = 2 * (n - 1) / n if r["codec"] in MPI_SUM and n > 1 else 1.0
+        summed = r["codec"] in MPI_SUM or r.get("chosen") == "float32"  # an MPI_Allreduce
+        expected = 2 * (n - 1) / n if summed and n > 1 else 1.0
         checks.append(
             {
                 "codec": r["codec"],
