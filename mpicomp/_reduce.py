@@ -94,7 +94,9 @@ class Call:
     policy; ``timeout`` each wait's limit in seconds (None: ``MPICOMP_TIMEOUT``);
     ``kernels`` the kernel backend of NumPy arrays (None: ``mpicomp.kernels.backend()``);
     ``transport`` how device bytes reach MPI (``mpicomp._transport``; needed for device
-    input); ``schedule`` how bounded codes are summed (``"ring"`` or ``"direct"``).
+    input); ``schedule`` how bounded codes are summed (``"ring"`` or ``"direct"``; other
+    schedules leave it unread); ``stream`` is added to the rank to number this rank's
+    random draws (a hierarchical call's local ranks draw apart on their shards).
     """
 
     comm: object
@@ -107,6 +109,7 @@ class Call:
     kernels: object = None
     transport: Transport | None = None
     schedule: str = "ring"
+    stream: int = 0
 
     @property
     def io(self) -> dict:
@@ -317,7 +320,7 @@ def reduce_integer(call: Call, codec, flat, encoders: Encoders | None = None) ->
             )
             clock.communicated()
         extra = (_up(dev, sidx).astype(codec.index_dtype, copy=False),)
-    codes = codec.quantize(flat, norm, *extra, step=step, stream=comm.rank)
+    codes = codec.quantize(flat, norm, *extra, step=step, stream=call.stream + comm.rank)
     clock.encoded()
     # The sums stay packed as the schedule left them; dequantize_packed unpacks as it goes.
     data, n, width, offset = _BOUNDED[call.schedule](
@@ -491,8 +494,10 @@ def reduce_hierarchical(
     ``MPI_Allgatherv`` within the host gives every rank the whole tensor.
 
     Raises:
-        as every path; a failure or skip in one exchange between hosts reaches every rank
-        (one byte per rank within each host, before the allgather).
+        as every path; a host's sum that overflows float32 raises on every rank (RankError,
+        or a skip under ``"skip_step"``), and a failure or skip in one exchange between
+        hosts reaches every rank (one byte per rank within each host, before the
+        allgather).
     """
     comm, clock, guard = call.comm, call.clock, call.guard
     dev = _device(flat)
@@ -508,23 +513,37 @@ def reduce_hierarchical(
     src = _down(call, dev, flat, "hier.in")
     mine = array_module(src).empty(b - a, dtype=np.float32)
     plain.reduce_scatter(node, src, mine, counts, **call.io)
+    # Finite inputs can still sum past float32 on a host: every rank must know before any
+    # shard goes between hosts (one byte over all ranks), as the flat float32 sum does.
+    overflowed = np.empty(1, dtype=np.int8)
+    flag = np.array([not all_finite(mine, call.kernels)], dtype=np.int8)
+    plain.allreduce(comm, flag, overflowed, MPI.MAX, **call.io)
     clock.communicated()
+    if overflowed[0]:
+        message = f"{codec.name}: the sum over a host's ranks overflows float32"
+        if guard.policy == "skip_step":
+            raise Skipped([], f"{guard.what}: {message}; call skipped")
+        raise RankError(message)
+    inner_call = replace(call, comm=hosts.cross, stream=node.rank * hosts.cross.size)
     status, error, avg = _DONE, None, None
     try:
-        avg = REDUCERS[inner](replace(call, comm=hosts.cross), codec, _up(dev, mine), encoders)
+        avg = REDUCERS[inner](inner_call, codec, _up(dev, mine), encoders)
     except Skipped as e:
         status, error = _SKIPPED, e
-    except (ValueError, TypeError, RuntimeError) as e:
+    except Exception as e:  # whatever it is, this host's other ranks must hear of it
         status, error = _FAILED, e
+    # Each exchange between hosts ends alike on every host: the worst outcome within the
+    # host is the same on every rank, and decides for all.
     worst = np.empty(1, dtype=np.int8)
     plain.allreduce(node, np.array([status], dtype=np.int8), worst, MPI.MAX, **call.io)
-    if worst[0] != _DONE:
-        if error is not None:
+    if worst[0] == _FAILED:
+        if status == _FAILED:
             raise error
-        if worst[0] == _SKIPPED:
-            raise Skipped([], f"{guard.what}: a host's sum overflowed float32; call skipped")
         raise RankError("another rank of this host failed between hosts (see its error)")
-    avg *= np.float32(hosts.cross.size / comm.size)  # the mean over hosts of host sums
+    if worst[0] == _SKIPPED:
+        raise error if status == _SKIPPED else Skipped([], f"{guard.what}: call skipped")
+    # The mean over hosts of the hosts' sums, times H/N: the mean over all ranks.
+    avg *= np.float32(hosts.cross.size / comm.size)
     part = _down(call, dev, avg, "hier.out")
     out = array_module(part).empty(flat.size, dtype=np.float32)
     plain.allgatherv(node, part, out, counts, **call.io)

@@ -449,6 +449,8 @@ def _cmd_info(args, parser) -> int:
 def _cmd_bench(args, parser) -> int:
     if args.no_kernels and args.no_allreduce:
         parser.error("bench: --no-kernels and --no-allreduce leave nothing to measure")
+    if args.model and args.schedules is None:
+        parser.error("bench: --model predicts the times of --schedules; give --schedules")
     if args.save_model and args.no_kernels and args.backend is not None:
         parser.error(
             "bench: --save-model --no-kernels measures the codecs' speeds on the default "

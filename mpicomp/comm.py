@@ -67,10 +67,11 @@ class CompressedComm:
             width-growing ring) or ``"direct"`` (a direct reduce-scatter: each code
             sent once to its chunk's owner, fewer bytes from 3 ranks on, the same
             results bit for bit); gather codecs ``"allgather"`` (default) or
-            ``"sharded"``; ``none`` and ``fp16`` ``"allreduce"``. Also, for every
-            codec but ``none``: ``"float32"`` (MPI_Allreduce of float32, uncompressed),
-            ``"hier:NAME"`` (reduce within each host, NAME between hosts; several
-            hosts of as many ranks each; docs/collectives.md, "Hierarchy") and
+            ``"sharded"``; ``none`` and ``fp16`` ``"allreduce"``. Also ``"float32"``
+            (MPI_Allreduce of float32, uncompressed), ``"hier:NAME"`` for QSGD,
+            signSGD and the gather codecs (reduce within each host, NAME between
+            hosts; several hosts of as many ranks each; docs/collectives.md,
+            "Hierarchy") and
             ``"auto"``: per call, the schedule ``model`` predicts to be cheapest for
             the tensor's size (the same on every rank; docs/collectives.md,
             "Choosing a schedule"). None: the codec's default.
@@ -200,7 +201,7 @@ class CompressedComm:
         #: What the schedules' times are predicted with (``mpicomp.model.Model``), or None.
         self.model = None
         self._hosts = None  # the communicators of the hierarchical schedules
-        self._plans = {}  # numel -> (schedule, predicted seconds)
+        self._plans = {}  # (numel, schedule asked) -> (schedule run, predicted seconds)
         try:
             self._place(local_comm, model)
         except BaseException:
@@ -226,7 +227,7 @@ class CompressedComm:
                     on_call=on_call,
                 )
             except BaseException:
-                self._comm.Free()
+                self._free_comms()
                 raise
         log.info(
             "CompressedComm on %d ranks: codec %r, %s kernels, device transport %s, iallreduce %s",
@@ -367,20 +368,25 @@ class CompressedComm:
         opts = self.options
         step = self._calls
         self._calls += 1  # counted on every rank, failed or not: the RNG steps stay aligned
-        if opts.debug:
-            call = None if t.error else f"{op}({t.name!r}, {t.flat.size} {t.dtype})"
-            config = f"{self.codec!r}, nonfinite={opts.nonfinite!r}"
-            check_same_call(self._comm, call, config, opts.timeout)
-        if t.error is not None:
-            _reduce.fail(self._call(step), t.error)
         # Below min_numel every codec, fp16 included, steps aside for the float32 sum of `none`.
         small = t.flat.size < opts.min_numel
         schedule, predicted = self._plan(t.flat.size, compress and not small)
+        if opts.debug:
+            what = f"{op}({t.name!r}, {t.flat.size} {t.dtype}) by {schedule}"
+            config = f"{self.codec!r}, nonfinite={opts.nonfinite!r}"
+            check_same_call(self._comm, None if t.error else what, config, opts.timeout)
+        if t.error is not None:
+            _reduce.fail(self._call(step), t.error)
         uncompressed = schedule == FLOAT32
         codec = self._plain if uncompressed else self.codec
         reduce = _reduce.REDUCERS["sum"] if uncompressed else self._reducer(schedule)
-        encoders = None if uncompressed else self._encoders(t.name)
-        snapshots = [] if uncompressed else self._snapshot(t.name, schedule)
+        # A local rank's residual by host covers its shard alone: a name of its own
+        # (forget(name) still drops it), so no other schedule ever reads it.
+        key = t.name
+        if schedule.startswith(HIER):
+            key = f"{t.name}#shard@{self._hosts.node.rank}/{self._hosts.node.size}"
+        encoders = None if uncompressed else self._encoders(key)
+        snapshots = [] if uncompressed else self._snapshot(key, schedule)
         if ledger is not None:
             ledger.extend(snapshots)
         rollback = partial(_restore, snapshots) if snapshots else None
@@ -414,10 +420,16 @@ class CompressedComm:
     def _place(self, local_comm, model) -> None:
         """Find the hosts, make the hierarchical schedules' communicators and the model,
         as the options ask (collective; a problem raises on every rank)."""
+        from mpi4py import MPI
+
         schedule = self.options.schedule
-        hier = schedule.startswith(HIER) or schedule == AUTO
-        if not hier and model is None:
-            return
+        # fp16's and none's sums never run by host (schedules.schedules_of).
+        hier = schedule.startswith(HIER) or (schedule == AUTO and self.codec.aggregation != "sum")
+        # Whether to split at all must not hang on one rank's argument: model= given on
+        # some ranks only still makes every rank take part (rank 0's model is used).
+        given = self._comm.allreduce(model is not None, op=MPI.LOR)
+        if not (given or hier or schedule == AUTO and self.codec.name != "none"):
+            return  # nothing to choose, no model to predict with
         node = model_mod.host_comm(self._comm, local_comm)
         try:
             self.topology = topo = model_mod.topology(self._comm, node)
@@ -427,7 +439,7 @@ class CompressedComm:
                     f"each; here {topo.hosts} host(s), up to {topo.per_host} rank(s) each"
                     + ("" if topo.even else " (not the same on every host)")
                 )
-            if schedule == AUTO or model is not None:
+            if schedule == AUTO or given:
                 self.model = model_mod.resolve(self._comm, node, self.codec, model)
         except BaseException:
             node.Free()
@@ -458,7 +470,7 @@ class CompressedComm:
             if schedule == AUTO:
                 schedule, times = choose(self.codec, numel, self.topology, self.model)
                 predicted = times.get(schedule, math.nan)
-            elif self.model is not None and self.size > 1:
+            elif self.model is not None:
                 predicted = predict(schedule, self.codec, numel, self.topology, self.model)
             self._plans[key] = (schedule, predicted)
         return self._plans[key]
@@ -656,8 +668,15 @@ class CompressedComm:
             if self.trace is not None and flush_trace:
                 self.trace.close()
         finally:
+            self._free_comms()
+
+    def _free_comms(self) -> None:
+        """Free the duplicated communicator and the hierarchy's, whatever fails first."""
+        try:
             if self._hosts is not None:
                 self._hosts.free()
+                self._hosts = None
+        finally:
             self._comm.Free()
             self._comm = None
 

@@ -250,7 +250,7 @@ def topology(comm, node) -> Topology:
     """Return the ``Topology`` of ``comm`` whose host communicator is ``node`` (collective)."""
     counts = comm.allgather((node.Get_rank() == 0, node.Get_size()))
     sizes = [n for leader, n in counts if leader]
-    return Topology(len(sizes), max(sizes), len(set(sizes)) == 1)
+    return Topology(len(sizes), max(sizes), len(set(sizes)) == 1, comm.Get_size())
 
 
 def measure(comm, node, codecs=(), numel: int = SPEED_NUMEL) -> Model:

@@ -147,8 +147,11 @@ def cost(schedule: str, codec, numel: int, nranks: int, payload: int | None = No
     kind = codec.aggregation
     if schedule not in SCHEDULES[kind]:
         raise ValueError(f"codec {codec.name!r} ({kind}) has no schedule {schedule!r}")
-    if kind == "sum":
-        return call + _mpi_allreduce(codec.wire_dtype.itemsize * numel, N)
+    if kind == "sum" and codec.name == "none":
+        return call + _mpi_allreduce(4 * numel, N)
+    if kind == "sum":  # fp16: collectives.float16's ring (MPI has no float16 sum)
+        C = -(-numel // N) if numel else 0
+        return call + Cost(2 * (N - 1), 2 * (N - 1) * codec.wire_dtype.itemsize * C)
     if kind == "gather":
         if payload is None:
             raise ValueError(f"{codec.name}: the cost of a gather schedule needs payload bytes")
@@ -177,7 +180,8 @@ FLOAT32 = "float32"
 @dataclass(frozen=True)
 class Topology:
     """Where a communicator's ranks are: ``hosts`` hosts holding ``per_host`` ranks each
-    (the most any host holds when they differ; ``even`` says whether all hold the same).
+    (the most any host holds when they differ; ``even`` says whether all hold the same,
+    ``ranks`` how many there are then).
 
     The flat schedules' costs assume ranks placed by host in blocks (ranks 0..R-1 on
     the first host, as mpiexec and srun place them by default): a ring then sends one
@@ -190,6 +194,7 @@ class Topology:
     hosts: int = 1
     per_host: int = 1
     even: bool = True
+    ranks: int = 0  # all ranks, when hosts hold different numbers (0: hosts * per_host)
 
     def __post_init__(self):
         if self.hosts < 1 or self.per_host < 1:
@@ -197,7 +202,7 @@ class Topology:
 
     @property
     def nranks(self) -> int:
-        return self.hosts * self.per_host
+        return self.ranks or self.hosts * self.per_host
 
     @property
     def hierarchical(self) -> bool:
@@ -209,13 +214,13 @@ class Topology:
 def schedules_of(codec, topology: Topology) -> tuple[str, ...]:
     """Return the schedules ``schedule="auto"`` chooses among for ``codec``: its own
     (``mpicomp.options.SCHEDULES``), the hierarchical ones where ``topology`` allows (not
-    for fp16's MPI sum), and the float32 MPI_Allreduce (``none``: only its allreduce)."""
+    for fp16's sum), and the float32 MPI_Allreduce (``none``: only its allreduce)."""
     from mpicomp.options import SCHEDULES
 
     flat = SCHEDULES[codec.aggregation]
     if codec.name == "none":
         return flat
-    # MPI libraries already run their own all-reduce (fp16's) by host.
+    # fp16's float16 sum is a whole-tensor ring of its own; no hierarchy was built for it.
     sums = codec.aggregation == "sum"
     hier = tuple(HIER + s for s in flat) if topology.hierarchical and not sums else ()
     return (*flat, *hier, FLOAT32)
@@ -300,8 +305,8 @@ def predict(schedule: str, codec, numel: int, topology: Topology, model) -> floa
             + 2 * model.intra.time(within)
             + compute_seconds(inner, codec, speed, shard, H)
         )
-    if schedule in (FLOAT32, "allreduce") and H > 1 and R > 1:
-        nbytes = numel * (4 if schedule == FLOAT32 else codec.wire_dtype.itemsize)
+    if (schedule == FLOAT32 or codec.name == "none") and H > 1 and R > 1:
+        nbytes = 4 * numel
         head = _small(AGREEMENT_BYTES, N)
         return (
             model.inter.time(head + _mpi_allreduce(nbytes, H))

@@ -158,7 +158,7 @@ def _summary_row(codec: str, name: str, ev: np.ndarray, nranks: int) -> tuple:
     return (
         codec,
         name,
-        "/".join(sorted(schedules)),
+        "/".join(sorted(schedules)) or "-",  # none recorded before format 3
         -(-ev.size // nranks),
         f"{ev['bytes_sent'].mean():.0f}",
         f"{ev['bytes_recv'].mean():.0f}",

@@ -59,7 +59,7 @@ class TestAllreduceBench:
 
         comm = world()
         codecs = [("signsgd", {}), ("threelc", {}), ("none", {})]
-        rows = measure(comm, 8 * 64 * comm.size, codecs, reps=1, schedules="all")
+        rows = measure(comm, 8 * 128 * comm.size, codecs, reps=1, schedules="all")  # >= min_numel
         got = [(r["codec"], r["schedule"]) for r in rows]
         # On one host: each codec's own schedules, then auto (none has only its own).
         assert got == [

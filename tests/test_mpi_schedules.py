@@ -33,8 +33,17 @@ def _one_numba_thread_per_rank():
     numba.set_num_threads(before)
 
 
+@pytest.fixture
+def pairs():
+    """Yield the emulated host communicator: ranks 2h and 2h + 1 on host h; freed after."""
+    comm = world()
+    local = comm.Split(comm.rank // 2, comm.rank)
+    yield local
+    local.Free()
+
+
 def _pairs(comm):
-    """Return the emulated host communicator: ranks 2h and 2h + 1 on host h."""
+    """Return an emulated host communicator for a test that frees it (see ``pairs``)."""
     return comm.Split(comm.rank // 2, comm.rank)
 
 
@@ -105,7 +114,7 @@ def test_hierarchical_qsgd_quantizes_each_hosts_sum_once(inner):
         comm, "qsgd_maxnorm", bits=8, schedule=f"hier:{inner}", local_comm=_pairs(comm)
     )
     with cc:
-        assert cc.topology == Topology(comm.size // 2, 2)
+        assert cc.topology == Topology(comm.size // 2, 2, True, comm.size)
         y = cc.allreduce(x, name="w")
     sums = _host_sums(comm, x)
     bounds = shard_bounds(x.size, 2)
@@ -119,7 +128,7 @@ def test_hierarchical_qsgd_quantizes_each_hosts_sum_once(inner):
 
 
 @pytest.mark.mpi
-def test_hierarchical_ring_and_direct_give_the_same_bytes():
+def test_hierarchical_ring_and_direct_give_the_same_results():
     comm = world()
     if not _hierarchical(comm):
         pytest.skip("needs an even number of ranks >= 4 (hosts of two)")
@@ -203,6 +212,7 @@ def test_hierarchical_bytes_are_the_reduce_scatter_the_ring_between_hosts_and_th
     shard, hosts = b - a, comm.size // 2
     assert ops["mpi.reduce_scatter"] == (4 * (N_ELEMS - shard), 4 * shard)
     assert ops["mpi.allgatherv"] == (4 * shard, 4 * (N_ELEMS - shard))
+    assert ops["mpi.allreduce"] == (2, 2)  # overflow flag over all, status within the host
     # Between hosts: the majority ring of the shard over H ranks (host h is rank h there).
     sent, recv, _ = ring_traffic(
         shard, hosts, comm.rank // 2, ring.CHUNK_ALIGN, lambda i: math.ceil(math.log2(i + 1)), 1
@@ -283,3 +293,83 @@ def test_the_trace_records_each_calls_schedule_and_prediction(shared_dir):
         assert np.allclose(big["t_predicted"], plan[1]) and np.isfinite(plan[1])
         assert (small["schedule"] == b"float32").all()  # below min_numel
     comm.Barrier()
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("policy", ["raise", "skip_step"])
+def test_a_hosts_sum_that_overflows_float32_raises_or_skips_on_every_rank(policy, pairs):
+    comm = world()
+    if not _hierarchical(comm):
+        pytest.skip("needs an even number of ranks >= 4 (hosts of two)")
+    x = _grad(comm)
+    if comm.rank < 2:  # both ranks of host 0: finite, but their sum is not
+        x[-3:] = np.float32(3e38)
+    with mpicomp.CompressedComm(
+        comm, "qsgd_maxnorm", schedule="hier:ring", local_comm=pairs, nonfinite=policy
+    ) as cc:
+        if policy == "raise":
+            with pytest.raises(RankError, match="sum over a host's ranks overflows float32"):
+                cc.allreduce(x, name="w")
+        else:
+            with pytest.warns(mpicomp.NonFiniteWarning, match="overflows float32"):
+                assert not cc.allreduce(x, name="w").any()
+        assert np.isfinite(cc.allreduce(_grad(comm), name="w")).all()
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("outcome", ["fails", "skips"])
+def test_one_local_rank_failing_between_hosts_reaches_every_rank(outcome, pairs, monkeypatch):
+    """Local rank 1's exchange between hosts raises (or skips) on every host; local rank
+    0's succeeds: every rank must raise (or skip) alike, none wait in the allgather."""
+    comm = world()
+    if not _hierarchical(comm):
+        pytest.skip("needs an even number of ranks >= 4 (hosts of two)")
+    from mpicomp import _reduce
+
+    inner = _reduce.REDUCERS["integer_sum"]
+
+    def flaky(call, codec, flat, encoders):
+        if pairs.rank == 1:
+            if outcome == "fails":
+                raise MemoryError("planted: out of device memory")
+            raise _reduce.Skipped([], "planted skip")
+        return inner(call, codec, flat, encoders)
+
+    monkeypatch.setitem(_reduce.REDUCERS, "integer_sum", flaky)
+    with mpicomp.CompressedComm(
+        comm, "qsgd_maxnorm", schedule="hier:ring", local_comm=pairs, nonfinite="skip_step"
+    ) as cc:
+        if outcome == "fails":
+            mine = MemoryError if pairs.rank == 1 else RankError
+            with pytest.raises(mine, match="planted" if pairs.rank == 1 else "this host failed"):
+                cc.allreduce(_grad(comm), name="w")
+        else:
+            with pytest.warns(mpicomp.NonFiniteWarning):
+                assert not cc.allreduce(_grad(comm), name="w").any()
+        monkeypatch.setitem(_reduce.REDUCERS, "integer_sum", inner)
+        assert np.isfinite(cc.allreduce(_grad(comm), name="w")).all()
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("inner", ["allgather", "sharded"])
+def test_hierarchical_error_feedback_keeps_a_residual_per_local_shard(inner, pairs):
+    comm = world()
+    if not _hierarchical(comm):
+        pytest.skip("needs an even number of ranks >= 4 (hosts of two)")
+    x = _grad(comm, seed=9)
+    with mpicomp.CompressedComm(
+        comm, "topk", ratio=0.01, schedule=f"hier:{inner}", local_comm=pairs
+    ) as cc:
+        first = cc.allreduce(x, name="w")
+        second = cc.allreduce(x, name="w")
+        residuals = cc.state_dict()["residuals"]
+    a, b = shard_bounds(x.size, 2)[pairs.rank]
+    mine = f"w#shard@{pairs.rank}/2"
+    if inner == "allgather":
+        assert set(residuals) == {mine} and residuals[mine].size == b - a
+    else:  # pushed by sub-shard to the hosts, one residual each
+        assert set(residuals) == {f"{mine}#shard{h}" for h in range(comm.size // 2)}
+    # What top-k dropped the first time is sent the second time: results differ.
+    assert not np.array_equal(first, second)
+    every = gather_all(comm, second)
+    assert (every == every[0]).all()

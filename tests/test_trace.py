@@ -71,15 +71,15 @@ def test_summarize_reports_codecs_bytes_ratio_latency_and_phases(tmp_path):
     assert "MPICH Version: 9.9" in text and "qsgd_maxnorm" in text and '"bits": 4' in text
     lines = {line.split()[1]: line.split() for line in text.splitlines() if "fc1." in line}
     weight, bias = lines["fc1.weight"], lines["fc1.bias"]
-    # codec, tensor, (schedule: none before v3), calls, sent/call, recv/call, ratio, p50, p90,
-    # p99, pred (none here), encode, comm, decode
+    # codec, tensor, schedule (- before format 3), calls, sent/call, recv/call, ratio,
+    # p50, p90, p99, pred (- without a model), encode, comm, decode
     assert weight[0] == "qsgd_maxnorm" and bias[0] == "none"
-    assert weight[2:6] == ["10", "500", "600", "8.0x"]
-    assert float(weight[6]) == pytest.approx(5.5)  # median of 1..10 ms, each on 2 ranks
-    assert float(weight[7]) == pytest.approx(9.1)
-    assert weight[9:] == ["-", "25%", "50%", "20%"]
-    assert bias[2:6] == ["10", "232", "232", "0.2x"]
-    assert float(bias[6]) == pytest.approx(0.1)
+    assert weight[2:7] == ["-", "10", "500", "600", "8.0x"]
+    assert float(weight[7]) == pytest.approx(5.5)  # median of 1..10 ms, each on 2 ranks
+    assert float(weight[8]) == pytest.approx(9.1)
+    assert weight[10:] == ["-", "25%", "50%", "20%"]
+    assert bias[2:7] == ["-", "10", "232", "232", "0.2x"]
+    assert float(bias[7]) == pytest.approx(0.1)
 
 
 def test_plot_writes_a_png(tmp_path):

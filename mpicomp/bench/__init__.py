@@ -111,7 +111,10 @@ def full_run(
     allreduce = []
     if sizes:
         # Here, not at the top: importing mpicomp.bench must not initialize MPI.
-        from mpicomp.bench.allreduce import measure
+        from mpicomp.bench.allreduce import measure, run_model
+
+        if schedules is not None or model is not None:
+            model = run_model(comm, todo, model)  # once: every size predicts alike
 
         for n in sizes:
             allreduce += measure(

@@ -123,39 +123,45 @@ def schedules_of(name: str, params: dict, asked, topology: Topology | None = Non
     """Return the schedules to measure of codec ``name``: ``asked`` None, its default;
     ``"all"``, every one ``schedule="auto"`` chooses among on ``topology`` (its own, the
     hierarchical ones where the hosts allow; not float32, every row's reference) and
-    ``"auto"`` itself; a list, those of them it has (its default if none)."""
+    ``"auto"`` itself; a list, those of them it has, float32 included (its default if
+    none)."""
     codec = mpicomp.codec(name, **params)
     default = SCHEDULES[codec.aggregation][0]
     if asked is None:
         return [default]
-    candidates = [s for s in candidate_schedules(codec, topology or Topology()) if s != FLOAT32]
+    candidates = candidate_schedules(codec, topology or Topology())
     if codec.name != "none":
-        candidates.append(AUTO)
-    if asked == "all":
-        return candidates
+        candidates += (AUTO,)
+    if asked == "all":  # float32 is every row's reference already
+        return [s for s in candidates if s != FLOAT32]
     return [s for s in candidates if s in asked] or [default]
 
 
-def _placement(comm, codecs, measure: bool, given):
-    """Return the topology of ``comm`` and the model of a run: ``given`` (a Model or a
-    file) with the speeds it lacks measured now, else measured now for every codec of
-    ``codecs`` when ``measure``, else None. Every CompressedComm of the run then
-    predicts with it (none measures again)."""
+def run_model(comm, codecs, given=None):
+    """Return the model every CompressedComm of a run predicts with (collective): ``given``
+    (a Model or a file) with the speeds it lacks for ``codecs`` measured now, else one
+    measured now (``mpicomp.model.measure``), so that none measures again."""
+    from mpicomp import model as model_mod
+
+    made = [mpicomp.codec(name, **params) for name, params in codecs]
+    made = [c for c in made if c.name != "none"]
+    node = model_mod.host_comm(comm)
+    try:
+        if given is None:
+            return model_mod.measure(comm, node, made)
+        model = model_mod.resolve(comm, node, mpicomp.codec("none"), given)
+        missing = [c for c in made if model_mod.codec_key(c) not in model.speeds]
+        return model.with_speeds(model_mod.measured_speeds(comm, missing))
+    finally:
+        node.Free()
+
+
+def _topology(comm) -> Topology:
     from mpicomp import model as model_mod
 
     node = model_mod.host_comm(comm)
     try:
-        topology = model_mod.topology(comm, node)
-        made = [mpicomp.codec(name, **params) for name, params in codecs]
-        if given is not None:
-            model = model_mod.resolve(comm, node, mpicomp.codec("none"), given)
-            missing = [
-                c for c in made if c.name != "none" and model_mod.codec_key(c) not in model.speeds
-            ]
-            return topology, model.with_speeds(model_mod.measured_speeds(comm, missing))
-        if measure:
-            return topology, model_mod.measure(comm, node, [c for c in made if c.name != "none"])
-        return topology, None
+        return model_mod.topology(comm, node)
     finally:
         node.Free()
 
@@ -340,8 +346,8 @@ def measure(
             :func:`schedules_of`): None its default, ``"all"`` every candidate of
             ``schedule="auto"`` here and ``"auto"``, or a list of names.
         model: what every CompressedComm predicts its time with (``mpicomp.model.Model``
-            or a file); None: measured once here when a schedule is asked for
-            (``mpicomp.model.measure``), else no predictions.
+            or a file; see :func:`run_model`); None: measured here when ``schedules``
+            is given, else no predictions.
 
     Returns:
         One dict per codec and schedule: ``numel``, ``nranks``, ``codec``, ``params``,
@@ -389,7 +395,9 @@ def measure(
     after = counter.read()
     ref_links = None if before is None else _per_call(before, after, reps + 1)
     ring_bytes = 2 * (size - 1) * 4 * n // size  # float32 ring all-reduce, per rank
-    topology, model = _placement(comm, codecs, schedules is not None, model)
+    topology = _topology(comm)
+    if schedules is not None or model is not None:
+        model = run_model(comm, codecs, model)
     rows = []
     runs = [(nm, pr, sch) for nm, pr in codecs for sch in schedules_of(nm, pr, schedules, topology)]
     with _traces_in(comm, trace_dir) as where:
