@@ -36,12 +36,18 @@ MODEL_ENV = "MPICOMP_MODEL"
 #: The ``format`` of the JSON files :meth:`Model.save` writes.
 FORMAT = "mpicomp-model-1"
 
-#: Elements of the synthetic gradient a speed is measured on (4 MiB of float32: past
-#: the L2 caches, a few milliseconds per codec).
-SPEED_NUMEL = 1 << 20
+#: Elements of the synthetic gradient a speed is measured on by default (16 MiB of
+#: float32: past the caches, where FFT and top-k cost more per element than on 4 MiB;
+#: tens of milliseconds per codec on a CPU core).
+SPEED_NUMEL = 1 << 22
 
-#: The large message of the network probe: well past the latency-bound sizes.
+#: The large message of the network probe starts here, well past the latency-bound
+#: sizes, and grows 8-fold while it takes under PROBE_SECONDS, up to PROBE_MAX_BYTES: on
+#: shared memory a small message stays in the caches and shows a bandwidth that a
+#: gradient of 100 MB never sees.
 PROBE_BYTES = 1 << 20
+PROBE_SECONDS = 5e-3
+PROBE_MAX_BYTES = 1 << 25
 
 
 @dataclass(frozen=True)
@@ -175,9 +181,11 @@ class Model:
 
 def measure_network(comm, reps: int = 5, nbytes: int = PROBE_BYTES) -> Network | None:
     """Return the latency-bandwidth model of ``comm`` as its ranks use it together: every
-    rank ``Sendrecv`` s to its right neighbour from its left, 8 bytes then ``nbytes``,
+    rank ``Sendrecv`` s to its right neighbour from its left, 8 bytes then n bytes,
     ``reps`` times each after a warm-up; the slowest rank's median times t_8 and t_n give
-    alpha = t_8 and beta = (n - 8) / (t_n - t_8). Collective; None on one rank."""
+    alpha = t_8 and beta = (n - 8) / (t_n - t_8) (n / t_n when t_n < 2 t_8: busy cores).
+    n starts at ``nbytes`` and grows 8-fold while t_n < ``PROBE_SECONDS`` (up to
+    ``PROBE_MAX_BYTES``). Collective; None on one rank."""
     from mpi4py import MPI
 
     size, rank = comm.Get_size(), comm.Get_rank()
@@ -197,7 +205,13 @@ def measure_network(comm, reps: int = 5, nbytes: int = PROBE_BYTES) -> Network |
         return comm.allreduce(statistics.median(times), op=MPI.MAX)
 
     t_small, t_large = median_time(8), median_time(nbytes)
-    return Network(t_small, (nbytes - 8) / max(t_large - t_small, 1e-9))
+    while t_large < PROBE_SECONDS and nbytes < PROBE_MAX_BYTES:  # the same on every rank
+        nbytes *= 8
+        t_large = median_time(nbytes)
+    # On busy cores the 8-byte time is scheduling noise that can rival the large one:
+    # then n / t_n, a bandwidth the link reaches at least, instead of a slope near 0.
+    spread = t_large - t_small if t_large > 2 * t_small else t_large
+    return Network(t_small, (nbytes - 8) / max(spread, 1e-9))
 
 
 def measure_speed(codec, numel: int = SPEED_NUMEL, reps: int = 3) -> Speed:

@@ -268,3 +268,30 @@ def test_cuda_array_interface_objects_under_cuda_emulated(codec, bad, monkeypatc
         assert cc.allreduce(CaiArray(xs[0]), name="v").shape == xs[0].shape  # still in step
     for a, b in zip(ref, got, strict=True):
         assert a.tobytes() == np.asarray(b).tobytes()
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize(
+    "name,schedule", [("qsgd_maxnorm", "hier:ring"), ("threelc", "hier:sharded")]
+)
+def test_hierarchical_calls_on_device_arrays_give_the_numpy_results(name, schedule, transport):
+    """The reduce-scatter and allgather within the host take the device buffers (direct)
+    or their staged copies, and the exchange between hosts computes on the device."""
+    from mpi4py import MPI
+
+    world = MPI.COMM_WORLD
+    if world.size != 4:
+        pytest.skip("hosts of two ranks are emulated at 4 ranks")
+    local = world.Split(world.rank // 2, world.rank)
+    to_place, to_host, array_type = place("host-backed")
+    x = _gradients(world.rank)[0]
+    out = {}
+    for where, put in (("host", lambda a: a), ("device", to_place)):
+        with mpicomp.CompressedComm(
+            world, name, schedule=schedule, local_comm=local, min_numel=1
+        ) as cc:
+            out[where] = [cc.allreduce(put(x), name="w") for _ in range(2)]
+    local.Free()
+    for a, b in zip(out["host"], out["device"], strict=True):
+        assert isinstance(b, array_type)
+        assert a.tobytes() == to_host(b).tobytes()

@@ -114,7 +114,7 @@ def full_run(
         from mpicomp.bench.allreduce import measure, run_model
 
         if schedules is not None or model is not None:
-            model = run_model(comm, todo, model)  # once: every size predicts alike
+            model = run_model(comm, todo, model, max(sizes))  # once: every size alike
 
         for n in sizes:
             allreduce += measure(

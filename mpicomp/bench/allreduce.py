@@ -137,21 +137,24 @@ def schedules_of(name: str, params: dict, asked, topology: Topology | None = Non
     return [s for s in candidates if s in asked] or [default]
 
 
-def run_model(comm, codecs, given=None):
+def run_model(comm, codecs, given=None, numel: int = 0):
     """Return the model every CompressedComm of a run predicts with (collective): ``given``
     (a Model or a file) with the speeds it lacks for ``codecs`` measured now, else one
-    measured now (``mpicomp.model.measure``), so that none measures again."""
+    measured now (``mpicomp.model.measure``), so that none measures again. Speeds are
+    measured on ``numel`` elements (0: ``mpicomp.model.SPEED_NUMEL``): the run's largest
+    size, since compute per element grows with size past the caches (FFT, top-k)."""
     from mpicomp import model as model_mod
 
     made = [mpicomp.codec(name, **params) for name, params in codecs]
     made = [c for c in made if c.name != "none"]
+    numel = numel or model_mod.SPEED_NUMEL
     node = model_mod.host_comm(comm)
     try:
         if given is None:
-            return model_mod.measure(comm, node, made)
+            return model_mod.measure(comm, node, made, numel)
         model = model_mod.resolve(comm, node, mpicomp.codec("none"), given)
         missing = [c for c in made if model_mod.codec_key(c) not in model.speeds]
-        return model.with_speeds(model_mod.measured_speeds(comm, missing))
+        return model.with_speeds(model_mod.measured_speeds(comm, missing, numel))
     finally:
         node.Free()
 
@@ -397,7 +400,7 @@ def measure(
     ring_bytes = 2 * (size - 1) * 4 * n // size  # float32 ring all-reduce, per rank
     topology = _topology(comm)
     if schedules is not None or model is not None:
-        model = run_model(comm, codecs, model)
+        model = run_model(comm, codecs, model, n)
     rows = []
     runs = [(nm, pr, sch) for nm, pr in codecs for sch in schedules_of(nm, pr, schedules, topology)]
     with _traces_in(comm, trace_dir) as where:
