@@ -268,7 +268,8 @@ def reduce_sum(call: Call, codec, flat, encoders: Encoders | None = None) -> np.
                 raise RankError(f"{codec.name}: the sum over ranks overflows float32")
         else:
             _nonfinite(ranks, local, guard, None)
-    out = codec.from_wire(_up(dev, total), comm.size)
+    # The sum is this call's own buffer (on the host or just copied up): averaged in place.
+    out = codec.from_wire(_up(dev, total), comm.size, reuse=True)
     clock.decoded()
     return out
 

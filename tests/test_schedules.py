@@ -266,3 +266,4 @@ def test_the_verdicts_read_autos_choice_against_the_fastest_measured():
     # float32 (MPI_Allreduce, 0.5 s) was fastest; auto's ring took 0.9 s there.
     assert (second["fastest"], second["right"]) == ("float32", False)
     assert second["regret"] == pytest.approx(0.9 / 0.5)
+    assert second["auto_over_fastest"] == pytest.approx(0.5 / 0.5)

@@ -87,8 +87,9 @@ def chooser_verdicts(rows: list[dict]) -> list[dict]:
     float32 MPI_Allreduce (``allreduce_s``). Each verdict: ``codec``, ``params``,
     ``numel``, ``chosen``, ``fastest``, ``right`` (chosen is fastest),
     ``regret`` (the chosen schedule's measured time over the fastest's; 1.0 when right),
-    ``auto_s`` (the auto row's own time), ``times`` (schedule to seconds) and
-    ``predicted`` (schedule to the model's seconds).
+    ``auto_s`` (the auto row's own time) and ``auto_over_fastest`` (it over the fastest
+    row's: the same schedule timed twice differs by the run's noise, which this shows),
+    ``times`` (schedule to seconds) and ``predicted`` (schedule to the model's seconds).
     """
     out = []
     for auto in (r for r in rows if r.get("schedule") == "auto"):
@@ -107,7 +108,8 @@ def chooser_verdicts(rows: list[dict]) -> list[dict]:
             "codec": auto["codec"], "params": auto["params"], "numel": auto["numel"],
             "chosen": chosen, "fastest": fastest, "right": chosen == fastest,
             "regret": times.get(chosen, auto["time_s"]) / times[fastest],
-            "auto_s": auto["time_s"], "times": times, "predicted": predicted,
+            "auto_s": auto["time_s"], "auto_over_fastest": auto["time_s"] / times[fastest],
+            "times": times, "predicted": predicted,
         })  # fmt: skip
     return out
 
@@ -121,13 +123,14 @@ def format_verdicts(verdicts: list[dict], out=None) -> None:
     print(
         "\nschedule='auto' chose the fastest of its candidates (float32: MPI_Allreduce) "
         f"{right} of {len(verdicts)} times; regret = the chosen schedule's time over the "
-        "fastest's, same run",
+        "fastest's, same run; auto/fastest: the auto row's own time over the fastest's",
         file=out,
     )
     for v in verdicts:
         print(
             f"{v['numel']:>12,}  {v['codec']:<27}{label(v['params']):<13}chose {v['chosen']:<16}"
-            f"fastest {v['fastest']:<16}regret {v['regret']:.2f}",
+            f"fastest {v['fastest']:<16}regret {v['regret']:.2f}  "
+            f"auto/fastest {v['auto_over_fastest']:.2f}",
             file=out,
         )
 

@@ -29,13 +29,15 @@ class _Dense(Codec):
         """Return ``x`` as the array MPI sums."""
         return as_gradient(x).astype(self.wire_dtype, copy=False)
 
-    def from_wire(self, total, nranks: int = 1, shape=None):
-        """Return the float32 average over ``nranks`` of the summed wire array."""
+    def from_wire(self, total, nranks: int = 1, shape=None, reuse: bool = False):
+        """Return the float32 average over ``nranks`` of the summed wire array; with
+        ``reuse``, a float32 ``total`` the caller owns is divided in place (no second
+        buffer of the tensor's size to allocate and fault in)."""
         xp = array_module(total)
         total = xp.asarray(total)
         if total.dtype != np.float32:
-            total = total.astype(np.float32)
-        out = xp.empty(total.shape, np.float32)
+            total, reuse = total.astype(np.float32), True
+        out = total if reuse else xp.empty(total.shape, np.float32)
         xp.divide(total, np.float32(nranks), out=out)  # one pass: no astype copy first
         return out.reshape(shape) if shape is not None else out
 
@@ -103,11 +105,12 @@ class Float16(_Dense):
             self._check_range(x, k)
         return out
 
-    def from_wire(self, total, nranks: int = 1, shape=None):
-        """Return the float32 average over ``nranks`` of the summed float16 array."""
+    def from_wire(self, total, nranks: int = 1, shape=None, reuse: bool = False):
+        """Return the float32 average over ``nranks`` of the summed float16 array
+        (``reuse``: as for ``none``, when ``total`` is float32)."""
         total = array_module(total).asarray(total)
         if total.dtype != np.float16:
-            return super().from_wire(total, nranks, shape)  # any other dtype: converted
+            return super().from_wire(total, nranks, shape, reuse)  # any other dtype
         k = backend_of(total, self.kernels)
         out = k.xp.empty(total.shape, np.float32)
         k.fp16.decode(total.reshape(-1).view(np.uint16), out.reshape(-1), nranks)
