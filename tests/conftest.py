@@ -64,6 +64,18 @@ def world():
     return MPI.COMM_WORLD
 
 
+@pytest.fixture(scope="module")
+def one_numba_thread_per_rank():
+    """Run a module's kernels on one numba thread: ranks share the cores, and OpenMP
+    workers spinning in one rank starve the others."""
+    import numba
+
+    before = numba.get_num_threads()
+    numba.set_num_threads(1)
+    yield
+    numba.set_num_threads(before)
+
+
 def gather_all(comm, x):
     """Return every rank's ``x`` stacked in rank order (a plain buffer Allgather)."""
     out = np.empty((comm.size,) + x.shape, dtype=x.dtype)

@@ -22,16 +22,8 @@ def _length(n, size):
     return {"N-1": size - 1, "8N+1": 8 * size + 1}.get(n, n)
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_numba_thread_per_rank():
-    """Run the packing kernels on one thread: ranks share the cores, and OpenMP workers
-    spinning between kernels in one rank starve the rank they wait for (10x slower)."""
-    import numba
-
-    before = numba.get_num_threads()
-    numba.set_num_threads(1)
-    yield
-    numba.set_num_threads(before)
+# Ranks share the cores: one kernel thread each (tests/conftest.py).
+pytestmark = pytest.mark.usefixtures("one_numba_thread_per_rank")
 
 
 @pytest.fixture(params=[8, 24], ids=["align8", "align24"])

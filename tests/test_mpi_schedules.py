@@ -22,15 +22,8 @@ from mpicomp.schedules import Network, Topology, choose
 N_ELEMS = 20_011  # odd: shards and chunks of unequal lengths
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_numba_thread_per_rank():
-    """Ranks share the cores: one kernel thread each (see test_mpi_ring.py)."""
-    import numba
-
-    before = numba.get_num_threads()
-    numba.set_num_threads(1)
-    yield
-    numba.set_num_threads(before)
+# Ranks share the cores: one kernel thread each (tests/conftest.py).
+pytestmark = pytest.mark.usefixtures("one_numba_thread_per_rank")
 
 
 @pytest.fixture

@@ -20,15 +20,8 @@ def _length(n, size):
     return {"N-1": size - 1, "8N+1": 8 * size + 1}.get(n, n)
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_numba_thread_per_rank():
-    """Ranks share the cores: OpenMP workers spinning in one rank starve the others."""
-    import numba
-
-    before = numba.get_num_threads()
-    numba.set_num_threads(1)
-    yield
-    numba.set_num_threads(before)
+# Ranks share the cores: one kernel thread each (tests/conftest.py).
+pytestmark = pytest.mark.usefixtures("one_numba_thread_per_rank")
 
 
 def _run(scheme, comm, x, recorder=None):

@@ -17,15 +17,8 @@ BIG, SMALL = 5003, 10  # SMALL is below min_numel: averaged as plain float32
 HEAD = 192  # one MaxAllReduce head (the agreement), sent and received
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_numba_thread_per_rank():
-    """Ranks share the cores: one packing thread each (see test_mpi_ring.py)."""
-    import numba
-
-    before = numba.get_num_threads()
-    numba.set_num_threads(1)
-    yield
-    numba.set_num_threads(before)
+# Ranks share the cores: one kernel thread each (tests/conftest.py).
+pytestmark = pytest.mark.usefixtures("one_numba_thread_per_rank")
 
 
 def _expected_bytes(name, comm, x, schedule=None):
