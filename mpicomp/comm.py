@@ -372,8 +372,8 @@ class CompressedComm:
         small = t.flat.size < opts.min_numel
         schedule, predicted = self._plan(t.flat.size, compress and not small)
         if opts.debug:
-            what = f"{op}({t.name!r}, {t.flat.size} {t.dtype}) by {schedule}"
-            config = f"{self.codec!r}, nonfinite={opts.nonfinite!r}"
+            what = f"{op}({t.name!r}, {t.flat.size} {t.dtype})"
+            config = f"{self.codec!r}, nonfinite={opts.nonfinite!r}, schedule={schedule!r}"
             check_same_call(self._comm, None if t.error else what, config, opts.timeout)
         if t.error is not None:
             _reduce.fail(self._call(step), t.error)
