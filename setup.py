@@ -54,6 +54,9 @@ setup(
         "test": [
             "pytest>=8",
             "pytest-mpi>=0.6",
+            # A test that hangs ends the run with every thread's stack (thread method:
+            # a rank blocked inside MPI never sees a signal), not at CI's limit.
+            "pytest-timeout>=2.2",
             "hypothesis>=6",
             "scikit-learn>=1.3",
             "matplotlib>=3.7",

@@ -12,7 +12,7 @@ _numba_cache.configure()  # before the codecs define their numba kernels
 
 from mpicomp import codecs  # noqa: E402
 from mpicomp.codecs import codec  # noqa: E402
-from mpicomp.errors import PayloadError  # noqa: E402
+from mpicomp.errors import NonFiniteWarning, PayloadError, RankError  # noqa: E402
 
 __all__ = [
     "CompressedComm",
@@ -28,12 +28,8 @@ __all__ = [
 
 def __getattr__(name):
     # Lazy: importing mpicomp for its codecs must not initialize MPI.
-    if name in ("CompressedComm", "Handle", "NonFiniteWarning"):
+    if name in ("CompressedComm", "Handle"):
         from mpicomp import comm
 
         return getattr(comm, name)
-    if name == "RankError":  # raised on the ranks whose own input was fine
-        from mpicomp._reduce import RankError
-
-        return RankError
     raise AttributeError(f"module 'mpicomp' has no attribute {name!r}")

@@ -34,6 +34,22 @@ def as_gradient(x, what: str = "x"):
     return out
 
 
+def check_numel(x, limit: int, what: str = "x") -> None:
+    """Refuse ``x`` if it has more than ``limit`` elements, from its shape alone (before
+    anything is converted or allocated)."""
+    shape = getattr(x, "shape", None)
+    if shape is None and hasattr(x, "__cuda_array_interface__"):
+        shape = x.__cuda_array_interface__.get("shape")
+    try:
+        numel = math.prod(int(d) for d in shape) if shape is not None else 0
+    except TypeError:
+        return  # no integer shape: to_float32 names what is wrong
+    if numel > limit:
+        raise ValueError(
+            f"{what} has {numel} elements; one call carries at most {limit} (split the tensor)"
+        )
+
+
 def to_float32(x, what: str = "x"):
     """Return ``(array, overflowed)``: ``x`` as ``as_gradient`` makes it, but a float64
     value beyond float32's range becomes Inf and sets ``overflowed`` instead of raising.
@@ -44,6 +60,8 @@ def to_float32(x, what: str = "x"):
     if isinstance(x, np.generic):  # a NumPy scalar: treat as a 0-d array
         x = np.asarray(x)
     elif not isinstance(x, np.ndarray) and not is_device_array(x):
+        if "complex" in str(getattr(x, "dtype", "")):  # named before DLPack refuses a view
+            raise TypeError(f"{what} must be a real floating-point array, got dtype {x.dtype}")
         if hasattr(x, "__dlpack__"):
             x = _from_dlpack(x, what)
         elif hasattr(x, "__cuda_array_interface__"):
@@ -51,8 +69,12 @@ def to_float32(x, what: str = "x"):
         else:
             raise TypeError(f"{what} must be an array, got {type(x).__name__}")
     dt = x.dtype
-    if dt != np.float32 and dt not in _ACCEPTED and dt.name != "bfloat16":
-        raise TypeError(f"{what} must be a floating-point array, got dtype {dt!r}")
+    if dt.name != "bfloat16" and (dt.kind != "f" or dt.newbyteorder("=") not in _ACCEPTED):
+        real = " real" if dt.kind == "c" else ""
+        raise TypeError(
+            f"{what} must be a{real} floating-point array (float16, bfloat16, float32 or "
+            f"float64), got dtype {dt}"
+        )
     if not isinstance(x, np.ndarray):
         k = backend_of(x)
         with on_device(x):
@@ -63,7 +85,8 @@ def to_float32(x, what: str = "x"):
             # Overflow is a finite value cast to Inf: one pass and one read-back on a device.
             over = k.xp.any(k.xp.isinf(out) & k.xp.isfinite(x))
             return out, bool(k.to_host(over, why="float64 overflow flag"))
-    if dt != np.float64:
+    if dt.itemsize != 8:
+        # Also a float32 of the other byte order: converted to this machine's.
         return np.asarray(x, dtype=np.float32, order="C"), False
     # The cast sets the FPU's overflow flag for free: no extra pass over the data.
     try:
@@ -221,7 +244,10 @@ def _from_dlpack(x, what: str):
             return from_dlpack(x)
         except (RuntimeError, BufferError, TypeError):
             # NumPy has no bfloat16: the producer converts it itself (PyTorch's .float(),
-            # JAX's .astype).
+            # JAX's .astype). Nothing else is converted: .float() of a complex tensor
+            # would drop its imaginary part.
+            if "bfloat16" not in str(getattr(x, "dtype", "")):
+                raise
             if callable(getattr(x, "float", None)):
                 return from_dlpack(x.float())
             if callable(getattr(x, "astype", None)):

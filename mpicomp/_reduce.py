@@ -28,6 +28,7 @@ import numpy as np
 from mpi4py import MPI
 
 from mpicomp._arrays import all_finite, array_module, is_device_array, zero_nonfinite
+from mpicomp._config import Config, disagreement
 from mpicomp._transport import Transport
 from mpicomp.collectives import plain
 from mpicomp.collectives.allgather import allgather_bytes
@@ -36,18 +37,11 @@ from mpicomp.collectives.float16 import allreduce_float16
 from mpicomp.collectives.maxallreduce import max_allreduce
 from mpicomp.collectives.ring import ring_allreduce_agreed, ring_allreduce_min_agreed
 from mpicomp.collectives.sharded import alltoall_bytes, shard_bounds
+from mpicomp.errors import RankError
 from mpicomp.kernels import backend_of
 from mpicomp.trace import NO_CLOCK
 
 POLICIES = ("raise", "skip_step", "zero")
-
-
-class RankError(RuntimeError):
-    """Another rank failed, or ranks disagree, in the same collective call."""
-
-
-class NonFiniteWarning(RuntimeWarning):
-    """A call was skipped on every rank because some rank's gradient held NaN or Inf."""
 
 
 class Skipped(Exception):  # noqa: N818 - a control-flow signal, caught by CompressedComm
@@ -96,7 +90,9 @@ class Call:
     ``transport`` how device bytes reach MPI (``mpicomp._transport``; needed for device
     input); ``schedule`` how bounded codes are summed (``"ring"`` or ``"direct"``; other
     schedules leave it unread); ``stream`` is added to the rank to number this rank's
-    random draws (a hierarchical call's local ranks draw apart on their shards).
+    random draws (a hierarchical call's local ranks draw apart on their shards);
+    ``config`` what every rank's configuration must match (its digest joins the
+    agreement); ``label`` names the tensor or bucket where ranks disagree.
     """
 
     comm: object
@@ -110,6 +106,8 @@ class Call:
     transport: Transport | None = None
     schedule: str = "ring"
     stream: int = 0
+    config: Config = Config()
+    label: str = ""
 
     @property
     def io(self) -> dict:
@@ -144,32 +142,35 @@ def _up(dev, a):
 def _agree(
     call: Call, n: int, error: Exception | None, value: float = 0.0, nonfinite: bool = False
 ) -> float:
-    """Check that all ranks bring n elements in the same layout and none failed.
+    """Check that all ranks bring n elements in the same layout and configuration, and
+    that none failed.
 
-    One MaxAllReduce of [value, n, -n, layout, -layout, failed_rank + 1,
-    nonfinite_rank + 1] (float64 holds n and a 32-bit layout hash exactly).
-    Returns the max of ``value`` over ranks. Raises the local error on the rank
-    that failed and RankError elsewhere; a failure other than NaN/Inf wins. When
-    only NaN/Inf failed, one more small Allgather names every such rank and under
-    ``skip_step`` every rank raises ``Skipped``.
+    One MaxAllReduce of [value, n, -n, layout, -layout, config, -config, failed_rank + 1,
+    nonfinite_rank + 1] (float64 holds n, the 32-bit layout hash and the configuration
+    digest exactly). Returns the max of ``value`` over ranks. Raises the local error on
+    the rank that failed and RankError elsewhere; a failure other than NaN/Inf wins.
+    Ranks that disagree all raise RankError naming what differs and on which ranks (only
+    then do descriptions travel). When only NaN/Inf failed, one more small Allgather
+    names every such rank and under ``skip_step`` every rank raises ``Skipped``.
     """
-    rank, layout = call.comm.rank, call.layout
+    rank, layout, digest = call.comm.rank, call.layout, call.config.digest
     failed = rank + 1 if error is not None and not nonfinite else 0
     bad = rank + 1 if nonfinite else 0
-    vec = np.array([value, n, -n, layout, -layout, failed, bad], dtype=np.float64)
+    vec = np.array([value, n, -n, layout, -layout, digest, -digest, failed, bad], np.float64)
     top = max_allreduce(call.comm, vec, **call.io)
-    if top[5]:
+    if top[7]:
         if error is not None:
             raise error
-        raise RankError(f"rank {int(top[5]) - 1} failed in the same call (see its error)")
-    if top[1] != -top[2]:
-        raise RankError(
-            f"ranks disagree on the tensor size: from {int(-top[2])} to {int(top[1])} "
-            f"elements (this rank: {n})"
-        )
-    if top[3] != -top[4]:
-        raise RankError("ranks disagree on the tensors fused into this bucket (names or sizes)")
-    if top[6]:
+        raise RankError(f"rank {int(top[7]) - 1} failed in the same call (see its error)")
+    if top[5] != -top[6]:
+        differs = disagreement(call.comm, call.config.fields, call.timeout)
+        raise RankError(f"ranks configured this CompressedComm differently: {differs}")
+    if top[1] != -top[2] or top[3] != -top[4]:
+        mine = {"tensor": call.label, "numel": n}
+        differs = disagreement(call.comm, mine, call.timeout)
+        what = "the tensor size" if top[1] != -top[2] else "the tensor (names or bucket layout)"
+        raise RankError(f"ranks disagree on {what} in the same call: {differs}")
+    if top[8]:
         _nonfinite(_flagged(call, nonfinite), nonfinite, call.guard, error)
     return float(top[0])
 

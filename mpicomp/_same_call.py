@@ -12,9 +12,9 @@ import hashlib
 
 import numpy as np
 
-from mpicomp._reduce import RankError
 from mpicomp.collectives import plain
 from mpicomp.collectives.allgather import allgather_bytes
+from mpicomp.errors import RankError
 
 
 def check_same_call(comm, call: str | None, config: str, timeout: float | None) -> None:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import difflib
+import inspect
 import json
 import math
 import sys
@@ -16,14 +18,19 @@ import numpy as np
 
 from mpicomp import _reduce
 from mpicomp import model as model_mod
-from mpicomp._arrays import array_module, is_device_array, to_float32
+from mpicomp._arrays import array_module, check_numel, is_device_array, to_float32
+from mpicomp._config import Config, check_same
 from mpicomp._log import log
 from mpicomp._progress import Handle, Worker, overlap_blocker
-from mpicomp._reduce import NonFiniteWarning, RankError
 from mpicomp._same_call import check_same_call
 from mpicomp._transport import Transport, cuda_aware
 from mpicomp.codecs import Codec, ErrorFeedback
+from mpicomp.codecs._base import available as available_codecs
+from mpicomp.codecs._base import codec_parameters
 from mpicomp.codecs._base import make as make_codec
+from mpicomp.codecs._wire import MAX_NUMEL
+from mpicomp.collectives._wait import resolve_timeout
+from mpicomp.errors import NonFiniteWarning, RankError
 from mpicomp.kernels import backend_of
 from mpicomp.options import AUTO, Options
 from mpicomp.schedules import FLOAT32, HIER, Topology, choose, predict
@@ -48,8 +55,8 @@ class CompressedComm:
     """Average gradients over the ranks of ``comm`` through a compressing codec.
 
     Args:
-        comm: an ``mpi4py.MPI.Comm``; a duplicate is kept, so mpicomp's messages never
-            match the caller's.
+        comm: an ``mpi4py.MPI.Intracomm``; a duplicate is kept, so mpicomp's messages
+            never match the caller's.
         codec: a codec name (with ``**codec_params``) or a made codec.
         min_numel: tensors with fewer elements are averaged uncompressed (float32 MPI
             sum): headers and extra messages would cost more than they save.
@@ -122,9 +129,18 @@ class CompressedComm:
     raise an error on every rank instead of hanging. ``iallreduce`` calls count in
     the order they are started; one thread drives a CompressedComm.
 
+    Every rank must configure it alike: the codec, its parameters and the options that
+    change the messages are compared once here, collectively, and by digest in every
+    call's agreement (docs/usage.md, "API").
+
     Raises:
-        ValueError: ``background=True`` while MPI provides less than
-            ``MPI_THREAD_MULTIPLE``.
+        TypeError: ``comm`` is not an intracommunicator (on this rank alone); an
+            argument of the wrong type, or a keyword neither an option nor a codec
+            parameter.
+        ValueError: an argument out of range; ``background=True`` while MPI provides
+            less than ``MPI_THREAD_MULTIPLE``.
+        RankError: another rank's arguments were refused, or ranks configured this
+            CompressedComm differently (on every rank, naming what differs).
     """
 
     def __init__(
@@ -149,39 +165,48 @@ class CompressedComm:
         on_call=None,
         **codec_params,
     ):
-        if isinstance(codec, str):
-            codec = make_codec(codec, **codec_params)
-        elif codec_params:
-            raise TypeError("codec parameters go with a codec name, not a made codec")
-        if not isinstance(codec, Codec):
-            raise TypeError(f"codec must be a name or an mpicomp codec, got {codec!r}")
+        _check_comm(comm)
+        # Whatever one rank finds wrong here, every rank hears of in the check below (one
+        # small Allgather on ``comm``), before anything collective could wait for it.
+        error, config, opts = None, None, None
+        try:
+            codec = _codec(codec, codec_params)
+            #: The checked options (``mpicomp.options.Options``), frozen.
+            opts = Options.resolve(
+                codec,
+                min_numel=min_numel,
+                bucket_numel=bucket_numel,
+                error_feedback=error_feedback,
+                sharded=sharded,
+                schedule=schedule,
+                trace=trace,
+                trace_level=trace_level,
+                trace_flush_every=trace_flush_every,
+                nonfinite=nonfinite,
+                debug=debug,
+                timeout=timeout,
+                background=background,
+            )
+            why = None if opts.background is False else overlap_blocker(codec.kernels)
+            if opts.background and why:
+                raise ValueError(
+                    f"background=True: {why} (see docs/usage.md, Overlapping communication)"
+                )
+            # How device gradients' bytes reach MPI: directly when the library is CUDA-aware.
+            transport = Transport(direct=cuda_aware()[0])
+            config = _config(codec, opts, traced=trace is not None or on_call is not None)
+        except Exception as e:
+            error = e
+        timeout = opts.timeout if opts is not None else None
+        check_same(comm, config, error, "this CompressedComm", timeout)
         self.codec = codec
+        self.options = opts
         self.kernels = codec.kernels  # the backend of NumPy arrays, read when made
-        # How device gradients' bytes reach MPI: directly when the library is CUDA-aware.
-        self._transport = Transport(direct=cuda_aware()[0])
+        self._transport = transport
+        self._config = config
+        self._configs = {}  # schedule run -> the Config a call by it agrees on
         self._gpu = None  # the GPU of this rank's device gradients, fixed at the first one
         self._gpu_on = nullcontext  # a context making that GPU current
-        #: The checked options (``mpicomp.options.Options``), frozen.
-        self.options = opts = Options.resolve(
-            codec,
-            min_numel=min_numel,
-            bucket_numel=bucket_numel,
-            error_feedback=error_feedback,
-            sharded=sharded,
-            schedule=schedule,
-            trace=trace,
-            trace_level=trace_level,
-            trace_flush_every=trace_flush_every,
-            nonfinite=nonfinite,
-            debug=debug,
-            timeout=timeout,
-            background=background,
-        )
-        why = None if opts.background is False else overlap_blocker(self.kernels)
-        if opts.background and why:
-            raise ValueError(
-                f"background=True: {why} (see docs/usage.md, Overlapping communication)"
-            )
         #: Whether ``iallreduce`` runs its calls on a background thread.
         self.background = why is None if opts.background is None else opts.background
         self._eager_why = why if opts.background is None else None  # warned once, at first use
@@ -193,6 +218,7 @@ class CompressedComm:
         self._server_feedback = ErrorFeedback(codec) if opts.error_feedback and may_shard else None
         self._plain = make_codec("none")
         self._comm = comm.Dup()
+        self._closed = False
         self.rank = self._comm.rank
         self.size = self._comm.size
         #: Where the ranks are (``mpicomp.schedules.Topology``; one host unless a
@@ -285,6 +311,10 @@ class CompressedComm:
         Consecutive tensors smaller than ``bucket_numel`` share one buffer and one
         collective call; larger ones go alone. Pass the same list structure every step
         (bucket residuals are keyed by position and names).
+
+        Args:
+            arrays: a list or tuple of gradients, each as for ``allreduce``.
+            names: their names (default ``"#0"``, ``"#1"``, ...), one per array.
         """
         self._check_open()
         self._drain()
@@ -394,7 +424,12 @@ class CompressedComm:
         # Names (and bucket layouts) take part in the agreement: ranks calling with
         # tensors in different orders raise instead of mixing them.
         call = self._call(step, zlib.crc32(t.name.encode()) if layout is None else layout, guard)
-        call = replace(call, schedule=schedule.removeprefix(HIER))
+        call = replace(
+            call,
+            schedule=schedule.removeprefix(HIER),
+            config=self._call_config(schedule),
+            label=t.name,
+        )
         trace = self.trace
         if trace is not None:
             aside = (small or not compress) and self.codec.name != "none"
@@ -499,6 +534,14 @@ class CompressedComm:
             self._transport,
         )
 
+    def _call_config(self, schedule: str) -> Config:
+        """Return the configuration a call run by ``schedule`` agrees on: this
+        CompressedComm's, and the schedule the call runs."""
+        config = self._configs.get(schedule)
+        if config is None:
+            config = self._configs[schedule] = self._config.with_fields(run=schedule)
+        return config
+
     def _encoders(self, name: str) -> _reduce.Encoders | None:
         """Return how a gather call of ``name`` compresses (through error feedback when on)."""
         codec, fb = self.codec, self._feedback
@@ -548,21 +591,30 @@ class CompressedComm:
     def _take(self, x, name: str) -> _Tensor:
         """Read and convert ``x`` now; a refused input is kept with its error, for
         ``_average`` to raise inside the call (every rank then raises)."""
+        if not isinstance(name, str):
+            error = TypeError(f"name must be a str (the tensor's name), got {name!r}")
+            return _Tensor.refused(x, "", error)
         what = f"gradient {name!r}" if name else "gradient"
         try:
+            check_numel(x, _max_numel(), what)
             flat, overflowed = to_float32(x, what=what)
             if is_device_array(flat):
                 self._check_gpu(flat, what)
             self._check_name(name)
-        except (ValueError, TypeError) as e:
+        except Exception as e:  # whatever converting raised, every rank must hear of it
             return _Tensor.refused(x, name, e)
         return _Tensor(x, name, flat.reshape(-1), overflowed, _dtype(x))
 
     def _take_many(self, arrays, names) -> tuple[list, _Tensor | None]:
         """Return (``arrays`` taken one by one, None), or ([], a refused input) when one
         of them, or the names, is refused."""
-        arrays = list(arrays)
-        names = [f"#{i}" for i in range(len(arrays))] if names is None else list(names)
+        try:
+            arrays = _sequence("arrays", arrays, "gradients")
+            if names is None:
+                names = [f"#{i}" for i in range(len(arrays))]
+            names = _sequence("names", names, "str")
+        except TypeError as e:
+            return [], _Tensor.refused(arrays, "", e)
         if len(names) != len(arrays):
             error = ValueError(f"{len(names)} names for {len(arrays)} arrays")
             return [], _Tensor.refused(arrays, "", error)
@@ -654,12 +706,13 @@ class CompressedComm:
             self._worker.drain()
 
     def _check_open(self):
-        if self._comm is None:
+        if self._closed:
             raise RuntimeError("CompressedComm is closed")
 
     def _close(self, flush_trace: bool) -> None:
-        if self._comm is None:
+        if self._closed:
             return
+        self._closed = True
         if self._worker is not None:
             # Started calls use the communicator: they finish before it is freed.
             self._stop_worker()
@@ -668,6 +721,9 @@ class CompressedComm:
             if self.trace is not None and flush_trace:
                 self.trace.close()
         finally:
+            # Freed here, where every rank closes, never later by the garbage collector:
+            # MPICH's MPI_Comm_free can wait for the other ranks. A call after this
+            # raises on this rank alone (no communicator is left to tell the others).
             self._free_comms()
 
     def _free_comms(self) -> None:
@@ -679,6 +735,7 @@ class CompressedComm:
         finally:
             self._comm.Free()
             self._comm = None
+            self._closed = True
 
     def _trace_attrs(self) -> dict:
         """Return the run attributes a trace records about this CompressedComm."""
@@ -696,6 +753,93 @@ class CompressedComm:
             "sharded": opts.sharded,
             "schedule": opts.schedule,
         }
+
+
+def _sequence(what: str, items, of: str) -> list:
+    """Return ``items`` as a list, refusing one array, a str or a mapping in its place."""
+    if isinstance(items, (str, bytes)) or hasattr(items, "shape") or hasattr(items, "keys"):
+        hint = " (for one array use allreduce)" if hasattr(items, "shape") else ""
+        if hasattr(items, "keys"):
+            hint = " (for a dict d: list(d.values()), names=list(d))"
+        raise TypeError(f"{what} must be a list or tuple of {of}, got {type(items).__name__}{hint}")
+    try:
+        return list(items)
+    except TypeError:
+        raise TypeError(
+            f"{what} must be a list or tuple of {of}, got {type(items).__name__}"
+        ) from None
+
+
+def _max_numel() -> int:
+    """Return the most elements one call carries: what a payload header describes, and
+    what an MPI count (a C int) holds before MPI 4."""
+    from mpi4py import MPI
+
+    return MAX_NUMEL if MPI.Get_version() >= (4, 0) else 2**31 - 1
+
+
+def _check_comm(comm) -> None:
+    """Refuse what is not an mpi4py communicator (on this rank alone: without one, no
+    other rank can be told)."""
+    from mpi4py import MPI
+
+    if not isinstance(comm, MPI.Intracomm):
+        raise TypeError(
+            f"comm must be an mpi4py.MPI.Intracomm such as MPI.COMM_WORLD, got {comm!r}"
+        )
+
+
+def _codec(codec, params: dict) -> Codec:
+    """Return the codec ``codec`` names (made with ``params``), or ``codec`` itself.
+
+    A keyword neither CompressedComm nor the codec takes is blamed on both, with the
+    closest names, instead of on the codec's ``__init__``.
+    """
+    if isinstance(codec, str):
+        unknown = [k for k in params if k not in codec_parameters(codec)]
+        if unknown and codec in available_codecs():
+            raise TypeError(_unknown_keywords(unknown, codec))
+        return make_codec(codec, **params)
+    if params:
+        raise TypeError(
+            f"codec parameters ({', '.join(params)}) go with a codec name, not a made codec"
+        )
+    if not isinstance(codec, Codec):
+        raise TypeError(f"codec must be a codec name or an mpicomp codec, got {codec!r}")
+    return codec
+
+
+def _unknown_keywords(unknown: list[str], codec: str) -> str:
+    options = [p for p in inspect.signature(CompressedComm).parameters if p != "codec_params"]
+    own = codec_parameters(codec)
+    parts = []
+    for k in unknown:
+        close = difflib.get_close_matches(k, options + list(own), n=1)
+        parts.append(f"{k!r}" + (f" (did you mean {close[0]!r}?)" if close else ""))
+    return (
+        f"CompressedComm got unknown keyword(s) {', '.join(parts)}: not an option of "
+        f"CompressedComm nor a parameter of codec {codec!r} "
+        f"({', '.join(own) if own else 'which takes none'})"
+    )
+
+
+def _config(codec: Codec, opts: Options, traced: bool) -> Config:
+    """Return what every rank's CompressedComm must share: what changes the messages."""
+    return Config(
+        {
+            "codec": {"name": codec.name, **codec.params},
+            "schedule": opts.schedule,
+            "sharded": opts.sharded,
+            "min_numel": opts.min_numel,
+            "bucket_numel": opts.bucket_numel,
+            "error_feedback": opts.error_feedback,
+            "nonfinite": opts.nonfinite,
+            "timeout": "off" if opts.timeout == 0 or not resolve_timeout(opts.timeout) else "set",
+            "debug": opts.debug,
+            "traced": traced,
+            "trace_flush_every": opts.trace_flush_every if opts.trace is not None else None,
+        }
+    )
 
 
 @dataclass(frozen=True)

@@ -125,8 +125,10 @@ class Options:
                 gather payloads; a schedule the codec has not; any field out of range.
             TypeError: a field of the wrong type.
         """
+        sharded = _checked_bool("sharded", sharded)
         if error_feedback is None:
             error_feedback = codec.name in FEEDBACK_DEFAULT
+        error_feedback = _checked_bool("error_feedback", error_feedback, "or None")
         for what, asked in (("error_feedback", error_feedback), ("sharded", sharded)):
             if asked and codec.aggregation != "gather":
                 raise ValueError(
@@ -167,5 +169,5 @@ def _schedule(codec, asked, sharded) -> str:
 def _checked_bool(name: str, value, alternative: str = "") -> bool:
     if not isinstance(value, (bool, np.bool_)):
         expected = f"a bool {alternative}".strip()
-        raise TypeError(f"{name} must be {expected}, got {type(value).__name__}")
+        raise TypeError(f"{name} must be {expected}, got {value!r}")
     return bool(value)

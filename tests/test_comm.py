@@ -115,12 +115,15 @@ def test_each_codec_takes_the_schedules_of_its_aggregation():
 
 
 def test_a_bad_trace_option_fails_before_the_communicator_is_duplicated(tmp_path):
-    class Untouchable:  # a communicator that must not be used
+    from mpi4py import MPI
+
+    class Untouchable(MPI.Intracomm):  # a communicator that must not be duplicated
         def Dup(self):  # noqa: N802 - mpi4py's name
             raise AssertionError("duplicated before the options were checked")
 
+    comm = Untouchable(MPI.COMM_SELF)
     with pytest.raises(TypeError, match="flush_every must be an int"):
-        mpicomp.CompressedComm(Untouchable(), "none", trace=tmp_path / "t", trace_flush_every=2.5)
+        mpicomp.CompressedComm(comm, "none", trace=tmp_path / "t", trace_flush_every=2.5)
 
 
 def test_a_snapshot_restores_residuals_and_reuses_its_buffers():

@@ -138,7 +138,7 @@ def test_fp16_ring_sum_matches_the_ring_order_reference_bit_for_bit(n):
 
 @pytest.mark.mpi
 def test_fp16_ring_sum_that_overflows_float16_raises_on_every_rank():
-    from mpicomp._reduce import RankError
+    from mpicomp.errors import RankError
 
     comm = world()
     x = np.full(100, 40000.0, np.float32)

@@ -248,7 +248,8 @@ def test_tensors_fused_in_different_orders_raise_everywhere():
     order = [a, b] if comm.rank % 2 == 0 else [b, a]
     names = ["a", "b"] if comm.rank % 2 == 0 else ["b", "a"]
     with mpicomp.CompressedComm(comm, "none", bucket_numel=1000) as cc:
-        with pytest.raises(RuntimeError, match="fused into this bucket"):
+        match = r'disagree on the tensor \(names or bucket layout\).*"bucket:a\|b" on ranks? 0'
+        with pytest.raises(RuntimeError, match=match):
             cc.allreduce_many(order, names=names)
 
 

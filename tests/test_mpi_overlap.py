@@ -8,7 +8,7 @@ from conftest import gather_all, gradient_like, world
 from test_mpi_comm import reference_average
 
 import mpicomp
-from mpicomp._reduce import RankError
+from mpicomp.errors import RankError
 from mpicomp.codecs import ErrorFeedback
 
 N = 5003  # not divisible by 2, 3, 4, 5 or 8

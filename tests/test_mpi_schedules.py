@@ -12,7 +12,7 @@ import pytest
 from conftest import gather_all, ring_traffic, world
 
 import mpicomp
-from mpicomp._reduce import RankError
+from mpicomp.errors import RankError
 from mpicomp.collectives import ring
 from mpicomp.collectives.sharded import shard_bounds
 from mpicomp.collectives.traffic import Traffic

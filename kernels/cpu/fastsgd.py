@@ -531,6 +531,8 @@ def mpicomp_fastsgd_decode_bucket(
     # The float32 value of every code byte (codes above tau never reach the scatter).
     for code in range(256):
         v = np.float32(q[min(code & 0x7F, tau)])
+        # v is finite (scan refuses a NaN/Inf sum): -v is exact, and adds of such values
+        # reach Inf at worst, never a NaN whose bits the compiler would choose.
         vals[code] = -v if code & SIGN_BIT else v
     mpicomp_fastsgd_widths(W, flag_bits, width, least)
     # least[c]: the smallest delta flag c may carry (the widths below c are too narrow).

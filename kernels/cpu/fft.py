@@ -13,6 +13,10 @@ runs the column and row transforms (scipy.fft, batched and multi-threaded); the
 kernels here do what lies between them: the twiddle factors, and the real-FFT split
 of the complex spectrum (post) or its inverse (pre), which also transposes, so that
 the spectrum comes out, and goes in, in natural frequency order.
+
+NaN/Inf, in x or in a spectrum, only set the error codes and flags on which the codec
+refuses x (integer tests of bit patterns, or NaN*0 sums); N-bit codes decode below Inf,
+so no NaN is sent or decoded, and which NaN an operation returns never matters here.
 """
 
 import math

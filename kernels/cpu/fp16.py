@@ -6,6 +6,12 @@ that checks the range (encode: also Adler-32-summing the payload bytes block by 
 while they are in cache, ``checksum.block_sums``) or finiteness (decode), and run in
 parallel chunks whose results are combined in order: no result depends on the thread
 count.
+
+NaN results follow x86 SSE's rule, written out as in fp16.cu rather than left to the
+compiler (LLVM may swap an fadd's operands, and ARM prefers signaling NaNs): an operation
+on a NaN returns the first NaN operand, quieted; an invalid one (Inf - Inf, Inf / Inf)
+returns the default NaN 0xFFC00000. Range checks are integer maxima of bit patterns, where
+a NaN is just a pattern above Inf's.
 """
 
 import numba as nb
@@ -19,6 +25,9 @@ _F16_MIN_NORMAL = np.uint32(0x38800000)  # 2^-14
 _HALF_BITS = np.uint32(0x3F000000)  # 0.5: its ulp (2^-24) is the float16 subnormal step
 _REBIAS = np.uint32(0xC8000000)  # (15 - 127) << 23, modulo 2^32
 _ABS = np.uint32(0x7FFFFFFF)
+_INF = np.uint32(0x7F800000)
+_QUIET = np.uint32(0x00400000)
+_DEFAULT_NAN = np.uint32(0xFFC00000)  # x86's NaN of an invalid operation
 _TWO_M24 = np.float32(2.0**-24)
 
 # Elements per inner block: BLOCK payload bytes of float16.
@@ -65,6 +74,35 @@ def _to_single(h16):
 
 
 @nb.njit(inline="always", cache=True)
+def _isnan(f):
+    """Return True if float32 bits ``f`` are a NaN."""
+    return (f & _ABS) > _INF
+
+
+@nb.njit(inline="always", cache=True)
+def _nan_x86(r, a, b):
+    """Return float32 bits ``r`` of an operation on bits a, b, its NaN made by x86's rule:
+    a NaN operand gives the first one, quieted; else the default NaN (invalid op)."""
+    # A NaN operand makes r a NaN: one test of r, then selects (the loops still vectorize).
+    first = a if _isnan(a) else (b if _isnan(b) else _DEFAULT_NAN)
+    return np.uint32(first | _QUIET if _isnan(r) else r)
+
+
+@nb.njit(inline="always", cache=True)
+def _add_x86(a, b):
+    """Return the bits of a + b (float32 bits) with x86's NaN rule, a first (fp16.cu)."""
+    s = np.uint32(a).view(np.float32) + np.uint32(b).view(np.float32)
+    return _nan_x86(np.float32(s).view(np.uint32), a, b)
+
+
+@nb.njit(inline="always", cache=True)
+def _div_x86(a, by):
+    """Return the bits of a / by (float32 bits a, float32 by) with x86's NaN rule (fp16.cu)."""
+    q = np.uint32(a).view(np.float32) / by
+    return _nan_x86(np.float32(q).view(np.uint32), a, np.float32(by).view(np.uint32))
+
+
+@nb.njit(inline="always", cache=True)
 def _encode_span(x, h16, h8, want_sum, lo, hi):
     """Convert x[lo:hi] into h16; return (max |x| bits, s1, s2 of the bytes h8[2lo:2hi])."""
     top = np.uint32(0)
@@ -76,6 +114,7 @@ def _encode_span(x, h16, h8, want_sum, lo, hi):
         dst = h16[start:stop]
         for i in range(src.size):
             u = src[i]
+            # NaN is a pattern above 65504's: it only fails the check (h16 is garbage then).
             top = max(top, u & _ABS)
             dst[i] = _to_half(u)
         if want_sum:
@@ -96,8 +135,8 @@ def mpicomp_fp16_decode(h16, scale, out):
     for i in range(h16.size):
         h = h16[i]
         special |= np.uint32((h & np.uint16(0x7C00)) == np.uint16(0x7C00))
-        f = np.uint32(_to_single(h)).view(np.float32)
-        out[i] = f / by if divide else f
+        f = _to_single(h)
+        out[i] = np.uint32(_div_x86(f, by) if divide else f).view(np.float32)
     return special == 0
 
 
@@ -145,12 +184,10 @@ def mpicomp_fp16_decode_chunks(h16, scale, out):
 @nb.njit(nogil=True, cache=True)
 def mpicomp_fp16_add(a, b):
     """b = float16(float32(a) + float32(b)) on float16 bits (uint16), elementwise: the sum
-    MPI's float16 reduction made (Inf where it overflows). Returns nothing."""
+    MPI's float16 reduction made (Inf where it overflows, NaNs by x86's rule: above).
+    Returns nothing."""
     for i in range(b.size):
-        s = np.uint32(_to_single(a[i])).view(np.float32) + np.uint32(_to_single(b[i])).view(
-            np.float32
-        )
-        b[i] = _to_half_any(np.float32(s).view(np.uint32))
+        b[i] = _to_half_any(_add_x86(_to_single(a[i]), _to_single(b[i])))
 
 
 @nb.njit(parallel=True, nogil=True, cache=True)

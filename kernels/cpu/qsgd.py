@@ -75,7 +75,8 @@ def mpicomp_qsgd_sumsq(x, idx, dense, lo, hi):
     """Return the float64 sum of squares of x[lo:hi] (or x[idx[lo:hi]]) in 8 lanes.
 
     Element i goes to lane (i - lo) % 8, a tail of fewer than 8 to lane 0; the lanes are
-    added as ((l0 + l1) + (l2 + l3)) + ((l4 + l5) + (l6 + l7)). NaN/Inf propagate.
+    added as ((l0 + l1) + (l2 + l3)) + ((l4 + l5) + (l6 + l7)). NaN/Inf propagate (which
+    NaN is the compiler's choice: callers only test the sum for finiteness and refuse x).
     """
     l0 = l1 = l2 = l3 = l4 = l5 = l6 = l7 = 0.0
     m = hi - lo

@@ -3,7 +3,8 @@
 Element loops run from 0 over slices (see bits.py: a signed loop index from a runtime
 start keeps numba from vectorizing); the parallel ones split the work into CHUNK-element
 tasks. Sums of |x| are added per chunk in a fixed order, then chunk by chunk: the same
-float whatever the thread count.
+float whatever the thread count. A NaN in x only sets the flags that make the codec refuse
+x; which NaN a sum of |x| returns is left to the compiler (nothing sends it).
 """
 
 import numba as nb
@@ -12,7 +13,10 @@ import numpy as np
 from mpicomp.kernels.signsgd import CHUNK, TIE_POSITIVE, TIE_RANDOM
 
 from . import bits as _bits
+from .floatbits import bits_float, float_bits
 from .rng import mpicomp_bits
+
+_SIGN = np.uint32(0x80000000)
 
 
 @nb.njit(inline="always", cache=True)
@@ -127,13 +131,16 @@ def mpicomp_signsgd_majority(counts, nranks, tie, key, offset, out):
 def mpicomp_signsgd_expand(bits, scale, out):
     """Write out[i] = +scale if bit i of ``bits`` is set, else -scale."""
     n = out.size
-    neg = -scale
+    pos = np.float32(scale)
+    # A flip of the sign bit, as signsgd.cu's: numba's -x is 0 - x (fsub -0.0), whose NaN
+    # sign and quieting the compiler would pick.
+    neg = bits_float(float_bits(pos) ^ _SIGN)
     for c in nb.prange((n + CHUNK - 1) // CHUNK):
         lo, hi = _chunk(c, n)
         o = out[lo:hi]
         bs = bits[lo // 8 : (hi + 7) // 8]
         for j in range(o.size):
-            o[j] = scale if (bs[j >> 3] >> (j & 7)) & 1 else neg
+            o[j] = pos if (bs[j >> 3] >> (j & 7)) & 1 else neg
 
 
 @nb.njit(parallel=True, cache=True, nogil=True)

@@ -11,6 +11,7 @@ per core already, where extra threads only oversubscribe.
 import numba as nb
 import numpy as np
 
+from mpicomp.kernels.cpu.floatbits import bits_float, float_bits
 from mpicomp.kernels.threelc import (
     ERR_BYTE,
     ERR_PAD,
@@ -26,13 +27,15 @@ _ABS_MASK = np.uint32(0x7FFFFFFF)
 _EXP_MASK = np.uint32(0x7F800000)
 _FLT_MAX = np.float32(3.4028235e38)
 _HALF = np.float32(0.5)
+_SIGN = np.uint32(0x80000000)
 
 
 @nb.njit(cache=True)
 def mpicomp_threelc_max(x, r, use_r, s):
     """Return (M, ok): M = max|x + r| * s in float32 (clamped to FLT_MAX); ok False on NaN/Inf."""
     # |v| is ordered as the uint32 pattern of v with the sign cleared: an integer max
-    # that vectorizes, and NaN/Inf are exactly the patterns >= 0x7F800000.
+    # that vectorizes, and NaN/Inf are exactly the patterns >= 0x7F800000 (whichever NaN
+    # x + r makes, it only fails the check: the codec then refuses x).
     top = np.uint32(0)
     for i in range(x.size):
         v = x[i] + r[i] if use_r else x[i]
@@ -49,6 +52,7 @@ def mpicomp_threelc_max(x, r, use_r, s):
 @nb.njit(cache=True)
 def mpicomp_threelc_quartic_encode(x, r, use_r, scale, out):
     """Write byte j = sum_k (trit[k*L + j] + 1) * 3^(4-k) to out[j]; set r = (x + r) - trit*M."""
+    # Called only once mpicomp_threelc_max found x + r finite: no NaN reaches r or out.
     n = x.size
     L = out.size
     scale = np.float32(scale)
@@ -155,7 +159,10 @@ def _div(x, magic):
 
 @nb.njit(inline="always", cache=True)
 def _trit_value(d, scale):
-    return scale if d == 2 else (-scale if d == 0 else np.float32(0))
+    # -M as a flip of the sign bit, as in threelc.cu: numba's -x is 0 - x, whose result
+    # for a NaN M the compiler would pick.
+    neg = bits_float(float_bits(np.float32(scale)) ^ _SIGN)
+    return scale if d == 2 else (neg if d == 0 else np.float32(0))
 
 
 @nb.njit(nogil=True, cache=True)

@@ -1,11 +1,12 @@
 // float32 <-> float16 on bit patterns (twin of kernels/cpu/fp16.py): no cuda_fp16.h, the same
 // integer rounding as the numba twin, so the bytes match NumPy's astype.
 //
-// NaN results follow x86 SSE's rule, which the numba twin gets from the CPU: an operation on
-// a NaN returns the first NaN operand, quieted; an invalid one (Inf - Inf, Inf / Inf) returns
-// the "default NaN" 0xFFC00000. A GPU returns 0x7FFFFFFF for all of them, so NaNs are made
-// here explicitly. Reductions (range check, finiteness, the payload's Adler-32 sums) are exact
-// integer ones: one partial per block, combined on the host, whatever the grid.
+// NaN results follow x86 SSE's rule, written out here and in the numba twin alike: an
+// operation on a NaN returns the first NaN operand, quieted; an invalid one (Inf - Inf,
+// Inf / Inf) returns the "default NaN" 0xFFC00000. A GPU returns 0x7FFFFFFF for all of them,
+// and a CPU compiler may swap an add's operands, so NaNs are made here explicitly.
+// Reductions (range check, finiteness, the payload's Adler-32 sums) are exact integer ones:
+// one partial per block, combined on the host, whatever the grid.
 #include "common.cuh"
 
 

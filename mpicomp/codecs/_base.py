@@ -10,6 +10,7 @@ arrays, and never import a backend's modules.
 
 from __future__ import annotations
 
+import inspect
 import math
 from typing import Any, ClassVar, Protocol, runtime_checkable
 
@@ -220,7 +221,22 @@ def make(name: str, **params) -> Codec:
         cls = _REGISTRY[name]
     except KeyError:
         raise ValueError(f"unknown codec {name!r}; available: {', '.join(available())}") from None
+    unknown = [k for k in params if k not in codec_parameters(name)]
+    if unknown:
+        raise TypeError(
+            f"codec {name!r} takes no parameter {', '.join(map(repr, unknown))}; its "
+            f"parameters: {', '.join(codec_parameters(name)) or 'none'}"
+        )
     return cls(**params)
+
+
+def codec_parameters(name: str) -> tuple[str, ...]:
+    """Return the parameter names codec ``name`` takes (none for an unknown name)."""
+    cls = _REGISTRY.get(name)
+    if cls is None:
+        return ()
+    params = inspect.signature(cls.__init__).parameters
+    return tuple(p for p in params if p != "self")
 
 
 def available() -> list[str]:

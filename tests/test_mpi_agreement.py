@@ -1,0 +1,161 @@
+"""Ranks configured differently, or failing before a call, raise on every rank; none hangs.
+
+One rank differs in the codec, in one codec parameter or in one option of CompressedComm:
+every rank raises RankError naming what differs, when the CompressedComm is made (no
+MPICOMP_DEBUG, no timeout: a hang fails through pytest-timeout). The same difference
+met by a call (the configuration digest in every call's agreement) raises there, and
+the next call of agreeing ranks works.
+"""
+
+import numpy as np
+import pytest
+from conftest import world
+
+import mpicomp
+from mpicomp.errors import RankError
+
+# One value for the odd rank out, per codec parameter (every other rank: the default).
+PARAMS = {
+    "qsgd_maxnorm": {"bits": 4, "seed": 1},
+    "qsgd_maxnorm_multiscale": {"bits": 6, "scales": (8, 16), "seed": 2},
+    "grandk_maxnorm": {"bits": 4, "k": 100, "seed": 3},
+    "grandk_maxnorm_multiscale": {"bits": 6, "scales": (10, 12), "k": 200, "seed": 4},
+    "signsgd": {"tie": "positive", "seed": 5},
+    "threelc": {"sparsity": 1.5, "zero_run": False},
+    "fft": {"theta": 0.5, "bits": 8, "fp16": False},
+    "fastsgd": {"base": 1.5, "tau": 64, "flag_bits": 3, "bucket": 4096},
+    "topk": {"ratio": 0.1},
+}
+PARAM_CASES = [(c, p, v) for c, params in PARAMS.items() for p, v in params.items()]
+
+# One value for the odd rank out, per option: (codec, option, value).
+OPTION_CASES = [
+    ("qsgd_maxnorm", "min_numel", 10),
+    ("qsgd_maxnorm", "bucket_numel", 4096),
+    ("threelc", "error_feedback", False),
+    ("threelc", "sharded", True),
+    ("qsgd_maxnorm", "schedule", "direct"),
+    ("qsgd_maxnorm", "schedule", "float32"),
+    ("signsgd", "schedule", "direct"),
+    ("qsgd_maxnorm", "nonfinite", "zero"),
+    ("qsgd_maxnorm", "debug", True),
+    ("qsgd_maxnorm", "timeout", 600),
+    ("qsgd_maxnorm", "on_call", print),
+]
+CODECS = ["none", "fp16", "qsgd_maxnorm", "signsgd", "threelc", "fft", "topk", "fastsgd"]
+
+
+def _odd_one(comm) -> bool:
+    return comm.rank == comm.size - 1
+
+
+def _raises_on_every_rank(make, match):
+    with pytest.raises(RankError, match=match):
+        make()
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize(("codec", "param", "value"), PARAM_CASES)
+def test_a_codec_parameter_differing_on_one_rank_raises_everywhere(codec, param, value):
+    comm = world()
+    params = {param: value} if _odd_one(comm) else {}
+    _raises_on_every_rank(
+        lambda: mpicomp.CompressedComm(comm, codec, **params), rf"codec\.{param}: .* on rank"
+    )
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize(("codec", "option", "value"), OPTION_CASES)
+def test_an_option_differing_on_one_rank_raises_everywhere(codec, option, value):
+    comm = world()
+    options = {option: value} if _odd_one(comm) else {}
+    field = {"on_call": "traced", "timeout": "timeout"}.get(option, option)
+    _raises_on_every_rank(
+        lambda: mpicomp.CompressedComm(comm, codec, **options),
+        rf"configured this CompressedComm differently: (.*; )?{field}: ",
+    )
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("other", ["qsgd_maxnorm", "signsgd", "threelc", "fp16"])
+def test_another_codec_on_one_rank_raises_everywhere(other):
+    comm = world()
+    codec = other if _odd_one(comm) else "none"
+    with pytest.raises(RankError, match=rf'codec\.name: "none" on .*"{other}" on rank') as e:
+        mpicomp.CompressedComm(comm, codec)
+    assert "codec.seed" not in str(e.value)  # another codec's parameters go unsaid
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.timeout(120)
+def test_a_rank_failing_to_make_its_communicator_fails_every_rank():
+    comm = world()
+    bits = 99 if _odd_one(comm) else 8
+    if _odd_one(comm):
+        with pytest.raises(ValueError, match=r"bits must be an integer in \[2, 16\]"):
+            mpicomp.CompressedComm(comm, "qsgd_maxnorm", bits=bits)
+    else:
+        with pytest.raises(RankError, match=rf"rank {comm.size - 1} failed making"):
+            mpicomp.CompressedComm(comm, "qsgd_maxnorm", bits=bits)
+    # Nothing was left half made: the next one works on every rank.
+    with mpicomp.CompressedComm(comm, "qsgd_maxnorm", min_numel=0) as cc:
+        assert cc.allreduce(np.ones(64, np.float32), name="w").shape == (64,)
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("codec", CODECS)
+def test_a_call_whose_configuration_differs_raises_everywhere_then_calls_go_on(codec):
+    """The digest in every call's agreement, past the check made with the communicator
+    (one rank's configuration changed behind its back)."""
+    comm = world()
+    x = np.full(2048, comm.rank + 1, np.float32)
+    with mpicomp.CompressedComm(comm, codec, min_numel=0) as cc:
+        before = cc.allreduce(x, name="w")
+        agreed = cc._config
+        if _odd_one(comm):
+            cc._config, cc._configs = agreed.with_fields(min_numel=7), {}
+        with pytest.raises(RankError, match=r"min_numel: 0 on .*, 7 on rank"):
+            cc.allreduce(x, name="w")
+        cc._config, cc._configs = agreed, {}
+        after = cc.allreduce(x, name="w")
+        if codec in ("none", "fp16"):
+            np.testing.assert_array_equal(after, before)
+        assert np.isfinite(after).all()
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize(
+    ("bad", "error", "match"),
+    [
+        (None, TypeError, "name must be a str"),
+        (3, TypeError, "name must be a str"),
+    ],
+)
+def test_a_bad_name_on_one_rank_raises_everywhere(bad, error, match):
+    comm = world()
+    with mpicomp.CompressedComm(comm, "qsgd_maxnorm", min_numel=0) as cc:
+        name = bad if _odd_one(comm) else "w"
+        if _odd_one(comm):
+            with pytest.raises(error, match=match):
+                cc.allreduce(np.ones(64, np.float32), name=name)
+        else:
+            with pytest.raises(RankError, match=rf"rank {comm.size - 1} failed in the same call"):
+                cc.allreduce(np.ones(64, np.float32), name=name)
+        assert cc.allreduce(np.ones(64, np.float32), name="w").shape == (64,)
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.timeout(120)
+def test_tensors_of_other_names_are_named_with_their_ranks():
+    comm = world()
+    with mpicomp.CompressedComm(comm, "none") as cc:
+        name = "fc.bias" if _odd_one(comm) else "fc.weight"
+        match = r'disagree on the tensor \(names.*"fc.weight" on .*"fc.bias" on rank'
+        with pytest.raises(RankError, match=match) as e:
+            cc.allreduce(np.ones(8, np.float32), name=name)
+        assert "bucket:" not in str(e.value)
