@@ -50,15 +50,7 @@ def disagreement(comm, mine: dict | None, timeout: float | None) -> str:
 
     E.g. ``"codec.bits: 8 on rank 0, 4 on ranks 1-2"``.
     """
-    payload = np.frombuffer(_canonical(mine) if mine is not None else b"", dtype=np.uint8)
-    sizes = np.empty(comm.size, dtype=np.int64)
-    _gather(comm, [np.array([payload.size], np.int64), sizes], timeout, "sizes")
-    ends = np.cumsum(sizes)
-    whole = np.empty(int(ends[-1]), dtype=np.uint8)
-    _gather(comm, [payload, [whole, (sizes, ends - sizes)]], timeout, "configurations", "v")
-    every = [
-        json.loads(bytes(whole[e - n : e])) if n else None for n, e in zip(sizes, ends, strict=True)
-    ]
+    every = _allgather_json(comm, mine, timeout)
     flat = [None if d is None else _flatten(d) for d in every]
     keys = list(dict.fromkeys(k for d in flat if d is not None for k in d))
     parts, renamed = [], []
@@ -77,6 +69,19 @@ def disagreement(comm, mine: dict | None, timeout: float | None) -> str:
     return "; ".join(parts) or "the configurations differ"
 
 
+def _allgather_json(comm, mine, timeout: float | None) -> list:
+    """Return every rank's ``mine`` (JSON; None travels as nothing), in rank order."""
+    payload = np.frombuffer(_canonical(mine) if mine is not None else b"", dtype=np.uint8)
+    sizes = np.empty(comm.size, dtype=np.int64)
+    _gather(comm, [np.array([payload.size], np.int64), sizes], timeout, "sizes")
+    ends = np.cumsum(sizes)
+    whole = np.empty(int(ends[-1]), dtype=np.uint8)
+    _gather(comm, [payload, [whole, (sizes, ends - sizes)]], timeout, "descriptions", "v")
+    return [
+        json.loads(bytes(whole[e - n : e])) if n else None for n, e in zip(sizes, ends, strict=True)
+    ]
+
+
 def check_same(comm, config: Config | None, error: BaseException | None, what: str, timeout):
     """Raise on every rank if some rank failed (``error``) or the configurations differ.
 
@@ -88,9 +93,11 @@ def check_same(comm, config: Config | None, error: BaseException | None, what: s
     _gather(comm, [mine, every], timeout, "configuration digests")
     failed = np.flatnonzero(every[:, 0]).tolist()
     if failed:
+        why = None if error is None else f"{type(error).__name__}: {error}"
+        first = _allgather_json(comm, why, timeout)[failed[0]]
         if error is not None:
             raise error
-        raise RankError(f"{ranks_text(failed)} failed making {what} (see the error there)")
+        raise RankError(f"{ranks_text(failed)} failed making {what}: {first}")
     if (every[:, 1] != every[0, 1]).any():
         differs = disagreement(comm, config.fields, timeout)
         raise RankError(f"ranks configured {what} differently: {differs}")

@@ -13,9 +13,11 @@ Needs PyTorch (``pip install 'mpicomp[torch]'``). See docs/pytorch.md.
 from __future__ import annotations
 
 import io
+import numbers
 import threading
 import warnings
 import zlib
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 
 try:
@@ -23,9 +25,10 @@ try:
 except ImportError as e:  # pragma: no cover - the test extras install torch
     raise ImportError("mpicomp.torch needs PyTorch: pip install 'mpicomp[torch]'") from e
 
+from mpicomp._config import Config, check_same
 from mpicomp._log import log
-from mpicomp._reduce import NonFiniteWarning, RankError
 from mpicomp.comm import CompressedComm
+from mpicomp.errors import NonFiniteWarning, RankError
 
 __all__ = [
     "DistributedOptimizer",
@@ -44,6 +47,50 @@ def _compressed(comm, codec, options) -> CompressedComm:
             raise TypeError("a CompressedComm comes with its codec and options: pass neither")
         return comm
     return CompressedComm(comm, "none" if codec is None else codec, **options)
+
+
+def _check_comm(comm) -> None:
+    """Refuse a ``comm`` that is neither an mpi4py communicator nor a CompressedComm
+    (on this rank alone: without a communicator no other rank can be told)."""
+    from mpi4py import MPI
+
+    if isinstance(comm, CompressedComm | MPI.Intracomm):
+        return
+    hint = ""
+    if isinstance(comm, Iterator | Mapping | list | tuple):
+        hint = (
+            " (named_parameters comes after comm: "
+            "DistributedOptimizer(optimizer, MPI.COMM_WORLD, model.named_parameters()))"
+        )
+    raise TypeError(
+        "comm must be an mpi4py communicator such as MPI.COMM_WORLD or a "
+        f"mpicomp.CompressedComm, got {_kind(comm)}{hint}"
+    )
+
+
+def _count(what: str, value, least: int) -> int:
+    """Return ``value`` as an int >= ``least``; a TypeError or ValueError naming ``what``."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise TypeError(f"{what} must be an int >= {least}, got {_kind(value)}")
+    if value < least:
+        raise ValueError(f"{what} must be >= {least}, got {value}")
+    return int(value)
+
+
+def _kind(value) -> str:
+    """Describe ``value`` for a message: its type, and its repr when short."""
+    if isinstance(value, torch.nn.Parameter):
+        return f"a Parameter of shape {tuple(value.shape)}"
+    if isinstance(value, torch.Tensor):
+        return f"a tensor of shape {tuple(value.shape)}"
+    if isinstance(value, torch.nn.Module):
+        return f"a module ({type(value).__name__})"
+    kind = type(value).__name__
+    a = "an" if kind[:1].lower() in "aeiou" else "a"
+    if isinstance(value, tuple | list) and 0 < len(value) <= 3:
+        return f"{a} {kind} of ({', '.join(type(v).__name__ for v in value)})"
+    text = repr(value)
+    return f"{kind} {text}" if len(text) <= 60 and not text.startswith("<") else f"{a} {kind}"
 
 
 def _mpi(comm):
@@ -120,11 +167,12 @@ class DistributedOptimizer(torch.optim.Optimizer):
             shared, not copied (learning-rate schedulers work on either object).
         comm: an ``mpi4py`` communicator (a ``CompressedComm`` is made over it from
             ``codec`` and ``options``) or a ``CompressedComm``.
-        named_parameters: ``model.named_parameters()``: names key error-feedback
-            residuals and messages, and the order fixes the buckets (reverse order,
-            as DDP: the last layers' gradients are ready first). Default: the
-            optimizer's parameters, named ``group<g>.param<i>``. Every parameter
-            of the optimizer must be in it.
+        named_parameters: ``model.named_parameters()`` ((name, tensor) pairs, or a
+            dict of name -> tensor): names key error-feedback residuals and
+            messages, and the order fixes the buckets (reverse order, as DDP: the
+            last layers' gradients are ready first). Default: the optimizer's
+            parameters, named ``group<g>.param<i>``. Every parameter of the
+            optimizer must be in it; plain ``model.parameters()`` is refused.
         codec: a codec name (``"none"``, ``"qsgd_maxnorm"``, ...) or a made codec.
         backward_passes_per_step: gradients accumulate over this many backward passes
             before they are averaged (the average over ranks of the accumulated sum).
@@ -146,6 +194,10 @@ class DistributedOptimizer(torch.optim.Optimizer):
     ``NonFiniteWarning``; ``skipped`` tells it.
 
     Every rank must wrap the same parameters in the same order.
+
+    Raises:
+        TypeError, ValueError: an argument is wrong on this rank (RankError on the
+            others: every rank hears of it before anything else collective runs).
     """
 
     def __init__(
@@ -160,14 +212,42 @@ class DistributedOptimizer(torch.optim.Optimizer):
         overlap: bool = True,
         **options,
     ):
-        if not isinstance(optimizer, torch.optim.Optimizer):
-            raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {optimizer!r}")
-        if int(backward_passes_per_step) < 1:
-            raise ValueError(
-                f"backward_passes_per_step must be >= 1, got {backward_passes_per_step}"
+        # What one rank finds wrong in its arguments, every rank hears of (one small
+        # allgather) before anything else collective starts.
+        _check_comm(comm)
+        error, named = None, None
+        try:
+            if isinstance(optimizer, DistributedOptimizer):
+                raise TypeError(
+                    "optimizer is already a DistributedOptimizer: wrap the plain optimizer "
+                    "once (every gradient would be averaged twice)"
+                )
+            if not isinstance(optimizer, torch.optim.Optimizer):
+                raise TypeError(
+                    "optimizer must be a torch.optim.Optimizer such as "
+                    f"torch.optim.SGD(model.parameters(), lr=0.1), got {_kind(optimizer)}"
+                )
+            backward_passes_per_step = _count(
+                "backward_passes_per_step", backward_passes_per_step, 1
             )
-        if int(start_step) < 0:
-            raise ValueError(f"start_step must be >= 0, got {start_step}")
+            start_step = _count("start_step", start_step, 0)
+            if not isinstance(overlap, bool | int) or overlap not in (0, 1):
+                raise TypeError(f"overlap must be True or False, got {_kind(overlap)}")
+            named = _names(optimizer, named_parameters)
+            layout = "|".join(f"{n}:{tuple(p.shape)}" for n, p in named).encode()
+            config = Config(
+                {
+                    "backward_passes_per_step": backward_passes_per_step,
+                    "start_step": start_step,
+                    "overlap": bool(overlap),
+                    "parameters": len(named),
+                    "parameter_names_and_shapes": f"{zlib.crc32(layout):08x}",
+                }
+            )
+        except (TypeError, ValueError) as e:
+            error, config = e, None
+        # The CompressedComm made below checks its own options the same way.
+        check_same(_quiet(comm), config, error, "this DistributedOptimizer", None)
         self._building = True
         # The parent's bookkeeping (hooks, profiling) over the wrapped groups; the
         # groups and state are then the wrapped optimizer's own objects.
@@ -177,27 +257,36 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self._building = False
         self.optimizer = optimizer
         self._owns_comm = not isinstance(comm, CompressedComm)
-        self.comm = _compressed(comm, codec, options)
-        self.backward_passes_per_step = int(backward_passes_per_step)
-        self.start_step = int(start_step)
+        self.comm = _compressed(comm, codec, options)  # collective: raises on every rank
+        self.backward_passes_per_step = backward_passes_per_step
+        self.start_step = start_step
         self.overlap = bool(overlap)
         #: Steps taken (skipped ones included): the same on every rank.
         self.steps = 0
         #: Whether the last ``step()`` skipped the wrapped optimizer's step (NaN/Inf).
         self.skipped = False
         self._staging = _Staging("mpicomp.torch.DistributedOptimizer")
-        self._buckets = self._make_buckets(_names(optimizer, named_parameters))
-        self._owner = {p: b for b in self._buckets for p in b.params}
-        self._passes = dict.fromkeys(self._owner, 0)
         # Which parameters have gradients goes through a communicator of its own: the
         # CompressedComm's may be busy with this step's calls on its worker thread.
         self._control = _mpi(self.comm).Dup()
+        self._hooks = []
+        error = None
+        try:
+            self._buckets = self._make_buckets(named)  # allocates: may fail on one rank
+        except Exception as e:
+            error = e
+        try:
+            _agree(self._control, error, "DistributedOptimizer")
+        except BaseException:
+            self.close()
+            raise
+        self._owner = {p: b for b in self._buckets for p in b.params}
+        self._passes = dict.fromkeys(self._owner, 0)
         # Autograd may run hooks on one thread per device: buckets start one at a time.
         self._lock = threading.Lock()
         self._next = 0  # the next bucket to start: buckets start in order on every rank
         self._ledger: list = []  # residual snapshots of this step's calls
         self._synchronized = False
-        self._hooks = []
         log.info(
             "DistributedOptimizer: %d buckets of %s values, overlap %s, start_step %d",
             len(self._buckets),
@@ -437,20 +526,74 @@ def _names(optimizer, named_parameters) -> list[tuple[str, torch.Tensor]]:
             for g, group in enumerate(optimizer.param_groups)
             for i, p in enumerate(group["params"])
         ]
-    named = list(named_parameters)
-    names = [n for n, _ in named]
-    if len(set(names)) != len(names):
-        twice = sorted({n for n in names if names.count(n) > 1})
-        raise ValueError(f"named_parameters names {twice} more than once")
-    known = {id(p) for _, p in named}
-    missing = [i for i, p in enumerate(params) if id(p) not in known]
+    named = _pairs(named_parameters)
+    names: dict[str, int] = {}
+    tensors: dict[int, str] = {}
+    for n, p in named:
+        if n in names:
+            raise ValueError(f"named_parameters names {n!r} more than once")
+        names[n] = id(p)
+        if id(p) in tensors:
+            raise ValueError(
+                f"named_parameters holds one tensor under two names, {tensors[id(p)]!r} "
+                f"and {n!r} (tied weights: name each tensor once, as "
+                "model.named_parameters() does)"
+            )
+        tensors[id(p)] = n
+    missing = [
+        f"group{g}.param{i} {tuple(p.shape)}"
+        for g, group in enumerate(optimizer.param_groups)
+        for i, p in enumerate(group["params"])
+        if id(p) not in tensors
+    ]
     if missing:
+        shown = ", ".join(missing[:3]) + (", ..." if len(missing) > 3 else "")
         raise ValueError(
             f"{len(missing)} parameters of the optimizer are not in named_parameters "
-            "(pass model.named_parameters() of the model the optimizer trains)"
+            f"({shown}): pass model.named_parameters() of the model the optimizer trains"
         )
     mine = {id(p) for p in params}
     return [(n, p) for n, p in named if id(p) in mine]
+
+
+_PAIRS = "named_parameters must be (name, tensor) pairs such as model.named_parameters()"
+
+
+def _pairs(named_parameters) -> list[tuple[str, torch.Tensor]]:
+    """Return ``named_parameters`` (pairs, or a dict of name -> tensor) as a list of
+    pairs; a TypeError saying what was given instead."""
+    if isinstance(named_parameters, torch.nn.Module):
+        raise TypeError(f"{_PAIRS}; got {_kind(named_parameters)}: pass its named_parameters()")
+    if isinstance(named_parameters, str | bytes | torch.Tensor):
+        hint = (
+            f" (a codec? pass codec={named_parameters!r})"
+            if isinstance(named_parameters, str)
+            else ""
+        )
+        raise TypeError(f"{_PAIRS}; got {_kind(named_parameters)}{hint}")
+    if isinstance(named_parameters, Mapping):
+        named_parameters = named_parameters.items()
+    try:
+        items = list(named_parameters)
+    except TypeError:
+        raise TypeError(f"{_PAIRS}; got {_kind(named_parameters)}") from None
+    pairs = []
+    for item in items:
+        if isinstance(item, torch.Tensor):
+            raise TypeError(
+                f"{_PAIRS}; got {_kind(item)} (model.parameters() has no names: pass "
+                "model.named_parameters(), or leave named_parameters out to name the "
+                "optimizer's parameters by position)"
+            )
+        if not (
+            isinstance(item, tuple | list)
+            and len(item) == 2
+            and isinstance(item[0], str)
+            and isinstance(item[1], torch.Tensor)
+        ):
+            raise TypeError(f"{_PAIRS}; got an item {_kind(item)}")
+        pairs.append((item[0], item[1]))
+    return pairs
 
 
 def _tensors(arrays: dict) -> dict:
@@ -571,14 +714,62 @@ class HookState:
     """
 
     def __init__(self, comm, codec=None, *, start_step: int = 0, **options):
-        if int(start_step) < 0:
-            raise ValueError(f"start_step must be >= 0, got {start_step}")
+        # Constants of the script, the same on every rank: checked before the
+        # CompressedComm (collective) is made.
+        _check_comm(comm)
+        self.start_step = _count("start_step", start_step, 0)
         self.comm = _compressed(comm, codec, options)
-        self.start_step = int(start_step)
         #: Iterations seen (counted at each iteration's last bucket).
         self.iteration = 0
         self._sizes: dict[int, int] = {}
         self._staging = _Staging("mpicomp.torch.comm_hook")
+        self._pass: _Pass | None = None  # the calls of the backward pass under way
+
+
+class _Pass:
+    """The calls of one backward pass (one DDP iteration): their handles and the
+    residual snapshots they took, so a failed bucket fails the whole iteration."""
+
+    def __init__(self):
+        self.handles: list = []
+        self.ledger: list = []
+        self.errors: dict = {}  # handle -> what failed after its call (writing the bucket)
+        self.queued = False  # a final callback of this backward pass raises its error
+        self.last = -1  # the index of its last bucket started so far
+
+    def raise_first_error(self) -> None:
+        """Run by autograd after DDP has finished the backward pass: if a call of this
+        pass failed, put every call's residuals back and raise the first error (this
+        rank's own ValueError/TypeError, or RankError) out of ``backward()``."""
+        error = None
+        for h in self.handles:
+            try:
+                h.wait()
+            except BaseException as e:
+                error = error or e
+            error = error or self.errors.get(h)
+        if error is not None:
+            from mpicomp.comm import _restore
+
+            _restore(self.ledger)  # the iteration is not taken: no residual moves
+            raise error
+
+    def after_ddp(self) -> None:
+        """Run by autograd at the end of backward, before DDP's own finalization (queued
+        earlier): queue ``raise_first_error`` behind it."""
+        torch.autograd.Variable._execution_engine.queue_callback(self.raise_first_error)
+
+
+def _queue_at_end_of_backward(p: _Pass) -> bool:
+    """Make ``p``'s first error come out of the running ``backward()`` after DDP has
+    finished it; False where no backward pass runs (the hook called directly)."""
+    try:
+        torch.autograd.Variable._execution_engine.queue_callback(p.after_ddp)
+    except RuntimeError:  # "Final callbacks can only be installed during backward pass."
+        return False
+    except AttributeError:  # pragma: no cover - a torch without it: fail the future
+        return False
+    return True
 
 
 def comm_hook(state: HookState, bucket) -> torch.futures.Future:
@@ -589,22 +780,44 @@ def comm_hook(state: HookState, bucket) -> torch.futures.Future:
     the average when the future completes. Under ``nonfinite="skip_step"`` a skipped
     bucket averages to zeros (DDP cannot skip the optimizer step: use
     ``DistributedOptimizer`` for that).
+
+    A call that fails (a NaN/Inf under ``nonfinite="raise"``, a refused tensor, ranks
+    that disagree) makes ``backward()`` raise mpicomp's own exception on every rank,
+    after DDP has finished the backward pass: ``ValueError``/``TypeError`` on the rank
+    at fault, ``mpicomp.RankError`` on the others. The failed buckets' gradients are
+    zeros on every rank and no residual of that iteration moves; the next iteration
+    runs as usual.
     """
+    if not isinstance(state, HookState):
+        raise TypeError(
+            "comm_hook's state must be a mpicomp.torch.HookState: "
+            "ddp.register_comm_hook(mpicomp.torch.HookState(comm, codec), "
+            f"mpicomp.torch.comm_hook); got {_kind(state)}"
+        )
     buffer = bucket.buffer()
     index = bucket.index()
     name = f"ddp_bucket{index}"
     if state._sizes.get(index, buffer.numel()) != buffer.numel():
         state.comm._forget(name)  # DDP rebuilt its buckets: another layout under this index
     state._sizes[index] = buffer.numel()
+    if state._pass is None or index <= state._pass.last:
+        # DDP starts its buckets in index order: a bucket index not above the last one
+        # begins another backward pass (also after one that ended half-way).
+        state._pass = _Pass()
+        state._pass.queued = _queue_at_end_of_backward(state._pass)
+    this = state._pass
+    this.last = index
     source = buffer
     if _cuda_staging(buffer.device):
         source = state._staging.buffer(buffer.numel())
         source.copy_(buffer)
     compress = state.iteration >= state.start_step
     layout = zlib.crc32(f"{name}:{buffer.numel()}".encode())
-    handle = state.comm._istart(source, name, layout, [], compress=compress)
+    handle = state.comm._istart(source, name, layout, this.ledger, compress=compress)
+    this.handles.append(handle)
     if bucket.is_last():
         state.iteration += 1
+        state._pass = None  # the next bucket is the next iteration's
     future = torch.futures.Future()
 
     def complete(h) -> None:
@@ -618,9 +831,16 @@ def comm_hook(state: HookState, bucket) -> torch.futures.Future:
                 )
             with torch.no_grad():
                 buffer.copy_(avg.reshape(buffer.shape))
-            future.set_result(buffer)
-        except BaseException as e:
-            future.set_exception(e)
+        except BaseException as e:  # the future must complete, or DDP waits forever
+            if not this.queued:  # called outside backward: the caller's wait() raises it
+                future.set_exception(e if isinstance(e, Exception) else RuntimeError(repr(e)))
+                return
+            this.errors.setdefault(h, e)
+            # DDP reads the future before the final callback raises the error: zeros,
+            # the same on every rank, whatever the caller does next.
+            with torch.no_grad():
+                buffer.zero_()
+        future.set_result(buffer)
 
     handle.add_done_callback(complete)
     return future

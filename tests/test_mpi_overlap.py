@@ -8,8 +8,8 @@ from conftest import gather_all, gradient_like, world
 from test_mpi_comm import reference_average
 
 import mpicomp
-from mpicomp.errors import RankError
 from mpicomp.codecs import ErrorFeedback
+from mpicomp.errors import RankError
 
 N = 5003  # not divisible by 2, 3, 4, 5 or 8
 STEPS, TENSORS = 3, 3

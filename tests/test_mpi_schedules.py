@@ -12,10 +12,10 @@ import pytest
 from conftest import gather_all, ring_traffic, world
 
 import mpicomp
-from mpicomp.errors import RankError
 from mpicomp.collectives import ring
 from mpicomp.collectives.sharded import shard_bounds
 from mpicomp.collectives.traffic import Traffic
+from mpicomp.errors import RankError
 from mpicomp.model import Model, Speed, codec_key
 from mpicomp.schedules import Network, Topology, choose
 

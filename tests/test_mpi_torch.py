@@ -15,7 +15,7 @@ torch = pytest.importorskip("torch", reason="mpicomp.torch needs PyTorch")
 
 import mpicomp  # noqa: E402
 import mpicomp.torch as mt  # noqa: E402
-from mpicomp._reduce import RankError  # noqa: E402
+from mpicomp import RankError  # noqa: E402
 
 pytestmark = pytest.mark.mpi
 torch.set_num_threads(1)  # ranks share the cores
@@ -191,6 +191,52 @@ def test_a_nan_on_one_rank_skips_the_step_on_every_rank():
     opt.close()
 
 
+def test_a_nan_on_one_rank_raises_on_every_rank_and_the_next_step_trains():
+    """nonfinite="raise" (the default): ValueError where the NaN is, RankError on the
+    others; nothing written, no residual moved; the next iteration trains."""
+    comm = world()
+    odd = comm.rank == comm.size - 1
+    model = _model()
+    opt = mt.DistributedOptimizer(
+        torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
+        comm,
+        model.named_parameters(),
+        "topk",
+        ratio=0.1,
+        min_numel=16,
+        bucket_numel=100,
+    )
+    for step in range(2):
+        opt.zero_grad()
+        _loss(model, _batches(step, comm.size)[comm.rank]).backward()
+        opt.step()
+    residuals = {k: v.clone() for k, v in opt.state_dict()["mpicomp"]["residuals"].items()}
+    before = _weights(model).copy()
+    opt.zero_grad()
+    hook = model[0].weight.register_hook(lambda g: g * float("nan")) if odd else None
+    _loss(model, _batches(2, comm.size)[comm.rank]).backward()
+    local = [p.grad.clone() for p in model.parameters()]
+    if odd:
+        hook.remove()
+        with pytest.raises(ValueError, match="holds NaN or Inf") as info:
+            opt.step()
+        assert type(info.value) is ValueError
+    else:
+        with pytest.raises(RankError, match=f"rank.*{comm.size - 1}"):
+            opt.step()
+    for a, p in zip(local, model.parameters(), strict=True):  # nothing written (NaNs too)
+        assert a.numpy().tobytes() == p.grad.numpy().tobytes()
+    assert _weights(model).tobytes() == before.tobytes()
+    after = opt.state_dict()["mpicomp"]["residuals"]
+    assert all(torch.equal(residuals[k], after[k]) for k in residuals)
+    opt.zero_grad()
+    _loss(model, _batches(3, comm.size)[comm.rank]).backward()
+    opt.step()
+    assert opt.steps == 4 and _weights(model).tobytes() != before.tobytes()
+    assert _same_on_every_rank(comm, _weights(model))
+    opt.close()
+
+
 def test_different_models_raise_on_every_rank_instead_of_mixing():
     comm = world()
     if comm.size == 1:
@@ -199,13 +245,9 @@ def test_different_models_raise_on_every_rank_instead_of_mixing():
     model = torch.nn.Sequential(
         torch.nn.Linear(12, width), torch.nn.ReLU(), torch.nn.Linear(width, 3)
     )
-    opt = mt.DistributedOptimizer(
-        torch.optim.SGD(model.parameters(), lr=0.1), comm, model.named_parameters(), min_numel=8
-    )
-    _loss(model, _batches(0, comm.size)[comm.rank]).backward()
-    with pytest.raises((ValueError, RankError)):
-        opt.step()
-    opt.close()
+    inner = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(RankError, match="differently: parameter_names_and_shapes: "):
+        mt.DistributedOptimizer(inner, comm, model.named_parameters(), min_numel=8)
 
 
 def test_broadcast_parameters_gives_every_rank_roots_values():
@@ -335,6 +377,126 @@ def test_the_ddp_hook_drops_a_residual_when_ddp_rebuilds_its_buckets(gloo):
     residuals = state.comm.state_dict()["residuals"]
     sizes = {name: r.size for name, r in residuals.items()}
     assert sizes == {f"ddp_bucket{i}": n for i, n in state._sizes.items() if n >= 16}
+
+
+@pytest.mark.parametrize(
+    "ddp_options,nan_step",
+    [({"find_unused_parameters": True}, 2), ({"static_graph": True}, 0)],
+    ids=["two-buckets", "static-graph-first-iteration"],
+)
+def test_a_nan_under_the_ddp_hook_raises_mpicomps_error_on_every_rank(gloo, ddp_options, nan_step):
+    """Not torch's "Unable to cast ... to Tensor": backward() raises the ValueError on
+    the rank holding the NaN and RankError on the others; no residual moves, the
+    gradients are the same on every rank, and the next iteration trains. (With
+    find_unused_parameters, DDP keeps two buckets, the NaN in the second; a static
+    graph's first iteration runs the hook from autograd's final callbacks.)"""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    comm = world()
+    odd = comm.rank == comm.size - 1
+    model = _model()
+    ddp = DDP(model, bucket_cap_mb=0.001, **ddp_options)
+    state = mt.HookState(comm, "topk", ratio=0.1, min_numel=16)
+    ddp.register_comm_hook(state, mt.comm_hook)
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.1, momentum=0.9)
+
+    def backward(step, nan=False):
+        opt.zero_grad()
+        hook = model[0].weight.register_hook(lambda g: g * float("nan")) if nan else None
+        try:
+            _loss(ddp, _batches(step, comm.size)[comm.rank]).backward()
+        finally:
+            if hook is not None:
+                hook.remove()
+
+    for step in range(nan_step):
+        backward(step)
+        opt.step()
+    residuals = {k: v.copy() for k, v in state.comm.state_dict()["residuals"].items()}
+    before = _weights(model).copy()
+    if odd:
+        with pytest.raises(ValueError, match="holds NaN or Inf") as info:
+            backward(nan_step, nan=odd)
+        assert type(info.value) is ValueError
+    else:
+        with pytest.raises(RankError, match=f"rank.*{comm.size - 1}"):
+            backward(nan_step, nan=odd)
+    for name, r in state.comm.state_dict()["residuals"].items():
+        assert r.tobytes() == residuals[name].tobytes() if name in residuals else not r.any()
+    grads = torch.cat([p.grad.reshape(-1) for p in model.parameters()])
+    assert _same_on_every_rank(comm, grads.numpy())
+    assert model[0].weight.grad.eq(0).all()  # the failed bucket's gradients
+    for step in range(nan_step + 1, nan_step + 3):  # the failed iteration is not taken
+        backward(step)
+        opt.step()
+    assert _weights(model).tobytes() != before.tobytes()
+    assert _same_on_every_rank(comm, _weights(model))
+    assert state.iteration == nan_step + 3
+    assert len(state.comm.state_dict()["residuals"]) == len(state._sizes)
+
+
+def test_plain_parameters_on_one_rank_raise_on_every_rank_at_construction():
+    """One rank passes model.parameters() where the others pass named ones: it raises
+    the TypeError, the others RankError, before the CompressedComm is made (no hang)."""
+    comm = world()
+    if comm.size == 1:
+        pytest.skip("needs two ranks")
+    model = _model()
+    odd = comm.rank == comm.size - 1
+    params = model.parameters() if odd else model.named_parameters()
+    inner = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(TypeError if odd else RankError, match="named_parameters must be"):
+        mt.DistributedOptimizer(inner, comm, params, "topk", ratio=0.1)
+    opt = mt.DistributedOptimizer(inner, comm, model.named_parameters())  # works after
+    opt.close()
+
+
+@pytest.mark.parametrize(
+    ("option", "value", "field"),
+    [
+        ("start_step", 3, "start_step"),
+        ("backward_passes_per_step", 2, "backward_passes_per_step"),
+        ("overlap", False, "overlap"),
+        ("bits", 4, "codec.bits"),
+        ("min_numel", 8, "min_numel"),
+    ],
+)
+def test_an_option_differing_on_one_rank_raises_on_every_rank_at_construction(option, value, field):
+    comm = world()
+    if comm.size == 1:
+        pytest.skip("needs two ranks")
+    model = _model()
+    odd = comm.rank == comm.size - 1
+    inner = torch.optim.SGD(model.parameters(), lr=0.1)
+    options = {option: value} if odd else {}
+    with pytest.raises(
+        RankError, match=rf"differently: (.*; )?{field}: .* on rank {comm.size - 1}"
+    ):
+        mt.DistributedOptimizer(inner, comm, model.named_parameters(), "qsgd_maxnorm", **options)
+    opt = mt.DistributedOptimizer(inner, comm, model.named_parameters())  # works after
+    opt.close()
+
+
+def test_a_failure_making_the_buckets_on_one_rank_raises_on_every_rank(monkeypatch):
+    """After the communicators are made: an allocation that fails on one rank (a GPU
+    out of memory) reaches the others instead of leaving them in the first step."""
+    comm = world()
+    if comm.size == 1:
+        pytest.skip("needs two ranks")
+    odd = comm.rank == comm.size - 1
+    if odd:
+
+        def out_of_memory(self, named):
+            raise RuntimeError("CUDA out of memory (stand-in)")
+
+        monkeypatch.setattr(mt.DistributedOptimizer, "_make_buckets", out_of_memory)
+    model = _model()
+    inner = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(RuntimeError, match="out of memory" if odd else r"rank\(s\) \[\d\]") as e:
+        mt.DistributedOptimizer(inner, comm, model.named_parameters())
+    assert isinstance(e.value, RankError) != odd
+    monkeypatch.undo()
+    mt.DistributedOptimizer(inner, comm, model.named_parameters()).close()  # works after
 
 
 def test_a_tensor_mpicomp_cannot_take_on_one_rank_raises_on_every_rank():

@@ -276,16 +276,24 @@ def test_learning_rate_schedulers_drive_the_wrapped_optimizer():
 def test_bad_arguments_are_named():
     model = _model()
     inner = torch.optim.SGD(model.parameters(), lr=0.1)
-    with pytest.raises(TypeError, match="torch.optim.Optimizer"):
+    with pytest.raises(TypeError, match="optimizer must be a torch.optim.Optimizer"):
         mt.DistributedOptimizer(object(), _self())
-    with pytest.raises(ValueError, match="backward_passes_per_step"):
+    with pytest.raises(TypeError, match=r"optimizer must be .*got a module \(Sequential\)"):
+        mt.DistributedOptimizer(model, _self())
+    with pytest.raises(ValueError, match="backward_passes_per_step must be >= 1, got 0"):
         mt.DistributedOptimizer(inner, _self(), backward_passes_per_step=0)
-    with pytest.raises(ValueError, match="start_step"):
+    with pytest.raises(TypeError, match="backward_passes_per_step must be an int >= 1, got float"):
+        mt.DistributedOptimizer(inner, _self(), backward_passes_per_step=1.5)
+    with pytest.raises(ValueError, match="start_step must be >= 0"):
         mt.DistributedOptimizer(inner, _self(), start_step=-1)
-    with pytest.raises(ValueError, match="not in named_parameters"):
+    with pytest.raises(TypeError, match="start_step must be an int >= 0, got NoneType"):
+        mt.DistributedOptimizer(inner, _self(), start_step=None)
+    with pytest.raises(TypeError, match="overlap must be True or False, got str 'False'"):
+        mt.DistributedOptimizer(inner, _self(), overlap="False")
+    with pytest.raises(ValueError, match=r"not in named_parameters \(group0.param2 \(3, 40\)"):
         mt.DistributedOptimizer(inner, _self(), list(model.named_parameters())[:2])
     twice = [("w", p) for p in model.parameters()]
-    with pytest.raises(ValueError, match="more than once"):
+    with pytest.raises(ValueError, match="names 'w' more than once"):
         mt.DistributedOptimizer(inner, _self(), twice)
     cc = mpicomp.CompressedComm(_self())
     with pytest.raises(TypeError, match="pass neither"):
@@ -293,8 +301,63 @@ def test_bad_arguments_are_named():
     opt = mt.DistributedOptimizer(inner, cc, model.named_parameters())
     with pytest.raises(RuntimeError, match="before wrapping"):
         opt.add_param_group({"params": [torch.nn.Parameter(torch.ones(2))]})
+    with pytest.raises(TypeError, match="already a DistributedOptimizer"):
+        mt.DistributedOptimizer(opt, _self())
     opt.close()
     cc.close()
+
+
+def test_plain_parameters_where_named_ones_belong_are_refused_by_name():
+    """model.parameters() (Horovod's users' slip) raised 'too many values to unpack'."""
+    model = _model()
+    inner = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(
+        TypeError,
+        match=r"named_parameters must be \(name, tensor\) pairs such as "
+        r"model.named_parameters\(\); got a Parameter of shape \(40, 12\) "
+        r"\(model.parameters\(\) has no names",
+    ):
+        mt.DistributedOptimizer(inner, _self(), model.parameters())
+    with pytest.raises(TypeError, match="named_parameters must be .*got a module"):
+        mt.DistributedOptimizer(inner, _self(), model)
+    with pytest.raises(TypeError, match=r"got str 'topk' \(a codec\? pass codec='topk'\)"):
+        mt.DistributedOptimizer(inner, _self(), "topk")
+    with pytest.raises(TypeError, match=r"got an item a tuple of \(int, Parameter\)"):
+        mt.DistributedOptimizer(inner, _self(), list(enumerate(model.parameters())))
+    with pytest.raises(TypeError, match="named_parameters must be .*got int 3"):
+        mt.DistributedOptimizer(inner, _self(), 3)
+
+
+def test_named_parameters_may_be_a_dict():
+    model = _model()
+    inner = torch.optim.SGD(model.parameters(), lr=0.1)
+    opt = mt.DistributedOptimizer(inner, _self(), dict(model.named_parameters()))
+    assert sorted(n for b in opt._buckets for n in b.names) == sorted(
+        n for n, _ in model.named_parameters()
+    )
+    opt.close()
+
+
+def test_one_tensor_under_two_names_is_refused():
+    model = _model()
+    inner = torch.optim.SGD(model.parameters(), lr=0.1)
+    named = list(model.named_parameters()) + [("tied", model[0].weight)]
+    with pytest.raises(ValueError, match="one tensor under two names, '0.weight' and 'tied'"):
+        mt.DistributedOptimizer(inner, _self(), named)
+
+
+def test_a_comm_that_is_not_a_communicator_is_named():
+    model = _model()
+    inner = torch.optim.SGD(model.parameters(), lr=0.1)
+    # Horovod's order: DistributedOptimizer(optimizer, named_parameters=...)
+    with pytest.raises(TypeError, match=r"comm must be an mpi4py communicator .*comes after comm"):
+        mt.DistributedOptimizer(inner, model.named_parameters())
+    with pytest.raises(TypeError, match="comm must be an mpi4py communicator .*got NoneType"):
+        mt.DistributedOptimizer(inner, None)
+    with pytest.raises(TypeError, match="comm must be an mpi4py communicator"):
+        mt.HookState("topk")
+    with pytest.raises(TypeError, match="start_step must be an int >= 0, got float"):
+        mt.HookState(_self(), start_step=0.5)
 
 
 def test_default_names_cover_every_parameter():
@@ -337,3 +400,66 @@ def test_cuda_gradients_average_to_the_cpu_bytes(codec, params):
         for opt in opts:
             opt.step()
             opt.zero_grad()
+
+
+# -- comm_hook without DDP (a stand-in for DDP's GradBucket) ------------------------------
+
+
+class _GradBucket:
+    def __init__(self, buffer, index=0, last=True):
+        self._buffer, self._index, self._last = buffer, index, last
+
+    def buffer(self):
+        return self._buffer
+
+    def index(self):
+        return self._index
+
+    def is_last(self):
+        return self._last
+
+
+def test_a_failed_hook_call_raises_mpicomps_own_error_out_of_backward():
+    """What DDP's reducer does with a hook's future is no part of this: the error comes
+    out of backward() from a final callback of autograd, with its own type, and the
+    residuals of every bucket of that pass stay as they were."""
+    state = mt.HookState(_self(), "topk", ratio=0.25, min_numel=1)
+    w = torch.nn.Parameter(torch.ones(8))
+    futures = []
+
+    def ddp_like(p):  # two buckets: a finite one, then this gradient
+        g = torch.linspace(1, 2, 8)
+        futures.append(mt.comm_hook(state, _GradBucket(g, index=0, last=False)))
+        futures.append(mt.comm_hook(state, _GradBucket(p.grad.reshape(-1), index=1)))
+
+    w.register_post_accumulate_grad_hook(ddp_like)
+    (w * 2).sum().backward()
+    residuals = {k: v.copy() for k, v in state.comm.state_dict()["residuals"].items()}
+    assert sorted(residuals) == ["ddp_bucket0", "ddp_bucket1"]
+    assert all(r.any() for r in residuals.values())
+    w.grad = None
+    with pytest.raises(ValueError, match="'ddp_bucket1' holds NaN or Inf") as info:
+        (w * float("nan")).sum().backward()
+    assert type(info.value) is ValueError  # not torch's RuntimeError around it
+    assert futures[2].wait().any()  # the finite bucket was averaged
+    assert futures[3].wait().eq(0).all()  # the failed one: zeros
+    after = state.comm.state_dict()["residuals"]
+    assert all(after[k].tobytes() == residuals[k].tobytes() for k in residuals)
+    w.grad = None
+    (w * 2).sum().backward()  # the next pass runs as usual
+    assert futures[5].wait().any()
+    assert state.iteration == 3
+    state.comm.close()
+
+
+def test_a_hook_called_outside_backward_fails_its_future_with_mpicomps_error():
+    state = mt.HookState(_self())
+    future = mt.comm_hook(state, _GradBucket(torch.tensor([1.0, float("inf")])))
+    with pytest.raises(ValueError, match="holds NaN or Inf"):
+        future.wait()
+    state.comm.close()
+
+
+def test_a_hook_state_that_is_not_a_hookstate_is_named():
+    with pytest.raises(TypeError, match="comm_hook's state must be a mpicomp.torch.HookState"):
+        mt.comm_hook(_self(), _GradBucket(torch.ones(4)))
