@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import zlib
 from dataclasses import dataclass, field
+from functools import cached_property
 
 import numpy as np
 
@@ -26,46 +27,60 @@ class Config:
 
     fields: dict = field(default_factory=dict)
 
-    @property
-    def digest(self) -> int:
+    @cached_property
+    def digest(self) -> int:  # computed once: every call's agreement carries it
         return zlib.crc32(_canonical(self.fields)) | 1
 
     def with_fields(self, **more) -> Config:
         return Config({**self.fields, **more})
 
 
-def _canonical(fields: dict) -> bytes:
-    return json.dumps(fields, sort_keys=True, default=_plain).encode()
+def _canonical(fields) -> bytes:
+    return json.dumps(_plain(fields), sort_keys=True, default=repr).encode()
 
 
 def _plain(value):
-    """JSON for what json does not know: NumPy scalars as their Python values (3 and
-    np.int64(3) are the same configuration), anything else by repr."""
-    return value.item() if isinstance(value, np.generic) else repr(value)
+    """Return ``value`` with what means the same written the same: NumPy scalars as
+    Python numbers, integral floats as ints (``ratio=1`` is ``ratio=1.0``), tuples as
+    lists."""
+    if isinstance(value, np.generic):
+        value = value.item()
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    if isinstance(value, dict):
+        return {str(k): _plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    return value
 
 
 def disagreement(comm, mine: dict | None, timeout: float | None) -> str:
     """Return, on every rank, what differs among the ranks' ``mine`` (collective: every
     rank's fields go to every rank; None for a rank with nothing to compare).
 
-    E.g. ``"codec.bits: 8 on rank 0, 4 on ranks 1-2"``.
+    E.g. ``"codec.bits: 8 on rank 0, 4 on ranks 1-2"``. ``timeout``: seconds or None,
+    resolved (the same on every rank).
     """
     every = _allgather_json(comm, mine, timeout)
     flat = [None if d is None else _flatten(d) for d in every]
     keys = list(dict.fromkeys(k for d in flat if d is not None for k in d))
-    parts, renamed = [], []
-    for key in keys:
-        if any(key.startswith(prefix) for prefix in renamed):
-            continue  # another codec: its own parameters differ of course
+
+    def sides(key: str) -> dict[str, list[int]]:
         groups: dict[str, list[int]] = {}
         for rank, d in enumerate(flat):
             if d is not None:
-                groups.setdefault(json.dumps(d.get(key, "(not set)")), []).append(rank)
-        if len(groups) > 1:
-            sides = ", ".join(f"{value} on {ranks_text(r)}" for value, r in groups.items())
-            parts.append(f"{key}: {sides}")
-            if key.endswith(".name"):
-                renamed.append(key.removesuffix("name"))
+                value = json.dumps(d[key]) if key in d else "(not set)"
+                groups.setdefault(value, []).append(rank)
+        return groups
+
+    # Where the codecs differ, their own parameters differ of course: left unsaid.
+    renamed = [k.removesuffix("name") for k in keys if k.endswith(".name") and len(sides(k)) > 1]
+    parts = []
+    for key in keys:
+        groups = sides(key)
+        if len(groups) > 1 and (key.endswith(".name") or not key.startswith(tuple(renamed))):
+            values = ", ".join(f"{value} on {ranks_text(r)}" for value, r in groups.items())
+            parts.append(f"{key}: {values}")
     return "; ".join(parts) or "the configurations differ"
 
 
@@ -88,7 +103,17 @@ def check_same(comm, config: Config | None, error: BaseException | None, what: s
     Collective on ``comm``: one Allgather of two int64 per rank; the fields travel only
     when digests differ. The rank that failed raises its own error, the others RankError.
     """
-    mine = np.array([error is not None, 0 if config is None else config.digest], np.int64)
+    try:
+        timeout = resolve_timeout(timeout)
+    except (TypeError, ValueError) as e:  # a bad MPICOMP_TIMEOUT: still take part
+        error, timeout = error or e, None
+    digest = 0
+    if error is None and config is not None:
+        try:
+            digest = config.digest
+        except Exception as e:  # a codec parameter JSON cannot write: still take part
+            error = e
+    mine = np.array([error is not None, digest], np.int64)
     every = np.empty((comm.size, 2), dtype=np.int64)
     _gather(comm, [mine, every], timeout, "configuration digests")
     failed = np.flatnonzero(every[:, 0]).tolist()
@@ -109,7 +134,7 @@ def _gather(comm, args: list, timeout, what: str, v: str = "") -> None:
     may differ in their timeout here."""
     request = getattr(comm, "Iallgather" + v)(*args)
     detail = f"an Iallgather{v} of {what} from each of {comm.size} ranks"
-    wait_all(comm, [request], resolve_timeout(timeout), "check_same", detail)
+    wait_all(comm, [request], timeout, "check_same", detail)
 
 
 def ranks_text(ranks: list[int]) -> str:

@@ -31,6 +31,7 @@ from mpicomp._arrays import all_finite, array_module, is_device_array, zero_nonf
 from mpicomp._config import Config, disagreement
 from mpicomp._transport import Transport
 from mpicomp.collectives import plain
+from mpicomp.collectives._wait import resolve_timeout
 from mpicomp.collectives.allgather import allgather_bytes
 from mpicomp.collectives.direct import direct_allreduce_agreed
 from mpicomp.collectives.float16 import allreduce_float16
@@ -162,14 +163,15 @@ def _agree(
         if error is not None:
             raise error
         raise RankError(f"rank {int(top[7]) - 1} failed in the same call (see its error)")
-    if top[5] != -top[6]:
-        differs = disagreement(call.comm, call.config.fields, call.timeout)
-        raise RankError(f"ranks configured this CompressedComm differently: {differs}")
+    # Sizes first: the schedule in the configuration can follow from the size.
     if top[1] != -top[2] or top[3] != -top[4]:
         mine = {"tensor": call.label, "numel": n}
-        differs = disagreement(call.comm, mine, call.timeout)
+        differs = disagreement(call.comm, mine, resolve_timeout(call.timeout))
         what = "the tensor size" if top[1] != -top[2] else "the tensor (names or bucket layout)"
         raise RankError(f"ranks disagree on {what} in the same call: {differs}")
+    if top[5] != -top[6]:
+        differs = disagreement(call.comm, call.config.fields, resolve_timeout(call.timeout))
+        raise RankError(f"ranks configured this CompressedComm differently: {differs}")
     if top[8]:
         _nonfinite(_flagged(call, nonfinite), nonfinite, call.guard, error)
     return float(top[0])

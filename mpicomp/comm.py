@@ -15,6 +15,7 @@ from dataclasses import dataclass, replace
 from functools import partial, wraps
 
 import numpy as np
+from mpi4py import MPI
 
 from mpicomp import _reduce
 from mpicomp import model as model_mod
@@ -192,9 +193,15 @@ class CompressedComm:
                 raise ValueError(
                     f"background=True: {why} (see docs/usage.md, Overlapping communication)"
                 )
+            if on_call is not None and not callable(on_call):
+                raise TypeError(f"on_call must be callable or None, got {on_call!r}")
+            if local_comm is not None and not isinstance(local_comm, MPI.Intracomm):
+                raise TypeError(
+                    f"local_comm must be an mpi4py.MPI.Intracomm or None, got {local_comm!r}"
+                )
             # How device gradients' bytes reach MPI: directly when the library is CUDA-aware.
             transport = Transport(direct=cuda_aware()[0])
-            config = _config(codec, opts, traced=trace is not None or on_call is not None)
+            config = _config(codec, opts, on_call is not None, local_comm is not None)
         except Exception as e:
             error = e
         timeout = opts.timeout if opts is not None else None
@@ -455,8 +462,6 @@ class CompressedComm:
     def _place(self, local_comm, model) -> None:
         """Find the hosts, make the hierarchical schedules' communicators and the model,
         as the options ask (collective; a problem raises on every rank)."""
-        from mpi4py import MPI
-
         schedule = self.options.schedule
         # fp16's and none's sums never run by host (schedules.schedules_of).
         hier = schedule.startswith(HIER) or (schedule == AUTO and self.codec.aggregation != "sum")
@@ -773,16 +778,12 @@ def _sequence(what: str, items, of: str) -> list:
 def _max_numel() -> int:
     """Return the most elements one call carries: what a payload header describes, and
     what an MPI count (a C int) holds before MPI 4."""
-    from mpi4py import MPI
-
     return MAX_NUMEL if MPI.Get_version() >= (4, 0) else 2**31 - 1
 
 
 def _check_comm(comm) -> None:
     """Refuse what is not an mpi4py communicator (on this rank alone: without one, no
     other rank can be told)."""
-    from mpi4py import MPI
-
     if not isinstance(comm, MPI.Intracomm):
         raise TypeError(
             f"comm must be an mpi4py.MPI.Intracomm such as MPI.COMM_WORLD, got {comm!r}"
@@ -823,8 +824,11 @@ def _unknown_keywords(unknown: list[str], codec: str) -> str:
     )
 
 
-def _config(codec: Codec, opts: Options, traced: bool) -> Config:
-    """Return what every rank's CompressedComm must share: what changes the messages."""
+def _config(codec: Codec, opts: Options, on_call: bool, local_comm: bool) -> Config:
+    """Return what every rank's CompressedComm must share: what changes the messages
+    (a tracer of a file or of ``on_call`` alike syncs its clock with the other ranks'
+    at start; one of a file also gathers its events at every flush)."""
+    traced = opts.trace is not None
     return Config(
         {
             "codec": {"name": codec.name, **codec.params},
@@ -836,8 +840,11 @@ def _config(codec: Codec, opts: Options, traced: bool) -> Config:
             "nonfinite": opts.nonfinite,
             "timeout": "off" if opts.timeout == 0 or not resolve_timeout(opts.timeout) else "set",
             "debug": opts.debug,
-            "traced": traced,
-            "trace_flush_every": opts.trace_flush_every if opts.trace is not None else None,
+            "traced": traced or on_call,
+            "trace_file": traced,
+            "trace_level": opts.trace_level if traced else None,
+            "trace_flush_every": opts.trace_flush_every if traced else None,
+            "local_comm": local_comm,
         }
     )
 

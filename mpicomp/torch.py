@@ -244,7 +244,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
                     "parameter_names_and_shapes": f"{zlib.crc32(layout):08x}",
                 }
             )
-        except (TypeError, ValueError) as e:
+        except Exception as e:  # whatever it is, the other ranks must hear of it
             error, config = e, None
         # The CompressedComm made below checks its own options the same way.
         check_same(_quiet(comm), config, error, "this DistributedOptimizer", None)

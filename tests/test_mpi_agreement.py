@@ -10,6 +10,7 @@ the next call of agreeing ranks works.
 import numpy as np
 import pytest
 from conftest import world
+from mpi4py import MPI
 
 import mpicomp
 from mpicomp.errors import RankError
@@ -159,3 +160,69 @@ def test_tensors_of_other_names_are_named_with_their_ranks():
         with pytest.raises(RankError, match=match) as e:
             cc.allreduce(np.ones(8, np.float32), name=name)
         assert "bucket:" not in str(e.value)
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize(
+    ("options", "field"),
+    [
+        ({"trace_level": 2, "trace_flush_every": 2}, "trace_level"),
+        ({"trace": None, "on_call": print}, "trace_file"),
+        ({"local_comm": "self"}, "local_comm"),
+    ],
+)
+def test_how_one_rank_traces_or_finds_its_host_is_compared_too(tmp_path_factory, options, field):
+    comm = world()
+    path = str(comm.bcast(tmp_path_factory.mktemp("t") if comm.rank == 0 else None) / "t.h5")
+    base = {"trace": path, "trace_flush_every": 2} if field != "local_comm" else {}
+    if _odd_one(comm):
+        base.update(options)
+        if base.get("local_comm") == "self":
+            base["local_comm"] = MPI.COMM_SELF
+    with pytest.raises(RankError, match=rf"differently: (.*; )?{field}: "):
+        mpicomp.CompressedComm(comm, "qsgd_maxnorm", **base)
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("bad", [{"on_call": "print"}, {"local_comm": 3}, {"env": "abc"}])
+def test_arguments_refused_after_the_options_still_reach_every_rank(bad, monkeypatch):
+    comm = world()
+    options = {}
+    if _odd_one(comm):
+        if "env" in bad:
+            monkeypatch.setenv("MPICOMP_TIMEOUT", bad["env"])
+        else:
+            options = bad
+    if _odd_one(comm):
+        with pytest.raises((TypeError, ValueError), match="on_call|local_comm|MPICOMP_TIMEOUT"):
+            mpicomp.CompressedComm(comm, "none", **options)
+    else:
+        with pytest.raises(RankError, match=rf"rank {comm.size - 1} failed making .*: \w+Error"):
+            mpicomp.CompressedComm(comm, "none", **options)
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.timeout(120)
+def test_sizes_either_side_of_min_numel_are_named_as_sizes():
+    comm = world()
+    with mpicomp.CompressedComm(comm, "qsgd_maxnorm", min_numel=1500) as cc:
+        x = np.ones(2000 if _odd_one(comm) else 1000, np.float32)
+        with pytest.raises(RankError, match=r"disagree on the tensor size .*numel: 1000 on"):
+            cc.allreduce(x, name="w")
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.timeout(120)
+def test_another_codec_leaves_its_parameters_unsaid_and_equal_numbers_agree():
+    comm = world()
+    codec = "topk" if _odd_one(comm) else "qsgd_maxnorm"
+    with pytest.raises(RankError) as e:
+        mpicomp.CompressedComm(comm, codec)
+    message = str(e.value)
+    assert f'"topk" on rank {comm.size - 1}' in message
+    assert 'codec.name: "qsgd_maxnorm" on rank' in message
+    assert "codec.bits" not in message and "codec.ratio" not in message
+    ratio = 1 if _odd_one(comm) else 1.0  # the same value, written two ways
+    mpicomp.CompressedComm(comm, "topk", ratio=ratio).close()
