@@ -2,6 +2,7 @@
 which a rank skips or stalls in a call, run as subprocesses under mpiexec."""
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -285,7 +286,11 @@ def test_a_rank_that_skips_or_stalls_aborts_the_job_with_a_clear_message(
     tmp_path, mode, op, waited_for
 ):
     code, out, err = run_job(tmp_path, mode, "2")
-    assert code == _wait.ABORT_CODE, err
+    # MPI_Abort's code is what mpiexec returns, unless hydra sees first the other rank
+    # killed by SIGKILL (9): seen under load with a rank asleep. The abort itself is
+    # checked in what rank 0 printed.
+    assert code in (_wait.ABORT_CODE, 9), err
+    assert re.search(rf"MPI_Abort\(comm=\w+, {_wait.ABORT_CODE}\)", err), err
     assert f"mpicomp: rank 0 of 2 timed out in {op} after " in err
     assert f"(timeout 2 s): {waited_for}" in err
     assert "aborting the job" in err
