@@ -714,10 +714,17 @@ class HookState:
     """
 
     def __init__(self, comm, codec=None, *, start_step: int = 0, **options):
-        # Constants of the script, the same on every rank: checked before the
-        # CompressedComm (collective) is made.
+        # A bad or differing start_step on one rank is every rank's error (one small
+        # allgather), before the CompressedComm (collective) is made.
         _check_comm(comm)
-        self.start_step = _count("start_step", start_step, 0)
+        error, config = None, None
+        try:
+            start_step = _count("start_step", start_step, 0)
+            config = Config({"start_step": start_step})
+        except Exception as e:  # the other ranks must hear of it
+            error = e
+        check_same(_quiet(comm), config, error, "this HookState", None)
+        self.start_step = start_step
         self.comm = _compressed(comm, codec, options)
         #: Iterations seen (counted at each iteration's last bucket).
         self.iteration = 0

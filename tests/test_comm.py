@@ -398,6 +398,10 @@ faulthandler.dump_traceback_later(45)  # a job still running then shows where it
 cc = mpicomp.CompressedComm(MPI.COMM_WORLD, "qsgd_maxnorm", min_numel=1)
 x = np.full(3000, rank + 1.0, np.float32)
 if mode == "exit_pending":  # every rank starts calls and exits without wait or close
+    # A first call compiles the codec's kernels (numba: 30-50 s on 2 busy cores when this
+    # rank's cache is cold) before the calls that the exit must finish.
+    cc.allreduce(x, name="w")
+    faulthandler.dump_traceback_later(45)  # again: the exit has EXIT_LIMIT_S from here
     handles = [cc.iallreduce(x, name="w") for _ in range(3)]
     print(f"rank {rank} started", flush=True)
 elif mode == "stall_wait":  # rank 1 never starts the call: rank 0 waits for it
@@ -413,12 +417,28 @@ elif mode == "stall_exit":  # ... and rank 0 exits without waiting: the exit wai
 """
 
 
-def run_overlap_job(tmp_path, mode, timeout_env="2"):
-    """Run OVERLAP_JOB on 2 ranks; return (exit code, stdout, stderr); kill it after 60 s."""
+# Starting a job may take far longer than the test itself: imports, and numba compiling the
+# codec's kernels wherever a rank's cache directory is cold (rank1's always during `make
+# test-unit` on a fresh clone, every rank's after a kernel changed). On 2 loaded cores that
+# took 30-50 s, which a single 60 s limit took for a hang. So the limits are two: until the
+# job prints its ready lines, then for the part under test.
+START_LIMIT_S = 300
+EXIT_LIMIT_S = 60
+
+
+def run_overlap_job(tmp_path, mode, timeout_env="2", ready=()):
+    """Run OVERLAP_JOB on 2 ranks; return (exit code, stdout, stderr).
+
+    The job is killed, and the test fails, when it has not printed every line of ``ready``
+    START_LIMIT_S after its start or has not ended EXIT_LIMIT_S after that (without
+    ``ready``: START_LIMIT_S + EXIT_LIMIT_S after its start). Its output goes to files,
+    read for the ready lines while it runs.
+    """
     import os
     import signal
     import subprocess
     import sys
+    import time
     from pathlib import Path
 
     mpiexec = Path(sys.executable).parent / "mpiexec"
@@ -428,21 +448,37 @@ def run_overlap_job(tmp_path, mode, timeout_env="2"):
     script.write_text(OVERLAP_JOB)
     env = dict(os.environ, NUMBA_NUM_THREADS="1", MPICOMP_TIMEOUT=timeout_env)
     cmd = [str(mpiexec), "-n", "2", sys.executable, "-m", "mpi4py", str(script), mode]
-    proc = subprocess.Popen(
-        cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-        start_new_session=True,
-    )  # fmt: skip
-    try:
-        out, err = proc.communicate(timeout=60)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, err = proc.communicate()
-        pytest.fail(f"the {mode!r} job hung: still running after 60 s\n{out}\n{err}")
-    return proc.returncode, out, err
+    out_file, err_file = tmp_path / "stdout.txt", tmp_path / "stderr.txt"
+    with out_file.open("w") as out, err_file.open("w") as err:
+        proc = subprocess.Popen(cmd, env=env, stdout=out, stderr=err, start_new_session=True)
+    pending = list(ready)
+    deadline = time.monotonic() + START_LIMIT_S + (0 if pending else EXIT_LIMIT_S)
+    while proc.poll() is None:
+        if pending:
+            printed = out_file.read_text()
+            pending = [line for line in pending if line not in printed]
+            if not pending:
+                deadline = time.monotonic() + EXIT_LIMIT_S
+        if time.monotonic() > deadline:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+            if pending:
+                why = f"{pending} not printed {START_LIMIT_S} s after its start"
+            elif ready:
+                why = f"still running {EXIT_LIMIT_S} s after it printed {list(ready)}"
+            else:
+                why = f"still running {START_LIMIT_S + EXIT_LIMIT_S} s after its start"
+            pytest.fail(
+                f"the {mode!r} job hung: {why}\n{out_file.read_text()}\n{err_file.read_text()}"
+            )
+        time.sleep(0.2)
+    return proc.returncode, out_file.read_text(), err_file.read_text()
 
 
 def test_started_calls_finish_when_the_job_exits_without_waiting(tmp_path):
-    code, out, err = run_overlap_job(tmp_path, "exit_pending", timeout_env="0")
+    code, out, err = run_overlap_job(
+        tmp_path, "exit_pending", timeout_env="0", ready=("rank 0 started", "rank 1 started")
+    )
     assert code == 0, err
     assert "rank 0 started" in out and "rank 1 started" in out
 

@@ -477,6 +477,26 @@ def test_an_option_differing_on_one_rank_raises_on_every_rank_at_construction(op
     opt.close()
 
 
+@pytest.mark.parametrize("start_step", [3, -1])
+def test_a_hook_state_start_step_differing_on_one_rank_raises_on_every_rank(start_step):
+    """A start_step that differs (3) or is refused (-1) on one rank: that rank's own
+    error there, RankError naming it on the others, none left waiting; the next works."""
+    comm = world()
+    if comm.size == 1:
+        pytest.skip("needs two ranks")
+    odd = comm.rank == comm.size - 1
+    culprit = comm.size - 1
+    if start_step > 0:
+        error, message = RankError, f"differently: start_step: .* on rank {culprit}"
+    elif odd:
+        error, message = ValueError, "start_step must be >= 0"
+    else:
+        error, message = RankError, f"rank {culprit} failed making this HookState: ValueError"
+    with pytest.raises(error, match=message):
+        mt.HookState(comm, "topk", start_step=start_step if odd else 0, ratio=0.1)
+    mt.HookState(comm, "topk", start_step=1, ratio=0.1).comm.close()  # works after
+
+
 def test_a_failure_making_the_buckets_on_one_rank_raises_on_every_rank(monkeypatch):
     """After the communicators are made: an allocation that fails on one rank (a GPU
     out of memory) reaches the others instead of leaving them in the first step."""
