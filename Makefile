@@ -51,9 +51,8 @@ tour: $(VENV)/.installed
 
 test: test-unit test-mpi
 
-# numba caches of the test lanes: the single-process suite compiles into rank0's directory,
-# which seeds every rank's before the multi-rank runs (one compile, no concurrent writers;
-# mpicomp/_numba_cache.py).
+# The numba cache of every lane: one directory for all processes, each kernel compiled by
+# one of them under a lock and loaded by the others (mpicomp/_numba_cache.py).
 NUMBA_CACHE := $(CURDIR)/.numba-cache
 export MPICOMP_NUMBA_CACHE := $(NUMBA_CACHE)
 # The CUDA sources built by g++ for the cuda-emulated backend (kernels/cuda/emulated.py).
@@ -64,10 +63,6 @@ test-unit: $(VENV)/.installed
 
 test-mpi: mpi-check
 	@set -e; for n in $(NRANKS); do \
-	  for r in $$(seq 1 $$((n - 1))); do \
-	    if [ -d $(NUMBA_CACHE)/rank0 ] && [ ! -d $(NUMBA_CACHE)/rank$$r ]; then \
-	      cp -r $(NUMBA_CACHE)/rank0 $(NUMBA_CACHE)/rank$$r; fi; \
-	  done; \
 	  echo "== multi-rank tests on $$n ranks ($(MPI))"; \
 	  $(MPIENV) $(MPIRUN) -n $$n $(BIN)/python -m mpi4py -m pytest -q --with-mpi -m mpi -p no:cacheprovider; \
 	done

@@ -214,11 +214,28 @@ def run_main(
     from threadpoolctl import threadpool_limits
 
     with threadpool_limits(limits=1, user_api="blas"):
+        _compile(comm, runs, say)
         results = train_all(comm, runs, make_model, data, args, trace, say)
     if rank == 0:
         _report(results, args, argv, prog, size, trace)
     comm.Barrier()  # rank 0's files are complete when main returns on any rank
     return 0
+
+
+def _compile(comm, runs: list[cmp.Run], say) -> None:
+    """Compile (or load) every run's kernels before training, saying what takes long:
+    one process of the host compiles, the others load (mpicomp/_numba_cache.py)."""
+    from mpicomp import warmup
+
+    warmup.log_compiles()
+    start = time.perf_counter()
+    say(
+        f"compiling (or loading) the numba kernels of {len(runs)} runs (about 2 min the first time)"
+    )
+    for run in runs:
+        (seconds,) = warmup.warm([mpicomp.codec(run.codec, **run.params)], comm).values()
+        say(f"  {run.label}: {seconds:.1f} s")
+    say(f"kernels ready in {time.perf_counter() - start:.0f} s")
 
 
 def _report(results, args, argv, prog: str, size: int, trace: bool) -> None:

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import logging
 
-__all__ = ["log"]
+__all__ = ["log", "rank_filter"]
 
 
 class _RankFilter(logging.Filter):
@@ -37,6 +37,10 @@ def _rank() -> int | str:
     return "-"
 
 
+#: The filter that sets ``record.rank``; child loggers (``mpicomp.compile``) add it too,
+#: since a parent's filters do not see records logged on its children.
+rank_filter = _RankFilter()
+
 log = logging.getLogger("mpicomp")
 if not any(isinstance(f, _RankFilter) for f in log.filters):
-    log.addFilter(_RankFilter())
+    log.addFilter(rank_filter)

@@ -53,6 +53,21 @@ def _parser() -> argparse.ArgumentParser:
     p.set_defaults(run=_cmd_info)
 
     p = sub.add_parser(
+        "compile",
+        help="compile the codecs' numba kernels into the cache ahead of a job",
+        description="Compile (or load) the numba kernels of each codec by reducing a small "
+        "and a large gradient through CompressedComm, as a job's first calls would, so "
+        "the job's ranks load them from the cache instead. Run it on a login node or in "
+        "a Slurm prolog; under mpiexec -n N it also compiles what N ranks' reductions "
+        "need. The cache: $MPICOMP_NUMBA_CACHE, else ~/.cache/mpicomp/numba "
+        "(docs/install.md).",
+    )
+    p.add_argument(
+        "--codecs", type=_codec_list, default=None, metavar="NAMES", help="codecs (default: all)"
+    )
+    p.set_defaults(run=_cmd_compile)
+
+    p = sub.add_parser(
         "bench",
         help="codec throughput beside memcpy, and compressed all-reduce against MPI_Allreduce",
         description="Encode and decode throughput (GB/s of float32 input) of each codec on "
@@ -440,6 +455,26 @@ def _cmd_info(args, parser) -> int:
         print("warnings:" if warnings else "warnings: none")
         for w in warnings:
             print(f"  - {w}")
+    return 0
+
+
+def _cmd_compile(args, parser) -> int:
+    from mpi4py import MPI
+
+    from mpicomp import _numba_cache, warmup
+
+    warmup.log_compiles()
+    rank0 = MPI.COMM_WORLD.rank == 0
+    names = args.codecs or mpicomp.codecs.available()
+    if rank0:
+        where = _numba_cache.cache_root() or "numba's choice (NUMBA_CACHE_DIR)"
+        print(f"compiling (or loading) the kernels of {len(names)} codecs: {where}", flush=True)
+
+    def done(name, seconds):
+        if rank0:
+            print(f"  {name}: {seconds:.1f} s", flush=True)
+
+    warmup.warm(names, on_codec=done)
     return 0
 
 

@@ -8,18 +8,10 @@ import shutil
 import tempfile
 from pathlib import Path
 
-# pytest-xdist workers are processes compiling numba kernels at once: one cache directory
-# each, since two writers must never share one (mpicomp/_numba_cache.py says why).
-if os.environ.get("PYTEST_XDIST_WORKER") and not os.environ.get("NUMBA_CACHE_DIR"):
-    os.environ["NUMBA_CACHE_DIR"] = os.path.join(
-        os.environ.get("MPICOMP_NUMBA_CACHE") or os.path.join(tempfile.gettempdir(), "mpicomp-numba"),
-        os.environ["PYTEST_XDIST_WORKER"],
-    )
-
-import numpy as np  # noqa: E402
-import pytest  # noqa: E402
-from _devices import REQUIRE_GPU, gpu_present  # noqa: E402
-from hypothesis import HealthCheck, settings  # noqa: E402
+import numpy as np
+import pytest
+from _devices import REQUIRE_GPU, gpu_present
+from hypothesis import HealthCheck, settings
 
 settings.register_profile(
     "mpicomp",

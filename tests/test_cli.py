@@ -491,3 +491,48 @@ def test_bench_save_model_checks_its_arguments_before_measuring(capsys, tmp_path
     assert cli.main(argv) == 2
     assert "leave out --no-kernels to save --backend's" in capsys.readouterr().err
     assert list(tmp_path.iterdir()) == []
+
+
+# A script doing a job's first call: with announcements from 0 s, any compile is said.
+FIRST_CALL = """
+import numpy as np
+from mpi4py import MPI
+
+import mpicomp
+import mpicomp.warmup
+from mpicomp import _numba_cache
+
+_numba_cache.ANNOUNCE_AFTER_S = 0.0
+mpicomp.warmup.log_compiles()
+with mpicomp.CompressedComm(MPI.COMM_SELF, "topk", ratio=0.05, min_numel=1) as cc:
+    cc.allreduce(np.ones(1000, np.float32), name="w")
+print("done")
+"""
+
+
+def test_compile_fills_the_cache_a_job_then_loads_from(tmp_path):
+    import os
+
+    env = dict(os.environ, MPICOMP_NUMBA_CACHE=str(tmp_path / "cache"), NUMBA_NUM_THREADS="1")
+    env.pop("NUMBA_CACHE_DIR", None)
+    p = subprocess.run(
+        [sys.executable, "-m", "mpicomp", "compile", "--codecs", "topk"],
+        capture_output=True, text=True, timeout=600, env=env,
+    )  # fmt: skip
+    assert p.returncode == 0, p.stderr
+    assert str(tmp_path / "cache") in p.stdout
+    assert p.stdout.strip().splitlines()[-1].startswith("  topk: ")
+    script = tmp_path / "first_call.py"
+    script.write_text(FIRST_CALL)
+    q = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, env=env)
+    assert q.returncode == 0 and q.stdout.strip() == "done", q.stderr
+    assert "compiling" not in q.stderr, q.stderr  # everything loaded from the cache
+    # The same first call in an empty cache compiles, and says so.
+    env["MPICOMP_NUMBA_CACHE"] = str(tmp_path / "empty")
+    r = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, env=env)
+    assert r.returncode == 0 and "rank 0: compiling topk." in r.stderr, r.stderr
+
+
+def test_compile_refuses_an_unknown_codec():
+    code, out, err = _run("compile", "--codecs", "qsgd")
+    assert code == 2 and "qsgd" in err and "Traceback" not in err

@@ -3,6 +3,8 @@
 import numba as nb
 import numpy as np
 
+from mpicomp._numba_cache import guard
+
 
 @nb.njit(cache=True)
 def mpicomp_all_finite(x):
@@ -20,3 +22,7 @@ def mpicomp_parallel_probe(n):
     for i in nb.prange(n):
         total += i
     return total
+
+
+# Compiled under the cache directory's lock, one process at a time (mpicomp/_numba_cache.py).
+guard(globals())

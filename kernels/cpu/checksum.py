@@ -14,6 +14,7 @@ import zlib
 import numba as nb
 import numpy as np
 
+from mpicomp._numba_cache import guard
 from mpicomp.kernels.checksum import BASE
 
 # Bytes per inner block: sum_i i * b_i <= 255 * BLOCK^2 / 2 stays below 2^32.
@@ -129,3 +130,7 @@ def adler32(src, value: int = 1, dst=None) -> int:
         return zlib.adler32(src, value)  # a few bytes: no kernel dispatch
     run = mpicomp_adler32_chunks if src.size > CHUNK else mpicomp_adler32_serial
     return int(run(src, dst if copy else _NO_DST, copy, value))
+
+
+# Compiled under the cache directory's lock, one process at a time (mpicomp/_numba_cache.py).
+guard(globals())

@@ -22,6 +22,7 @@ from llvmlite import ir
 from numba.core import types
 from numba.extending import intrinsic
 
+from mpicomp._numba_cache import guard
 from mpicomp.kernels.fastsgd import (
     BUCKET_HEAD_BYTES,
     ERR_CODE,
@@ -654,3 +655,7 @@ def encode(x, bucket, powers, flag_bits, scratch, cap, sizes) -> bool:
     return mpicomp_fastsgd_encode(
         x, x.view(np.uint32), bucket, powers, flag_bits, scratch, cap, sizes
     )
+
+
+# Compiled under the cache directory's lock, one process at a time (mpicomp/_numba_cache.py).
+guard(globals())

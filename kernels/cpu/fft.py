@@ -24,6 +24,7 @@ import math
 import numba as nb
 import numpy as np
 
+from mpicomp._numba_cache import guard
 from mpicomp.kernels.fft import (
     DECODE_COUNT,
     DECODE_NEGATIVE_ZERO,
@@ -660,3 +661,7 @@ def mpicomp_fft_residual(spec, bitmap, vmax, pbase, shift, bits, r):
     if n % 2 == 0:
         _residual_span(spec[n : n + 2], bitmap, n // 2, vmax, pbase, shift, bits, ends)
         r[n - 1] = ends[0]
+
+
+# Compiled under the cache directory's lock, one process at a time (mpicomp/_numba_cache.py).
+guard(globals())

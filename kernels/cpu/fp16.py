@@ -17,6 +17,7 @@ a NaN is just a pattern above Inf's.
 import numba as nb
 import numpy as np
 
+from mpicomp._numba_cache import guard
 from mpicomp.kernels.cpu.checksum import BLOCK, add_block, block_sums, extend
 
 # float32 bit patterns (sign cleared).
@@ -254,3 +255,7 @@ def decode(h16, out, scale=1.0) -> bool:
     _same_size("fp16 decode", h16, out)
     run = mpicomp_fp16_decode_chunks if h16.size > CHUNK else mpicomp_fp16_decode
     return bool(run(h16, np.float32(scale), out))
+
+
+# Compiled under the cache directory's lock, one process at a time (mpicomp/_numba_cache.py).
+guard(globals())

@@ -19,6 +19,7 @@ per element would keep the divisions from vectorizing.
 import numba as nb
 import numpy as np
 
+from mpicomp._numba_cache import guard
 from mpicomp.kernels.qsgd import CHUNK, ERR_RANGE, ERR_VALUE
 from mpicomp.kernels.qsgd import LIMIT as _LIMIT
 
@@ -550,3 +551,7 @@ def multiscale_dequantize_packed(stream, width, shift, sidx, norm, scales, nrank
         out.size,
         *args,
     )
+
+
+# Compiled under the cache directory's lock, one process at a time (mpicomp/_numba_cache.py).
+guard(globals())

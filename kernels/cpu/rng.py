@@ -4,6 +4,7 @@ rank, backend and re-run; no generator state to carry."""
 import numba as nb
 import numpy as np
 
+from mpicomp._numba_cache import guard
 from mpicomp.kernels import rng as _shared
 
 _GOLDEN = np.uint64(_shared.GOLDEN)
@@ -49,3 +50,7 @@ def uniform_array(seed, step, stream, n):
     for i in range(n):
         out[i] = mpicomp_uniform(key, i)
     return out
+
+
+# Compiled under the cache directory's lock, one process at a time (mpicomp/_numba_cache.py).
+guard(globals())

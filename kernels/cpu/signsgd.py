@@ -10,6 +10,7 @@ x; which NaN a sum of |x| returns is left to the compiler (nothing sends it).
 import numba as nb
 import numpy as np
 
+from mpicomp._numba_cache import guard
 from mpicomp.kernels.signsgd import CHUNK, TIE_POSITIVE, TIE_RANDOM
 
 from . import bits as _bits
@@ -155,3 +156,7 @@ def mpicomp_signsgd_abs_sum(x):
     for p in part:
         total += p
     return total
+
+
+# Compiled under the cache directory's lock, one process at a time (mpicomp/_numba_cache.py).
+guard(globals())

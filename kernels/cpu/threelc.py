@@ -11,6 +11,7 @@ per core already, where extra threads only oversubscribe.
 import numba as nb
 import numpy as np
 
+from mpicomp._numba_cache import guard
 from mpicomp.kernels.cpu.floatbits import bits_float, float_bits
 from mpicomp.kernels.threelc import (
     ERR_BYTE,
@@ -249,3 +250,7 @@ def _quartic_decode_serial(src, scale, out):
             if k * L + j < n:
                 out[k * L + j] = _trit_value(_digit(b, k), scale)
     return OK, full if full > DECODE_CHUNK else 0
+
+
+# Compiled under the cache directory's lock, one process at a time (mpicomp/_numba_cache.py).
+guard(globals())

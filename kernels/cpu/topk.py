@@ -17,6 +17,8 @@ import math
 import numba as nb
 import numpy as np
 
+from mpicomp._numba_cache import guard
+
 _ABS = np.uint32(0x7FFFFFFF)
 # Histogram bin of a magnitude: its bit pattern >> SHIFT (8 exponent + 3 mantissa bits).
 SHIFT = 20
@@ -332,3 +334,7 @@ def select(x, k, out_idx, out_val):
     thresh, ties = _threshold(cand_bits, k - int(above.sum()))
     mpicomp_topk_gather(x, u, above, cand_idx, cand_bits, thresh, ties, out_idx, out_val)
     return True
+
+
+# Compiled under the cache directory's lock, one process at a time (mpicomp/_numba_cache.py).
+guard(globals())
