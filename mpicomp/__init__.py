@@ -12,13 +12,14 @@ _numba_cache.configure()  # before the codecs define their numba kernels
 
 from mpicomp import codecs  # noqa: E402
 from mpicomp.codecs import codec  # noqa: E402
-from mpicomp.errors import NonFiniteWarning, PayloadError, RankError  # noqa: E402
+from mpicomp.errors import NonFiniteWarning, PayloadError, PeerClosed, RankError  # noqa: E402
 
 __all__ = [
     "CompressedComm",
     "Handle",
     "NonFiniteWarning",
     "PayloadError",
+    "PeerClosed",
     "RankError",
     "__version__",
     "codec",

@@ -38,7 +38,7 @@ from mpicomp.collectives.float16 import allreduce_float16
 from mpicomp.collectives.maxallreduce import max_allreduce
 from mpicomp.collectives.ring import ring_allreduce_agreed, ring_allreduce_min_agreed
 from mpicomp.collectives.sharded import alltoall_bytes, shard_bounds
-from mpicomp.errors import RankError
+from mpicomp.errors import PeerClosed, RankError
 from mpicomp.kernels import backend_of
 from mpicomp.trace import NO_CLOCK
 
@@ -141,24 +141,41 @@ def _up(dev, a):
 
 
 def _agree(
-    call: Call, n: int, error: Exception | None, value: float = 0.0, nonfinite: bool = False
+    call: Call,
+    n: int,
+    error: Exception | None,
+    value: float = 0.0,
+    nonfinite: bool = False,
+    closing: bool = False,
 ) -> float:
     """Check that all ranks bring n elements in the same layout and configuration, and
-    that none failed.
+    that none failed or is closing the CompressedComm.
 
     One MaxAllReduce of [value, n, -n, layout, -layout, config, -config, failed_rank + 1,
-    nonfinite_rank + 1] (float64 holds n, the 32-bit layout hash and the configuration
-    digest exactly). Returns the max of ``value`` over ranks. Raises the local error on
-    the rank that failed and RankError elsewhere; a failure other than NaN/Inf wins.
-    Ranks that disagree all raise RankError naming what differs and on which ranks (only
-    then do descriptions travel). When only NaN/Inf failed, one more small Allgather
-    names every such rank and under ``skip_step`` every rank raises ``Skipped``.
+    nonfinite_rank + 1, closing_rank + 1, calling_rank + 1] (float64 holds n, the 32-bit
+    layout hash and the configuration digest exactly; 11 values fit the 192-byte head).
+    Returns the max of ``value`` over ranks. A rank closing (``agree_close``) makes every
+    rank that called raise PeerClosed. Raises the local error on the rank that failed
+    and RankError elsewhere; a failure other than NaN/Inf wins. Ranks that disagree all
+    raise RankError naming what differs and on which ranks (only then do descriptions
+    travel). When only NaN/Inf failed, one more small Allgather names every such rank
+    and under ``skip_step`` every rank raises ``Skipped``.
     """
     rank, layout, digest = call.comm.rank, call.layout, call.config.digest
     failed = rank + 1 if error is not None and not nonfinite else 0
     bad = rank + 1 if nonfinite else 0
-    vec = np.array([value, n, -n, layout, -layout, digest, -digest, failed, bad], np.float64)
+    close, calls = (rank + 1, 0) if closing else (0, rank + 1)
+    vec = np.array(
+        [value, n, -n, layout, -layout, digest, -digest, failed, bad, close, calls], np.float64
+    )
     top = max_allreduce(call.comm, vec, **call.io)
+    if top[9]:  # a rank is closing: no call runs
+        if closing:
+            return float(top[10])  # a rank that called, + 1; 0 when every rank closes
+        raise PeerClosed(
+            f"rank {int(top[9]) - 1} closed this CompressedComm while this rank called it; "
+            "it is closed on this rank too"
+        ) from error
     if top[7]:
         if error is not None:
             raise error
@@ -210,6 +227,13 @@ def _local(fn, flat, guard: Guard):
     flat = zero_nonfinite(flat)
     out, err = _attempt(fn, flat)
     return out, flat, err, False
+
+
+def agree_close(call: Call) -> bool:
+    """Take part, as a rank closing its CompressedComm, in the agreement that every call
+    begins with; return True if every rank is closing, False if some rank called (it
+    raises PeerClosed instead of waiting for this rank forever)."""
+    return _agree(call, 0, None, closing=True) == 0
 
 
 def fail(call: Call, error: Exception) -> None:

@@ -14,7 +14,10 @@ import numpy as np
 
 from mpicomp.collectives import plain
 from mpicomp.collectives.allgather import allgather_bytes
-from mpicomp.errors import RankError
+from mpicomp.errors import PeerClosed, RankError
+
+#: The description a rank closing its CompressedComm takes part with.
+CLOSING = "close()"
 
 
 def check_same_call(comm, call: str | None, config: str, timeout: float | None) -> None:
@@ -41,6 +44,12 @@ def check_same_call(comm, call: str | None, config: str, timeout: float | None) 
         return
     mine = np.frombuffer((desc or "").encode(), dtype=np.uint8).copy()
     descs = [bytes(p).decode() for p in allgather_bytes(comm, mine, timeout=timeout)]
+    closing = [r for r in live.tolist() if descs[r].split("\n", 1)[0] == CLOSING]
+    if closing and call != CLOSING:
+        raise PeerClosed(
+            f"rank {closing[0]} closed this CompressedComm while this rank called {call}; "
+            "it is closed on this rank too"
+        )
     ref = int(live[0])
     ref_call, ref_conf = descs[ref].split("\n", 1)
     parts = []

@@ -23,7 +23,7 @@ from mpicomp._arrays import array_module, check_numel, is_device_array, to_float
 from mpicomp._config import Config, check_same
 from mpicomp._log import log
 from mpicomp._progress import Handle, Worker, overlap_blocker
-from mpicomp._same_call import check_same_call
+from mpicomp._same_call import CLOSING, check_same_call
 from mpicomp._transport import Transport, cuda_aware
 from mpicomp.codecs import Codec, ErrorFeedback
 from mpicomp.codecs._base import available as available_codecs
@@ -31,7 +31,7 @@ from mpicomp.codecs._base import codec_parameters
 from mpicomp.codecs._base import make as make_codec
 from mpicomp.codecs._wire import MAX_NUMEL
 from mpicomp.collectives._wait import resolve_timeout
-from mpicomp.errors import NonFiniteWarning, RankError
+from mpicomp.errors import NonFiniteWarning, PeerClosed, RankError
 from mpicomp.kernels import backend_of
 from mpicomp.options import AUTO, Options
 from mpicomp.schedules import FLOAT32, HIER, Topology, choose, predict
@@ -226,6 +226,7 @@ class CompressedComm:
         self._plain = make_codec("none")
         self._comm = comm.Dup()
         self._closed = False
+        self._peer_closed = None  # why, once another rank closed this CompressedComm
         self.rank = self._comm.rank
         self.size = self._comm.size
         #: Where the ranks are (``mpicomp.schedules.Topology``; one host unless a
@@ -369,17 +370,28 @@ class CompressedComm:
         return self
 
     def __exit__(self, exc_type, exc, tb):
-        # Leaving by an exception, other ranks may be elsewhere: a final gather could
-        # hang, so the trace keeps what its earlier flushes wrote.
-        self._close(flush_trace=exc_type is None)
+        # Leaving by an exception, other ranks may be elsewhere: an agreement or a final
+        # gather could hang, so the trace keeps what its earlier flushes wrote.
+        self._close(flush_trace=exc_type is None, agree=exc_type is None)
 
     def __repr__(self) -> str:
         return f"CompressedComm(size={self.size}, codec={self.codec!r})"
 
     # -- the gradient path: allreduce -> _average -> a reducer -> a collective -> MPI
 
+    def _average(self, t: _Tensor, *args, **kwargs) -> tuple:
+        """``_average_once``, unless another rank closed this CompressedComm: a call it
+        met raised PeerClosed, and calls started after it raise that too (no message)."""
+        if self._peer_closed is not None:
+            raise PeerClosed(self._peer_closed)
+        try:
+            return self._average_once(t, *args, **kwargs)
+        except PeerClosed as e:
+            self._peer_closed = str(e)
+            raise
+
     @_on_its_gpu
-    def _average(
+    def _average_once(
         self,
         t: _Tensor,
         op: str = "allreduce",
@@ -711,10 +723,13 @@ class CompressedComm:
             self._worker.drain()
 
     def _check_open(self):
+        if self._peer_closed is not None:
+            self._close(flush_trace=False)  # another rank closed it: this rank follows
         if self._closed:
-            raise RuntimeError("CompressedComm is closed")
+            why = f": {self._peer_closed}" if self._peer_closed else ""
+            raise RuntimeError(f"CompressedComm is closed{why}")
 
-    def _close(self, flush_trace: bool) -> None:
+    def _close(self, flush_trace: bool, agree: bool = True) -> None:
         if self._closed:
             return
         self._closed = True
@@ -722,14 +737,27 @@ class CompressedComm:
             # Started calls use the communicator: they finish before it is freed.
             self._stop_worker()
             self._worker = None
+        # Closing takes part in the agreement every call begins with: a rank still
+        # calling raises PeerClosed (and closes) instead of waiting for this one forever.
+        together = agree and self._peer_closed is None and self._agree_close()
         try:
-            if self.trace is not None and flush_trace:
-                self.trace.close()
+            if self.trace is not None and flush_trace and together:
+                self.trace.close()  # a gather: only when every rank is here
         finally:
-            # Freed here, where every rank closes, never later by the garbage collector:
-            # MPICH's MPI_Comm_free can wait for the other ranks. A call after this
-            # raises on this rank alone (no communicator is left to tell the others).
+            # Freed here, never later by the garbage collector: MPICH's MPI_Comm_free
+            # can wait for the other ranks.
             self._free_comms()
+
+    def _agree_close(self) -> bool:
+        """Return True if every rank is closing too; False if some rank called (it
+        raises PeerClosed) or the agreement failed (logged)."""
+        try:
+            if self.options.debug:  # the calls begin with the debug check there
+                check_same_call(self._comm, CLOSING, "", self.options.timeout)
+            return _reduce.agree_close(replace(self._call(self._calls), recorder=None))
+        except Exception as e:
+            log.warning("closing CompressedComm without the other ranks: %s", e)
+            return False
 
     def _free_comms(self) -> None:
         """Free the duplicated communicator and the hierarchy's, whatever fails first."""

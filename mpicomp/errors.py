@@ -12,5 +12,12 @@ class RankError(RuntimeError):
     error (a ``ValueError`` or ``TypeError`` naming the problem)."""
 
 
+class PeerClosed(RankError):
+    """Another rank closed the CompressedComm while this rank called it.
+
+    The call does not run, and the CompressedComm is closed on this rank too: a later
+    call raises ``RuntimeError``."""
+
+
 class NonFiniteWarning(RuntimeWarning):
     """A call was skipped on every rank because some rank's gradient held NaN or Inf."""

@@ -226,3 +226,65 @@ def test_another_codec_leaves_its_parameters_unsaid_and_equal_numbers_agree():
     assert "codec.bits" not in message and "codec.ratio" not in message
     ratio = 1 if _odd_one(comm) else 1.0  # the same value, written two ways
     mpicomp.CompressedComm(comm, "topk", ratio=ratio).close()
+
+
+# -- a rank that closes while the others call ---------------------------------------------
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("debug", [False, True])
+@pytest.mark.parametrize("codec", ["qsgd_maxnorm", "topk", "none"])
+def test_a_rank_closing_while_the_others_call_closes_it_on_every_rank(codec, debug):
+    """close() takes part in the agreement every call begins with: the ranks still
+    calling raise PeerClosed (a RankError) naming the rank, and are closed too; none hangs."""
+    comm = world()
+    if comm.size == 1:
+        pytest.skip("needs two ranks")
+    closer = comm.size - 1
+    x = np.full(3000, comm.rank + 1.0, np.float32)
+    cc = mpicomp.CompressedComm(comm, codec, min_numel=1, debug=debug)
+    assert cc.allreduce(x, name="w").shape == x.shape  # a call that works first
+    if comm.rank == closer:
+        cc.close()
+        with pytest.raises(RuntimeError, match="is closed"):
+            cc.allreduce(x, name="w")
+    else:
+        with pytest.raises(mpicomp.PeerClosed, match=f"rank {closer} closed this CompressedComm"):
+            cc.allreduce(x, name="w")
+        with pytest.raises(RuntimeError, match=f"is closed: rank {closer} closed"):
+            cc.allreduce(x, name="w")
+        cc.close()  # safe: nothing left to agree on
+    with mpicomp.CompressedComm(comm, codec, min_numel=1) as again:  # every rank in step
+        assert again.allreduce(x, name="w").shape == x.shape
+
+
+@pytest.mark.mpi
+def test_started_calls_meeting_a_close_raise_peer_closed():
+    comm = world()
+    if comm.size == 1:
+        pytest.skip("needs two ranks")
+    x = np.ones(2000, np.float32)
+    cc = mpicomp.CompressedComm(comm, "qsgd_maxnorm", min_numel=1)
+    if comm.rank == 0:
+        cc.close()
+    else:
+        handles = [cc.iallreduce(x, name=f"w{i}") for i in range(3)]
+        for h in handles:  # the first met the close; the later ones send nothing
+            with pytest.raises(mpicomp.PeerClosed, match="rank 0 closed"):
+                h.wait()
+        cc.close()
+
+
+@pytest.mark.mpi
+def test_a_refused_input_meeting_a_close_raises_peer_closed_from_it():
+    comm = world()
+    if comm.size == 1:
+        pytest.skip("needs two ranks")
+    cc = mpicomp.CompressedComm(comm, "topk", min_numel=1)
+    if comm.rank == 0:
+        cc.close()
+    else:
+        with pytest.raises(mpicomp.PeerClosed) as e:
+            cc.allreduce(np.ones(100, np.float32), name=None)
+        assert isinstance(e.value.__cause__, TypeError)
+        cc.close()

@@ -152,14 +152,17 @@ class TestAllreduceBench:
 
 
 @pytest.mark.mpi
-def test_kernels_cache_per_rank():
-    # Under mpiexec each rank compiles into its own numba cache directory.
+def test_every_rank_shares_one_numba_cache():
+    # One directory, each kernel compiled by one rank under its lock (mpicomp/_numba_cache.py).
     import numba
+
+    from mpicomp._numba_cache import cache_root
 
     comm = world()
     if "NUMBA_CACHE_DIR" in __import__("os").environ:
         pytest.skip("NUMBA_CACHE_DIR chosen by the user")
-    assert numba.config.CACHE_DIR.endswith(f"rank{comm.rank}")
+    assert numba.config.CACHE_DIR == cache_root()
+    assert comm.allgather(numba.config.CACHE_DIR) == [cache_root()] * comm.size
 
 
 # The CUDA sources run on the CPU through g++ (kernels/cuda/emulated.py).
