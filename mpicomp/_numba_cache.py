@@ -8,12 +8,13 @@ issues #4807, #10128). Ranks that found the cache cold (a fresh clone, a new nod
 crashed that way, so earlier releases gave each rank a directory of its own and compiled
 once per rank.
 
-Now every kernel of ``mpicomp.kernels.cpu`` compiles under an exclusive lock of its cache
-directory (``flock`` on a file in it: the processes of one host, or of every host where
-the filesystem supports it, and a re-entrant lock for this process's threads). The first
-process to need a kernel compiles and saves it; the others wait on the lock and then
-load what it wrote. So ranks on one host compile once, and no two processes ever write
-one cache together.
+Now every kernel of ``mpicomp.kernels.cpu`` compiles under an exclusive lock of its own
+(``flock`` on ``<module>.<kernel>.lock`` in the cache directory: the processes of one
+host, or of every host where the filesystem supports it, and a re-entrant lock for this
+process's threads). The first process to need a kernel compiles and saves it; the others
+wait on its lock and then load what it wrote, while different kernels compile in
+parallel. So ranks on one host compile each kernel once, and no two processes ever
+write one kernel's cache entries together.
 
 The directory is ``$MPICOMP_NUMBA_CACHE``, else ``$XDG_CACHE_HOME/mpicomp/numba``
 (``~/.cache/...``), for a single process and every rank alike, unless ``NUMBA_CACHE_DIR``
@@ -40,7 +41,6 @@ log.addFilter(rank_filter)
 #: Seconds a compile runs before it is announced, then between progress lines.
 ANNOUNCE_AFTER_S = 2.0
 PROGRESS_EVERY_S = 15.0
-LOCK_FILE = ".mpicomp-compile.lock"
 
 
 def cache_root(environ=os.environ) -> str | None:
@@ -65,16 +65,20 @@ def configure() -> None:
     numba.config.CACHE_DIR = path  # read when each cache=True function is decorated
 
 
-class DirectoryLock:
-    """Exclusive hold of one cache directory: ``flock`` across processes, a re-entrant
-    lock across this process's threads (a kernel compiling its callees takes it again)."""
+class KernelLock:
+    """Exclusive hold of one kernel's cache entries: ``flock`` on ``<name>.lock`` in its
+    cache directory across processes, a re-entrant lock across this process's threads.
 
-    def __init__(self, path: str):
-        self.path = path
+    One lock per kernel, since numba keeps one index file per kernel: processes compile
+    different kernels at once, and one kernel once. A kernel compiling its callees takes
+    theirs too (the call graph has no cycles, so two processes never wait on each other).
+    """
+
+    def __init__(self, directory: str, name: str):
+        self.directory, self.name = directory, name
         self._threads = threading.RLock()
         self._depth = 0
         self._fd: int | None = None
-        self._told_waiting = False
 
     def __enter__(self):
         self._threads.acquire()
@@ -94,38 +98,49 @@ class DirectoryLock:
         import fcntl
 
         try:
-            os.makedirs(self.path, exist_ok=True)
-            fd = os.open(os.path.join(self.path, LOCK_FILE), os.O_RDWR | os.O_CREAT, 0o666)
+            os.makedirs(self.directory, exist_ok=True)
+            path = os.path.join(self.directory, f"{self.name}.lock")
+            fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o666)
         except OSError as e:  # a read-only cache: numba cannot save into it either
-            log.debug("no compile lock in %s: %s", self.path, e)
+            log.debug("no compile lock in %s: %s", self.directory, e)
             return None
         try:
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:  # held: loading (brief), or compiling (said if long)
-                with _after(ANNOUNCE_AFTER_S, self._say_waiting):
+                with _after(ANNOUNCE_AFTER_S, lambda *_: _say_waiting(self.directory)):
                     fcntl.flock(fd, fcntl.LOCK_EX)
         except OSError as e:
             os.close(fd)
             if e.errno not in (errno.ENOLCK, errno.EOPNOTSUPP, errno.EINVAL):
                 raise
-            log.warning(
-                "cannot lock the numba cache %s (%s): processes sharing it may compile "
-                "into it at once; set MPICOMP_NUMBA_CACHE to a node-local directory",
-                self.path,
-                e,
-            )
+            _say_unlockable(self.directory, e)
             return None
         return fd
 
-    def _say_waiting(self) -> None:
-        if not self._told_waiting:  # once per process
-            self._told_waiting = True
-            log.info(
-                "another process is compiling mpicomp's kernels into %s; waiting for it, "
-                "then loading what it wrote",
-                self.path,
-            )
+
+_said: set[str] = set()  # what this process said once
+
+
+def _say_waiting(directory: str) -> None:
+    if "waiting" not in _said:
+        _said.add("waiting")
+        log.info(
+            "another process is compiling mpicomp's kernels into %s; waiting for it, "
+            "then loading what it wrote",
+            directory,
+        )
+
+
+def _say_unlockable(directory: str, error: OSError) -> None:
+    if "unlockable" not in _said:
+        _said.add("unlockable")
+        log.warning(
+            "cannot lock the numba cache %s (%s): processes sharing it may compile into it "
+            "at once; set MPICOMP_NUMBA_CACHE to a node-local directory",
+            directory,
+            error,
+        )
 
 
 @contextmanager
@@ -157,17 +172,6 @@ def _after(seconds: float, say, every: float | None = None, done_say=None, when=
         watcher.join()
 
 
-_locks: dict[str, DirectoryLock] = {}
-_locks_guard = threading.Lock()
-
-
-def lock(path: str) -> DirectoryLock:
-    """Return the lock of cache directory ``path`` (one object per directory)."""
-    path = os.path.abspath(path)
-    with _locks_guard:
-        return _locks.setdefault(path, DirectoryLock(path))
-
-
 def announced(what: str, compiling):
     """Log that ``what`` compiles, at INFO, if it lasts over ANNOUNCE_AFTER_S and
     ``compiling()`` says it is not loading from the cache, then every PROGRESS_EVERY_S,
@@ -190,18 +194,21 @@ def announced(what: str, compiling):
 
 def guard(namespace: dict) -> None:
     """Make every cached numba kernel in ``namespace`` (a module's ``globals()``) compile
-    under its cache directory's lock, announced when slow."""
+    under its own lock, announced when slow."""
     from numba.core.dispatcher import Dispatcher
 
     module = namespace.get("__name__", "?").rsplit(".", 1)[-1]
     for name, kernel in list(namespace.items()):
         path = getattr(getattr(kernel, "_cache", None), "cache_path", None)
         if isinstance(kernel, Dispatcher) and path and not hasattr(kernel, "_mpicomp_lock"):
-            kernel._mpicomp_lock = lock(path)
-            kernel.compile = _locked(kernel, kernel._mpicomp_lock, f"{module}.{name}")
+            kernel._mpicomp_lock = KernelLock(path, f"{module}.{name}")
+            kernel.compile = _locked(kernel, kernel._mpicomp_lock)
 
 
-def _locked(kernel, directory: DirectoryLock, what: str):
+_compiling = threading.local()  # how deep this thread is in compiles (callees nest)
+
+
+def _locked(kernel, lock: KernelLock):
     compile_, load = kernel.compile, kernel._cache.load_overload
     missed = threading.Event()  # set when the cache had no entry: a real compile follows
 
@@ -214,12 +221,17 @@ def _locked(kernel, directory: DirectoryLock, what: str):
     def compile(sig):
         if tuple(sig) in kernel.overloads:  # compiled already (typing a caller asks again)
             return compile_(sig)
-        with directory:
-            if directory._depth > 1:  # a callee of a kernel being compiled: said already
-                return compile_(sig)
-            missed.clear()
-            with announced(what, missed.is_set):
-                return compile_(sig)
+        depth = getattr(_compiling, "depth", 0)
+        with lock:
+            _compiling.depth = depth + 1
+            try:
+                if depth:  # a callee of a kernel being compiled: said already
+                    return compile_(sig)
+                missed.clear()
+                with announced(lock.name, missed.is_set):
+                    return compile_(sig)
+            finally:
+                _compiling.depth = depth
 
     kernel._cache.load_overload = load_overload
     return compile
