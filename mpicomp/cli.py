@@ -6,23 +6,44 @@ import argparse
 import json
 import os
 import platform
+import signal
 import sys
 
 import mpicomp
 from mpicomp import _transport, bench
 
+EXAMPLES = """\
+examples:
+  mpicomp info                          what this machine and MPI library offer
+  mpiexec -n 4 mpicomp info --all-ranks one line per rank, and warnings
+  mpicomp compile                       fill the numba kernel cache ahead of a job
+  mpicomp bench --numel 4M              codec GB/s beside memcpy, then the all-reduce
+  mpiexec -n 4 mpicomp bench --no-kernels --sizes 1M
+  mpicomp advise 1gbit                  which codecs pay on a 1 Gbit/s link
+  mpicomp trace summary run.h5          a trace written by CompressedComm(trace=...)
+
+docs: docs/running.md (commands), docs/usage.md (the API), docs/install.md
+"""
+
 
 def main(argv: list[str] | None = None) -> int:
-    """Run the ``mpicomp`` command line; return its exit status (2 for bad arguments)."""
+    """Run the ``mpicomp`` command line; return its exit status: 0, 1 for a failure at
+    run time, 2 for bad arguments (with the subcommand's usage), 130 on Ctrl-C, 141
+    when the reader of the output went away (``| head``), as Unix tools end."""
     parser = _parser()
     try:
         args = parser.parse_args(argv)
-        return args.run(args, parser)
+        # Each command's usage errors print its own usage, not the top level's.
+        return args.run(args, getattr(args, "sub_parser", parser))
     except SystemExit as e:  # usage errors and --help: a status, not an exception
         return e.code if isinstance(e.code, int) else 2
     except KeyboardInterrupt:  # Ctrl-C in a long bench: the shell's status, no traceback
         print("mpicomp: interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:
+        # Python's advice: point stdout at /dev/null so the flush at exit cannot fail again.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 128 + signal.SIGPIPE
 
 
 # -- arguments -----------------------------------------------------------------------
@@ -31,7 +52,10 @@ def main(argv: list[str] | None = None) -> int:
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="mpicomp",
-        description="Compressed gradient all-reduce over MPI: environment, benchmarks, traces.",
+        description="Compressed gradient all-reduce over MPI: environment, kernel cache, "
+        "benchmarks, traces.",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog=EXAMPLES,
     )
     parser.add_argument("--version", action="version", version=f"mpicomp {mpicomp.__version__}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
@@ -50,7 +74,7 @@ def _parser() -> argparse.ArgumentParser:
         "visible GPUs, the MPI library, CUDA-aware MPI, kernel backend, numba threads), "
         "then warnings about settings that cost speed; rank 0 prints",
     )
-    p.set_defaults(run=_cmd_info)
+    p.set_defaults(run=_cmd_info, sub_parser=p)
 
     p = sub.add_parser(
         "compile",
@@ -65,7 +89,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--codecs", type=_codec_list, default=None, metavar="NAMES", help="codecs (default: all)"
     )
-    p.set_defaults(run=_cmd_compile)
+    p.set_defaults(run=_cmd_compile, sub_parser=p)
 
     p = sub.add_parser(
         "bench",
@@ -142,6 +166,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0, help="seed of the gradient (0)")
     p.add_argument(
         "--backend",
+        type=_backend_name,
         metavar="NAME",
         default=None,
         help="kernel backend of the encode/decode timings and of the all-reduces: numba, "
@@ -165,7 +190,7 @@ def _parser() -> argparse.ArgumentParser:
         "under --no-kernels) as a model for CompressedComm(schedule='auto', model=FILE) "
         "and `mpicomp advise --model FILE`; rank 0 writes",
     )
-    p.set_defaults(run=_cmd_bench)
+    p.set_defaults(run=_cmd_bench, sub_parser=p)
 
     p = sub.add_parser(
         "advise",
@@ -236,7 +261,7 @@ def _parser() -> argparse.ArgumentParser:
         "instead of BANDWIDTH, --alpha, --intra and --bench",
     )
     p.add_argument("--json", action="store_true", help="print a JSON list alone on stdout")
-    p.set_defaults(run=_cmd_advise)
+    p.set_defaults(run=_cmd_advise, sub_parser=p)
 
     p = sub.add_parser("trace", help="read an HDF5 trace written by CompressedComm(trace=...)")
     tsub = p.add_subparsers(dest="trace_command", required=True, metavar="ACTION")
@@ -265,6 +290,16 @@ def _parser() -> argparse.ArgumentParser:
     t.add_argument("-o", "--output", metavar="OUT", help="file to write (default: FILE with .json)")
     t.set_defaults(run=_cmd_trace_export, sub_parser=t)
     return parser
+
+
+def _backend_name(text: str) -> str:
+    import mpicomp.kernels as K
+
+    if text not in K.available():
+        raise argparse.ArgumentTypeError(
+            f"unknown backend {text!r}; known: {', '.join(K.available())}"
+        )
+    return text
 
 
 def _positive_count(text: str) -> int:
@@ -338,8 +373,8 @@ def _schedule_list(text: str):
 # -- info ----------------------------------------------------------------------------
 
 
-def info() -> dict[str, str]:
-    """Return what ``mpicomp info`` prints, as an ordered {field: text} dict.
+def info() -> dict[str, str | int]:
+    """Return what ``mpicomp info`` prints, as an ordered {field: text or number} dict.
 
     Initializes MPI (through ``mpi4py.MPI``) if it is not initialized yet.
     """
@@ -361,7 +396,7 @@ def info() -> dict[str, str]:
     libpath = _transport.libmpi_path()
     out["MPI library file"] = libpath or "unknown"
     out["mpi4py ABI"] = _mpi4py_abi(MPI)
-    out["MPI world size"] = str(MPI.COMM_WORLD.size)
+    out["MPI world size"] = MPI.COMM_WORLD.size
     out["MPI CUDA support"] = _transport.describe(_transport.library_cuda_support(libpath, vendor))
     try:
         aware, how = _transport.cuda_aware()
@@ -372,6 +407,7 @@ def info() -> dict[str, str]:
     out["CUDA-aware MPI"] = decided
     out["GPUs"] = _gpus()
     out["backends"] = _backends(numba.config.NUMBA_NUM_THREADS)
+    out["numba threads"] = numba.config.NUMBA_NUM_THREADS
     out["codecs"] = ", ".join(mpicomp.codecs.available())
     return out
 
@@ -387,7 +423,8 @@ def _backends(numba_threads: int) -> str:
     names = []
     for name in K.available():
         if name == selected:
-            threads = f"; {numba_threads} threads" if name == "numba" else ""
+            plural = "" if numba_threads == 1 else "s"
+            threads = f"; {numba_threads} thread{plural}" if name == "numba" else ""
             name += f" (in use{threads})"
         names.append(name)
     return ", ".join(names)
@@ -424,10 +461,12 @@ def _gpus() -> str:
             cupy.cuda.runtime.getDeviceProperties(i)["name"].decode(errors="replace")
             for i in range(n)
         ]
-    except Exception as e:  # CUDARuntimeError and friends: no driver, no device
+    except Exception as e:  # CUDARuntimeError and friends
+        if any(why in str(e) for why in ("InsufficientDriver", "NoDevice")):
+            return "none visible"  # no NVIDIA driver or no GPU here: nothing is wrong
         return f"none (CuPy {cupy.__version__}: {e})"
     if n == 0:
-        return f"none (CuPy {cupy.__version__} sees no device)"
+        return "none visible"
     return f"{n} ({', '.join(names)})"
 
 
@@ -483,12 +522,12 @@ def _cmd_compile(args, parser) -> int:
 
 def _cmd_bench(args, parser) -> int:
     if args.no_kernels and args.no_allreduce:
-        parser.error("bench: --no-kernels and --no-allreduce leave nothing to measure")
+        parser.error("--no-kernels and --no-allreduce leave nothing to measure")
     if args.model and args.schedules is None:
-        parser.error("bench: --model predicts the times of --schedules; give --schedules")
+        parser.error("--model predicts the times of --schedules; give --schedules")
     if args.save_model and args.no_kernels and args.backend is not None:
         parser.error(
-            "bench: --save-model --no-kernels measures the codecs' speeds on the default "
+            "--save-model --no-kernels measures the codecs' speeds on the default "
             "backend, not --backend's; leave out --no-kernels to save --backend's"
         )
     numel = args.numel or 25_600_000
@@ -571,11 +610,11 @@ def _cmd_advise(args, parser) -> int:
         ("--intra", args.intra),
     ):
         if value is not None:
-            parser.error(f"advise: {flag} is for the schedule table: give --sizes too")
+            parser.error(f"{flag} is for the schedule table: give --sizes too")
     link = _advise_link(args, parser)
     ranks = 4 if args.ranks is None else args.ranks
     if ranks < 2:
-        parser.error("advise: --ranks must be >= 2")
+        parser.error("--ranks must be >= 2")
     try:
         result = advise.advise(_bench_rows(args), link, ranks)
     except (OSError, ValueError, KeyError, TypeError) as e:
@@ -606,9 +645,7 @@ def _advise_schedules(args, parser) -> int:
             if value is not None
         ]
         if given:
-            parser.error(
-                f"advise: --model brings the networks and speeds; leave out {', '.join(given)}"
-            )
+            parser.error(f"--model brings the networks and speeds; leave out {', '.join(given)}")
     else:
         link = _advise_link(args, parser)
     try:
@@ -641,7 +678,7 @@ def _advise_link(args, parser) -> int:
     from mpicomp import advise
 
     if args.bandwidth is None:
-        parser.error("advise: give the link's bandwidth (e.g. 1gbit) or --model FILE")
+        parser.error("give the link's bandwidth (e.g. 1gbit) or --model FILE")
     try:
         return advise.parse_rate(args.bandwidth)
     except ValueError as e:
@@ -656,19 +693,16 @@ def _advise_topology(args, parser):
     if args.hosts is None:
         ranks = 4 if args.ranks is None else args.ranks
         if ranks % per_host:
-            parser.error(
-                f"advise: --ranks {ranks} is not a multiple of --ranks-per-host {per_host}"
-            )
+            parser.error(f"--ranks {ranks} is not a multiple of --ranks-per-host {per_host}")
         hosts = ranks // per_host
     else:
         hosts = args.hosts
         if args.ranks is not None and args.ranks != hosts * per_host:
             parser.error(
-                f"advise: --ranks {args.ranks} is not --hosts x --ranks-per-host "
-                f"({hosts} x {per_host})"
+                f"--ranks {args.ranks} is not --hosts x --ranks-per-host ({hosts} x {per_host})"
             )
     if hosts * per_host < 2:
-        parser.error("advise: the schedule table needs >= 2 ranks (--hosts x --ranks-per-host)")
+        parser.error("the schedule table needs >= 2 ranks (--hosts x --ranks-per-host)")
     return Topology(hosts, per_host)
 
 

@@ -41,7 +41,7 @@ def test_info_names_the_mpi_library(capsys):
     # (The tests' own backends may be registered too.)
     names = [b.split(" (")[0] for b in fields["backends"].split(", ")]
     assert {"cuda", "cuda-emulated", "numba"} <= set(names) and names == sorted(names)
-    assert f"numba (in use; {threads} threads)" in fields["backends"]
+    assert f"numba (in use; {threads} thread{'' if threads == 1 else 's'})" in fields["backends"]
     for key in ("mpicomp", "numpy", "numba", "mpi4py", "h5py", "CUDA-aware MPI", "GPUs"):
         assert fields[key]
 
@@ -52,7 +52,10 @@ def test_info_json_matches_the_library(capsys):
     assert cli.main(["info", "--json"]) == 0
     fields = json.loads(capsys.readouterr().out)
     assert fields["MPI vendor"].startswith(MPI.get_vendor()[0])
-    assert fields["MPI world size"] == str(MPI.COMM_WORLD.size)
+    assert fields["MPI world size"] == MPI.COMM_WORLD.size  # numbers as numbers
+    import numba
+
+    assert fields["numba threads"] == numba.config.NUMBA_NUM_THREADS
     # The decision (the MPICH wheel is built without CUDA) and the path device arrays take.
     assert fields["CUDA-aware MPI"].startswith("no (")
     assert fields["CUDA-aware MPI"].endswith("; device arrays are staged through host memory")
@@ -128,6 +131,47 @@ def test_bench_schedules_parse_to_all_or_names():
     assert parse(["bench"]).schedules is None
 
 
+def test_usage_errors_print_the_subcommands_usage_and_exit_2(capsys):
+    for argv, expect in [
+        (["bench", "--backend", "cuda9"], "unknown backend 'cuda9'; known: "),
+        (["bench", "--no-kernels", "--no-allreduce"], "leave nothing to measure"),
+        (["advise"], "give the link's bandwidth"),
+    ]:
+        assert cli.main(argv) == 2, argv
+        err = capsys.readouterr().err
+        assert f"usage: mpicomp {argv[0]}" in err and expect in err, err
+        assert f"error: {argv[0]}:" not in err  # the prog says it once
+
+
+def test_help_has_examples_and_points_to_the_docs():
+    code, out, err = _run("--help")
+    assert code == 0 and "examples:" in out and "mpicomp compile" in out
+    assert "docs/running.md" in out
+
+
+def test_output_cut_short_by_the_reader_ends_quietly():
+    """``mpicomp ... | head -1``: exit 141 (128 + SIGPIPE) as Unix tools end, no traceback."""
+    # A command printing more than a pipe holds (info, made long here).
+    long_info = (
+        "import sys; from mpicomp import cli; "
+        "cli._cmd_info = lambda args, parser: [print('line', i) for i in range(10**6)] and 0; "
+        "sys.exit(cli.main(['info']))"
+    )
+    p = subprocess.run(
+        ["bash", "-c", f'{sys.executable} -c "{long_info}" | head -1; exit ${{PIPESTATUS[0]}}'],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert p.stdout == "line 0\n", p.stdout[:200]
+    assert p.returncode == 141 and "Traceback" not in p.stderr, p.stderr
+
+
+def test_info_says_none_visible_without_a_gpu(monkeypatch):
+    pytest.importorskip("cupy")
+    if gpu_present():
+        pytest.skip("a GPU is present")
+    assert cli._gpus() == "none visible"
+
+
 def test_bad_argument_in_a_fresh_process_has_no_traceback():
     code, out, err = _run("bench", "--numel", "-5")
     assert code == 2
@@ -172,8 +216,8 @@ def test_bench_times_the_backend_it_is_given(capsys):
     if not gpu_present():
         assert cli.main([*argv, "--no-allreduce", "--backend", "cuda"]) == 1
         assert "kernel backend 'cuda' is not available here" in capsys.readouterr().err
-    assert cli.main([*argv, "--no-allreduce", "--backend", "nope"]) == 1
-    assert "unknown kernel backend 'nope'" in capsys.readouterr().err
+    assert cli.main([*argv, "--no-allreduce", "--backend", "nope"]) == 2  # a usage error
+    assert "unknown backend 'nope'" in capsys.readouterr().err
 
 
 def test_bench_json_rows(capsys):
