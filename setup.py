@@ -57,6 +57,8 @@ setup(
             # A test that hangs ends the run with every thread's stack (thread method:
             # a rank blocked inside MPI never sees a signal), not at CI's limit.
             "pytest-timeout>=2.2",
+            # Runs the code blocks of README.md and docs/ (conftest.py at the root).
+            "sybil>=9",
             "hypothesis>=6",
             "scikit-learn>=1.3",
             "matplotlib>=3.7",
