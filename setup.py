@@ -14,6 +14,7 @@ version = re.search(
 # bypasses one private function of CuPy's compiler (kernels/cuda/compile_check.py); NVRTC
 # matching nvcc 13.0.
 _CUDA_COMPILE = ["cupy-cuda13x==14.2.0", "nvidia-cuda-nvrtc==13.0.88"]
+_DOCS = ["sphinx>=8", "myst-parser>=4", "sphinx-argparse>=0.5"]
 
 setup(
     name="mpicomp",
@@ -67,7 +68,10 @@ setup(
             # mpicomp.jax (CPU jaxlib).
             "jax==0.10.2",
         ]
-        + _CUDA_COMPILE,
+        + _CUDA_COMPILE
+        + _DOCS,
+        # The docs site, `make docs` (also part of `make test`).
+        "docs": _DOCS,
         # Compiles the CUDA sources as CuPy does, without a GPU (tests/test_cuda_build.py).
         "cuda-compile": _CUDA_COMPILE,
     },
