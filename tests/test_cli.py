@@ -580,3 +580,34 @@ def test_compile_fills_the_cache_a_job_then_loads_from(tmp_path):
 def test_compile_refuses_an_unknown_codec():
     code, out, err = _run("compile", "--codecs", "qsgd")
     assert code == 2 and "qsgd" in err and "Traceback" not in err
+
+
+def test_bench_progress_says_the_time_left_from_what_is_done():
+    import io
+
+    from mpicomp.bench._countdown import Countdown
+
+    now = [0.0]
+    out = io.StringIO()
+    c = Countdown(4, out, clock=lambda: now[0])
+    c.next("a")
+    now[0] = 10.0
+    c.next("b")
+    now[0] = 20.0
+    c.next("c")
+    now[0] = 400.0
+    c.next("d")
+    assert out.getvalue().splitlines() == [
+        "bench: a (1/4)",  # nothing measured yet: no guess
+        "bench: b (2/4, about 30 s left)",
+        "bench: c (3/4, about 20 s left)",
+        "bench: d (4/4, about 2 min left)",
+    ]
+
+
+def test_bench_announces_what_it_will_measure(capsys):
+    argv = ["bench", "--numel", "3000", "--sizes", "2000", "--reps", "1", "--codecs", "fp16"]
+    assert cli.main([*argv, "--allreduce-reps", "1"]) == 0
+    first = capsys.readouterr().err.splitlines()[0]
+    assert first.startswith("bench: encode/decode of 1 codec settings on 3,000 elements, then")
+    assert "all-reduces of 2,000 elements on 1 rank(s)" in first

@@ -96,6 +96,16 @@ def full_run(
     """
     todo = codec_set(codecs)
     quiet = progress if comm.rank == 0 else None
+    if quiet is not None:  # what will be measured, before minutes of it
+        plan = []
+        if numel is not None:
+            plan.append(f"encode/decode of {len(todo)} codec settings on {numel:,} elements")
+        if sizes:
+            plan.append(
+                f"all-reduces of {', '.join(f'{n:,}' for n in sizes)} elements on "
+                f"{comm.size} rank(s)"
+            )
+        print(f"bench: {', then '.join(plan)}; the time left follows", file=quiet, flush=True)
     kernel_rows = error = None
     if numel is not None and comm.rank == 0:
         try:

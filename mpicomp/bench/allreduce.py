@@ -32,6 +32,7 @@ from mpi4py import MPI
 import mpicomp
 import mpicomp.kernels as K
 from mpicomp._transport import cuda_aware
+from mpicomp.bench._countdown import Countdown
 from mpicomp.bench.kernels import kernel_backend
 from mpicomp.bench.workload import gradient, label
 from mpicomp.collectives.traffic import Traffic
@@ -404,14 +405,9 @@ def measure(
     rows = []
     runs = [(nm, pr, sch) for nm, pr in codecs for sch in schedules_of(nm, pr, schedules, topology)]
     with _traces_in(comm, trace_dir) as where:
-        for i, (name, params, schedule) in enumerate(runs, 1):
-            if progress is not None and comm.rank == 0:
-                what = f"{name} {label(params)}".strip()
-                print(
-                    f"bench: {n:,} elements, {what}, {schedule} ({i}/{len(runs)})",
-                    file=progress,
-                    flush=True,
-                )
+        countdown = Countdown(len(runs), progress if comm.rank == 0 else None)
+        for name, params, schedule in runs:
+            countdown.next(f"{n:,} elements, {f'{name} {label(params)}'.strip()}, {schedule}")
             path = _trace_path(where, n, name, params, schedule)
             # Written at close only: no flush inside the timed calls.
             with _host_kernels(None if device else rec.name):

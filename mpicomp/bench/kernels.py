@@ -16,6 +16,7 @@ import numpy as np
 
 import mpicomp
 import mpicomp.kernels as K
+from mpicomp.bench._countdown import Countdown
 from mpicomp.bench.roundtrip import one_rank_round_trip
 from mpicomp.bench.workload import codec_set, gradient, label
 
@@ -92,10 +93,9 @@ def run(
     sync = getattr(rec, "synchronize", None)
     memcpy = gb / median_seconds(lambda: rec.xp.copyto(dst, x), reps, sync)
     rows = []
-    for i, (name, params) in enumerate(todo, 1):
-        if progress is not None:
-            what = f"{name} {label(params)}".strip()
-            print(f"bench: {what} ({i}/{len(todo)})", file=progress, flush=True)
+    countdown = Countdown(len(todo), progress)
+    for name, params in todo:
+        countdown.next(f"{name} {label(params)}".strip())
         codec = mpicomp.codec(name, **params)
         codec.kernels = rec if rec.xp is np else codec.kernels  # the backend of NumPy arrays
         enc, dec, wire = one_rank_round_trip(codec, x)
