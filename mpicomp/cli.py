@@ -709,6 +709,12 @@ def _advise_topology(args, parser):
 def _bench_rows(args) -> list[dict]:
     """Return the kernel rows advise predicts with: --bench's, or measured now; --codecs'."""
     if args.bench is None:
+        print(
+            f"advise: measuring each codec's encode/decode on {args.numel:,} elements here "
+            "first (--bench FILE reuses a `mpicomp bench --json` run)",
+            file=sys.stderr,
+            flush=True,
+        )
         return bench.run(args.codecs, args.numel, 5, progress=sys.stderr)
     with open(args.bench) as f:
         rows = json.load(f)
