@@ -224,7 +224,11 @@ def run_main(
 
 def _compile(comm, runs: list[cmp.Run], say) -> None:
     """Compile (or load) every run's kernels before training, saying what takes long:
-    one process of the host compiles, the others load (mpicomp/_numba_cache.py)."""
+    one process of the host compiles, the others load (mpicomp/_numba_cache.py). Each
+    rank on its own (MPI.COMM_SELF): no byte on the network before the measured steps;
+    what only several ranks need compiles in the first steps, announced when slow."""
+    from mpi4py import MPI
+
     from mpicomp import warmup
 
     warmup.log_compiles()
@@ -233,7 +237,8 @@ def _compile(comm, runs: list[cmp.Run], say) -> None:
         f"compiling (or loading) the numba kernels of {len(runs)} runs (about 2 min the first time)"
     )
     for run in runs:
-        (seconds,) = warmup.warm([mpicomp.codec(run.codec, **run.params)], comm).values()
+        (seconds,) = warmup.warm([mpicomp.codec(run.codec, **run.params)], MPI.COMM_SELF).values()
+        seconds = comm.allreduce(seconds, op=MPI.MAX)  # the slowest rank's
         say(f"  {run.label}: {seconds:.1f} s")
     say(f"kernels ready in {time.perf_counter() - start:.0f} s")
 
