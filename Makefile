@@ -41,8 +41,14 @@ $(VENV)/.installed: $(BIN)/activate setup.py pyproject.toml
 	$(BIN)/python -m pip install -q -e ".[test,jobs,$(MPI)]"
 	touch $@
 
+# What the demo needs, without the test tools (torch, jax, CuPy's compiler): pip says
+# what it fetches as it goes.
+$(VENV)/.installed-demo: $(BIN)/activate setup.py pyproject.toml
+	$(BIN)/python -m pip install --progress-bar off -e ".[jobs,$(MPI)]"
+	touch $@
+
 # The main job: data-parallel training on 4 ranks, once per codec, compared with float32.
-demo: $(VENV)/.installed
+demo: $(VENV)/.installed-demo
 	$(MPIENV) $(MPIRUN) -n 4 $(BIN)/python -m mpi4py -m jobs.train
 
 # Every codec on one gradient-shaped tensor, one process.
