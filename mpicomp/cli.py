@@ -285,7 +285,7 @@ def _parser() -> argparse.ArgumentParser:
         description="Write a trace as a timeline that ui.perfetto.dev or chrome://tracing "
         "opens: one process per rank; calls, their phases and (level 2) exchange steps.",
     )
-    t.add_argument("file", metavar="FILE", help="an HDF5 trace file (format 2)")
+    t.add_argument("file", metavar="FILE", help="an HDF5 trace file (formats 1 to 3)")
     t.add_argument("--format", default="chrome", choices=["chrome"], help="output format")
     t.add_argument("-o", "--output", metavar="OUT", help="file to write (default: FILE with .json)")
     t.set_defaults(run=_cmd_trace_export, sub_parser=t)

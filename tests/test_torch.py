@@ -383,7 +383,7 @@ def test_cuda_staging_buffers_are_pinned_and_warn_once_per_owner(monkeypatch):
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA build of PyTorch and a GPU")
 @pytest.mark.parametrize("codec,params", [("qsgd_maxnorm", {"bits": 4}), ("topk", {"ratio": 0.1})])
-def test_cuda_gradients_average_to_the_cpu_bytes(codec, params):
+def test_cuda_gradients_on_the_gpu_average_to_the_cpu_bytes(codec, params):
     """The same gradients on the GPU and on the CPU: the GPU buckets (CUDA kernels, or
     pinned staging without CuPy) give the numba path's averages byte for byte."""
     cpu, gpu = _model(), _model().cuda()
