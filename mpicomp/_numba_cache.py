@@ -194,7 +194,12 @@ def announced(what: str, compiling):
 
 def guard(namespace: dict) -> None:
     """Make every cached numba kernel in ``namespace`` (a module's ``globals()``) compile
-    under its own lock, announced when slow."""
+    under its own lock, announced when slow.
+
+    Wraps each dispatcher's ``compile`` (what numba calls on a new signature) and its
+    cache's ``load_overload`` (to tell a load from a compile): numba has no public hook
+    around its cache, and these two have kept their signatures since numba 0.40.
+    """
     from numba.core.dispatcher import Dispatcher
 
     module = namespace.get("__name__", "?").rsplit(".", 1)[-1]
