@@ -178,6 +178,14 @@ def run_main(
         prog=prog, description=description, formatter_class=argparse.ArgumentDefaultsHelpFormatter
     )
     cmp.add_common_args(ap, steps=steps, lr=lr, out=out, codecs=codecs)
+    ap.add_argument(
+        "--warmup",
+        choices=["all", "rank", "off"],
+        default="all",
+        help="before training, compile every run's kernels through an all-reduce of all "
+        "ranks (all), of each rank alone, sending nothing (rank: what only several ranks "
+        "need then compiles in the first steps), or not at all (off)",
+    )
     args = ap.parse_args(argv)
     cmp.check_args(args)
     runs = cmp.parse_runs(args.codecs)
@@ -214,7 +222,8 @@ def run_main(
     from threadpoolctl import threadpool_limits
 
     with threadpool_limits(limits=1, user_api="blas"):
-        _compile(comm, runs, say)
+        if args.warmup != "off":
+            _compile(comm if args.warmup == "all" else MPI.COMM_SELF, comm, runs, say)
         results = train_all(comm, runs, make_model, data, args, trace, say)
     if rank == 0:
         _report(results, args, argv, prog, size, trace)
@@ -222,11 +231,10 @@ def run_main(
     return 0
 
 
-def _compile(comm, runs: list[cmp.Run], say) -> None:
-    """Compile (or load) every run's kernels before training, saying what takes long:
-    one process of the host compiles, the others load (mpicomp/_numba_cache.py). Each
-    rank on its own (MPI.COMM_SELF): no byte on the network before the measured steps;
-    what only several ranks need compiles in the first steps, announced when slow."""
+def _compile(on, comm, runs: list[cmp.Run], say) -> None:
+    """Compile (or load) every run's kernels before training by all-reduces on ``on``
+    (``comm``, or each rank alone: MPI.COMM_SELF), saying what takes long: one process
+    of the host compiles each kernel, the others load it (mpicomp/_numba_cache.py)."""
     from mpi4py import MPI
 
     from mpicomp import warmup
@@ -234,10 +242,10 @@ def _compile(comm, runs: list[cmp.Run], say) -> None:
     warmup.log_compiles()
     start = time.perf_counter()
     say(
-        f"compiling (or loading) the numba kernels of {len(runs)} runs (about 2 min the first time)"
+        f"compiling (or loading) the numba kernels of {len(runs)} runs (a minute or two on a first run)"
     )
     for run in runs:
-        (seconds,) = warmup.warm([mpicomp.codec(run.codec, **run.params)], MPI.COMM_SELF).values()
+        (seconds,) = warmup.warm([mpicomp.codec(run.codec, **run.params)], on).values()
         seconds = comm.allreduce(seconds, op=MPI.MAX)  # the slowest rank's
         say(f"  {run.label}: {seconds:.1f} s")
     say(f"kernels ready in {time.perf_counter() - start:.0f} s")

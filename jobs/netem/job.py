@@ -392,7 +392,9 @@ def train(runner: Runner, rate: str, args, out_dir: str) -> dict:
     out = os.path.join(out_dir, f"train-{rate}")
     devs = net.tc_devs()
     before = {d: net.sent_bytes(d) for d in devs}
+    # --warmup rank: nothing on the links but the traced steps (the byte check below).
     argv = ["-m", "jobs.train", "--steps", str(args.train_steps), "--out", out, "--no-plot"]
+    argv += ["--warmup", "rank"]
     runner.run(argv + ["--hidden", args.train_hidden])
     device = sum(net.sent_bytes(d) - before[d] for d in devs)
     with open(os.path.join(out, "results.json")) as f:
