@@ -18,8 +18,8 @@ ROOT = Path(__file__).resolve().parents[1]
 PRINTERS = {
     "mpicomp/cli.py",
     "mpicomp/advise.py",  # render(out): the table of `mpicomp advise`
-    "mpicomp/bench/kernels.py",  # progress lines into the CLI's stream
-    "mpicomp/bench/allreduce.py",
+    "mpicomp/bench/__init__.py",  # what bench will measure, into the CLI's stream
+    "mpicomp/bench/_countdown.py",  # progress lines, likewise
     "mpicomp/bench/report.py",
     "kernels/cuda/compile_check.py",  # python -m mpicomp.kernels.cuda.compile_check
 }
