@@ -42,22 +42,6 @@ _A2A = "alltoall"
 
 
 def direct_allreduce_bounded(
-    comm, codes, bound, majority=False, *, signed=True, packed=False, recorder=None, timeout=None
-):
-    """Sum bounded integer codes over ranks, or take their majority, by a direct
-    reduce-scatter (alltoall of codes, owners sum) and a ring allgather.
-
-    The arguments, result, checks and errors of ``ring.ring_allreduce_bounded``; the same
-    result, bit for bit. The recorder gets ``record("direct.alltoall", k, sent, recv, w_1)``
-    for k = 1..N-1, then ``record("direct.allgather", j, sent, recv, w_f)`` for j = 1..N-1.
-    """
-    fname = "direct_allreduce_bounded"
-    timeout = resolve_timeout(timeout)
-    x, b, be = ring.check_bounded(comm, codes, bound, majority, signed, packed, fname, timeout)
-    return _direct(comm, x, b, majority, signed, packed, recorder, timeout, be, fname)
-
-
-def direct_allreduce_agreed(
     comm,
     codes,
     bound,
@@ -67,13 +51,23 @@ def direct_allreduce_agreed(
     packed=False,
     recorder=None,
     timeout=None,
+    checked=True,
     kernels=None,
 ):
-    """Run ``direct_allreduce_bounded``'s exchange for a caller whose ranks agreed already
-    (as ``ring.ring_allreduce_agreed``: nothing checked, no message beyond the schedule's)."""
-    be = backend_of(codes, kernels)
-    timeout = resolve_timeout(timeout)
+    """Sum bounded integer codes over ranks, or take their majority, by a direct
+    reduce-scatter (alltoall of codes, owners sum) and a ring allgather.
+
+    The arguments (``checked=False`` too), result, checks and errors of
+    ``ring.ring_allreduce_bounded``; the same result, bit for bit. The recorder gets ``record("direct.alltoall", k, sent, recv, w_1)``
+    for k = 1..N-1, then ``record("direct.allgather", j, sent, recv, w_f)`` for j = 1..N-1.
+    """
     fname = "direct_allreduce_bounded"
+    timeout = resolve_timeout(timeout)
+    if checked:
+        codes, bound, _ = ring.check_bounded(
+            comm, codes, bound, majority, signed, packed, fname, timeout
+        )
+    be = backend_of(codes, kernels)
     return _direct(comm, codes, bound, majority, signed, packed, recorder, timeout, be, fname)
 
 

@@ -31,8 +31,8 @@ without one they are the blocking Sendrecv and Allreduce.
 
 ``ring_allreduce_bounded`` and ``ring_allreduce_min`` check their arguments and agree on
 them across ranks (one Allreduce, and a min/max pass over the codes) before the ring
-runs; ``ring_allreduce_agreed`` and ``ring_allreduce_min_agreed`` run the same ring for
-a caller that has agreed already (``CompressedComm``: one agreement per call).
+runs; with ``checked=False`` they run the same ring for a caller that has agreed already
+(``CompressedComm``: one agreement per call).
 """
 
 from __future__ import annotations
@@ -296,7 +296,17 @@ _MODE_SIGNED, _MODE_UNSIGNED, _MODE_MAJORITY = 0, 1, 2
 
 
 def ring_allreduce_bounded(
-    comm, codes, bound, majority=False, *, signed=True, packed=False, recorder=None, timeout=None
+    comm,
+    codes,
+    bound,
+    majority=False,
+    *,
+    signed=True,
+    packed=False,
+    recorder=None,
+    timeout=None,
+    checked=True,
+    kernels=None,
 ):
     """Sum bounded integer codes over ranks, or take their majority, on a width-growing ring.
 
@@ -317,6 +327,12 @@ def ring_allreduce_bounded(
             once per step with ops ``"ring.reduce_scatter"`` and ``"ring.allgather"``.
         timeout: seconds each step may wait before this rank reports what it waits for
             and aborts the job (``comm.Abort``); None: ``MPICOMP_TIMEOUT``, unset or 0: off.
+        checked: False for a caller whose ranks have agreed already (``CompressedComm``'s
+            agreement covers length, bound and mode; its codecs make codes within their
+            bound): nothing is checked and no message goes beyond the ring's, so
+            ``codes`` must be a contiguous 1-D integer array of one length on every rank.
+        kernels: the backend record that computes on NumPy codes (default
+            ``mpicomp.kernels.backend()``).
 
     Returns:
         Without ``majority``: the exact sums, int64, length n, identical on every rank
@@ -333,8 +349,12 @@ def ring_allreduce_bounded(
     """
     fname = "ring_allreduce_bounded"
     timeout = resolve_timeout(timeout)
-    x, b, be = check_bounded(comm, codes, bound, majority, signed, packed, fname, timeout)
-    return _bounded(comm, x, b, majority, signed, packed, recorder, timeout, be, fname)
+    if checked:
+        codes, bound, _ = check_bounded(
+            comm, codes, bound, majority, signed, packed, fname, timeout
+        )
+    be = backend_of(codes, kernels)
+    return _bounded(comm, codes, bound, majority, signed, packed, recorder, timeout, be, fname)
 
 
 def check_bounded(comm, codes, bound, majority, signed, packed, fname: str, timeout):
@@ -376,42 +396,6 @@ def check_bounded(comm, codes, bound, majority, signed, packed, fname: str, time
     allowed = (-b, b) if signed else (0, b)
     _agree(comm, fname, err, n, b, "bound", mode, lo, hi, allowed, timeout)
     return x, b, be
-
-
-def ring_allreduce_agreed(
-    comm,
-    codes,
-    bound,
-    majority=False,
-    *,
-    signed=True,
-    packed=False,
-    recorder=None,
-    timeout=None,
-    kernels=None,
-):
-    """Run ``ring_allreduce_bounded``'s ring for a caller whose ranks have agreed already.
-
-    The same arguments and result, nothing checked and no message beyond the ring's: every
-    rank brings a contiguous 1-D integer ``codes`` of one length, the same ``bound`` and
-    mode, every code inside the bound (``CompressedComm`` agrees on the length first and
-    its codecs make codes within their bound). ``kernels``: the backend record for NumPy
-    codes (default ``mpicomp.kernels.backend()``).
-    """
-    be = backend_of(codes, kernels)
-    timeout = resolve_timeout(timeout)
-    return _bounded(
-        comm,
-        codes,
-        bound,
-        majority,
-        signed,
-        packed,
-        recorder,
-        timeout,
-        be,
-        "ring_allreduce_bounded",
-    )
 
 
 class Plan(NamedTuple):
@@ -521,7 +505,9 @@ def _paper_majority(xp, nranks: int):
     return decide
 
 
-def ring_allreduce_min(comm, codes, width, *, dtype=np.int64, recorder=None, timeout=None):
+def ring_allreduce_min(
+    comm, codes, width, *, dtype=np.int64, recorder=None, timeout=None, checked=True, kernels=None
+):
     """Take the elementwise minimum over ranks of unsigned codes, ``width`` bits on the wire.
 
     Args:
@@ -531,7 +517,8 @@ def ring_allreduce_min(comm, codes, width, *, dtype=np.int64, recorder=None, tim
         dtype: integer dtype of the result; it must hold every code (default int64).
         recorder: None, or an object with ``record(op, step, sent, recv, bits)``; called
             once per step with ops ``"ring_min.reduce_scatter"`` and ``"ring_min.allgather"``.
-        timeout: as for ``ring_allreduce_bounded``.
+        timeout, checked, kernels: as for ``ring_allreduce_bounded`` (unchecked codes must
+            be contiguous, 1-D, of one length, each in [0, 2**width)).
 
     Returns:
         array of ``dtype`` (int64 by default) of length n, the minima, identical on every rank.
@@ -544,6 +531,10 @@ def ring_allreduce_min(comm, codes, width, *, dtype=np.int64, recorder=None, tim
     """
     fname = "ring_allreduce_min"
     timeout = resolve_timeout(timeout)
+    if not checked:
+        return _minimum(
+            comm, codes, width, dtype, recorder, timeout, backend_of(codes, kernels), fname
+        )
     err, n, w, lo, hi = None, 0, 0, 0, 0
     try:
         x, be = _as_codes(codes, fname)
@@ -555,18 +546,7 @@ def ring_allreduce_min(comm, codes, width, *, dtype=np.int64, recorder=None, tim
     except (TypeError, ValueError) as exc:
         err = exc
     _agree(comm, fname, err, n, w, "width", 0, lo, hi, (0, 2**w - 1), timeout)
-    return _minimum(comm, x, w, dtype, recorder, timeout, be, fname)
-
-
-def ring_allreduce_min_agreed(
-    comm, codes, width, *, dtype=np.int64, recorder=None, timeout=None, kernels=None
-):
-    """Run ``ring_allreduce_min``'s ring for a caller whose ranks have agreed already:
-    the same arguments and result, nothing checked, no message beyond the ring's (every
-    rank brings contiguous 1-D codes of one length, each in [0, 2**width))."""
-    be = backend_of(codes, kernels)
-    timeout = resolve_timeout(timeout)
-    return _minimum(comm, codes, width, dtype, recorder, timeout, be, "ring_allreduce_min")
+    return _minimum(comm, x, w, dtype, recorder, timeout, backend_of(x, kernels), fname)
 
 
 def _minimum(comm, x, w, dtype, recorder, timeout, be, fname):

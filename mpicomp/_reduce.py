@@ -33,10 +33,10 @@ from mpicomp._transport import Transport
 from mpicomp.collectives import plain
 from mpicomp.collectives._wait import resolve_timeout
 from mpicomp.collectives.allgather import allgather_bytes
-from mpicomp.collectives.direct import direct_allreduce_agreed
+from mpicomp.collectives.direct import direct_allreduce_bounded
 from mpicomp.collectives.float16 import allreduce_float16
 from mpicomp.collectives.maxallreduce import max_allreduce
-from mpicomp.collectives.ring import ring_allreduce_agreed, ring_allreduce_min_agreed
+from mpicomp.collectives.ring import ring_allreduce_bounded, ring_allreduce_min
 from mpicomp.collectives.sharded import alltoall_bytes, shard_bounds
 from mpicomp.errors import PeerClosed, RankError
 from mpicomp.kernels import backend_of
@@ -338,11 +338,12 @@ def reduce_integer(call: Call, codec, flat, encoders: Encoders | None = None) ->
         sidx = codec.scale_index(flat, norm, **at)
         clock.encoded()
         if codec.index_bits:
-            sidx = ring_allreduce_min_agreed(
+            sidx = ring_allreduce_min(
                 comm,
                 _down(call, dev, sidx, "index"),
                 codec.index_bits,
                 dtype=codec.index_dtype,
+                checked=False,
                 kernels=call.kernels,
                 **call.io,
             )
@@ -356,6 +357,7 @@ def reduce_integer(call: Call, codec, flat, encoders: Encoders | None = None) ->
         _down(call, dev, codes, "codes"),
         codec.bound,
         packed=True,
+        checked=False,
         kernels=call.kernels,
         **call.io,
     )
@@ -391,6 +393,7 @@ def reduce_majority(call: Call, codec, flat, encoders: Encoders | None = None) -
         1,
         majority=decide,
         signed=False,
+        checked=False,
         kernels=call.kernels,
         **call.io,
     )
@@ -401,7 +404,7 @@ def reduce_majority(call: Call, codec, flat, encoders: Encoders | None = None) -
 
 
 #: How bounded codes (QSGD's, signSGD's votes) are summed, by schedule name.
-_BOUNDED = {"ring": ring_allreduce_agreed, "direct": direct_allreduce_agreed}
+_BOUNDED = {"ring": ring_allreduce_bounded, "direct": direct_allreduce_bounded}
 
 
 def reduce_gather(call: Call, codec, flat, encoders: Encoders) -> np.ndarray:
