@@ -22,9 +22,9 @@ from mpicomp import model as model_mod
 from mpicomp._arrays import array_module, check_numel, is_device_array, to_float32
 from mpicomp._config import Config, check_same
 from mpicomp._log import log
-from mpicomp._progress import Handle, Worker, overlap_blocker
 from mpicomp._same_call import CLOSING, check_same_call
 from mpicomp._transport import Transport, cuda_aware
+from mpicomp._worker import Handle, Worker, overlap_blocker
 from mpicomp.codecs import Codec, ErrorFeedback
 from mpicomp.codecs._base import available as available_codecs
 from mpicomp.codecs._base import codec_parameters

@@ -371,7 +371,7 @@ def test_workqueue_threading_layer_runs_iallreduce_at_once(monkeypatch):
 
 
 def test_ctrl_c_in_an_eager_call_interrupts_the_caller():
-    from mpicomp._progress import Handle
+    from mpicomp._worker import Handle
 
     def interrupted():
         raise KeyboardInterrupt
