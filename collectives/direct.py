@@ -33,7 +33,6 @@ import numpy as np
 
 from mpicomp.collectives import ring
 from mpicomp.collectives._wait import resolve_timeout
-from mpicomp.kernels import backend_of
 from mpicomp.kernels.bits import packed_size
 
 _TAG = 0x3C4  # the direct schedule's messages, apart from the ring's
@@ -58,17 +57,15 @@ def direct_allreduce_bounded(
     reduce-scatter (alltoall of codes, owners sum) and a ring allgather.
 
     The arguments (``checked=False`` too), result, checks and errors of
-    ``ring.ring_allreduce_bounded``; the same result, bit for bit. The recorder gets ``record("direct.alltoall", k, sent, recv, w_1)``
-    for k = 1..N-1, then ``record("direct.allgather", j, sent, recv, w_f)`` for j = 1..N-1.
+    ``ring.ring_allreduce_bounded``; the same result, bit for bit. The recorder gets
+    ``record("direct.alltoall", k, sent, recv, w_1)`` for k = 1..N-1, then
+    ``record("direct.allgather", j, sent, recv, w_f)`` for j = 1..N-1.
     """
     fname = "direct_allreduce_bounded"
     timeout = resolve_timeout(timeout)
-    if checked:
-        codes, bound, _ = ring.check_bounded(
-            comm, codes, bound, majority, signed, packed, fname, timeout
-        )
-    be = backend_of(codes, kernels)
-    return _direct(comm, codes, bound, majority, signed, packed, recorder, timeout, be, fname)
+    args = (majority, signed, packed, fname, timeout)
+    x, b, be = ring.bounded_arguments(comm, codes, bound, *args, checked, kernels)
+    return _direct(comm, x, b, majority, signed, packed, recorder, timeout, be, fname)
 
 
 def _direct(comm, x, b, majority, signed, packed, recorder, timeout, be, fname):

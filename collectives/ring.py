@@ -349,20 +349,22 @@ def ring_allreduce_bounded(
     """
     fname = "ring_allreduce_bounded"
     timeout = resolve_timeout(timeout)
-    if checked:
-        codes, bound, _ = check_bounded(
-            comm, codes, bound, majority, signed, packed, fname, timeout
-        )
-    be = backend_of(codes, kernels)
-    return _bounded(comm, codes, bound, majority, signed, packed, recorder, timeout, be, fname)
+    args = (majority, signed, packed, fname, timeout)
+    x, b, be = bounded_arguments(comm, codes, bound, *args, checked, kernels)
+    return _bounded(comm, x, b, majority, signed, packed, recorder, timeout, be, fname)
 
 
-def check_bounded(comm, codes, bound, majority, signed, packed, fname: str, timeout):
-    """Check the arguments of a bounded sum or majority and agree on them across ranks.
+def bounded_arguments(
+    comm, codes, bound, majority, signed, packed, fname: str, timeout, checked, kernels
+):
+    """Return (codes, bound, kernel backend record) of a bounded sum or majority.
 
-    Returns (codes as a contiguous 1-D array, bound, kernel backend record). Raises what
-    ``ring_allreduce_bounded`` documents, on every rank (one Allreduce of 10 int64).
+    With ``checked``, the arguments are checked and agreed on across ranks (one Allreduce
+    of 10 int64), and codes come back as a contiguous 1-D array; a problem raises what
+    ``ring_allreduce_bounded`` documents, on every rank. Without, they come back as given.
     """
+    if not checked:
+        return codes, bound, backend_of(codes, kernels)
     size = comm.Get_size()
     err, x, be, n, b, lo, hi, mode = None, None, None, 0, 0, 0, 0, _MODE_SIGNED
     try:
@@ -395,7 +397,7 @@ def check_bounded(comm, codes, bound, majority, signed, packed, fname: str, time
         err = exc
     allowed = (-b, b) if signed else (0, b)
     _agree(comm, fname, err, n, b, "bound", mode, lo, hi, allowed, timeout)
-    return x, b, be
+    return x, b, backend_of(x, kernels)
 
 
 class Plan(NamedTuple):
