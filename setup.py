@@ -7,7 +7,7 @@ from pathlib import Path
 from setuptools import setup
 
 version = re.search(
-    r'^__version__ = "([^"]+)"', Path("mpicomp/__init__.py").read_text(), re.M
+    r'^__version__ = "([^"]+)"', Path("mpicomp/_version.py").read_text(), re.M
 ).group(1)
 
 # CuPy's NVRTC path compiles the CUDA sources without a GPU: pinned, because the check

@@ -13,9 +13,8 @@ import sys
 import numpy as np
 
 import mpicomp
-from mpicomp.bench import conv_gradient, label, median_seconds
+from mpicomp.bench import conv_gradient, label, median_seconds, one_rank_round_trip
 from mpicomp.bench.report import title
-from mpicomp.bench.roundtrip import one_rank_round_trip
 
 TOUR = [
     ("none", {}),

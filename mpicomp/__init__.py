@@ -4,9 +4,8 @@
 lists their names.
 """
 
-__version__ = "0.1.0"
-
 from mpicomp import _numba_cache
+from mpicomp._version import __version__
 
 _numba_cache.configure()  # before the codecs define their numba kernels
 

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import math
 
-import mpicomp
+from mpicomp.codecs import codec as make_codec
 
 # Aggregations moved around a ring (fp16's "sum" too: a float16 ring, see codecs.md).
 _RING = ("integer_sum", "majority", "sum")
@@ -77,7 +77,7 @@ def predict(row: dict, link_bps: float, nranks: int) -> dict:
         ``speedup`` (float32 ring time over compressed time, N ranks),
         ``break_even_gbit`` (the link rate below which compression is faster; 0: never).
     """
-    aggregation = mpicomp.codec(row["codec"], **row["params"]).aggregation
+    aggregation = make_codec(row["codec"], **row["params"]).aggregation
     k = 32 / row["bits_per_element"]
     enc = 4 / (row["encode_gbps"] * 1e9)  # seconds per element
     dec = 4 / (row["decode_gbps"] * 1e9)
@@ -198,7 +198,7 @@ def codecs_of(speeds: dict) -> list:
     for key in speeds:
         name, _, params = key.partition(":")
         try:
-            out.append(mpicomp.codec(name, **json.loads(params or "{}")))
+            out.append(make_codec(name, **json.loads(params or "{}")))
         except (ValueError, TypeError) as e:
             raise ValueError(f"speed {key!r} names no codec ({e})") from None
     return out
@@ -269,7 +269,7 @@ def _count(n: int) -> str:
 
 def _given_params(name: str, params: dict) -> dict:
     """The parameters of ``params`` that differ from codec ``name``'s defaults."""
-    defaults = mpicomp.codec(name).params
+    defaults = make_codec(name).params
     return {k: v for k, v in params.items() if defaults.get(k, object()) != v}
 
 

@@ -562,7 +562,7 @@ def _cmd_bench(args, parser) -> int:
             model=args.model,
         )
         if args.save_model:
-            from mpicomp.model import SPEED_NUMEL
+            from mpicomp._probe import SPEED_NUMEL
 
             rows = None if args.no_kernels else report.rows
             model = bench.measure_model(comm, rows, args.codecs, args.numel or SPEED_NUMEL)

@@ -28,19 +28,21 @@ def warm(codecs=None, comm=None, sizes=SIZES, on_codec=None) -> dict[str, float]
     as each finishes."""
     from mpi4py import MPI
 
-    import mpicomp
+    from mpicomp.codecs import available
+    from mpicomp.codecs import codec as make_codec
+    from mpicomp.comm import CompressedComm
 
     comm = MPI.COMM_WORLD if comm is None else comm
-    codecs = mpicomp.codecs.available() if codecs is None else list(codecs)
+    codecs = available() if codecs is None else list(codecs)
     rng = np.random.default_rng(comm.rank)
     grads = [rng.standard_normal(n).astype(np.float32) * 1e-3 for n in sizes]
     took = {}
     for codec in codecs:
         start = time.perf_counter()
         label = codec if isinstance(codec, str) else repr(codec)
-        made = mpicomp.codec(codec) if isinstance(codec, str) else codec
+        made = make_codec(codec) if isinstance(codec, str) else codec
         for sharded in (False, True) if made.aggregation == "gather" else (False,):
-            with mpicomp.CompressedComm(comm, made, min_numel=1, sharded=sharded) as cc:
+            with CompressedComm(comm, made, min_numel=1, sharded=sharded) as cc:
                 for g in grads:
                     cc.allreduce(g, name=f"g{g.size}")
                 cc.allreduce_many(grads, [f"fused{g.size}" for g in grads])

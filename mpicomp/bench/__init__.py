@@ -3,13 +3,15 @@
 ``mpicomp bench`` runs :func:`full_run` (and :func:`measure_model` for ``--save-model``);
 ``mpicomp advise`` runs :func:`run`. The modules, each importing only those before it:
 
-- ``workload``: the gradient, the codec set, counts and parameter labels;
-- ``roundtrip``: one rank's encode/decode/wire closures per codec;
-- ``kernels``: their throughput on one process (:func:`run`);
+- ``workload``: the codec set, counts and parameter labels;
+- ``kernels``: codec throughput on one process (:func:`run`);
 - ``allreduce``: the all-reduce measurement across ranks (imports ``mpi4py.MPI``);
 - ``report``: headers, tables and JSON.
 
-This module re-exports what needs no MPI; the jobs import ``allreduce`` themselves.
+The gradient, one rank's encode/decode/wire closures and the clock are the runtime's
+(``mpicomp._probe``: ``CompressedComm(schedule="auto")`` times codecs with them too);
+this package imports them, never the reverse. This module re-exports what needs no MPI;
+the jobs import ``allreduce`` themselves.
 """
 
 from __future__ import annotations
@@ -18,16 +20,13 @@ import time
 from collections.abc import Sequence
 
 import mpicomp.kernels as K
-from mpicomp.bench.kernels import median_seconds, run
+from mpicomp import _probe
+from mpicomp._probe import conv_gradient, gradient, median_seconds, one_rank_round_trip
+from mpicomp.bench.kernels import run
 from mpicomp.bench.report import Report, format_table, print_json
-from mpicomp.bench.workload import (
-    BENCH_SET,
-    codec_set,
-    conv_gradient,
-    gradient,
-    label,
-    parse_count,
-)
+from mpicomp.bench.workload import BENCH_SET, codec_set, label, parse_count
+from mpicomp.codecs import codec as make_codec
+from mpicomp.model import speeds_from_bench
 
 __all__ = [
     "BENCH_SET",
@@ -40,6 +39,7 @@ __all__ = [
     "label",
     "measure_model",
     "median_seconds",
+    "one_rank_round_trip",
     "parse_count",
     "print_json",
     "run",
@@ -178,17 +178,14 @@ def measure_model(comm, rows: list[dict] | None, codecs: Sequence[str] | None, n
     Returns:
         A ``mpicomp.model.Model`` (``source`` ``"measured"``).
     """
-    import mpicomp
-    from mpicomp.model import host_comm, measure, measured_speeds, speeds_from_bench
-
-    node = host_comm(comm)  # what CompressedComm measures "intra" on
+    node = _probe.host_comm(comm)  # what CompressedComm measures "intra" on
     try:
-        model = measure(comm, node, codecs=[])
+        model = _probe.measure(comm, node, codecs=[])
     finally:
         node.Free()
     if rows is None:
-        made = [mpicomp.codec(name, **params) for name, params in codec_set(codecs)]
-        return model.with_speeds(measured_speeds(comm, made, numel))
+        made = [make_codec(name, **params) for name, params in codec_set(codecs)]
+        return model.with_speeds(_probe.measured_speeds(comm, made, numel))
     # Only rank 0 timed the kernels.
     speeds = comm.bcast(speeds_from_bench(rows) if comm.rank == 0 else None, root=0)
     return model.with_speeds(speeds)

@@ -29,13 +29,16 @@ from time import perf_counter
 import numpy as np
 from mpi4py import MPI
 
-import mpicomp
 import mpicomp.kernels as K
+from mpicomp import _probe
 from mpicomp._transport import cuda_aware
 from mpicomp.bench._countdown import Countdown
 from mpicomp.bench.kernels import kernel_backend
-from mpicomp.bench.workload import gradient, label
+from mpicomp.bench.workload import label
+from mpicomp.codecs import codec as make_codec
 from mpicomp.collectives.traffic import Traffic
+from mpicomp.comm import CompressedComm
+from mpicomp.model import codec_key
 from mpicomp.options import AUTO, SCHEDULES
 from mpicomp.schedules import FLOAT32, Topology, predict
 from mpicomp.schedules import schedules_of as candidate_schedules
@@ -126,7 +129,7 @@ def schedules_of(name: str, params: dict, asked, topology: Topology | None = Non
     hierarchical ones where the hosts allow; not float32, every row's reference) and
     ``"auto"`` itself; a list, those of them it has, float32 included (its default if
     none)."""
-    codec = mpicomp.codec(name, **params)
+    codec = make_codec(name, **params)
     default = SCHEDULES[codec.aggregation][0]
     if asked is None:
         return [default]
@@ -141,31 +144,27 @@ def schedules_of(name: str, params: dict, asked, topology: Topology | None = Non
 def run_model(comm, codecs, given=None, numel: int = 0):
     """Return the model every CompressedComm of a run predicts with (collective): ``given``
     (a Model or a file) with the speeds it lacks for ``codecs`` measured now, else one
-    measured now (``mpicomp.model.measure``), so that none measures again. Speeds are
-    measured on ``numel`` elements (0: ``mpicomp.model.SPEED_NUMEL``): the run's largest
+    measured now (``mpicomp._probe.measure``), so that none measures again. Speeds are
+    measured on ``numel`` elements (0: ``mpicomp._probe.SPEED_NUMEL``): the run's largest
     size, since compute per element grows with size past the caches (FFT, top-k)."""
-    from mpicomp import model as model_mod
-
-    made = [mpicomp.codec(name, **params) for name, params in codecs]
+    made = [make_codec(name, **params) for name, params in codecs]
     made = [c for c in made if c.name != "none"]
-    numel = numel or model_mod.SPEED_NUMEL
-    node = model_mod.host_comm(comm)
+    numel = numel or _probe.SPEED_NUMEL
+    node = _probe.host_comm(comm)
     try:
         if given is None:
-            return model_mod.measure(comm, node, made, numel)
-        model = model_mod.resolve(comm, node, mpicomp.codec("none"), given)
-        missing = [c for c in made if model_mod.codec_key(c) not in model.speeds]
-        return model.with_speeds(model_mod.measured_speeds(comm, missing, numel))
+            return _probe.measure(comm, node, made, numel)
+        model = _probe.resolve(comm, node, make_codec("none"), given)
+        missing = [c for c in made if codec_key(c) not in model.speeds]
+        return model.with_speeds(_probe.measured_speeds(comm, missing, numel))
     finally:
         node.Free()
 
 
 def _topology(comm) -> Topology:
-    from mpicomp import model as model_mod
-
-    node = model_mod.host_comm(comm)
+    node = _probe.host_comm(comm)
     try:
-        return model_mod.topology(comm, node)
+        return _probe.topology(comm, node)
     finally:
         node.Free()
 
@@ -386,7 +385,7 @@ def measure(
     device = rec.xp is not np
     sync = (getattr(rec, "synchronize", None) or (lambda: None)) if device else (lambda: None)
     n, size = numel, comm.size
-    host = gradient(n, seed=comm.rank)
+    host = _probe.gradient(n, seed=comm.rank)
     x = rec.xp.asarray(host) if device else host
     counter = _Counter(comm, [tc_dev] if isinstance(tc_dev, str) else tc_dev)
     before = counter.read()
@@ -411,7 +410,7 @@ def measure(
             path = _trace_path(where, n, name, params, schedule)
             # Written at close only: no flush inside the timed calls.
             with _host_kernels(None if device else rec.name):
-                cc = mpicomp.CompressedComm(
+                cc = CompressedComm(
                     comm,
                     name,
                     trace=path,

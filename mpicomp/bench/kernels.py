@@ -2,38 +2,22 @@
 (memcpy on the host, a device-to-device copy on a GPU), bits per element.
 
 ``mpicomp bench`` times these on rank 0 alone, on the kernel backend it is given (the
-gradient lives where that backend computes: a CuPy array for ``cuda``); the per-codec
-closures it times are in ``mpicomp.bench.roundtrip``.
+gradient lives where that backend computes: a CuPy array for ``cuda``), with the closures
+and the clock ``CompressedComm(schedule="auto")`` measures codec speeds with
+(``mpicomp._probe``).
 """
 
 from __future__ import annotations
 
-import statistics
-import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 import numpy as np
 
-import mpicomp
 import mpicomp.kernels as K
+from mpicomp._probe import gradient, median_seconds, one_rank_round_trip
 from mpicomp.bench._countdown import Countdown
-from mpicomp.bench.roundtrip import one_rank_round_trip
-from mpicomp.bench.workload import codec_set, gradient, label
-
-
-def median_seconds(fn: Callable[[], object], reps: int, sync=None) -> float:
-    """Return the median wall time of ``reps`` calls of ``fn`` after one warm-up call;
-    ``sync`` (a GPU's synchronize) is called before the clock starts and before it stops."""
-    sync = sync or (lambda: None)
-    fn()  # warm-up: compilation and first-touch allocation
-    times = []
-    for _ in range(reps):
-        sync()
-        t0 = time.perf_counter()
-        fn()
-        sync()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+from mpicomp.bench.workload import codec_set, label
+from mpicomp.codecs import codec as make_codec
 
 
 def kernel_backend(name: str | None):
@@ -96,7 +80,7 @@ def run(
     countdown = Countdown(len(todo), progress)
     for name, params in todo:
         countdown.next(f"{name} {label(params)}".strip())
-        codec = mpicomp.codec(name, **params)
+        codec = make_codec(name, **params)
         codec.kernels = rec if rec.xp is np else codec.kernels  # the backend of NumPy arrays
         enc, dec, wire = one_rank_round_trip(codec, x)
         t_enc = median_seconds(enc, reps, sync)

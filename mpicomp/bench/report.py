@@ -7,13 +7,13 @@ import sys
 
 import numba
 
-import mpicomp
+from mpicomp._version import __version__
 from mpicomp.bench.workload import label
 
 
 def title(what: str) -> str:
     """Return the first words of a report's header: ``mpicomp <version> <what>``."""
-    return f"mpicomp {mpicomp.__version__} {what}"
+    return f"mpicomp {__version__} {what}"
 
 
 def mpi_library() -> str:

@@ -1,14 +1,13 @@
-"""What the benchmarks measure: the gradient, the codecs with their parameters, and how
-the command lines spell counts and parameters."""
+"""What the benchmarks measure: the codecs with their parameters, and how the command
+lines spell counts and parameters. The gradient is ``mpicomp._probe.gradient``, the one
+``CompressedComm(schedule="auto")`` times codecs on."""
 
 from __future__ import annotations
 
 import math
 from collections.abc import Sequence
 
-import numpy as np
-
-import mpicomp
+from mpicomp import codecs
 
 # One representative parameter set per codec (two for QSGD-MaxNorm: 8 and 2 bits, the
 # ends of its useful range), in the order the tables print them.
@@ -27,26 +26,6 @@ BENCH_SET: list[tuple[str, dict]] = [
     ("fastsgd", {}),
 ]
 
-# Elements per output channel of a ResNet-50 3x3 conv with 512 input channels.
-_CHANNEL = 512 * 3 * 3
-
-
-def conv_gradient(shape: tuple[int, ...] = (512, 512, 3, 3), seed: int = 0) -> np.ndarray:
-    """Return a float32 tensor shaped like a ResNet-50 3x3 conv gradient.
-
-    Real conv gradients are heavy-tailed and their scale varies by output channel:
-    Laplace values times a log-normal scale per channel, times 1e-3.
-    """
-    rng = np.random.default_rng(seed)
-    scale = rng.lognormal(0.0, 1.0, size=(shape[0],) + (1,) * (len(shape) - 1))
-    return (rng.laplace(size=shape) * scale * 1e-3).astype(np.float32)
-
-
-def gradient(numel: int, seed: int = 0) -> np.ndarray:
-    """Return ``numel`` float32 values drawn as :func:`conv_gradient` draws them, flat."""
-    channels = max(1, -(-numel // _CHANNEL))
-    return conv_gradient((channels, 512, 3, 3), seed).reshape(-1)[:numel].copy()
-
 
 def codec_set(names: Sequence[str] | None = None) -> list[tuple[str, dict]]:
     """Return the (name, params) pairs of ``BENCH_SET`` for ``names`` (all when None).
@@ -58,7 +37,7 @@ def codec_set(names: Sequence[str] | None = None) -> list[tuple[str, dict]]:
     """
     if names is None:
         return list(BENCH_SET)
-    known = mpicomp.codecs.available()
+    known = codecs.available()
     out: list[tuple[str, dict]] = []
     for name in names:
         if name not in known:
