@@ -5,12 +5,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import signal
 import sys
 
-import mpicomp
-from mpicomp import _transport, bench
+from mpicomp import bench, diagnostics
+from mpicomp._version import __version__
+from mpicomp.codecs import available as available_codecs
+from mpicomp.diagnostics import info
 
 EXAMPLES = """\
 examples:
@@ -57,7 +58,7 @@ def _parser() -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
         epilog=EXAMPLES,
     )
-    parser.add_argument("--version", action="version", version=f"mpicomp {mpicomp.__version__}")
+    parser.add_argument("--version", action="version", version=f"mpicomp {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     p = sub.add_parser(
@@ -346,7 +347,7 @@ def _codec_list(text: str) -> list[str]:
     names = [n.strip() for n in text.split(",") if n.strip()]
     if not names:
         raise argparse.ArgumentTypeError(f"no codec names in {text!r}")
-    known = mpicomp.codecs.available()
+    known = available_codecs()
     for name in names:
         if name not in known:
             raise argparse.ArgumentTypeError(
@@ -373,108 +374,9 @@ def _schedule_list(text: str):
 # -- info ----------------------------------------------------------------------------
 
 
-def info() -> dict[str, str | int]:
-    """Return what ``mpicomp info`` prints, as an ordered {field: text or number} dict.
-
-    Initializes MPI (through ``mpi4py.MPI``) if it is not initialized yet.
-    """
-    import numba
-    import numpy
-    from mpi4py import MPI
-
-    out = {"mpicomp": mpicomp.__version__, "python": platform.python_version()}
-    out["numpy"] = numpy.__version__
-    out["numba"] = numba.__version__
-    out["mpi4py"] = _version("mpi4py")
-    out["h5py"] = _version("h5py")
-    vendor, vversion = MPI.get_vendor()
-    # Open MPI's string ends in a NUL; MPICH pads with runs of spaces.
-    text = MPI.Get_library_version().replace("\0", "").strip()
-    out["MPI library"] = " ".join(text.splitlines()[0].split())
-    out["MPI vendor"] = f"{vendor} {'.'.join(map(str, vversion))}"
-    out["MPI standard"] = "{}.{}".format(*MPI.Get_version())
-    libpath = _transport.libmpi_path()
-    out["MPI library file"] = libpath or "unknown"
-    out["mpi4py ABI"] = _mpi4py_abi(MPI)
-    out["MPI world size"] = MPI.COMM_WORLD.size
-    out["MPI CUDA support"] = _transport.describe(_transport.library_cuda_support(libpath, vendor))
-    try:
-        aware, how = _transport.cuda_aware()
-        path = "handed to MPI directly" if aware else "staged through host memory"
-        decided = f"{'yes' if aware else 'no'} ({how}); device arrays are {path}"
-    except ValueError as e:  # a bad MPICOMP_CUDA_AWARE: info still reports the rest
-        decided = f"unknown ({e})"
-    out["CUDA-aware MPI"] = decided
-    out["GPUs"] = _gpus()
-    out["backends"] = _backends(numba.config.NUMBA_NUM_THREADS)
-    out["numba threads"] = numba.config.NUMBA_NUM_THREADS
-    out["codecs"] = ", ".join(mpicomp.codecs.available())
-    return out
-
-
-def _backends(numba_threads: int) -> str:
-    """Return the registered kernel backends, the one NumPy arrays get marked as in use."""
-    import mpicomp.kernels as K
-
-    try:
-        selected = K.backend().name  # MPICOMP_KERNELS, else the default
-    except ValueError as e:  # an unknown MPICOMP_KERNELS: info still reports the rest
-        return f"{', '.join(K.available())} ({e})"
-    names = []
-    for name in K.available():
-        if name == selected:
-            plural = "" if numba_threads == 1 else "s"
-            threads = f"; {numba_threads} thread{plural}" if name == "numba" else ""
-            name += f" (in use{threads})"
-        names.append(name)
-    return ", ".join(names)
-
-
-def _version(module: str) -> str:
-    from importlib.metadata import PackageNotFoundError, version
-
-    try:
-        return version(module)
-    except PackageNotFoundError:
-        return "not installed"
-
-
-def _mpi4py_abi(MPI) -> str:
-    # mpi4py's PyPI wheels carry one extension per MPI ABI (MPI.mpich.so, MPI.openmpi.so)
-    # and pick it from the library they load; a source build has a plain MPI.so.
-    name = os.path.basename(getattr(MPI, "__file__", "") or "")
-    parts = name.split(".")
-    if len(parts) > 2 and parts[1] in ("mpich", "openmpi", "mpiabi", "impi", "msmpi"):
-        return f"{parts[1]} (mpi4py wheel)"
-    return "built against this library"
-
-
-def _gpus() -> str:
-    """Return the GPUs CuPy sees (the ``cuda`` kernel backend computes on them)."""
-    try:
-        import cupy
-    except ImportError:
-        return "none (CuPy not installed)"
-    try:
-        n = cupy.cuda.runtime.getDeviceCount()
-        names = [
-            cupy.cuda.runtime.getDeviceProperties(i)["name"].decode(errors="replace")
-            for i in range(n)
-        ]
-    except Exception as e:  # CUDARuntimeError and friends
-        if any(why in str(e) for why in ("InsufficientDriver", "NoDevice")):
-            return "none visible"  # no NVIDIA driver or no GPU here: nothing is wrong
-        return f"none (CuPy {cupy.__version__}: {e})"
-    if n == 0:
-        return "none visible"
-    return f"{n} ({', '.join(names)})"
-
-
 def _cmd_info(args, parser) -> int:
     fields = info()
     from mpi4py import MPI
-
-    from mpicomp import diagnostics
 
     ranks = diagnostics.gather(MPI.COMM_WORLD) if args.all_ranks else None
     if MPI.COMM_WORLD.rank != 0:  # under mpiexec: one report, not one per rank
@@ -504,7 +406,7 @@ def _cmd_compile(args, parser) -> int:
 
     warmup.log_compiles()
     rank0 = MPI.COMM_WORLD.rank == 0
-    names = args.codecs or mpicomp.codecs.available()
+    names = args.codecs or available_codecs()
     if rank0:
         where = _numba_cache.cache_root() or "numba's choice (NUMBA_CACHE_DIR)"
         print(f"compiling (or loading) the kernels of {len(names)} codecs: {where}", flush=True)
@@ -560,12 +462,9 @@ def _cmd_bench(args, parser) -> int:
             backend=args.backend,
             schedules=args.schedules,
             model=args.model,
+            with_model=bool(args.save_model),
+            model_numel=args.numel,
         )
-        if args.save_model:
-            from mpicomp._probe import SPEED_NUMEL
-
-            rows = None if args.no_kernels else report.rows
-            model = bench.measure_model(comm, rows, args.codecs, args.numel or SPEED_NUMEL)
     except (RuntimeError, OSError) as e:  # raised on every rank: each exits, none hangs
         if comm.rank == 0:
             print(f"mpicomp bench: error: {e}", file=sys.stderr)
@@ -576,7 +475,7 @@ def _cmd_bench(args, parser) -> int:
         bench.print_json(report.rows)
     else:
         report.print(args.reps, args.allreduce_reps)
-    return _save_model(model, args.save_model) if args.save_model else 0
+    return _save_model(report.model, args.save_model) if args.save_model else 0
 
 
 def _save_model(model, path: str) -> int:

@@ -1,6 +1,8 @@
-"""Per-rank diagnostics of a job: what ``mpicomp info --all-ranks`` shows and warns about.
+"""What ``mpicomp info`` shows: this process's environment, and per rank of a job what
+``--all-ranks`` shows and warns about.
 
-``rank_facts(comm)`` returns one rank's facts as a JSON-ready dict (host, local rank, CPU
+``info()`` returns the fields of ``mpicomp info`` (versions, the MPI library, CUDA-aware
+MPI, GPUs, backends, codecs). ``rank_facts(comm)`` returns one rank's facts as a JSON-ready dict (host, local rank, CPU
 affinity, visible GPUs, the MPI library file and version, CUDA-aware MPI, the kernel
 backend, numba threads); ``gather(comm)`` collects every rank's on rank 0.
 ``warnings(ranks)`` turns the gathered list into sentences about what silently costs
@@ -14,7 +16,7 @@ import os
 import platform
 from collections import defaultdict
 
-__all__ = ["gather", "is_wheel_libmpi", "rank_facts", "ranks_text", "table", "warnings"]
+__all__ = ["gather", "info", "is_wheel_libmpi", "rank_facts", "ranks_text", "table", "warnings"]
 
 #: Launcher variables holding a process's rank on its node: MPICH/Intel MPI (hydra),
 #: Open MPI, Slurm's srun. Without them the rank in ``MPI_COMM_TYPE_SHARED`` is used.
@@ -38,6 +40,107 @@ COLUMNS = (
     "backend",
     "numba threads",
 )
+
+
+# -- this process ----------------------------------------------------------------------
+
+
+def info() -> dict[str, str | int]:
+    """Return what ``mpicomp info`` prints, as an ordered {field: text or number} dict.
+
+    Initializes MPI (through ``mpi4py.MPI``) if it is not initialized yet.
+    """
+    import numba
+    import numpy
+    from mpi4py import MPI
+
+    from mpicomp import _transport, codecs
+    from mpicomp._version import __version__
+
+    out = {"mpicomp": __version__, "python": platform.python_version()}
+    out["numpy"] = numpy.__version__
+    out["numba"] = numba.__version__
+    out["mpi4py"] = _version("mpi4py")
+    out["h5py"] = _version("h5py")
+    vendor, vversion = MPI.get_vendor()
+    out["MPI library"] = _library_version(MPI)
+    out["MPI vendor"] = f"{vendor} {'.'.join(map(str, vversion))}"
+    out["MPI standard"] = "{}.{}".format(*MPI.Get_version())
+    libpath = _transport.libmpi_path()
+    out["MPI library file"] = libpath or "unknown"
+    out["mpi4py ABI"] = _mpi4py_abi(MPI)
+    out["MPI world size"] = MPI.COMM_WORLD.size
+    out["MPI CUDA support"] = _transport.describe(_transport.library_cuda_support(libpath, vendor))
+    try:
+        aware, how = _transport.cuda_aware()
+        path = "handed to MPI directly" if aware else "staged through host memory"
+        decided = f"{'yes' if aware else 'no'} ({how}); device arrays are {path}"
+    except ValueError as e:  # a bad MPICOMP_CUDA_AWARE: info still reports the rest
+        decided = f"unknown ({e})"
+    out["CUDA-aware MPI"] = decided
+    out["GPUs"] = _gpus()
+    out["backends"] = _backends(numba.config.NUMBA_NUM_THREADS)
+    out["numba threads"] = numba.config.NUMBA_NUM_THREADS
+    out["codecs"] = ", ".join(codecs.available())
+    return out
+
+
+def _backends(numba_threads: int) -> str:
+    """Return the registered kernel backends, the one NumPy arrays get marked as in use."""
+    import mpicomp.kernels as K
+
+    try:
+        selected = K.backend().name  # MPICOMP_KERNELS, else the default
+    except ValueError as e:  # an unknown MPICOMP_KERNELS: info still reports the rest
+        return f"{', '.join(K.available())} ({e})"
+    names = []
+    for name in K.available():
+        if name == selected:
+            plural = "" if numba_threads == 1 else "s"
+            threads = f"; {numba_threads} thread{plural}" if name == "numba" else ""
+            name += f" (in use{threads})"
+        names.append(name)
+    return ", ".join(names)
+
+
+def _version(module: str) -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version(module)
+    except PackageNotFoundError:
+        return "not installed"
+
+
+def _mpi4py_abi(MPI) -> str:
+    # mpi4py's PyPI wheels carry one extension per MPI ABI (MPI.mpich.so, MPI.openmpi.so)
+    # and pick it from the library they load; a source build has a plain MPI.so.
+    name = os.path.basename(getattr(MPI, "__file__", "") or "")
+    parts = name.split(".")
+    if len(parts) > 2 and parts[1] in ("mpich", "openmpi", "mpiabi", "impi", "msmpi"):
+        return f"{parts[1]} (mpi4py wheel)"
+    return "built against this library"
+
+
+def _gpus() -> str:
+    """Return the GPUs CuPy sees (the ``cuda`` kernel backend computes on them)."""
+    try:
+        import cupy
+    except ImportError:
+        return "none (CuPy not installed)"
+    try:
+        n = cupy.cuda.runtime.getDeviceCount()
+        names = [
+            cupy.cuda.runtime.getDeviceProperties(i)["name"].decode(errors="replace")
+            for i in range(n)
+        ]
+    except Exception as e:  # CUDARuntimeError and friends
+        if any(why in str(e) for why in ("InsufficientDriver", "NoDevice")):
+            return "none visible"  # no NVIDIA driver or no GPU here: nothing is wrong
+        return f"none (CuPy {cupy.__version__}: {e})"
+    if n == 0:
+        return "none visible"
+    return f"{n} ({', '.join(names)})"
 
 
 # -- one rank --------------------------------------------------------------------------

@@ -169,7 +169,9 @@ def test_info_says_none_visible_without_a_gpu(monkeypatch):
     pytest.importorskip("cupy")
     if gpu_present():
         pytest.skip("a GPU is present")
-    assert cli._gpus() == "none visible"
+    from mpicomp import diagnostics
+
+    assert diagnostics._gpus() == "none visible"
 
 
 def test_bad_argument_in_a_fresh_process_has_no_traceback():

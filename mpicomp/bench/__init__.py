@@ -1,7 +1,8 @@
 """Benchmarks: codec kernels on one process, and compressed all-reduce against MPI_Allreduce.
 
-``mpicomp bench`` runs :func:`full_run` (and :func:`measure_model` for ``--save-model``);
-``mpicomp advise`` runs :func:`run`. The modules, each importing only those before it:
+``mpicomp bench`` runs :func:`full_run`, the one entry of a whole bench (kernels,
+all-reduces, and with ``--save-model`` the model, :func:`measure_model`); ``mpicomp
+advise`` runs :func:`run`. The modules, each importing only those before it:
 
 - ``workload``: the codec set, counts and parameter labels;
 - ``kernels``: codec throughput on one process (:func:`run`);
@@ -69,8 +70,11 @@ def full_run(
     backend: str | None = None,
     schedules=None,
     model=None,
+    with_model: bool = False,
+    model_numel: int | None = None,
 ) -> Report:
-    """Run what ``mpicomp bench`` measures on ``comm``: kernels on rank 0, then all-reduces.
+    """Run what ``mpicomp bench`` measures on ``comm``: kernels on rank 0, then
+    all-reduces, then (``with_model``) the schedule chooser's model.
 
     Args:
         comm: an ``mpi4py.MPI.Comm``; every rank calls this.
@@ -86,13 +90,18 @@ def full_run(
             all-reduces (None: what ``MPICOMP_KERNELS`` selects); on a device backend
             (``cuda``) the all-reduces take device arrays (see
             ``mpicomp.bench.allreduce.measure``).
+        with_model: also measure the model ``mpicomp bench --save-model`` writes
+            (:func:`measure_model`): the network now, the codecs' speeds from the kernel
+            rows, or measured on every rank on ``model_numel`` elements (None:
+            ``mpicomp._probe.SPEED_NUMEL``) when ``numel`` is None.
 
     Returns:
         A :class:`Report` whose ``rows`` hold one dict per codec and backend: the keys
         of :func:`run` (kernel figures None when skipped) and ``allreduce``, the list of
         that codec's all-reduce rows (``mpicomp.bench.allreduce.measure``), one per size
         and schedule.
-        On ranks other than 0 the kernel figures are None.
+        On ranks other than 0 the kernel figures are None. ``model``: the model of
+        ``with_model`` (the same on every rank), else None.
     """
     todo = codec_set(codecs)
     quiet = progress if comm.rank == 0 else None
@@ -160,7 +169,11 @@ def full_run(
             a for a in allreduce if a["codec"] == name and a["params"] == dict(params)
         ]
         rows.append(row)
-    return Report(rows, allreduce, comm.size, numel)
+    measured = None
+    if with_model:  # speeds from the kernel rows; without them, measured on every rank
+        kernels = rows if numel is not None else None
+        measured = measure_model(comm, kernels, codecs, model_numel or _probe.SPEED_NUMEL)
+    return Report(rows, allreduce, comm.size, numel, measured)
 
 
 def measure_model(comm, rows: list[dict] | None, codecs: Sequence[str] | None, numel: int):

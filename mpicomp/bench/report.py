@@ -217,13 +217,15 @@ def _reference_lines(r: dict, tc: bool, device: bool, out) -> None:
 
 
 class Report:
-    """What ``mpicomp bench`` measured: kernel rows with their all-reduce entries."""
+    """What ``mpicomp bench`` measured: kernel rows with their all-reduce entries, and
+    the model of ``--save-model`` (a ``mpicomp.model.Model``, else None)."""
 
-    def __init__(self, rows: list[dict], allreduce: list[dict], nranks: int, numel):
+    def __init__(self, rows: list[dict], allreduce: list[dict], nranks: int, numel, model=None):
         self.rows = rows
         self.allreduce = allreduce
         self.nranks = nranks
         self.numel = numel
+        self.model = model
 
     def print(self, reps: int, allreduce_reps: int, out=None) -> None:
         """Print both tables with their headers (to stdout by default)."""
