@@ -1,9 +1,10 @@
 """CUDA launchers of the bit-packing family (``bits.cu``), twins of ``kernels/cpu/bits.py``.
 
-Same names, arguments and outputs as the numba record's ``bits``: codes of any integer
-dtype, streams of uint8 in ``kernels/bits.py``'s layout, results written into the
-caller's arrays. Packing launches one thread per 32-bit output word, unpacking one per
-element; nothing comes back to the host.
+The launchers are the numba twin's, in its order, each taking the device it launches on
+before the twin's arguments (``launchers(dev)`` binds them): codes of any integer dtype,
+streams of uint8 in ``kernels/bits.py``'s layout, results written into the caller's
+arrays. Packing launches one thread per 32-bit output word, unpacking one per element;
+nothing comes back to the host.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from types import SimpleNamespace
 import numpy as np
 
 from mpicomp.kernels.bits import MAX_WIDTH, packed_size
+from mpicomp.kernels.cuda import bind
 from mpicomp.kernels.cuda.device import int_kind
 
 DEFINES = {"MPICOMP_BITS_MAX_WIDTH": str(MAX_WIDTH)}
@@ -40,94 +42,107 @@ def _stream_out(out, nbytes: int, what: str):
     return out
 
 
+def _kernel(dev, name: str):
+    return dev.kernel("bits", f"mpicomp_bits_{name}", DEFINES)
+
+
+def _flat(dev, a):
+    a = dev.xp.ascontiguousarray(a).reshape(-1)
+    return a.view(np.uint8) if a.dtype == np.bool_ else a
+
+
+def _stream_in(dev, stream):
+    return dev.xp.ascontiguousarray(stream).reshape(-1).view(np.uint8)
+
+
+def _words(dev, nbytes: int):
+    """Return the (grid, block) of one thread per 32-bit word of an ``nbytes`` stream."""
+    return (dev.grid((nbytes + 3) // 4),), (dev.threads,)
+
+
+def _elements(dev, n: int):
+    """Return the (grid, block) of one thread per element of ``n``."""
+    return (dev.grid(n),), (dev.threads,)
+
+
+def pack_shifted(dev, codes, shift, width, out):
+    """Pack codes[i] + shift (integer codes of any dtype; each sum in [0, 2**width)) into ``out``."""
+    codes = _flat(dev, codes)
+    w = _width(width, "pack_shifted")
+    nbytes = packed_size(codes.size, int(w))
+    out = _stream_out(out, nbytes, "pack_shifted")
+    if nbytes:
+        args = (codes, int_kind(codes, "bits pack_shifted"), np.int64(codes.size), np.int64(shift))
+        _kernel(dev, "pack_shifted")(*_words(dev, nbytes), (*args, w, out, np.int64(nbytes)))
+
+
+def unpack_shifted(dev, stream, width, shift, out):
+    """Write out[i] = (code i of ``stream``) - shift, for the out.size codes of ``width`` bits."""
+    stream = _stream_in(dev, stream)
+    w = _width(width, "unpack_shifted")
+    out = _out(out, "unpack_shifted")
+    if out.size:
+        args = (stream, np.int64(stream.size), w, np.int64(shift), out)
+        args += (int_kind(out, "bits unpack_shifted"), np.int64(out.size))
+        _kernel(dev, "unpack_shifted")(*_elements(dev, out.size), args)
+
+
+def pack(dev, codes, width, out):
+    """Pack unsigned ``codes`` (< 2**width, width 1..32) into ``out``, LSB-first."""
+    pack_shifted(dev, codes, 0, width, out)
+
+
+def unpack(dev, stream, width, out):
+    """Unpack ``out.size`` codes of ``width`` bits (1..32) from ``stream``, LSB-first."""
+    unpack_shifted(dev, stream, width, 0, out)
+
+
+def add_repack(dev, stream, width, mine, shift, out_width, out):
+    """Pack (code i of ``stream``) + mine[i] + shift at ``out_width`` bits into ``out``.
+
+    One ring step: the partial sums received (``width`` bits each) plus this rank's codes
+    (any integer dtype, shifted into the unsigned domain), packed for the next rank.
+    Every sum must lie in [0, 2**out_width).
+    """
+    stream, mine = _stream_in(dev, stream), _flat(dev, mine)
+    w, ow = _width(width, "add_repack"), _width(out_width, "add_repack")
+    nbytes = packed_size(mine.size, int(ow))
+    out = _stream_out(out, nbytes, "add_repack")
+    if nbytes:
+        args = (stream, np.int64(stream.size), w, mine, int_kind(mine, "bits add_repack"))
+        args += (np.int64(mine.size), np.int64(shift), ow, out, np.int64(nbytes))
+        _kernel(dev, "add_repack")(*_words(dev, nbytes), args)
+
+
+def add_unpack(dev, stream, width, mine, shift, out):
+    """Write out[i] = (code i of ``stream``) + mine[i] + shift: a ring step's sums, unpacked."""
+    stream, mine = _stream_in(dev, stream), _flat(dev, mine)
+    w = _width(width, "add_unpack")
+    out = _out(out, "add_unpack")
+    if out.size < mine.size:
+        raise ValueError(f"bits add_unpack: out has {out.size} elements, mine {mine.size}")
+    if mine.size:
+        args = (stream, np.int64(stream.size), w, mine, int_kind(mine, "bits add_unpack"))
+        args += (np.int64(shift), out, int_kind(out, "bits add_unpack"), np.int64(mine.size))
+        _kernel(dev, "add_unpack")(*_elements(dev, mine.size), args)
+
+
+def min_repack(dev, stream, width, mine, out):
+    """Pack min(code i of ``stream``, mine[i]) at ``width`` bits into ``out`` (mine >= 0)."""
+    stream, mine = _stream_in(dev, stream), _flat(dev, mine)
+    w = _width(width, "min_repack")
+    nbytes = packed_size(mine.size, int(w))
+    out = _stream_out(out, nbytes, "min_repack")
+    if nbytes:
+        args = (stream, np.int64(stream.size), w, mine, int_kind(mine, "bits min_repack"))
+        args += (np.int64(mine.size), out, np.int64(nbytes))
+        _kernel(dev, "min_repack")(*_words(dev, nbytes), args)
+
+
 def launchers(dev) -> SimpleNamespace:
     """Return the ``bits`` launchers bound to ``dev``."""
-    xp = dev.xp
-
-    def kernel(name):
-        return dev.kernel("bits", f"mpicomp_bits_{name}", DEFINES)
-
-    def flat(a):
-        a = xp.ascontiguousarray(a).reshape(-1)
-        return a.view(np.uint8) if a.dtype == np.bool_ else a
-
-    def stream_in(stream):
-        return xp.ascontiguousarray(stream).reshape(-1).view(np.uint8)
-
-    def words(nbytes):
-        return (dev.grid((nbytes + 3) // 4),), (dev.threads,)
-
-    def elements(n):
-        return (dev.grid(n),), (dev.threads,)
-
-    def pack_shifted(codes, shift, width, out):
-        """Pack codes[i] + shift (each sum in [0, 2**width)) into ``out``."""
-        codes = flat(codes)
-        w = _width(width, "pack_shifted")
-        nbytes = packed_size(codes.size, int(w))
-        out = _stream_out(out, nbytes, "pack_shifted")
-        if nbytes:
-            args = (
-                codes,
-                int_kind(codes, "bits pack_shifted"),
-                np.int64(codes.size),
-                np.int64(shift),
-            )
-            kernel("pack_shifted")(*words(nbytes), (*args, w, out, np.int64(nbytes)))
-
-    def unpack_shifted(stream, width, shift, out):
-        """Write out[i] = (code i of ``stream``) - shift, for the out.size codes."""
-        stream = stream_in(stream)
-        w = _width(width, "unpack_shifted")
-        out = _out(out, "unpack_shifted")
-        if out.size:
-            args = (stream, np.int64(stream.size), w, np.int64(shift), out)
-            args += (int_kind(out, "bits unpack_shifted"), np.int64(out.size))
-            kernel("unpack_shifted")(*elements(out.size), args)
-
-    def pack(codes, width, out):
-        """Pack unsigned ``codes`` (< 2**width) into ``out``, LSB-first."""
-        pack_shifted(codes, 0, width, out)
-
-    def unpack(stream, width, out):
-        """Unpack ``out.size`` codes of ``width`` bits from ``stream``."""
-        unpack_shifted(stream, width, 0, out)
-
-    def add_repack(stream, width, mine, shift, out_width, out):
-        """Pack (code i of ``stream``) + mine[i] + shift at ``out_width`` bits into ``out``."""
-        stream, mine = stream_in(stream), flat(mine)
-        w, ow = _width(width, "add_repack"), _width(out_width, "add_repack")
-        nbytes = packed_size(mine.size, int(ow))
-        out = _stream_out(out, nbytes, "add_repack")
-        if nbytes:
-            args = (stream, np.int64(stream.size), w, mine, int_kind(mine, "bits add_repack"))
-            args += (np.int64(mine.size), np.int64(shift), ow, out, np.int64(nbytes))
-            kernel("add_repack")(*words(nbytes), args)
-
-    def add_unpack(stream, width, mine, shift, out):
-        """Write out[i] = (code i of ``stream``) + mine[i] + shift."""
-        stream, mine = stream_in(stream), flat(mine)
-        w = _width(width, "add_unpack")
-        out = _out(out, "add_unpack")
-        if out.size < mine.size:
-            raise ValueError(f"bits add_unpack: out has {out.size} elements, mine {mine.size}")
-        if mine.size:
-            args = (stream, np.int64(stream.size), w, mine, int_kind(mine, "bits add_unpack"))
-            args += (np.int64(shift), out, int_kind(out, "bits add_unpack"), np.int64(mine.size))
-            kernel("add_unpack")(*elements(mine.size), args)
-
-    def min_repack(stream, width, mine, out):
-        """Pack min(code i of ``stream``, mine[i]) at ``width`` bits into ``out``."""
-        stream, mine = stream_in(stream), flat(mine)
-        w = _width(width, "min_repack")
-        nbytes = packed_size(mine.size, int(w))
-        out = _stream_out(out, nbytes, "min_repack")
-        if nbytes:
-            args = (stream, np.int64(stream.size), w, mine, int_kind(mine, "bits min_repack"))
-            args += (np.int64(mine.size), out, np.int64(nbytes))
-            kernel("min_repack")(*words(nbytes), args)
-
-    return SimpleNamespace(
+    return bind(
+        dev,
         pack=pack,
         unpack=unpack,
         pack_shifted=pack_shifted,

@@ -1,7 +1,8 @@
-"""Launchers of the CUDA ``fastsgd`` family (kernels/cuda/fastsgd.cu): the numba record's names
-and signatures (kernels/cpu/fastsgd.py), the same bytes.
+"""CUDA launchers of the FastSGD family (``fastsgd.cu``), twins of ``kernels/cpu/fastsgd.py``.
 
-Host synchronizations: ``encode`` one (its NaN/Inf flag), ``scan`` one (its error code);
+The launchers are the numba twin's, in its order, each taking the device it launches on
+before the twin's arguments (``launchers(dev)`` binds them); the same bytes. Host
+synchronizations: ``encode`` one (its NaN/Inf flag), ``scan`` one (its error code);
 ``powers``, ``assemble`` and ``decode`` none.
 """
 
@@ -12,6 +13,7 @@ from types import SimpleNamespace
 import numpy as np
 
 from mpicomp.kernels import fastsgd as _k
+from mpicomp.kernels.cuda import bind
 
 FAMILY = "fastsgd"
 
@@ -38,102 +40,112 @@ CHUNK = 2048
 PIECE = 4096
 _LIMBS = 10  # FS_LIMBS: 32-bit limbs of a bucket's exact sum
 
+_i64 = np.int64  # keeps the long argument tuples short
+
+
+def _kernel(dev, name: str):
+    return dev.kernel(FAMILY, f"mpicomp_fastsgd_{name}", DEFINES)
+
+
+def powers(dev, base, tau):
+    """Return b^L for L = 0..tau as float64, each the previous one times b (no libm pow)."""
+    p = dev.xp.empty(int(tau) + 1, np.float64)
+    _kernel(dev, "powers")((1,), (32,), (np.float64(base), _i64(tau), p))
+    return p
+
+
+def assemble(dev, scratch, cap, sizes, offsets, body):
+    """Copy bucket k's sizes[k] bytes from scratch[k*cap:] to body[offsets[k]:]."""
+    nb = int(sizes.size)
+    if nb == 0:
+        return
+    ppb = max(-(-int(cap) // PIECE), 1)
+    grid = (min(dev.max_blocks, nb * ppb),)
+    args = (scratch, _i64(cap), sizes, offsets, _i64(nb), _i64(ppb), body)
+    _kernel(dev, "assemble")(grid, (dev.threads,), args)
+
+
+def scan(dev, body, n, bucket, flag_bits, offsets, sums):
+    """Walk the bucket headers, check every length against the body; fill offsets and sums; return an error code."""
+    err = dev.xp.zeros(1, np.int64)
+    nb = int(offsets.size) - 1
+    args = (body, _i64(body.size), _i64(n), _i64(bucket), _i64(flag_bits), offsets, sums)
+    _kernel(dev, "scan")((1,), (32,), (*args, _i64(nb), err))
+    return int(dev.to_host(err, why="fastsgd.scan: corrupt-stream flag")[0])
+
+
+def decode(dev, body, n, bucket, powers, flag_bits, offsets, sums, out, errs, accumulate):
+    """Scatter +-float32(sum / b^L) at the decoded keys of each bucket into out; set errs[k].
+
+    ``out`` need not be zeroed: each bucket's slice is zeroed first, unless
+    ``accumulate``, where the values are added to it.
+    """
+    nb = int(offsets.size) - 1
+    if nb <= 0:
+        return
+    n, bucket = int(n), int(bucket)
+    if not accumulate:
+        m = min(n, nb * bucket)
+        _kernel(dev, "zero")((dev.grid(m),), (dev.threads,), (out, _i64(m)))
+    args = (body, _i64(n), _i64(bucket), powers, _i64(powers.size - 1), _i64(flag_bits))
+    args += (offsets, sums, _i64(nb), out, errs, np.int32(bool(accumulate)))
+    _kernel(dev, "decode")((dev.grid(nb),), (dev.threads,), args)
+
+
+def encode(dev, x, bucket, powers, flag_bits, scratch, cap, sizes) -> bool:
+    """Encode float32 ``x`` bucket by bucket into ``cap``-byte slots of ``scratch``, each
+    bucket's byte count into ``sizes``; return False if ``x`` holds NaN or Inf."""
+    n, nb = int(x.size), int(sizes.size)
+    if nb == 0:
+        return True
+    bucket, fb, cap = int(bucket), int(flag_bits), int(cap)
+    tau = int(powers.size) - 1
+    xbits = x.view(np.uint32)
+    blen = min(bucket, n)
+    cpb = -(-blen // CHUNK)  # chunks per bucket (the last bucket's tail ones may be empty)
+    nchunks = nb * cpb
+    # Worst-case key words of one bucket: every value kept with the widest key.
+    wcap = (blen * (fb + max(blen - 1, 0).bit_length()) + 31) // 32 + 1
+    xp = dev.xp
+    acc = xp.zeros(nb * _LIMBS, np.uint64)
+    bad = xp.zeros(nb, np.int32)
+    anybad = xp.zeros(1, np.int32)
+    sbits = xp.empty(nb, np.uint32)
+    per_chunk = xp.empty((8, nchunks), np.int64)
+    ccount, cfirst, clast, cgap, coff, cprev, cbits, cboff = per_chunk
+    dk = xp.empty(nb, np.int64)
+    wk = xp.empty(nb, np.int32)
+    kbytes = xp.empty(nb, np.int64)
+    words = xp.empty(nb * wcap, np.uint32)
+    t = (dev.threads,)
+    gc = (min(dev.max_blocks, nchunks),)  # a block per chunk, grid-stride
+    gb = (min(dev.max_blocks, nb),)  # a block per bucket, grid-stride
+    geo = (xbits, _i64(n), _i64(bucket), _i64(cpb), _i64(nchunks))
+    _kernel(dev, "sum")(gc, t, (*geo, acc, bad))
+    _kernel(dev, "round")((dev.grid(nb),), t, (acc, bad, _i64(nb), sbits, anybad))
+    sel = (powers, _i64(tau))
+    _kernel(dev, "filter")(gc, t, (*geo, *sel, sbits, bad, ccount, cfirst, clast, cgap))
+    _kernel(dev, "plan")(
+        gb, t, (_i64(nb), _i64(cpb), bad, ccount, cfirst, clast, cgap, coff, cprev, dk, wk)
+    )
+    _kernel(dev, "codes")(
+        gc, t, (*geo, *sel, _i64(fb), sbits, bad, coff, cprev, wk, scratch, _i64(cap), cbits)
+    )
+    _kernel(dev, "finish")(
+        gb,
+        t,
+        (_i64(nb), _i64(cpb), bad, sbits, dk, wk, cbits, cboff, kbytes, words, _i64(wcap))
+        + (scratch, _i64(cap), sizes),
+    )
+    _kernel(dev, "keys")(
+        gc, t, (*geo, *sel, _i64(fb), sbits, bad, cprev, wk, cboff, words, _i64(wcap))
+    )
+    _kernel(dev, "copy")(
+        gc, t, (_i64(nb), _i64(cpb), bad, dk, kbytes, cboff, words, _i64(wcap), scratch, _i64(cap))
+    )
+    return not int(dev.to_host(anybad, why="fastsgd.encode: non-finite flag")[0])
+
 
 def launchers(dev) -> SimpleNamespace:
     """Return the ``fastsgd`` launchers bound to ``dev``."""
-    xp = dev.xp
-    i64 = np.int64
-
-    def k(name):
-        return dev.kernel(FAMILY, f"mpicomp_fastsgd_{name}", DEFINES)
-
-    def powers(base, tau):
-        """Return b^L for L = 0..tau as float64, each the previous one times b."""
-        p = xp.empty(int(tau) + 1, np.float64)
-        k("powers")((1,), (32,), (np.float64(base), i64(tau), p))
-        return p
-
-    def encode(x, bucket, powers, flag_bits, scratch, cap, sizes) -> bool:
-        """Encode float32 ``x`` bucket by bucket into ``cap``-byte slots of ``scratch``, each
-        bucket's byte count into ``sizes``; return False if ``x`` holds NaN or Inf (one sync)."""
-        n, nb = int(x.size), int(sizes.size)
-        if nb == 0:
-            return True
-        bucket, fb, cap = int(bucket), int(flag_bits), int(cap)
-        tau = int(powers.size) - 1
-        xbits = x.view(np.uint32)
-        blen = min(bucket, n)
-        cpb = -(-blen // CHUNK)  # chunks per bucket (the last bucket's tail ones may be empty)
-        nchunks = nb * cpb
-        # Worst-case key words of one bucket: every value kept with the widest key.
-        wcap = (blen * (fb + max(blen - 1, 0).bit_length()) + 31) // 32 + 1
-        acc = xp.zeros(nb * _LIMBS, np.uint64)
-        bad = xp.zeros(nb, np.int32)
-        anybad = xp.zeros(1, np.int32)
-        sbits = xp.empty(nb, np.uint32)
-        per_chunk = xp.empty((8, nchunks), np.int64)
-        ccount, cfirst, clast, cgap, coff, cprev, cbits, cboff = per_chunk
-        dk = xp.empty(nb, np.int64)
-        wk = xp.empty(nb, np.int32)
-        kbytes = xp.empty(nb, np.int64)
-        words = xp.empty(nb * wcap, np.uint32)
-        t = (dev.threads,)
-        gc = (min(dev.max_blocks, nchunks),)  # a block per chunk, grid-stride
-        gb = (min(dev.max_blocks, nb),)  # a block per bucket, grid-stride
-        geo = (xbits, i64(n), i64(bucket), i64(cpb), i64(nchunks))
-        k("sum")(gc, t, (*geo, acc, bad))
-        k("round")((dev.grid(nb),), t, (acc, bad, i64(nb), sbits, anybad))
-        sel = (powers, i64(tau))
-        k("filter")(gc, t, (*geo, *sel, sbits, bad, ccount, cfirst, clast, cgap))
-        k("plan")(gb, t, (i64(nb), i64(cpb), bad, ccount, cfirst, clast, cgap, coff, cprev, dk, wk))
-        k("codes")(
-            gc, t, (*geo, *sel, i64(fb), sbits, bad, coff, cprev, wk, scratch, i64(cap), cbits)
-        )
-        k("finish")(
-            gb,
-            t,
-            (i64(nb), i64(cpb), bad, sbits, dk, wk, cbits, cboff, kbytes, words, i64(wcap))
-            + (scratch, i64(cap), sizes),
-        )
-        k("keys")(gc, t, (*geo, *sel, i64(fb), sbits, bad, cprev, wk, cboff, words, i64(wcap)))
-        k("copy")(
-            gc, t, (i64(nb), i64(cpb), bad, dk, kbytes, cboff, words, i64(wcap), scratch, i64(cap))
-        )
-        return not int(dev.to_host(anybad, why="fastsgd.encode: non-finite flag")[0])
-
-    def assemble(scratch, cap, sizes, offsets, body):
-        """Copy bucket k's sizes[k] bytes from scratch[k*cap:] to body[offsets[k]:]."""
-        nb = int(sizes.size)
-        if nb == 0:
-            return
-        ppb = max(-(-int(cap) // PIECE), 1)
-        grid = (min(dev.max_blocks, nb * ppb),)
-        args = (scratch, i64(cap), sizes, offsets, i64(nb), i64(ppb), body)
-        k("assemble")(grid, (dev.threads,), args)
-
-    def scan(body, n, bucket, flag_bits, offsets, sums):
-        """Walk the bucket headers, check every length against the body; fill offsets and
-        sums; return an error code (one sync)."""
-        err = xp.zeros(1, np.int64)
-        nb = int(offsets.size) - 1
-        args = (body, i64(body.size), i64(n), i64(bucket), i64(flag_bits), offsets, sums)
-        k("scan")((1,), (32,), (*args, i64(nb), err))
-        return int(dev.to_host(err, why="fastsgd.scan: corrupt-stream flag")[0])
-
-    def decode(body, n, bucket, powers, flag_bits, offsets, sums, out, errs, accumulate):
-        """Scatter +-float32(sum / b^L) at the decoded keys of each bucket into out; set errs[k]
-        (each bucket's slice zeroed first unless ``accumulate``, where values are added)."""
-        nb = int(offsets.size) - 1
-        if nb <= 0:
-            return
-        n, bucket = int(n), int(bucket)
-        if not accumulate:
-            m = min(n, nb * bucket)
-            k("zero")((dev.grid(m),), (dev.threads,), (out, i64(m)))
-        args = (body, i64(n), i64(bucket), powers, i64(powers.size - 1), i64(flag_bits))
-        args += (offsets, sums, i64(nb), out, errs, np.int32(bool(accumulate)))
-        k("decode")((dev.grid(nb),), (dev.threads,), args)
-
-    return SimpleNamespace(
-        powers=powers, encode=encode, assemble=assemble, scan=scan, decode=decode
-    )
+    return bind(dev, powers=powers, encode=encode, assemble=assemble, scan=scan, decode=decode)

@@ -1,11 +1,13 @@
 """CUDA launchers of the FFT sparsification family (``fft.cu``), twins of the numba record's
 ``fft`` (``kernels/cpu/fft.py``, ``kernels/cpu/rfft.py``, ``kernels/cpu/checks.py``).
 
-Same names, arguments, outputs and return values. The transforms (``rfft``, ``irfft``) are
-the device's FFT library (``dev.xp.fft``: cuFFT through CuPy, NumPy's pocketfft on the
-emulated device), so their bytes may differ from the numba twin's by float32 rounding;
-every other launcher gives the twin's bytes for the same arrays. A launcher that returns
-a value brings it to the host with one counted ``dev.to_host``.
+The launchers are the twins' in their order (those of ``fft.py``, then of ``rfft.py``, then
+``all_finite``), each taking the device it launches on before the twin's arguments
+(``launchers(dev)`` binds them); same outputs and return values. The transforms (``rfft``,
+``irfft``) are the device's FFT library (``dev.xp.fft``: cuFFT through CuPy, NumPy's
+pocketfft on the emulated device), so their bytes may differ from the numba twin's by
+float32 rounding; every other launcher gives the twin's bytes for the same arrays. A
+launcher that returns a value brings it to the host with one counted ``dev.to_host``.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from types import SimpleNamespace
 import numpy as np
 
 from mpicomp.kernels import fft as _k
+from mpicomp.kernels.cuda import bind
 
 #: Elements per chunk of the float16 rounding's error rule: must equal kernels/cpu/fft.py's
 #: ``_CHUNK`` (its error is that of the first chunk holding a rounding beyond 65504).
@@ -65,179 +68,261 @@ def _check_width(bits, shift, what: str) -> tuple[np.int64, np.int64]:
     return np.int64(bits), np.int64(shift)
 
 
+def _kernel(dev, name: str):
+    return dev.kernel("fft", f"mpicomp_fft_{name}", DEFINES)
+
+
+def _grid(dev, n: int):
+    return (dev.grid(n),), (dev.threads,)
+
+
+def _tiles(dev, nbins: int):
+    """Return (ntiles, (grid, block)) of a pass over ``nbins`` bins, a block per tile."""
+    ntiles = -(-nbins // TILE)
+    return ntiles, ((max(1, min(dev.max_blocks, ntiles)),), (dev.threads,))
+
+
+def _one(dev):
+    """Return the (grid, block) of a one-block pass over per-tile totals or a small table."""
+    return (1,), (dev.threads,)
+
+
+def round_fp16(dev, x, out):
+    """Round float32 bit patterns ``x`` to float16 precision (nearest-even) into ``out``.
+
+    Returns FP16_OK, FP16_NONFINITE (NaN/Inf in ``x``) or FP16_OVERFLOW (|x| rounds
+    beyond float16's largest finite value, 65504), whichever comes first in ``x``.
+    """
+    n = x.size
+    if n == 0:
+        return _k.FP16_OK
+    chunk_err = dev.xp.full(-(-n // FP16_CHUNK), _NONE, dtype=np.uint64)
+    bad = dev.xp.full(1, _NONE, dtype=np.uint64)
+    result = dev.xp.zeros(1, dtype=np.int64)
+    _kernel(dev, "round_fp16")(*_grid(dev, n), (x, out, np.int64(n), chunk_err, bad))
+    _kernel(dev, "round_fp16_result")((1,), (32,), (chunk_err, bad, result))
+    return int(dev.to_host(result, why="fft.tiles: tile count")[0])
+
+
+def _magnitude_ok(dev, spec, mag2):
+    """Write |X|^2 of interleaved ``spec`` into ``mag2``; return False on NaN/Inf (the
+    twin's ``mpicomp_fft_magnitude``)."""
+    flag = dev.xp.zeros(1, dtype=np.uint32)
+    if mag2.size:
+        _kernel(dev, "magnitude")(*_grid(dev, mag2.size), (spec, mag2, np.int64(mag2.size), flag))
+    return bool(dev.to_host(flag, why="fft.magnitude_ok: overflow flag")[0] == 0)
+
+
+def kth_largest(dev, mag2, k):
+    """Return the k-th largest of the non-negative float32 ``mag2`` (1 <= k <= size).
+
+    The value ``numpy.partition(mag2, size - k)[size - k]`` gives, found by a radix
+    select on the bit patterns (monotonic for non-negative floats): a histogram of the
+    top 16 bits picks the bin, a histogram of the low 16 bits inside it the value.
+    """
+    n = mag2.size
+    if not 1 <= int(k) <= n:
+        raise ValueError(f"fft kth_largest: k must lie in [1, {n}], got {k!r}")
+    u = mag2.view(np.uint32)
+    hist = dev.xp.zeros((2, 1 << 16), dtype=np.uint64)
+    state = dev.xp.zeros(3, dtype=np.int64)
+    for level in (0, 1):
+        args = (u, np.int64(n), np.int64(level), state, hist[level])
+        _kernel(dev, "kth_histogram")(*_grid(dev, n), args)
+        args = (hist[level], np.int64(level), np.int64(k), state)
+        _kernel(dev, "kth_select")(*_one(dev), args)
+    bits = np.uint32(dev.to_host(state, why="fft.kth_largest: threshold bits")[2])
+    return float(bits.view(np.float32))
+
+
+def select_pack(dev, spec, mag2, thresh, k, bitmap, dense, hist):
+    """Mark the k bins with mag2 > thresh, then mag2 == thresh by index; pack them densely.
+
+    ``spec`` and ``dense`` are uint32 views: kept real parts go to dense[0:k] and
+    imaginary parts to dense[k:2k], in bin order (the prefix sum of the bitmap).
+    ``bitmap`` gets bit i (LSB-first) for each kept bin, padding bits zero.
+    ``hist`` counts the float32 exponents of the nonzero kept parts. Returns the
+    bit pattern of the largest kept |part|.
+
+    Tiles of TILE bins run in parallel: a first pass counts each tile's bins above and
+    at the threshold, a one-block prefix sum over the tiles gives each its first dense
+    slot and the ties before it (the lowest indices are taken first), a second pass packs.
+    """
+    nbins = mag2.size
+    if nbins == 0:
+        return 0
+    t = np.float32(thresh).view(np.uint32)
+    ntiles, launch = _tiles(dev, nbins)
+    tile_g = dev.xp.empty(ntiles, dtype=np.int64)
+    tile_e = dev.xp.empty(ntiles, dtype=np.int64)
+    tile_first = dev.xp.empty(ntiles, dtype=np.int64)
+    tile_ebefore = dev.xp.empty(ntiles, dtype=np.int64)
+    state = dev.xp.zeros(1, dtype=np.int64)
+    vmax = dev.xp.zeros(1, dtype=np.uint32)
+    u = mag2.view(np.uint32)
+    _kernel(dev, "select_count")(*launch, (u, np.int64(nbins), t, tile_g, tile_e))
+    args = (tile_g, tile_e, np.int64(ntiles), np.int64(k), tile_first, tile_ebefore, state)
+    _kernel(dev, "select_scan")(*_one(dev), args)
+    args = (spec, u, np.int64(nbins), t, np.int64(k), tile_first, tile_ebefore, state)
+    _kernel(dev, "select_pack")(*launch, (*args, bitmap, dense, hist, vmax))
+    return int(dev.to_host(vmax, why="fft.select_pack: largest kept value")[0])
+
+
+def choose_range(dev, hist, vmax, bits):
+    """Pick (m, pbase) of the N-bit float: the largest code covers ``vmax``, m minimizes the error.
+
+    For each m in 23..0, pbase = max(1, (vmax >> (23-m)) - (2**(N-1) - 2)) makes the
+    largest magnitude code 2**(N-1)-1 decode to vmax truncated to m mantissa bits.
+    The squared error of the values in ``hist`` (float32 exponent counts) is bounded
+    per exponent bin: 2**(2(e-127-m)) above eps's binade, eps**2 within it, 4**(e-126)
+    below it (flushed to zero). The m with the smallest bound wins, ties to the larger m.
+    """
+    if not 1 <= int(bits) <= 32:
+        raise ValueError(f"fft choose_range: bits must lie in [1, 32], got {bits!r}")
+    out = dev.xp.zeros(2, dtype=np.int64)
+    _kernel(dev, "choose_range")((1,), (32,), (hist, np.int64(vmax), np.int64(bits), out))
+    m, pbase = dev.to_host(out, why="fft.choose_range: range and base")
+    return int(m), int(pbase)
+
+
+def quantize_pack(dev, values, vmax, pbase, shift, bits, out):
+    """Encode float32 bit patterns ``values`` as N-bit codes packed LSB-first into ``out``.
+
+    Eight codes fill exactly N bytes, so each group of eight is written on its own (a
+    thread per group).
+    """
+    b, s = _check_width(bits, shift, "quantize_pack")
+    n = values.size
+    if out.size < (n * int(b) + 7) // 8:
+        raise ValueError(f"fft quantize_pack: out has {out.size} bytes, codes need more")
+    if n:
+        args = (values, np.int64(n), np.int64(vmax), np.int64(pbase), s, b, out)
+        _kernel(dev, "quantize_pack")(*_grid(dev, -(-n // 8)), args)
+
+
+def unpack_dequantize(dev, stream, pbase, shift, bits, out):
+    """Decode ``out.size`` N-bit codes from ``stream`` (exactly ceil(size*N/8) bytes) into ``out``.
+
+    ``out`` is a uint32 view. Returns DECODE_OK, DECODE_NEGATIVE_ZERO (sign bit on a
+    zero magnitude), DECODE_OVERFLOW (a code beyond float32's range) or DECODE_PADDING
+    (nonzero bits after the last code); of several bad codes, the first one's error.
+    """
+    b, s = _check_width(bits, shift, "unpack_dequantize")
+    n = out.size
+    err = dev.xp.full(1, _NONE, dtype=np.uint64)
+    result = dev.xp.zeros(1, dtype=np.int64)
+    ns = np.int64(stream.size)
+    if n:
+        args = (stream, ns, np.int64(pbase), s, b, out, np.int64(n), err)
+        _kernel(dev, "unpack_dequantize")(*_grid(dev, -(-n // 8)), args)
+    _kernel(dev, "unpack_result")((1,), (32,), (stream, ns, b, np.int64(n), err, result))
+    return int(dev.to_host(result, why="fft.unpack_dequantize: error count")[0])
+
+
+def scatter(dev, bitmap, dense, k, spec):
+    """Add dense[0:k] (real) and dense[k:2k] (imag) to the bins set in ``bitmap``.
+
+    ``spec`` is an interleaved float32 spectrum of nbins = spec.size // 2 bins: zeroed
+    for one payload, or the running sum of earlier payloads. Returns DECODE_OK,
+    DECODE_COUNT (the bitmap does not hold exactly k bits) or DECODE_PADDING (bits set
+    past the last bin); ``spec`` is left untouched unless DECODE_OK.
+    """
+    nbins = spec.size // 2
+    if bitmap.size != (nbins + 7) // 8 or dense.size < 2 * int(k):
+        raise ValueError(
+            f"fft scatter: a bitmap of {bitmap.size} bytes and {dense.size} dense values "
+            f"for {nbins} bins and k={k}; need {(nbins + 7) // 8} bytes and >= {2 * int(k)}"
+        )
+    if nbins == 0:
+        return _k.DECODE_OK if int(k) == 0 else _k.DECODE_COUNT
+    ntiles, launch = _tiles(dev, nbins)
+    tile_n = dev.xp.empty(ntiles, dtype=np.int64)
+    tile_first = dev.xp.empty(ntiles, dtype=np.int64)
+    state = dev.xp.zeros(1, dtype=np.int64)
+    _kernel(dev, "scatter_count")(*launch, (bitmap, np.int64(nbins), tile_n))
+    args = (bitmap, np.int64(nbins), tile_n, np.int64(ntiles), np.int64(k), tile_first, state)
+    _kernel(dev, "scatter_scan")(*_one(dev), args)
+    args = (bitmap, dense, np.int64(k), tile_first, state, spec, np.int64(nbins))
+    _kernel(dev, "scatter_add")(*launch, args)
+    return int(dev.to_host(state, why="fft.scatter: bad-bitmap count")[0])
+
+
+# Error feedback in the frequency domain: the residual of an n-value gradient is its half
+# spectrum packed into n float32 values, in kernels/cpu/fft.py's layout (the interleaved
+# spectrum without the imaginary parts the real FFT makes 0).
+
+
+def add_residual(dev, spec, r, mag2):
+    """Add the packed residual ``r`` (n values, layout above) to the half spectrum ``spec``.
+
+    ``spec`` is the interleaved float32 rfft of n values (n // 2 + 1 bins); ``mag2`` gets
+    re*re + im*im of the sums. Returns False when a sum is NaN or Inf.
+    """
+    n = r.size
+    flag = dev.xp.zeros(1, dtype=np.uint32)
+    if n:
+        _kernel(dev, "add_residual")(*_grid(dev, n // 2 + 1), (spec, r, mag2, np.int64(n), flag))
+    return bool(dev.to_host(flag, why="fft.add_residual: non-finite flag")[0] == 0)
+
+
+def residual(dev, spec, bitmap, vmax, pbase, shift, bits, r):
+    """Write the new packed residual (layout above) of the spectrum ``spec`` into ``r``.
+
+    A bin not set in ``bitmap`` keeps its value; a kept one keeps the error of its
+    N-bit floats (``vmax``, ``pbase``, ``shift``, ``bits`` as in ``quantize_pack``), so
+    residual + decoded payload = ``spec``.
+    """
+    b, s = _check_width(bits, shift, "residual")
+    n = r.size
+    if n:
+        args = (spec.view(np.uint32), bitmap, np.int64(vmax), np.int64(pbase), s, b)
+        _kernel(dev, "residual")(*_grid(dev, n // 2 + 1), (*args, r.view(np.uint32), np.int64(n)))
+
+
+# --- the transforms: the twins of kernels/cpu/rfft.py, through dev.xp.fft ---
+
+
+def sum_spectra(dev, n):
+    """Return True if a sum of ``n``-element decodes should add spectra and invert once.
+
+    The numba twin's answer (where its blocked transform runs), so decoding a sum takes
+    the same path on every backend.
+    """
+    return _sum_spectra(int(n))
+
+
+def rfft(dev, flat, own):
+    """Return (interleaved float32 half spectrum, |X|^2 in float32, all finite) of ``flat``.
+
+    ``own`` (``flat`` is a scratch copy the transform may overwrite) is accepted for the
+    twin's signature: ``dev.xp.fft`` leaves ``flat`` as it is.
+    """
+    with np.errstate(invalid="ignore", over="ignore"):  # NaN/Inf are caught below
+        spec = dev.xp.fft.rfft(flat).astype(np.complex64, copy=False).view(np.float32)
+    mag2 = dev.xp.empty(spec.size // 2, dtype=np.float32)
+    return spec, mag2, _magnitude_ok(dev, spec, mag2)
+
+
+def irfft(dev, spec, n):
+    """Return the ``n`` float32 values of the interleaved float32 half spectrum ``spec``."""
+    with np.errstate(invalid="ignore", over="ignore"):  # overflow is caught by callers
+        x = dev.xp.fft.irfft(spec.view(np.complex64), n=n)
+    return x.astype(np.float32, copy=False)
+
+
+def all_finite(dev, x):
+    """Return True if every element of float32 ``x`` is finite."""
+    flag = dev.xp.zeros(1, dtype=np.uint32)
+    if x.size:
+        u = x.reshape(-1).view(np.uint32)
+        _kernel(dev, "all_finite")(*_grid(dev, u.size), (u, np.int64(u.size), flag))
+    return bool(dev.to_host(flag, why="fft.all_finite: flag")[0] == 0)
+
+
 def launchers(dev) -> SimpleNamespace:
     """Return the ``fft`` launchers bound to ``dev``."""
-    xp = dev.xp
-
-    def kernel(name):
-        return dev.kernel("fft", f"mpicomp_fft_{name}", DEFINES)
-
-    def grid(n):
-        return (dev.grid(n),), (dev.threads,)
-
-    def tiles(nbins):
-        ntiles = -(-nbins // TILE)
-        return ntiles, ((max(1, min(dev.max_blocks, ntiles)),), (dev.threads,))
-
-    one = ((1,), (dev.threads,))  # a one-block pass over per-tile totals or a small table
-
-    def round_fp16(x, out):
-        """Round float32 bits ``x`` to float16 precision into ``out`` (uint32); return the
-        twin's FP16_OK / FP16_NONFINITE / FP16_OVERFLOW."""
-        n = x.size
-        if n == 0:
-            return _k.FP16_OK
-        chunk_err = xp.full(-(-n // FP16_CHUNK), _NONE, dtype=np.uint64)
-        bad = xp.full(1, _NONE, dtype=np.uint64)
-        result = xp.zeros(1, dtype=np.int64)
-        kernel("round_fp16")(*grid(n), (x, out, np.int64(n), chunk_err, bad))
-        kernel("round_fp16_result")((1,), (32,), (chunk_err, bad, result))
-        return int(dev.to_host(result, why="fft.tiles: tile count")[0])
-
-    def magnitude_ok(spec, mag2):
-        # |X|^2 into mag2; True when every part of spec is finite.
-        flag = xp.zeros(1, dtype=np.uint32)
-        if mag2.size:
-            kernel("magnitude")(*grid(mag2.size), (spec, mag2, np.int64(mag2.size), flag))
-        return bool(dev.to_host(flag, why="fft.magnitude_ok: overflow flag")[0] == 0)
-
-    def rfft(flat, own):
-        """Return (interleaved float32 half spectrum, |X|^2 in float32, all finite) of
-        ``flat`` through ``dev.xp.fft`` (``own`` is accepted for the twin's signature)."""
-        with np.errstate(invalid="ignore", over="ignore"):  # NaN/Inf are caught below
-            spec = xp.fft.rfft(flat).astype(np.complex64, copy=False).view(np.float32)
-        mag2 = xp.empty(spec.size // 2, dtype=np.float32)
-        return spec, mag2, magnitude_ok(spec, mag2)
-
-    def irfft(spec, n):
-        """Return the ``n`` float32 values of the interleaved float32 half spectrum ``spec``."""
-        with np.errstate(invalid="ignore", over="ignore"):  # overflow is caught by callers
-            x = xp.fft.irfft(spec.view(np.complex64), n=n)
-        return x.astype(np.float32, copy=False)
-
-    def sum_spectra(n):
-        """Return True if a sum of ``n``-element decodes should add spectra and invert once
-        (the numba twin's answer)."""
-        return _sum_spectra(int(n))
-
-    def all_finite(x):
-        """Return True if every element of float32 ``x`` is finite."""
-        flag = xp.zeros(1, dtype=np.uint32)
-        if x.size:
-            u = x.reshape(-1).view(np.uint32)
-            kernel("all_finite")(*grid(u.size), (u, np.int64(u.size), flag))
-        return bool(dev.to_host(flag, why="fft.all_finite: flag")[0] == 0)
-
-    def add_residual(spec, r, mag2):
-        """Add the packed residual ``r`` to the half spectrum ``spec``, |X|^2 into ``mag2``;
-        return False when a sum is NaN or Inf."""
-        n = r.size
-        flag = xp.zeros(1, dtype=np.uint32)
-        if n:
-            kernel("add_residual")(*grid(n // 2 + 1), (spec, r, mag2, np.int64(n), flag))
-        return bool(dev.to_host(flag, why="fft.add_residual: non-finite flag")[0] == 0)
-
-    def kth_largest(mag2, k):
-        """Return the k-th largest of non-negative float32 ``mag2`` (1 <= k <= size)."""
-        n = mag2.size
-        if not 1 <= int(k) <= n:
-            raise ValueError(f"fft kth_largest: k must lie in [1, {n}], got {k!r}")
-        u = mag2.view(np.uint32)
-        hist = xp.zeros((2, 1 << 16), dtype=np.uint64)
-        state = xp.zeros(3, dtype=np.int64)
-        for level in (0, 1):
-            args = (u, np.int64(n), np.int64(level), state, hist[level])
-            kernel("kth_histogram")(*grid(n), args)
-            kernel("kth_select")(*one, (hist[level], np.int64(level), np.int64(k), state))
-        bits = np.uint32(dev.to_host(state, why="fft.kth_largest: threshold bits")[2])
-        return float(bits.view(np.float32))
-
-    def select_pack(spec, mag2, thresh, k, bitmap, dense, hist):
-        """Keep the k bins above ``thresh`` then at it by index; bitmap, dense parts,
-        exponent counts added into ``hist``; return the largest kept |part| bits."""
-        nbins = mag2.size
-        if nbins == 0:
-            return 0
-        t = np.float32(thresh).view(np.uint32)
-        ntiles, launch = tiles(nbins)
-        tile_g = xp.empty(ntiles, dtype=np.int64)
-        tile_e = xp.empty(ntiles, dtype=np.int64)
-        tile_first = xp.empty(ntiles, dtype=np.int64)
-        tile_ebefore = xp.empty(ntiles, dtype=np.int64)
-        state = xp.zeros(1, dtype=np.int64)
-        vmax = xp.zeros(1, dtype=np.uint32)
-        u = mag2.view(np.uint32)
-        kernel("select_count")(*launch, (u, np.int64(nbins), t, tile_g, tile_e))
-        args = (tile_g, tile_e, np.int64(ntiles), np.int64(k), tile_first, tile_ebefore, state)
-        kernel("select_scan")(*one, args)
-        args = (spec, u, np.int64(nbins), t, np.int64(k), tile_first, tile_ebefore, state)
-        kernel("select_pack")(*launch, (*args, bitmap, dense, hist, vmax))
-        return int(dev.to_host(vmax, why="fft.select_pack: largest kept value")[0])
-
-    def choose_range(hist, vmax, bits):
-        """Return (m, pbase) of the N-bit float: the largest code covers ``vmax``."""
-        if not 1 <= int(bits) <= 32:
-            raise ValueError(f"fft choose_range: bits must lie in [1, 32], got {bits!r}")
-        out = xp.zeros(2, dtype=np.int64)
-        kernel("choose_range")((1,), (32,), (hist, np.int64(vmax), np.int64(bits), out))
-        m, pbase = dev.to_host(out, why="fft.choose_range: range and base")
-        return int(m), int(pbase)
-
-    def quantize_pack(values, vmax, pbase, shift, bits, out):
-        """Encode float32 bits ``values`` as N-bit codes packed LSB-first into ``out``."""
-        b, s = _check_width(bits, shift, "quantize_pack")
-        n = values.size
-        if out.size < (n * int(b) + 7) // 8:
-            raise ValueError(f"fft quantize_pack: out has {out.size} bytes, codes need more")
-        if n:
-            args = (values, np.int64(n), np.int64(vmax), np.int64(pbase), s, b, out)
-            kernel("quantize_pack")(*grid(-(-n // 8)), args)
-
-    def unpack_dequantize(stream, pbase, shift, bits, out):
-        """Decode ``out.size`` N-bit codes of ``stream`` into uint32 ``out``; return
-        DECODE_OK or the twin's error code."""
-        b, s = _check_width(bits, shift, "unpack_dequantize")
-        n = out.size
-        err = xp.full(1, _NONE, dtype=np.uint64)
-        result = xp.zeros(1, dtype=np.int64)
-        ns = np.int64(stream.size)
-        if n:
-            args = (stream, ns, np.int64(pbase), s, b, out, np.int64(n), err)
-            kernel("unpack_dequantize")(*grid(-(-n // 8)), args)
-        kernel("unpack_result")((1,), (32,), (stream, ns, b, np.int64(n), err, result))
-        return int(dev.to_host(result, why="fft.unpack_dequantize: error count")[0])
-
-    def scatter(bitmap, dense, k, spec):
-        """Add dense[0:k] / dense[k:2k] to the bins set in ``bitmap``; return DECODE_OK,
-        DECODE_COUNT or DECODE_PADDING (``spec`` untouched unless DECODE_OK)."""
-        nbins = spec.size // 2
-        if bitmap.size != (nbins + 7) // 8 or dense.size < 2 * int(k):
-            raise ValueError(
-                f"fft scatter: a bitmap of {bitmap.size} bytes and {dense.size} dense values "
-                f"for {nbins} bins and k={k}; need {(nbins + 7) // 8} bytes and >= {2 * int(k)}"
-            )
-        if nbins == 0:
-            return _k.DECODE_OK if int(k) == 0 else _k.DECODE_COUNT
-        ntiles, launch = tiles(nbins)
-        tile_n = xp.empty(ntiles, dtype=np.int64)
-        tile_first = xp.empty(ntiles, dtype=np.int64)
-        state = xp.zeros(1, dtype=np.int64)
-        kernel("scatter_count")(*launch, (bitmap, np.int64(nbins), tile_n))
-        args = (bitmap, np.int64(nbins), tile_n, np.int64(ntiles), np.int64(k), tile_first, state)
-        kernel("scatter_scan")(*one, args)
-        args = (bitmap, dense, np.int64(k), tile_first, state, spec, np.int64(nbins))
-        kernel("scatter_add")(*launch, args)
-        return int(dev.to_host(state, why="fft.scatter: bad-bitmap count")[0])
-
-    def residual(spec, bitmap, vmax, pbase, shift, bits, r):
-        """Write the packed residual of ``spec`` (kept bins: their N-bit float errors) into ``r``."""
-        b, s = _check_width(bits, shift, "residual")
-        n = r.size
-        if n:
-            args = (spec.view(np.uint32), bitmap, np.int64(vmax), np.int64(pbase), s, b)
-            kernel("residual")(*grid(n // 2 + 1), (*args, r.view(np.uint32), np.int64(n)))
-
-    return SimpleNamespace(
+    return bind(
+        dev,
         round_fp16=round_fp16,
         rfft=rfft,
         irfft=irfft,

@@ -1,8 +1,9 @@
 """CUDA launchers of the float16 family (``fp16.cu``), twins of ``kernels/cpu/fp16.py``.
 
-Same names, arguments and results as the numba record's ``fp16``. ``encode``, ``decode``
-and ``all_finite`` bring one small array of per-block partials to the host (one counted
-synchronization each); ``add`` none.
+The launchers are the numba twin's ``add``, ``all_finite``, ``encode`` and ``decode``, in
+its order, each taking the device it launches on before the twin's arguments
+(``launchers(dev)`` binds them). ``encode``, ``decode`` and ``all_finite`` bring one small
+array of per-block partials to the host (one counted synchronization each); ``add`` none.
 
 NaN results follow x86's rule as the numba twin's (see fp16.cu). Where ``decode`` divides
 and the quotient falls below 2^-126, the kernel rounds it onto the denormal grid from the
@@ -18,6 +19,7 @@ from types import SimpleNamespace
 import numpy as np
 
 from mpicomp.kernels.checksum import BASE, combine
+from mpicomp.kernels.cuda import bind
 
 DEFINES = {"MPICOMP_ADLER_BASE": f"{BASE}ull"}
 
@@ -35,71 +37,89 @@ def _contiguous(what: str, *arrays) -> None:
             raise ValueError(f"{what}: arrays must be C-contiguous")
 
 
+def _kernel(dev, name: str):
+    return dev.kernel("fp16", f"mpicomp_fp16_{name}", DEFINES)
+
+
+def _geometry(dev, n: int):
+    """Return (blocks, (grid, block)) of a grid-stride launch over ``n`` elements."""
+    blocks = dev.grid(n)
+    return blocks, ((blocks,), (dev.threads,))
+
+
+def add(dev, a, b) -> None:
+    """Set float16-bits array ``b`` (uint16) to float16(float32(a) + float32(b))."""
+    _same_size("fp16 add", a, b)
+    _contiguous("fp16 add", a, b)
+    if b.size:
+        _kernel(dev, "add")(*_geometry(dev, b.size)[1], (a, b, np.int64(b.size)))
+
+
+def all_finite(dev, h):
+    """Return True if no float16 bits of ``h`` (uint16) are NaN or Inf (exponent all ones)."""
+    h = dev.xp.ascontiguousarray(h).reshape(-1)
+    if h.size == 0:
+        return True
+    blocks, launch = _geometry(dev, h.size)
+    flags = dev.xp.empty(blocks, np.uint32)
+    _kernel(dev, "all_finite")(*launch, (h, np.int64(h.size), flags))
+    return not dev.to_host(flags, why="fp16.all_finite: flags").any()
+
+
+def encode(dev, x, h16, h8=None):
+    """Round float32 ``x`` to float16 bits in uint16 ``h16`` (same size), in one pass.
+
+    Args:
+        x: 1-D contiguous float32 array.
+        h16: 1-D contiguous uint16 array of x's size.
+        h8: None, or the uint8 view of ``h16``: its Adler-32 from 0 is computed too.
+
+    Returns:
+        (ok, sum): ok is False when some |x| > 65504 or is NaN/Inf (``h16`` is then
+        garbage); sum is the Adler-32 (0 when ``h8`` is None).
+    """
+    _same_size("fp16 encode", x, h16)
+    if h8 is not None and h8.size != 2 * h16.size:
+        raise ValueError(f"fp16 encode: h8 has {h8.size} bytes, h16 needs {2 * h16.size}")
+    _contiguous("fp16 encode", x, h16)
+    n = x.size
+    if n == 0:
+        return True, 0
+    blocks, launch = _geometry(dev, n)
+    partials = dev.xp.empty(3 * blocks, np.uint64)
+    want = np.int32(h8 is not None)
+    _kernel(dev, "encode")(*launch, (x.view(np.uint32), h16, np.int64(n), want, partials))
+    p = dev.to_host(partials, why="fp16.encode: block flags and sums").reshape(blocks, 3)
+    if not want:
+        return not p[:, 0].any(), 0
+    # Exact sums mod BASE: s2 of the bytes from (0, 0) is m * s1 - sum(i * b_i).
+    s1 = int(p[:, 1].sum()) % BASE
+    s2 = (2 * n * s1 - int(p[:, 2].sum())) % BASE
+    return not p[:, 0].any(), combine(0, (s2 << 16) | s1, 2 * n)
+
+
+def decode(dev, h16, out, scale=1.0) -> bool:
+    """Write ``out`` (float32) = float16 bits ``h16`` (uint16) as float32, / ``scale``.
+
+    Returns:
+        False when some value is NaN/Inf.
+    """
+    _same_size("fp16 decode", h16, out)
+    _contiguous("fp16 decode", h16, out)
+    n = h16.size
+    if n == 0:
+        return True
+    by = np.float32(scale)
+    divide = by != np.float32(1)
+    if divide and by == 0:
+        raise ZeroDivisionError("division by zero")  # as the numba twin raises
+    blocks, launch = _geometry(dev, n)
+    flags = dev.xp.empty(blocks, np.uint32)
+    args = (h16, out.view(np.uint32), np.int64(n), by, np.int32(divide), flags)
+    _kernel(dev, "decode")(*launch, args)
+    return not dev.to_host(flags, why="fp16.decode: non-finite flags").any()
+
+
 def launchers(dev) -> SimpleNamespace:
     """Return the ``fp16`` launchers bound to ``dev``."""
-    xp = dev.xp
-
-    def kernel(name):
-        return dev.kernel("fp16", f"mpicomp_fp16_{name}", DEFINES)
-
-    def geometry(n):
-        blocks = dev.grid(n)
-        return blocks, ((blocks,), (dev.threads,))
-
-    def encode(x, h16, h8=None):
-        """Round float32 ``x`` to float16 bits in uint16 ``h16``; return (ok, Adler-32 of
-        the payload from 0, or 0 when ``h8`` is None)."""
-        _same_size("fp16 encode", x, h16)
-        if h8 is not None and h8.size != 2 * h16.size:
-            raise ValueError(f"fp16 encode: h8 has {h8.size} bytes, h16 needs {2 * h16.size}")
-        _contiguous("fp16 encode", x, h16)
-        n = x.size
-        if n == 0:
-            return True, 0
-        blocks, launch = geometry(n)
-        partials = xp.empty(3 * blocks, np.uint64)
-        want = np.int32(h8 is not None)
-        kernel("encode")(*launch, (x.view(np.uint32), h16, np.int64(n), want, partials))
-        p = dev.to_host(partials, why="fp16.encode: block flags and sums").reshape(blocks, 3)
-        if not want:
-            return not p[:, 0].any(), 0
-        # Exact sums mod BASE: s2 of the bytes from (0, 0) is m * s1 - sum(i * b_i).
-        s1 = int(p[:, 1].sum()) % BASE
-        s2 = (2 * n * s1 - int(p[:, 2].sum())) % BASE
-        return not p[:, 0].any(), combine(0, (s2 << 16) | s1, 2 * n)
-
-    def decode(h16, out, scale=1.0):
-        """Write float32 ``out`` = float16 bits ``h16`` / ``scale``; False if some is NaN/Inf."""
-        _same_size("fp16 decode", h16, out)
-        _contiguous("fp16 decode", h16, out)
-        n = h16.size
-        if n == 0:
-            return True
-        by = np.float32(scale)
-        divide = by != np.float32(1)
-        if divide and by == 0:
-            raise ZeroDivisionError("division by zero")  # as the numba twin raises
-        blocks, launch = geometry(n)
-        flags = xp.empty(blocks, np.uint32)
-        args = (h16, out.view(np.uint32), np.int64(n), by, np.int32(divide), flags)
-        kernel("decode")(*launch, args)
-        return not dev.to_host(flags, why="fp16.decode: non-finite flags").any()
-
-    def add(a, b):
-        """Set float16-bits array ``b`` (uint16) to float16(float32(a) + float32(b))."""
-        _same_size("fp16 add", a, b)
-        _contiguous("fp16 add", a, b)
-        if b.size:
-            kernel("add")(*geometry(b.size)[1], (a, b, np.int64(b.size)))
-
-    def all_finite(h):
-        """Return True if no float16 bits of ``h`` (uint16) are NaN or Inf."""
-        h = xp.ascontiguousarray(h).reshape(-1)
-        if h.size == 0:
-            return True
-        blocks, launch = geometry(h.size)
-        flags = xp.empty(blocks, np.uint32)
-        kernel("all_finite")(*launch, (h, np.int64(h.size), flags))
-        return not dev.to_host(flags, why="fp16.all_finite: flags").any()
-
-    return SimpleNamespace(encode=encode, decode=decode, add=add, all_finite=all_finite)
+    return bind(dev, add=add, all_finite=all_finite, encode=encode, decode=decode)
