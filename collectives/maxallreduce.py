@@ -153,24 +153,17 @@ def _check_head(comm, head, name: str, problem: Exception | None) -> None:
         raise ValueError(f"{name}: ranks disagree on the dtype of x: {lo} and {hi} among them")
 
 
-def _allreduce(comm, sendbuf, recvbuf, op, timeout, name: str, message: str) -> None:
-    """Allreduce, blocking, or nonblocking and waited on with ``timeout``."""
-    issue(
-        comm,
-        "Allreduce",
-        sendbuf,
-        recvbuf,
-        op=op,
-        timeout=timeout,
-        name=name,
-        detail=lambda: (
-            f"{message} (an Iallreduce of {recvbuf.nbytes} bytes over all {comm.size} ranks)"
-        ),
-    )
+def _waiting(comm, message: str, buf) -> str:
+    """Return what an Iallreduce of ``buf`` waits for, for the timeout report."""
+    return f"{message} (an Iallreduce of {buf.nbytes} bytes over all {comm.size} ranks)"
 
 
 def _extreme_allreduce(comm, x, recorder, name: str, timeout=None):
-    """Reduce ``x`` elementwise over ranks with the operation of ``name``: head, then tail."""
+    """Reduce ``x`` elementwise over ranks with the operation of ``name``: head, then tail.
+
+    The one core of both public functions; it makes its MPI calls through ``issue``
+    itself, so a call reaches MPI in three frames (public, core, ``issue``).
+    """
     timeout = resolve_timeout(timeout)
     op_code, mpi_op = _OPS[name]
     v, scalar, problem = _as_vector(x)
@@ -188,7 +181,16 @@ def _extreme_allreduce(comm, x, recorder, name: str, timeout=None):
     else:
         # Neutral (int64 min) length and dtype: the report below names this rank.
         head[6:8] = comm.size - comm.rank, comm.rank + 1
-    _allreduce(comm, MPI.IN_PLACE, head, MPI.MAX, timeout, name, "the head message")
+    issue(
+        comm,
+        "Allreduce",
+        MPI.IN_PLACE,
+        head,
+        op=MPI.MAX,
+        timeout=timeout,
+        name=name,
+        detail=lambda: _waiting(comm, "the head message", head),
+    )
     if recorder is not None:
         wire = head.nbytes if comm.size > 1 else 0  # one rank sends nothing
         recorder.record(f"{name}.head", 1, wire, wire, 64)
@@ -198,16 +200,27 @@ def _extreme_allreduce(comm, x, recorder, name: str, timeout=None):
     out[:k] = _head_values(head[_HEADER : _HEADER + k], op_code, v.dtype)
     if n > inline:
         rest, tail = v[inline:], out[inline:]
-        if v.dtype.kind == "f":
+        floats = v.dtype.kind == "f"
+        if floats:
             # The keys are built, reduced and decoded in the result's own memory.
             keys = tail.view(f"i{v.dtype.itemsize}")
             top = _LOW_BITS[keys.itemsize]
             _float_keys(rest, top if op_code == 1 else -top - 1, keys)
-            _allreduce(comm, MPI.IN_PLACE, keys, mpi_op, timeout, name, "the tail message")
+            send, recv = MPI.IN_PLACE, keys
+        else:  # MPI's integer MAX/MIN are exact
+            send, recv = rest, tail
+        issue(
+            comm,
+            "Allreduce",
+            send,
+            recv,
+            op=mpi_op,
+            timeout=timeout,
+            name=name,
+            detail=lambda: _waiting(comm, "the tail message", recv),
+        )
+        if floats:
             _float_from_keys(keys, v.dtype)
-        else:
-            # MPI's integer MAX/MIN are exact.
-            _allreduce(comm, rest, tail, mpi_op, timeout, name, "the tail message")
         if recorder is not None:
             wire = rest.nbytes if comm.size > 1 else 0
             recorder.record(f"{name}.tail", 1, wire, wire, 8 * v.dtype.itemsize)
