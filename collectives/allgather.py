@@ -1,9 +1,11 @@
 """Allgather of variable-length byte payloads (sparse FFT, 3LC, FastSGD, top-k).
 
-Both variants share one core: every rank announces its payload size (one Allgather
+Both variants take the same steps: every rank announces its payload size (one Allgather
 of an int64; -1 means "my input is not a 1-D uint8 array", so a bad input raises the
 same ValueError on every rank instead of leaving the others waiting), then the bytes
 move into one receive buffer, rank after rank, and every rank gets one view per rank.
+Each public function makes its MPI calls itself, through ``_wait.issue`` (the ring
+through ``_by_ring``); the helpers around them only prepare and check.
 
 - ``allgather_bytes``: the bytes move in one ``Allgatherv``; the MPI library picks the
   algorithm. Traces record the logical bytes (what this rank contributes and what it
@@ -14,8 +16,6 @@ move into one receive buffer, rank after rank, and every rank gets one view per 
 """
 
 from __future__ import annotations
-
-from collections.abc import Callable
 
 import numpy as np
 from mpi4py import MPI
@@ -46,13 +46,21 @@ def _payload_problem(payload) -> TypeError | None:
     return None
 
 
-def _exchange_sizes(comm, payload, recorder, op: str, timeout) -> np.ndarray:
-    """Return every rank's payload size; raise on every rank if one rank's input is bad."""
+def _announced(payload) -> tuple[np.ndarray, TypeError | None]:
+    """Return this rank's size message, and why its payload is invalid (-1 and the
+    error when it is, its size and None when not)."""
     problem = _payload_problem(payload)
-    sizes = np.empty(comm.size, dtype=np.int64)
-    mine = np.array([-1 if problem else payload.size], dtype=np.int64)
-    detail = f"sizes (an Iallgather of 8 bytes from each of {comm.size} ranks)"
-    issue(comm, "Allgather", mine, sizes, timeout=timeout, name=op, detail=detail)
+    return np.array([-1 if problem else payload.size], dtype=np.int64), problem
+
+
+def _sizes_detail(comm) -> str:
+    return f"sizes (an Iallgather of 8 bytes from each of {comm.size} ranks)"
+
+
+def _received(comm, payload, sizes, problem, recorder, op: str):
+    """Check every rank's announced ``sizes``; return (payload, receive buffer,
+    displacements), the payload contiguous. Raise on every rank if one rank's input
+    is bad."""
     if recorder is not None:
         recorder.record(f"{op}.sizes", 1, 8 if comm.size > 1 else 0, 8 * (comm.size - 1), 64)
     bad = np.flatnonzero(sizes < 0).tolist()
@@ -61,26 +69,16 @@ def _exchange_sizes(comm, payload, recorder, op: str, timeout) -> np.ndarray:
         raise ValueError(f"{op}: {who} passed an invalid payload (not a 1-D uint8 array)") from (
             problem
         )
-    return sizes
+    xp = backend_of(payload).xp
+    displs = np.zeros(comm.size, dtype=np.int64)
+    np.cumsum(sizes[:-1], out=displs[1:])
+    buf = xp.empty(int(sizes.sum()), dtype=np.uint8)
+    return xp.ascontiguousarray(payload), buf, displs
 
 
-def _by_allgatherv(comm, payload, buf, sizes, displs, recorder, op: str, timeout) -> None:
-    """Move the bytes in one Allgatherv."""
-    total = int(sizes.sum())
-    if total > _COUNT_LIMIT:
-        raise ValueError(
-            f"{op}: the payloads total {total} bytes, more than MPI %d.%d can count "
-            f"({_COUNT_LIMIT}); use allgather_bytes_ring, which splits messages" % MPI.Get_version()
-        )
-    detail = (
-        f"data (an Iallgatherv sending {payload.nbytes} bytes, receiving {buf.nbytes} "
-        f"bytes from {comm.size} ranks)"
-    )
-    recvspec = [buf, sizes, displs, MPI.BYTE]
-    issue(comm, "Allgatherv", payload, recvspec, timeout=timeout, name=op, detail=detail)
-    if recorder is not None:
-        mine = int(sizes[comm.rank])
-        recorder.record(f"{op}.data", 1, mine if comm.size > 1 else 0, total - mine, 8)
+def _views(buf, sizes, displs) -> list[np.ndarray]:
+    """Return one view of ``buf`` per rank."""
+    return [buf[d : d + s] for d, s in zip(displs.tolist(), sizes.tolist(), strict=True)]
 
 
 def _by_ring(comm, payload, buf, sizes, displs, recorder, op: str, timeout) -> None:
@@ -114,19 +112,6 @@ def _by_ring(comm, payload, buf, sizes, displs, recorder, op: str, timeout) -> N
             recorder.record(f"{op}.data", step, int(send.size), int(recv.size), 8)
 
 
-def _allgather(comm, payload, recorder, exchange: Callable, op: str, timeout) -> list[np.ndarray]:
-    """Exchange sizes, allocate one receive buffer, let ``exchange`` fill it; return views."""
-    timeout = resolve_timeout(timeout)
-    sizes = _exchange_sizes(comm, payload, recorder, op, timeout)
-    xp = backend_of(payload).xp
-    payload = xp.ascontiguousarray(payload)
-    displs = np.zeros(comm.size, dtype=np.int64)
-    np.cumsum(sizes[:-1], out=displs[1:])
-    buf = xp.empty(int(sizes.sum()), dtype=np.uint8)
-    exchange(comm, payload, buf, sizes, displs, recorder, op, timeout)
-    return [buf[d : d + s] for d, s in zip(displs.tolist(), sizes.tolist(), strict=True)]
-
-
 def allgather_bytes(comm, payload, *, recorder=None, timeout=None) -> list[np.ndarray]:
     """Gather every rank's byte payload on every rank: sizes, then one Allgatherv.
 
@@ -148,7 +133,28 @@ def allgather_bytes(comm, payload, *, recorder=None, timeout=None) -> list[np.nd
             (those ranks are named; on them the local TypeError is the cause), or the
             total exceeds what this MPI can count (2**31-1 bytes before MPI 4).
     """
-    return _allgather(comm, payload, recorder, _by_allgatherv, "allgather", timeout)
+    op = "allgather"
+    timeout = resolve_timeout(timeout)
+    mine, problem = _announced(payload)
+    sizes = np.empty(comm.size, dtype=np.int64)
+    issue(comm, "Allgather", mine, sizes, timeout=timeout, name=op, detail=_sizes_detail(comm))
+    payload, buf, displs = _received(comm, payload, sizes, problem, recorder, op)
+    total = buf.size
+    if total > _COUNT_LIMIT:
+        raise ValueError(
+            f"{op}: the payloads total {total} bytes, more than MPI %d.%d can count "
+            f"({_COUNT_LIMIT}); use allgather_bytes_ring, which splits messages" % MPI.Get_version()
+        )
+    detail = (
+        f"data (an Iallgatherv sending {payload.nbytes} bytes, receiving {buf.nbytes} "
+        f"bytes from {comm.size} ranks)"
+    )
+    recvspec = [buf, sizes, displs, MPI.BYTE]
+    issue(comm, "Allgatherv", payload, recvspec, timeout=timeout, name=op, detail=detail)
+    if recorder is not None:
+        own = int(sizes[comm.rank])
+        recorder.record(f"{op}.data", 1, own if comm.size > 1 else 0, total - own, 8)
+    return _views(buf, sizes, displs)
 
 
 def allgather_bytes_ring(comm, payload, *, recorder=None, timeout=None) -> list[np.ndarray]:
@@ -160,4 +166,11 @@ def allgather_bytes_ring(comm, payload, *, recorder=None, timeout=None) -> list[
     i = 1..N-1, ``record("allgather_ring.data", i, sent, received, 8)`` with the exact
     bytes: rank r sends the payload of rank (r-i+1) mod N and receives that of (r-i) mod N.
     """
-    return _allgather(comm, payload, recorder, _by_ring, "allgather_ring", timeout)
+    op = "allgather_ring"
+    timeout = resolve_timeout(timeout)
+    mine, problem = _announced(payload)
+    sizes = np.empty(comm.size, dtype=np.int64)
+    issue(comm, "Allgather", mine, sizes, timeout=timeout, name=op, detail=_sizes_detail(comm))
+    payload, buf, displs = _received(comm, payload, sizes, problem, recorder, op)
+    _by_ring(comm, payload, buf, sizes, displs, recorder, op, timeout)
+    return _views(buf, sizes, displs)
