@@ -2,8 +2,10 @@
 
 Without a timeout (the default) every collective makes blocking MPI calls. With one
 (``timeout=`` seconds, or the environment variable ``MPICOMP_TIMEOUT``), each message is
-a nonblocking call whose requests go to ``wait_all``. ``issue`` and ``sendrecv`` make
-that choice for every collective, in one place. ``wait_all`` it polls ``MPI.Request.Testall``
+a nonblocking call whose requests go to ``wait_all``. ``issue`` and ``Exchange`` make
+that choice for every collective, in one place: they are the frames that call MPI, so a
+collective reaches the library through them and nothing else. ``wait_all`` polls
+``MPI.Request.Testall``
 with a sleep that backs off from 10 us to 1 ms, so a waiting rank does not burn a core,
 and when the timeout passes it writes to stderr what this rank was waiting for and
 calls ``comm.Abort``: the whole job stops with that message instead of hanging.
@@ -133,17 +135,40 @@ def issue(comm, call: str, *args, timeout: float | None, name: str, detail, **kw
     wait_all(comm, [request], timeout, name, detail)
 
 
-def sendrecv(
-    comm, sendbuf, dest: int, recvbuf, source: int, tag: int, *, timeout, name: str, detail
-) -> None:
-    """Send ``sendbuf`` to ``dest`` while receiving ``recvbuf`` from ``source``: one
-    ``Sendrecv``, or with a timeout an Irecv/Isend pair waited on by ``wait_all``."""
-    ready(sendbuf)  # a kernel may still be writing a device buffer
-    if timeout is None:
-        comm.Sendrecv(sendbuf, dest, tag, recvbuf, source, tag)
-        return
-    requests = [comm.Irecv(recvbuf, source, tag), comm.Isend(sendbuf, dest, tag)]
-    wait_all(comm, requests, timeout, name, detail)
+class Exchange:
+    """One step of a ring or pairwise schedule, called as ``exchange(sendbuf, dest,
+    recvbuf, source, phase, step)``: send ``sendbuf`` to ``dest`` while receiving
+    ``recvbuf`` from ``source``, one ``Sendrecv``, or with a timeout an Irecv/Isend pair
+    waited on by ``wait_all`` (``phase`` and ``step`` name the wait in its report).
+
+    A callable object rather than a closure: the cores take it as a parameter (blocking
+    or not, one algorithm) and it is itself the frame that calls MPI.
+    """
+
+    __slots__ = ("comm", "timeout", "op", "tag")
+
+    def __init__(self, comm, timeout: float | None, op: str, tag: int):
+        """``timeout``: seconds (already resolved) or None; ``op``: the collective, as
+        reported on timeout; ``tag``: the collective's messages' tag."""
+        self.comm, self.timeout, self.op, self.tag = comm, timeout, op, tag
+
+    def __call__(self, sendbuf, dest: int, recvbuf, source: int, phase: str, step: int) -> None:
+        comm, tag = self.comm, self.tag
+        ready(sendbuf)  # a kernel may still be writing a device buffer
+        if self.timeout is None:
+            comm.Sendrecv(sendbuf, dest, tag, recvbuf, source, tag)
+            return
+        requests = [comm.Irecv(recvbuf, source, tag), comm.Isend(sendbuf, dest, tag)]
+        wait_all(
+            comm,
+            requests,
+            self.timeout,
+            self.op,
+            lambda: (
+                f"{phase} step {step} of {comm.Get_size() - 1}: receiving {recvbuf.nbytes} "
+                f"bytes from rank {source} and sending {sendbuf.nbytes} bytes to rank {dest}"
+            ),
+        )
 
 
 def wait_all(comm, requests, timeout: float | None, op: str, detail) -> None:

@@ -32,12 +32,13 @@ from __future__ import annotations
 import numpy as np
 
 from mpicomp.collectives import ring
-from mpicomp.collectives._wait import resolve_timeout
+from mpicomp.collectives._wait import Exchange, resolve_timeout
+from mpicomp.kernels import backend_of
 from mpicomp.kernels.bits import packed_size
 
 _TAG = 0x3C4  # the direct schedule's messages, apart from the ring's
 
-_A2A = "alltoall"
+_A2A, _AG = "alltoall", "allgather"
 
 
 def direct_allreduce_bounded(
@@ -63,16 +64,21 @@ def direct_allreduce_bounded(
     """
     fname = "direct_allreduce_bounded"
     timeout = resolve_timeout(timeout)
-    args = (majority, signed, packed, fname, timeout)
-    x, b, be = ring.bounded_arguments(comm, codes, bound, *args, checked, kernels)
-    return _direct(comm, x, b, majority, signed, packed, recorder, timeout, be, fname)
+    size = comm.Get_size()
+    if checked:
+        claim = ring.bounded_claim(codes, bound, majority, signed, packed, size, fname)
+        codes, bound = ring.agree(comm, fname, claim, timeout)
+    be = backend_of(codes, kernels)
+    p = ring.plan(size, bound, majority, signed, be.xp)
+    out = _direct(comm, Exchange(comm, timeout, fname, _TAG), codes, p, be, recorder, fname)
+    return ring.unpacked(out, codes.size, p, size, packed, be)
 
 
-def _direct(comm, x, b, majority, signed, packed, recorder, timeout, be, fname):
-    """The direct reduce-scatter and ring allgather over agreed arguments."""
+def _direct(comm, exchange, x, p: ring.Plan, be, recorder, fname: str):
+    """Run the direct reduce-scatter and the ring allgather of the plan ``p`` over agreed
+    codes ``x``; return the packed result stream (``ring.unpacked`` reads it)."""
     xp, bits = be.xp, be.bits
     size, rank = comm.Get_size(), comm.Get_rank()
-    p = ring.plan(size, b, majority, signed, xp)
     n = x.size
     C = ring.chunk_size(n, size)
     w1 = ring.bits_for(p.span)  # one rank's shifted code
@@ -86,7 +92,6 @@ def _direct(comm, x, b, majority, signed, packed, recorder, timeout, be, fname):
         start = lo * width // 8  # C is a multiple of 8: every chunk starts on a byte
         return start, start + packed_size(hi - lo, width)
 
-    exchange = ring.exchanger(comm, timeout, fname, _TAG)
     # This rank's codes, packed once at w_1: chunk c's bytes are a slice of the stream.
     mine = xp.empty(packed_size(n, w1), dtype=np.uint8)
     bits.pack_shifted(x, p.shift, w1, mine)
@@ -104,13 +109,20 @@ def _direct(comm, x, b, majority, signed, packed, recorder, timeout, be, fname):
             recorder.record(f"direct.{_A2A}", k, stop - start, got, w1)
         bits.add_unpack(arrived, w1, counts, 0, counts)
 
-    out = xp.empty(packed_size(n, p.final_width), dtype=np.uint8)
-    start, stop = region(rank, p.final_width)
+    wf = p.final_width
+    out = xp.empty(packed_size(n, wf), dtype=np.uint8)
+    start, stop = region(rank, wf)
     if p.majority:
         ring.decided(p, counts, lo, out[start:stop], fname)
     else:
-        bits.pack_shifted(counts, 0, p.final_width, out[start:stop])
-    ring.allgather_chunks(
-        comm, exchange, out, lambda c: region(c, p.final_width), p.final_width, recorder, "direct"
-    )
-    return ring.unpacked(out, n, p, size, packed, be)
+        bits.pack_shifted(counts, 0, wf, out[start:stop])
+    # The ring's allgather, step for step (ring.ring_allreduce's last loop), written out
+    # here so that the exchange is called from this frame.
+    right, left = (rank + 1) % size, (rank - 1) % size
+    for j in range(1, size):
+        s_start, s_stop = region(rank - j + 1, wf)
+        r_start, r_stop = region(rank - j, wf)
+        exchange(out[s_start:s_stop], right, out[r_start:r_stop], left, _AG, j)
+        if recorder is not None:
+            recorder.record(f"direct.{_AG}", j, s_stop - s_start, r_stop - r_start, wf)
+    return out

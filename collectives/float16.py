@@ -5,17 +5,46 @@ through a Python callback. This ring, a reduce-scatter then an allgather, sends
 2(N-1)/N of it. Chunk c = [c*C, (c+1)*C), C = ceil(n/N), is summed in the rank order
 c+1, c+2, ..., N-1, 0, ..., c, each addition in float32 rounded to float16 (Inf on
 overflow), ending at rank c, which passes it on: every rank gets the same bits.
+
+It is ``ring.ring_allreduce``, the core of the integer rings, at 16 bits per element
+every step: the partial sums stay in ``buf`` (``_Halves``), so messages go out of it
+and the allgather fills it in place.
 """
 
 from __future__ import annotations
 
 import numpy as np
 
-from mpicomp.collectives._wait import resolve_timeout, sendrecv
+from mpicomp.collectives._wait import Exchange, resolve_timeout
+from mpicomp.collectives.ring import ring_allreduce
 from mpicomp.kernels import backend_of
 
 _TAG = 0x1F16  # run on a communicator of your own (comm.Dup())
 _OP = "fp16 sum"
+
+
+class _Halves:
+    """float16 bits (uint16) summed in place: each partial sum is kept in ``halves``,
+    so what a step sends is a view of it, never a copy."""
+
+    final_width = 16
+
+    def __init__(self, halves, add):
+        self.halves, self.raw, self.add = halves, halves.view(np.uint8), add
+
+    def width(self, i: int) -> int:
+        return 16
+
+    def pack(self, lo, hi, width, scratch):
+        return self.raw[2 * lo : 2 * hi]
+
+    def combine(self, stream, width, lo, hi, out_width, scratch):
+        self.add(stream.view(np.uint16), self.halves[lo:hi])
+        return self.raw[2 * lo : 2 * hi]
+
+    def finish(self, stream, width, lo, hi, out) -> None:
+        if stream is not None:  # ``out`` is this chunk of ``halves`` itself
+            self.add(stream.view(np.uint16), self.halves[lo:hi])
 
 
 def allreduce_float16(comm, buf, *, recorder=None, timeout=None, kernels=None) -> None:
@@ -31,42 +60,9 @@ def allreduce_float16(comm, buf, *, recorder=None, timeout=None, kernels=None) -
         kernels: the kernel backend record for NumPy arrays (default
             ``mpicomp.kernels.backend()``).
     """
-    timeout = resolve_timeout(timeout)
-    add = backend_of(buf, kernels).fp16.add
-    size, rank = comm.Get_size(), comm.Get_rank()
-    bits = buf.reshape(-1).view(np.uint16)
-    n = bits.size
-    width = -(-n // size)
-    right, left = (rank + 1) % size, (rank - 1) % size
-
-    def span(c):
-        c %= size
-        return min(n, c * width), min(n, (c + 1) * width)
-
-    def exchange(send, recv, phase, step):
-        sendrecv(
-            comm,
-            send,
-            right,
-            recv,
-            left,
-            _TAG,
-            timeout=timeout,
-            name=_OP,
-            detail=lambda: (
-                f"{phase} step {step} of {size - 1}: receiving {recv.nbytes} bytes from "
-                f"rank {left} and sending {send.nbytes} bytes to rank {right}"
-            ),
-        )
-        if recorder is not None:
-            recorder.record(f"fp16.{phase}", step, send.nbytes, recv.nbytes, 16)
-
-    recv = backend_of(buf, kernels).xp.empty(width if size > 1 else 0, np.uint16)
-    for i in range(1, size):  # reduce-scatter: after step N-1 rank r holds chunk r summed
-        (s_lo, s_hi), (r_lo, r_hi) = span(rank - i), span(rank - i - 1)
-        got = recv[: r_hi - r_lo]
-        exchange(bits[s_lo:s_hi], got, "reduce_scatter", i)
-        add(got, bits[r_lo:r_hi])
-    for j in range(1, size):  # allgather of the summed chunks, in place
-        (s_lo, s_hi), (r_lo, r_hi) = span(rank - j + 1), span(rank - j)
-        exchange(bits[s_lo:s_hi], bits[r_lo:r_hi], "allgather", j)
+    exchange = Exchange(comm, resolve_timeout(timeout), _OP, _TAG)
+    halves = buf.reshape(-1).view(np.uint16)
+    values = _Halves(halves, backend_of(buf, kernels).fp16.add)
+    n = halves.size
+    chunk = -(-n // comm.Get_size())  # ceil(n/N): at 16 bits every chunk starts on a byte
+    ring_allreduce(comm, exchange, values, n, chunk, values.raw, recorder, "fp16")

@@ -33,6 +33,11 @@ without one they are the blocking Sendrecv and Allreduce.
 them across ranks (one Allreduce, and a min/max pass over the codes) before the ring
 runs; with ``checked=False`` they run the same ring for a caller that has agreed already
 (``CompressedComm``: one agreement per call).
+
+One core, ``ring_allreduce``, runs every ring (float16 sums in ``float16.py`` too); what
+moves is the caller's, through a *values* object (``_Sums``, ``_Votes``, ``_Minima``). A
+public function calls the core, and the core calls ``exchange``, the ``_wait.Exchange``
+that calls MPI: three frames from the public function to the library.
 """
 
 from __future__ import annotations
@@ -43,7 +48,7 @@ from typing import Any, NamedTuple
 import numpy as np
 from mpi4py import MPI
 
-from mpicomp.collectives._wait import issue, resolve_timeout, sendrecv
+from mpicomp.collectives._wait import Exchange, issue, resolve_timeout
 from mpicomp.kernels import backend_of
 from mpicomp.kernels.bits import MAX_WIDTH
 from mpicomp.kernels.bits import packed_size as _packed
@@ -91,149 +96,248 @@ def chunk_size(n: int, nranks: int) -> int:
 # --- the core -----------------------------------------------------------------------------
 
 
-def _ring_allreduce(
-    comm,
-    exchange: Callable,
-    n: int,
-    be,
-    width_of_step: Callable[[int], int],
-    pack_mine: Callable,
-    combine: Callable,
-    finish: Callable,
-    final_width: int,
-    recorder,
-    name: str,
-):
-    """Reduce this rank's values around the ring; return the packed allgathered result.
+def ring_allreduce(comm, exchange, values, n: int, chunk: int, out, recorder, name: str) -> None:
+    """Reduce ``values`` around the ring, then allgather: ``out`` gets the whole result.
 
-    The values stay with the caller: the core only asks for them through the callbacks,
-    which run fused kernels on one chunk [lo, hi) at a time (no full-length temporary).
+    The values stay with the caller: the core asks ``values`` for them one chunk
+    [lo, hi) at a time (fused kernels, no full-length temporary), through
+
+    - ``values.width(i)``: bits per element of a partial over i ranks (reduce-scatter
+      step i); ``values.final_width``: bits per element of the result;
+    - ``values.pack(lo, hi, width, scratch)``: this rank's values of [lo, hi) at
+      ``width`` bits; ``values.combine(stream, width, lo, hi, out_width, scratch)``: the
+      partials received in ``stream`` combined with this rank's, at ``out_width`` bits.
+      Both return the bytes to send: ``scratch`` filled, or a view of the caller's own
+      memory that holds them (a sum kept in place);
+    - ``values.finish(stream, width, lo, hi, out)``: this rank's chunk, reduced over all
+      ranks, written into its place in ``out`` (``stream`` None on a ring of one).
 
     Args:
         comm: the communicator; rank r talks to (r+1) % N and (r-1) % N only.
-        exchange: ``exchange(sendbuf, dest, recvbuf, source, phase, step)`` moves one
-            step's messages (``exchanger`` builds it: blocking or with a timeout).
+        exchange: ``exchange(sendbuf, dest, recvbuf, source, phase, step)``, one step's
+            messages (a ``_wait.Exchange``: blocking, or with a timeout).
+        values: as above.
         n: the number of values, the same on every rank.
-        be: the kernel backend record owning the values.
-        width_of_step: bits per element of a partial over i ranks (reduce-scatter step i).
-        pack_mine: ``pack_mine(lo, hi, width, out_uint8)`` packs this rank's values.
-        combine: ``combine(stream, width, lo, hi, out_width, out_uint8)`` packs the
-            partials received in ``stream`` (``width`` bits) combined with this rank's.
-        finish: ``finish(stream, width, lo, hi, out_uint8)`` writes the owned chunk,
-            reduced over all ranks, into ``out`` at ``final_width`` bits per element;
-            ``stream`` is None on a ring of one (this rank's values are the result).
-        final_width: bits per element of the allgather phase.
+        chunk: C, the elements per chunk: chunk c is [c*C, min(n, (c+1)*C));
+            C * final_width must be a multiple of 8 (chunks start on whole bytes).
+        out: uint8, packed_size(n, final_width) bytes: receives the result.
         recorder: None, or an object with ``record(op, step, sent, recv, bits)``.
         name: prefix of the traced op names.
-
-    Returns:
-        uint8 array of packed_size(n, final_width) bytes: the whole reduced vector.
     """
-    xp = be.xp
     size, rank = comm.Get_size(), comm.Get_rank()
-    C = chunk_size(n, size)
-    longest = min(C, n)
     right, left = (rank + 1) % size, (rank - 1) % size
+    final_width = values.final_width
 
     def span(c):
         c %= size
-        return min(n, c * C), min(n, (c + 1) * C)
+        return min(n, c * chunk), min(n, (c + 1) * chunk)
 
-    # Chunk c of the result starts at byte c*C*final_width/8: C is a multiple of 8.
-    out = xp.empty(_packed(n, final_width), dtype=np.uint8)
-
-    def region(c):
+    def region(c):  # chunk c's bytes in ``out``
         lo, hi = span(c)
         start = lo * final_width // 8
         return start, start + _packed(hi - lo, final_width)
 
+    if size == 1:
+        start, stop = region(rank)
+        values.finish(None, 0, 0, n, out[start:stop])
+        return
     # Buffers for the whole call, sized for the widest step: no allocation inside the loop.
-    widest = max((width_of_step(i) for i in range(1, size)), default=0)
-    sendbuf = xp.empty(_packed(longest, widest), dtype=np.uint8)
+    xp = backend_of(out).xp
+    longest = min(chunk, n)
+    widest = max(values.width(i) for i in range(1, size))
+    scratch = xp.empty(_packed(longest, widest), dtype=np.uint8)
     recvbuf = xp.empty(_packed(longest, widest), dtype=np.uint8)
 
-    if size > 1:
-        lo, hi = span(rank - 1)
-        width = width_of_step(1)
-        pack_mine(lo, hi, width, sendbuf[: _packed(hi - lo, width)])
-    else:
-        start, stop = region(rank)
-        finish(None, 0, 0, n, out[start:stop])
-    for i in range(1, size):
-        width = width_of_step(i)
+    lo, hi = span(rank - 1)
+    width = values.width(1)
+    message = values.pack(lo, hi, width, scratch[: _packed(hi - lo, width)])
+    for i in range(1, size):  # reduce-scatter: after step N-1 rank r owns chunk r
+        width = values.width(i)
         s_lo, s_hi = span(rank - i)
         r_lo, r_hi = span(rank - i - 1)
         sent, got = _packed(s_hi - s_lo, width), _packed(r_hi - r_lo, width)
-        exchange(sendbuf[:sent], right, recvbuf[:got], left, _RS, i)
+        exchange(message, right, recvbuf[:got], left, _RS, i)
         if recorder is not None:
             recorder.record(f"{name}.{_RS}", i, sent, got, width)
         if i < size - 1:  # the chunk just completed over i+1 ranks is the next one sent
-            nxt = width_of_step(i + 1)
-            combine(recvbuf[:got], width, r_lo, r_hi, nxt, sendbuf[: _packed(r_hi - r_lo, nxt)])
+            nxt = values.width(i + 1)
+            to = scratch[: _packed(r_hi - r_lo, nxt)]
+            message = values.combine(recvbuf[:got], width, r_lo, r_hi, nxt, to)
         else:  # r_lo, r_hi is this rank's own chunk, now reduced over every rank
             start, stop = region(rank)
-            finish(recvbuf[:got], width, r_lo, r_hi, out[start:stop])
-
-    allgather_chunks(comm, exchange, out, region, final_width, recorder, name)
-    return out
-
-
-def allgather_chunks(comm, exchange: Callable, out, region: Callable, width: int, recorder, name):
-    """Complete ``out`` around the ring: this rank holds chunk r of it, packed in place.
-
-    At step j (1..N-1) rank r forwards chunk (r - j + 1) mod N to r + 1 unchanged and
-    receives chunk (r - j) mod N from r - 1 into its place; ``region(c)`` gives the
-    [start, stop) bytes of chunk c in ``out``, ``width`` its bits per element (traced).
-    """
-    size, rank = comm.Get_size(), comm.Get_rank()
-    right, left = (rank + 1) % size, (rank - 1) % size
-    for j in range(1, size):
+            values.finish(recvbuf[:got], width, r_lo, r_hi, out[start:stop])
+    for j in range(1, size):  # allgather: forward chunk r-j+1 unchanged, receive r-j in place
         s_start, s_stop = region(rank - j + 1)
         r_start, r_stop = region(rank - j)
         exchange(out[s_start:s_stop], right, out[r_start:r_stop], left, _AG, j)
         if recorder is not None:
-            recorder.record(f"{name}.{_AG}", j, s_stop - s_start, r_stop - r_start, width)
+            recorder.record(f"{name}.{_AG}", j, s_stop - s_start, r_stop - r_start, final_width)
 
 
-def exchanger(comm, timeout: float | None, op: str, tag: int = _TAG) -> Callable:
-    """Return ``exchange(sendbuf, dest, recvbuf, source, phase, step)``: one step's
-    ``Sendrecv`` (with a timeout, an Irecv/Isend pair that reports what it waited for)."""
+# --- what travels -------------------------------------------------------------------------
 
-    def exchange(sendbuf, dest, recvbuf, source, phase, step):
-        sendrecv(
-            comm,
-            sendbuf,
-            dest,
-            recvbuf,
-            source,
-            tag,
-            timeout=timeout,
-            name=op,
-            detail=lambda: (
-                f"{phase} step {step} of {comm.Get_size() - 1}: receiving {recvbuf.nbytes} "
-                f"bytes from rank {source} and sending {sendbuf.nbytes} bytes to rank {dest}"
-            ),
+
+class _Packed:
+    """Integer codes packed at each step's width; the owner packs the result at
+    ``final_width`` the way ``combine`` packs a partial (``pack`` alone on a ring of one)."""
+
+    final_width: int
+
+    def finish(self, stream, width, lo, hi, out) -> None:
+        if stream is None:
+            self.pack(lo, hi, self.final_width, out)
+        else:
+            self.combine(stream, width, lo, hi, self.final_width, out)
+
+
+class _Sums(_Packed):
+    """Bounded codes: shifted into [0, span] as they are packed, so a partial over i
+    ranks lies in [0, i*span] and travels at bits_for(i*span) bits."""
+
+    def __init__(self, codes, p: Plan, be):
+        self.codes, self.p, self.bits = codes, p, be.bits
+        self.final_width = p.final_width
+
+    def width(self, i: int) -> int:
+        return bits_for(i * self.p.span)
+
+    def pack(self, lo, hi, width, scratch):
+        self.bits.pack_shifted(self.codes[lo:hi], self.p.shift, width, scratch)
+        return scratch
+
+    def combine(self, stream, width, lo, hi, out_width, scratch):
+        self.bits.add_repack(stream, width, self.codes[lo:hi], self.p.shift, out_width, scratch)
+        return scratch
+
+
+class _Votes(_Sums):
+    """Votes (0 or 1) counted as sums; the owner turns its chunk's counts into decisions."""
+
+    def __init__(self, codes, p: Plan, be, fname: str):
+        super().__init__(codes, p, be)
+        self.xp, self.fname = be.xp, fname
+
+    def finish(self, stream, width, lo, hi, out) -> None:
+        if stream is None:
+            counts = self.codes[lo:hi].astype(np.int64)
+        else:
+            counts = self.xp.empty(hi - lo, dtype=np.int64)
+            self.bits.add_unpack(stream, width, self.codes[lo:hi], 0, counts)
+        decided(self.p, counts, lo, out, self.fname)
+
+
+class _Minima(_Packed):
+    """Unsigned codes of ``width`` bits, combined by MIN: every step at that width."""
+
+    def __init__(self, codes, width: int, be):
+        self.codes, self.final_width, self.bits = codes, width, be.bits
+
+    def width(self, i: int) -> int:
+        return self.final_width
+
+    def pack(self, lo, hi, width, scratch):
+        self.bits.pack_shifted(self.codes[lo:hi], 0, width, scratch)
+        return scratch
+
+    def combine(self, stream, width, lo, hi, out_width, scratch):
+        self.bits.min_repack(stream, width, self.codes[lo:hi], scratch)
+        return scratch
+
+
+# --- bounded sums and majorities, whatever the schedule -----------------------------------
+
+
+class Plan(NamedTuple):
+    """How a bounded sum or majority travels, whatever the schedule.
+
+    Codes go on the wire shifted by ``shift`` into [0, ``span``]; the sum over N ranks
+    is packed at ``final_width`` bits (1 for majority decisions); ``decide`` (majority
+    only) turns a chunk's int64 vote counts into its packed decision bits.
+    """
+
+    majority: bool
+    shift: int
+    span: int
+    final_width: int
+    decide: Callable | None
+
+
+def plan(size: int, b: int, majority, signed: bool, xp) -> Plan:
+    """Return the ``Plan`` of a call over ``size`` ranks with bound ``b``."""
+    voting = bool(callable(majority) or majority)
+    span = 2 * b if signed else b
+    decide = None
+    if voting:
+        decide = majority if callable(majority) else _paper_majority(xp, size)
+    return Plan(voting, b if signed else 0, span, 1 if voting else bits_for(size * span), decide)
+
+
+def decided(p: Plan, counts, offset: int, out, fname: str) -> None:
+    """Write the owner's decision bits of a chunk's ``counts`` (from ``offset``) into ``out``."""
+    bits = p.decide(counts, offset)
+    bits = backend_of(out).xp.asarray(bits, dtype=np.uint8).reshape(-1)
+    if bits.size != out.size:
+        raise ValueError(
+            f"{fname}: decide returned {bits.size} bytes for {counts.size} elements, "
+            f"expected {out.size}"
         )
+    out[...] = bits
 
-    return exchange
+
+def unpacked(result, n: int, p: Plan, size: int, packed: bool, be):
+    """Return what a bounded call gives back from its allgathered ``result`` stream."""
+    if p.majority:
+        return result
+    offset = size * p.shift
+    if packed:
+        return PackedSums(result, n, p.final_width, offset)
+    sums = be.xp.empty(n, dtype=np.int64)
+    be.bits.unpack_shifted(result, p.final_width, offset, sums)
+    return sums
+
+
+def _paper_majority(xp, nranks: int):
+    """Return paper 003's rule: bit = 1 where more than half of ``nranks`` voted +1."""
+
+    def decide(counts, offset):
+        return xp.packbits(2 * counts > nranks, bitorder="little")
+
+    return decide
 
 
 # --- argument checks, agreed across ranks -------------------------------------------------
 
+_MODE_SIGNED, _MODE_UNSIGNED, _MODE_MAJORITY = 0, 1, 2
+_I64 = np.iinfo(np.int64)
 
-def _as_codes(codes, fname: str, kernels=None):
-    """Return ``codes`` as a contiguous 1-D integer array of its backend, and the backend."""
+
+class Claim(NamedTuple):
+    """What one rank brings to the agreement of a checked call: its arguments as checked
+    here (codes a contiguous 1-D integer array), or the error they raised."""
+
+    codes: Any
+    param: int  # the bound or the width
+    pname: str  # "bound" or "width", for the messages
+    mode: int
+    lo: int  # the smallest and largest code
+    hi: int
+    allowed: tuple[int, int]  # the range every code must lie in
+    err: Exception | None
+
+
+def _as_codes(codes, fname: str):
+    """Return ``codes`` as a contiguous 1-D integer array of its backend."""
     try:
-        be = backend_of(codes, kernels)
+        xp = backend_of(codes).xp
     except TypeError:  # a list or another sequence: made a NumPy array
         codes = np.asarray(codes)
-        be = backend_of(codes, kernels)
-    codes = be.xp.asarray(codes)
+        xp = backend_of(codes).xp
+    codes = xp.asarray(codes)
     if not np.issubdtype(codes.dtype, np.integer):
         raise TypeError(f"{fname}: codes must have an integer dtype, got {codes.dtype!r}")
     if codes.ndim != 1:
         raise ValueError(f"{fname}: codes must be 1-D, got shape {codes.shape!r}")
-    return be.xp.ascontiguousarray(codes), be
+    return xp.ascontiguousarray(codes)
 
 
 def _as_int(value, what: str, fname: str) -> int:
@@ -249,32 +353,82 @@ def _extremes(codes) -> tuple[int, int]:
     return int(codes.min()), int(codes.max())
 
 
-_I64 = np.iinfo(np.int64)
+def bounded_claim(codes, bound, majority, signed, packed, size: int, fname: str) -> Claim:
+    """Check the arguments of a bounded sum or majority on this rank, without messages;
+    ``agree`` then compares them across ranks."""
+    err, x, b, lo, hi, mode = None, None, 0, 0, 0, _MODE_SIGNED
+    try:
+        x = _as_codes(codes, fname)
+        b = _as_int(bound, "bound", fname)
+        if b < 1:
+            raise ValueError(f"{fname}: bound must be >= 1, got {b!r}")
+        if not (isinstance(majority, (bool, np.bool_)) or callable(majority)):
+            raise TypeError(f"{fname}: majority must be a bool or a callable, got {majority!r}")
+        if callable(majority) or majority:
+            if packed:
+                raise ValueError(f"{fname}: packed=True returns sums, not majority decisions")
+            if signed or b != 1:
+                raise ValueError(
+                    f"{fname}: majority needs unsigned votes (signed=False, bound=1), "
+                    f"got signed={signed!r}, bound={b!r}"
+                )
+            mode = _MODE_MAJORITY
+        elif not signed:
+            mode = _MODE_UNSIGNED
+        top = (2 if signed else 1) * size * b
+        if bits_for(top) > MAX_WIDTH:
+            raise ValueError(
+                f"{fname}: sums of bound={b} over N={size} ranks need {bits_for(top)} bits, "
+                f"more than {MAX_WIDTH}; use bound <= {(2**MAX_WIDTH - 1) // (top // b)}"
+            )
+        lo, hi = _extremes(x)
+    except (TypeError, ValueError) as exc:
+        err = exc
+    allowed = (-b, b) if signed else (0, b)
+    return Claim(x, b, "bound", mode, lo, hi, allowed, err)
 
 
-def _agree(comm, fname, err, n, param, pname, mode, lo, hi, allowed, timeout=None):
-    """Check, in one Allreduce(MAX) of 10 int64, what every rank must agree on.
+def _min_claim(codes, width, fname: str) -> Claim:
+    """Check the arguments of a minimum on this rank, without messages."""
+    err, x, w, lo, hi = None, None, 0, 0, 0
+    try:
+        x = _as_codes(codes, fname)
+        w = _as_int(width, "width", fname)
+        if not 1 <= w <= MAX_WIDTH:
+            raise ValueError(f"{fname}: width must lie in [1, {MAX_WIDTH}], got {w!r}")
+        lo, hi = _extremes(x)
+    except (TypeError, ValueError) as exc:
+        err = exc
+    return Claim(x, w, "width", 0, lo, hi, (0, 2**w - 1), err)
 
-    Agreed: no rank rejected its arguments (``err``), equal n, equal ``param`` (bound or
-    width), equal mode, and every code of every rank inside ``allowed`` = (min, max). The
-    same ValueError is raised on every rank where another rank is at fault.
+
+def agree(comm, fname: str, claim: Claim, timeout=None) -> tuple[Any, int]:
+    """Check, in one Allreduce(MAX) of 10 int64, what every rank must agree on; return
+    the agreed (codes, bound or width).
+
+    Agreed: no rank rejected its arguments, equal n, equal bound (width), equal mode,
+    and every code of every rank inside ``claim.allowed``. A rank whose own arguments
+    are invalid raises its error after taking part; the others raise ValueError, the
+    same on every rank.
     """
     rank = comm.Get_rank()
     vec = np.zeros(10, dtype=np.int64)
-    if err is not None:
+    param, pname, allowed = claim.param, claim.pname, claim.allowed
+    if claim.err is not None:
         vec[8] = rank + 1  # MAX names the highest rank at fault
     else:
+        n, lo, hi = claim.codes.size, claim.lo, claim.hi
         out_of_range = lo < allowed[0] or hi > allowed[1]
         # Extremes may exceed int64 (uint64 codes): clip, they are only compared to allowed.
         hi, lo = min(hi, int(_I64.max)), max(lo, -int(_I64.max))
-        vec[:8] = [n, -n, param, -param, mode, -mode, hi, -lo]
+        vec[:8] = [n, -n, param, -param, claim.mode, -claim.mode, hi, -lo]
         vec[9] = rank + 1 if out_of_range else 0
     detail = f"agreement (an Iallreduce of {vec.nbytes} bytes over all {comm.Get_size()} ranks)"
     issue(
         comm, "Allreduce", MPI.IN_PLACE, vec, op=MPI.MAX, timeout=timeout, name=fname, detail=detail
     )
-    if err is not None:
-        raise err
+    if claim.err is not None:
+        raise claim.err
     if vec[8]:
         raise ValueError(f"{fname}: rank {vec[8] - 1} rejected its arguments (see its error)")
     if vec[0] != -vec[1]:
@@ -288,11 +442,10 @@ def _agree(comm, fname, err, n, param, pname, mode, lo, hi, allowed, timeout=Non
             f"{fname}: codes lie in [{-vec[7]}, {vec[6]}] across ranks (rank {vec[9] - 1} "
             f"among them), outside the allowed [{allowed[0]}, {allowed[1]}] for {pname}={param}"
         )
+    return claim.codes, param
 
 
 # --- public wrappers ----------------------------------------------------------------------
-
-_MODE_SIGNED, _MODE_UNSIGNED, _MODE_MAJORITY = 0, 1, 2
 
 
 def ring_allreduce_bounded(
@@ -349,162 +502,18 @@ def ring_allreduce_bounded(
     """
     fname = "ring_allreduce_bounded"
     timeout = resolve_timeout(timeout)
-    args = (majority, signed, packed, fname, timeout)
-    x, b, be = bounded_arguments(comm, codes, bound, *args, checked, kernels)
-    return _bounded(comm, x, b, majority, signed, packed, recorder, timeout, be, fname)
-
-
-def bounded_arguments(
-    comm, codes, bound, majority, signed, packed, fname: str, timeout, checked, kernels
-):
-    """Return (codes, bound, kernel backend record) of a bounded sum or majority.
-
-    With ``checked``, the arguments are checked and agreed on across ranks (one Allreduce
-    of 10 int64), and codes come back as a contiguous 1-D array; a problem raises what
-    ``ring_allreduce_bounded`` documents, on every rank. Without, they come back as given.
-    """
-    if not checked:
-        return codes, bound, backend_of(codes, kernels)
     size = comm.Get_size()
-    err, x, be, n, b, lo, hi, mode = None, None, None, 0, 0, 0, 0, _MODE_SIGNED
-    try:
-        x, be = _as_codes(codes, fname)
-        n = x.size
-        b = _as_int(bound, "bound", fname)
-        if b < 1:
-            raise ValueError(f"{fname}: bound must be >= 1, got {b!r}")
-        if not (isinstance(majority, (bool, np.bool_)) or callable(majority)):
-            raise TypeError(f"{fname}: majority must be a bool or a callable, got {majority!r}")
-        if callable(majority) or majority:
-            if packed:
-                raise ValueError(f"{fname}: packed=True returns sums, not majority decisions")
-            if signed or b != 1:
-                raise ValueError(
-                    f"{fname}: majority needs unsigned votes (signed=False, bound=1), "
-                    f"got signed={signed!r}, bound={b!r}"
-                )
-            mode = _MODE_MAJORITY
-        elif not signed:
-            mode = _MODE_UNSIGNED
-        top = (2 if signed else 1) * size * b
-        if bits_for(top) > MAX_WIDTH:
-            raise ValueError(
-                f"{fname}: sums of bound={b} over N={size} ranks need {bits_for(top)} bits, "
-                f"more than {MAX_WIDTH}; use bound <= {(2**MAX_WIDTH - 1) // (top // b)}"
-            )
-        lo, hi = _extremes(x)
-    except (TypeError, ValueError) as exc:
-        err = exc
-    allowed = (-b, b) if signed else (0, b)
-    _agree(comm, fname, err, n, b, "bound", mode, lo, hi, allowed, timeout)
-    return x, b, backend_of(x, kernels)
-
-
-class Plan(NamedTuple):
-    """How a bounded sum or majority travels, whatever the schedule.
-
-    Codes go on the wire shifted by ``shift`` into [0, ``span``]; the sum over N ranks
-    is packed at ``final_width`` bits (1 for majority decisions); ``decide`` (majority
-    only) turns a chunk's int64 vote counts into its packed decision bits.
-    """
-
-    majority: bool
-    shift: int
-    span: int
-    final_width: int
-    decide: Callable | None
-
-
-def plan(size: int, b: int, majority, signed: bool, xp) -> Plan:
-    """Return the ``Plan`` of a call over ``size`` ranks with bound ``b``."""
-    voting = bool(callable(majority) or majority)
-    span = 2 * b if signed else b
-    decide = None
-    if voting:
-        decide = majority if callable(majority) else _paper_majority(xp, size)
-    return Plan(voting, b if signed else 0, span, 1 if voting else bits_for(size * span), decide)
-
-
-def decided(p: Plan, counts, offset: int, out, fname: str) -> None:
-    """Write the owner's decision bits of a chunk's ``counts`` (from ``offset``) into ``out``."""
-    bits = p.decide(counts, offset)
-    bits = backend_of(out).xp.asarray(bits, dtype=np.uint8).reshape(-1)
-    if bits.size != out.size:
-        raise ValueError(
-            f"{fname}: decide returned {bits.size} bytes for {counts.size} elements, "
-            f"expected {out.size}"
-        )
-    out[...] = bits
-
-
-def unpacked(result, n: int, p: Plan, size: int, packed: bool, be):
-    """Return what a bounded call gives back from its allgathered ``result`` stream."""
-    if p.majority:
-        return result
-    offset = size * p.shift
-    if packed:
-        return PackedSums(result, n, p.final_width, offset)
-    sums = be.xp.empty(n, dtype=np.int64)
-    be.bits.unpack_shifted(result, p.final_width, offset, sums)
-    return sums
-
-
-def _bounded(comm, x, b, majority, signed, packed, recorder, timeout, be, fname):
-    """The width-growing ring of ``ring_allreduce_bounded`` over agreed arguments."""
-    size = comm.Get_size()
-    p = plan(size, b, majority, signed, be.xp)
-    # Codes travel shifted into [0, span]; the kernels add the shift as they read them.
-    shift, final_width = p.shift, p.final_width
-    xp = be.xp
-    bits = be.bits
-
-    def pack_mine(lo, hi, width, out):
-        bits.pack_shifted(x[lo:hi], shift, width, out)
-
-    def combine(stream, width, lo, hi, out_width, out):
-        bits.add_repack(stream, width, x[lo:hi], shift, out_width, out)
-
-    if p.majority:
-
-        def finish(stream, width, lo, hi, out):
-            if stream is None:
-                counts = x[lo:hi].astype(np.int64)
-            else:
-                counts = xp.empty(hi - lo, dtype=np.int64)
-                bits.add_unpack(stream, width, x[lo:hi], 0, counts)
-            decided(p, counts, lo, out, fname)
-
-    else:
-
-        def finish(stream, width, lo, hi, out):
-            if stream is None:
-                pack_mine(lo, hi, final_width, out)
-            else:
-                combine(stream, width, lo, hi, final_width, out)
-
-    result = _ring_allreduce(
-        comm,
-        exchanger(comm, timeout, fname),
-        x.size,
-        be,
-        lambda i: bits_for(i * p.span),
-        pack_mine,
-        combine,
-        finish,
-        final_width,
-        recorder,
-        "ring",
-    )
-    return unpacked(result, x.size, p, size, packed, be)
-
-
-def _paper_majority(xp, nranks: int):
-    """Return paper 003's rule: bit = 1 where more than half of ``nranks`` voted +1."""
-
-    def decide(counts, offset):
-        return xp.packbits(2 * counts > nranks, bitorder="little")
-
-    return decide
+    if checked:
+        claim = bounded_claim(codes, bound, majority, signed, packed, size, fname)
+        codes, bound = agree(comm, fname, claim, timeout)
+    be = backend_of(codes, kernels)
+    p = plan(size, bound, majority, signed, be.xp)
+    n = codes.size
+    out = be.xp.empty(_packed(n, p.final_width), dtype=np.uint8)
+    values = _Votes(codes, p, be, fname) if p.majority else _Sums(codes, p, be)
+    exchange = Exchange(comm, timeout, fname, _TAG)
+    ring_allreduce(comm, exchange, values, n, chunk_size(n, size), out, recorder, "ring")
+    return unpacked(out, n, p, size, packed, be)
 
 
 def ring_allreduce_min(
@@ -533,53 +542,14 @@ def ring_allreduce_min(
     """
     fname = "ring_allreduce_min"
     timeout = resolve_timeout(timeout)
-    if not checked:
-        return _minimum(
-            comm, codes, width, dtype, recorder, timeout, backend_of(codes, kernels), fname
-        )
-    err, n, w, lo, hi = None, 0, 0, 0, 0
-    try:
-        x, be = _as_codes(codes, fname)
-        n = x.size
-        w = _as_int(width, "width", fname)
-        if not 1 <= w <= MAX_WIDTH:
-            raise ValueError(f"{fname}: width must lie in [1, {MAX_WIDTH}], got {w!r}")
-        lo, hi = _extremes(x)
-    except (TypeError, ValueError) as exc:
-        err = exc
-    _agree(comm, fname, err, n, w, "width", 0, lo, hi, (0, 2**w - 1), timeout)
-    return _minimum(comm, x, w, dtype, recorder, timeout, backend_of(x, kernels), fname)
-
-
-def _minimum(comm, x, w, dtype, recorder, timeout, be, fname):
-    """The constant-width MIN ring of ``ring_allreduce_min`` over agreed arguments."""
-    bits = be.bits
-
-    def pack_mine(lo, hi, width, out):
-        bits.pack_shifted(x[lo:hi], 0, width, out)
-
-    def smallest(stream, width, lo, hi, out_width, out):
-        bits.min_repack(stream, width, x[lo:hi], out)
-
-    def finish(stream, width, lo, hi, out):
-        if stream is None:
-            pack_mine(lo, hi, w, out)
-        else:
-            smallest(stream, width, lo, hi, w, out)
-
-    packed = _ring_allreduce(
-        comm,
-        exchanger(comm, timeout, fname),
-        x.size,
-        be,
-        lambda i: w,
-        pack_mine,
-        smallest,
-        finish,
-        w,
-        recorder,
-        "ring_min",
-    )
-    result = be.xp.empty(x.size, dtype=dtype)
-    bits.unpack_shifted(packed, w, 0, result)
+    if checked:
+        codes, width = agree(comm, fname, _min_claim(codes, width, fname), timeout)
+    be = backend_of(codes, kernels)
+    n = codes.size
+    out = be.xp.empty(_packed(n, width), dtype=np.uint8)
+    exchange = Exchange(comm, timeout, fname, _TAG)
+    chunk = chunk_size(n, comm.Get_size())
+    ring_allreduce(comm, exchange, _Minima(codes, width, be), n, chunk, out, recorder, "ring_min")
+    result = be.xp.empty(n, dtype=dtype)
+    be.bits.unpack_shifted(out, width, 0, result)
     return result
