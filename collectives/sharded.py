@@ -5,7 +5,9 @@ shard s to rank s (one Alltoallv of variable-length byte payloads). The owner
 averages the N payloads of its shard and compresses the result once; *pull*: an
 allgather of the owners' payloads. Each rank receives about 2·(N−1)/N of one
 compressed tensor instead of the N−1 whole payloads of an allgather. This module
-moves bytes; what is compressed, and with which residual, is the caller's.
+moves bytes; what is compressed, and with which residual, is the caller's:
+``push_pull`` runs the whole exchange and calls back the caller's ``owner`` for the
+owner's step, as the ring takes ``majority=``.
 
 With a timeout (``timeout=`` or ``MPICOMP_TIMEOUT``, see ``_wait``) the messages are
 Ialltoall, Iallreduce and Ialltoallv calls waited on by ``_wait.wait_all``.
@@ -17,7 +19,8 @@ import numpy as np
 from mpi4py import MPI
 
 from mpicomp.collectives._wait import issue, resolve_timeout
-from mpicomp.collectives.allgather import _COUNT_LIMIT
+from mpicomp.collectives.allgather import _COUNT_LIMIT, allgather_bytes
+from mpicomp.errors import RankError
 from mpicomp.kernels import backend_of
 
 _OP = "alltoall_bytes"
@@ -106,3 +109,42 @@ def alltoall_bytes(comm, payloads, *, recorder=None, timeout=None) -> list[np.nd
         got = int(recv_sizes.sum() - recv_sizes[me])
         recorder.record("sharded.push", 1, sent, got, 8)
     return [recv[d : d + s] for d, s in zip(rdispl, recv_sizes, strict=True)]
+
+
+def push_pull(comm, pushed, owner, *, recorder=None, timeout=None) -> list:
+    """Push each shard's payloads to its owner, let every owner make one payload of them,
+    and pull every owner's payload to every rank.
+
+    ``alltoall_bytes(comm, pushed)``, then ``owner(received)`` on every rank, then
+    ``allgather_bytes`` of what the owners made. A rank that failed still takes part
+    (with None), so that every rank raises instead of waiting for it.
+
+    Args:
+        comm: an ``mpi4py.MPI.Intracomm``.
+        pushed: this rank's N payloads, ``pushed[s]`` for owner s (1-D uint8 arrays), or
+            None on a rank whose encode failed.
+        owner: ``owner(received) -> (payload, None)`` or ``(None, error)``: called on
+            every rank with the N payloads pushed to it, in rank order; ``payload`` (1-D
+            uint8) is what every rank pulls from this one.
+        recorder, timeout: as for ``alltoall_bytes`` and ``allgather_bytes`` (records
+            ``"sharded.*"``, then ``"allgather.*"``).
+
+    Returns:
+        The owners' payloads, in rank order (uint8 views into one buffer).
+
+    Raises:
+        RankError: on every rank, when some rank's push was None or malformed (or too
+            large to count); on the other ranks, when an owner failed.
+        The owner's error: on the rank whose owner returned one.
+    """
+    try:
+        received = alltoall_bytes(comm, pushed, recorder=recorder, timeout=timeout)
+    except ValueError as e:
+        raise RankError(str(e)) from e
+    pull, error = owner(received)
+    try:
+        return allgather_bytes(comm, pull, recorder=recorder, timeout=timeout)
+    except ValueError as e:
+        if error is not None:
+            raise error from None
+        raise RankError(str(e)) from e

@@ -2,11 +2,12 @@
 
 import numpy as np
 import pytest
-from conftest import gather_all, gradient_like, world
 
 import mpicomp
-from mpicomp.collectives.sharded import alltoall_bytes, shard_bounds
+from conftest import gather_all, gradient_like, world
+from mpicomp.collectives.sharded import alltoall_bytes, push_pull, shard_bounds
 from mpicomp.collectives.traffic import Traffic
+from mpicomp.errors import RankError
 
 
 @pytest.mark.parametrize("n, k", [(0, 1), (0, 3), (5, 3), (2, 5), (10, 5), (1001, 4)])
@@ -45,6 +46,71 @@ def test_alltoall_bytes_bad_input_on_one_rank_raises_everywhere():
         payloads = payloads[:-1]
     with pytest.raises(ValueError, match=r"rank\(s\) \[1\] did not pass"):
         alltoall_bytes(comm, payloads)
+
+
+def _averaging_owner(comm):
+    """An owner that averages the float32 shards pushed to it (raw bytes in and out)."""
+
+    def owner(received):
+        shards = [p.view(np.float32) for p in received]
+        mean = np.sum(shards, axis=0, dtype=np.float32) / np.float32(comm.size)
+        return mean.view(np.uint8), None
+
+    return owner
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("n", [0, 2, 1001])
+def test_push_pull_gives_every_rank_every_owners_result(n):
+    comm = world()
+    x = np.random.default_rng(80 + comm.rank).standard_normal(n).astype(np.float32)
+    bounds = shard_bounds(n, comm.size)
+    t = Traffic()
+    pulled = push_pull(
+        comm, [x[a:b].view(np.uint8) for a, b in bounds], _averaging_owner(comm), recorder=t
+    )
+    # The NumPy reference: owner s averages shard s of every rank's x, in rank order.
+    every = gather_all(comm, x)
+    for (a, b), got in zip(bounds, pulled, strict=True):
+        want = np.sum(every[:, a:b], axis=0, dtype=np.float32) / np.float32(comm.size)
+        np.testing.assert_array_equal(got.view(np.float32), want)
+    # Bytes: this rank pushes every shard but its own and pulls every owner's but its own.
+    mine = 4 * (bounds[comm.rank][1] - bounds[comm.rank][0])
+    assert t.by_op()["sharded.push"] == (4 * n - mine, (comm.size - 1) * mine)
+    assert t.by_op()["allgather.data"] == (mine if comm.size > 1 else 0, 4 * n - mine)
+
+
+@pytest.mark.mpi(min_size=2)
+def test_push_pull_owner_failing_on_one_rank_raises_everywhere():
+    comm = world()
+    x = np.ones(64, dtype=np.float32)
+    pushed = [x[a:b].view(np.uint8) for a, b in shard_bounds(x.size, comm.size)]
+    average = _averaging_owner(comm)
+
+    def owner(received):
+        if comm.rank == 1:
+            return None, ValueError("owner 1 refused its shard")
+        return average(received)
+
+    if comm.rank == 1:
+        with pytest.raises(ValueError, match="owner 1 refused its shard"):
+            push_pull(comm, pushed, owner)
+    else:
+        with pytest.raises(RankError, match="rank 1 passed an invalid payload"):
+            push_pull(comm, pushed, owner)
+    # Nothing was left in flight: the next call works.
+    assert len(push_pull(comm, pushed, average)) == comm.size
+
+
+@pytest.mark.mpi(min_size=2)
+def test_push_pull_failed_push_on_one_rank_raises_everywhere():
+    comm = world()
+    x = np.ones(64, dtype=np.float32)
+    pushed = [x[a:b].view(np.uint8) for a, b in shard_bounds(x.size, comm.size)]
+    called = []
+    with pytest.raises(RankError, match=r"rank\(s\) \[1\] did not pass"):
+        push_pull(comm, None if comm.rank == 1 else pushed, called.append)
+    assert not called  # no owner runs after a failed push
 
 
 @pytest.mark.mpi
