@@ -27,6 +27,7 @@ setup(
         "mpicomp",
         "mpicomp.bench",
         "mpicomp.codecs",
+        "mpicomp.reduction",
         "mpicomp.kernels",
         "mpicomp.kernels.cpu",
         "mpicomp.kernels.cuda",

@@ -25,6 +25,8 @@ Iallreduce calls waited on by ``_wait.wait_all``; without one, blocking Allreduc
 
 from __future__ import annotations
 
+from functools import partial
+
 import numpy as np
 from mpi4py import MPI
 
@@ -158,11 +160,12 @@ def _waiting(comm, message: str, buf) -> str:
     return f"{message} (an Iallreduce of {buf.nbytes} bytes over all {comm.size} ranks)"
 
 
-def _extreme_allreduce(comm, x, recorder, name: str, timeout=None):
+def _extreme_allreduce(comm, x, *, name: str, recorder=None, timeout=None):
     """Reduce ``x`` elementwise over ranks with the operation of ``name``: head, then tail.
 
     The one core of both public functions; it makes its MPI calls through ``issue``
-    itself, so a call reaches MPI in three frames (public, core, ``issue``).
+    itself, so a call reaches MPI in two frames (``max_allreduce`` is this core with its
+    name bound, a ``partial``: no frame of its own) or three (``min_allreduce``).
     """
     timeout = resolve_timeout(timeout)
     op_code, mpi_op = _OPS[name]
@@ -227,8 +230,9 @@ def _extreme_allreduce(comm, x, recorder, name: str, timeout=None):
     return out if scalar is None else scalar(out[0])
 
 
-def max_allreduce(comm, x, *, recorder=None, timeout=None):
-    """Return the elementwise maximum over the ranks of ``comm`` of ``x``, on every rank.
+#: ``max_allreduce(comm, x, *, recorder=None, timeout=None)``
+max_allreduce = partial(_extreme_allreduce, name="max_allreduce")
+max_allreduce.__doc__ = """Return the elementwise maximum over the ranks of ``comm`` of ``x``, on every rank.
 
     Args:
         comm: an ``mpi4py.MPI.Intracomm``; every rank calls with the same length and dtype.
@@ -249,7 +253,6 @@ def max_allreduce(comm, x, *, recorder=None, timeout=None):
             numeric array (that rank is named; there the local TypeError/ValueError is
             the cause), or ranks disagree on the length, the dtype or max vs min.
     """
-    return _extreme_allreduce(comm, x, recorder, "max_allreduce", timeout)
 
 
 def min_allreduce(comm, x, *, bits=None, recorder=None, timeout=None):
@@ -265,4 +268,4 @@ def min_allreduce(comm, x, *, bits=None, recorder=None, timeout=None):
         from mpicomp.collectives.ring import ring_allreduce_min
 
         return ring_allreduce_min(comm, x, bits, recorder=recorder, timeout=timeout)
-    return _extreme_allreduce(comm, x, recorder, "min_allreduce", timeout)
+    return _extreme_allreduce(comm, x, name="min_allreduce", recorder=recorder, timeout=timeout)

@@ -1,15 +1,19 @@
-"""The library's own MPI collectives (Allreduce, Allgather, Reduce_scatter, Allgatherv)
-behind the same timeout.
+"""The library's own MPI collectives (Allreduce, Allgather, Reduce_scatter, Allgatherv,
+Bcast, and the broadcast and allgather of Python objects) behind the same timeout.
 
 ``CompressedComm`` makes these MPI calls outside the hand-written collectives: the
 float32/float16 ``MPI_Allreduce`` of ``none``/``fp16``, signSGD's ``MPI_Allgather`` of
 the per-rank scales, and the float32 reduce-scatter and allgather within a host of the
-hierarchical schedules. These wrappers make them with the blocking call when there is no
+hierarchical schedules; the framework adapters make their broadcasts and agreements
+through them. These wrappers make them with the blocking call when there is no
 timeout, or nonblocking and waited on by ``_wait.wait_all`` when there is one.
 """
 
 from __future__ import annotations
 
+import pickle
+
+import numpy as np
 from mpi4py import MPI
 
 from mpicomp.collectives._wait import issue, resolve_timeout
@@ -125,3 +129,46 @@ def allgatherv(comm, sendbuf, recvbuf, counts, *, timeout=None, recorder=None) -
         own = _array(sendbuf).nbytes if comm.size > 1 else 0
         others = total - _array(sendbuf).nbytes
         recorder.record("mpi.allgatherv", 1, own, others, 8 * recvbuf.itemsize)
+
+
+def bcast(comm, buf, root: int = 0, *, timeout=None) -> None:
+    """Give every rank rank ``root``'s ``buf``, in place (``MPI_Bcast``).
+
+    ``timeout``: as for ``allreduce``.
+    """
+    nbytes = _array(buf).nbytes
+    issue(
+        comm,
+        "Bcast",
+        buf,
+        root=root,
+        timeout=resolve_timeout(timeout),
+        name="bcast",
+        detail=lambda: f"an Ibcast of {nbytes} bytes from rank {root}",
+    )
+
+
+def bcast_object(comm, obj, root: int = 0, *, timeout=None):
+    """Return rank ``root``'s ``obj`` on every rank (pickled: its size, then its bytes,
+    two ``bcast`` calls), as ``comm.bcast`` does, behind the same timeout."""
+    blob = np.frombuffer(pickle.dumps(obj), np.uint8) if comm.rank == root else None
+    size = np.array([0 if blob is None else blob.size], np.int64)
+    bcast(comm, size, root, timeout=timeout)
+    if blob is None:
+        blob = np.empty(int(size[0]), np.uint8)
+    bcast(comm, blob, root, timeout=timeout)
+    return obj if comm.rank == root else pickle.loads(blob.tobytes())
+
+
+def allgather_object(comm, obj, *, timeout=None) -> list:
+    """Return every rank's ``obj``, in rank order (pickled: their sizes, then their bytes
+    by ``allgatherv``), as ``comm.allgather`` does, behind the same timeout."""
+    mine = np.frombuffer(pickle.dumps(obj), np.uint8)
+    sizes = np.empty(comm.size, np.int64)
+    allgather(comm, np.array([mine.size], np.int64), sizes, timeout=timeout)
+    blobs = np.empty(int(sizes.sum()), np.uint8)
+    allgatherv(comm, mine, blobs, sizes.tolist(), timeout=timeout)
+    ends = np.cumsum(sizes).tolist()
+    return [
+        pickle.loads(blobs[e - n : e].tobytes()) for n, e in zip(sizes.tolist(), ends, strict=True)
+    ]

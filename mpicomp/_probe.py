@@ -160,7 +160,7 @@ def one_rank_round_trip(codec, x: np.ndarray):
     ``decode`` returns what this rank alone would get back; ``wire_bytes`` is valid
     after ``encode`` has run.
     """
-    if hasattr(codec, "encode") and codec.aggregation != "integer_sum":
+    if hasattr(codec, "encode"):  # a payload of its own (every kind but integer_sum)
         state = {}
 
         def enc():
@@ -171,21 +171,7 @@ def one_rank_round_trip(codec, x: np.ndarray):
 
         return enc, dec, lambda: state["p"].size
 
-    if codec.aggregation == "majority":
-        state = {}
-
-        def enc():
-            # As reduce_majority: votes and scale in one pass; the ring packs them 1 bit each.
-            votes, state["s"] = codec.votes_and_scale(x)
-            k = backend_of(votes, codec.kernels)
-            state["p"] = k.xp.empty(packed_size(votes.size, 1), np.uint8)
-            k.bits.pack_shifted(votes, 0, 1, state["p"])
-
-        def dec():
-            return codec.expand(state["p"], x.size, state["s"]).reshape(x.shape)
-
-        return enc, dec, lambda: state["p"].size + 4
-
+    # QSGD's codes: what the ring sends of them.
     width = _ring_width(codec.bound)
     multiscale = hasattr(codec, "scale_index")
     sparse = hasattr(codec, "coordinates")
@@ -218,7 +204,7 @@ def measure_speed(codec, numel: int = SPEED_NUMEL, reps: int = 3) -> Speed:
     """Return ``codec``'s speed on this rank: medians of ``reps`` one-rank encodes and
     decodes of a synthetic gradient of ``numel`` elements after a warm-up (what
     ``mpicomp bench`` times, on ``codec``'s kernel backend), and its payload bits."""
-    if codec.name == "none":
+    if not codec.compresses:
         return UNCOMPRESSED
     x = gradient(numel)
     enc, dec, wire = one_rank_round_trip(codec, x)
@@ -288,7 +274,7 @@ def resolve(comm, node, codec, given=None) -> Model:
         raise problem
     if model is None:
         model = measure(comm, node)
-    if codec.name != "none" and codec_key(codec) not in model.speeds:
+    if codec.compresses and codec_key(codec) not in model.speeds:
         model = model.with_speeds(measured_speeds(comm, [codec]))
     return comm.bcast(model, root=0)
 

@@ -27,9 +27,7 @@ from __future__ import annotations
 import math
 
 from mpicomp.codecs import codec as make_codec
-
-# Aggregations moved around a ring (fp16's "sum" too: a float16 ring, see codecs.md).
-_RING = ("integer_sum", "majority", "sum")
+from mpicomp.reduction import kind_of
 
 
 def parse_rate(text: str) -> int:
@@ -77,15 +75,15 @@ def predict(row: dict, link_bps: float, nranks: int) -> dict:
         ``speedup`` (float32 ring time over compressed time, N ranks),
         ``break_even_gbit`` (the link rate below which compression is faster; 0: never).
     """
-    aggregation = make_codec(row["codec"], **row["params"]).aggregation
+    codec = make_codec(row["codec"], **row["params"])
     k = 32 / row["bits_per_element"]
     enc = 4 / (row["encode_gbps"] * 1e9)  # seconds per element
     dec = 4 / (row["decode_gbps"] * 1e9)
     n = nranks
     plain_bytes = 2 * (n - 1) / n * 4  # per element, per rank
-    if row["codec"] == "none":
+    if not codec.compresses:
         wire, compute = plain_bytes, 0.0
-    elif aggregation in _RING:
+    elif not kind_of(codec).payload:  # reduced around a ring (fp16's float16 ring too)
         wire, compute = plain_bytes / k, enc + dec
     else:
         wire, compute = (n - 1) * 4 / k, enc + n * dec
@@ -99,7 +97,7 @@ def predict(row: dict, link_bps: float, nranks: int) -> dict:
         "params": row["params"],
         "ratio": k,
         "min_ratio": need,
-        "pays": row["codec"] != "none" and k > need,
+        "pays": codec.compresses and k > need,
         "speedup": plain_t / comp_t if comp_t > 0 else 1.0,
         "break_even_gbit": (8 * saved / compute / 1e9) if compute > 0 and saved > 0 else 0.0,
     }
@@ -251,10 +249,9 @@ def schedule_table(model, topology, codecs, sizes) -> list[dict]:
 
 def _columns(rows: list[dict]) -> list[str]:
     """The schedules of ``rows`` in ``schedules_of`` order: flat, hierarchical, float32."""
-    from mpicomp.options import SCHEDULES
-    from mpicomp.schedules import FLOAT32, HIER
+    from mpicomp.reduction import FLOAT32, HIER, KINDS
 
-    flat = list(dict.fromkeys(s for group in SCHEDULES.values() for s in group))
+    flat = list(dict.fromkeys(s for kind in KINDS.values() for s in kind.schedules))
     seen = {s for r in rows for s in r["seconds"]}
     return [s for s in (*flat, *(HIER + s for s in flat), FLOAT32) if s in seen]
 

@@ -359,10 +359,10 @@ def _codec_list(text: str) -> list[str]:
 def _schedule_list(text: str):
     if text.strip() == "all":
         return "all"
-    from mpicomp.options import SCHEDULES, schedule_names
+    from mpicomp.reduction import all_schedule_names
 
     names = [n.strip() for n in text.split(",") if n.strip()]
-    known = sorted({n for kind in SCHEDULES for n in schedule_names(kind)})
+    known = sorted(all_schedule_names())
     for name in names or [""]:
         if name not in known:
             raise argparse.ArgumentTypeError(

@@ -1,55 +1,54 @@
-"""CompressedComm: the one call a training loop makes instead of its all-reduce."""
+"""CompressedComm: the one call a training loop makes instead of its all-reduce.
+
+This module is the façade: options, lifetime, threads and the call itself. What a
+call takes in is ``mpicomp._intake``; where the ranks are and what a call runs,
+``mpicomp._placement``; error-feedback residuals, ``mpicomp._residuals``; how the
+bytes move, ``mpicomp.reduction`` (docs/architecture.md).
+"""
 
 from __future__ import annotations
 
 import difflib
 import inspect
 import json
-import math
-import sys
 import warnings
 import weakref
 import zlib
-from contextlib import nullcontext
-from dataclasses import dataclass, replace
-from functools import partial, wraps
+from dataclasses import replace
+from functools import partial
+from typing import NamedTuple
 
-import numpy as np
 from mpi4py import MPI
 
-from mpicomp import _reduce
-from mpicomp import model as model_mod
-from mpicomp._arrays import array_module, check_numel, is_device_array, to_float32
 from mpicomp._config import Config, check_same
+from mpicomp._intake import Gpu, Tensor, buckets, take, take_many
 from mpicomp._log import log
+from mpicomp._placement import Planner, place
+from mpicomp._residuals import NO_RESIDUALS, Encoding, Residuals, rollback
 from mpicomp._same_call import CLOSING, check_same_call
 from mpicomp._transport import Transport, cuda_aware
 from mpicomp._worker import Handle, Worker, overlap_blocker
-from mpicomp.codecs import Codec, ErrorFeedback
+from mpicomp.codecs import Codec
 from mpicomp.codecs._base import available as available_codecs
 from mpicomp.codecs._base import codec_parameters
 from mpicomp.codecs._base import make as make_codec
-from mpicomp.codecs._wire import MAX_NUMEL
 from mpicomp.collectives._wait import resolve_timeout
 from mpicomp.errors import NonFiniteWarning, PeerClosed, RankError
-from mpicomp.kernels import backend_of
-from mpicomp.options import AUTO, Options
-from mpicomp.schedules import FLOAT32, HIER, Topology, choose, predict
-from mpicomp.trace import NO_CLOCK
+from mpicomp.options import Options
+from mpicomp.reduction import AUTO, HIER, kind_of
+from mpicomp.reduction.agreement import Call, Guard, Skipped, agree_close, fail
+from mpicomp.schedules import Topology
 
-__all__ = ["CompressedComm", "Handle", "NonFiniteWarning", "Options", "RankError"]
+__all__ = ["CompressedComm", "Handle", "NonFiniteWarning", "Options", "Outcome", "RankError"]
 
 
-def _on_its_gpu(method):
-    """Run a CompressedComm ``method`` with the communicator's GPU current, in whichever
-    thread runs it (CuPy's current device is per thread: the worker's starts at GPU 0)."""
+class Outcome(NamedTuple):
+    """What a call started by ``CompressedComm.start`` gives its handle's ``wait()``:
+    the ``average`` (zeros when skipped) and the ``skipped`` messages (empty unless
+    ``nonfinite="skip_step"`` skipped the call on every rank; nothing is warned)."""
 
-    @wraps(method)
-    def run(self, *args, **kwargs):
-        with self._gpu_on():
-            return method(self, *args, **kwargs)
-
-    return run
+    average: object
+    skipped: list
 
 
 class CompressedComm:
@@ -204,43 +203,32 @@ class CompressedComm:
             config = _config(codec, opts, on_call is not None, local_comm is not None)
         except Exception as e:
             error = e
-        timeout = opts.timeout if opts is not None else None
-        check_same(comm, config, error, "this CompressedComm", timeout)
+        check_same(comm, config, error, "this CompressedComm", opts.timeout if opts else None)
         self.codec = codec
         self.options = opts
         self.kernels = codec.kernels  # the backend of NumPy arrays, read when made
         self._transport = transport
-        self._config = config
-        self._configs = {}  # schedule run -> the Config a call by it agrees on
-        self._gpu = None  # the GPU of this rank's device gradients, fixed at the first one
-        self._gpu_on = nullcontext  # a context making that GPU current
+        self._gpu = Gpu()  # the GPU of this rank's device gradients, fixed at the first one
         #: Whether ``iallreduce`` runs its calls on a background thread.
         self.background = why is None if opts.background is None else opts.background
         self._eager_why = why if opts.background is None else None  # warned once, at first use
         self._worker = None  # made by the first background iallreduce
-        self._feedback = ErrorFeedback(codec) if opts.error_feedback else None
-        may_shard = opts.schedule in ("sharded", HIER + "sharded") or (
-            opts.schedule == AUTO and codec.aggregation == "gather"
-        )
-        self._server_feedback = ErrorFeedback(codec) if opts.error_feedback and may_shard else None
+        self._residuals = None
+        if opts.error_feedback:
+            may_shard = opts.schedule in ("sharded", HIER + "sharded", AUTO)
+            self._residuals = Residuals(codec, sharded=may_shard)
         self._plain = make_codec("none")
         self._comm = comm.Dup()
         self._closed = False
         self._peer_closed = None  # why, once another rank closed this CompressedComm
         self.rank = self._comm.rank
         self.size = self._comm.size
-        #: Where the ranks are (``mpicomp.schedules.Topology``; one host unless a
-        #: hierarchical or ``"auto"`` schedule asked, or a model was given).
-        self.topology = Topology(1, self.size)
-        #: What the schedules' times are predicted with (``mpicomp.model.Model``), or None.
-        self.model = None
-        self._hosts = None  # the communicators of the hierarchical schedules
-        self._plans = {}  # (numel, schedule asked) -> (schedule run, predicted seconds)
         try:
-            self._place(local_comm, model)
+            self._placement = place(self._comm, local_comm, model, codec, opts.schedule)
         except BaseException:
             self._comm.Free()
             raise
+        self._planner = Planner(codec, opts.schedule, self._placement, config)
         self._calls = 0  # the step of the counter-based RNG: the same on every rank
         #: Gets every exchange step of the collectives, ``record(op, step, sent, recv,
         #: bits)`` (e.g. a ``collectives.traffic.Traffic``); None by default.
@@ -271,6 +259,17 @@ class CompressedComm:
             self._transport.path,
             "on a background thread" if self.background else f"in the caller's thread ({why})",
         )
+
+    @property
+    def topology(self) -> Topology:
+        """Where the ranks are (``mpicomp.schedules.Topology``; one host unless a
+        hierarchical or ``"auto"`` schedule asked, or a model was given)."""
+        return self._placement.topology
+
+    @property
+    def model(self):
+        """What the schedules' times are predicted with (``mpicomp.model.Model``), or None."""
+        return self._placement.model
 
     # -- the API ---------------------------------------------------------------
 
@@ -311,7 +310,7 @@ class CompressedComm:
                 are raised by ``wait()``).
         """
         self._check_open()
-        return self._start(partial(self._average, self._take(x, name)))
+        return self._start(partial(self._average, self._take(x, name)), _deliver)
 
     def allreduce_many(self, arrays, names=None) -> list:
         """Return the averages of ``arrays``, fusing small tensors into buckets.
@@ -336,7 +335,14 @@ class CompressedComm:
             RuntimeError: the CompressedComm is closed.
         """
         self._check_open()
-        return self._start(partial(self._many, *self._take_many(arrays, names)))
+        return self._start(partial(self._many, *self._take_many(arrays, names)), _deliver)
+
+    def schedule_for(self, numel: int) -> tuple[str, float]:
+        """Return the schedule a call of ``numel`` elements runs by, and the seconds the
+        model predicts for it (NaN without a model): under ``schedule="auto"`` the
+        cheapest, the same on every rank."""
+        planned = self._planner.plan(numel, numel >= self.options.min_numel)
+        return planned.plan.name, planned.predicted
 
     def state_dict(self) -> dict:
         """Return the error-feedback residuals and the step, for a checkpoint.
@@ -344,8 +350,7 @@ class CompressedComm:
         Waits first for every started ``iallreduce``.
         """
         self._drain()
-        residuals = self._feedback.state_dict() if self._feedback else {}
-        server = self._server_feedback.state_dict() if self._server_feedback else {}
+        residuals, server = self._residuals.state_dict() if self._residuals else ({}, {})
         return {"step": self._calls, "residuals": residuals, "server_residuals": server}
 
     def load_state_dict(self, state: dict) -> None:
@@ -355,10 +360,8 @@ class CompressedComm:
         """
         self._drain()
         self._calls = int(state["step"])
-        if self._feedback is not None:
-            self._feedback.load_state_dict(state["residuals"])
-        if self._server_feedback is not None:
-            self._server_feedback.load_state_dict(state["server_residuals"])
+        if self._residuals is not None:
+            self._residuals.load_state_dict(state["residuals"], state["server_residuals"])
 
     def close(self) -> None:
         """Wait for every started ``iallreduce`` (their handles keep their results and
@@ -377,26 +380,83 @@ class CompressedComm:
     def __repr__(self) -> str:
         return f"CompressedComm(size={self.size}, codec={self.codec!r})"
 
-    # -- the gradient path: allreduce -> _average -> a reducer -> a collective -> MPI
+    # -- for framework adapters (mpicomp.torch, mpicomp.jax; docs/architecture.md) -------
 
-    def _average(self, t: _Tensor, *args, **kwargs) -> tuple:
-        """``_average_once``, unless another rank closed this CompressedComm: a call it
-        met raised PeerClosed, and calls started after it raise that too (no message)."""
-        if self._peer_closed is not None:
-            raise PeerClosed(self._peer_closed)
-        try:
-            return self._average_once(t, *args, **kwargs)
-        except PeerClosed as e:
-            self._peer_closed = str(e)
-            raise
+    @property
+    def comm(self):
+        """The duplicate of the communicator this CompressedComm was made with (its own
+        messages never match the caller's). Make other collectives on it only while no
+        started call runs (``wait_all``), from one thread."""
+        return self._comm
 
-    @_on_its_gpu
-    def _average_once(
+    @property
+    def closed(self) -> bool:
+        """Whether ``close`` ran, or another rank closed this CompressedComm."""
+        return self._closed or self._peer_closed is not None
+
+    def start(
         self,
-        t: _Tensor,
+        x,
+        name: str = "",
+        *,
+        layout: int | None = None,
+        snapshots: list | None = None,
+        compress: bool = True,
+    ) -> Handle:
+        """Start one call as ``iallreduce`` does, for an adapter that averages a whole
+        optimizer step in several calls and may skip or undo it.
+
+        Args:
+            x: the local gradient, as for ``allreduce``.
+            name: the tensor's name, as for ``allreduce``.
+            layout: a 32-bit number every rank must bring to this call (default: a
+                hash of ``name``); ranks calling with different buckets raise.
+            snapshots: a list the call appends what restores the residuals it may
+                move to, for ``rollback``.
+            compress: False averages uncompressed (the float32 sum; a warm-up step).
+
+        Returns:
+            A ``Handle`` whose ``wait()`` returns an ``Outcome`` (average, skip messages)
+            without warning, or raises the call's error.
+
+        Raises:
+            RuntimeError: the CompressedComm is closed.
+        """
+        self._check_open()
+        job = partial(self._average, self._take(x, name), "allreduce", layout, snapshots, compress)
+        return self._start(job, Outcome._make)
+
+    @staticmethod
+    def rollback(snapshots: list) -> None:
+        """Restore the residuals of ``snapshots`` (filled by ``start``): a step that is
+        not taken moves no residual. Wait for those calls first."""
+        rollback(snapshots)
+
+    def forget(self, name: str) -> None:
+        """Drop the residuals of tensor ``name`` (its layout changed, e.g. DDP rebuilt
+        its buckets): the next call starts it from zero. Waits for started calls."""
+        self._drain()
+        if self._residuals is not None:
+            self._residuals.forget(name)
+
+    def wait_all(self) -> None:
+        """Wait until every started call has finished (their handles keep their results
+        and errors).
+
+        Raises:
+            RuntimeError: the CompressedComm is closed.
+        """
+        self._check_open()
+        self._drain()
+
+    # -- the gradient path: allreduce -> _average -> a kind's schedule -> a collective
+
+    def _average(
+        self,
+        t: Tensor,
         op: str = "allreduce",
         layout: int | None = None,
-        ledger=None,
+        snapshots: list | None = None,
         compress: bool = True,
     ) -> tuple:
         """Run one collective call averaging ``t`` over ranks (``compress=False``: the
@@ -408,298 +468,156 @@ class CompressedComm:
 
         Error-feedback residuals are snapshot before the call and restored when it
         fails or is skipped, so such a call changes no residual on any rank; the
-        snapshots are appended to ``ledger`` for a caller that may roll back later.
+        snapshot is appended to ``snapshots`` for a caller that may roll back later.
 
         Raises:
             ValueError, TypeError: this rank's input was refused (RankError on the others).
             RankError: another rank failed, or ranks disagree, in this call.
+            PeerClosed: another rank closed this CompressedComm (then so do calls
+                started after it, without a message).
         """
+        if self._peer_closed is not None:
+            raise PeerClosed(self._peer_closed)
+        try:
+            with self._gpu.current():
+                call, codec, run = self._prepare(t, op, layout, snapshots, compress)
+                try:
+                    avg = run(call, codec, t.flat)
+                except Skipped as e:
+                    call.residuals.restore()
+                    if self.trace is not None:
+                        self.trace.end()  # a skipped call still exchanged its agreement
+                    return t.zeros(), [e.message]
+                except BaseException:
+                    call.residuals.restore()
+                    raise
+                if self.trace is not None:
+                    self.trace.end()
+                return t.result(avg), []
+        except PeerClosed as e:  # met here, or in the debug check
+            self._peer_closed = str(e)
+            raise
+
+    def _prepare(self, t: Tensor, op, layout, snapshots, compress) -> tuple:
+        """Return (``Call``, codec, run) of the next call averaging ``t``: its step,
+        plan, residual snapshot and trace event begun; a refused input raises here on
+        this rank, RankError on the others."""
         opts = self.options
         step = self._calls
         self._calls += 1  # counted on every rank, failed or not: the RNG steps stay aligned
         # Below min_numel every codec, fp16 included, steps aside for the float32 sum of `none`.
         small = t.flat.size < opts.min_numel
-        schedule, predicted = self._plan(t.flat.size, compress and not small)
+        planned = self._planner.plan(t.flat.size, compress and not small)
+        plan = planned.plan
         if opts.debug:
             what = f"{op}({t.name!r}, {t.flat.size} {t.dtype})"
-            config = f"{self.codec!r}, nonfinite={opts.nonfinite!r}, schedule={schedule!r}"
+            config = f"{self.codec!r}, nonfinite={opts.nonfinite!r}, schedule={plan.name!r}"
             check_same_call(self._comm, None if t.error else what, config, opts.timeout)
         if t.error is not None:
-            _reduce.fail(self._call(step), t.error)
-        uncompressed = schedule == FLOAT32
-        codec = self._plain if uncompressed else self.codec
-        reduce = _reduce.REDUCERS["sum"] if uncompressed else self._reducer(schedule)
-        # A local rank's residual by host covers its shard alone: a name of its own
-        # (forget(name) still drops it), so no other schedule ever reads it.
-        key = t.name
-        if schedule.startswith(HIER):
-            key = f"{t.name}#shard@{self._hosts.node.rank}/{self._hosts.node.size}"
-        encoders = None if uncompressed else self._encoders(key)
-        snapshots = [] if uncompressed else self._snapshot(key, schedule)
-        if ledger is not None:
-            ledger.extend(snapshots)
-        rollback = partial(_restore, snapshots) if snapshots else None
-        guard = _reduce.Guard(opts.nonfinite, t.what, t.overflowed, rollback)
+            fail(self._context(step), t.error)
+        codec = self.codec if plan.compressed else self._plain
+        residuals = self._encoding(t.name, plan)
+        if snapshots is not None and residuals is not NO_RESIDUALS:
+            snapshots.append(residuals)
         # Names (and bucket layouts) take part in the agreement: ranks calling with
         # tensors in different orders raise instead of mixing them.
-        call = self._call(step, zlib.crc32(t.name.encode()) if layout is None else layout, guard)
-        call = replace(
-            call,
-            schedule=schedule.removeprefix(HIER),
-            config=self._call_config(schedule),
+        call = self._context(
+            step,
+            zlib.crc32(t.name.encode()) if layout is None else layout,
+            Guard(opts.nonfinite, t.what, t.overflowed),
+            residuals=residuals,
+            config=planned.config,
             label=t.name,
         )
         trace = self.trace
         if trace is not None:
-            aside = (small or not compress) and self.codec.name != "none"
+            aside = (small or not compress) and self.codec.compresses
             label = op if not aside else f"{op} below min_numel" if small else f"{op} warm-up"
             trace.begin(
-                step, label, codec.name, t.name, t.flat.size, self.recorder, schedule, predicted
+                step,
+                label,
+                codec.name,
+                t.name,
+                t.flat.size,
+                self.recorder,
+                plan.name,
+                planned.predicted,
             )
             call = replace(call, recorder=trace, clock=trace)
-        try:
-            avg = reduce(call, codec, t.flat, encoders)
-        except _reduce.Skipped as e:
-            _restore(snapshots)
-            if trace is not None:
-                trace.end()  # a skipped call still exchanged its agreement: keep its event
-            return t.result(np.zeros(t.flat.size, dtype=np.float32)), [e.message]
-        except BaseException:
-            _restore(snapshots)
-            raise
-        if trace is not None:
-            trace.end()
-        return t.result(avg), []
+        return call, codec, planned.run
 
-    def _place(self, local_comm, model) -> None:
-        """Find the hosts, make the hierarchical schedules' communicators and the model,
-        as the options ask (collective; a problem raises on every rank)."""
-        schedule = self.options.schedule
-        # fp16's and none's sums never run by host (schedules.schedules_of).
-        hier = schedule.startswith(HIER) or (schedule == AUTO and self.codec.aggregation != "sum")
-        # Whether to split at all must not hang on one rank's argument: model= given on
-        # some ranks only still makes every rank take part (rank 0's model is used).
-        given = self._comm.allreduce(model is not None, op=MPI.LOR)
-        if not (given or hier or schedule == AUTO and self.codec.name != "none"):
-            return  # nothing to choose, no model to predict with
-        node = model_mod.host_comm(self._comm, local_comm)
-        try:
-            self.topology = topo = model_mod.topology(self._comm, node)
-            if schedule.startswith(HIER) and not topo.hierarchical:
-                raise ValueError(
-                    f"schedule={schedule!r} needs several hosts holding as many ranks "
-                    f"each; here {topo.hosts} host(s), up to {topo.per_host} rank(s) each"
-                    + ("" if topo.even else " (not the same on every host)")
-                )
-            if schedule == AUTO or given:
-                self.model = model_mod.resolve(self._comm, node, self.codec, model)
-        except BaseException:
-            node.Free()
-            raise
-        if hier and topo.hierarchical:
-            self._hosts = _reduce.Hosts(node, self._comm.Split(node.rank, self.rank))
-        else:
-            node.Free()
+    def _encoding(self, name: str, plan) -> Encoding:
+        """Return how a call of ``name`` by ``plan`` encodes, its residuals snapshot."""
+        if not plan.compressed or not kind_of(self.codec).feedback:
+            return NO_RESIDUALS
+        if self._residuals is None:
+            return Encoding(self.codec)
+        hosts = self._placement.hosts
+        if plan.hierarchical:
+            # A local rank's residual by host covers its shard alone: a name of its own
+            # (forget(name) still drops it), so no other schedule ever reads it.
+            name = f"{name}#shard@{hosts.node.rank}/{hosts.node.size}"
+        owners = 0
+        if plan.sharded:
+            owners = hosts.cross.size if plan.hierarchical else self.size
+        return self._residuals.encoding(name, owners)
 
-    def schedule_for(self, numel: int) -> tuple[str, float]:
-        """Return the schedule a call of ``numel`` elements runs by, and the seconds the
-        model predicts for it (NaN without a model): under ``schedule="auto"`` the
-        cheapest, the same on every rank."""
-        return self._plan(numel, numel >= self.options.min_numel)
-
-    def _plan(self, numel: int, compress: bool) -> tuple[str, float]:
-        """Return the schedule of a call of ``numel`` elements and its predicted seconds
-        (NaN without a model): the float32 sum when not compressing, the cheapest under
-        ``"auto"`` (the same on every rank: same model, same size), else the option."""
-        schedule = self.options.schedule
-        if self.codec.name == "none":
-            schedule = "allreduce"
-        elif not compress:
-            schedule = FLOAT32
-        key = (numel, schedule)
-        if key not in self._plans:
-            predicted = math.nan
-            if schedule == AUTO:
-                schedule, times = choose(self.codec, numel, self.topology, self.model)
-                predicted = times.get(schedule, math.nan)
-            elif self.model is not None:
-                predicted = predict(schedule, self.codec, numel, self.topology, self.model)
-            self._plans[key] = (schedule, predicted)
-        return self._plans[key]
-
-    def _reducer(self, schedule: str):
-        """Return the reduction of a compressed call by ``schedule``."""
-        inner = schedule.removeprefix(HIER)
-        path = "sharded" if inner == "sharded" else self.codec.aggregation
-        if inner == schedule:
-            return _reduce.REDUCERS[path]
-        return partial(_reduce.reduce_hierarchical, inner=path, hosts=self._hosts)
-
-    def _call(self, step: int, layout: int = 0, guard: _reduce.Guard | None = None):
-        """Return the ``_reduce.Call`` of call ``step``: what its messages share (untraced)."""
-        guard = guard or _reduce.Guard()
-        timeout = self.options.timeout
-        return _reduce.Call(
+    def _context(self, step: int, layout: int = 0, guard: Guard | None = None, **more) -> Call:
+        """Return the ``Call`` of call ``step``: what its messages share (untraced)."""
+        return Call(
             self._comm,
             step,
             self.recorder,
-            NO_CLOCK,
-            layout,
-            guard,
-            timeout,
-            self.kernels,
-            self._transport,
+            layout=layout,
+            guard=guard or Guard(),
+            timeout=self.options.timeout,
+            kernels=self.kernels,
+            transport=self._transport,
+            **more,
         )
 
-    def _call_config(self, schedule: str) -> Config:
-        """Return the configuration a call run by ``schedule`` agrees on: this
-        CompressedComm's, and the schedule the call runs."""
-        config = self._configs.get(schedule)
-        if config is None:
-            config = self._configs[schedule] = self._config.with_fields(run=schedule)
-        return config
+    def _take(self, x, name: str) -> Tensor:
+        return take(x, name, self._gpu, named=self._residuals is not None)
 
-    def _encoders(self, name: str) -> _reduce.Encoders | None:
-        """Return how a gather call of ``name`` compresses (through error feedback when on)."""
-        codec, fb = self.codec, self._feedback
-        if codec.aggregation != "gather":
-            return None
-        if fb is None:
-            return _reduce.Encoders(codec.encode, lambda f, s: codec.encode(f), codec.encode)
-        return _reduce.Encoders(
-            lambda f: fb.encode(f, name),
-            lambda f, s: fb.encode(f, f"{name}#shard{s}"),
-            lambda f: self._server_feedback.encode(f, name),
-        )
+    def _take_many(self, arrays, names) -> tuple[list, Tensor | None]:
+        return take_many(arrays, names, self._gpu, named=self._residuals is not None)
 
-    def _snapshot(self, name: str, schedule: str) -> list:
-        """Return snapshots of the residuals a compressed call of ``name`` by ``schedule``
-        may update."""
-        if self._feedback is None:
-            return []
-        if schedule.removeprefix(HIER) != "sharded":
-            return [self._feedback.snapshot([name])]
-        owners = self._hosts.cross.size if schedule.startswith(HIER) else self.size
-        shards = [f"{name}#shard{s}" for s in range(owners)]
-        return [self._feedback.snapshot(shards), self._server_feedback.snapshot([name])]
-
-    # -- for the framework adapters (mpicomp.torch, mpicomp.jax) -----------------
-
-    def _istart(self, x, name: str, layout: int, ledger: list, compress: bool = True) -> Handle:
-        """Start one call as ``iallreduce`` does; its handle's ``wait()`` returns the raw
-        outcome (average, skip messages) without warning, and the residual snapshots the
-        call takes are appended to ``ledger``, so an adapter can skip and roll back a
-        whole optimizer step of several calls. ``layout`` joins the agreement (ranks
-        calling with different buckets raise); ``compress=False`` is a warm-up call."""
-        self._check_open()
-        job = partial(self._average, self._take(x, name), "allreduce", layout, ledger, compress)
-        return self._start(job, deliver=_raw)
-
-    def _forget(self, name: str) -> None:
-        """Drop the residuals of tensor ``name`` (its layout changed, e.g. DDP rebuilt
-        its buckets): the next call starts it from zero."""
-        self._drain()
-        for feedback in (self._feedback, self._server_feedback):
-            if feedback is not None:
-                feedback.forget(name)
-
-    # -- inputs -----------------------------------------------------------------
-
-    def _take(self, x, name: str) -> _Tensor:
-        """Read and convert ``x`` now; a refused input is kept with its error, for
-        ``_average`` to raise inside the call (every rank then raises)."""
-        if not isinstance(name, str):
-            error = TypeError(f"name must be a str (the tensor's name), got {name!r}")
-            return _Tensor.refused(x, "", error)
-        what = f"gradient {name!r}" if name else "gradient"
-        try:
-            check_numel(x, _max_numel(), what)
-            flat, overflowed = to_float32(x, what=what)
-            if is_device_array(flat):
-                self._check_gpu(flat, what)
-            self._check_name(name)
-        except Exception as e:  # whatever converting raised, every rank must hear of it
-            return _Tensor.refused(x, name, e)
-        return _Tensor(x, name, flat.reshape(-1), overflowed, _dtype(x))
-
-    def _take_many(self, arrays, names) -> tuple[list, _Tensor | None]:
-        """Return (``arrays`` taken one by one, None), or ([], a refused input) when one
-        of them, or the names, is refused."""
-        try:
-            arrays = _sequence("arrays", arrays, "gradients")
-            if names is None:
-                names = [f"#{i}" for i in range(len(arrays))]
-            names = _sequence("names", names, "str")
-        except TypeError as e:
-            return [], _Tensor.refused(arrays, "", e)
-        if len(names) != len(arrays):
-            error = ValueError(f"{len(names)} names for {len(arrays)} arrays")
-            return [], _Tensor.refused(arrays, "", error)
-        tensors = [self._take(a, n) for a, n in zip(arrays, names, strict=True)]
-        refused = next((t for t in tensors if t.error is not None), None)
-        if refused is None and len({array_module(t.flat) for t in tensors}) > 1:
-            # A fused bucket lives in one place: host and device arrays do not mix.
-            error = TypeError("allreduce_many takes host arrays or device arrays, not both")
-            refused = _Tensor.refused(arrays, "", error)
-        return ([], refused) if refused else (tensors, None)
-
-    @_on_its_gpu
-    def _many(self, tensors: list, refused: _Tensor | None) -> tuple:
+    def _many(self, tensors: list, refused: Tensor | None) -> tuple:
         """Average ``tensors`` in buckets, one call per bucket; return (averages, skip
         messages). A refused input makes one failing call."""
-        if refused is not None:
-            self._average(refused, "allreduce_many")  # raises on every rank
-        out: list = [None] * len(tensors)
-        skipped, ledger = [], []
-        for members in _buckets([t.flat.size for t in tensors], self.options.bucket_numel):
-            if len(members) == 1:
-                (i,) = members
-                avg, messages = self._average(tensors[i], "allreduce_many", ledger=ledger)
-                out[i] = avg
-            else:
-                bucket = _Tensor.fused([tensors[i] for i in members])
-                label = f"{bucket.name}/{','.join(str(tensors[i].flat.size) for i in members)}"
-                avg, messages = self._average(
-                    bucket, "allreduce_many bucket", zlib.crc32(label.encode()), ledger
-                )
-                start = 0
-                for i in members:
-                    out[i] = tensors[i].result(avg[start : start + tensors[i].flat.size])
-                    start += tensors[i].flat.size
-            # The later buckets still run (every rank makes their calls), but skip_step
-            # means no update at all: zeros, and residuals rolled back, below.
-            skipped += messages
-        if skipped:
-            _restore(ledger)
-            out = [t.result(np.zeros(t.flat.size, dtype=np.float32)) for t in tensors]
-        return out, skipped
-
-    def _check_gpu(self, flat, what: str) -> None:
-        """Check that device array ``flat`` is on this communicator's GPU: the one its
-        first device gradient lives on (every call then runs with that GPU current)."""
-        gpu = flat.device.id
-        if self._gpu is None:
-            device = getattr(backend_of(flat), "device", None)
-            self._gpu_on = partial(device.on, gpu) if device is not None else nullcontext
-            self._gpu = gpu
-        elif gpu != self._gpu:
-            raise TypeError(
-                f"{what} is on GPU {gpu}; this CompressedComm works on GPU {self._gpu} "
-                "(one GPU per communicator and rank)"
-            )
-
-    def _check_name(self, name: str) -> None:
-        if self._feedback is not None and not name:
-            raise ValueError(
-                "error feedback keeps one residual per tensor: pass name= (the same each step)"
-            )
+        with self._gpu.current():  # fusing and slicing run on the gradients' GPU
+            if refused is not None:
+                self._average(refused, "allreduce_many")  # raises on every rank
+            out: list = [None] * len(tensors)
+            skipped, snapshots = [], []
+            for members in buckets([t.flat.size for t in tensors], self.options.bucket_numel):
+                if len(members) == 1:
+                    (i,) = members
+                    out[i], messages = self._average(tensors[i], "allreduce_many", None, snapshots)
+                else:
+                    bucket = Tensor.fused([tensors[i] for i in members])
+                    label = f"{bucket.name}/{','.join(str(tensors[i].flat.size) for i in members)}"
+                    layout = zlib.crc32(label.encode())
+                    avg, messages = self._average(
+                        bucket, "allreduce_many bucket", layout, snapshots
+                    )
+                    start = 0
+                    for i in members:
+                        out[i] = tensors[i].result(avg[start : start + tensors[i].flat.size])
+                        start += tensors[i].flat.size
+                # The later buckets still run (every rank makes their calls), but skip_step
+                # means no update at all: zeros, and residuals rolled back, below.
+                skipped += messages
+            if skipped:
+                rollback(snapshots)
+                out = [t.zeros() for t in tensors]
+            return out, skipped
 
     # -- threads and lifetime ---------------------------------------------------
 
-    def _start(self, job, deliver=None) -> Handle:
+    def _start(self, job, deliver) -> Handle:
         """Run ``job`` on the worker thread behind the calls started before (or now);
-        the handle's ``wait()`` returns ``deliver(outcome)`` (default ``_deliver``)."""
-        deliver = deliver or _deliver
+        the handle's ``wait()`` returns ``deliver(outcome)``."""
         if not self.background:
             if self._eager_why:
                 why, self._eager_why = self._eager_why, None
@@ -754,7 +672,7 @@ class CompressedComm:
         try:
             if self.options.debug:  # the calls begin with the debug check there
                 check_same_call(self._comm, CLOSING, "", self.options.timeout)
-            return _reduce.agree_close(replace(self._call(self._calls), recorder=None))
+            return agree_close(replace(self._context(self._calls), recorder=None))
         except Exception as e:
             log.warning("closing CompressedComm without the other ranks: %s", e)
             return False
@@ -762,9 +680,8 @@ class CompressedComm:
     def _free_comms(self) -> None:
         """Free the duplicated communicator and the hierarchy's, whatever fails first."""
         try:
-            if self._hosts is not None:
-                self._hosts.free()
-                self._hosts = None
+            self._placement.free()
+            self._placement = self._placement._replace(hosts=None)
         finally:
             self._comm.Free()
             self._comm = None
@@ -786,27 +703,6 @@ class CompressedComm:
             "sharded": opts.sharded,
             "schedule": opts.schedule,
         }
-
-
-def _sequence(what: str, items, of: str) -> list:
-    """Return ``items`` as a list, refusing one array, a str or a mapping in its place."""
-    if isinstance(items, (str, bytes)) or hasattr(items, "shape") or hasattr(items, "keys"):
-        hint = " (for one array use allreduce)" if hasattr(items, "shape") else ""
-        if hasattr(items, "keys"):
-            hint = " (for a dict d: list(d.values()), names=list(d))"
-        raise TypeError(f"{what} must be a list or tuple of {of}, got {type(items).__name__}{hint}")
-    try:
-        return list(items)
-    except TypeError:
-        raise TypeError(
-            f"{what} must be a list or tuple of {of}, got {type(items).__name__}"
-        ) from None
-
-
-def _max_numel() -> int:
-    """Return the most elements one call carries: what a payload header describes, and
-    what an MPI count (a C int) holds before MPI 4."""
-    return MAX_NUMEL if MPI.Get_version() >= (4, 0) else 2**31 - 1
 
 
 def _check_comm(comm) -> None:
@@ -877,82 +773,6 @@ def _config(codec: Codec, opts: Options, on_call: bool, local_comm: bool) -> Con
     )
 
 
-@dataclass(frozen=True)
-class _Tensor:
-    """One input of a call, read and converted when the call is made (or refused).
-
-    ``flat`` is its float32 copy or view, 1-D; ``overflowed`` says float64 values
-    beyond float32's range became Inf; ``dtype`` names the caller's dtype (debug
-    descriptions); ``error`` is why the input was refused (then ``flat`` is empty).
-    """
-
-    x: object
-    name: str
-    flat: np.ndarray
-    overflowed: bool = False
-    dtype: str = "float32"
-    error: Exception | None = None
-
-    @classmethod
-    def refused(cls, x, name: str, error: Exception) -> _Tensor:
-        return cls(x, name, np.empty(0, dtype=np.float32), error=error)
-
-    @classmethod
-    def fused(cls, members: list[_Tensor]) -> _Tensor:
-        """Return one bucket holding ``members`` end to end (all on the host, or all on
-        one device)."""
-        flat = array_module(members[0].flat).concatenate([t.flat for t in members])
-        return cls(
-            flat,
-            "bucket:" + "|".join(t.name for t in members),
-            flat,
-            any(t.overflowed for t in members),
-            "/".join(sorted({t.dtype for t in members})),
-        )
-
-    @property
-    def what(self) -> str:
-        """How messages name this tensor."""
-        return f"gradient {self.name!r}" if self.name else "gradient"
-
-    def result(self, avg: np.ndarray):
-        """Return float32 ``avg`` in this input's framework, shape and dtype."""
-        return _like(self.x, avg.reshape(_shape(self.x)))
-
-
-def _restore(snapshots: list) -> None:
-    """Put the residuals of ``snapshots`` back (a failed, skipped or rolled-back call)."""
-    for snapshot in snapshots:
-        snapshot.restore()
-
-
-def _buckets(sizes: list[int], limit: int) -> list[list[int]]:
-    """Group consecutive indices of tensors smaller than ``limit`` into buckets <= limit."""
-    out, current, total = [], [], 0
-    for i, n in enumerate(sizes):
-        if n >= limit:
-            if current:
-                out.append(current)
-                current, total = [], 0
-            out.append([i])
-            continue
-        if total + n > limit and current:
-            out.append(current)
-            current, total = [], 0
-        current.append(i)
-        total += n
-    if current:
-        out.append(current)
-    return out
-
-
-def _shape(x) -> tuple:
-    """Return the shape of input ``x``: an array's, a tensor's, or its CUDA array interface's."""
-    if hasattr(x, "__cuda_array_interface__") and not hasattr(x, "shape"):
-        return tuple(x.__cuda_array_interface__["shape"])
-    return np.shape(x)
-
-
 def _mpi_cuda_aware() -> str:
     """Return whether the MPI library takes GPU buffers, and how that was decided."""
     try:
@@ -960,16 +780,6 @@ def _mpi_cuda_aware() -> str:
     except ValueError as e:  # a bad MPICOMP_CUDA_AWARE
         return f"unknown ({e})"
     return f"{'yes' if aware else 'no'} ({how})"
-
-
-def _dtype(x) -> str:
-    """Return the name of ``x``'s dtype as the caller passed it (for debug descriptions)."""
-    dt = getattr(x, "dtype", None)
-    return str(dt).removeprefix("torch.") if dt is not None else type(x).__name__
-
-
-def _raw(outcome: tuple) -> tuple:
-    return outcome
 
 
 def _deliver(outcome: tuple):
@@ -989,26 +799,3 @@ def _warn(messages: list[str]) -> None:
     text = "; ".join(messages) + " (every rank returned zeros; residuals unchanged)"
     # _warn <- _deliver <- allreduce / Handle.wait <- the caller's line.
     warnings.warn(text, NonFiniteWarning, stacklevel=4)
-
-
-def _like(x, avg: np.ndarray):
-    """Return float32 ``avg`` in ``x``'s dtype and framework (NumPy, or the DLPack producer's)."""
-    dtype = getattr(x, "dtype", None)
-    if isinstance(x, np.ndarray) or is_device_array(x):
-        return avg.astype(x.dtype, copy=False)
-    if hasattr(x, "__cuda_array_interface__") and not hasattr(x, "__dlpack__"):
-        # No framework to return it in: a CuPy array (or NumPy under cuda-emulated).
-        return avg.astype(np.dtype(x.__cuda_array_interface__["typestr"]), copy=False)
-    if isinstance(x, np.generic):
-        return avg.astype(dtype).reshape(())[()]
-    jax = sys.modules.get("jax")  # never imported here: a jax.Array means JAX already is
-    if jax is not None and isinstance(x, jax.Array):
-        # Its type lives in jaxlib, which has no from_dlpack: put it back where x was.
-        return jax.device_put(jax.numpy.from_dlpack(avg).astype(x.dtype), x.sharding)
-    # A DLPack producer (PyTorch): hand the result back through its own from_dlpack.
-    lib = sys.modules.get(type(x).__module__.split(".")[0])
-    from_dlpack = getattr(lib, "from_dlpack", None)
-    result = from_dlpack(avg) if from_dlpack is not None else avg
-    if dtype is not None and hasattr(result, "to"):
-        result = result.to(dtype)
-    return result

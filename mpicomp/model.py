@@ -97,7 +97,7 @@ class Model:
         Raises:
             ValueError: the model has none for this codec and parameters.
         """
-        if codec.name == "none":
+        if not codec.compresses:
             return UNCOMPRESSED
         try:
             return self.speeds[codec_key(codec)]
@@ -172,12 +172,3 @@ def speeds_from_bench(rows) -> dict[str, Speed]:
                 4 / (r["encode_gbps"] * 1e9), 4 / (r["decode_gbps"] * 1e9), r["bits_per_element"]
             )
     return out
-
-
-def __getattr__(name):
-    # moved: kept until comm.py imports mpicomp._probe (lazily: _probe imports this module)
-    if name in ("host_comm", "topology", "resolve"):
-        from mpicomp import _probe
-
-        return getattr(_probe, name)
-    raise AttributeError(f"module 'mpicomp.model' has no attribute {name!r}")

@@ -8,41 +8,15 @@ from functools import partial
 
 import numpy as np
 
-from mpicomp._reduce import POLICIES
 from mpicomp.codecs._base import check_number
 from mpicomp.collectives._wait import resolve_timeout
+from mpicomp.reduction import AUTO, all_schedule_names, kind_of, schedule_names
+from mpicomp.reduction.agreement import POLICIES
 
 #: Set and not ``0``: every CompressedComm checks that all ranks make the same call.
 DEBUG_ENV = "MPICOMP_DEBUG"
 
-# Biased gather codecs lose what they do not send unless it is fed back next step.
-FEEDBACK_DEFAULT = frozenset({"threelc", "topk", "fft", "fastsgd"})
-
-#: The schedules of each aggregation kind, its default first (docs/collectives.md):
-#: ``allreduce`` MPI's sum of the wire array; ``ring`` the width-growing ring; ``direct``
-#: the direct reduce-scatter and ring allgather; ``allgather`` every payload to every
-#: rank; ``sharded`` push/pull through shard owners.
-SCHEDULES = {
-    "sum": ("allreduce",),
-    "integer_sum": ("ring", "direct"),
-    "majority": ("ring", "direct"),
-    "gather": ("allgather", "sharded"),
-}
-
-#: Beyond a codec's own schedules, ``schedule=`` takes ``"auto"`` (the cheapest per call,
-#: ``mpicomp.schedules.choose``), ``"float32"`` (MPI_Allreduce of float32: no compression)
-#: and ``"hier:NAME"`` (reduce within each host, then NAME between hosts).
-AUTO = "auto"
-
-
-def schedule_names(aggregation: str) -> tuple[str, ...]:
-    """Return every ``schedule=`` a codec of ``aggregation`` takes, its default first."""
-    from mpicomp.schedules import FLOAT32, HIER
-
-    flat = SCHEDULES[aggregation]
-    if aggregation == "sum":
-        return (*flat, FLOAT32, AUTO)
-    return (*flat, *(HIER + s for s in flat), FLOAT32, AUTO)
+__all__ = ["AUTO", "DEBUG_ENV", "Options"]
 
 
 @dataclass(frozen=True)
@@ -83,7 +57,7 @@ class Options:
             fix("background", _checked_bool("background", self.background, "or None"))
         if not isinstance(self.schedule, str):
             raise TypeError(f"schedule must be a str or None, got {type(self.schedule).__name__}")
-        if self.schedule not in {n for kind in SCHEDULES for n in schedule_names(kind)}:
+        if self.schedule not in all_schedule_names():
             raise ValueError(f"schedule: no schedule named {self.schedule!r}")
         if self.sharded != (self.schedule == "sharded"):
             raise ValueError(
@@ -115,8 +89,8 @@ class Options:
     ) -> Options:
         """Return the options of a CompressedComm of ``codec`` from its keyword arguments.
 
-        Defaults: ``error_feedback`` on for the biased gather codecs (3LC, top-k, FFT,
-        FastSGD); ``schedule`` the codec's first in ``SCHEDULES`` (``sharded`` when
+        Defaults: ``error_feedback`` the codec's ``feedback_default`` (on for the biased
+        gather codecs 3LC, top-k, FFT, FastSGD); ``schedule`` the codec's first (``sharded`` when
         ``sharded=True``); ``debug`` from ``MPICOMP_DEBUG``; ``timeout=None`` left to
         ``MPICOMP_TIMEOUT`` at each call, 0 off whatever the environment says.
 
@@ -127,12 +101,14 @@ class Options:
         """
         sharded = _checked_bool("sharded", sharded)
         if error_feedback is None:
-            error_feedback = codec.name in FEEDBACK_DEFAULT
+            error_feedback = codec.feedback_default
         error_feedback = _checked_bool("error_feedback", error_feedback, "or None")
+        kind = kind_of(codec)
+        allowed = {"error_feedback": kind.feedback, "sharded": "sharded" in kind.schedules}
         for what, asked in (("error_feedback", error_feedback), ("sharded", sharded)):
-            if asked and codec.aggregation != "gather":
+            if asked and not allowed[what]:
                 raise ValueError(
-                    f"{what} applies to gather codecs; {codec.name!r} is {codec.aggregation!r}"
+                    f"{what} applies to gather codecs; {codec.name!r} is {kind.name!r}"
                 )
         schedule = _schedule(codec, schedule, sharded)
         if debug is None:
@@ -151,14 +127,14 @@ class Options:
 
 def _schedule(codec, asked, sharded) -> str:
     """Return the schedule of ``codec`` asked for (None: its default, or ``sharded``)."""
-    names = schedule_names(codec.aggregation)
+    names = schedule_names(codec)
     if asked is None:
         return "sharded" if sharded is True else names[0]
     if not isinstance(asked, str):
         raise TypeError(f"schedule must be a str or None, got {type(asked).__name__}")
     if asked not in names:
         raise ValueError(
-            f"schedule={asked!r}: codec {codec.name!r} ({codec.aggregation}) runs "
+            f"schedule={asked!r}: codec {codec.name!r} ({kind_of(codec).name}) runs "
             f"{' or '.join(map(repr, names))}"
         )
     if sharded is True and asked != "sharded":

@@ -1,7 +1,7 @@
 """What each schedule of a call costs: its messages and bytes, and a latency-bandwidth time.
 
-A call of n elements over N ranks runs one schedule (``mpicomp.options.SCHEDULES``).
-:func:`cost` counts the messages and bytes along its critical path: per exchange step,
+A call of n elements over N ranks runs one schedule of its codec's aggregation kind
+(``mpicomp.reduction``, where each kind prices its own). :func:`cost` counts the messages and bytes along its critical path: per exchange step,
 the largest message any rank sends or receives in it (each rank sends and receives at
 once, so a step lasts as long as its largest message). With a ``Network`` of ``alpha``
 seconds per message and ``beta`` bytes per second per rank, the predicted time is
@@ -25,20 +25,33 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from mpicomp.kernels.bits import packed_size
+from mpicomp.codecs._wire import header_size
+from mpicomp.reduction import FLOAT32, HIER, candidates, kind_of
+from mpicomp.reduction._cost import (
+    AGREEMENT_BYTES,
+    Cost,
+    agreement,
+    bounded,
+    gathered,
+    mpi_allreduce,
+)
 
-AGREEMENT_BYTES = 192  # the MaxAllReduce head every call sends first
-
-
-@dataclass(frozen=True)
-class Cost:
-    """The critical path of one call: ``messages`` in sequence and the ``bytes`` they carry."""
-
-    messages: int
-    bytes: int
-
-    def __add__(self, other: Cost) -> Cost:
-        return Cost(self.messages + other.messages, self.bytes + other.bytes)
+__all__ = [
+    "AGREEMENT_BYTES",
+    "FLOAT32",
+    "HIER",
+    "Cost",
+    "Network",
+    "Topology",
+    "bounded",
+    "choose",
+    "compute_seconds",
+    "cost",
+    "gathered",
+    "payload_bytes",
+    "predict",
+    "schedules_of",
+]
 
 
 @dataclass(frozen=True)
@@ -64,70 +77,11 @@ class Network:
         return cost.messages * self.alpha + cost.bytes / self.beta
 
 
-def _log2(nranks: int) -> int:
-    return (nranks - 1).bit_length()  # ceil(log2 N); 0 for one rank
-
-
-def _small(nbytes: int, nranks: int) -> Cost:
-    """An allreduce or allgather of a few bytes: recursive doubling, log2 N rounds."""
-    return Cost(_log2(nranks), _log2(nranks) * nbytes)
-
-
-def _mpi_allreduce(nbytes: int, nranks: int) -> Cost:
-    """MPI_Allreduce of ``nbytes``: reduce-scatter and allgather by recursive halving and
-    doubling (2 log2 N messages, 2(N-1)/N of the bytes)."""
-    if nranks == 1:
-        return Cost(0, 0)
-    return Cost(2 * _log2(nranks), -(-2 * (nranks - 1) * nbytes // nranks))
-
-
-def _chunk(numel: int, nranks: int) -> int:
-    """The largest chunk of the ring's layout (docs/collectives.md, "Chunks")."""
-    from mpicomp.collectives.ring import chunk_size
-
-    return min(numel, chunk_size(numel, nranks)) if numel else 0
-
-
-def bounded(schedule: str, numel: int, nranks: int, span: int, majority: bool) -> Cost:
-    """The exchange of ``numel`` codes in [0, span] (shifted), summed or voted over
-    ``nranks`` by the ``"ring"`` or ``"direct"`` schedule."""
-    N = nranks
-    if N == 1:
-        return Cost(0, 0)
-    C = _chunk(numel, N)
-    final = 1 if majority else (N * span).bit_length()
-    gather = (N - 1) * packed_size(C, final)
-    if schedule == "ring":
-        widths = [(i * span).bit_length() for i in range(1, N)]
-        return Cost(2 * (N - 1), sum(packed_size(C, w) for w in widths) + gather)
-    if schedule == "direct":
-        # The owner receives N - 1 chunks; a rank sends N - 1 (each at most C elements).
-        return Cost(2 * (N - 1), (N - 1) * packed_size(C, span.bit_length()) + gather)
-    raise ValueError(f"bounded codes are summed by 'ring' or 'direct', not {schedule!r}")
-
-
-def gathered(schedule: str, nranks: int, payload: int, pulled: int | None = None) -> Cost:
-    """The exchange of payloads of ``payload`` bytes per rank by ``"allgather"`` or
-    ``"sharded"`` (push of payload/N bytes per owner, pull of ``pulled`` bytes per owner's
-    re-compressed average, default ``payload``/N)."""
-    N = nranks
-    if N == 1:
-        return Cost(0, 0)
-    sizes = _small(8, N)
-    if schedule == "allgather":
-        return sizes + Cost(N - 1, (N - 1) * payload)
-    if schedule == "sharded":
-        pulled = -(-payload // N) if pulled is None else pulled
-        push = Cost(N - 1, 8 * (N - 1)) + _small(8, N) + Cost(N - 1, -(-(N - 1) * payload // N))
-        return push + sizes + Cost(N - 1, (N - 1) * pulled)
-    raise ValueError(f"payloads are exchanged by 'allgather' or 'sharded', not {schedule!r}")
-
-
 def cost(schedule: str, codec, numel: int, nranks: int, payload: int | None = None) -> Cost:
     """Return the critical path of one ``CompressedComm`` call of ``codec`` by ``schedule``.
 
     Args:
-        schedule: one of the codec's schedules (``mpicomp.options.SCHEDULES``), or
+        schedule: one of the codec's schedules (``mpicomp.reduction``), or
             ``"float32"``: the uncompressed MPI_Allreduce of float32 any codec falls back
             to (below ``min_numel``).
         codec: a made codec (``mpicomp.codec(...)``).
@@ -138,43 +92,18 @@ def cost(schedule: str, codec, numel: int, nranks: int, payload: int | None = No
     Raises:
         ValueError: a schedule the codec does not have, or a gather codec without payload.
     """
-    from mpicomp.options import SCHEDULES
-
-    N = nranks
-    call = _small(AGREEMENT_BYTES, N)  # every call agrees first
-    if schedule == "float32":
-        return call + _mpi_allreduce(4 * numel, N)
-    kind = codec.aggregation
-    if schedule not in SCHEDULES[kind]:
-        raise ValueError(f"codec {codec.name!r} ({kind}) has no schedule {schedule!r}")
-    if kind == "sum" and codec.name == "none":
-        return call + _mpi_allreduce(4 * numel, N)
-    if kind == "sum":  # fp16: collectives.float16's ring (MPI has no float16 sum)
-        C = -(-numel // N) if numel else 0
-        return call + Cost(2 * (N - 1), 2 * (N - 1) * codec.wire_dtype.itemsize * C)
-    if kind == "gather":
-        if payload is None:
-            raise ValueError(f"{codec.name}: the cost of a gather schedule needs payload bytes")
-        return call + gathered(schedule, N, payload)
-    if kind == "majority":
-        return call + _small(8, N) + bounded(schedule, numel, N, 1, True)
-    coded = codec.num_coordinates(numel) if codec.sparse else numel
-    total = call + bounded(schedule, coded, N, 2 * codec.bound, False)
-    if codec.multiscale and codec.index_bits:
-        # The scale index MIN runs on the constant-width ring under either schedule.
-        C = _chunk(coded, N)
-        total += Cost(2 * (N - 1), 2 * (N - 1) * packed_size(C, codec.index_bits))
-    return total
+    head = agreement(nranks)  # every call agrees first
+    if schedule == FLOAT32:
+        return head + mpi_allreduce(4 * numel, nranks)
+    kind = kind_of(codec)
+    if schedule not in kind.schedules:
+        raise ValueError(f"codec {codec.name!r} ({kind.name}) has no schedule {schedule!r}")
+    if kind.payload and payload is None:
+        raise ValueError(f"{codec.name}: the cost of a {kind.name} schedule needs payload bytes")
+    return head + kind.schedules[schedule].cost(codec, numel, nranks, payload)
 
 
 # -- where the ranks are, what each schedule then costs, and the cheapest ---------------
-
-#: The prefix of a hierarchical schedule: ``"hier:ring"`` reduces within each host, then
-#: runs the ring between hosts (docs/collectives.md, "Hierarchy").
-HIER = "hier:"
-
-#: The uncompressed MPI_Allreduce of float32 that every codec can fall back to.
-FLOAT32 = "float32"
 
 
 @dataclass(frozen=True)
@@ -213,24 +142,14 @@ class Topology:
 
 def schedules_of(codec, topology: Topology) -> tuple[str, ...]:
     """Return the schedules ``schedule="auto"`` chooses among for ``codec``: its own
-    (``mpicomp.options.SCHEDULES``), the hierarchical ones where ``topology`` allows (not
-    for fp16's sum), and the float32 MPI_Allreduce (``none``: only its allreduce)."""
-    from mpicomp.options import SCHEDULES
-
-    flat = SCHEDULES[codec.aggregation]
-    if codec.name == "none":
-        return flat
-    # fp16's float16 sum is a whole-tensor ring of its own; no hierarchy was built for it.
-    sums = codec.aggregation == "sum"
-    hier = tuple(HIER + s for s in flat) if topology.hierarchical and not sums else ()
-    return (*flat, *hier, FLOAT32)
+    (``mpicomp.reduction``), the hierarchical ones where ``topology`` allows (not for
+    fp16's sum), and the float32 MPI_Allreduce (``none``: only its allreduce)."""
+    return candidates(codec, topology.hierarchical)
 
 
 def payload_bytes(speed, numel: int) -> int:
     """Return the predicted payload of a gather codec for ``numel`` elements: the
     measured bits per element of ``speed`` (``mpicomp.model.Speed``) and one header."""
-    from mpicomp.codecs._wire import header_size
-
     return header_size(1) + math.ceil(speed.bits * numel / 8)
 
 
@@ -238,38 +157,17 @@ def _alltoall_bytes(schedule: str, codec, numel: int, nranks: int, payload: int 
     """The bytes of ``cost`` that every rank sends to every other at once (the direct
     schedule's codes, the sharded push): with R ranks per host, R such streams share a
     host's link, where a ring's one neighbour does not."""
-    N = nranks
-    if N == 1:
+    if nranks == 1 or schedule == FLOAT32:
         return 0
-    if schedule == "direct":
-        coded = codec.num_coordinates(numel) if getattr(codec, "sparse", False) else numel
-        span = 1 if codec.aggregation == "majority" else 2 * codec.bound
-        return (N - 1) * packed_size(_chunk(coded, N), span.bit_length())
-    if schedule == "sharded":
-        return -(-(N - 1) * payload // N)
-    return 0
-
-
-def _decode_sum(codec, speed, numel: int, count: int) -> float:
-    """Seconds to add ``count`` decoded payloads of ``numel`` elements (``decode_sum``):
-    one decode for a codec that sums before decoding (FFT's spectra), else one each."""
-    return speed.decode * numel * (1 if getattr(codec, "sums_before_decoding", False) else count)
+    return kind_of(codec).schedules[schedule].alltoall(codec, numel, nranks, payload)
 
 
 def compute_seconds(schedule: str, codec, speed, numel: int, nranks: int) -> float:
     """Return one rank's encode and decode seconds in a call of ``schedule`` (a flat
     one) over ``numel`` elements and ``nranks`` ranks, at ``speed``'s seconds per element."""
-    n, N = numel, nranks
-    if schedule == FLOAT32 or codec.name == "none":
+    if schedule == FLOAT32:
         return 0.0
-    if schedule == "allgather":
-        return speed.encode * n + _decode_sum(codec, speed, n, N)
-    if schedule == "sharded":
-        shard = -(-n // N)
-        # Push every shard (one encode of n), the owner sums N pushes and encodes its
-        # average, then every pulled shard is decoded (n in all).
-        return speed.encode * (n + shard) + _decode_sum(codec, speed, shard, N) + speed.decode * n
-    return (speed.encode + speed.decode) * n
+    return kind_of(codec).schedules[schedule].compute(codec, speed, numel, nranks)
 
 
 def predict(schedule: str, codec, numel: int, topology: Topology, model) -> float:
@@ -296,24 +194,24 @@ def predict(schedule: str, codec, numel: int, topology: Topology, model) -> floa
         if not topo.hierarchical:
             raise ValueError(f"schedule {schedule!r} needs several hosts of as many ranks each")
         inner, shard = schedule[len(HIER) :], -(-numel // R)
-        payload = payload_bytes(speed, shard) if codec.aggregation == "gather" else None
+        payload = payload_bytes(speed, shard) if kind_of(codec).payload else None
         between = cost(inner, codec, shard, H, payload)
         between = Cost(between.messages, R * between.bytes)  # R shards over one link
         within = Cost(R - 1, (R - 1) * 4 * shard)  # reduce-scatter, then the allgather
         return (
-            model.inter.time(_small(AGREEMENT_BYTES, N) + between)
+            model.inter.time(agreement(N) + between)
             + 2 * model.intra.time(within)
             + compute_seconds(inner, codec, speed, shard, H)
         )
-    if (schedule == FLOAT32 or codec.name == "none") and H > 1 and R > 1:
+    if (schedule == FLOAT32 or not codec.compresses) and H > 1 and R > 1:
         nbytes = 4 * numel
-        head = _small(AGREEMENT_BYTES, N)
+        head = agreement(N)
         return (
-            model.inter.time(head + _mpi_allreduce(nbytes, H))
-            + model.intra.time(_mpi_allreduce(nbytes, R))
+            model.inter.time(head + mpi_allreduce(nbytes, H))
+            + model.intra.time(mpi_allreduce(nbytes, R))
             + compute_seconds(schedule, codec, speed, numel, N)
         )
-    payload = payload_bytes(speed, numel) if codec.aggregation == "gather" else None
+    payload = payload_bytes(speed, numel) if kind_of(codec).payload else None
     c = cost(schedule, codec, numel, N, payload)
     shared = (R - 1) * _alltoall_bytes(schedule, codec, numel, N, payload) if H > 1 else 0
     return wide.time(c) + shared / wide.beta + compute_seconds(schedule, codec, speed, numel, N)

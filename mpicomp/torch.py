@@ -27,6 +27,7 @@ except ImportError as e:  # pragma: no cover - the test extras install torch
 
 from mpicomp._config import Config, check_same
 from mpicomp._log import log
+from mpicomp.collectives import plain
 from mpicomp.comm import CompressedComm
 from mpicomp.errors import NonFiniteWarning, RankError
 
@@ -95,15 +96,14 @@ def _kind(value) -> str:
 
 def _mpi(comm):
     """Return the mpi4py communicator of ``comm`` (a CompressedComm's own duplicate)."""
-    return comm._comm if isinstance(comm, CompressedComm) else comm
+    return comm.comm if isinstance(comm, CompressedComm) else comm
 
 
 def _quiet(comm):
     """Return ``comm``'s mpi4py communicator once no started call of a CompressedComm
     uses it (collectives of one communicator must not run on two threads at once)."""
     if isinstance(comm, CompressedComm):
-        comm._check_open()
-        comm._drain()
+        comm.wait_all()
     return _mpi(comm)
 
 
@@ -276,7 +276,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         except Exception as e:
             error = e
         try:
-            _agree(self._control, error, "DistributedOptimizer")
+            _agree(self._control, error, "DistributedOptimizer", self.comm.options.timeout)
         except BaseException:
             self.close()
             raise
@@ -285,7 +285,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         # Autograd may run hooks on one thread per device: buckets start one at a time.
         self._lock = threading.Lock()
         self._next = 0  # the next bucket to start: buckets start in order on every rank
-        self._ledger: list = []  # residual snapshots of this step's calls
+        self._snapshots: list = []  # residual snapshots of this step's calls
         self._synchronized = False
         log.info(
             "DistributedOptimizer: %d buckets of %s values, overlap %s, start_step %d",
@@ -370,8 +370,12 @@ class DistributedOptimizer(torch.optim.Optimizer):
                     part.copy_(p.grad.reshape(-1))
                 b.has_grad.append(p.grad is not None)
         compress = self.steps >= self.start_step
-        b.handle = self.comm._istart(
-            b.buffer, f"bucket{b.index}", b.layout, self._ledger, compress=compress
+        b.handle = self.comm.start(
+            b.buffer,
+            f"bucket{b.index}",
+            layout=b.layout,
+            snapshots=self._snapshots,
+            compress=compress,
         )
         self._next = b.index + 1
 
@@ -396,13 +400,11 @@ class DistributedOptimizer(torch.optim.Optimizer):
                 outcomes.append(b.handle.wait())
             except Exception as e:  # wait for every call before raising the first error
                 error = error or e
-        ledger, self._ledger = self._ledger, []
+        snapshots, self._snapshots = self._snapshots, []
         self._reset_passes()
         skipped = [m for _, messages in outcomes for m in messages]
         if error is not None or skipped:
-            from mpicomp.comm import _restore
-
-            _restore(ledger)  # no residual moves in a step that does not happen
+            self.comm.rollback(snapshots)  # no residual moves in a step that does not happen
         if error is not None:
             raise error
         self.skipped = bool(skipped)
@@ -433,7 +435,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
 
         mine = np.array([h for b in self._buckets for h in b.has_grad], dtype=np.uint8)
         anyone = np.empty_like(mine)
-        self._control.Allreduce(mine, anyone, op=MPI.BOR)
+        timeout = self.comm.options.timeout
+        plain.allreduce(self._control, mine, anyone, MPI.BOR, timeout=timeout)
         return anyone.astype(bool).tolist()
 
     def _reset_passes(self) -> None:
@@ -622,15 +625,17 @@ def broadcast_parameters(params, comm, root: int = 0) -> None:
         params = params.state_dict()
     named = list(params.items() if isinstance(params, dict) else params)
     mine = [(n, tuple(t.shape), str(t.dtype)) for n, t in named]
-    theirs = mpi.bcast(mine, root=root)
-    _agree(mpi, None if mine == theirs else _difference(mine, theirs, root), "broadcast_parameters")
+    timeout = _timeout(comm)
+    theirs = plain.bcast_object(mpi, mine, root, timeout=timeout)
+    differs = None if mine == theirs else _difference(mine, theirs, root)
+    _agree(mpi, differs, "broadcast_parameters", timeout)
     if not named:
         return
     # One message: every tensor's bytes end to end.
     data = [t.detach().reshape(-1).contiguous().view(torch.uint8).cpu() for _, t in named]
     sizes = [d.numel() for d in data]
     payload = torch.cat(data) if mpi.rank == root else torch.empty(sum(sizes), dtype=torch.uint8)
-    mpi.Bcast(payload.numpy(), root=root)
+    plain.bcast(mpi, payload.numpy(), root, timeout=timeout)
     if mpi.rank == root:
         return
     with torch.no_grad():
@@ -655,7 +660,8 @@ def broadcast_optimizer_state(optimizer, comm, root: int = 0) -> None:
         out = io.BytesIO()
         torch.save(inner.state_dict(), out)
         blob = out.getvalue()
-    blob = _bcast_bytes(mpi, blob, root)
+    timeout = _timeout(comm)
+    blob = plain.bcast_object(mpi, blob, root, timeout=timeout)
     error = None
     if mpi.rank != root:
         try:
@@ -663,22 +669,18 @@ def broadcast_optimizer_state(optimizer, comm, root: int = 0) -> None:
             inner.load_state_dict(state)  # moves each state tensor to its parameter's device
         except (ValueError, KeyError, RuntimeError) as e:
             error = ValueError(f"rank {mpi.rank}: cannot load rank {root}'s optimizer state: {e}")
-    _agree(mpi, error, "broadcast_optimizer_state")
+    _agree(mpi, error, "broadcast_optimizer_state", timeout)
 
 
-def _bcast_bytes(mpi, blob: bytes | None, root: int) -> bytes:
-    """Broadcast a byte string of any size (a length, then one Bcast of the bytes)."""
-    import numpy as np
-
-    n = mpi.bcast(len(blob) if blob is not None else None, root=root)
-    buf = np.frombuffer(blob, dtype=np.uint8).copy() if mpi.rank == root else np.empty(n, np.uint8)
-    mpi.Bcast(buf, root=root)
-    return buf.tobytes()
+def _timeout(comm) -> float | None:
+    """Return the timeout of ``comm``'s messages: a CompressedComm's own, else None
+    (``MPICOMP_TIMEOUT`` decides)."""
+    return comm.options.timeout if isinstance(comm, CompressedComm) else None
 
 
-def _agree(mpi, error, what: str) -> None:
+def _agree(mpi, error, what: str, timeout: float | None = None) -> None:
     """Raise on every rank if any rank has an ``error`` (a message or an exception)."""
-    errors = mpi.allgather(None if error is None else str(error))
+    errors = plain.allgather_object(mpi, None if error is None else str(error), timeout=timeout)
     if error is not None:
         raise error if isinstance(error, Exception) else ValueError(error)
     bad = [r for r, e in enumerate(errors) if e is not None]
@@ -737,9 +739,10 @@ class _Pass:
     """The calls of one backward pass (one DDP iteration): their handles and the
     residual snapshots they took, so a failed bucket fails the whole iteration."""
 
-    def __init__(self):
+    def __init__(self, comm):
+        self.comm = comm  # the HookState's CompressedComm
         self.handles: list = []
-        self.ledger: list = []
+        self.snapshots: list = []
         self.errors: dict = {}  # handle -> what failed after its call (writing the bucket)
         self.queued = False  # a final callback of this backward pass raises its error
         self.last = -1  # the index of its last bucket started so far
@@ -756,9 +759,7 @@ class _Pass:
                 error = error or e
             error = error or self.errors.get(h)
         if error is not None:
-            from mpicomp.comm import _restore
-
-            _restore(self.ledger)  # the iteration is not taken: no residual moves
+            self.comm.rollback(self.snapshots)  # the iteration is not taken: no residual moves
             raise error
 
     def after_ddp(self) -> None:
@@ -805,12 +806,12 @@ def comm_hook(state: HookState, bucket) -> torch.futures.Future:
     index = bucket.index()
     name = f"ddp_bucket{index}"
     if state._sizes.get(index, buffer.numel()) != buffer.numel():
-        state.comm._forget(name)  # DDP rebuilt its buckets: another layout under this index
+        state.comm.forget(name)  # DDP rebuilt its buckets: another layout under this index
     state._sizes[index] = buffer.numel()
     if state._pass is None or index <= state._pass.last:
         # DDP starts its buckets in index order: a bucket index not above the last one
         # begins another backward pass (also after one that ended half-way).
-        state._pass = _Pass()
+        state._pass = _Pass(state.comm)
         state._pass.queued = _queue_at_end_of_backward(state._pass)
     this = state._pass
     this.last = index
@@ -820,7 +821,9 @@ def comm_hook(state: HookState, bucket) -> torch.futures.Future:
         source.copy_(buffer)
     compress = state.iteration >= state.start_step
     layout = zlib.crc32(f"{name}:{buffer.numel()}".encode())
-    handle = state.comm._istart(source, name, layout, this.ledger, compress=compress)
+    handle = state.comm.start(
+        source, name, layout=layout, snapshots=this.snapshots, compress=compress
+    )
     this.handles.append(handle)
     if bucket.is_last():
         state.iteration += 1

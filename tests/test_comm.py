@@ -6,7 +6,7 @@ from _devices import REQUIRE_GPU
 from _devices import gpu_present as _gpu_present
 
 import mpicomp
-from mpicomp.comm import _buckets
+from mpicomp._intake import buckets as _buckets
 
 
 @pytest.mark.parametrize(

@@ -159,8 +159,9 @@ def test_the_graph_covers_every_package():
     assert "mpicomp.trace_format" in graph["mpicomp.trace_writer"]  # edges are found
 
 
-def test_no_import_cycle_among_mpicomp_modules():
-    cycle = find_cycle(import_graph(OWN))
+@pytest.mark.parametrize("lazy", [False, True], ids=["at import", "in functions too"])
+def test_no_import_cycle_among_mpicomp_modules(lazy):
+    cycle = find_cycle(import_graph(OWN, lazy=lazy))
     assert cycle is None, "import cycle: " + " -> ".join(cycle)
 
 

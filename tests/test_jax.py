@@ -6,14 +6,14 @@ import sys
 
 import numpy as np
 import pytest
-from conftest import gradient_like
 
 import mpicomp
+from conftest import gradient_like
 
 jax = pytest.importorskip("jax", reason="JAX is optional: pip install jax")
 jnp = jax.numpy
 
-from mpicomp.comm import _like  # noqa: E402
+from mpicomp._intake import _like  # noqa: E402
 from mpicomp.jax import allreduce_tree  # noqa: E402
 
 CODECS = [

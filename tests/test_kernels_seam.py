@@ -9,11 +9,10 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 from _seam import counting_record, poison, round_trip
-from conftest import gradient_like
 
 import mpicomp
 import mpicomp.kernels as K
-from mpicomp.codecs import _base
+from conftest import gradient_like
 
 ROOT = Path(__file__).resolve().parents[1]
 # Codec parameters that reach every kernel path: multi-scale, error feedback, blocked FFT.
@@ -103,12 +102,14 @@ def test_every_codec_runs_through_a_second_backend_with_the_same_bytes(monkeypat
 
 @pytest.mark.parametrize("name", mpicomp.codecs.available())
 def test_every_codec_meets_the_protocol_of_its_aggregation_kind(name):
+    from mpicomp.reduction import integer_sum, kind_of
+
     codec = mpicomp.codec(name)
-    protocol = _base.PROTOCOLS[codec.aggregation]
+    protocol = kind_of(codec).protocol
     assert isinstance(codec, protocol), f"{name} does not implement {protocol.__name__}"
     if codec.aggregation == "integer_sum":
-        assert isinstance(codec, _base.ScaleIndexCodec) or not codec.multiscale
-        assert isinstance(codec, _base.SparseCoordinatesCodec) or not codec.sparse
+        assert isinstance(codec, integer_sum.ScaleIndexCodec) or not codec.multiscale
+        assert isinstance(codec, integer_sum.SparseCoordinatesCodec) or not codec.sparse
         takes_step = "step" in inspect.signature(codec.local_norm).parameters
         assert takes_step == codec.sparse
         takes_index = "scale_index" in inspect.signature(codec.quantize).parameters

@@ -9,10 +9,10 @@ the next call of agreeing ranks works.
 
 import numpy as np
 import pytest
-from conftest import world
 from mpi4py import MPI
 
 import mpicomp
+from conftest import world
 from mpicomp.errors import RankError
 
 # One value for the odd rank out, per codec parameter (every other rank: the default).
@@ -116,12 +116,13 @@ def test_a_call_whose_configuration_differs_raises_everywhere_then_calls_go_on(c
     x = np.full(2048, comm.rank + 1, np.float32)
     with mpicomp.CompressedComm(comm, codec, min_numel=0) as cc:
         before = cc.allreduce(x, name="w")
-        agreed = cc._config
+        planner = cc._planner  # what a call agrees on comes with its plan
+        agreed = planner._config
         if _odd_one(comm):
-            cc._config, cc._configs = agreed.with_fields(min_numel=7), {}
+            planner._config, planner._plans = agreed.with_fields(min_numel=7), {}
         with pytest.raises(RankError, match=r"min_numel: 0 on .*, 7 on rank"):
             cc.allreduce(x, name="w")
-        cc._config, cc._configs = agreed, {}
+        planner._config, planner._plans = agreed, {}
         after = cc.allreduce(x, name="w")
         if codec in ("none", "fp16"):
             np.testing.assert_array_equal(after, before)

@@ -4,13 +4,13 @@ NumPy references built from every rank's payload. Run with
 
 import numpy as np
 import pytest
-from conftest import gather_all, gradient_like, world
 from test_fft import body_of, ref_decode_body
 
 import mpicomp
-from mpicomp import _reduce
+from conftest import gather_all, gradient_like, world
 from mpicomp.codecs import _wire
 from mpicomp.kernels.cpu.rfft import BLOCKED_MIN
+from mpicomp.reduction import gather
 
 # Small tensors take NumPy's FFT, large ones the blocked one; FastSGD: one bucket or several.
 CASES = [
@@ -53,7 +53,7 @@ def test_mean_of_gathered_payloads_matches_numpy(name, params, n):
     comm = world()
     codec = mpicomp.codec(name, **params)
     payloads = _payloads(comm, codec, n)
-    mean = _reduce._decode_mean(codec, payloads, n)
+    mean = gather._decode_mean(codec, payloads, n)
     assert mean.dtype == np.float32 and mean.shape == (n,)
     reference = _reference_sum(name, payloads, n) / np.float32(comm.size)
     if name == "fastsgd":
@@ -83,13 +83,13 @@ def test_a_corrupt_or_mis_sized_payload_raises_on_every_rank(name):
     # A payload describing 2^40 elements: refused by the numel check, before allocating.
     huge = _wire.pack(name, (1 << 40,), body_of(payloads[last]))
     with pytest.raises(mpicomp.PayloadError):
-        _reduce._decode_mean(codec, payloads[:last] + [huge], n)
+        gather._decode_mean(codec, payloads[:last] + [huge], n)
     # A body corrupted behind a valid checksum.
     body = body_of(payloads[last]).copy()
     body[body.size // 2 :] ^= 0x5A
     forged = _wire.pack(name, (n,), body)
     with pytest.raises(mpicomp.PayloadError):
-        _reduce._decode_mean(codec, payloads[:last] + [forged], n)
+        gather._decode_mean(codec, payloads[:last] + [forged], n)
 
 
 @pytest.mark.mpi

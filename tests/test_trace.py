@@ -9,9 +9,9 @@ import textwrap
 import h5py
 import numpy as np
 import pytest
-from conftest import gradient_like
 
 import mpicomp
+from conftest import gradient_like
 from mpicomp import trace, trace_format, trace_recorder, trace_report
 
 

@@ -39,7 +39,7 @@ from mpicomp.codecs import codec as make_codec
 from mpicomp.collectives.traffic import Traffic
 from mpicomp.comm import CompressedComm
 from mpicomp.model import codec_key
-from mpicomp.options import AUTO, SCHEDULES
+from mpicomp.reduction import AUTO, kind_of
 from mpicomp.schedules import FLOAT32, Topology, predict
 from mpicomp.schedules import schedules_of as candidate_schedules
 
@@ -130,11 +130,11 @@ def schedules_of(name: str, params: dict, asked, topology: Topology | None = Non
     ``"auto"`` itself; a list, those of them it has, float32 included (its default if
     none)."""
     codec = make_codec(name, **params)
-    default = SCHEDULES[codec.aggregation][0]
+    default = kind_of(codec).default
     if asked is None:
         return [default]
     candidates = candidate_schedules(codec, topology or Topology())
-    if codec.name != "none":
+    if codec.compresses:
         candidates += (AUTO,)
     if asked == "all":  # float32 is every row's reference already
         return [s for s in candidates if s != FLOAT32]
@@ -148,7 +148,7 @@ def run_model(comm, codecs, given=None, numel: int = 0):
     measured on ``numel`` elements (0: ``mpicomp._probe.SPEED_NUMEL``): the run's largest
     size, since compute per element grows with size past the caches (FFT, top-k)."""
     made = [make_codec(name, **params) for name, params in codecs]
-    made = [c for c in made if c.name != "none"]
+    made = [c for c in made if c.compresses]
     numel = numel or _probe.SPEED_NUMEL
     node = _probe.host_comm(comm)
     try:

@@ -2,8 +2,8 @@
 the registry behind ``mpicomp.codec``.
 
 A codec's ``aggregation`` says how the collective layer combines what ranks send, and
-which protocol below the codec implements (``PROTOCOLS``): ``CompressedComm`` picks its
-reduction path from that kind alone. Codecs compute through the kernel backend record
+which protocol the codec implements: the kind's module in ``mpicomp.reduction`` defines
+both, and ``CompressedComm`` picks its reduction path from that kind alone. Codecs compute through the kernel backend record
 ``self.kernels`` (``mpicomp.kernels.backend()`` when the codec was made) for NumPy
 arrays, and never import a backend's modules.
 """
@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import inspect
 import math
-from typing import Any, ClassVar, Protocol, runtime_checkable
+from typing import ClassVar
 
 import numpy as np
 
@@ -71,6 +71,11 @@ class Codec:
 
     name: ClassVar[str]
     aggregation: ClassVar[str]
+    #: False for a codec that sends its input as it is (``none``): nothing to choose
+    #: between compressing and the float32 fallback.
+    compresses: ClassVar[bool] = True
+    #: Whether ``CompressedComm`` keeps error-feedback residuals unless told otherwise.
+    feedback_default: ClassVar[bool] = False
 
     def __init__(self, **params):
         self.params = params
@@ -87,6 +92,8 @@ class GatherCodecBase(Codec):
     ``decode_sum`` (decode each payload, add in order) for those without a faster one."""
 
     aggregation = "gather"
+    # Biased: what a payload does not carry is lost unless it is fed back next step.
+    feedback_default = True
     fused_feedback: ClassVar[bool] = False
     #: ``decode_sum`` of N payloads costs about one ``decode`` (the schedule chooser's
     #: compute model; else N decodes).
@@ -103,111 +110,6 @@ class GatherCodecBase(Codec):
         for p in payloads:
             total += self.decode(p, numel=numel).reshape(-1)
         return total
-
-
-# --- the contract of each aggregation kind ---------------------------------------------
-# What the reduction paths (mpicomp/_reduce.py) call, kind by kind. A test checks every
-# registered codec against the protocol of its kind (and the refinements its flags claim).
-
-
-@runtime_checkable
-class SumCodec(Protocol):
-    """``aggregation = "sum"``: MPI sums the arrays ``to_wire`` makes (float32 or float16);
-    ``from_wire`` turns the sum into the average."""
-
-    name: str
-    aggregation: str
-
-    def to_wire(self, x) -> Any: ...
-
-    def from_wire(self, total, nranks: int = 1, shape=None, reuse: bool = False) -> Any: ...
-
-
-@runtime_checkable
-class IntegerSumCodec(Protocol):
-    """``aggregation = "integer_sum"``: integer codes in [-bound, bound] against a norm
-    shared by MaxAllReduce, summed exactly on the width-growing ring.
-
-    ``multiscale`` says the codec is also a ``ScaleIndexCodec``, ``sparse`` that it is a
-    ``SparseCoordinatesCodec``; their methods then take the extra arguments those name.
-    """
-
-    name: str
-    aggregation: str
-    bound: int
-    multiscale: bool
-    sparse: bool
-
-    def local_norm(self, x) -> float: ...
-
-    def quantize(self, x, norm, step: int = 0, stream: int = 0) -> Any: ...
-
-    def dequantize_packed(
-        self, data, n: int, width: int, offset: int, norm, nranks: int = 1, shape=None
-    ) -> Any: ...
-
-
-@runtime_checkable
-class ScaleIndexCodec(IntegerSumCodec, Protocol):
-    """Refinement: ranks also share one scale index per coordinate (MinAllReduce of
-    ``scale_index``, ``index_bits`` each); ``quantize`` and ``dequantize_packed`` take it."""
-
-    index_bits: int
-    index_dtype: np.dtype
-
-    def scale_index(self, x, norm) -> Any: ...
-
-
-@runtime_checkable
-class SparseCoordinatesCodec(IntegerSumCodec, Protocol):
-    """Refinement: only ``coordinates(numel, step)`` are quantized, the same on every rank;
-    ``local_norm``, ``scale_index``, ``quantize`` and ``dequantize_packed`` take ``step``
-    (and ``dequantize_packed`` the full ``shape``)."""
-
-    def coordinates(self, numel: int, step: int = 0) -> Any: ...
-
-
-@runtime_checkable
-class MajorityCodec(Protocol):
-    """``aggregation = "majority"``: one vote per element (``bound = 1``), summed on the
-    ring; each chunk's owner decides with ``majority``; ``expand`` makes the result."""
-
-    name: str
-    aggregation: str
-    bound: int
-
-    def votes_and_scale(self, x) -> tuple[Any, float]: ...
-
-    def majority(self, counts, nranks: int, step: int = 0, offset: int = 0) -> Any: ...
-
-    def expand(self, bits, n: int, scale: float = 1.0) -> Any: ...
-
-
-@runtime_checkable
-class GatherCodec(Protocol):
-    """``aggregation = "gather"``: variable-length byte payloads, allgathered (or pushed
-    to shard owners); ``decode_sum`` adds decoded payloads in order (``GatherCodecBase``
-    gives the plain one). ``fused_feedback``: ``encode(x, residual=r)`` updates the
-    error-feedback residual in its own pass."""
-
-    name: str
-    aggregation: str
-    fused_feedback: bool
-
-    def encode(self, x) -> Any: ...
-
-    def decode(self, payload, numel: int | None = None) -> Any: ...
-
-    def decode_sum(self, payloads, numel: int) -> Any: ...
-
-
-#: The protocol of each aggregation kind.
-PROTOCOLS: dict[str, type] = {
-    "sum": SumCodec,
-    "integer_sum": IntegerSumCodec,
-    "majority": MajorityCodec,
-    "gather": GatherCodec,
-}
 
 
 def make(name: str, **params) -> Codec:

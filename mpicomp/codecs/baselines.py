@@ -81,6 +81,7 @@ class NoCompression(_Dense):
 
     name = "none"
     wire_dtype = np.dtype(np.float32)
+    compresses = False
 
 
 @register

@@ -18,8 +18,10 @@ class ErrorFeedback:
     """
 
     def __init__(self, codec):
-        if getattr(codec, "aggregation", None) != "gather":
-            raise TypeError(f"error feedback wraps gather codecs, not {codec!r}")
+        if not (hasattr(codec, "encode") and hasattr(codec, "decode")):
+            raise TypeError(
+                f"error feedback wraps codecs of payloads (encode and decode), not {codec!r}"
+            )
         self.codec = codec
         self._memory = {}
         self._spare = {}  # snapshot buffers, one per name, reused call after call

@@ -1,0 +1,51 @@
+"""What an aggregation kind is: the codec methods it calls and the schedules it runs."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import NamedTuple
+
+
+def _encode_and_decode(codec, speed, numel: int, nranks: int) -> float:
+    return (speed.encode + speed.decode) * numel
+
+
+def _none(codec, numel: int, nranks: int, payload: int | None) -> int:
+    return 0
+
+
+class Schedule(NamedTuple):
+    """One way to move a kind's bytes.
+
+    ``run(call, codec, flat)`` averages ``flat`` over ``call.comm`` (``reduction.agreement.Call``);
+    ``cost(codec, numel, nranks, payload)`` is its critical path after the agreement
+    (``Cost``); ``compute(codec, speed, numel, nranks)`` one rank's encode and decode
+    seconds at ``speed`` (``mpicomp.model.Speed``); ``alltoall(...)`` the bytes every rank
+    sends to every other at once (they share a host's link; 0 for a ring).
+    """
+
+    run: Callable
+    cost: Callable
+    compute: Callable = _encode_and_decode
+    alltoall: Callable = _none
+
+
+@dataclass(frozen=True)
+class Kind:
+    """An aggregation kind: ``name`` (what codecs declare as ``aggregation``), the
+    ``protocol`` its codecs implement, its ``schedules`` (the default first),
+    ``hierarchical`` whether ``"hier:NAME"`` runs them between hosts, ``payload`` whether
+    their cost needs a payload's bytes, ``feedback`` whether error feedback (and its
+    residuals) applies."""
+
+    name: str
+    protocol: type
+    schedules: dict[str, Schedule] = field(default_factory=dict)
+    hierarchical: bool = True
+    payload: bool = False
+    feedback: bool = False
+
+    @property
+    def default(self) -> str:
+        return next(iter(self.schedules))

@@ -1,0 +1,245 @@
+"""What every reduction shares: the call's context and the agreement it begins with.
+
+Every path starts with an *agreement*: one small message in which each rank says
+how many elements it brings and whether its local encode failed. Ranks that
+disagree or fail make every rank raise the same error before any bulk data moves,
+so a bad tensor on one rank never leaves the others waiting.
+
+A ``Call`` carries what every message of one call shares: the communicator, the step,
+the recorder, the NaN/Inf policy, the timeout, the residuals, and a phase clock
+(``mpicomp.trace.NO_CLOCK`` when untraced): ``clock.encoded()``,
+``clock.communicated()`` and ``clock.decoded()`` charge the time since the previous
+mark to local compression work, to messages (collectives with their own packing, and
+waiting for other ranks), and to decoding and averaging.
+
+A gradient on a device (a CuPy array) is encoded and decoded there. What goes to MPI
+(wire arrays, codes, votes, payloads) is handed over by ``down``: with a CUDA-aware MPI
+the device arrays themselves (the collectives run on the device and synchronize it
+before each MPI call), else copies in the call's staging buffers on the host, the
+collectives then running on the host as for NumPy input; ``up`` brings host results
+back to the device before it decodes them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from mpicomp._arrays import all_finite, is_device_array, zero_nonfinite
+from mpicomp._config import Config, disagreement
+from mpicomp._residuals import NO_RESIDUALS
+from mpicomp._transport import Transport
+from mpicomp.collectives import plain
+from mpicomp.collectives._wait import resolve_timeout
+from mpicomp.collectives.maxallreduce import max_allreduce
+from mpicomp.errors import PeerClosed, RankError
+from mpicomp.kernels import backend_of
+from mpicomp.trace import NO_CLOCK
+
+POLICIES = ("raise", "skip_step", "zero")
+
+
+class Skipped(Exception):  # noqa: N818 - a control-flow signal, caught by CompressedComm
+    """Every rank skips this call (``nonfinite="skip_step"``): ``message`` names the ranks."""
+
+    def __init__(self, ranks: list[int], message: str):
+        super().__init__(message)
+        self.ranks = ranks
+        self.message = message
+
+
+@dataclass(frozen=True)
+class Guard:
+    """How one call treats NaN/Inf in this rank's input.
+
+    ``policy`` is one of ``POLICIES`` (the same on every rank); ``what`` names the
+    tensor in messages; ``overflowed`` says that float64 values beyond float32's
+    range became Inf in the conversion.
+    """
+
+    policy: str = "raise"
+    what: str = "gradient"
+    overflowed: bool = False
+
+    def error(self, cause: Exception | None = None) -> ValueError:
+        """Return the ValueError the rank holding NaN/Inf raises under ``"raise"``."""
+        why = "float64 values beyond float32's range" if self.overflowed else "NaN or Inf"
+        extra = f" ({cause})" if cause is not None and not self.overflowed else ""
+        return ValueError(f"{self.what} holds {why}{extra}")
+
+
+RAISE = Guard()
+
+
+@dataclass(frozen=True)
+class Call:
+    """What every message of one CompressedComm call shares.
+
+    ``step`` drives the counter-based random draws; ``recorder`` gets the collectives'
+    exchange steps and ``clock`` the phase marks (``NO_CLOCK`` when untraced);
+    ``layout`` is the name or bucket hash the agreement compares; ``guard`` the NaN/Inf
+    policy; ``timeout`` each wait's limit in seconds (None: ``MPICOMP_TIMEOUT``);
+    ``kernels`` the kernel backend of NumPy arrays (None: ``mpicomp.kernels.backend()``);
+    ``transport`` how device bytes reach MPI (``mpicomp._transport``; needed for device
+    input); ``residuals`` the error-feedback residuals the call may update
+    (``mpicomp._residuals``; a gather codec encodes through them); ``stream`` is added to the rank to number this rank's
+    random draws (a hierarchical call's local ranks draw apart on their shards);
+    ``config`` what every rank's configuration must match (its digest joins the
+    agreement); ``label`` names the tensor or bucket where ranks disagree.
+    """
+
+    comm: object
+    step: int = 0
+    recorder: object = None
+    clock: object = NO_CLOCK
+    layout: int = 0
+    guard: Guard = RAISE
+    timeout: float | None = None
+    kernels: object = None
+    transport: Transport | None = None
+    residuals: object = NO_RESIDUALS
+    stream: int = 0
+    config: Config = Config()
+    label: str = ""
+
+    @property
+    def io(self) -> dict:
+        """Return the keyword arguments every collective of this call takes."""
+        return {"recorder": self.recorder, "timeout": self.timeout}
+
+
+def device(a):
+    """Return the backend record of device array ``a``; None for a host array."""
+    return backend_of(a) if is_device_array(a) else None
+
+
+def down(call: Call, dev, a, slot: str):
+    """Return what MPI is handed of ``a``: ``a`` itself on the host or with a direct
+    transport, else its copy in the staging buffer ``slot`` (valid until the next use
+    of that slot)."""
+    if dev is None or a is None or isinstance(a, np.ndarray):
+        return a
+    if call.transport is None:
+        raise TypeError("a device array needs a Call with a transport")
+    if call.transport.direct:
+        return a
+    return call.transport.down(dev, a, slot)
+
+
+def up(dev, a):
+    """Return what a collective gave back on the device of ``dev`` (a host result is
+    copied there; a device one, or any result for host input, stays as it is)."""
+    return a if dev is None or not isinstance(a, np.ndarray) else dev.xp.asarray(a)
+
+
+def agree(
+    call: Call,
+    n: int,
+    error: Exception | None,
+    value: float = 0.0,
+    nonfinite: bool = False,
+    closing: bool = False,
+) -> float:
+    """Check that all ranks bring n elements in the same layout and configuration, and
+    that none failed or is closing the CompressedComm.
+
+    One MaxAllReduce of [value, n, -n, layout, -layout, config, -config, failed_rank + 1,
+    nonfinite_rank + 1, closing_rank + 1, calling_rank + 1] (float64 holds n, the 32-bit
+    layout hash and the configuration digest exactly; 11 values fit the 192-byte head).
+    Returns the max of ``value`` over ranks. A rank closing (``agree_close``) makes every
+    rank that called raise PeerClosed. Raises the local error on the rank that failed
+    and RankError elsewhere; a failure other than NaN/Inf wins. Ranks that disagree all
+    raise RankError naming what differs and on which ranks (only then do descriptions
+    travel). When only NaN/Inf failed, one more small Allgather names every such rank
+    and under ``skip_step`` every rank raises ``Skipped``.
+    """
+    rank, layout, digest = call.comm.rank, call.layout, call.config.digest
+    failed = rank + 1 if error is not None and not nonfinite else 0
+    bad = rank + 1 if nonfinite else 0
+    close, calls = (rank + 1, 0) if closing else (0, rank + 1)
+    vec = np.array(
+        [value, n, -n, layout, -layout, digest, -digest, failed, bad, close, calls], np.float64
+    )
+    top = max_allreduce(call.comm, vec, **call.io)
+    if top[9]:  # a rank is closing: no call runs
+        if closing:
+            return float(top[10])  # a rank that called, + 1; 0 when every rank closes
+        raise PeerClosed(
+            f"rank {int(top[9]) - 1} closed this CompressedComm while this rank called it; "
+            "it is closed on this rank too"
+        ) from error
+    if top[7]:
+        if error is not None:
+            raise error
+        raise RankError(f"rank {int(top[7]) - 1} failed in the same call (see its error)")
+    # Sizes first: the schedule in the configuration can follow from the size.
+    if top[1] != -top[2] or top[3] != -top[4]:
+        mine = {"tensor": call.label, "numel": n}
+        differs = disagreement(call.comm, mine, resolve_timeout(call.timeout))
+        what = "the tensor size" if top[1] != -top[2] else "the tensor (names or bucket layout)"
+        raise RankError(f"ranks disagree on {what} in the same call: {differs}")
+    if top[5] != -top[6]:
+        differs = disagreement(call.comm, call.config.fields, resolve_timeout(call.timeout))
+        raise RankError(f"ranks configured this CompressedComm differently: {differs}")
+    if top[8]:
+        raise_nonfinite(flagged(call, nonfinite), nonfinite, call.guard, error)
+    return float(top[0])
+
+
+def flagged(call: Call, flag: bool) -> list[int]:
+    """Return the ranks whose ``flag`` is set (one byte per rank, Allgather; untraced)."""
+    flags = np.empty(call.comm.size, dtype=np.uint8)
+    plain.allgather(call.comm, np.array([flag], dtype=np.uint8), flags, timeout=call.timeout)
+    return np.flatnonzero(flags).tolist()
+
+
+def raise_nonfinite(ranks: list[int], local: bool, guard: Guard, error: Exception | None) -> None:
+    """Raise, on every rank, what the policy makes of NaN/Inf on ``ranks``."""
+    who = ", ".join(map(str, ranks))
+    if guard.policy == "skip_step":
+        raise Skipped(ranks, f"rank(s) {who}: {guard.what} holds NaN or Inf; call skipped")
+    if local:
+        raise error if error is not None else guard.error()
+    raise RankError(f"rank(s) {who}: {guard.what} holds NaN or Inf in the same call")
+
+
+def encode_here(call: Call, fn, flat):
+    """Run this rank's encode ``fn(flat)``; return (result, flat used, error, nonfinite).
+
+    Only when ``fn`` refuses the input does one extra pass tell NaN/Inf from other
+    errors; under ``"zero"`` the NaN/Inf are then zeroed (a copy) and ``fn`` runs again.
+    """
+    out, err = attempt(fn, flat)
+    if err is None or all_finite(flat):
+        return out, flat, err, False
+    if call.guard.policy != "zero":
+        return None, flat, call.guard.error(err), True
+    call.residuals.restore()  # a partial encode may have moved residuals
+    flat = zero_nonfinite(flat)
+    out, err = attempt(fn, flat)
+    return out, flat, err, False
+
+
+def agree_close(call: Call) -> bool:
+    """Take part, as a rank closing its CompressedComm, in the agreement that every call
+    begins with; return True if every rank is closing, False if some rank called (it
+    raises PeerClosed instead of waiting for this rank forever)."""
+    return agree(call, 0, None, closing=True) == 0
+
+
+def fail(call: Call, error: Exception) -> None:
+    """Take part in a call's agreement as the rank whose input was refused; raise ``error``.
+
+    Every path begins with the same agreement message, so the other ranks, whichever
+    path they took, receive the failure there and raise RankError.
+    """
+    agree(call, 0, error)
+
+
+def attempt(fn, *args, **kwargs):
+    """Return (fn(...), None), or (None, error) for a ValueError/TypeError of local input."""
+    try:
+        return fn(*args, **kwargs), None
+    except (ValueError, TypeError) as e:
+        return None, e

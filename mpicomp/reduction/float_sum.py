@@ -1,0 +1,130 @@
+"""The ``"sum"`` kind: MPI sums the float arrays a codec puts on the wire (``none``'s
+float32, ``fp16``'s float16 on mpicomp's own ring), and the uncompressed float32 sum
+every codec falls back to (``schedule="float32"``, below ``min_numel``)."""
+
+from __future__ import annotations
+
+from typing import Any, Protocol, runtime_checkable
+
+import numpy as np
+from mpi4py import MPI
+
+from mpicomp._arrays import all_finite, zero_nonfinite
+from mpicomp.collectives import plain
+from mpicomp.collectives.float16 import allreduce_float16
+from mpicomp.errors import RankError
+from mpicomp.kernels import backend_of
+from mpicomp.reduction._cost import Cost, mpi_allreduce
+from mpicomp.reduction._kind import Kind, Schedule
+from mpicomp.reduction.agreement import (
+    Call,
+    Skipped,
+    agree,
+    device,
+    down,
+    encode_here,
+    flagged,
+    raise_nonfinite,
+    up,
+)
+
+
+@runtime_checkable
+class SumCodec(Protocol):
+    """``aggregation = "sum"``: MPI sums the arrays ``to_wire`` makes (float32 or float16);
+    ``from_wire`` turns the sum into the average. ``compresses`` is False for ``none``."""
+
+    name: str
+    aggregation: str
+    compresses: bool
+
+    def to_wire(self, x) -> Any: ...
+
+    def from_wire(self, total, nranks: int = 1, shape=None, reuse: bool = False) -> Any: ...
+
+
+def run(call: Call, codec, flat):
+    """Average by MPI sum of ``codec.to_wire`` (float32 as it is, or float16).
+
+    ``none`` sends its input unchecked: a NaN/Inf on any rank reaches every rank's
+    sum, so one pass over the sum tells every rank the same; only then does each
+    rank look at its own input (and, under ``"zero"``, the sum is made again).
+    """
+    clock = call.clock
+    dev = device(flat)
+    wire, flat, err, bad = encode_here(call, codec.to_wire, flat)
+    clock.encoded()
+    agree(call, flat.size, err, nonfinite=bad)
+    for again in (False, True):
+        send = down(call, dev, wire, "wire")
+        if send.dtype == np.float16:
+            # MPI has no float16 sum: mpicomp's ring, in place (this call's own buffer).
+            allreduce_float16(call.comm, send, kernels=call.kernels, **call.io)
+            total = send
+        else:
+            total = backend_of(send, call.kernels).xp.empty_like(send)
+            # Through collectives.plain: blocking, or nonblocking under MPICOMP_TIMEOUT.
+            plain.allreduce(call.comm, send, total, MPI.SUM, **call.io)
+        clock.communicated()
+        if _finite(call, total):
+            break
+        if again:
+            raise RankError(f"{codec.name}: the sum over ranks overflows float32")
+        wire = codec.to_wire(_zeroed(call, codec, flat, wire.dtype))
+    # The sum is this call's own buffer (on the host or just copied up): averaged in place.
+    out = codec.from_wire(up(dev, total), call.comm.size, reuse=True)
+    clock.decoded()
+    return out
+
+
+def _zeroed(call: Call, codec, flat, dtype):
+    """Return ``flat`` with its NaN/Inf zeroed, for a second sum under ``"zero"``, after
+    a sum that was not finite; raise what the policy makes of it otherwise (the same on
+    every rank: one byte per rank says whose input held NaN/Inf)."""
+    guard = call.guard
+    local = not all_finite(flat)
+    ranks = flagged(call, local)
+    if not ranks:
+        what = "float16" if dtype == np.float16 else "float32"
+        msg = f"{codec.name}: the sum over ranks overflows {what}"
+        if guard.policy == "skip_step":
+            raise Skipped([], f"{guard.what}: {msg}; call skipped")
+        raise RankError(msg + ("; use codec 'none'" if what == "float16" else ""))
+    if guard.policy != "zero":
+        raise_nonfinite(ranks, local, guard, None)
+    return zero_nonfinite(flat) if local else flat
+
+
+def _finite(call: Call, total) -> bool:
+    """Return True if the summed wire array holds no NaN/Inf (float16: one SIMD pass)."""
+    if total.dtype == np.float16:
+        fp16 = backend_of(total, call.kernels).fp16
+        return fp16.all_finite(total.reshape(-1).view(np.uint16))
+    return all_finite(total, call.kernels)
+
+
+def _cost(codec, numel: int, nranks: int, payload=None) -> Cost:
+    if codec.wire_dtype == np.float32:
+        return mpi_allreduce(4 * numel, nranks)
+    # fp16: collectives.float16's ring (MPI has no float16 sum), 2(N-1) chunks of n/N.
+    N, C = nranks, -(-numel // nranks) if numel else 0
+    return Cost(2 * (N - 1), 2 * (N - 1) * codec.wire_dtype.itemsize * C)
+
+
+def _compute(codec, speed, numel: int, nranks: int) -> float:
+    return (speed.encode + speed.decode) * numel if codec.compresses else 0.0
+
+
+def _float32_cost(codec, numel: int, nranks: int, payload=None) -> Cost:
+    return mpi_allreduce(4 * numel, nranks)
+
+
+def _no_compute(codec, speed, numel: int, nranks: int) -> float:
+    return 0.0
+
+
+#: The MPI_Allreduce of float32 any codec can fall back to (``run`` with codec ``none``).
+FLOAT32 = Schedule(run, _float32_cost, _no_compute)
+
+# fp16's float16 sum is a whole-tensor ring of its own: no hierarchy was built for it.
+KIND = Kind("sum", SumCodec, {"allreduce": Schedule(run, _cost, _compute)}, hierarchical=False)

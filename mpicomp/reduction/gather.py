@@ -1,0 +1,173 @@
+"""The ``"gather"`` kind (3LC, top-k, FFT, FastSGD): variable-length byte payloads,
+allgathered and decoded by every rank, or pushed to shard owners who average and
+re-compress their shard for everyone to pull (``"sharded"``, 3LC's push/pull)."""
+
+from __future__ import annotations
+
+from typing import Any, Protocol, runtime_checkable
+
+import numpy as np
+
+from mpicomp._arrays import array_module
+from mpicomp.collectives.allgather import allgather_bytes
+from mpicomp.collectives.sharded import push_pull, shard_bounds
+from mpicomp.errors import RankError
+from mpicomp.reduction._cost import Cost, gathered
+from mpicomp.reduction._kind import Kind, Schedule
+from mpicomp.reduction.agreement import Call, agree, attempt, device, down, encode_here
+
+
+@runtime_checkable
+class GatherCodec(Protocol):
+    """``aggregation = "gather"``: variable-length byte payloads, allgathered (or pushed
+    to shard owners); ``decode_sum`` adds decoded payloads in order (``GatherCodecBase``
+    gives the plain one). ``fused_feedback``: ``encode(x, residual=r)`` updates the
+    error-feedback residual in its own pass; ``feedback_default``: error feedback is on
+    unless asked otherwise (the biased codecs)."""
+
+    name: str
+    aggregation: str
+    fused_feedback: bool
+    feedback_default: bool
+
+    def encode(self, x) -> Any: ...
+
+    def decode(self, payload, numel: int | None = None) -> Any: ...
+
+    def decode_sum(self, payloads, numel: int) -> Any: ...
+
+
+def allgather(call: Call, codec, flat):
+    """Allgather every rank's payload; every rank decodes all and averages in rank order."""
+    clock = call.clock
+    dev = device(flat)
+    payload, flat, err, bad = encode_here(call, call.residuals.encode, flat)
+    clock.encoded()
+    agree(call, flat.size, err, nonfinite=bad)
+    payloads = _exchange(call, allgather_bytes, down(call, dev, payload, "payload"), None)
+    clock.communicated()
+    out = _decode_mean(codec, _up_all(dev, payloads), flat.size)
+    clock.decoded()
+    return out
+
+
+def sharded(call: Call, codec, flat):
+    """3LC's push/pull (``collectives.sharded.push_pull``): shard s is averaged by rank s,
+    compressed once more, pulled by all.
+
+    ``call.residuals.push(shard, s)`` compresses this rank's shard s (worker residual s);
+    ``call.residuals.pull(avg_shard)`` the owner's average (owner residual).
+    """
+    residuals = call.residuals
+    comm, clock = call.comm, call.clock
+    dev = device(flat)
+    bounds = shard_bounds(flat.size, comm.size)
+
+    def push(f):
+        return [residuals.push(f[a:b], s) for s, (a, b) in enumerate(bounds)]
+
+    def average(received):
+        """This rank as owner: average its shard's pushes, compress that once more."""
+        received = _up_all(dev, received)
+        clock.communicated()
+        a, b = bounds[comm.rank]
+        # Its average can still be refused (a corrupt push, a float32 sum that
+        # overflowed): it then takes part in the pull with None, and every rank raises.
+        mine, err = attempt(_decode_mean, codec, received, b - a)
+        clock.decoded()
+        pull, err = (None, err) if err is not None else attempt(residuals.pull, mine)
+        clock.encoded()
+        return down(call, dev, pull, "pull"), err
+
+    pushed, flat, err, bad = encode_here(call, push, flat)
+    clock.encoded()
+    agree(call, flat.size, err, nonfinite=bad)
+    if pushed is not None:
+        pushed = [down(call, dev, p, f"push{s}") for s, p in enumerate(pushed)]
+    pulled = _up_all(dev, push_pull(comm, pushed, average, **call.io))
+    clock.communicated()
+    # Sizes were agreed: a payload of another size is corrupt (PayloadError everywhere).
+    parts = [
+        codec.decode(p, numel=b - a).reshape(-1) for p, (a, b) in zip(pulled, bounds, strict=True)
+    ]
+    xp = array_module(flat)
+    out = xp.concatenate(parts) if parts else xp.zeros(0, np.float32)
+    clock.decoded()
+    return out
+
+
+def _up_all(dev, payloads: list) -> list:
+    """Return host ``payloads`` on the device of ``dev``: one copy of them end to end,
+    then a view per payload (as they are for host input)."""
+    if dev is None or not payloads or not isinstance(payloads[0], np.ndarray):
+        return payloads
+    sizes = [p.size for p in payloads]
+    whole = dev.xp.asarray(np.concatenate(payloads))
+    ends = np.cumsum(sizes).tolist()
+    return [whole[e - n : e] for n, e in zip(sizes, ends, strict=True)]
+
+
+def _exchange(call: Call, collective, data, err):
+    """Run a byte collective; a rank whose encode failed takes part with None."""
+    try:
+        return collective(call.comm, data, **call.io)
+    except ValueError as e:
+        if err is not None:
+            raise err from None
+        raise RankError(str(e)) from e
+
+
+def _decode_mean(codec, payloads, n: int):
+    """Decode every payload (each must describe n elements) and average in rank order.
+
+    The same on every rank. Sizes were agreed before the payloads moved, so one of
+    another size is corrupt: PayloadError, checked before the decoder allocates.
+    The codec's ``decode_sum`` adds them in order (FastSGD without decoding each into
+    a dense array, FFT by one inverse transform of the summed spectra).
+    """
+    return codec.decode_sum(payloads, numel=n) / np.float32(len(payloads))
+
+
+def _decode_sum_seconds(codec, speed, numel: int, count: int) -> float:
+    """Seconds to add ``count`` decoded payloads of ``numel`` elements (``decode_sum``):
+    one decode for a codec that sums before decoding (FFT's spectra), else one each."""
+    return speed.decode * numel * (1 if getattr(codec, "sums_before_decoding", False) else count)
+
+
+def _allgather_cost(codec, numel: int, nranks: int, payload: int) -> Cost:
+    return gathered("allgather", nranks, payload)
+
+
+def _allgather_compute(codec, speed, numel: int, nranks: int) -> float:
+    return speed.encode * numel + _decode_sum_seconds(codec, speed, numel, nranks)
+
+
+def _sharded_cost(codec, numel: int, nranks: int, payload: int) -> Cost:
+    return gathered("sharded", nranks, payload)
+
+
+def _sharded_compute(codec, speed, numel: int, nranks: int) -> float:
+    # Push every shard (one encode of n), the owner sums N pushes and encodes its
+    # average, then every pulled shard is decoded (n in all).
+    shard = -(-numel // nranks)
+    return (
+        speed.encode * (numel + shard)
+        + _decode_sum_seconds(codec, speed, shard, nranks)
+        + speed.decode * numel
+    )
+
+
+def _sharded_alltoall(codec, numel: int, nranks: int, payload: int) -> int:
+    return -(-(nranks - 1) * payload // nranks)
+
+
+KIND = Kind(
+    "gather",
+    GatherCodec,
+    {
+        "allgather": Schedule(allgather, _allgather_cost, _allgather_compute),
+        "sharded": Schedule(sharded, _sharded_cost, _sharded_compute, _sharded_alltoall),
+    },
+    payload=True,
+    feedback=True,
+)

@@ -1,0 +1,87 @@
+"""The ``"majority"`` kind (signSGD with majority vote): one vote per element summed by
+the ring or the direct reduce-scatter, each chunk decided by its owner, a ±mean scale."""
+
+from __future__ import annotations
+
+from functools import partial
+from typing import Any, Protocol, runtime_checkable
+
+import numpy as np
+
+from mpicomp.collectives import plain
+from mpicomp.collectives.direct import direct_allreduce_bounded
+from mpicomp.collectives.ring import ring_allreduce_bounded
+from mpicomp.reduction._cost import Cost, bounded, direct_alltoall, small
+from mpicomp.reduction._kind import Kind, Schedule
+from mpicomp.reduction.agreement import Call, agree, device, down, encode_here, up
+
+
+@runtime_checkable
+class MajorityCodec(Protocol):
+    """``aggregation = "majority"``: one vote per element (``bound = 1``), summed on the
+    ring; each chunk's owner decides with ``majority``; ``expand`` makes the result."""
+
+    name: str
+    aggregation: str
+    bound: int
+
+    def votes_and_scale(self, x) -> tuple[Any, float]: ...
+
+    def majority(self, counts, nranks: int, step: int = 0, offset: int = 0) -> Any: ...
+
+    def expand(self, bits, n: int, scale: float = 1.0) -> Any: ...
+
+
+def run(call: Call, codec, flat, *, collective):
+    """Average signs: the votes summed by ``collective`` (the ring's or the direct
+    schedule's ``*_allreduce_bounded``), the majority decided by each chunk's owner."""
+    comm, clock, step = call.comm, call.clock, call.step
+    dev = device(flat)
+    found, flat, err, bad = encode_here(call, codec.votes_and_scale, flat)
+    votes, scale = found if err is None else (None, 0.0)
+    clock.encoded()
+    agree(call, flat.size, err, nonfinite=bad)
+    # Every rank's mean |x|, summed in rank order: the same float on every rank.
+    scales = np.empty(comm.size, dtype=np.float64)
+    plain.allgather(comm, np.array([scale], dtype=np.float64), scales, **call.io)
+
+    def decide(counts, offset):
+        return codec.majority(counts, comm.size, step=step, offset=offset)
+
+    # The owners' majority decisions run inside the exchange: charged to comm.
+    bits = collective(
+        comm,
+        down(call, dev, votes, "votes"),
+        1,
+        majority=decide,
+        signed=False,
+        checked=False,
+        kernels=call.kernels,
+        **call.io,
+    )
+    clock.communicated()
+    out = codec.expand(up(dev, bits), flat.size, float(scales.sum() / comm.size))
+    clock.decoded()
+    return out
+
+
+def _cost(schedule: str, codec, numel: int, nranks: int, payload=None) -> Cost:
+    return small(8, nranks) + bounded(schedule, numel, nranks, 1, True)
+
+
+def _direct_alltoall(codec, numel: int, nranks: int, payload=None) -> int:
+    return direct_alltoall(numel, nranks, 1)
+
+
+KIND = Kind(
+    "majority",
+    MajorityCodec,
+    {
+        "ring": Schedule(partial(run, collective=ring_allreduce_bounded), partial(_cost, "ring")),
+        "direct": Schedule(
+            partial(run, collective=direct_allreduce_bounded),
+            partial(_cost, "direct"),
+            alltoall=_direct_alltoall,
+        ),
+    },
+)
