@@ -4,11 +4,11 @@ import math
 
 import numpy as np
 import pytest
-from conftest import gradient_like
 from hypothesis import given
 from hypothesis import strategies as st
 
 import mpicomp
+from conftest import gradient_like
 
 
 def reference_topk(x, ratio):

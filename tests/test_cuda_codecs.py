@@ -8,10 +8,10 @@ import numpy as np
 import pytest
 from _devices import REQUIRE_GPU, gpu_present, place
 from _seam import assert_same, poison, round_trip
-from conftest import gradient_like
 
 import mpicomp
 import mpicomp.kernels as K
+from conftest import gradient_like
 
 # Sizes that keep the emulation short and reach ragged tails; parameters that reach every
 # kernel path (multi-scale, GlobalRandK, error feedback, buckets, plain quartic).

@@ -6,11 +6,11 @@ import struct
 
 import numpy as np
 import pytest
-from conftest import gradient_like
 from hypothesis import given
 from hypothesis import strategies as st
 
 import mpicomp
+from conftest import gradient_like
 from mpicomp.codecs import _wire
 from mpicomp.codecs.fastsgd import DEFAULT_BUCKET
 

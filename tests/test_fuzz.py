@@ -16,11 +16,11 @@ from collections import Counter
 
 import numpy as np
 import pytest
-from conftest import gradient_like
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import mpicomp
+from conftest import gradient_like
 from mpicomp.codecs import _base, _wire
 
 SCALE = float(os.environ.get("MPICOMP_FUZZ_SCALE", "1"))

@@ -6,8 +6,8 @@ import sys
 
 import numpy as np
 import pytest
-from conftest import world
 
+from conftest import world
 from jobs import _compare, _mlp
 from jobs._data import ShardSampler, load_digits, local_batch_size
 

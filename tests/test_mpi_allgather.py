@@ -4,6 +4,7 @@ rank rebuilds from the sender's rank. Run with
 
 import numpy as np
 import pytest
+
 from conftest import world
 
 # Payload size of rank r in a world of n ranks, per pattern.

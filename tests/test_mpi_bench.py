@@ -6,6 +6,7 @@ import json
 import math
 
 import pytest
+
 from conftest import world
 
 N = 2000
@@ -54,7 +55,6 @@ class TestAllreduceBench:
 
     def test_every_schedule_gets_a_row_with_its_exact_bytes(self):
         from conftest import direct_traffic
-
         from mpicomp.bench.allreduce import measure
 
         comm = world()

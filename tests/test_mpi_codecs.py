@@ -4,9 +4,9 @@ every rank's input. Run with ``mpiexec -n N python -m mpi4py -m pytest --with-mp
 
 import numpy as np
 import pytest
-from conftest import gather_all, gradient_like, world
 
 import mpicomp
+from conftest import gather_all, gradient_like, world
 
 GATHER = ["none", "fp16", "topk", "signsgd", "threelc", "fft", "fastsgd"]
 N = 10_007  # not divisible by 2, 3, 4, 5 or 8

@@ -5,9 +5,9 @@ import math
 
 import numpy as np
 import pytest
-from conftest import gather_all, gradient_like, world
 
 import mpicomp
+from conftest import gather_all, gradient_like, world
 
 N = 5003  # not divisible by 2, 3, 4, 5 or 8
 ALL = [

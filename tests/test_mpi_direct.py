@@ -7,8 +7,8 @@ import math
 
 import numpy as np
 import pytest
-from conftest import direct_traffic, gather_all, world
 
+from conftest import direct_traffic, gather_all, world
 from mpicomp.collectives import ring
 from mpicomp.collectives.direct import direct_allreduce_bounded
 from mpicomp.collectives.ring import ring_allreduce_bounded

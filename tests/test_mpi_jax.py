@@ -3,9 +3,9 @@ bytes of allreduce_many for a compressed codec, and a refused leaf raising on ev
 
 import numpy as np
 import pytest
-from conftest import gradient_like, world
 
 import mpicomp
+from conftest import gradient_like, world
 
 jax = pytest.importorskip("jax", reason="JAX is optional: pip install jax")
 jnp = jax.numpy

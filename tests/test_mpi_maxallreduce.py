@@ -4,6 +4,7 @@ every rank's input (each rank rebuilds the others' from their rank). Run with
 
 import numpy as np
 import pytest
+
 from conftest import gather_all, world
 
 DTYPES = ["float16", "float32", "float64", "int8", "int32", "int64", "uint8", "uint64"]

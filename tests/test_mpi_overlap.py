@@ -4,10 +4,10 @@ by wait() on every rank, the eager fallback, and close() with calls still runnin
 
 import numpy as np
 import pytest
-from conftest import gather_all, gradient_like, world
 from test_mpi_comm import reference_average
 
 import mpicomp
+from conftest import gather_all, gradient_like, world
 from mpicomp.codecs import ErrorFeedback
 from mpicomp.errors import RankError
 

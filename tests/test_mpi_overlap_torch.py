@@ -6,6 +6,7 @@ import json
 import math
 
 import pytest
+
 from conftest import world
 
 torch = pytest.importorskip("torch", reason="jobs.overlap_torch needs PyTorch")

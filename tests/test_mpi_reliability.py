@@ -3,10 +3,10 @@ failed calls that leave residuals alone, odd inputs, and checkpoints that replay
 
 import numpy as np
 import pytest
-from conftest import gather_all, gradient_like, world
 from test_mpi_comm import reference_average
 
 import mpicomp
+from conftest import gather_all, gradient_like, world
 from mpicomp.comm import NonFiniteWarning, RankError
 
 N = 1003

@@ -6,8 +6,8 @@ import math
 
 import numpy as np
 import pytest
-from conftest import gather_all, ring_chunks, ring_traffic, world
 
+from conftest import gather_all, ring_chunks, ring_traffic, world
 from mpicomp.collectives import ring
 from mpicomp.collectives.ring import ring_allreduce_bounded, ring_allreduce_min
 from mpicomp.collectives.traffic import Traffic

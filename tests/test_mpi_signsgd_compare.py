@@ -8,6 +8,7 @@ import math
 
 import numpy as np
 import pytest
+
 from conftest import gather_all, ring_chunks, ring_traffic, world
 
 # Symbolic lengths depend on the world size N: "N-1" is shorter than the ring, "8N+1"

@@ -1,6 +1,7 @@
 """A scaled-down soak (jobs/soak.py): hundreds of calls, memory bounded, results unchanged."""
 
 import pytest
+
 from conftest import world
 
 CODECS = "none,fp16,qsgd_maxnorm,signsgd,threelc,topk,fastsgd"

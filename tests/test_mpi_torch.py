@@ -9,6 +9,7 @@ import warnings
 
 import numpy as np
 import pytest
+
 from conftest import world
 
 torch = pytest.importorskip("torch", reason="mpicomp.torch needs PyTorch")

@@ -7,9 +7,9 @@ import math
 
 import numpy as np
 import pytest
-from conftest import direct_traffic, gather_all, gradient_like, ring_traffic, world
 
 import mpicomp
+from conftest import direct_traffic, gather_all, gradient_like, ring_traffic, world
 from mpicomp import trace, trace_report
 from mpicomp.collectives.traffic import Traffic
 

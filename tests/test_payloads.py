@@ -4,11 +4,11 @@ import math
 
 import numpy as np
 import pytest
-from conftest import gradient_like
 from hypothesis import given
 from hypothesis import strategies as st
 
 import mpicomp
+from conftest import gradient_like
 from mpicomp.codecs import _wire
 
 PAYLOAD_CODECS = ["none", "fp16", "topk", "signsgd", "threelc", "fft", "fastsgd"]

@@ -10,11 +10,11 @@ import math
 
 import numpy as np
 import pytest
-from conftest import gradient_like, to_numpy
 from hypothesis import given
 from hypothesis import strategies as st
 
 import mpicomp
+from conftest import gradient_like, to_numpy
 
 M64 = (1 << 64) - 1
 GOLDEN, M1, M2 = 0x9E3779B97F4A7C15, 0xBF58476D1CE4E5B9, 0x94D049BB133111EB

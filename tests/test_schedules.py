@@ -5,9 +5,9 @@ test_mpi_ring.py and test_mpi_direct.py), its messages, and the times it predict
 import math
 
 import pytest
-from conftest import direct_traffic, ring_traffic
 
 import mpicomp
+from conftest import direct_traffic, ring_traffic
 from mpicomp.kernels.bits import packed_size
 from mpicomp.schedules import AGREEMENT_BYTES, Cost, Network, bounded, cost, gathered
 

@@ -2,11 +2,11 @@
 
 import numpy as np
 import pytest
-from conftest import gradient_like
 from hypothesis import given
 from hypothesis import strategies as st
 
 import mpicomp
+from conftest import gradient_like
 from mpicomp.kernels.cpu.rng import uniform_array
 
 

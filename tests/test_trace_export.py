@@ -7,10 +7,10 @@ import logging
 import h5py
 import numpy as np
 import pytest
-from conftest import gradient_like
 from test_trace import _synthetic
 
 import mpicomp
+from conftest import gradient_like
 from mpicomp import cli, trace_report
 from mpicomp.trace_export import chrome
 
