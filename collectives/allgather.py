@@ -46,11 +46,12 @@ def _payload_problem(payload) -> TypeError | None:
     return None
 
 
-def _announced(payload) -> tuple[np.ndarray, TypeError | None]:
-    """Return this rank's size message, and why its payload is invalid (-1 and the
-    error when it is, its size and None when not)."""
+def _announced(comm, payload) -> tuple[np.ndarray, np.ndarray, TypeError | None]:
+    """Return this rank's size message, the buffer of every rank's, and why its payload
+    is invalid (-1 and the error when it is, its size and None when not)."""
     problem = _payload_problem(payload)
-    return np.array([-1 if problem else payload.size], dtype=np.int64), problem
+    mine = np.array([-1 if problem else payload.size], dtype=np.int64)
+    return mine, np.empty(comm.size, dtype=np.int64), problem
 
 
 def _sizes_detail(comm) -> str:
@@ -135,8 +136,7 @@ def allgather_bytes(comm, payload, *, recorder=None, timeout=None) -> list[np.nd
     """
     op = "allgather"
     timeout = resolve_timeout(timeout)
-    mine, problem = _announced(payload)
-    sizes = np.empty(comm.size, dtype=np.int64)
+    mine, sizes, problem = _announced(comm, payload)
     issue(comm, "Allgather", mine, sizes, timeout=timeout, name=op, detail=_sizes_detail(comm))
     payload, buf, displs = _received(comm, payload, sizes, problem, recorder, op)
     total = buf.size
@@ -168,8 +168,7 @@ def allgather_bytes_ring(comm, payload, *, recorder=None, timeout=None) -> list[
     """
     op = "allgather_ring"
     timeout = resolve_timeout(timeout)
-    mine, problem = _announced(payload)
-    sizes = np.empty(comm.size, dtype=np.int64)
+    mine, sizes, problem = _announced(comm, payload)
     issue(comm, "Allgather", mine, sizes, timeout=timeout, name=op, detail=_sizes_detail(comm))
     payload, buf, displs = _received(comm, payload, sizes, problem, recorder, op)
     _by_ring(comm, payload, buf, sizes, displs, recorder, op, timeout)

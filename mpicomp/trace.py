@@ -32,8 +32,11 @@ def check_options(path, level: int, flush_every: int | None) -> None:
             raise ValueError(f"flush_every must be >= 1 or None, got {flush_every!r}")
 
 
-class Tracer:
+class Tracer(Recorder):
     """Record one event per collective call per rank; rank 0 writes them to HDF5.
+
+    A ``Recorder`` (``begin``, ``record``, the phase marks, ``end``) that hands what it
+    recorded to a ``Writer`` (``mpicomp.trace_writer``).
 
     Every method but ``record`` and the phase marks is collective over ``comm``: all
     ranks create, end calls, flush and close in the same order (``CompressedComm``
@@ -78,7 +81,7 @@ class Tracer:
         self.level = level
         self.flush_every = flush_every
         self._closed = False
-        self._recorder = Recorder(comm, level, flush_every or 128, on_call)
+        super().__init__(comm, level, flush_every or 128, on_call)
         self._writer = None  # no file: events only go to on_call
         if self.path is None:
             return
@@ -88,56 +91,18 @@ class Tracer:
             level=level,
             flush_every=flush_every,
             attrs=attrs or {},
-            epoch=self._recorder.epoch,
+            epoch=self.epoch,
         )
         _wait.on_abort(self.save_local)
 
-    # -- one call: the recorder's --------------------------------------------------
-
-    def begin(
-        self,
-        step: int,
-        op: str,
-        codec: str,
-        name: str,
-        numel: int,
-        also=None,
-        schedule: str = "",
-        predicted: float = float("nan"),
-    ) -> None:
-        """Start the event of one collective call; starts its clock.
-
-        ``also``: another recorder (``record(op, step, sent, recv, bits)``) that gets
-        every exchange step of this call too. ``schedule`` and ``predicted``: how the
-        call moves its bytes and the seconds a model predicted for it. A call begun and
-        never ended (it raised) is dropped with its steps.
-        """
-        if self._closed:
-            raise RuntimeError(f"tracer of {self.path!r} is closed")
-        self._recorder.begin(step, op, codec, name, numel, also, schedule, predicted)
-
-    def record(self, op: str, step: int, sent: int, recv: int, bits: int = 0) -> None:
-        """Add one exchange step of the current call (the collectives' recorder hook)."""
-        self._recorder.record(op, step, sent, recv, bits)
-
-    def encoded(self) -> None:
-        """Charge the time since the last mark to the encode phase."""
-        self._recorder.encoded()
-
-    def communicated(self) -> None:
-        """Charge the time since the last mark to the comm phase."""
-        self._recorder.communicated()
-
-    def decoded(self) -> None:
-        """Charge the time since the last mark to the decode phase."""
-        self._recorder.decoded()
+    # -- one call: begin, record and the phase marks are the recorder's ------------
 
     def end(self) -> None:
         """Finish the current call's event; flush when ``flush_every`` calls are waiting."""
-        self._recorder.end()
+        super().end()
         if self._writer is None:  # no file: nothing is kept
-            self._recorder.clear()
-        elif self.flush_every is not None and self._recorder.waiting >= self.flush_every:
+            self.clear()
+        elif self.flush_every is not None and self.waiting >= self.flush_every:
             self.flush()
 
     # -- writing: the writer's -----------------------------------------------------
@@ -146,11 +111,11 @@ class Tracer:
         """Gather every rank's waiting rows to rank 0 and append them to the file."""
         if self._closed:
             raise RuntimeError(f"tracer of {self.path!r} is closed")
-        self._recorder.drop_open()  # a call that raised: its steps never become an event
+        self.drop_open()  # a call that raised: its steps never become an event
         if self._writer is None:
             return
-        events, steps = self._recorder.pending()
-        self._recorder.clear()  # the views stay valid: nothing records during a flush
+        events, steps = self.pending()
+        self.clear()  # the views stay valid: nothing records during a flush
         self._writer.write(events, steps if self.level >= 2 else None)
 
     def save_local(self) -> str | None:
@@ -163,7 +128,7 @@ class Tracer:
         """
         if self._closed or self._writer is None:
             return None
-        events, steps = self._recorder.pending()
+        events, steps = self.pending()
         if events.size == 0:
             return None
         return self._writer.save_local(events, steps if steps.size else None)
@@ -175,6 +140,7 @@ class Tracer:
         _wait.remove_abort_hook(self.save_local)
         self.flush()
         self._closed = True
+        self.refuse(f"tracer of {self.path!r} is closed")
         if self._writer is not None:
             self._writer.close()
 

@@ -85,6 +85,7 @@ class Recorder:
         self._ns = 0  # steps waiting to be taken
         self._call = 0  # this rank's events so far: the ``call`` column
         self._open = False  # a call has begun and not ended
+        self._refused = None  # why begin() is refused (closed), or None
         self._call_steps = 0  # where the open call's steps start (dropped if it fails)
         self._also = None
         self._sent = self._recv = 0
@@ -105,8 +106,18 @@ class Recorder:
         schedule: str = "",
         predicted: float = float("nan"),
     ) -> None:
-        """Start the event of one collective call and its clock (see ``Tracer.begin``);
-        an open call that never ended is dropped with its steps."""
+        """Start the event of one collective call; starts its clock.
+
+        ``also``: another recorder (``record(op, step, sent, recv, bits)``) that gets
+        every exchange step of this call too. ``schedule`` and ``predicted``: how the
+        call moves its bytes and the seconds a model predicted for it. A call begun and
+        never ended (it raised) is dropped with its steps.
+
+        Raises:
+            RuntimeError: the recorder was closed (``refuse``).
+        """
+        if self._refused is not None:
+            raise RuntimeError(self._refused)
         self.drop_open()
         self._open = True
         self._call_steps = self._ns
@@ -216,3 +227,7 @@ class Recorder:
         if self._open:
             self._ns = self._call_steps
             self._open = False
+
+    def refuse(self, why: str) -> None:
+        """Make every later ``begin`` raise RuntimeError(``why``) (a closed tracer)."""
+        self._refused = why

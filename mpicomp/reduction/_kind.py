@@ -4,7 +4,11 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import partial
 from typing import NamedTuple
+
+from mpicomp.collectives.direct import direct_allreduce_bounded
+from mpicomp.collectives.ring import ring_allreduce_bounded
 
 
 def _encode_and_decode(codec, speed, numel: int, nranks: int) -> float:
@@ -49,3 +53,16 @@ class Kind:
     @property
     def default(self) -> str:
         return next(iter(self.schedules))
+
+
+def bounded_schedules(run, cost, alltoall) -> dict[str, Schedule]:
+    """Return the two schedules of bounded codes (QSGD's, signSGD's votes): ``run`` with
+    the width-growing ring's sum or the direct reduce-scatter's as its ``collective``,
+    ``cost(schedule, ...)`` of each; ``alltoall`` prices the direct one's all-to-all."""
+    ring, direct = ring_allreduce_bounded, direct_allreduce_bounded
+    return {
+        "ring": Schedule(partial(run, collective=ring), partial(cost, "ring")),
+        "direct": Schedule(
+            partial(run, collective=direct), partial(cost, "direct"), alltoall=alltoall
+        ),
+    }

@@ -44,7 +44,10 @@ def allgather(call: Call, codec, flat):
     payload, flat, err, bad = encode_here(call, call.residuals.encode, flat)
     clock.encoded()
     agree(call, flat.size, err, nonfinite=bad)
-    payloads = _exchange(call, allgather_bytes, down(call, dev, payload, "payload"), None)
+    try:
+        payloads = allgather_bytes(call.comm, down(call, dev, payload, "payload"), **call.io)
+    except ValueError as e:  # the sizes were agreed: a rank's payload is malformed
+        raise RankError(str(e)) from e
     clock.communicated()
     out = _decode_mean(codec, _up_all(dev, payloads), flat.size)
     clock.decoded()
@@ -105,16 +108,6 @@ def _up_all(dev, payloads: list) -> list:
     whole = dev.xp.asarray(np.concatenate(payloads))
     ends = np.cumsum(sizes).tolist()
     return [whole[e - n : e] for n, e in zip(sizes, ends, strict=True)]
-
-
-def _exchange(call: Call, collective, data, err):
-    """Run a byte collective; a rank whose encode failed takes part with None."""
-    try:
-        return collective(call.comm, data, **call.io)
-    except ValueError as e:
-        if err is not None:
-            raise err from None
-        raise RankError(str(e)) from e
 
 
 def _decode_mean(codec, payloads, n: int):

@@ -9,11 +9,10 @@ from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 
-from mpicomp.collectives.direct import direct_allreduce_bounded
-from mpicomp.collectives.ring import ring_allreduce_bounded, ring_allreduce_min
+from mpicomp.collectives.ring import ring_allreduce_min
 from mpicomp.kernels.bits import packed_size
 from mpicomp.reduction._cost import Cost, bounded, chunk, direct_alltoall
-from mpicomp.reduction._kind import Kind, Schedule
+from mpicomp.reduction._kind import Kind, bounded_schedules
 from mpicomp.reduction.agreement import Call, agree, device, down, encode_here, up
 
 
@@ -128,15 +127,4 @@ def _direct_alltoall(codec, numel: int, nranks: int, payload=None) -> int:
     return direct_alltoall(_coded(codec, numel), nranks, 2 * codec.bound)
 
 
-KIND = Kind(
-    "integer_sum",
-    IntegerSumCodec,
-    {
-        "ring": Schedule(partial(run, collective=ring_allreduce_bounded), partial(_cost, "ring")),
-        "direct": Schedule(
-            partial(run, collective=direct_allreduce_bounded),
-            partial(_cost, "direct"),
-            alltoall=_direct_alltoall,
-        ),
-    },
-)
+KIND = Kind("integer_sum", IntegerSumCodec, bounded_schedules(run, _cost, _direct_alltoall))

@@ -3,16 +3,13 @@ the ring or the direct reduce-scatter, each chunk decided by its owner, a ±mean
 
 from __future__ import annotations
 
-from functools import partial
 from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 
 from mpicomp.collectives import plain
-from mpicomp.collectives.direct import direct_allreduce_bounded
-from mpicomp.collectives.ring import ring_allreduce_bounded
 from mpicomp.reduction._cost import Cost, bounded, direct_alltoall, small
-from mpicomp.reduction._kind import Kind, Schedule
+from mpicomp.reduction._kind import Kind, bounded_schedules
 from mpicomp.reduction.agreement import Call, agree, device, down, encode_here, up
 
 
@@ -73,15 +70,4 @@ def _direct_alltoall(codec, numel: int, nranks: int, payload=None) -> int:
     return direct_alltoall(numel, nranks, 1)
 
 
-KIND = Kind(
-    "majority",
-    MajorityCodec,
-    {
-        "ring": Schedule(partial(run, collective=ring_allreduce_bounded), partial(_cost, "ring")),
-        "direct": Schedule(
-            partial(run, collective=direct_allreduce_bounded),
-            partial(_cost, "direct"),
-            alltoall=_direct_alltoall,
-        ),
-    },
-)
+KIND = Kind("majority", MajorityCodec, bounded_schedules(run, _cost, _direct_alltoall))
