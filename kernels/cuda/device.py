@@ -5,7 +5,9 @@ family and GPU) or the CPU through ``kernels/cuda/emulated.py`` (``Device.emulat
 the same source compiled by g++). The launchers of ``kernels/cuda/<family>.py`` are
 written once against it: ``dev.xp`` allocates, ``dev.kernel(family, name)`` returns a
 kernel called as ``kernel(grid, block, args, shared_mem=0)``, ``dev.grid(n)`` sizes a
-grid-stride launch, and ``dev.to_host(a, why=...)`` brings a device array to the host,
+grid-stride launch (``dev.launch_shape(n)`` its ``(grid, block)``, ``dev.tile_shape(n)``
+that of a block per tile), ``dev.flat(a)`` makes an input one flat array the kernels read
+through a pointer, and ``dev.to_host(a, why=...)`` brings a device array to the host,
 counted in ``dev.syncs`` and, under its name, in ``dev.sync_reasons`` (the host
 synchronizations a launcher makes are part of its contract).
 
@@ -167,6 +169,26 @@ class Device:
     def grid(self, n: int) -> int:
         """Return the blocks of a grid-stride launch over ``n`` items."""
         return int(max(1, min(self.max_blocks, -(-int(n) // self.threads))))
+
+    def launch_shape(self, n: int) -> tuple[tuple[int], tuple[int]]:
+        """Return the ``(grid, block)`` of a grid-stride launch over ``n`` items."""
+        return (self.grid(n),), (self.threads,)
+
+    def tile_shape(self, ntiles: int) -> tuple[tuple[int], tuple[int]]:
+        """Return the ``(grid, block)`` of a grid-stride launch of a block per tile."""
+        return (int(max(1, min(self.max_blocks, ntiles))),), (self.threads,)
+
+    def flat(self, a, view=None, *, codes: bool = False):
+        """Return ``a`` as a 1-D C-contiguous array of this device (copied only where it is
+        not one), viewed as dtype ``view`` when given.
+
+        ``codes``: ``a`` holds integer codes, and a bool array is viewed as uint8 (as
+        ``int_kind`` reads it).
+        """
+        a = self.xp.ascontiguousarray(a).reshape(-1)
+        if codes and a.dtype == np.bool_:
+            return a.view(np.uint8)
+        return a if view is None else a.view(view)
 
     def to_host(self, a, out: np.ndarray | None = None, *, why: str = "unnamed") -> np.ndarray:
         """Return device array ``a`` on the host (in ``out`` when given, of ``a``'s shape
