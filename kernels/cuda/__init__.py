@@ -3,11 +3,17 @@
 Each family has ``kernels/cuda/<family>.cu`` (``extern "C"`` kernels named
 ``mpicomp_<family>_<what>``) and ``kernels/cuda/<family>.py``, which mirrors
 ``kernels/cpu/<family>.py``: its launchers are module-level functions with the numba
-twin's names, arguments and docstrings, in the twin's order, each taking the
-``device.Device`` it launches on first (``qsgd``, which caches a device array per GPU,
-makes them the methods of one class instead). ``launchers(dev)`` binds them to a device
-(``bind``), and ``record(dev)`` gathers the families into a backend record. The sources run
-on a GPU through CuPy, or on the CPU through ``emulated.py`` (docs/kernels.md).
+twin's names and arguments, in the twin's order, each taking the ``device.Device`` it
+launches on first (``qsgd``, which caches a device array per GPU, makes them the methods
+of one class instead). A launcher's docstring is the twin's where that is a line; a longer
+one is summed up in a line that names the twin, with what differs on the GPU.
+``launchers(dev)`` binds them to a device (``bind``), and ``record(dev)`` gathers the
+families into a backend record. The sources run on a GPU through CuPy, or on the CPU
+through ``emulated.py`` (docs/kernels.md).
+
+What every family's launchers share: ``family_kernel`` (a family's kernels by name),
+``contiguous`` (the check of an array a kernel reads or writes through a pointer) and the
+launch shapes and flat inputs of ``device.Device``.
 """
 
 from __future__ import annotations
@@ -15,10 +21,49 @@ from __future__ import annotations
 import importlib
 from types import MethodType, SimpleNamespace
 
+import numpy as np
+
+
+def family_kernel(family: str, defines: dict[str, str]):
+    """Return ``kernel(dev, what)``: ``dev``'s kernel ``mpicomp_<family>_<what>``, from
+    ``family``'s module built with the macros ``defines``."""
+
+    def kernel(dev, what: str):
+        return dev.kernel(family, f"mpicomp_{family}_{what}", defines)
+
+    return kernel
+
+
+def contiguous(a, what: str, name: str = "out", size: int = 0, dtype=None, view=None):
+    """Return array ``a``, which a kernel reads or writes through a raw pointer, as one
+    flat view of its memory (viewed as dtype ``view`` when given).
+
+    Args:
+        a: the caller's array (an output is written where it lies: never copied).
+        what: the family and launcher, e.g. ``"topk select"``: the messages start with it.
+        name: the argument's name in the messages.
+        size: the fewest elements (of ``view``, when given) it must have.
+        dtype: the dtype it must have, when given.
+
+    Raises:
+        ValueError: ``a`` is not C-contiguous (a strided view would be read or written
+            wrongly) or not of ``dtype``, or it has fewer than ``size`` elements.
+    """
+    if not a.flags.c_contiguous or (dtype is not None and a.dtype != dtype):
+        kind = "" if dtype is None else f" {np.dtype(dtype)}"
+        raise ValueError(f"{what}: {name} must be a C-contiguous{kind} array")
+    a = a.reshape(-1)
+    if view is not None:
+        a = a.view(view)
+    if a.size < size:
+        unit = "bytes" if a.itemsize == 1 else f"elements of {a.dtype}"
+        raise ValueError(f"{what}: {name} has {a.size} {unit}, needs {size}")
+    return a
+
 
 def bind(dev, **launchers) -> SimpleNamespace:
     """Return ``launchers`` (by record name: functions whose first argument is a
-    ``Device``) bound to ``dev``, with the numba twin's signatures and docstrings."""
+    ``Device``) bound to ``dev``, with their names and docstrings."""
     # A bound method, unlike a functools.partial, keeps the function's name and docstring.
     return SimpleNamespace(**{name: MethodType(fn, dev) for name, fn in launchers.items()})
 

@@ -14,10 +14,12 @@ from types import SimpleNamespace
 import numpy as np
 
 from mpicomp.kernels.bits import MAX_WIDTH, packed_size
-from mpicomp.kernels.cuda import bind
+from mpicomp.kernels.cuda import bind, contiguous, family_kernel
 from mpicomp.kernels.cuda.device import int_kind
 
 DEFINES = {"MPICOMP_BITS_MAX_WIDTH": str(MAX_WIDTH)}
+
+_kernel = family_kernel("bits", DEFINES)
 
 
 def _width(width, what: str) -> np.int32:
@@ -26,51 +28,25 @@ def _width(width, what: str) -> np.int32:
     return np.int32(width)
 
 
-def _out(a, what: str):
-    # The kernels write through a raw pointer: a strided view would be written wrongly.
+def _out(a, what: str, size: int = 0, view=None):
+    """Return output array ``a`` flat (``contiguous``): codes of any integer dtype, or a
+    stream's bytes (``view`` uint8, ``size`` in bytes)."""
     if a.dtype == np.bool_:
         raise TypeError(f"bits {what}: need an integer output array, got bool")
-    if not a.flags.c_contiguous:
-        raise ValueError(f"bits {what}: the output array must be C-contiguous")
-    return a.reshape(-1)
-
-
-def _stream_out(out, nbytes: int, what: str):
-    out = _out(out, what).view(np.uint8)
-    if out.size < nbytes:
-        raise ValueError(f"bits {what}: out has {out.size} bytes, the stream needs {nbytes}")
-    return out
-
-
-def _kernel(dev, name: str):
-    return dev.kernel("bits", f"mpicomp_bits_{name}", DEFINES)
-
-
-def _flat(dev, a):
-    a = dev.xp.ascontiguousarray(a).reshape(-1)
-    return a.view(np.uint8) if a.dtype == np.bool_ else a
-
-
-def _stream_in(dev, stream):
-    return dev.xp.ascontiguousarray(stream).reshape(-1).view(np.uint8)
+    return contiguous(a, f"bits {what}", size=size, view=view)
 
 
 def _words(dev, nbytes: int):
     """Return the (grid, block) of one thread per 32-bit word of an ``nbytes`` stream."""
-    return (dev.grid((nbytes + 3) // 4),), (dev.threads,)
-
-
-def _elements(dev, n: int):
-    """Return the (grid, block) of one thread per element of ``n``."""
-    return (dev.grid(n),), (dev.threads,)
+    return dev.launch_shape((nbytes + 3) // 4)
 
 
 def pack_shifted(dev, codes, shift, width, out):
     """Pack codes[i] + shift (integer codes of any dtype; each sum in [0, 2**width)) into ``out``."""
-    codes = _flat(dev, codes)
+    codes = dev.flat(codes, codes=True)
     w = _width(width, "pack_shifted")
     nbytes = packed_size(codes.size, int(w))
-    out = _stream_out(out, nbytes, "pack_shifted")
+    out = _out(out, "pack_shifted", nbytes, np.uint8)
     if nbytes:
         args = (codes, int_kind(codes, "bits pack_shifted"), np.int64(codes.size), np.int64(shift))
         _kernel(dev, "pack_shifted")(*_words(dev, nbytes), (*args, w, out, np.int64(nbytes)))
@@ -78,13 +54,13 @@ def pack_shifted(dev, codes, shift, width, out):
 
 def unpack_shifted(dev, stream, width, shift, out):
     """Write out[i] = (code i of ``stream``) - shift, for the out.size codes of ``width`` bits."""
-    stream = _stream_in(dev, stream)
+    stream = dev.flat(stream, np.uint8)
     w = _width(width, "unpack_shifted")
     out = _out(out, "unpack_shifted")
     if out.size:
         args = (stream, np.int64(stream.size), w, np.int64(shift), out)
         args += (int_kind(out, "bits unpack_shifted"), np.int64(out.size))
-        _kernel(dev, "unpack_shifted")(*_elements(dev, out.size), args)
+        _kernel(dev, "unpack_shifted")(*dev.launch_shape(out.size), args)
 
 
 def pack(dev, codes, width, out):
@@ -98,16 +74,12 @@ def unpack(dev, stream, width, out):
 
 
 def add_repack(dev, stream, width, mine, shift, out_width, out):
-    """Pack (code i of ``stream``) + mine[i] + shift at ``out_width`` bits into ``out``.
-
-    One ring step: the partial sums received (``width`` bits each) plus this rank's codes
-    (any integer dtype, shifted into the unsigned domain), packed for the next rank.
-    Every sum must lie in [0, 2**out_width).
-    """
-    stream, mine = _stream_in(dev, stream), _flat(dev, mine)
+    """As ``kernels.cpu.bits.mpicomp_bits_add_repack``: pack (code i of ``stream``) + mine[i]
+    + shift at ``out_width`` bits into ``out`` (one ring step)."""
+    stream, mine = dev.flat(stream, np.uint8), dev.flat(mine, codes=True)
     w, ow = _width(width, "add_repack"), _width(out_width, "add_repack")
     nbytes = packed_size(mine.size, int(ow))
-    out = _stream_out(out, nbytes, "add_repack")
+    out = _out(out, "add_repack", nbytes, np.uint8)
     if nbytes:
         args = (stream, np.int64(stream.size), w, mine, int_kind(mine, "bits add_repack"))
         args += (np.int64(mine.size), np.int64(shift), ow, out, np.int64(nbytes))
@@ -116,23 +88,21 @@ def add_repack(dev, stream, width, mine, shift, out_width, out):
 
 def add_unpack(dev, stream, width, mine, shift, out):
     """Write out[i] = (code i of ``stream``) + mine[i] + shift: a ring step's sums, unpacked."""
-    stream, mine = _stream_in(dev, stream), _flat(dev, mine)
+    stream, mine = dev.flat(stream, np.uint8), dev.flat(mine, codes=True)
     w = _width(width, "add_unpack")
-    out = _out(out, "add_unpack")
-    if out.size < mine.size:
-        raise ValueError(f"bits add_unpack: out has {out.size} elements, mine {mine.size}")
+    out = _out(out, "add_unpack", mine.size)
     if mine.size:
         args = (stream, np.int64(stream.size), w, mine, int_kind(mine, "bits add_unpack"))
         args += (np.int64(shift), out, int_kind(out, "bits add_unpack"), np.int64(mine.size))
-        _kernel(dev, "add_unpack")(*_elements(dev, mine.size), args)
+        _kernel(dev, "add_unpack")(*dev.launch_shape(mine.size), args)
 
 
 def min_repack(dev, stream, width, mine, out):
     """Pack min(code i of ``stream``, mine[i]) at ``width`` bits into ``out`` (mine >= 0)."""
-    stream, mine = _stream_in(dev, stream), _flat(dev, mine)
+    stream, mine = dev.flat(stream, np.uint8), dev.flat(mine, codes=True)
     w = _width(width, "min_repack")
     nbytes = packed_size(mine.size, int(w))
-    out = _stream_out(out, nbytes, "min_repack")
+    out = _out(out, "min_repack", nbytes, np.uint8)
     if nbytes:
         args = (stream, np.int64(stream.size), w, mine, int_kind(mine, "bits min_repack"))
         args += (np.int64(mine.size), out, np.int64(nbytes))

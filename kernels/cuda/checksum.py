@@ -13,7 +13,7 @@ from types import SimpleNamespace
 import numpy as np
 
 from mpicomp.kernels.checksum import BASE, combine
-from mpicomp.kernels.cuda import bind
+from mpicomp.kernels.cuda import bind, contiguous
 
 DEFINES = {"MPICOMP_ADLER_BASE": f"{BASE}ull"}
 
@@ -27,33 +27,25 @@ def span_sums(partials, m: int) -> int:
 
 
 def adler32(dev, src, value: int = 1, dst=None) -> int:
-    """Return Adler-32 of the uint8 array ``src`` continued from ``value`` (zlib's rule).
-
-    Args:
-        src: 1-D uint8 array (read-only is fine).
-        value: the running checksum of the bytes before ``src``: 1 for none; 0 gives
-            the span checksum that ``combine`` appends to another checksum.
-        dst: None, or a writable C-contiguous uint8 array of src's size that receives a
-            copy of ``src``, written in the same pass.
-
-    Returns:
-        The checksum, equal to ``zlib.adler32(src, value)``.
-    """
+    """As ``kernels.cpu.checksum.adler32``: ``zlib.adler32(src, value)`` of uint8 ``src``,
+    copied into ``dst`` in the same pass when given (here ``dst`` must be C-contiguous)."""
     copy = dst is not None
     if copy and dst.size != src.size:
         raise ValueError(f"adler32: dst has {dst.size} bytes, src {src.size}")
     if src.dtype != np.uint8 or (copy and dst.dtype != np.uint8):
         raise TypeError("adler32: src and dst must be uint8 arrays")
-    if copy and not dst.flags.c_contiguous:
-        raise ValueError("adler32: dst must be C-contiguous")  # written through a pointer
+    if copy:
+        dst = contiguous(dst, "checksum adler32", "dst")
     n = int(src.size)
     if n == 0:
         return combine(int(value), 0, 0)
-    src = dev.xp.ascontiguousarray(src).reshape(-1)
-    blocks = dev.grid(-(-n // 4))  # a thread per 32-bit word
+    src = dev.flat(src)
+    words = -(-n // 4)  # a thread per 32-bit word
+    blocks = dev.grid(words)
     partials = dev.xp.empty(2 * blocks, np.uint64)
-    args = (src, dst.reshape(-1) if copy else src, np.int32(copy), np.int64(n), partials)
-    dev.kernel("checksum", "mpicomp_checksum_adler32", DEFINES)((blocks,), (dev.threads,), args)
+    args = (src, dst if copy else src, np.int32(copy), np.int64(n), partials)
+    kernel = dev.kernel("checksum", "mpicomp_checksum_adler32", DEFINES)
+    kernel(*dev.launch_shape(words), args)
     return combine(
         int(value),
         span_sums(dev.to_host(partials, why="checksum.adler32: block sums").reshape(blocks, 2), n),

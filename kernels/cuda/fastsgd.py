@@ -13,7 +13,7 @@ from types import SimpleNamespace
 import numpy as np
 
 from mpicomp.kernels import fastsgd as _k
-from mpicomp.kernels.cuda import bind
+from mpicomp.kernels.cuda import bind, family_kernel
 
 FAMILY = "fastsgd"
 
@@ -43,8 +43,7 @@ _LIMBS = 10  # FS_LIMBS: 32-bit limbs of a bucket's exact sum
 _i64 = np.int64  # keeps the long argument tuples short
 
 
-def _kernel(dev, name: str):
-    return dev.kernel(FAMILY, f"mpicomp_fastsgd_{name}", DEFINES)
+_kernel = family_kernel(FAMILY, DEFINES)
 
 
 def powers(dev, base, tau):
@@ -75,21 +74,19 @@ def scan(dev, body, n, bucket, flag_bits, offsets, sums):
 
 
 def decode(dev, body, n, bucket, powers, flag_bits, offsets, sums, out, errs, accumulate):
-    """Scatter +-float32(sum / b^L) at the decoded keys of each bucket into out; set errs[k].
-
-    ``out`` need not be zeroed: each bucket's slice is zeroed first, unless
-    ``accumulate``, where the values are added to it.
-    """
+    """As ``kernels.cpu.fastsgd.mpicomp_fastsgd_decode``: each bucket's values scattered
+    into ``out`` (its slice zeroed first unless ``accumulate``), errs[k] set; a thread per
+    bucket walks its key stream."""
     nb = int(offsets.size) - 1
     if nb <= 0:
         return
     n, bucket = int(n), int(bucket)
     if not accumulate:
         m = min(n, nb * bucket)
-        _kernel(dev, "zero")((dev.grid(m),), (dev.threads,), (out, _i64(m)))
+        _kernel(dev, "zero")(*dev.launch_shape(m), (out, _i64(m)))
     args = (body, _i64(n), _i64(bucket), powers, _i64(powers.size - 1), _i64(flag_bits))
     args += (offsets, sums, _i64(nb), out, errs, np.int32(bool(accumulate)))
-    _kernel(dev, "decode")((dev.grid(nb),), (dev.threads,), args)
+    _kernel(dev, "decode")(*dev.launch_shape(nb), args)
 
 
 def encode(dev, x, bucket, powers, flag_bits, scratch, cap, sizes) -> bool:
@@ -122,7 +119,7 @@ def encode(dev, x, bucket, powers, flag_bits, scratch, cap, sizes) -> bool:
     gb = (min(dev.max_blocks, nb),)  # a block per bucket, grid-stride
     geo = (xbits, _i64(n), _i64(bucket), _i64(cpb), _i64(nchunks))
     _kernel(dev, "sum")(gc, t, (*geo, acc, bad))
-    _kernel(dev, "round")((dev.grid(nb),), t, (acc, bad, _i64(nb), sbits, anybad))
+    _kernel(dev, "round")(*dev.launch_shape(nb), (acc, bad, _i64(nb), sbits, anybad))
     sel = (powers, _i64(tau))
     _kernel(dev, "filter")(gc, t, (*geo, *sel, sbits, bad, ccount, cfirst, clast, cgap))
     _kernel(dev, "plan")(

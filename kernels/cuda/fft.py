@@ -19,7 +19,7 @@ from types import SimpleNamespace
 import numpy as np
 
 from mpicomp.kernels import fft as _k
-from mpicomp.kernels.cuda import bind
+from mpicomp.kernels.cuda import bind, family_kernel
 
 #: Elements per chunk of the float16 rounding's error rule: must equal kernels/cpu/fft.py's
 #: ``_CHUNK`` (its error is that of the first chunk holding a rounding beyond 65504).
@@ -47,6 +47,8 @@ DEFINES = {
 
 _NONE = np.iinfo(np.uint64).max  # "no error yet" of the kernels' atomicMin keys
 
+_kernel = family_kernel("fft", DEFINES)
+
 
 @functools.lru_cache(maxsize=64)
 def _sum_spectra(n: int) -> bool:
@@ -68,18 +70,10 @@ def _check_width(bits, shift, what: str) -> tuple[np.int64, np.int64]:
     return np.int64(bits), np.int64(shift)
 
 
-def _kernel(dev, name: str):
-    return dev.kernel("fft", f"mpicomp_fft_{name}", DEFINES)
-
-
-def _grid(dev, n: int):
-    return (dev.grid(n),), (dev.threads,)
-
-
 def _tiles(dev, nbins: int):
     """Return (ntiles, (grid, block)) of a pass over ``nbins`` bins, a block per tile."""
     ntiles = -(-nbins // TILE)
-    return ntiles, ((max(1, min(dev.max_blocks, ntiles)),), (dev.threads,))
+    return ntiles, dev.tile_shape(ntiles)
 
 
 def _one(dev):
@@ -88,18 +82,15 @@ def _one(dev):
 
 
 def round_fp16(dev, x, out):
-    """Round float32 bit patterns ``x`` to float16 precision (nearest-even) into ``out``.
-
-    Returns FP16_OK, FP16_NONFINITE (NaN/Inf in ``x``) or FP16_OVERFLOW (|x| rounds
-    beyond float16's largest finite value, 65504), whichever comes first in ``x``.
-    """
+    """As ``kernels.cpu.fft.mpicomp_fft_round_fp16``: float32 bits ``x`` rounded to float16
+    precision into ``out``; FP16_OK, FP16_NONFINITE or FP16_OVERFLOW, as the twin returns."""
     n = x.size
     if n == 0:
         return _k.FP16_OK
     chunk_err = dev.xp.full(-(-n // FP16_CHUNK), _NONE, dtype=np.uint64)
     bad = dev.xp.full(1, _NONE, dtype=np.uint64)
     result = dev.xp.zeros(1, dtype=np.int64)
-    _kernel(dev, "round_fp16")(*_grid(dev, n), (x, out, np.int64(n), chunk_err, bad))
+    _kernel(dev, "round_fp16")(*dev.launch_shape(n), (x, out, np.int64(n), chunk_err, bad))
     _kernel(dev, "round_fp16_result")((1,), (32,), (chunk_err, bad, result))
     return int(dev.to_host(result, why="fft.tiles: tile count")[0])
 
@@ -109,17 +100,14 @@ def _magnitude_ok(dev, spec, mag2):
     twin's ``mpicomp_fft_magnitude``)."""
     flag = dev.xp.zeros(1, dtype=np.uint32)
     if mag2.size:
-        _kernel(dev, "magnitude")(*_grid(dev, mag2.size), (spec, mag2, np.int64(mag2.size), flag))
+        args = (spec, mag2, np.int64(mag2.size), flag)
+        _kernel(dev, "magnitude")(*dev.launch_shape(mag2.size), args)
     return bool(dev.to_host(flag, why="fft.magnitude_ok: overflow flag")[0] == 0)
 
 
 def kth_largest(dev, mag2, k):
-    """Return the k-th largest of the non-negative float32 ``mag2`` (1 <= k <= size).
-
-    The value ``numpy.partition(mag2, size - k)[size - k]`` gives, found by a radix
-    select on the bit patterns (monotonic for non-negative floats): a histogram of the
-    top 16 bits picks the bin, a histogram of the low 16 bits inside it the value.
-    """
+    """As ``kernels.cpu.fft.mpicomp_fft_kth_largest``: the k-th largest of float32 ``mag2`` >= 0, by
+    the same two-level radix select (each level a histogram kernel and a one-block choice)."""
     n = mag2.size
     if not 1 <= int(k) <= n:
         raise ValueError(f"fft kth_largest: k must lie in [1, {n}], got {k!r}")
@@ -128,7 +116,7 @@ def kth_largest(dev, mag2, k):
     state = dev.xp.zeros(3, dtype=np.int64)
     for level in (0, 1):
         args = (u, np.int64(n), np.int64(level), state, hist[level])
-        _kernel(dev, "kth_histogram")(*_grid(dev, n), args)
+        _kernel(dev, "kth_histogram")(*dev.launch_shape(n), args)
         args = (hist[level], np.int64(level), np.int64(k), state)
         _kernel(dev, "kth_select")(*_one(dev), args)
     bits = np.uint32(dev.to_host(state, why="fft.kth_largest: threshold bits")[2])
@@ -136,17 +124,13 @@ def kth_largest(dev, mag2, k):
 
 
 def select_pack(dev, spec, mag2, thresh, k, bitmap, dense, hist):
-    """Mark the k bins with mag2 > thresh, then mag2 == thresh by index; pack them densely.
+    """As ``kernels.cpu.fft.mpicomp_fft_select_pack``: keep k bins by ``thresh`` (ties by index) in
+    ``bitmap`` and ``dense``; the bits of the largest kept |part|.
 
-    ``spec`` and ``dense`` are uint32 views: kept real parts go to dense[0:k] and
-    imaginary parts to dense[k:2k], in bin order (the prefix sum of the bitmap).
-    ``bitmap`` gets bit i (LSB-first) for each kept bin, padding bits zero.
-    ``hist`` counts the float32 exponents of the nonzero kept parts. Returns the
-    bit pattern of the largest kept |part|.
-
-    Tiles of TILE bins run in parallel: a first pass counts each tile's bins above and
-    at the threshold, a one-block prefix sum over the tiles gives each its first dense
-    slot and the ties before it (the lowest indices are taken first), a second pass packs.
+    Tiles of TILE bins (the twin's chunks) run in parallel: a first pass counts each tile's
+    bins above and at the threshold, a one-block prefix sum over the tiles gives each its
+    first dense slot and the ties before it (the lowest indices are taken first), a second
+    pass packs.
     """
     nbins = mag2.size
     if nbins == 0:
@@ -169,14 +153,8 @@ def select_pack(dev, spec, mag2, thresh, k, bitmap, dense, hist):
 
 
 def choose_range(dev, hist, vmax, bits):
-    """Pick (m, pbase) of the N-bit float: the largest code covers ``vmax``, m minimizes the error.
-
-    For each m in 23..0, pbase = max(1, (vmax >> (23-m)) - (2**(N-1) - 2)) makes the
-    largest magnitude code 2**(N-1)-1 decode to vmax truncated to m mantissa bits.
-    The squared error of the values in ``hist`` (float32 exponent counts) is bounded
-    per exponent bin: 2**(2(e-127-m)) above eps's binade, eps**2 within it, 4**(e-126)
-    below it (flushed to zero). The m with the smallest bound wins, ties to the larger m.
-    """
+    """As ``kernels.cpu.fft.mpicomp_fft_choose_range``: (m, pbase) of the N-bit float for
+    ``vmax`` and the exponent counts ``hist``, chosen by one warp."""
     if not 1 <= int(bits) <= 32:
         raise ValueError(f"fft choose_range: bits must lie in [1, 32], got {bits!r}")
     out = dev.xp.zeros(2, dtype=np.int64)
@@ -186,27 +164,20 @@ def choose_range(dev, hist, vmax, bits):
 
 
 def quantize_pack(dev, values, vmax, pbase, shift, bits, out):
-    """Encode float32 bit patterns ``values`` as N-bit codes packed LSB-first into ``out``.
-
-    Eight codes fill exactly N bytes, so each group of eight is written on its own (a
-    thread per group).
-    """
+    """As ``kernels.cpu.fft.mpicomp_fft_quantize_pack``: ``values`` as N-bit codes packed LSB-first
+    into ``out``, a thread per group of eight codes (N bytes)."""
     b, s = _check_width(bits, shift, "quantize_pack")
     n = values.size
     if out.size < (n * int(b) + 7) // 8:
         raise ValueError(f"fft quantize_pack: out has {out.size} bytes, codes need more")
     if n:
         args = (values, np.int64(n), np.int64(vmax), np.int64(pbase), s, b, out)
-        _kernel(dev, "quantize_pack")(*_grid(dev, -(-n // 8)), args)
+        _kernel(dev, "quantize_pack")(*dev.launch_shape(-(-n // 8)), args)
 
 
 def unpack_dequantize(dev, stream, pbase, shift, bits, out):
-    """Decode ``out.size`` N-bit codes from ``stream`` (exactly ceil(size*N/8) bytes) into ``out``.
-
-    ``out`` is a uint32 view. Returns DECODE_OK, DECODE_NEGATIVE_ZERO (sign bit on a
-    zero magnitude), DECODE_OVERFLOW (a code beyond float32's range) or DECODE_PADDING
-    (nonzero bits after the last code); of several bad codes, the first one's error.
-    """
+    """As ``kernels.cpu.fft.mpicomp_fft_unpack_dequantize``: ``out.size`` N-bit codes of ``stream``
+    into the uint32 view ``out``; DECODE_OK or the first bad code's error."""
     b, s = _check_width(bits, shift, "unpack_dequantize")
     n = out.size
     err = dev.xp.full(1, _NONE, dtype=np.uint64)
@@ -214,19 +185,14 @@ def unpack_dequantize(dev, stream, pbase, shift, bits, out):
     ns = np.int64(stream.size)
     if n:
         args = (stream, ns, np.int64(pbase), s, b, out, np.int64(n), err)
-        _kernel(dev, "unpack_dequantize")(*_grid(dev, -(-n // 8)), args)
+        _kernel(dev, "unpack_dequantize")(*dev.launch_shape(-(-n // 8)), args)
     _kernel(dev, "unpack_result")((1,), (32,), (stream, ns, b, np.int64(n), err, result))
     return int(dev.to_host(result, why="fft.unpack_dequantize: error count")[0])
 
 
 def scatter(dev, bitmap, dense, k, spec):
-    """Add dense[0:k] (real) and dense[k:2k] (imag) to the bins set in ``bitmap``.
-
-    ``spec`` is an interleaved float32 spectrum of nbins = spec.size // 2 bins: zeroed
-    for one payload, or the running sum of earlier payloads. Returns DECODE_OK,
-    DECODE_COUNT (the bitmap does not hold exactly k bits) or DECODE_PADDING (bits set
-    past the last bin); ``spec`` is left untouched unless DECODE_OK.
-    """
+    """As ``kernels.cpu.fft.mpicomp_fft_scatter``: add ``dense``'s k kept bins to ``spec`` where
+    ``bitmap`` is set; DECODE_OK (else ``spec`` untouched), DECODE_COUNT or DECODE_PADDING."""
     nbins = spec.size // 2
     if bitmap.size != (nbins + 7) // 8 or dense.size < 2 * int(k):
         raise ValueError(
@@ -253,30 +219,25 @@ def scatter(dev, bitmap, dense, k, spec):
 
 
 def add_residual(dev, spec, r, mag2):
-    """Add the packed residual ``r`` (n values, layout above) to the half spectrum ``spec``.
-
-    ``spec`` is the interleaved float32 rfft of n values (n // 2 + 1 bins); ``mag2`` gets
-    re*re + im*im of the sums. Returns False when a sum is NaN or Inf.
-    """
+    """As ``kernels.cpu.fft.mpicomp_fft_add_residual``: the packed residual ``r`` (layout above)
+    added to the half spectrum ``spec``, |sum|^2 into ``mag2``; False when a sum is NaN or Inf."""
     n = r.size
     flag = dev.xp.zeros(1, dtype=np.uint32)
     if n:
-        _kernel(dev, "add_residual")(*_grid(dev, n // 2 + 1), (spec, r, mag2, np.int64(n), flag))
+        args = (spec, r, mag2, np.int64(n), flag)
+        _kernel(dev, "add_residual")(*dev.launch_shape(n // 2 + 1), args)
     return bool(dev.to_host(flag, why="fft.add_residual: non-finite flag")[0] == 0)
 
 
 def residual(dev, spec, bitmap, vmax, pbase, shift, bits, r):
-    """Write the new packed residual (layout above) of the spectrum ``spec`` into ``r``.
-
-    A bin not set in ``bitmap`` keeps its value; a kept one keeps the error of its
-    N-bit floats (``vmax``, ``pbase``, ``shift``, ``bits`` as in ``quantize_pack``), so
-    residual + decoded payload = ``spec``.
-    """
+    """As ``kernels.cpu.fft.mpicomp_fft_residual``: the new packed residual (layout above) of
+    ``spec`` into ``r``, so that residual + decoded payload = ``spec``."""
     b, s = _check_width(bits, shift, "residual")
     n = r.size
     if n:
         args = (spec.view(np.uint32), bitmap, np.int64(vmax), np.int64(pbase), s, b)
-        _kernel(dev, "residual")(*_grid(dev, n // 2 + 1), (*args, r.view(np.uint32), np.int64(n)))
+        args += (r.view(np.uint32), np.int64(n))
+        _kernel(dev, "residual")(*dev.launch_shape(n // 2 + 1), args)
 
 
 # --- the transforms: the twins of kernels/cpu/rfft.py, through dev.xp.fft ---
@@ -292,11 +253,8 @@ def sum_spectra(dev, n):
 
 
 def rfft(dev, flat, own):
-    """Return (interleaved float32 half spectrum, |X|^2 in float32, all finite) of ``flat``.
-
-    ``own`` (``flat`` is a scratch copy the transform may overwrite) is accepted for the
-    twin's signature: ``dev.xp.fft`` leaves ``flat`` as it is.
-    """
+    """As ``kernels.cpu.rfft.rfft``: (interleaved float32 half spectrum, |X|^2, all finite)
+    of ``flat``, through ``dev.xp.fft``, which leaves ``flat`` as it is whatever ``own``."""
     with np.errstate(invalid="ignore", over="ignore"):  # NaN/Inf are caught below
         spec = dev.xp.fft.rfft(flat).astype(np.complex64, copy=False).view(np.float32)
     mag2 = dev.xp.empty(spec.size // 2, dtype=np.float32)
@@ -315,7 +273,7 @@ def all_finite(dev, x):
     flag = dev.xp.zeros(1, dtype=np.uint32)
     if x.size:
         u = x.reshape(-1).view(np.uint32)
-        _kernel(dev, "all_finite")(*_grid(dev, u.size), (u, np.int64(u.size), flag))
+        _kernel(dev, "all_finite")(*dev.launch_shape(u.size), (u, np.int64(u.size), flag))
     return bool(dev.to_host(flag, why="fft.all_finite: flag")[0] == 0)
 
 

@@ -19,9 +19,11 @@ from types import SimpleNamespace
 import numpy as np
 
 from mpicomp.kernels.checksum import BASE, combine
-from mpicomp.kernels.cuda import bind
+from mpicomp.kernels.cuda import bind, contiguous, family_kernel
 
 DEFINES = {"MPICOMP_ADLER_BASE": f"{BASE}ull"}
+
+_kernel = family_kernel("fp16", DEFINES)
 
 
 def _same_size(what: str, a, b) -> None:
@@ -30,65 +32,45 @@ def _same_size(what: str, a, b) -> None:
         raise ValueError(f"{what}: arrays of shapes {a.shape} and {b.shape}, need equal 1-D sizes")
 
 
-def _contiguous(what: str, *arrays) -> None:
-    # Raw pointers: a strided view would be read and written wrongly.
-    for a in arrays:
-        if not a.flags.c_contiguous:
-            raise ValueError(f"{what}: arrays must be C-contiguous")
-
-
-def _kernel(dev, name: str):
-    return dev.kernel("fp16", f"mpicomp_fp16_{name}", DEFINES)
-
-
-def _geometry(dev, n: int):
-    """Return (blocks, (grid, block)) of a grid-stride launch over ``n`` elements."""
-    blocks = dev.grid(n)
-    return blocks, ((blocks,), (dev.threads,))
+def _contiguous(what: str, **arrays) -> None:
+    for name, a in arrays.items():
+        contiguous(a, what, name)
 
 
 def add(dev, a, b) -> None:
     """Set float16-bits array ``b`` (uint16) to float16(float32(a) + float32(b))."""
     _same_size("fp16 add", a, b)
-    _contiguous("fp16 add", a, b)
+    _contiguous("fp16 add", a=a, b=b)
     if b.size:
-        _kernel(dev, "add")(*_geometry(dev, b.size)[1], (a, b, np.int64(b.size)))
+        _kernel(dev, "add")(*dev.launch_shape(b.size), (a, b, np.int64(b.size)))
 
 
 def all_finite(dev, h):
     """Return True if no float16 bits of ``h`` (uint16) are NaN or Inf (exponent all ones)."""
-    h = dev.xp.ascontiguousarray(h).reshape(-1)
+    h = dev.flat(h)
     if h.size == 0:
         return True
-    blocks, launch = _geometry(dev, h.size)
-    flags = dev.xp.empty(blocks, np.uint32)
-    _kernel(dev, "all_finite")(*launch, (h, np.int64(h.size), flags))
+    flags = dev.xp.empty(dev.grid(h.size), np.uint32)
+    _kernel(dev, "all_finite")(*dev.launch_shape(h.size), (h, np.int64(h.size), flags))
     return not dev.to_host(flags, why="fp16.all_finite: flags").any()
 
 
 def encode(dev, x, h16, h8=None):
-    """Round float32 ``x`` to float16 bits in uint16 ``h16`` (same size), in one pass.
-
-    Args:
-        x: 1-D contiguous float32 array.
-        h16: 1-D contiguous uint16 array of x's size.
-        h8: None, or the uint8 view of ``h16``: its Adler-32 from 0 is computed too.
-
-    Returns:
-        (ok, sum): ok is False when some |x| > 65504 or is NaN/Inf (``h16`` is then
-        garbage); sum is the Adler-32 (0 when ``h8`` is None).
-    """
+    """As ``kernels.cpu.fp16.encode``: float32 ``x`` rounded to float16 bits in ``h16``;
+    (ok, Adler-32 of ``h8`` or 0). One kernel pass; per-block flags and byte sums are
+    brought to the host once and combined there."""
     _same_size("fp16 encode", x, h16)
     if h8 is not None and h8.size != 2 * h16.size:
         raise ValueError(f"fp16 encode: h8 has {h8.size} bytes, h16 needs {2 * h16.size}")
-    _contiguous("fp16 encode", x, h16)
+    _contiguous("fp16 encode", x=x, h16=h16)
     n = x.size
     if n == 0:
         return True, 0
-    blocks, launch = _geometry(dev, n)
+    blocks = dev.grid(n)
     partials = dev.xp.empty(3 * blocks, np.uint64)
     want = np.int32(h8 is not None)
-    _kernel(dev, "encode")(*launch, (x.view(np.uint32), h16, np.int64(n), want, partials))
+    args = (x.view(np.uint32), h16, np.int64(n), want, partials)
+    _kernel(dev, "encode")(*dev.launch_shape(n), args)
     p = dev.to_host(partials, why="fp16.encode: block flags and sums").reshape(blocks, 3)
     if not want:
         return not p[:, 0].any(), 0
@@ -99,13 +81,10 @@ def encode(dev, x, h16, h8=None):
 
 
 def decode(dev, h16, out, scale=1.0) -> bool:
-    """Write ``out`` (float32) = float16 bits ``h16`` (uint16) as float32, / ``scale``.
-
-    Returns:
-        False when some value is NaN/Inf.
-    """
+    """As ``kernels.cpu.fp16.decode``: ``out`` = float16 bits ``h16`` as float32, / ``scale``;
+    False when some value is NaN/Inf."""
     _same_size("fp16 decode", h16, out)
-    _contiguous("fp16 decode", h16, out)
+    _contiguous("fp16 decode", h16=h16, out=out)
     n = h16.size
     if n == 0:
         return True
@@ -113,10 +92,9 @@ def decode(dev, h16, out, scale=1.0) -> bool:
     divide = by != np.float32(1)
     if divide and by == 0:
         raise ZeroDivisionError("division by zero")  # as the numba twin raises
-    blocks, launch = _geometry(dev, n)
-    flags = dev.xp.empty(blocks, np.uint32)
+    flags = dev.xp.empty(dev.grid(n), np.uint32)
     args = (h16, out.view(np.uint32), np.int64(n), by, np.int32(divide), flags)
-    _kernel(dev, "decode")(*launch, args)
+    _kernel(dev, "decode")(*dev.launch_shape(n), args)
     return not dev.to_host(flags, why="fp16.decode: non-finite flags").any()
 
 

@@ -21,6 +21,7 @@ from types import SimpleNamespace
 import numpy as np
 
 from mpicomp.kernels import qsgd as kq
+from mpicomp.kernels.cuda import family_kernel
 
 #: Mask bytes per tile of ``grandk_compact`` (one block counts, then writes, one tile).
 TILE = 4096
@@ -38,6 +39,8 @@ _CODES = {
 }
 _INDEX = {np.dtype(np.uint8): "u8", np.dtype(np.int64): "i64"}
 _U32_MAX = 0xFFFFFFFF
+
+_kernel = family_kernel("qsgd", DEFINES)
 
 
 def _floats(x, name: str = "x"):
@@ -88,11 +91,8 @@ class Qsgd:
         self._dev = dev
         self._no_index = {}  # per GPU: a device array where the twin gets a NumPy one
 
-    def _kernel(self, name: str):
-        return self._dev.kernel("qsgd", f"mpicomp_qsgd_{name}", DEFINES)
-
     def _launch(self, name: str, n: int, *args) -> None:
-        self._kernel(name)((self._dev.grid(n),), (self._dev.threads,), args)
+        _kernel(self._dev, name)(*self._dev.launch_shape(n), args)
 
     def _index(self, idx, dense):
         if dense:
@@ -123,10 +123,9 @@ class Qsgd:
             )
 
     def grandk_select(self, n, k, key, mask, picks) -> None:
-        """Draw k distinct coordinates of [0, n) uniformly (Floyd's algorithm) into mask and picks.
+        """As ``kernels.cpu.qsgd.mpicomp_qsgd_grandk_select``: k distinct coordinates of
+        [0, n) by Floyd's algorithm into ``mask`` and ``picks``.
 
-        For j = n-k .. n-1: t = floor(bits(key, j) * (j+1) / 2^64); take t unless taken, else j.
-        ``mask`` (n bytes, zero) marks the chosen ones; picks[j - (n-k)] records each choice.
         Scratch: a table of the first step drawing each value, direct (4n bytes) or hashed
         (12 bytes a slot, at least 2k slots), the smaller.
         """
@@ -159,12 +158,11 @@ class Qsgd:
         mask8 = _bytes_of(mask)
         ntiles = -(-n // TILE)
         counts = self._dev.xp.empty(ntiles, dtype=np.int64)
-        blocks, threads = (max(1, min(self._dev.max_blocks, ntiles)),), (self._dev.threads,)
-        self._kernel("grandk_count")(blocks, threads, (mask8, np.int64(n), counts))
-        self._kernel("grandk_offsets")((1,), threads, (counts, np.int64(ntiles)))
-        self._kernel("grandk_compact")(
-            blocks, threads, (mask8, np.int64(n), counts, out, np.int64(out.size))
-        )
+        launch, dev = self._dev.tile_shape(ntiles), self._dev
+        _kernel(dev, "grandk_count")(*launch, (mask8, np.int64(n), counts))
+        _kernel(dev, "grandk_offsets")((1,), (dev.threads,), (counts, np.int64(ntiles)))
+        args = (mask8, np.int64(n), counts, out, np.int64(out.size))
+        _kernel(dev, "grandk_compact")(*launch, args)
 
     def grandk_sort(self, picks) -> None:
         """Sort the coordinates ``picks`` in place (the short path when k is far below n).
@@ -204,7 +202,7 @@ class Qsgd:
             lanes,
         )
         args = (lanes, np.int64(nchunks), total)
-        self._kernel("sumsq_total")((1,), (self._dev.threads,), args)
+        _kernel(self._dev, "sumsq_total")((1,), (self._dev.threads,), args)
         return float(self._dev.to_host(total, why="qsgd.sumsq: sum of squares")[0])
 
     def quantize(self, x, idx, dense, norm, levels, key, out) -> int:

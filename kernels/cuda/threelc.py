@@ -15,7 +15,7 @@ from types import SimpleNamespace
 import numpy as np
 
 from mpicomp.kernels import threelc as k3
-from mpicomp.kernels.cuda import bind
+from mpicomp.kernels.cuda import bind, family_kernel
 
 #: Bytes per thread of a zero-run tile (a tile is threads * ITEMS bytes of one span).
 ITEMS = 8
@@ -37,8 +37,7 @@ _EXP_MASK = 0x7F800000
 _FLT_MAX = np.float32(3.4028235e38)
 
 
-def _kernel(dev, name: str):
-    return dev.kernel("threelc", f"mpicomp_threelc_{name}", DEFINES)
+_kernel = family_kernel("threelc", DEFINES)
 
 
 def _spans(dev, size: int) -> tuple[int, int]:
@@ -63,9 +62,7 @@ def max_(dev, x, r, use_r, s):
     """Return (M, ok): M = max|x + r| * s in float32 (clamped to FLT_MAX); ok False on NaN/Inf."""
     n = x.size
     top = dev.xp.zeros(1, dtype=np.uint32)
-    _kernel(dev, "max")(
-        (dev.grid(n),), (dev.threads,), (x, r, np.int32(bool(use_r)), np.int64(n), top)
-    )
+    _kernel(dev, "max")(*dev.launch_shape(n), (x, r, np.int32(bool(use_r)), np.int64(n), top))
     top = np.uint32(dev.to_host(top, why="threelc.max: largest magnitude")[0])
     if top >= _EXP_MASK:
         return 0.0, False
@@ -79,7 +76,7 @@ def quartic_encode(dev, x, r, use_r, scale, out):
     """Write byte j = sum_k (trit[k*L + j] + 1) * 3^(4-k) to out[j]; set r = (x + r) - trit*M."""
     n, L = x.size, out.size
     args = (x, r, np.int32(bool(use_r)), np.float32(scale), np.int64(n), np.int64(L), out)
-    _kernel(dev, "quartic_encode")((dev.grid(L),), (dev.threads,), args)
+    _kernel(dev, "quartic_encode")(*dev.launch_shape(L), args)
 
 
 def zero_run_encode(dev, src, dst):
@@ -131,7 +128,7 @@ def quartic_decode(dev, src, scale, out):
     # M == 0 decided here, in IEEE: a GPU comparison would take a denormal M for zero.
     zero = np.int32(scale == np.float32(0))
     _kernel(dev, "quartic_check")(
-        (dev.grid(L),), (dev.threads,), (src, np.int64(L), np.int64(n), zero, flags)
+        *dev.launch_shape(L), (src, np.int64(L), np.int64(n), zero, flags)
     )
     bad = int(dev.to_host(flags, why="threelc.quartic_decode: bad-code flag")[0])
     for flag, code in (
@@ -142,7 +139,7 @@ def quartic_decode(dev, src, scale, out):
         if bad & flag:
             return code
     args = (src, scale.view(np.uint32), np.int64(L), np.int64(n), out.view(np.uint32))
-    _kernel(dev, "quartic_decode")((dev.grid(L),), (dev.threads,), args)
+    _kernel(dev, "quartic_decode")(*dev.launch_shape(L), args)
     return k3.OK
 
 

@@ -13,12 +13,14 @@ from types import SimpleNamespace
 
 import numpy as np
 
-from mpicomp.kernels.cuda import bind
+from mpicomp.kernels.cuda import bind, contiguous, family_kernel
 from mpicomp.kernels.cuda.device import int_kind
 
 #: Elements per thread of a compaction tile (CUDA-side only: the result does not depend on it).
 ITEMS = 8
 DEFINES = {"MPICOMP_TOPK_ITEMS": str(ITEMS)}
+
+_kernel = family_kernel("topk", DEFINES)
 
 # Radix-select passes over the 31 bits of |x|'s pattern: (shift, bits), top digits first.
 PASSES = ((20, 11), (10, 10), (0, 10))
@@ -40,46 +42,21 @@ def _aligned(a):
     return a if _address(a) % a.itemsize == 0 else a.copy()
 
 
-def _output(a, size: int, what: str):
-    # The kernels write through a raw pointer: a strided view would be written wrongly.
-    if not a.flags.c_contiguous:
-        raise ValueError(f"topk {what}: output arrays must be C-contiguous")
-    a = a.reshape(-1)
-    if a.size < size:
-        raise ValueError(f"topk {what}: an output has {a.size} elements, needs {size}")
-    return a
-
-
-def _kernel(dev, name: str):
-    return dev.kernel("topk", f"mpicomp_topk_{name}", DEFINES)
-
-
-def _flat(dev, a):
-    return dev.xp.ascontiguousarray(a).reshape(-1)
-
-
 def _floats(dev, x, what: str):
-    x = _flat(dev, x)
+    x = dev.flat(x)
     if x.dtype != np.float32:
         raise TypeError(f"topk {what}: values must be float32, got {x.dtype}")
     return _aligned(x).view(np.uint32)  # bit patterns: denormals survive -ftz
 
 
-def _grid(dev, n: int):
-    return (dev.grid(n),), (dev.threads,)
-
-
 def scatter(dev, indices, values, n, out):
-    """Scatter ``values`` at strictly increasing ``indices`` < n into zeroed ``out``.
-
-    Returns 0 on success, 1 if an index is out of range or not increasing, 2 if a
-    value is not finite (then ``out`` is incomplete and must be discarded).
-    """
-    indices = _aligned(_flat(dev, indices))
+    """As ``kernels.cpu.topk.mpicomp_topk_scatter``: ``values`` at increasing ``indices`` < n
+    into zeroed ``out``; returns 0, 1 (a bad index) or 2 (a value not finite)."""
+    indices = _aligned(dev.flat(indices))
     values = _floats(dev, values, "scatter")
     if values.size < indices.size:
         raise ValueError(f"topk scatter: {values.size} values for {indices.size} indices")
-    out = _output(out, int(n), "scatter")
+    out = contiguous(out, "topk scatter", size=int(n))
     if out.dtype != np.float32:
         raise TypeError(f"topk scatter: out must be float32, got {out.dtype}")
     if indices.size == 0:
@@ -87,7 +64,7 @@ def scatter(dev, indices, values, n, out):
     err = dev.xp.full(1, np.iinfo(np.uint64).max, np.uint64)  # min of j << 2 | code
     args = (indices, _kind(indices, "scatter"), np.int64(indices.size), values)
     args += (np.int64(n), out.view(np.uint32), err)
-    _kernel(dev, "scatter")(*_grid(dev, indices.size), args)
+    _kernel(dev, "scatter")(*dev.launch_shape(indices.size), args)
     err = int(dev.to_host(err, why="topk.scatter: bad-index flag")[0])
     return 0 if err == np.iinfo(np.uint64).max else err & 3
 
@@ -106,7 +83,8 @@ def select(dev, x, k, out_idx, out_val):
     n, k = u.size, int(k)
     if not 0 < k <= n:
         raise ValueError(f"topk select: k must lie in [1, {n}], got {k}")
-    out_idx, out_val = _output(out_idx, k, "select"), _output(out_val, k, "select")
+    out_idx = contiguous(out_idx, "topk select", "out_idx", size=k)
+    out_val = contiguous(out_val, "topk select", "out_val", size=k)
     if out_val.dtype != np.float32:
         raise TypeError(f"topk select: out_val must be float32, got {out_val.dtype}")
     kind = _kind(out_idx, "select")
@@ -118,13 +96,13 @@ def select(dev, x, k, out_idx, out_val):
     for shift, bits in PASSES:
         h = hist[at : at + (1 << bits)]
         args = (u, np.int64(n), np.int32(shift), np.int32(bits), state, h)
-        _kernel(dev, "histogram")(*_grid(dev, n), args)
+        _kernel(dev, "histogram")(*dev.launch_shape(n), args)
         _kernel(dev, "choose")((1,), (32,), (h, np.int32(shift), np.int32(bits), state))
         at += 1 << bits
     ntiles = -(-n // (ITEMS * dev.threads))
     tiles = xp.empty((3, ntiles), np.int64)  # p > T, p == T (then before), output start
     gt, eq, start = tiles[0], tiles[1], tiles[2]
-    blocks = (dev.grid(ntiles * dev.threads),), (dev.threads,)
+    blocks = dev.launch_shape(ntiles * dev.threads)
     _kernel(dev, "count")(*blocks, (u, np.int64(n), state, gt, eq))
     _kernel(dev, "scan")((1,), (dev.threads,), (np.int64(ntiles), state, gt, eq, start))
     args = (u, np.int64(n), state, eq, start, idx, kind, val.view(np.uint32))
@@ -144,7 +122,7 @@ def all_finite(dev, x):
     if u.size == 0:
         return True
     flags = dev.xp.zeros(1, np.uint64)
-    _kernel(dev, "all_finite")(*_grid(dev, u.size), (u, np.int64(u.size), flags))
+    _kernel(dev, "all_finite")(*dev.launch_shape(u.size), (u, np.int64(u.size), flags))
     return not dev.to_host(flags, why="topk.all_finite: flag")[0]
 
 
