@@ -4,6 +4,7 @@ fused into buckets, and results returned in the caller's framework, shape and dt
 
 from __future__ import annotations
 
+import math
 import sys
 from contextlib import nullcontext
 from dataclasses import dataclass
@@ -23,7 +24,9 @@ class Tensor:
 
     ``flat`` is its float32 copy or view, 1-D; ``overflowed`` says float64 values
     beyond float32's range became Inf; ``dtype`` names the caller's dtype (debug
-    descriptions); ``error`` is why the input was refused (then ``flat`` is empty).
+    descriptions); ``error`` is why the input was refused (then ``flat`` is empty);
+    ``shapes`` the shapes of the tensors ``flat`` holds end to end (its own shape, or a
+    bucket's members': codecs that work on matrices read them).
     """
 
     x: object
@@ -32,6 +35,7 @@ class Tensor:
     overflowed: bool = False
     dtype: str = "float32"
     error: Exception | None = None
+    shapes: tuple = ()
 
     @classmethod
     def refused(cls, x, name: str, error: Exception) -> Tensor:
@@ -48,6 +52,7 @@ class Tensor:
             flat,
             any(t.overflowed for t in members),
             "/".join(sorted({t.dtype for t in members})),
+            shapes=tuple(shape for t in members for shape in t.shapes),
         )
 
     @property
@@ -87,9 +92,10 @@ class Gpu:
             )
 
 
-def take(x, name: str, gpu: Gpu, named: bool) -> Tensor:
+def take(x, name: str, gpu: Gpu, named: bool, shapes=None) -> Tensor:
     """Read and convert ``x`` now; a refused input is kept with its error, for the call
-    to raise (every rank then raises). ``named``: a name is required (residuals)."""
+    to raise (every rank then raises). ``named``: a name is required (residuals);
+    ``shapes``: the tensors ``x`` holds end to end (default: ``x``'s own shape)."""
     if not isinstance(name, str):
         error = TypeError(f"name must be a str (the tensor's name), got {name!r}")
         return Tensor.refused(x, "", error)
@@ -103,9 +109,22 @@ def take(x, name: str, gpu: Gpu, named: bool) -> Tensor:
             raise ValueError(
                 "error feedback keeps one residual per tensor: pass name= (the same each step)"
             )
+        shapes = (tuple(_shape(x)),) if shapes is None else _shapes(shapes, flat.size, what)
     except Exception as e:  # whatever converting raised, every rank must hear of it
         return Tensor.refused(x, name, e)
-    return Tensor(x, name, flat.reshape(-1), overflowed, _dtype(x))
+    return Tensor(x, name, flat.reshape(-1), overflowed, _dtype(x), shapes=shapes)
+
+
+def _shapes(shapes, numel: int, what: str) -> tuple:
+    """Return ``shapes`` as a tuple of tuples of ints, checked to hold ``numel`` elements."""
+    try:
+        out = tuple(tuple(int(d) for d in shape) for shape in shapes)
+    except TypeError:
+        raise TypeError(f"shapes of {what} must be a sequence of shapes, got {shapes!r}") from None
+    held = sum(math.prod(shape) for shape in out)
+    if held != numel or any(d < 0 for shape in out for d in shape):
+        raise ValueError(f"shapes {list(out)} hold {held} elements; {what} has {numel}")
+    return out
 
 
 def take_many(arrays, names, gpu: Gpu, named: bool) -> tuple[list, Tensor | None]:

@@ -28,6 +28,7 @@ import numpy as np
 from mpicomp.kernels import backend_of
 from mpicomp.kernels.bits import packed_size
 from mpicomp.model import MODEL_ENV, UNCOMPRESSED, Model, Speed, codec_key
+from mpicomp.reduction import kind_of
 from mpicomp.schedules import Network, Topology
 
 #: Elements of the synthetic gradient a speed is measured on by default (16 MiB of
@@ -160,7 +161,10 @@ def one_rank_round_trip(codec, x: np.ndarray):
     ``decode`` returns what this rank alone would get back; ``wire_bytes`` is valid
     after ``encode`` has run.
     """
-    if hasattr(codec, "encode"):  # a payload of its own (every kind but integer_sum)
+    alone = kind_of(codec).alone
+    if alone is not None:  # a kind that says what one rank's share is (low_rank)
+        return alone(codec, x)
+    if hasattr(codec, "encode"):  # a payload of its own (sum, majority, gather)
         state = {}
 
         def enc():

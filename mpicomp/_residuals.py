@@ -1,14 +1,18 @@
-"""Error-feedback residuals of one CompressedComm, and the part of them one call may move.
+"""What a CompressedComm keeps per tensor across calls, and the part one call may move.
 
-A gather codec with error feedback encodes ``x + residual`` and keeps what the payload
-failed to carry (``mpicomp.codecs.ErrorFeedback``). The sharded schedule keeps one
-residual per (tensor, shard) on every rank and one per tensor on the shard's owner.
-A call's residuals are snapshot when it starts: a call that fails or is skipped, or an
-optimizer step an adapter rolls back, restores them, so it moves no residual on any rank.
+Each aggregation kind says what it keeps (``Kind.state``): nothing (``Stateless``); a
+gather codec with error feedback, residuals (``Residuals``: it encodes
+``x + residual`` and keeps what the payload failed to carry,
+``mpicomp.codecs.ErrorFeedback``; the sharded schedule keeps one residual per (tensor,
+shard) on every rank and one per tensor on the shard's owner); a low-rank codec, arrays
+by name (``Memory``: PowerSGD's error and its factor Q). What a call may move is
+snapshot when it starts: a call that fails or is skipped, or an optimizer step an
+adapter rolls back, restores it, so it moves nothing on any rank.
 """
 
 from __future__ import annotations
 
+from mpicomp._arrays import as_gradient
 from mpicomp.codecs import ErrorFeedback
 
 
@@ -34,6 +38,28 @@ class Encoding:
 
 #: What a call of a codec that encodes no payload carries (``reduction.agreement.Call``).
 NO_RESIDUALS = Encoding(None)
+
+
+class Stateless:
+    """Nothing kept across calls: every call encodes as ``encoding`` (``NO_RESIDUALS``,
+    or a gather codec's plain encode when error feedback is off)."""
+
+    named = False  # calls need no tensor name
+
+    def __init__(self, encoding: Encoding = NO_RESIDUALS):
+        self._encoding = encoding
+
+    def encoding(self, name: str, owners: int = 0) -> Encoding:
+        return self._encoding
+
+    def forget(self, name: str) -> None:
+        """Nothing to drop."""
+
+    def state_dict(self) -> tuple[dict, dict]:
+        return {}, {}
+
+    def load_state_dict(self, workers: dict, owners: dict) -> None:
+        """Nothing to restore."""
 
 
 class _Fed(Encoding):
@@ -74,6 +100,8 @@ class Residuals:
     the sharded schedule), ``owners`` per tensor a shard owner re-compresses (None when
     no sharded schedule can run)."""
 
+    named = True  # one residual per tensor name
+
     def __init__(self, codec, sharded: bool):
         self._codec = codec
         self.workers = ErrorFeedback(codec)
@@ -99,6 +127,52 @@ class Residuals:
         self.workers.load_state_dict(workers)
         if self.owners is not None:
             self.owners.load_state_dict(owners)
+
+
+class Remembered(Encoding):
+    """The arrays one call of tensor ``name`` may change (``arrays``, a dict the call
+    updates by putting new arrays in, never by writing into the old ones), as they were
+    when the call started."""
+
+    def __init__(self, memory: dict, name: str, feedback: bool):
+        self.arrays = memory.setdefault(name, {})
+        self.feedback = feedback  # whether the codec keeps its error (error feedback)
+        self._before = dict(self.arrays)
+
+    def restore(self) -> None:
+        """Put the arrays back as they were when the call started."""
+        self.arrays.clear()
+        self.arrays.update(self._before)
+
+
+class Memory:
+    """Arrays kept per tensor name across calls (a low-rank codec's error and factors),
+    as ``{name: {key: array}}``; checkpoints name them ``name#key``."""
+
+    named = True
+
+    def __init__(self, feedback: bool):
+        self.feedback = feedback
+        self._arrays: dict[str, dict] = {}
+
+    def encoding(self, name: str, owners: int = 0) -> Remembered:
+        return Remembered(self._arrays, name, self.feedback)
+
+    def forget(self, name: str) -> None:
+        """Drop the arrays of tensor ``name``."""
+        self._arrays.pop(name, None)
+
+    def state_dict(self) -> tuple[dict, dict]:
+        """Return ({``name#key``: a copy of the array}, {}) for a checkpoint."""
+        flat = {f"{n}#{k}": a.copy() for n, kept in self._arrays.items() for k, a in kept.items()}
+        return flat, {}
+
+    def load_state_dict(self, workers: dict, owners: dict) -> None:
+        """Restore what ``state_dict`` returned."""
+        self._arrays = {}
+        for key, array in workers.items():
+            name, _, part = key.rpartition("#")
+            self._arrays.setdefault(name, {})[part] = as_gradient(array, what=key).copy()
 
 
 def rollback(encodings) -> None:

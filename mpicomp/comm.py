@@ -24,7 +24,7 @@ from mpicomp._config import Config, check_same
 from mpicomp._intake import Gpu, Tensor, buckets, take, take_many
 from mpicomp._log import log
 from mpicomp._placement import Planner, place
-from mpicomp._residuals import NO_RESIDUALS, Encoding, Residuals, rollback
+from mpicomp._residuals import NO_RESIDUALS, Encoding, rollback
 from mpicomp._same_call import CLOSING, check_same_call
 from mpicomp._transport import Transport, cuda_aware
 from mpicomp._worker import Handle, Worker, overlap_blocker
@@ -35,7 +35,7 @@ from mpicomp.codecs._base import make as make_codec
 from mpicomp.collectives._wait import resolve_timeout
 from mpicomp.errors import NonFiniteWarning, PeerClosed, RankError
 from mpicomp.options import Options
-from mpicomp.reduction import AUTO, HIER, kind_of
+from mpicomp.reduction import kind_of
 from mpicomp.reduction.agreement import Call, Guard, Skipped, agree_close, fail
 from mpicomp.schedules import Topology
 
@@ -213,10 +213,8 @@ class CompressedComm:
         self.background = why is None if opts.background is None else opts.background
         self._eager_why = why if opts.background is None else None  # warned once, at first use
         self._worker = None  # made by the first background iallreduce
-        self._residuals = None
-        if opts.error_feedback:
-            may_shard = opts.schedule in ("sharded", HIER + "sharded", AUTO)
-            self._residuals = Residuals(codec, sharded=may_shard)
+        # What this CompressedComm keeps per tensor across calls (residuals, factors).
+        self._residuals = kind_of(codec).state(codec, opts)
         self._plain = make_codec("none")
         self._comm = comm.Dup()
         self._closed = False
@@ -350,7 +348,7 @@ class CompressedComm:
         Waits first for every started ``iallreduce``.
         """
         self._drain()
-        residuals, server = self._residuals.state_dict() if self._residuals else ({}, {})
+        residuals, server = self._residuals.state_dict()
         return {"step": self._calls, "residuals": residuals, "server_residuals": server}
 
     def load_state_dict(self, state: dict) -> None:
@@ -360,8 +358,7 @@ class CompressedComm:
         """
         self._drain()
         self._calls = int(state["step"])
-        if self._residuals is not None:
-            self._residuals.load_state_dict(state["residuals"], state["server_residuals"])
+        self._residuals.load_state_dict(state["residuals"], state["server_residuals"])
 
     def close(self) -> None:
         """Wait for every started ``iallreduce`` (their handles keep their results and
@@ -402,6 +399,7 @@ class CompressedComm:
         layout: int | None = None,
         snapshots: list | None = None,
         compress: bool = True,
+        shapes=None,
     ) -> Handle:
         """Start one call as ``iallreduce`` does, for an adapter that averages a whole
         optimizer step in several calls and may skip or undo it.
@@ -414,6 +412,9 @@ class CompressedComm:
             snapshots: a list the call appends what restores the residuals it may
                 move to, for ``rollback``.
             compress: False averages uncompressed (the float32 sum; a warm-up step).
+            shapes: the shapes of the tensors ``x`` holds end to end (a bucket of
+                parameters; default: ``x``'s shape), for codecs that work on matrices
+                (``powersgd``).
 
         Returns:
             A ``Handle`` whose ``wait()`` returns an ``Outcome`` (average, skip messages)
@@ -423,7 +424,8 @@ class CompressedComm:
             RuntimeError: the CompressedComm is closed.
         """
         self._check_open()
-        job = partial(self._average, self._take(x, name), "allreduce", layout, snapshots, compress)
+        t = take(x, name, self._gpu, self._residuals.named, shapes)
+        job = partial(self._average, t, "allreduce", layout, snapshots, compress)
         return self._start(job, Outcome._make)
 
     @staticmethod
@@ -436,8 +438,7 @@ class CompressedComm:
         """Drop the residuals of tensor ``name`` (its layout changed, e.g. DDP rebuilt
         its buckets): the next call starts it from zero. Waits for started calls."""
         self._drain()
-        if self._residuals is not None:
-            self._residuals.forget(name)
+        self._residuals.forget(name)
 
     def wait_all(self) -> None:
         """Wait until every started call has finished (their handles keep their results
@@ -526,6 +527,7 @@ class CompressedComm:
             zlib.crc32(t.name.encode()) if layout is None else layout,
             Guard(opts.nonfinite, t.what, t.overflowed),
             residuals=residuals,
+            shapes=t.shapes,
             config=planned.config,
             label=t.name,
         )
@@ -547,11 +549,10 @@ class CompressedComm:
         return call, codec, planned.run
 
     def _encoding(self, name: str, plan) -> Encoding:
-        """Return how a call of ``name`` by ``plan`` encodes, its residuals snapshot."""
-        if not plan.compressed or not kind_of(self.codec).feedback:
+        """Return how a call of ``name`` by ``plan`` encodes, what it may move of this
+        CompressedComm's per-tensor state snapshot."""
+        if not plan.compressed:
             return NO_RESIDUALS
-        if self._residuals is None:
-            return Encoding(self.codec)
         hosts = self._placement.hosts
         if plan.hierarchical:
             # A local rank's residual by host covers its shard alone: a name of its own
@@ -577,10 +578,10 @@ class CompressedComm:
         )
 
     def _take(self, x, name: str) -> Tensor:
-        return take(x, name, self._gpu, named=self._residuals is not None)
+        return take(x, name, self._gpu, named=self._residuals.named)
 
     def _take_many(self, arrays, names) -> tuple[list, Tensor | None]:
-        return take_many(arrays, names, self._gpu, named=self._residuals is not None)
+        return take_many(arrays, names, self._gpu, named=self._residuals.named)
 
     def _many(self, tensors: list, refused: Tensor | None) -> tuple:
         """Average ``tensors`` in buckets, one call per bucket; return (averages, skip

@@ -376,6 +376,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
             layout=b.layout,
             snapshots=self._snapshots,
             compress=compress,
+            shapes=[tuple(p.shape) for p in b.params],
         )
         self._next = b.index + 1
 
@@ -821,8 +822,11 @@ def comm_hook(state: HookState, bucket) -> torch.futures.Future:
         source.copy_(buffer)
     compress = state.iteration >= state.start_step
     layout = zlib.crc32(f"{name}:{buffer.numel()}".encode())
+    shapes = [tuple(g.shape) for g in bucket.gradients()]
+    if sum(g.numel() for g in bucket.gradients()) != buffer.numel():
+        shapes = None  # padded: the buffer is no longer the gradients end to end
     handle = state.comm.start(
-        source, name, layout=layout, snapshots=this.snapshots, compress=compress
+        source, name, layout=layout, snapshots=this.snapshots, compress=compress, shapes=shapes
     )
     this.handles.append(handle)
     if bucket.is_last():

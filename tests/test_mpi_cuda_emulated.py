@@ -11,7 +11,9 @@ import mpicomp.kernels as K
 
 
 @pytest.mark.mpi
-@pytest.mark.parametrize("name", mpicomp.codecs.available())
+@pytest.mark.parametrize(
+    "name", [n for n in mpicomp.codecs.available() if mpicomp.codec(n).on_kernels]
+)
 def test_allreduce_through_the_cuda_sources_equals_numba(monkeypatch, name):
     from mpi4py import MPI
 

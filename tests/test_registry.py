@@ -6,7 +6,7 @@ import mpicomp
 
 ALL = {
     "none", "fp16", "topk", "signsgd", "threelc", "fft", "fastsgd", "qsgd_maxnorm",
-    "qsgd_maxnorm_multiscale", "grandk_maxnorm", "grandk_maxnorm_multiscale",
+    "qsgd_maxnorm_multiscale", "grandk_maxnorm", "grandk_maxnorm_multiscale", "powersgd",
 }  # fmt: skip
 
 
@@ -18,7 +18,7 @@ def test_every_codec_of_the_design_is_available():
 def test_codec_has_name_aggregation_and_repr(name):
     c = mpicomp.codec(name)
     assert c.name == name
-    assert c.aggregation in {"sum", "integer_sum", "majority", "gather"}
+    assert c.aggregation in {"sum", "integer_sum", "majority", "gather", "low_rank"}
     assert repr(c).startswith(f"mpicomp.codec({name!r}")
 
 

@@ -76,6 +76,9 @@ class Codec:
     compresses: ClassVar[bool] = True
     #: Whether ``CompressedComm`` keeps error-feedback residuals unless told otherwise.
     feedback_default: ClassVar[bool] = False
+    #: Whether it computes through mpicomp's kernel backends (a numba twin and a CUDA
+    #: twin, byte for byte); False for PowerSGD's matrix products (BLAS, cuBLAS).
+    on_kernels: ClassVar[bool] = True
 
     def __init__(self, **params):
         self.params = params

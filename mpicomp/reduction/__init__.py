@@ -15,14 +15,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from mpicomp.reduction import float_sum, gather, hierarchy, integer_sum, majority
+from mpicomp.reduction import float_sum, gather, hierarchy, integer_sum, low_rank, majority
 from mpicomp.reduction._kind import Kind, Schedule
 
 __all__ = ["AUTO", "FLOAT32", "HIER", "KINDS", "Kind", "Plan", "Schedule", "kind_of", "plan"]
 
 #: Every aggregation kind, by the name codecs declare.
 KINDS: dict[str, Kind] = {
-    k.name: k for k in (float_sum.KIND, integer_sum.KIND, majority.KIND, gather.KIND)
+    k.name: k for k in (float_sum.KIND, integer_sum.KIND, majority.KIND, gather.KIND, low_rank.KIND)
 }
 
 #: ``schedule="auto"``: per call, the schedule the model predicts to be cheapest.

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from functools import partial
 from typing import NamedTuple
 
+from mpicomp._residuals import Stateless
 from mpicomp.collectives.direct import direct_allreduce_bounded
 from mpicomp.collectives.ring import ring_allreduce_bounded
 
@@ -17,6 +18,10 @@ def _encode_and_decode(codec, speed, numel: int, nranks: int) -> float:
 
 def _none(codec, numel: int, nranks: int, payload: int | None) -> int:
     return 0
+
+
+def _stateless(codec, options) -> Stateless:
+    return Stateless()
 
 
 class Schedule(NamedTuple):
@@ -40,8 +45,11 @@ class Kind:
     """An aggregation kind: ``name`` (what codecs declare as ``aggregation``), the
     ``protocol`` its codecs implement, its ``schedules`` (the default first),
     ``hierarchical`` whether ``"hier:NAME"`` runs them between hosts, ``payload`` whether
-    their cost needs a payload's bytes, ``feedback`` whether error feedback (and its
-    residuals) applies."""
+    their cost needs a payload's bytes, ``feedback`` whether error feedback applies;
+    ``state(codec, options)`` makes what a CompressedComm keeps per tensor across calls
+    (``mpicomp._residuals``: ``Stateless``, ``Residuals``, ``Memory``); ``alone(codec,
+    x)``, where a kind's codecs have neither ``encode`` nor integer codes, returns the
+    (encode, decode, wire bytes) closures of one rank's share (timings, bits per element)."""
 
     name: str
     protocol: type
@@ -49,6 +57,8 @@ class Kind:
     hierarchical: bool = True
     payload: bool = False
     feedback: bool = False
+    state: Callable = _stateless
+    alone: Callable | None = None
 
     @property
     def default(self) -> str:

@@ -82,8 +82,9 @@ class Call:
     policy; ``timeout`` each wait's limit in seconds (None: ``MPICOMP_TIMEOUT``);
     ``kernels`` the kernel backend of NumPy arrays (None: ``mpicomp.kernels.backend()``);
     ``transport`` how device bytes reach MPI (``mpicomp._transport``; needed for device
-    input); ``residuals`` the error-feedback residuals the call may update
-    (``mpicomp._residuals``; a gather codec encodes through them); ``stream`` is added to the rank to number this rank's
+    input); ``residuals`` what of the CompressedComm's per-tensor state the call may
+    update (``mpicomp._residuals``; a gather codec encodes through them); ``shapes``
+    the shapes of the tensors the flat input holds end to end; ``stream`` is added to the rank to number this rank's
     random draws (a hierarchical call's local ranks draw apart on their shards);
     ``config`` what every rank's configuration must match (its digest joins the
     agreement); ``label`` names the tensor or bucket where ranks disagree.
@@ -99,6 +100,7 @@ class Call:
     kernels: object = None
     transport: Transport | None = None
     residuals: object = NO_RESIDUALS
+    shapes: tuple = ()
     stream: int = 0
     config: Config = Config()
     label: str = ""

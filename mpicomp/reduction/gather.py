@@ -9,12 +9,14 @@ from typing import Any, Protocol, runtime_checkable
 import numpy as np
 
 from mpicomp._arrays import array_module
+from mpicomp._residuals import Encoding, Residuals, Stateless
 from mpicomp.collectives.allgather import allgather_bytes
 from mpicomp.collectives.sharded import push_pull, shard_bounds
 from mpicomp.errors import RankError
 from mpicomp.reduction._cost import Cost, gathered
 from mpicomp.reduction._kind import Kind, Schedule
 from mpicomp.reduction.agreement import Call, agree, attempt, device, down, encode_here
+from mpicomp.reduction.hierarchy import PREFIX
 
 
 @runtime_checkable
@@ -154,6 +156,15 @@ def _sharded_alltoall(codec, numel: int, nranks: int, payload: int) -> int:
     return -(-(nranks - 1) * payload // nranks)
 
 
+def _state(codec, options):
+    """Residuals when error feedback is on (owners' too where a sharded schedule may
+    run), else the codec's plain encode."""
+    if not options.error_feedback:
+        return Stateless(Encoding(codec))
+    may_shard = options.schedule in ("sharded", PREFIX + "sharded", "auto")
+    return Residuals(codec, sharded=may_shard)
+
+
 KIND = Kind(
     "gather",
     GatherCodec,
@@ -163,4 +174,5 @@ KIND = Kind(
     },
     payload=True,
     feedback=True,
+    state=_state,
 )

@@ -1,0 +1,146 @@
+"""PowerSGD (Vogels, Karimireddy and Jaggi, NeurIPS 2019), as PyTorch's DDP hook ships it.
+
+Each matrix-shaped gradient M (a tensor viewed as ``shape[0]`` rows) is sent as two thin
+factors: P = M Q (n x r), summed over ranks and orthogonalized, then Q = Mᵀ P (m x r),
+averaged over ranks; every rank rebuilds P Qᵀ. Q starts from the previous step's average
+(warm start), or from Gaussian draws every rank makes alike. Tensors of one dimension, and
+matrices whose factors would not be ``min_compression_rate`` times smaller, go
+uncompressed in the same messages. Error feedback keeps what the factors missed; the
+first ``start_iter`` calls of each tensor are plain float32 averages (no error kept).
+
+The codec is array code (the reduction lives in ``mpicomp.reduction.low_rank``); its
+matrix products run on the gradient's device (BLAS on the CPU, cuBLAS through CuPy), so,
+unlike the kernel codecs, its bits follow the BLAS library's summation order.
+"""
+
+from __future__ import annotations
+
+import math
+import zlib
+from dataclasses import dataclass
+
+import numpy as np
+
+from mpicomp._arrays import array_module
+from mpicomp.codecs._base import Codec, check_number, register
+
+
+@dataclass(frozen=True)
+class Member:
+    """One tensor of a flat buffer: elements [start, stop), as an n x m matrix factored
+    at rank r, or sent as it is (``r == 0``)."""
+
+    start: int
+    stop: int
+    n: int = 0
+    m: int = 0
+    r: int = 0
+
+
+@dataclass(frozen=True)
+class Layout:
+    """How a flat buffer of ``members`` travels: the P factors end to end (``p_size``
+    floats), then the uncompressed members (``u_size``); the Q factors (``q_size``)."""
+
+    members: tuple[Member, ...]
+    p_size: int
+    q_size: int
+    u_size: int
+
+    @property
+    def compressed(self) -> tuple[Member, ...]:
+        return tuple(k for k in self.members if k.r)
+
+    @property
+    def uncompressed(self) -> tuple[Member, ...]:
+        return tuple(k for k in self.members if not k.r)
+
+
+@register
+class PowerSGD(Codec):
+    """PowerSGD: rank-``rank`` factors of every matrix, by one step of power iteration.
+
+    Args:
+        rank: the factors' rank r (``matrix_approximation_rank`` of PyTorch's hook).
+        start_iter: the first calls of each tensor average it uncompressed
+            (``start_powerSGD_iter``).
+        min_compression_rate: a matrix is factored only when n·m > rate · (n + m)·r.
+        warm_start: start Q from the previous step's (else from fresh draws each step).
+        epsilon: added to each column's norm when orthogonalizing (0: a zero column
+            stays zero).
+        seed: the draws of the first Q, the same on every rank.
+    """
+
+    name = "powersgd"
+    aggregation = "low_rank"
+    feedback_default = True
+    on_kernels = False
+
+    def __init__(
+        self,
+        rank: int = 1,
+        start_iter: int = 1000,
+        min_compression_rate: float = 2.0,
+        warm_start: bool = True,
+        epsilon: float = 0.0,
+        seed: int = 0,
+    ):
+        rank = check_number("rank", rank, 1, 1 << 16, integer=True)
+        start_iter = check_number("start_iter", start_iter, 0, None, integer=True)
+        min_compression_rate = check_number("min_compression_rate", min_compression_rate, 0)
+        if not isinstance(warm_start, (bool, np.bool_)):
+            raise ValueError(f"warm_start must be a bool, got {warm_start!r}")
+        epsilon = check_number("epsilon", epsilon, 0)
+        seed = check_number("seed", seed, 0, 2**63 - 1, integer=True)
+        super().__init__(
+            rank=rank,
+            start_iter=start_iter,
+            min_compression_rate=min_compression_rate,
+            warm_start=bool(warm_start),
+            epsilon=epsilon,
+            seed=seed,
+        )
+        self.rank = rank
+        self.start_iter = start_iter
+        self.min_compression_rate = float(min_compression_rate)
+        self.warm_start = bool(warm_start)
+        self.epsilon = float(epsilon)
+        self.seed = seed
+
+    def layout(self, shapes) -> Layout:
+        """Return how a flat buffer of tensors of ``shapes`` (end to end) travels."""
+        members, start, p, q, u = [], 0, 0, 0, 0
+        for shape in shapes:
+            size = math.prod(shape)
+            n = shape[0] if len(shape) > 1 else 0
+            m = size // n if n else 0
+            r = min(n, m, self.rank)
+            if n and m and n * m > self.min_compression_rate * (n + m) * r:
+                members.append(Member(start, start + size, n, m, r))
+                p, q = p + n * r, q + m * r
+            else:
+                members.append(Member(start, start + size))
+                u += size
+            start += size
+        return Layout(tuple(members), p, q, u)
+
+    def orthogonalize(self, matrix) -> None:
+        """Make the columns of the n x r ``matrix`` orthonormal, in place (Gram-Schmidt,
+        as PyTorch's hook does at rank <= 2; a zero column stays zero)."""
+        xp = array_module(matrix)
+        for i in range(matrix.shape[1]):
+            col = matrix[:, i]
+            norm = xp.sqrt(xp.sum(col * col))
+            if self.epsilon:
+                col /= norm + np.float32(self.epsilon)
+            else:
+                col *= xp.where(norm > 0, 1 / xp.maximum(norm, np.float32(1e-30)), 0)
+            if i + 1 < matrix.shape[1]:
+                rest = matrix[:, i + 1 :]
+                rest -= (col @ rest)[None, :] * col[:, None]
+
+    def first_q(self, name: str, layout: Layout, xp):
+        """Return the first Q factors of tensor ``name`` (end to end, ``layout.q_size``
+        floats): Gaussian draws seeded by ``seed`` and the name, alike on every rank."""
+        rng = np.random.default_rng([self.seed, zlib.crc32(name.encode())])
+        return xp.asarray(rng.standard_normal(layout.q_size, dtype=np.float32))
