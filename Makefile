@@ -31,7 +31,7 @@ export MPI4PY_LIBMPI := $(abspath $(VENV))/lib/$(LIBMPI_$(MPI))
 
 .PHONY: demo tour test test-unit test-mpi docs test-sanitize test-gpu test-gpu-unit test-gpu-mpi \
         test-gpu-sanitize \
-        bench-gpu mpi-check bench bench-mpi bench-netem lint clean fuzz soak
+        bench-gpu mpi-check bench bench-mpi bench-netem peers lint clean fuzz soak
 
 $(BIN)/activate:
 	$(PYTHON) -m venv $(VENV)
@@ -156,6 +156,14 @@ bench-mpi: $(VENV)/.installed
 # root; jobs/netem/job.py); options: make bench-netem NETEM_ARGS="--rates 1gbit --reps 5".
 bench-netem: $(VENV)/.installed
 	$(BIN)/python -m jobs.netem $(NETEM_ARGS)
+
+# torch DDP (gloo) with no hook, the fp16/bf16 hooks and PowerSGD against mpicomp's
+# DistributedOptimizer with every codec: ms/step, bytes, accuracy and time to DDP float32's
+# accuracy (jobs/peers/; unshaped loopback by default, minutes on 2 cores); options:
+# make peers PEERS_ARGS="--networks unshaped,shared,hosts" (root: jobs.netem's networks),
+# PEERS_ARGS="--preset full" (issue 28's models and steps).
+peers: $(VENV)/.installed
+	$(BIN)/python -m jobs.peers $(PEERS_ARGS)
 
 lint: $(VENV)/.installed
 	$(BIN)/python -m pip install -q ruff

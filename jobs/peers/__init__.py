@@ -1,0 +1,1 @@
+"""Torch DDP and its communication hooks against mpicomp, side by side (jobs/peers/driver.py)."""

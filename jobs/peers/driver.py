@@ -1,0 +1,542 @@
+"""Torch DDP's communication hooks against mpicomp, side by side, in one command.
+
+``python -m jobs.peers`` trains the same model from the same weights on the same batches
+once per configuration:
+
+- torch ``DistributedDataParallel`` over gloo: no hook (float32), the fp16 and bf16
+  compression hooks, PowerSGD at each rank of ``--powersgd-ranks`` (torch's own hook,
+  its error feedback and warm start, plain all-reduce for the first
+  ``--powersgd-start`` steps, the whole model in one bucket);
+- ``mpicomp.torch.DistributedOptimizer`` with every codec of
+  ``mpicomp.codecs.available()`` (the runs of the training jobs' comparison for the
+  codecs it lists, a codec's defaults else), and each of those again with
+  ``schedule="auto"`` (``--auto``).
+
+Each configuration is one MPI launch (jobs/peers/worker.py) under ``--timeout``: a
+peer that fails or hangs becomes a row saying so, and the next one runs. Networks
+(``--networks``): ``unshaped`` (the machine's loopback, no root), and the emulated
+networks of jobs.netem (root): ``shared`` (every rank on one loopback shaped to
+``--rate``, a shared segment) and ``hosts`` (``--hosts`` emulated hosts, each with a
+link of its own shaped to ``--rate``). MPI runs over TCP on all of them (jobs.netem's
+environment), as gloo does.
+
+Per configuration: ms/step (the slowest rank's, median after ``--warmup`` steps), bytes
+per step (tc's counters on the emulated networks; unshaped, what mpicomp's calls report,
+"n/a" for DDP), test accuracy every ``--eval-every`` steps, and the time to reach the
+final accuracy of DDP float32 on the same network and model (steps x ms/step, or
+"never" within ``--steps``). Output: a table per network and model on stdout,
+``OUT/peers.json``, ``OUT/accuracy.png`` (accuracy against steps x ms/step) and each
+launch's log under ``OUT/logs/``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import datetime
+import json
+import os
+import platform
+import re
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass, replace
+
+from jobs._compare import parse_runs
+from jobs.netem import namespace
+from jobs.netem.job import host_launch, mpi_env, mpi_vendor, mpiexec
+from jobs.peers import models
+from mpicomp.advise import parse_rate
+
+NETWORKS = ("unshaped", "shared", "hosts")
+REFERENCE = "ddp"  # the float32 baseline: its final accuracy is every row's target
+
+
+@dataclass(frozen=True)
+class Config:
+    """One configuration: its label and what the worker is told (``spec``)."""
+
+    label: str
+    spec: dict
+
+
+@dataclass(frozen=True)
+class Preset:
+    models: str
+    steps: int
+    ranks: int
+    auto: str
+    sizes: models.Sizes
+
+
+PRESETS = {
+    # a few minutes on 2 cores: one small model, few steps
+    "small": Preset("mlp", 30, 2, "qsgd_maxnorm_bits4", models.SMALL),
+    # issue 28's comparison: the 8.55M-parameter MLP, a ResNet, a transformer block
+    "full": Preset("mlp,resnet,transformer", 150, 4, "all", models.FULL),
+}
+
+
+def ddp_configs(powersgd_ranks: list[int], start: int, bucket_mb: float | None) -> list[Config]:
+    """DDP over gloo: no hook first (the reference), then the hooks."""
+    base = {"kind": "ddp", "bucket_mb": bucket_mb}
+    out = [Config(REFERENCE, base)]
+    out += [Config(f"ddp_{h}", {**base, "hook": h}) for h in ("fp16", "bf16")]
+    out += [
+        Config(f"ddp_powersgd_rank{r}", {**base, "hook": "powersgd", "rank": r, "start": start})
+        for r in powersgd_ranks
+    ]
+    return out
+
+
+def mpicomp_configs(codecs: str, auto: str, strict: bool = True) -> list[Config]:
+    """``DistributedOptimizer`` runs: ``codecs`` (``all``: every available codec, see
+    the module docstring; else jobs.train's syntax), then those of ``auto`` (``all``,
+    ``none`` or labels of ``codecs``; not ``strict``: those that are) again with
+    ``schedule="auto"``.
+
+    Raises:
+        ValueError: a malformed entry, or an ``--auto`` label that is not a run.
+    """
+    import mpicomp
+
+    if codecs == "all":
+        codecs = ",".join(mpicomp.codecs.available())
+    runs = parse_runs(codecs)
+    out = [
+        Config(f"mpicomp_{r.label}", {"kind": "mpicomp", "codec": r.codec, "params": r.params})
+        for r in runs
+    ]
+    labels = {r.label: r for r in runs}
+    if auto == "all":
+        chosen = list(labels)
+    elif auto == "none":
+        chosen = []
+    else:
+        chosen = [a.strip() for a in auto.split(",") if a.strip()]
+        missing = [a for a in chosen if a not in labels]
+        chosen = [a for a in chosen if a in labels]
+        if missing and strict:
+            raise ValueError(
+                f"--auto {', '.join(missing)}: not among the runs ({', '.join(labels)})"
+            )
+    for label in chosen:
+        r = labels[label]
+        spec = {"kind": "mpicomp", "codec": r.codec, "params": r.params, "schedule": "auto"}
+        out.append(Config(f"mpicomp_{label}_auto", spec))
+    return out
+
+
+def _skipped(config: Config, skip: set[str]) -> bool:
+    return config.label in skip or config.spec.get("codec") in skip
+
+
+class Network:
+    """Where the ranks run: the command prefix, MPI's environment and launch arguments,
+    gloo's interface and the qdiscs that count the bytes (none unshaped)."""
+
+    def __init__(self, name: str, args, vendor: str):
+        self.name, self.args, self.vendor = name, args, vendor
+        self.ranks = args.ranks
+        self.net = None
+
+    def __enter__(self):
+        args = self.args
+        if self.name == "unshaped":
+            self.prefix, self.launch, self.iface, self.tc_devs = [], [], "lo", []
+            self.env = mpi_env(self.vendor)
+            return self
+        if self.name == "shared":
+            self.net = namespace.Namespace(f"mpicomp-peers-{os.getpid()}")
+        else:
+            self.net = namespace.Hosts(args.hosts, base=f"mpicomp-peers-{os.getpid()}")
+        self.net.__enter__()  # NeedsRoot when this cannot be done here
+        try:
+            self.net.shape(parse_rate(args.rate))
+            self.prefix, self.tc_devs = self.net.prefix(), self.net.tc_devs()
+            if self.name == "shared":
+                self.launch, self.iface = [], "lo"
+                self.env = mpi_env(self.vendor)
+            else:
+                self.ranks = args.hosts * args.ranks_per_host
+                self.launch = host_launch(self.vendor, self.net, args.ranks_per_host)
+                self.iface = namespace.NIC
+                self.env = mpi_env(self.vendor, hosts=True, intra_host=args.intra_host)
+        except BaseException:
+            self.net.__exit__(None, None, None)
+            raise
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.net is not None:
+            self.net.__exit__(*exc)
+
+    def describe(self) -> str:
+        if self.name == "unshaped":
+            return "unshaped: the machine's loopback, MPI and gloo over TCP"
+        if self.name == "shared":
+            return f"shared: every rank on one loopback shaped to {self.args.rate} (tc tbf)"
+        return (
+            f"hosts: {self.args.hosts} emulated hosts x {self.args.ranks_per_host} ranks, a "
+            f"link each shaped to {self.args.rate} both ways, within a host over "
+            f"{self.args.intra_host}"
+        )
+
+    def command(self, argv: list[str]) -> list[str]:
+        """The command line that runs ``python -m mpi4py ARGV`` on the ranks."""
+        cmd = self.prefix + ["env"] + [f"{k}={v}" for k, v in self.env.items()]
+        cmd += [mpiexec(), *self.launch, "-n", str(self.ranks)]
+        return cmd + [sys.executable, "-m", "mpi4py", *argv]
+
+
+def _failure(log: str) -> str:
+    """The last error line of a launch's log, without the rank prefixes."""
+    lines = [re.sub(r"^\[rank\d+\]:\s*", "", line).strip() for line in log.splitlines()]
+    errors = [line for line in lines if re.match(r"^[\w.]*(Error|Exception|Warning)\b", line)]
+    errors = [line for line in errors if not re.match(r"^\w*Warning\b", line)]
+    return (errors or [line for line in lines if line] or ["no output"])[-1][:300]
+
+
+def run_config(network: Network, model: str, config: Config, args) -> dict:
+    """Launch one configuration under ``--timeout``; return its row (never raises for
+    what the launch does)."""
+    tag = f"{network.name}-{model}-{config.label}"
+    result = os.path.join(args.out, "logs", f"{tag}.json")
+    log_path = os.path.join(args.out, "logs", f"{tag}.log")
+    with contextlib.suppress(FileNotFoundError):
+        os.remove(result)
+    argv = ["-m", "jobs.peers.worker", "--model", model, "--config", json.dumps(config.spec)]
+    argv += ["--sizes", json.dumps(asdict(args.sizes)), "--result", result]
+    argv += ["--steps", str(args.steps), "--warmup", str(args.warmup)]
+    argv += ["--eval-every", str(args.eval_every), "--batch", str(args.batch)]
+    argv += ["--lr", str(args.lr), "--seed", str(args.seed), "--iface", network.iface]
+    argv += ["--tc-dev", ",".join(network.tc_devs)]
+    row = {"network": network.name, "model": model, "config": config.label, **config.spec}
+    started = time.monotonic()
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(
+            network.command(argv), stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+        )
+        try:
+            rc = proc.wait(timeout=args.timeout)
+        except subprocess.TimeoutExpired:
+            rc = None
+        except BaseException:
+            _kill(proc)
+            raise
+        if rc is None:
+            _kill(proc)
+    row["seconds"] = time.monotonic() - started
+    row["log"] = log_path
+    if rc is None:
+        row["status"] = f"timed out after {args.timeout:g} s"
+    elif rc != 0 or not os.path.exists(result):
+        with open(log_path) as f:
+            row["status"] = f"failed (exit {rc}): {_failure(f.read())}"
+    else:
+        with open(result) as f:
+            row.update(json.load(f))
+        row["status"] = f"diverged at step {row['diverged']}" if row["diverged"] else "ok"
+    return row
+
+
+def _kill(proc: subprocess.Popen) -> None:
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+
+
+def add_targets(rows: list[dict]) -> None:
+    """Give every row of one network and model its time to the reference's final accuracy."""
+    ref = next((r for r in rows if r["config"] == REFERENCE and r["status"] == "ok"), None)
+    target = ref["final_accuracy"] if ref else None
+    for r in rows:
+        r["target_accuracy"] = target
+        r["steps_to_target"] = r["seconds_to_target"] = None
+        if target is None or r["status"] not in ("ok",) or not r.get("ms_step"):
+            continue
+        hit = next((step for step, acc in r["accuracy"] if acc >= target), None)
+        r["steps_to_target"] = hit
+        if hit is not None:
+            r["seconds_to_target"] = hit * r["ms_step"] / 1e3
+
+
+def _fmt_bytes(r: dict) -> str:
+    b = r.get("bytes_per_step_tc")
+    if b is None:
+        b = r.get("bytes_per_step_traced")
+    return "n/a" if b is None else f"{b / 1e6:.3f}"
+
+
+def _acc_at(r: dict, step: int) -> str:
+    acc = dict((s, a) for s, a in r.get("accuracy", []))
+    return "-" if step not in acc else f"{acc[step]:.3f}"
+
+
+def table(rows: list[dict], args, out=sys.stdout) -> None:
+    """Print one network and model's rows."""
+    ref = next((r for r in rows if r["config"] == REFERENCE and r.get("ms_step")), None)
+    mid = args.eval_every * max(1, args.steps // args.eval_every // 2)
+    target = rows[0].get("target_accuracy")
+    goal = "time to DDP f32's " + ("(no reference)" if target is None else f"{target:.3f}")
+    shaped = any(r.get("bytes_per_step_tc") is not None for r in rows)
+    head = (
+        f"{'configuration':<40}{'ms/step':>9}{'x DDP':>7}{'MB/step':>9}"
+        f"{f'acc@{mid}':>9}{f'acc@{args.steps}':>9}  {goal}"
+    )
+    print(head, file=out)
+    print("-" * len(head), file=out)
+    for r in rows:
+        if r["status"] not in ("ok",) and not r["status"].startswith("diverged"):
+            print(f"{r['config']:<40}{r['status']}", file=out)
+            continue
+        ms = r["ms_step"]
+        speed = f"{ref['ms_step'] / ms:.2f}" if ref and ms else "-"
+        if r["status"] != "ok":
+            reach = r["status"]
+        elif r["seconds_to_target"] is not None:
+            reach = f"{r['seconds_to_target']:.2f} s (step {r['steps_to_target']})"
+        else:
+            reach = "-" if target is None else f"never in {args.steps} steps"
+        print(
+            f"{r['config']:<40}{ms:>9.1f}{speed:>7}{_fmt_bytes(r):>9}"
+            f"{_acc_at(r, mid):>9}{_acc_at(r, args.steps):>9}  {reach}",
+            file=out,
+        )
+    print(
+        "MB/step: "
+        + (
+            "tc's counters, every byte on the emulated network per step (all ranks)"
+            if shaped
+            else "what mpicomp's calls received, all ranks (MPI_Allreduce calls count "
+            "their 4n logical bytes); n/a: DDP, whose bytes only tc sees"
+        ),
+        file=out,
+    )
+
+
+def plot(path: str, groups: dict, title: str) -> None:
+    """Accuracy against steps x ms/step, one panel per network and model."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    keys = list(groups)
+    fig, axes = plt.subplots(1, len(keys), figsize=(7 * len(keys), 5), dpi=100, squeeze=False)
+    cmap = plt.get_cmap("tab20")
+    for ax, key in zip(axes[0], keys, strict=True):
+        rows = [r for r in groups[key] if r.get("ms_step") and r.get("accuracy")]
+        for i, r in enumerate(rows):
+            xs = [s * r["ms_step"] / 1e3 for s, _ in r["accuracy"]]
+            ys = [a for _, a in r["accuracy"]]
+            ddp = r["kind"] == "ddp"
+            style = dict(color="black", lw=2.2, zorder=5) if r["config"] == REFERENCE else {}
+            if not style:
+                style = dict(color=cmap(i % 20), lw=1.6 if ddp else 1.1, ls="--" if ddp else "-")
+            ax.plot(xs, ys, label=r["config"], **style)
+        target = groups[key][0].get("target_accuracy")
+        if target is not None:
+            ax.axhline(target, color="grey", ls=":", lw=1)
+        ax.set_title(f"{key[0]}, {key[1]}")
+        ax.set_xlabel("steps x median ms/step (s)")
+        ax.set_ylabel("test accuracy")
+        ax.grid(True, alpha=0.3)
+        if rows:
+            ax.legend(fontsize=6, ncol=2)
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+
+
+def _commit() -> str | None:
+    out = subprocess.run(
+        ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=False
+    )
+    return out.stdout.strip() or None if out.returncode == 0 else None
+
+
+def _parse(argv):
+    ap = argparse.ArgumentParser(prog="jobs.peers", description=__doc__.splitlines()[0])
+    ap.add_argument(
+        "--preset",
+        choices=sorted(PRESETS),
+        default="small",
+        help="defaults of --models, --steps, --ranks and the sizes: small (the MLP "
+        "64-256-256-10, 30 steps, 2 ranks: minutes on 2 cores) or full (issue 28's: "
+        "MLP 64-2048-2048-2048-10, ResNet width 64 on 32x32, transformer width 256, 150 "
+        "steps, 4 ranks)",
+    )
+    ap.add_argument("--models", default=None, help=f"comma list of {', '.join(models.MODELS)}")
+    ap.add_argument("--mlp-hidden", default=None, help="the MLP's hidden widths (preset's)")
+    ap.add_argument("--resnet-width", type=int, default=None, help="the ResNet's first width")
+    ap.add_argument("--transformer-width", type=int, default=None, help="d_model (preset's)")
+    ap.add_argument("--networks", default="unshaped", help=f"comma list of {', '.join(NETWORKS)}")
+    ap.add_argument("--rate", default="1gbit", help="the emulated links' rate (1gbit)")
+    ap.add_argument("--ranks", type=int, default=None, help="ranks (unshaped, shared)")
+    ap.add_argument("--hosts", type=int, default=4, help="emulated hosts of `hosts` (4)")
+    ap.add_argument("--ranks-per-host", type=int, default=1, help="with `hosts` (1)")
+    ap.add_argument("--intra-host", choices=("shm", "tcp"), default="shm", help="as jobs.netem")
+    ap.add_argument("--steps", type=int, default=None, help="SGD steps per configuration")
+    ap.add_argument("--warmup", type=int, default=3, help="steps left out of ms/step (3)")
+    ap.add_argument("--eval-every", type=int, default=None, help="steps (steps / 10)")
+    ap.add_argument("--batch", type=int, default=32, help="samples per rank (32)")
+    ap.add_argument("--lr", type=float, default=0.1, help="peak learning rate, cosine (0.1)")
+    ap.add_argument("--seed", type=int, default=0, help="weights and batches (0)")
+    ap.add_argument(
+        "--codecs",
+        default="all",
+        help="mpicomp runs: all (every codec of mpicomp.codecs.available()), or labels, "
+        "names and name:key=value entries as jobs.train",
+    )
+    ap.add_argument(
+        "--auto",
+        default=None,
+        help="runs of --codecs to repeat with schedule='auto': all, none, or labels "
+        "(the preset's: qsgd_maxnorm_bits4 small, all full)",
+    )
+    ap.add_argument(
+        "--skip",
+        default="",
+        help="configurations to leave out (labels, or codec names), each still a row saying so",
+    )
+    ap.add_argument("--powersgd-ranks", default="1,4", help="PowerSGD's ranks (1,4)")
+    ap.add_argument(
+        "--powersgd-start",
+        type=int,
+        default=2,
+        help="PowerSGD's start_powerSGD_iter: plain all-reduce before it (2, the least torch "
+        "takes with error feedback)",
+    )
+    ap.add_argument(
+        "--ddp-bucket-mb",
+        type=float,
+        default=None,
+        help="bucket_cap_mb of DDP without PowerSGD (DDP's default, 25)",
+    )
+    ap.add_argument("--timeout", type=float, default=300, help="seconds per configuration (300)")
+    ap.add_argument("--out", default=os.path.join("runs", "peers"), help="output directory")
+    ap.add_argument("--no-plot", action="store_true", help="write no accuracy.png")
+    args = ap.parse_args(argv)
+    preset = PRESETS[args.preset]
+    args.models = [m.strip() for m in (args.models or preset.models).split(",") if m.strip()]
+    args.networks = [n.strip() for n in args.networks.split(",") if n.strip()]
+    args.steps = preset.steps if args.steps is None else args.steps
+    args.ranks = preset.ranks if args.ranks is None else args.ranks
+    args.eval_every = args.eval_every or max(1, args.steps // 10)
+    strict = args.auto is not None  # the preset's runs only where --codecs has them
+    args.auto = preset.auto if args.auto is None else args.auto
+    args.sizes = preset.sizes
+    if args.mlp_hidden:
+        hidden = tuple(int(h) for h in args.mlp_hidden.split(",") if h.strip())
+        args.sizes = replace(args.sizes, mlp_hidden=hidden)
+    if args.resnet_width:
+        args.sizes = replace(args.sizes, resnet_width=args.resnet_width)
+    if args.transformer_width:
+        args.sizes = replace(args.sizes, transformer_width=args.transformer_width)
+    try:
+        for m in args.models:
+            if m not in models.MODELS:
+                raise ValueError(f"--models: unknown {m!r}; choose from {', '.join(models.MODELS)}")
+        for n in args.networks:
+            if n not in NETWORKS:
+                raise ValueError(f"--networks: unknown {n!r}; choose from {', '.join(NETWORKS)}")
+        parse_rate(args.rate)
+        ranks = [int(r) for r in args.powersgd_ranks.split(",") if r.strip()]
+        args.configs = ddp_configs(ranks, args.powersgd_start, args.ddp_bucket_mb)
+        args.configs += mpicomp_configs(args.codecs, args.auto, strict)
+    except ValueError as e:
+        ap.error(str(e))
+    args.skip = {s.strip() for s in args.skip.split(",") if s.strip()}
+    if args.steps <= args.warmup or args.warmup < 0 or args.ranks < 1 or args.batch < 1:
+        ap.error("--steps must exceed --warmup (>= 0); --ranks and --batch must be >= 1")
+    if "hosts" in args.networks and not 1 <= args.hosts <= namespace.MAX_HOSTS:
+        ap.error(f"--hosts must be 1..{namespace.MAX_HOSTS}")
+    if args.timeout <= 0:
+        ap.error("--timeout must be > 0")
+    return args
+
+
+def main(argv=None) -> int:
+    """Run every configuration on every network and model; return 0, or 2 when a network
+    cannot be made (not root)."""
+    args = _parse(argv)
+    os.makedirs(os.path.join(args.out, "logs"), exist_ok=True)
+    vendor = mpi_vendor()
+    started = time.time()
+    summary = {
+        "meta": {
+            "job": "jobs.peers",
+            "argv": list(sys.argv[1:] if argv is None else argv),
+            "date": datetime.date.today().isoformat(),
+            "commit": _commit(),
+            "host": platform.node(),
+            "cpus": os.cpu_count(),
+            "mpi": vendor,
+            "steps": args.steps,
+            "warmup": args.warmup,
+            "batch_per_rank": args.batch,
+            "lr": args.lr,
+            "rate": args.rate,
+            "sizes": asdict(args.sizes),
+        },
+        "networks": [],
+        "runs": [],
+    }
+    groups: dict[tuple[str, str], list[dict]] = {}
+    code = 0
+    try:
+        for name in args.networks:
+            try:
+                network = Network(name, args, vendor)
+                with network:
+                    print(f"\n== {network.describe()}, {network.ranks} ranks", flush=True)
+                    summary["networks"].append({"network": name, "ranks": network.ranks})
+                    for model in args.models:
+                        rows = _run_model(network, model, args)
+                        groups[(name, model)] = rows
+                        summary["runs"] += rows
+            except namespace.NeedsRoot as e:
+                print(f"\n== {name}: skipped: {e}", flush=True)
+                summary["networks"].append({"network": name, "skipped": str(e)})
+                code = 2
+    except KeyboardInterrupt:
+        print("jobs.peers: interrupted; namespaces removed", file=sys.stderr)
+        return 130
+    summary["meta"]["seconds"] = time.time() - started
+    path = os.path.join(args.out, "peers.json")
+    with open(path, "w") as f:
+        json.dump(summary, f, indent=1)
+    print(f"\nwrote {path} ({summary['meta']['seconds']:.0f} s)")
+    if groups and not args.no_plot:
+        png = os.path.join(args.out, "accuracy.png")
+        title = f"jobs.peers: {args.steps} steps, batch {args.batch} per rank"
+        plot(png, groups, title)
+        print(f"wrote {png}")
+    return code
+
+
+def _run_model(network: Network, model: str, args) -> list[dict]:
+    """Every configuration on one network and model, reported as it goes."""
+    n = models.n_params(models.build(model, args.sizes, args.seed))
+    print(
+        f"\n{network.name}, {model} ({n:,} parameters), {network.ranks} ranks, batch "
+        f"{args.batch} per rank, {args.steps} steps (ms/step: median after {args.warmup})",
+        flush=True,
+    )
+    rows = []
+    for config in args.configs:
+        if _skipped(config, args.skip):
+            row = {"network": network.name, "model": model, "config": config.label}
+            rows.append({**row, **config.spec, "status": "skipped (--skip)"})
+            continue
+        row = run_config(network, model, config, args)
+        rows.append(row)
+        ms = f"{row['ms_step']:.1f} ms/step" if row.get("ms_step") else ""
+        print(f"  {config.label}: {row['status']} {ms} ({row['seconds']:.0f} s)", flush=True)
+    add_targets(rows)
+    table(rows, args)
+    return rows

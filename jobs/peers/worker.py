@@ -1,0 +1,321 @@
+"""One configuration of ``jobs.peers``, on every MPI rank of one launch.
+
+``python -m mpi4py -m jobs.peers.worker --model M --config JSON --result PATH ...``:
+trains model M (jobs/peers/models.py) for ``--steps`` SGD steps, either through torch
+DDP over gloo (no hook, the fp16 or bf16 hook, PowerSGD) or through
+``mpicomp.torch.DistributedOptimizer`` (a codec, its parameters, a schedule), and rank
+0 writes what it measured to PATH as JSON. The driver (jobs/peers/driver.py) starts one
+launch per configuration, so that one that hangs or fails ends alone.
+
+Measured:
+
+- every step's time (zero_grad, forward, backward, the optimizer's step: the
+  all-reduce included), the slowest rank's; ``ms_step`` is their median after
+  ``--warmup`` steps;
+- test accuracy of rank 0's model every ``--eval-every`` steps and at the end (not
+  timed; the other ranks wait for it);
+- bytes per timed step: what tc's counters of ``--tc-dev`` say crossed the emulated
+  network between the first timed step and the last (rank 0 reads them, as ``mpicomp
+  bench --tc-dev``), and for mpicomp what its calls report (``on_call``: every rank's
+  ``bytes_recv``, summed).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import inspect
+import json
+import os
+import socket
+import sys
+import time
+
+import numpy as np
+
+from jobs._compare import cosine_lr
+from jobs._data import ShardSampler
+from jobs.peers import models
+
+# Seconds gloo waits for a peer before it fails (the driver's timeout comes first).
+GLOO_TIMEOUT_S = 600
+
+
+def _address(iface: str) -> str:
+    """Return the IPv4 address of network interface ``iface`` (Linux)."""
+    import fcntl
+    import struct
+
+    siocgifaddr = 0x8915
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        packed = fcntl.ioctl(s.fileno(), siocgifaddr, struct.pack("256s", iface[:15].encode()))
+    return socket.inet_ntoa(packed[20:24])
+
+
+class _Bytes:
+    """``on_call`` of mpicomp: sums what this rank's calls received, and their schedules."""
+
+    def __init__(self):
+        self.recv = 0
+        self.schedules: set[str] = set()
+
+    def __call__(self, event: dict) -> None:
+        self.recv += event["bytes_recv"]
+        if event.get("schedule"):
+            self.schedules.add(event["schedule"])
+
+
+class DDPPeer:
+    """torch DDP over gloo, with one of torch's communication hooks or none."""
+
+    def __init__(self, comm, model, config: dict, iface: str, lr_momentum: float):
+        import torch
+        import torch.distributed as dist
+        from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
+        from torch.nn.parallel import DistributedDataParallel as DDP
+
+        os.environ["GLOO_SOCKET_IFNAME"] = iface
+        where = None
+        if comm.rank == 0:
+            host = _address(iface)
+            with socket.socket() as s:  # a free port for gloo's rendezvous
+                s.bind((host, 0))
+                where = s.getsockname()
+        host, port = comm.bcast(where, root=0)
+        dist.init_process_group(
+            "gloo",
+            init_method=f"tcp://{host}:{port}",
+            rank=comm.rank,
+            world_size=comm.size,
+            timeout=datetime.timedelta(seconds=GLOO_TIMEOUT_S),
+        )
+        hook = config.get("hook")
+        options = {}
+        if hook == "powersgd":
+            # One bucket for the whole model: with DDP's default 25 MB buckets (two for
+            # the 8.55M-parameter MLP) PowerSGD hung on gloo inside
+            # unpack_uncompressed_tensors_and_allreduce_ps (issue 28); with one it runs.
+            numel = sum(p.numel() for p in model.parameters())
+            options["bucket_cap_mb"] = 4 * numel / 2**20 + 1
+        elif config.get("bucket_mb"):
+            options["bucket_cap_mb"] = config["bucket_mb"]
+        # Buffers (BatchNorm's running statistics) stay each rank's own after the start,
+        # as with mpicomp, which broadcasts them once and then averages gradients only.
+        sync = "forward_sync_buffers"  # torch >= 2.12's name; broadcast_buffers before
+        if sync not in inspect.signature(DDP.__init__).parameters:
+            sync = "broadcast_buffers"
+        options[sync] = False
+        self.net = DDP(model, **options)
+        if hook in ("fp16", "bf16"):
+            fn = getattr(default_hooks, f"{hook}_compress_hook")
+            self.net.register_comm_hook(None, fn)
+        elif hook == "powersgd":
+            state = powerSGD_hook.PowerSGDState(
+                process_group=None,
+                matrix_approximation_rank=config["rank"],
+                start_powerSGD_iter=config["start"],
+                use_error_feedback=True,
+                warm_start=True,
+            )
+            self.net.register_comm_hook(state, powerSGD_hook.powerSGD_hook)
+        elif hook is not None:
+            raise ValueError(f"unknown DDP hook {hook!r}")
+        self.module = model
+        self.optimizer = torch.optim.SGD(model.parameters(), lr=0.0, momentum=lr_momentum)
+        self.counter = None
+
+    def step(self, x, y) -> None:
+        import torch
+
+        self.optimizer.zero_grad()
+        torch.nn.functional.cross_entropy(self.net(x), y).backward()
+        self.optimizer.step()
+
+    def close(self) -> None:
+        import torch.distributed as dist
+
+        dist.destroy_process_group()
+
+
+class MpicompPeer:
+    """``mpicomp.torch.DistributedOptimizer`` with one codec (and schedule)."""
+
+    def __init__(self, comm, model, config: dict, momentum: float):
+        import torch
+
+        import mpicomp.torch as mt
+
+        mt.broadcast_parameters(model, comm)
+        self.counter = _Bytes()
+        options = dict(config.get("params", {}))
+        if config.get("schedule"):
+            options["schedule"] = config["schedule"]
+        sgd = torch.optim.SGD(model.parameters(), lr=0.0, momentum=momentum)
+        self.optimizer = mt.DistributedOptimizer(
+            sgd, comm, model.named_parameters(), config["codec"], on_call=self.counter, **options
+        )
+        self.net = self.module = model
+
+    def step(self, x, y) -> None:
+        import torch
+
+        self.optimizer.zero_grad()
+        torch.nn.functional.cross_entropy(self.net(x), y).backward()
+        self.optimizer.step()
+
+    def close(self) -> None:
+        self.optimizer.close()
+
+
+def _accuracy(model, data: models.Data) -> float:
+    import torch
+
+    model.eval()
+    with torch.no_grad():
+        hits = 0
+        for lo in range(0, len(data.y_test), 256):
+            logits = model(torch.from_numpy(data.x_test[lo : lo + 256]))
+            hits += int((logits.argmax(dim=1).numpy() == data.y_test[lo : lo + 256]).sum())
+    model.train()
+    return hits / len(data.y_test)
+
+
+def _finite(model) -> bool:
+    import torch
+
+    return all(bool(torch.isfinite(p).all()) for p in model.parameters())
+
+
+def _tc(devs: list[str]) -> int | None:
+    from mpicomp.bench.allreduce import tc_sent_bytes
+
+    return sum(tc_sent_bytes(d) for d in devs) if devs else None
+
+
+def train(comm, peer, data: models.Data, args) -> dict:
+    """Run the steps; return what rank 0 reports (the same dict on every rank)."""
+    import torch
+    from mpi4py import MPI
+
+    sampler = ShardSampler(
+        len(data.y_train), args.batch * comm.size, comm.rank, comm.size, args.seed
+    )
+    evals = set(range(args.eval_every, args.steps + 1, args.eval_every)) | {args.steps}
+    times: list[float] = []
+    accuracy: list[tuple[int, float]] = (
+        [(0, _accuracy(peer.module, data))] if comm.rank == 0 else []
+    )
+    diverged = 0
+    window = {}
+    for step in range(args.steps):
+        if step == args.warmup:  # the timed steps begin: read the byte counters
+            comm.Barrier()
+            window["tc"] = _tc(args.tc_dev) if comm.rank == 0 else None
+            window["traced"] = peer.counter.recv if peer.counter else None
+        idx = sampler.next()
+        x, y = torch.from_numpy(data.x_train[idx]), torch.from_numpy(data.y_train[idx])
+        for group in peer.optimizer.param_groups:
+            group["lr"] = cosine_lr(args.lr, step, args.steps)
+        t0 = time.perf_counter()
+        try:
+            peer.step(x, y)
+        except (ValueError, RuntimeError):
+            # mpicomp raises on every rank in the same step (nonfinite="raise"): divergence
+            # when some rank's gradient holds NaN/Inf, a failure else
+            grads = [p.grad for p in peer.module.parameters() if p.grad is not None]
+            bad = not all(bool(torch.isfinite(g).all()) for g in grads)
+            if not comm.allreduce(bad, op=MPI.LOR):
+                raise
+            diverged = step + 1
+            break
+        times.append(time.perf_counter() - t0)
+        done = step + 1
+        if done in evals:
+            mine = (_accuracy(peer.module, data), _finite(peer.module)) if comm.rank == 0 else None
+            acc, finite = comm.bcast(mine, root=0)
+            accuracy.append((done, acc))
+            if not finite:  # the same weights on every rank: the same answer
+                diverged = done
+                break
+    comm.Barrier()
+    timed = len(times) - args.warmup
+    tc_bytes = traced = None
+    if timed > 0 and not diverged:
+        if args.tc_dev and comm.rank == 0:
+            tc_bytes = (_tc(args.tc_dev) - window["tc"]) / timed
+        if peer.counter is not None:
+            traced = comm.allreduce(peer.counter.recv - window["traced"]) / timed
+    local = np.asarray(times, dtype=np.float64)
+    slowest = np.empty_like(local)
+    comm.Allreduce(local, slowest, op=MPI.MAX)
+    step_ms = (1e3 * slowest).tolist()
+    return {
+        "params": models.n_params(peer.module),
+        "ranks": comm.size,
+        "steps": args.steps,
+        "warmup": args.warmup,
+        "batch_per_rank": args.batch,
+        "step_ms": step_ms,
+        "ms_step": float(np.median(step_ms[args.warmup :])) if timed > 0 else None,
+        "accuracy": accuracy,
+        "final_accuracy": accuracy[-1][1] if accuracy and not diverged else None,
+        "diverged": diverged,
+        "bytes_per_step_tc": tc_bytes,
+        "bytes_per_step_traced": traced,
+        "schedules": sorted(peer.counter.schedules) if peer.counter else None,
+    }
+
+
+def _parse(argv):
+    ap = argparse.ArgumentParser(prog="jobs.peers.worker", description=__doc__.splitlines()[0])
+    ap.add_argument("--model", choices=models.MODELS, required=True)
+    ap.add_argument("--config", required=True, help="the configuration, as JSON")
+    ap.add_argument("--sizes", required=True, help="the models' sizes, as JSON (models.Sizes)")
+    ap.add_argument("--result", required=True, help="where rank 0 writes its JSON")
+    ap.add_argument("--steps", type=int, required=True)
+    ap.add_argument("--warmup", type=int, required=True)
+    ap.add_argument("--eval-every", type=int, required=True)
+    ap.add_argument("--batch", type=int, required=True, help="samples per rank")
+    ap.add_argument("--lr", type=float, required=True)
+    ap.add_argument("--momentum", type=float, default=0.9)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--iface", default="lo", help="the interface gloo uses")
+    ap.add_argument("--tc-dev", default="", help="qdiscs to count (NETNS/DEV, comma list)")
+    args = ap.parse_args(argv)
+    args.tc_dev = [d for d in args.tc_dev.split(",") if d]
+    args.config = json.loads(args.config)
+    sizes = json.loads(args.sizes)
+    sizes["mlp_hidden"] = tuple(sizes["mlp_hidden"])
+    args.sizes = models.Sizes(**sizes)
+    return args
+
+
+def main(argv=None) -> int:
+    """Train one configuration on MPI.COMM_WORLD; rank 0 writes ``--result``."""
+    import torch
+    from mpi4py import MPI
+
+    args = _parse(argv)
+    torch.set_num_threads(1)  # the ranks share the cores
+    comm = MPI.COMM_WORLD
+    data = models.load(args.model, args.sizes)
+    model = models.build(args.model, args.sizes, args.seed)
+    config = args.config
+    if config["kind"] == "ddp":
+        peer = DDPPeer(comm, model, config, args.iface, args.momentum)
+    else:
+        peer = MpicompPeer(comm, model, config, args.momentum)
+    # An exception here ends every rank (python -m mpi4py): no close, which is collective.
+    result = train(comm, peer, data, args)
+    peer.close()
+    if comm.rank == 0:
+        result.update(torch=torch.__version__, mpi=MPI.Get_library_version().splitlines()[0])
+        tmp = args.result + ".tmp"
+        with open(tmp, "w") as f:
+            json.dump(result, f)
+        os.replace(tmp, args.result)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
