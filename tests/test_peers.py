@@ -25,6 +25,12 @@ def test_every_available_codec_is_a_configuration_and_auto_repeats_them():
         "mpicomp_none", "mpicomp_threelc_sparsity1.0", "mpicomp_threelc_sparsity1.5",
         "mpicomp_threelc_sparsity1.5_auto",
     ]  # fmt: skip
+    # PowerSGD through mpicomp as through DDP: each rank, compressing from the same step
+    if "powersgd" in mpicomp.codecs.available():
+        psgd = [c for c in plain if c.spec["codec"] == "powersgd"]
+        assert [(c.spec["params"]["rank"], c.spec["params"]["start_iter"]) for c in psgd] == [
+            (1, 2), (4, 2)
+        ]  # fmt: skip
     with pytest.raises(ValueError, match="--auto signsgd: not among the runs"):
         driver.mpicomp_configs("none", "signsgd")
     ddp = driver.ddp_configs([1, 4], 2, None)

@@ -91,20 +91,41 @@ def ddp_configs(powersgd_ranks: list[int], start: int, bucket_mb: float | None) 
     return out
 
 
-def mpicomp_configs(codecs: str, auto: str, strict: bool = True) -> list[Config]:
+def mpicomp_configs(
+    codecs: str,
+    auto: str,
+    strict: bool = True,
+    powersgd_ranks: tuple[int, ...] = (1, 4),
+    powersgd_start: int = 2,
+) -> list[Config]:
     """``DistributedOptimizer`` runs: ``codecs`` (``all``: every available codec, see
     the module docstring; else jobs.train's syntax), then those of ``auto`` (``all``,
     ``none`` or labels of ``codecs``; not ``strict``: those that are) again with
     ``schedule="auto"``.
+
+    mpicomp's ``powersgd`` is run as DDP's PowerSGD is: named without parameters, once
+    per rank of ``powersgd_ranks``; its ``start_iter`` (1000 by default, as torch's)
+    is ``powersgd_start`` unless given.
 
     Raises:
         ValueError: a malformed entry, or an ``--auto`` label that is not a run.
     """
     import mpicomp
 
-    if codecs == "all":
-        codecs = ",".join(mpicomp.codecs.available())
-    runs = parse_runs(codecs)
+    if codecs == "all":  # the float32 and float16 baselines first
+        names = mpicomp.codecs.available()
+        codecs = ",".join(sorted(names, key=lambda n: (n not in ("none", "fp16"), n != "none")))
+    runs = []
+    for r in parse_runs(codecs):
+        if r.codec != "powersgd":
+            runs.append(r)
+            continue
+        ranks = [r.params["rank"]] if "rank" in r.params else powersgd_ranks
+        for rank in ranks:
+            params = {**r.params, "rank": rank}
+            params.setdefault("start_iter", powersgd_start)
+            pairs = ":".join(f"{k}={v}" for k, v in params.items())
+            runs += parse_runs(f"powersgd:{pairs}")
     out = [
         Config(f"mpicomp_{r.label}", {"kind": "mpicomp", "codec": r.codec, "params": r.params})
         for r in runs
@@ -447,7 +468,9 @@ def _parse(argv):
         parse_rate(args.rate)
         ranks = [int(r) for r in args.powersgd_ranks.split(",") if r.strip()]
         args.configs = ddp_configs(ranks, args.powersgd_start, args.ddp_bucket_mb)
-        args.configs += mpicomp_configs(args.codecs, args.auto, strict)
+        args.configs += mpicomp_configs(
+            args.codecs, args.auto, strict, tuple(ranks), args.powersgd_start
+        )
     except ValueError as e:
         ap.error(str(e))
     args.skip = {s.strip() for s in args.skip.split(",") if s.strip()}
