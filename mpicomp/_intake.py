@@ -192,7 +192,10 @@ def _max_numel() -> int:
 
 def _shape(x) -> tuple:
     """Return the shape of input ``x``: an array's, a tensor's, or its CUDA array interface's."""
-    if hasattr(x, "__cuda_array_interface__") and not hasattr(x, "shape"):
+    shape = getattr(x, "shape", None)
+    if shape is not None:
+        return tuple(shape)
+    if hasattr(x, "__cuda_array_interface__"):
         return tuple(x.__cuda_array_interface__["shape"])
     return np.shape(x)
 

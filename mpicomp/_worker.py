@@ -12,11 +12,12 @@ from __future__ import annotations
 import queue
 import threading
 import warnings
+import weakref
 from collections.abc import Callable
 
 from mpicomp._log import log
 
-__all__ = ["Handle", "Worker", "overlap_blocker"]
+__all__ = ["Handle", "Runner", "Worker", "overlap_blocker"]
 
 
 _STOP = object()  # the queue item that ends a worker's thread
@@ -190,6 +191,54 @@ class Worker:
             self._queue.put(_STOP)
             if thread is not threading.current_thread():
                 thread.join()
+
+
+class Runner:
+    """Where a CompressedComm's started calls run: on a ``Worker`` (made by the first
+    one) when ``background``, else at once in the caller's thread, saying once why
+    (``eager_why``) when the default chose that.
+
+    ``owner``: the object whose collection (or the interpreter's exit) stops the worker,
+    so that an unclosed communicator still finishes its started calls.
+    """
+
+    def __init__(self, owner, background: bool, eager_why: str | None, name: str):
+        self.background = background
+        self._eager_why = eager_why
+        self._name = name
+        self._owner = weakref.ref(owner)
+        self._worker: Worker | None = None
+        self._stop = None
+
+    def start(self, job: Callable, deliver: Callable) -> Handle:
+        """Run ``job`` behind the calls started before (or now); the handle's ``wait()``
+        returns ``deliver(outcome)``."""
+        if not self.background:
+            if self._eager_why:
+                why, self._eager_why = self._eager_why, None
+                warnings.warn(
+                    f"{why}: iallreduce runs each call at once in the caller's thread (no overlap)",
+                    RuntimeWarning,
+                    stacklevel=3,  # this frame, the CompressedComm method, its caller
+                )
+            handle = Handle(deliver)
+            handle._run(job)
+            return handle
+        if self._worker is None:
+            self._worker = Worker(self._name)
+            self._stop = weakref.finalize(self._owner(), self._worker.stop)
+        return self._worker.submit(job, deliver)
+
+    def drain(self) -> None:
+        """Wait until every started call has finished (errors stay in handles)."""
+        if self._worker is not None:
+            self._worker.drain()
+
+    def stop(self) -> None:
+        """Finish the started calls and end the worker's thread."""
+        if self._worker is not None:
+            self._stop()
+            self._worker = None
 
 
 def _serve(jobs: queue.SimpleQueue) -> None:

@@ -1,18 +1,15 @@
 """CompressedComm: the one call a training loop makes instead of its all-reduce.
 
-This module is the façade: options, lifetime, threads and the call itself. What a
-call takes in is ``mpicomp._intake``; where the ranks are and what a call runs,
-``mpicomp._placement``; error-feedback residuals, ``mpicomp._residuals``; how the
-bytes move, ``mpicomp.reduction`` (docs/architecture.md).
+This module is the façade: lifetime and the call itself. What the arguments resolve to
+is ``mpicomp._arguments``; where started calls run, ``mpicomp._worker``; what a call
+takes in, ``mpicomp._intake``; where the ranks are and what a call runs,
+``mpicomp._placement``; what is kept per tensor across calls, ``mpicomp._residuals``;
+how the bytes move, ``mpicomp.reduction`` (docs/architecture.md).
 """
 
 from __future__ import annotations
 
-import difflib
-import inspect
-import json
 import warnings
-import weakref
 import zlib
 from dataclasses import replace
 from functools import partial
@@ -20,19 +17,17 @@ from typing import NamedTuple
 
 from mpi4py import MPI
 
-from mpicomp._config import Config, check_same
+from mpicomp._arguments import resolve as resolve_arguments
+from mpicomp._arguments import trace_attrs
+from mpicomp._config import check_same
 from mpicomp._intake import Gpu, Tensor, buckets, take, take_many
 from mpicomp._log import log
 from mpicomp._placement import Planner, place
 from mpicomp._residuals import NO_RESIDUALS, Encoding, rollback
 from mpicomp._same_call import CLOSING, check_same_call
-from mpicomp._transport import Transport, cuda_aware
-from mpicomp._worker import Handle, Worker, overlap_blocker
+from mpicomp._worker import Handle, Runner
 from mpicomp.codecs import Codec
-from mpicomp.codecs._base import available as available_codecs
-from mpicomp.codecs._base import codec_parameters
 from mpicomp.codecs._base import make as make_codec
-from mpicomp.collectives._wait import resolve_timeout
 from mpicomp.errors import NonFiniteWarning, PeerClosed, RankError
 from mpicomp.options import Options
 from mpicomp.reduction import kind_of
@@ -168,12 +163,13 @@ class CompressedComm:
         _check_comm(comm)
         # Whatever one rank finds wrong here, every rank hears of in the check below (one
         # small Allgather on ``comm``), before anything collective could wait for it.
-        error, config, opts = None, None, None
+        error, args = None, None
         try:
-            codec = _codec(codec, codec_params)
-            #: The checked options (``mpicomp.options.Options``), frozen.
-            opts = Options.resolve(
+            args = resolve_arguments(
                 codec,
+                codec_params,
+                on_call=on_call,
+                local_comm=local_comm,
                 min_numel=min_numel,
                 bucket_numel=bucket_numel,
                 error_feedback=error_feedback,
@@ -187,46 +183,33 @@ class CompressedComm:
                 timeout=timeout,
                 background=background,
             )
-            why = None if opts.background is False else overlap_blocker(codec.kernels)
-            if opts.background and why:
-                raise ValueError(
-                    f"background=True: {why} (see docs/usage.md, Overlapping communication)"
-                )
-            if on_call is not None and not callable(on_call):
-                raise TypeError(f"on_call must be callable or None, got {on_call!r}")
-            if local_comm is not None and not isinstance(local_comm, MPI.Intracomm):
-                raise TypeError(
-                    f"local_comm must be an mpi4py.MPI.Intracomm or None, got {local_comm!r}"
-                )
-            # How device gradients' bytes reach MPI: directly when the library is CUDA-aware.
-            transport = Transport(direct=cuda_aware()[0])
-            config = _config(codec, opts, on_call is not None, local_comm is not None)
         except Exception as e:
             error = e
-        check_same(comm, config, error, "this CompressedComm", opts.timeout if opts else None)
-        self.codec = codec
-        self.options = opts
+        config, timeout = (args.config, args.options.timeout) if args else (None, None)
+        check_same(comm, config, error, "this CompressedComm", timeout)
+        self.codec = codec = args.codec
+        #: The checked options (``mpicomp.options.Options``), frozen.
+        self.options = opts = args.options
         self.kernels = codec.kernels  # the backend of NumPy arrays, read when made
-        self._transport = transport
+        self._transport = args.transport
         self._gpu = Gpu()  # the GPU of this rank's device gradients, fixed at the first one
+        self._comm = comm.Dup()
+        self.rank = self._comm.rank
+        self.size = self._comm.size
         #: Whether ``iallreduce`` runs its calls on a background thread.
-        self.background = why is None if opts.background is None else opts.background
-        self._eager_why = why if opts.background is None else None  # warned once, at first use
-        self._worker = None  # made by the first background iallreduce
+        self.background = args.background
+        self._runner = Runner(self, args.background, args.eager_why, f"mpicomp-worker-{self.rank}")
         # What this CompressedComm keeps per tensor across calls (residuals, factors).
         self._residuals = kind_of(codec).state(codec, opts)
         self._plain = make_codec("none")
-        self._comm = comm.Dup()
         self._closed = False
         self._peer_closed = None  # why, once another rank closed this CompressedComm
-        self.rank = self._comm.rank
-        self.size = self._comm.size
         try:
             self._placement = place(self._comm, local_comm, model, codec, opts.schedule)
         except BaseException:
             self._comm.Free()
             raise
-        self._planner = Planner(codec, opts.schedule, self._placement, config)
+        self._planner = Planner(codec, opts.schedule, self._placement, args.config)
         self._calls = 0  # the step of the counter-based RNG: the same on every rank
         #: Gets every exchange step of the collectives, ``record(op, step, sent, recv,
         #: bits)`` (e.g. a ``collectives.traffic.Traffic``); None by default.
@@ -237,15 +220,13 @@ class CompressedComm:
         if trace is not None or on_call is not None:
             from mpicomp.trace import Tracer
 
+            flush_every = trace_flush_every if trace is not None else None
+            attrs = trace_attrs(args)
             try:
                 self.trace = Tracer(
-                    self._comm,
-                    trace,
-                    level=trace_level,
-                    flush_every=trace_flush_every if trace is not None else None,
-                    attrs=self._trace_attrs(),
-                    on_call=on_call,
-                )
+                    self._comm, trace, level=trace_level, flush_every=flush_every,
+                    attrs=attrs, on_call=on_call,
+                )  # fmt: skip
             except BaseException:
                 self._free_comms()
                 raise
@@ -255,7 +236,7 @@ class CompressedComm:
             codec,
             self.kernels.name,
             self._transport.path,
-            "on a background thread" if self.background else f"in the caller's thread ({why})",
+            "on a background thread" if self.background else "in the caller's thread",
         )
 
     @property
@@ -617,29 +598,11 @@ class CompressedComm:
     # -- threads and lifetime ---------------------------------------------------
 
     def _start(self, job, deliver) -> Handle:
-        """Run ``job`` on the worker thread behind the calls started before (or now);
-        the handle's ``wait()`` returns ``deliver(outcome)``."""
-        if not self.background:
-            if self._eager_why:
-                why, self._eager_why = self._eager_why, None
-                warnings.warn(
-                    f"{why}: iallreduce runs each call at once in the caller's thread (no overlap)",
-                    RuntimeWarning,
-                    stacklevel=3,
-                )
-            handle = Handle(deliver)
-            handle._run(job)
-            return handle
-        if self._worker is None:
-            self._worker = Worker(f"mpicomp-worker-{self.rank}")
-            # An unclosed communicator still finishes its started calls at exit.
-            self._stop_worker = weakref.finalize(self, self._worker.stop)
-        return self._worker.submit(job, deliver)
+        return self._runner.start(job, deliver)
 
     def _drain(self) -> None:
         """Wait until every started ``iallreduce`` has finished (errors stay in handles)."""
-        if self._worker is not None:
-            self._worker.drain()
+        self._runner.drain()
 
     def _check_open(self):
         if self._peer_closed is not None:
@@ -652,10 +615,7 @@ class CompressedComm:
         if self._closed:
             return
         self._closed = True
-        if self._worker is not None:
-            # Started calls use the communicator: they finish before it is freed.
-            self._stop_worker()
-            self._worker = None
+        self._runner.stop()  # started calls use the communicator: they finish first
         # Closing takes part in the agreement every call begins with: a rank still
         # calling raises PeerClosed (and closes) instead of waiting for this one forever.
         together = agree and self._peer_closed is None and self._agree_close()
@@ -688,23 +648,6 @@ class CompressedComm:
             self._comm = None
             self._closed = True
 
-    def _trace_attrs(self) -> dict:
-        """Return the run attributes a trace records about this CompressedComm."""
-        opts = self.options
-        return {
-            "backend": self.kernels.name,
-            "cuda_aware": self._transport.direct,
-            "device_transport": self._transport.path,
-            "mpi_cuda_aware": _mpi_cuda_aware(),
-            "codec": self.codec.name,
-            "codec_params": json.dumps(self.codec.params, sort_keys=True, default=str),
-            "min_numel": opts.min_numel,
-            "bucket_numel": opts.bucket_numel,
-            "error_feedback": opts.error_feedback,
-            "sharded": opts.sharded,
-            "schedule": opts.schedule,
-        }
-
 
 def _check_comm(comm) -> None:
     """Refuse what is not an mpi4py communicator (on this rank alone: without one, no
@@ -713,74 +656,6 @@ def _check_comm(comm) -> None:
         raise TypeError(
             f"comm must be an mpi4py.MPI.Intracomm such as MPI.COMM_WORLD, got {comm!r}"
         )
-
-
-def _codec(codec, params: dict) -> Codec:
-    """Return the codec ``codec`` names (made with ``params``), or ``codec`` itself.
-
-    A keyword neither CompressedComm nor the codec takes is blamed on both, with the
-    closest names, instead of on the codec's ``__init__``.
-    """
-    if isinstance(codec, str):
-        unknown = [k for k in params if k not in codec_parameters(codec)]
-        if unknown and codec in available_codecs():
-            raise TypeError(_unknown_keywords(unknown, codec))
-        return make_codec(codec, **params)
-    if params:
-        raise TypeError(
-            f"codec parameters ({', '.join(params)}) go with a codec name, not a made codec"
-        )
-    if not isinstance(codec, Codec):
-        raise TypeError(f"codec must be a codec name or an mpicomp codec, got {codec!r}")
-    return codec
-
-
-def _unknown_keywords(unknown: list[str], codec: str) -> str:
-    options = [p for p in inspect.signature(CompressedComm).parameters if p != "codec_params"]
-    own = codec_parameters(codec)
-    parts = []
-    for k in unknown:
-        close = difflib.get_close_matches(k, options + list(own), n=1)
-        parts.append(f"{k!r}" + (f" (did you mean {close[0]!r}?)" if close else ""))
-    return (
-        f"CompressedComm got unknown keyword(s) {', '.join(parts)}: not an option of "
-        f"CompressedComm nor a parameter of codec {codec!r} "
-        f"({', '.join(own) if own else 'which takes none'})"
-    )
-
-
-def _config(codec: Codec, opts: Options, on_call: bool, local_comm: bool) -> Config:
-    """Return what every rank's CompressedComm must share: what changes the messages
-    (a tracer of a file or of ``on_call`` alike syncs its clock with the other ranks'
-    at start; one of a file also gathers its events at every flush)."""
-    traced = opts.trace is not None
-    return Config(
-        {
-            "codec": {"name": codec.name, **codec.params},
-            "schedule": opts.schedule,
-            "sharded": opts.sharded,
-            "min_numel": opts.min_numel,
-            "bucket_numel": opts.bucket_numel,
-            "error_feedback": opts.error_feedback,
-            "nonfinite": opts.nonfinite,
-            "timeout": "off" if opts.timeout == 0 or not resolve_timeout(opts.timeout) else "set",
-            "debug": opts.debug,
-            "traced": traced or on_call,
-            "trace_file": traced,
-            "trace_level": opts.trace_level if traced else None,
-            "trace_flush_every": opts.trace_flush_every if traced else None,
-            "local_comm": local_comm,
-        }
-    )
-
-
-def _mpi_cuda_aware() -> str:
-    """Return whether the MPI library takes GPU buffers, and how that was decided."""
-    try:
-        aware, how = cuda_aware()
-    except ValueError as e:  # a bad MPICOMP_CUDA_AWARE
-        return f"unknown ({e})"
-    return f"{'yes' if aware else 'no'} ({how})"
 
 
 def _deliver(outcome: tuple):

@@ -822,9 +822,10 @@ def comm_hook(state: HookState, bucket) -> torch.futures.Future:
         source.copy_(buffer)
     compress = state.iteration >= state.start_step
     layout = zlib.crc32(f"{name}:{buffer.numel()}".encode())
-    shapes = [tuple(g.shape) for g in bucket.gradients()]
-    if sum(g.numel() for g in bucket.gradients()) != buffer.numel():
-        shapes = None  # padded: the buffer is no longer the gradients end to end
+    grads = bucket.gradients() if hasattr(bucket, "gradients") else []
+    shapes = [tuple(g.shape) for g in grads]
+    if sum(g.numel() for g in grads) != buffer.numel():
+        shapes = None  # padded (or unknown): not the gradients end to end
     handle = state.comm.start(
         source, name, layout=layout, snapshots=this.snapshots, compress=compress, shapes=shapes
     )

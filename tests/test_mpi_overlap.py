@@ -161,7 +161,7 @@ def test_eager_fallback_gives_completed_handles_with_the_same_results():
     with mpicomp.CompressedComm(comm, "signsgd", min_numel=0, background=False) as cc:
         handles = [cc.iallreduce(x, name=f"t{j}") for j, x in enumerate(_inputs(comm, 0))]
         assert all(h.done for h in handles)  # ran at once, in the caller's thread
-        assert cc._worker is None
+        assert cc._runner._worker is None
         for h, w in zip(handles, want, strict=True):
             np.testing.assert_array_equal(h.wait(), w)
 

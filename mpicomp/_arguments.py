@@ -1,0 +1,145 @@
+"""What CompressedComm's arguments resolve to on this rank, before any message: the
+codec, the checked options, how device bytes reach MPI, whether started calls may run on
+a background thread, and the configuration every rank must share."""
+
+from __future__ import annotations
+
+import difflib
+import json
+from dataclasses import dataclass, fields
+
+from mpi4py import MPI
+
+from mpicomp._config import Config
+from mpicomp._transport import Transport, cuda_aware
+from mpicomp._worker import overlap_blocker
+from mpicomp.codecs import Codec
+from mpicomp.codecs._base import available as available_codecs
+from mpicomp.codecs._base import codec_parameters
+from mpicomp.codecs._base import make as make_codec
+from mpicomp.collectives._wait import resolve_timeout
+from mpicomp.options import Options
+
+
+@dataclass(frozen=True)
+class Arguments:
+    """A CompressedComm's arguments, checked: ``codec``, ``options``, ``transport``,
+    ``background`` (whether ``iallreduce`` runs calls on a thread), ``eager_why`` (why
+    not, to warn once when the default made it so; None otherwise) and ``config``."""
+
+    codec: Codec
+    options: Options
+    transport: Transport
+    background: bool
+    eager_why: str | None
+    config: Config
+
+
+def resolve(codec, codec_params: dict, *, on_call, local_comm, **given) -> Arguments:
+    """Return what ``CompressedComm(comm, codec, **given, **codec_params)`` asks for.
+
+    Raises:
+        TypeError, ValueError: as ``CompressedComm`` documents (on this rank alone).
+    """
+    codec = _codec(codec, codec_params)
+    opts = Options.resolve(codec, **given)
+    why = None if opts.background is False else overlap_blocker(codec.kernels)
+    if opts.background and why:
+        raise ValueError(f"background=True: {why} (see docs/usage.md, Overlapping communication)")
+    if on_call is not None and not callable(on_call):
+        raise TypeError(f"on_call must be callable or None, got {on_call!r}")
+    if local_comm is not None and not isinstance(local_comm, MPI.Intracomm):
+        raise TypeError(f"local_comm must be an mpi4py.MPI.Intracomm or None, got {local_comm!r}")
+    # How device gradients' bytes reach MPI: directly when the library is CUDA-aware.
+    transport = Transport(direct=cuda_aware()[0])
+    background = why is None if opts.background is None else opts.background
+    eager_why = why if opts.background is None else None
+    config = _config(codec, opts, on_call is not None, local_comm is not None)
+    return Arguments(codec, opts, transport, background, eager_why, config)
+
+
+def trace_attrs(args: Arguments) -> dict:
+    """Return the run attributes a trace records about a CompressedComm."""
+    codec, opts = args.codec, args.options
+    return {
+        "backend": codec.kernels.name,
+        "cuda_aware": args.transport.direct,
+        "device_transport": args.transport.path,
+        "mpi_cuda_aware": _mpi_cuda_aware(),
+        "codec": codec.name,
+        "codec_params": json.dumps(codec.params, sort_keys=True, default=str),
+        "min_numel": opts.min_numel,
+        "bucket_numel": opts.bucket_numel,
+        "error_feedback": opts.error_feedback,
+        "sharded": opts.sharded,
+        "schedule": opts.schedule,
+    }
+
+
+def _codec(codec, params: dict) -> Codec:
+    """Return the codec ``codec`` names (made with ``params``), or ``codec`` itself.
+
+    A keyword neither CompressedComm nor the codec takes is blamed on both, with the
+    closest names, instead of on the codec's ``__init__``.
+    """
+    if isinstance(codec, str):
+        unknown = [k for k in params if k not in codec_parameters(codec)]
+        if unknown and codec in available_codecs():
+            raise TypeError(_unknown_keywords(unknown, codec))
+        return make_codec(codec, **params)
+    if params:
+        raise TypeError(
+            f"codec parameters ({', '.join(params)}) go with a codec name, not a made codec"
+        )
+    if not isinstance(codec, Codec):
+        raise TypeError(f"codec must be a codec name or an mpicomp codec, got {codec!r}")
+    return codec
+
+
+def _unknown_keywords(unknown: list[str], codec: str) -> str:
+    options = ["comm", "codec", *(f.name for f in fields(Options))]
+    options += ["model", "local_comm", "on_call"]
+    own = codec_parameters(codec)
+    parts = []
+    for k in unknown:
+        close = difflib.get_close_matches(k, options + list(own), n=1)
+        parts.append(f"{k!r}" + (f" (did you mean {close[0]!r}?)" if close else ""))
+    return (
+        f"CompressedComm got unknown keyword(s) {', '.join(parts)}: not an option of "
+        f"CompressedComm nor a parameter of codec {codec!r} "
+        f"({', '.join(own) if own else 'which takes none'})"
+    )
+
+
+def _config(codec: Codec, opts: Options, on_call: bool, local_comm: bool) -> Config:
+    """Return what every rank's CompressedComm must share: what changes the messages
+    (a tracer of a file or of ``on_call`` alike syncs its clock with the other ranks'
+    at start; one of a file also gathers its events at every flush)."""
+    traced = opts.trace is not None
+    return Config(
+        {
+            "codec": {"name": codec.name, **codec.params},
+            "schedule": opts.schedule,
+            "sharded": opts.sharded,
+            "min_numel": opts.min_numel,
+            "bucket_numel": opts.bucket_numel,
+            "error_feedback": opts.error_feedback,
+            "nonfinite": opts.nonfinite,
+            "timeout": "off" if opts.timeout == 0 or not resolve_timeout(opts.timeout) else "set",
+            "debug": opts.debug,
+            "traced": traced or on_call,
+            "trace_file": traced,
+            "trace_level": opts.trace_level if traced else None,
+            "trace_flush_every": opts.trace_flush_every if traced else None,
+            "local_comm": local_comm,
+        }
+    )
+
+
+def _mpi_cuda_aware() -> str:
+    """Return whether the MPI library takes GPU buffers, and how that was decided."""
+    try:
+        aware, how = cuda_aware()
+    except ValueError as e:  # a bad MPICOMP_CUDA_AWARE
+        return f"unknown ({e})"
+    return f"{'yes' if aware else 'no'} ({how})"
