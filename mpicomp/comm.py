@@ -57,8 +57,8 @@ class CompressedComm:
             sum): headers and extra messages would cost more than they save.
         bucket_numel: ``allreduce_many`` fuses consecutive tensors smaller than this
             into buckets of up to this many elements, one collective call each.
-        error_feedback: keep per-tensor residuals (default: on for the biased gather
-            codecs 3LC, top-k, FFT and FastSGD, off otherwise).
+        error_feedback: keep per-tensor residuals (default: on for the biased codecs
+            3LC, top-k, FFT, FastSGD and PowerSGD, off otherwise).
         sharded: gather codecs only: reduce through shard owners (3LC's push/pull,
             an alltoallv then an allgather) instead of allgathering whole payloads;
             each rank receives O(1) compressed tensors instead of N - 1. With error

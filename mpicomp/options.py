@@ -90,7 +90,7 @@ class Options:
         """Return the options of a CompressedComm of ``codec`` from its keyword arguments.
 
         Defaults: ``error_feedback`` the codec's ``feedback_default`` (on for the biased
-        gather codecs 3LC, top-k, FFT, FastSGD); ``schedule`` the codec's first (``sharded`` when
+        codecs 3LC, top-k, FFT, FastSGD and PowerSGD); ``schedule`` the codec's first (``sharded`` when
         ``sharded=True``); ``debug`` from ``MPICOMP_DEBUG``; ``timeout=None`` left to
         ``MPICOMP_TIMEOUT`` at each call, 0 off whatever the environment says.
 
@@ -104,12 +104,14 @@ class Options:
             error_feedback = codec.feedback_default
         error_feedback = _checked_bool("error_feedback", error_feedback, "or None")
         kind = kind_of(codec)
-        allowed = {"error_feedback": kind.feedback, "sharded": "sharded" in kind.schedules}
+        allowed = {
+            "error_feedback": (kind.feedback, "gather and low-rank codecs"),
+            "sharded": ("sharded" in kind.schedules, "gather codecs"),
+        }
         for what, asked in (("error_feedback", error_feedback), ("sharded", sharded)):
-            if asked and not allowed[what]:
-                raise ValueError(
-                    f"{what} applies to gather codecs; {codec.name!r} is {kind.name!r}"
-                )
+            applies, to = allowed[what]
+            if asked and not applies:
+                raise ValueError(f"{what} applies to {to}; {codec.name!r} is {kind.name!r}")
         schedule = _schedule(codec, schedule, sharded)
         if debug is None:
             debug = os.environ.get(DEBUG_ENV, "") not in ("", "0")
