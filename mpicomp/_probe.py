@@ -182,7 +182,7 @@ def one_rank_round_trip(codec, x: np.ndarray):
     state = {}
 
     def enc():
-        norm = codec.local_norm(x)
+        norm = codec.local_norms(x)
         extra = (codec.scale_index(x, norm),) if multiscale else ()
         codes = codec.quantize(x, norm, *extra, step=0, stream=0)
         # The ring's first step: codes shifted into [0, 2*bound] and packed by one kernel.
@@ -199,7 +199,7 @@ def one_rank_round_trip(codec, x: np.ndarray):
 
     def wire():
         index_bytes = state["ncodes"] * codec.index_bits / 8 if multiscale else 0
-        return state["packed"].size + index_bytes + 4
+        return state["packed"].size + index_bytes + 4 * state["norm"].size
 
     return enc, dec, wire
 

@@ -76,6 +76,41 @@ def norm_of(x, idx=None):
     return np.float32(np.sqrt(ss))
 
 
+def one(norm, m):
+    """The launchers' block arguments for one norm over all m elements."""
+    return np.array([norm], np.float32), np.array([0, m], np.int64), 0
+
+
+def cut(m, block, members=None):
+    """Return (starts, pieces, first, regular) of m elements cut every ``block`` (0: one
+    block per member) within ``members`` (sizes end to end; default one), as
+    kernels/qsgd.py says, written out in plain Python."""
+    members = [m] if members is None else members
+    starts, at = [0], 0
+    for size in members:
+        if size == 0:
+            continue
+        step = block or size
+        starts += [min(at + size, at + j) for j in range(step, size + step, step)]
+        at += size
+    pieces, first = [0], [0]
+    for lo, hi in zip(starts[:-1], starts[1:], strict=True):
+        pieces[-1:] = [*range(lo, hi, kq.CHUNK), hi]
+        first.append(len(pieces) - 1)
+    regular = block if block and len([s for s in members if s]) <= 1 else 0
+    arrays = (np.array(a, np.int64) for a in (starts, pieces, first))
+    return (*arrays, regular)
+
+
+def block_norms_of(x, idx, dense, starts):
+    """The twin's norm of each block of x (or x[idx]) that ``starts`` cuts."""
+    m = x.size if dense else idx.size
+    _, pieces, first, _ = cut(m, 0, np.diff(starts).tolist())
+    out = np.zeros(starts.size - 1, np.float32)
+    assert REF.block_norms(x, idx, dense, pieces, first, out) == 0
+    return out
+
+
 # ---- squared norm -------------------------------------------------------------------------
 
 
@@ -127,7 +162,8 @@ def test_quantize_matches(cuda, n, dense, bits):
     dtype = CODES[(bits + n) % len(CODES)]
     out = np.zeros(m, dtype)
     key = np.uint64(bits * 7919 + n)
-    (e1, o1), (e2, o2) = both("quantize", cuda, (x, idx, dense, norm, levels(bits), key, out), 6)
+    args = (x, idx, dense, *one(norm, m), levels(bits), key, out)
+    (e1, o1), (e2, o2) = both("quantize", cuda, args, 8)
     assert e1 == e2 == 0
     same(o1, o2)
 
@@ -156,7 +192,8 @@ def test_quantize_edges_and_errors(cuda, case):
         norm = np.finfo(np.float32).max
     for dtype in (np.int8, np.int16):
         out = np.zeros(n, dtype)
-        (e1, o1), (e2, o2) = both("quantize", cuda, (x, NO_INDEX, True, norm, 127, KEY, out), 6)
+        args = (x, NO_INDEX, True, *one(norm, n), 127, KEY, out)
+        (e1, o1), (e2, o2) = both("quantize", cuda, args, 8)
         assert e1 == e2
         same(o1, o2)
     if case in ("short_norm", "zero_norm", "nan", "inf"):
@@ -179,9 +216,8 @@ def test_multiscale_index_matches(cuda, n, dense, widths):
     m = n if dense else idx.size
     norm = norm_of(x, None if dense else idx)
     out = np.zeros(m, np.uint8)
-    (e1, o1), (e2, o2) = both(
-        "multiscale_index", cuda, (x, idx, dense, norm, scale_set(widths), out), 5
-    )
+    args = (x, idx, dense, *one(norm, m), scale_set(widths), out)
+    (e1, o1), (e2, o2) = both("multiscale_index", cuda, args, 7)
     assert e1 == e2 == 0
     same(o1, o2)
 
@@ -191,19 +227,20 @@ def test_multiscale_index_errors(cuda):
     x[5] = np.nan
     norm = np.float32(np.abs(np.nan_to_num(x)).max() * 0.5)
     out = np.zeros(x.size, np.uint8)
-    args = (x, NO_INDEX, True, norm, scale_set((4, 8, 12)), out)
-    (e1, o1), (e2, o2) = both("multiscale_index", cuda, args, 5)
+    args = (x, NO_INDEX, True, *one(norm, x.size), scale_set((4, 8, 12)), out)
+    (e1, o1), (e2, o2) = both("multiscale_index", cuda, args, 7)
     assert e1 == e2 == kq.ERR_VALUE
     same(o1, o2)
 
 
-def shared_index(x, idx, dense, norm, scales):
-    """The elementwise MIN over two 'ranks' of the scale index (a valid shared index)."""
+def shared_index(x, idx, dense, blocks, scales):
+    """The elementwise MIN over two 'ranks' of the scale index (a valid shared index);
+    ``blocks``: the launchers' (norms, starts, regular)."""
     other = x[::-1].copy() * np.float32(0.5)
     m = x.size if dense else idx.size
     a, b = np.zeros(m, np.uint8), np.zeros(m, np.uint8)
-    REF.multiscale_index(x, idx, dense, norm, scales, a)
-    REF.multiscale_index(other, idx, dense, norm, scales, b)
+    REF.multiscale_index(x, idx, dense, *blocks, scales, a)
+    REF.multiscale_index(other, idx, dense, *blocks, scales, b)
     return np.minimum(a, b)
 
 
@@ -216,12 +253,12 @@ def test_multiscale_quantize_matches(cuda, n, dense, widths):
     m = n if dense else idx.size
     norm = norm_of(x, None if dense else idx)
     scales = scale_set(widths)
-    sidx = shared_index(x, idx, dense, norm, scales)
+    sidx = shared_index(x, idx, dense, one(norm, m), scales)
     dtype = np.int8 if widths[0] <= 8 else np.int16
     key = np.uint64(n * 31 + len(widths))
     out = np.zeros(m, dtype)
-    args = (x, idx, dense, norm, scales, sidx, key, out)
-    (e1, o1), (e2, o2) = both("multiscale_quantize", cuda, args, 7)
+    args = (x, idx, dense, *one(norm, m), scales, sidx, key, out)
+    (e1, o1), (e2, o2) = both("multiscale_quantize", cuda, args, 9)
     assert e1 == e2 == 0
     same(o1, o2)
 
@@ -243,8 +280,8 @@ def test_multiscale_quantize_bad_indices_and_dtypes(cuda, sidx_dtype, code_dtype
     sidx[:3] = [info.max, info.min, 3]
     x[10], sidx[10] = norm * np.float32(0.9), 2  # a * 255 > 3: unsafe
     out = np.zeros(n, code_dtype)
-    args = (x, NO_INDEX, True, norm, scales, sidx, KEY, out)
-    (e1, o1), (e2, o2) = both("multiscale_quantize", cuda, args, 7)
+    args = (x, NO_INDEX, True, *one(norm, n), scales, sidx, KEY, out)
+    (e1, o1), (e2, o2) = both("multiscale_quantize", cuda, args, 9)
     assert e1 == e2 == kq.ERR_VALUE | kq.ERR_INDEX | kq.ERR_UNSAFE
     same(o1, o2)
 
@@ -263,8 +300,8 @@ def test_dequantize_matches(cuda, n, dtype):
     codes = codes.astype(dtype)
     norm = np.float32(rng.random() * 10 + 1e-3)
     out = np.zeros(n, np.float32)
-    args = (codes, norm, levels(bits), nranks, limit, out)
-    (e1, o1), (e2, o2) = both("dequantize", cuda, args, 5)
+    args = (codes, *one(norm, n), levels(bits), nranks, limit, out)
+    (e1, o1), (e2, o2) = both("dequantize", cuda, args, 7)
     assert e1 == e2 == 0
     same(o1, o2)
 
@@ -274,8 +311,8 @@ def test_dequantize_range_errors(cuda, dtype):
     info = np.iinfo(dtype)
     codes = np.array([0, 1, -1, 5, -6, info.max, info.min] * 9, dtype)
     out = np.zeros(codes.size, np.float32)
-    args = (codes, np.float32(3.5), 3, 2, np.int64(5), out)
-    (e1, o1), (e2, o2) = both("dequantize", cuda, args, 5)
+    args = (codes, *one(3.5, codes.size), 3, 2, np.int64(5), out)
+    (e1, o1), (e2, o2) = both("dequantize", cuda, args, 7)
     assert e1 == e2 == kq.ERR_RANGE
     same(o1, o2)
 
@@ -309,8 +346,8 @@ def test_dequantize_packed_matches(cuda, width):
             limit -= 1  # some sums beyond the limit: ERR_RANGE
         nranks = 1 + k
         out = np.zeros(n, np.float32)
-        args = (stream, width, shift, np.float32(0.37), 127, nranks, limit, out)
-        (e1, o1), (e2, o2) = both("dequantize_packed", cuda, args, 7)
+        args = (stream, width, shift, *one(0.37, n), 127, nranks, limit, out)
+        (e1, o1), (e2, o2) = both("dequantize_packed", cuda, args, 9)
         assert e1 == e2
         same(o1, o2)
 
@@ -327,8 +364,8 @@ def test_multiscale_dequantize_matches(cuda, n, code_dtype):
     sidx_dtype = [np.uint8, np.int64, np.uint32, np.int16][n % 4]
     sidx = rng.integers(0, 4, n).astype(sidx_dtype)  # 3: outside the set
     out = np.zeros(n, np.float32)
-    args = (codes, sidx, np.float32(1.75), scales, nranks, limit, out)
-    (e1, o1), (e2, o2) = both("multiscale_dequantize", cuda, args, 6)
+    args = (codes, sidx, *one(1.75, n), scales, nranks, limit, out)
+    (e1, o1), (e2, o2) = both("multiscale_dequantize", cuda, args, 8)
     assert e1 == e2
     same(o1, o2)
 
@@ -344,10 +381,136 @@ def test_multiscale_dequantize_packed_matches(cuda, width, sidx_dtype):
         limit = np.int64(np.abs(sums).max() if n else 0) - (k % 2)
         sidx = rng.integers(0, 3 + k % 2, n).astype(sidx_dtype)
         out = np.zeros(n, np.float32)
-        args = (stream, width, shift, sidx, np.float32(2.5), scales, 1 + k, limit, out)
-        (e1, o1), (e2, o2) = both("multiscale_dequantize_packed", cuda, args, 8)
+        args = (stream, width, shift, sidx, *one(2.5, n), scales, 1 + k, limit, out)
+        (e1, o1), (e2, o2) = both("multiscale_dequantize_packed", cuda, args, 10)
         assert e1 == e2
         same(o1, o2)
+
+
+# ---- block norms --------------------------------------------------------------------------
+
+# (elements, block, members): regular cuts, a cut per member, blocks longer than a CHUNK
+# (several pieces), one block per member (block 0), empty members.
+CUTS = [
+    (0, 16, None), (1, 16, None), (1027, 16, None), (4099, 1024, None), (4099, 1, None),
+    (4099, 5000, None), (2 * kq.CHUNK + 9, kq.CHUNK + 3, None), (2 * kq.CHUNK + 9, 0, None),
+    (4099, 64, [1000, 0, 3, 3000, 96]), (4099, 0, [2000, 2099]),
+    (3 * kq.CHUNK, 0, [kq.CHUNK + 1, 2 * kq.CHUNK - 1]), (1027, 7, [1, 1, 1025]),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("m, block, members", CUTS, ids=str)
+@pytest.mark.parametrize("dense", [True, False], ids=["dense", "index"])
+def test_block_norms_match(cuda, m, block, members, dense):
+    n = m if dense else 3 * m
+    x = gradient(n, m + block, spread=0.5)
+    idx = NO_INDEX if dense else np.sort(np.random.default_rng(m).choice(n, m, replace=False))
+    starts, pieces, first, _ = cut(m, block, members)
+    o1, o2 = np.zeros(starts.size - 1, np.float32), np.zeros(starts.size - 1, np.float32)
+    assert cuda.block_norms(x, idx, dense, pieces, first, o1) == 0
+    assert REF.block_norms(x, idx, dense, pieces, first, o2) == 0
+    same(o1, o2)
+    v = (x if dense else x[idx]).astype(np.float64)
+    want = [np.sqrt(np.sum(v[a:b] ** 2)) for a, b in zip(starts[:-1], starts[1:], strict=True)]
+    np.testing.assert_allclose(o2, want, rtol=1e-6)
+    if m and block == 0 and members is None:  # one block: the whole tensor's norm
+        assert o2[0] == norm_of(x, None if dense else idx)
+
+
+@pytest.mark.parametrize("case", ["nan", "inf", "overflow"])
+def test_block_norms_errors(cuda, case):
+    x = gradient(3000, 7)
+    bad = {"nan": np.nan, "inf": -np.inf, "overflow": np.float32(3e38)}[case]
+    x[1500:1502] = bad
+    starts, pieces, first, _ = cut(x.size, 100)
+    o1, o2 = np.ones(starts.size - 1, np.float32), np.ones(starts.size - 1, np.float32)
+    e1 = cuda.block_norms(x, NO_INDEX, True, pieces, first, o1)
+    e2 = REF.block_norms(x, NO_INDEX, True, pieces, first, o2)
+    assert e1 == e2 == (kq.ERR_OVERFLOW if case == "overflow" else kq.ERR_VALUE)
+    same(o1, o2)
+    assert o2[15] == 0 and np.count_nonzero(o2) == o2.size - 1
+
+
+def blocked(m, block, members, norms):
+    """(norms, starts, regular) for the cut, with and without the ``regular`` shortcut."""
+    starts, _, _, regular = cut(m, block, members)
+    return [(norms, starts, regular), (norms, starts, 0)]
+
+
+@pytest.mark.parametrize("m, block, members", CUTS[:-3] + CUTS[-2:], ids=str)
+def test_codes_against_block_norms_match(cuda, m, block, members):
+    # Every kernel that reads a norm, against a cut of many blocks: the twin's bytes, and
+    # the same bytes whether the block is found by i // regular or by a search.
+    x = gradient(m, 3 * m + block)
+    starts = cut(m, block, members)[0]
+    norms = block_norms_of(x, NO_INDEX, True, starts)
+    scales = scale_set((4, 8, 12))
+    results = []
+    for blocks in blocked(m, block, members, norms):
+        out = []
+        codes = np.zeros(m, np.int16)
+        (e1, o1), (e2, o2) = both(
+            "quantize", cuda, (x, NO_INDEX, True, *blocks, 127, KEY, codes), 8
+        )
+        assert e1 == e2 == 0
+        same(o1, o2)
+        sidx = shared_index(x, NO_INDEX, True, blocks, scales)
+        args = (x, NO_INDEX, True, *blocks, scales, sidx, KEY, np.zeros(m, np.int8))
+        (e1, o3), (e2, o4) = both("multiscale_quantize", cuda, args, 9)
+        assert e1 == e2 == 0
+        same(o3, o4)
+        sums = o1.astype(np.int64) * 2
+        for name, args, at in [
+            ("dequantize", (sums, *blocks, 127, 2, np.int64(254), np.zeros(m, np.float32)), 7),
+            (
+                "multiscale_dequantize",
+                (sums, sidx, *blocks, scales, 2, np.int64(254), np.zeros(m, np.float32)),
+                8,
+            ),
+        ]:
+            (e1, v1), (e2, v2) = both(name, cuda, args, at)
+            assert e1 == e2 == 0
+            same(v1, v2)
+            out.append(v2)
+        stream, packed_sums = packed(np.random.default_rng(m), m, 9, 255, offset=1)
+        limit = np.int64(256)
+        for name, args, at in [
+            (
+                "dequantize_packed",
+                (stream, 9, 255, *blocks, 7, 1, limit, np.zeros(m, np.float32)),
+                9,
+            ),
+            (
+                "multiscale_dequantize_packed",
+                (stream, 9, 255, sidx, *blocks, scales, 1, limit, np.zeros(m, np.float32)),
+                10,
+            ),
+        ]:
+            (e1, v1), (e2, v2) = both(name, cuda, args, at)
+            assert e1 == e2
+            same(v1, v2)
+            out.append(v2)
+        results.append([o2, sidx, o4, *out])
+    for a, b in zip(*results, strict=True):
+        same(a, b)
+
+
+@pytest.mark.parametrize("bad", [np.nan, np.inf, -1.0])
+def test_a_bad_block_norm_is_err_norm(cuda, bad):
+    m = 1000
+    x = gradient(m, 2)
+    starts = cut(m, 100)[0]
+    norms = block_norms_of(x, NO_INDEX, True, starts) * np.float32(2)
+    norms[4] = bad
+    blocks = (norms, starts, 100)
+    codes = np.zeros(m, np.int8)
+    (e1, o1), (e2, o2) = both("quantize", cuda, (x, NO_INDEX, True, *blocks, 127, KEY, codes), 8)
+    assert e1 & kq.ERR_NORM and e1 == e2
+    same(o1, o2)
+    sums = np.zeros(m, np.int8)
+    args = (sums, *blocks, 127, 1, np.int64(127), np.zeros(m, np.float32))
+    (e1, _), (e2, _) = both("dequantize", cuda, args, 7)
+    assert e1 == e2 == kq.ERR_NORM
 
 
 # ---- GlobalRandK coordinates --------------------------------------------------------------
@@ -430,13 +593,13 @@ def test_selected_coordinates_end_to_end(cuda):
     x = gradient(n, 9)
     norm = np.float32(np.sqrt(cuda.sumsq(x, compact, False)))
     codes = np.zeros(k, np.int8)
-    assert cuda.quantize(x, compact, False, norm, 127, KEY, codes) == 0
+    assert cuda.quantize(x, compact, False, *one(norm, k), 127, KEY, codes) == 0
     vals = np.zeros(k, np.float32)
-    assert cuda.dequantize(codes, norm, 127, 1, np.int64(127), vals) == 0
+    assert cuda.dequantize(codes, *one(norm, k), 127, 1, np.int64(127), vals) == 0
     out = np.zeros(n, np.float32)
     cuda.grandk_scatter(vals, compact, np.float32(n / k), out)
     ref_codes = np.zeros(k, np.int8)
-    REF.quantize(x, compact, False, norm, 127, KEY, ref_codes)
+    REF.quantize(x, compact, False, *one(norm, k), 127, KEY, ref_codes)
     same(codes, ref_codes)
 
 
@@ -448,9 +611,12 @@ def test_host_syncs_are_one_per_result(dev, cuda):
     norm = np.float32(np.abs(x).max())
     before = dev.syncs
     cuda.sumsq(x, NO_INDEX, True)
-    cuda.quantize(x, NO_INDEX, True, norm, 7, KEY, np.zeros(500, np.int8))
-    cuda.dequantize(np.zeros(500, np.int8), norm, 7, 1, np.int64(7), np.zeros(500, np.float32))
-    assert dev.syncs - before == 3
+    cuda.quantize(x, NO_INDEX, True, *one(norm, 500), 7, KEY, np.zeros(500, np.int8))
+    blocks = one(norm, 500)
+    cuda.dequantize(np.zeros(500, np.int8), *blocks, 7, 1, np.int64(7), np.zeros(500, np.float32))
+    starts, pieces, first, regular = cut(500, 64)
+    cuda.block_norms(x, NO_INDEX, True, pieces, first, np.zeros(starts.size - 1, np.float32))
+    assert dev.syncs - before == 4
     before = dev.syncs
     m, p = np.zeros(500, np.uint8), np.empty(50, np.int64)
     cuda.grandk_select(np.int64(500), np.int64(50), KEY, m, p)

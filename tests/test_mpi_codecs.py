@@ -2,8 +2,19 @@
 randomness is shared, and aggregated results match NumPy references built from
 every rank's input. Run with ``mpiexec -n N python -m mpi4py -m pytest --with-mpi -m mpi``."""
 
+import math
+
 import numpy as np
 import pytest
+from _qsgd_ref import (
+    per_element,
+    ref_average,
+    ref_block_norms,
+    ref_cut,
+    ref_ms_quantize,
+    ref_quantize,
+    ref_scale_index,
+)
 
 import mpicomp
 from conftest import gather_all, gradient_like, world
@@ -148,3 +159,117 @@ def test_fp16_ring_sum_that_overflows_float16_raises_on_every_rank():
             return
         with pytest.raises(RankError, match="overflows float16"):
             cc.allreduce(x, name="w")
+
+
+# ---- QSGD-MaxNorm with norms per block ---------------------------------------------------
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("block", [0, 1, 64, 1000])
+def test_qsgd_block_norms_max_over_ranks_match_the_numpy_reference(block):
+    from mpicomp.collectives.maxallreduce import max_allreduce
+
+    comm = world()
+    codec = mpicomp.codec("qsgd_maxnorm", block=block)
+    x = gradient_like(N, seed=400 + comm.rank) * np.float32(1 + comm.rank)
+    starts = ref_cut([N], block)
+    np.testing.assert_array_equal(codec.blocks(N), starts)
+    shared = max_allreduce(comm, codec.local_norms(x))
+    want = np.max([ref_block_norms(v, starts) for v in gather_all(comm, x)], axis=0)
+    np.testing.assert_array_equal(shared, want)
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize(
+    "bits, block, per_tensor, schedule",
+    [
+        (2, 64, True, None),
+        (4, 1024, True, "direct"),
+        (8, 1000, False, None),
+        (3, 0, True, None),
+        (4, 0, False, "direct"),
+    ],
+)
+def test_qsgd_blocks_average_like_the_numpy_reference(bits, block, per_tensor, schedule):
+    """CompressedComm over N ranks, one tensor and one fused bucket of four (blocks do
+    not cross them unless per_tensor=False): the plain NumPy reference, bit for bit."""
+    comm = world()
+    shapes = [(3000,), (40, 50), (1,), (777,)]
+    params = {"bits": bits, "block": block, "per_tensor": per_tensor}
+    xs = [
+        gradient_like(math.prod(s), seed=500 + 10 * comm.rank + i).reshape(s) * np.float32(3**i)
+        for i, s in enumerate(shapes)
+    ]
+    opts = {"min_numel": 0, "bucket_numel": 10_000, "schedule": schedule}
+    with mpicomp.CompressedComm(comm, "qsgd_maxnorm", **params, **opts) as cc:
+        one = cc.allreduce(xs[0], name="w")  # step 0
+        ys = cc.allreduce_many(xs, names=["a", "b", "c", "d"])  # one bucket, step 1
+    want = ref_average(gather_all(comm, xs[0]), bits, block, step=0)
+    np.testing.assert_array_equal(one, want)
+    flat = np.concatenate([x.reshape(-1) for x in xs])
+    want = ref_average(gather_all(comm, flat), bits, block, 1, shapes, per_tensor)
+    got = np.concatenate([y.reshape(-1) for y in ys])
+    np.testing.assert_array_equal(got, want)
+    np.testing.assert_array_equal(gather_all(comm, got)[0], got)
+    for y, x in zip(ys, xs, strict=True):
+        assert y.shape == x.shape
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize(
+    "name", ["qsgd_maxnorm_multiscale", "grandk_maxnorm", "grandk_maxnorm_multiscale"]
+)
+def test_qsgd_variants_average_block_by_block_like_the_reference(name):
+    """The other three codecs through CompressedComm with small blocks, against every
+    rank's block norms (MaxAllReduce by NumPy), codes and scale indices (MIN by NumPy)."""
+    comm = world()
+    params = {"bits": 3, "block": 50}
+    if name.startswith("grandk"):
+        params["k"] = 0.4
+    x = gradient_like(N, seed=600 + comm.rank)
+    with mpicomp.CompressedComm(comm, name, min_numel=0, **params) as cc:
+        got = cc.allreduce(x, name="w")
+    inputs = gather_all(comm, x)
+    codec = mpicomp.codec(name, **params)
+    at = {"step": 0} if name.startswith("grandk") else {}
+    starts = ref_cut([codec.num_coordinates(N) if at else N], 50)
+    idx = codec.coordinates(N, 0) if at else np.arange(N)
+    norms = np.max([ref_block_norms(v[idx], starts) for v in inputs], axis=0)
+    each = per_element(norms, starts)
+    if name.endswith("multiscale"):
+        levels = codec.scale_levels
+        sidx = np.min([ref_scale_index(v[idx], each, levels) for v in inputs], axis=0)
+        codes = [
+            ref_ms_quantize(v[idx], each, levels, sidx, 0, 0, r, idx) for r, v in enumerate(inputs)
+        ]
+        s = np.array(levels, np.float32)[sidx]
+    else:
+        codes = [ref_quantize(v, each, 3, 0, 0, r, index=idx) for r, v in enumerate(inputs)]
+        s = np.float32(codec.levels)
+    total = np.sum(codes, axis=0)
+    vals = ((total.astype(np.float32) * each) / s) / np.float32(comm.size)
+    want = np.zeros(N, np.float32)
+    want[idx] = vals * np.float32(N / idx.size) if at else vals
+    np.testing.assert_array_equal(got, want)
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize(
+    "params, what",
+    [({"block": -1}, "block"), ({"block": 0.5}, "block"), ({"per_tensor": "no"}, "per_tensor")],
+)
+def test_bad_block_parameters_are_refused_on_every_rank(params, what):
+    comm = world()
+    with pytest.raises(ValueError, match=what):
+        mpicomp.CompressedComm(comm, "qsgd_maxnorm", **params)
+    comm.Barrier()  # every rank raised and reached this line
+
+
+@pytest.mark.mpi(min_size=2)
+def test_ranks_with_other_blocks_raise_on_every_rank():
+    from mpicomp.errors import RankError
+
+    comm = world()
+    block = 64 if comm.rank == 0 else 1024
+    with pytest.raises(RankError, match="codec.block: 64 on rank 0"):
+        mpicomp.CompressedComm(comm, "qsgd_maxnorm", block=block, min_numel=0)

@@ -36,7 +36,7 @@ def reference_average(name, inputs, step=0, **params):
     if codec.aggregation == "integer_sum":
         sparse = hasattr(codec, "coordinates")
         at = {"step": step} if sparse else {}
-        norm = max(codec.local_norm(x, **at) for x in inputs)
+        norm = np.max([codec.local_norms(x, **at) for x in inputs], axis=0)  # MaxAllReduce
         extra = ()
         if hasattr(codec, "scale_index"):
             extra = (np.min([codec.scale_index(x, norm, **at) for x in inputs], axis=0),)

@@ -1,7 +1,8 @@
 """QSGD-MaxNorm family (paper 000 §3.1-3.4) against plain NumPy references.
 
-The references below re-derive everything from the paper, docs/codecs.md and the RNG's
-published schedule (splitmix64 of seed, step, stream, index); none calls our kernels.
+The references (tests/_qsgd_ref.py) re-derive everything from the paper, docs/codecs.md
+and the RNG's published schedule (splitmix64 of seed, step, stream, index); none calls our
+kernels.
 Statistical tests use fixed seeds and tolerances of 5-6 standard errors computed from
 the exact variance, so they are deterministic and still fail on a bias or a wrong scale.
 """
@@ -10,102 +11,24 @@ import math
 
 import numpy as np
 import pytest
+from _qsgd_ref import (
+    levels_of,
+    per_element,
+    ref_block_norms,
+    ref_coordinates,
+    ref_cut,
+    ref_ms_quantize,
+    ref_norm,
+    ref_quantize,
+    ref_scale_index,
+    ref_segments,
+    ref_unit,
+)
 from hypothesis import given
 from hypothesis import strategies as st
 
 import mpicomp
 from conftest import gradient_like, to_numpy
-
-M64 = (1 << 64) - 1
-GOLDEN, M1, M2 = 0x9E3779B97F4A7C15, 0xBF58476D1CE4E5B9, 0x94D049BB133111EB
-STEP_MUL, STREAM_MUL = 0xD6E8FEB86659FD93, 0xA0761D6478BD642F
-COORDINATE_STREAM = M64
-
-
-# ---------------------------------------------------------------- references
-
-
-def ref_mix(z):
-    """splitmix64 finalizer on Python ints or numpy uint64 arrays (wrapping)."""
-    if isinstance(z, int):
-        z = ((z ^ (z >> 30)) * M1) & M64
-        z = ((z ^ (z >> 27)) * M2) & M64
-        return z ^ (z >> 31)
-    z = (z ^ (z >> np.uint64(30))) * np.uint64(M1)
-    z = (z ^ (z >> np.uint64(27))) * np.uint64(M2)
-    return z ^ (z >> np.uint64(31))
-
-
-def ref_key(seed, step, stream):
-    k = ref_mix(seed ^ ((step * STEP_MUL) & M64))
-    return ref_mix(k ^ ((stream * STREAM_MUL) & M64))
-
-
-def ref_bits(key, index):
-    index = np.asarray(index, dtype=np.uint64)
-    return ref_mix(np.uint64(key) + (index + np.uint64(1)) * np.uint64(GOLDEN))
-
-
-def ref_uniform(key, index):
-    return (ref_bits(key, index) >> np.uint64(40)).astype(np.float32) * np.float32(2.0**-24)
-
-
-def ref_norm(x):
-    return float(np.float32(math.sqrt(float(np.sum(x.astype(np.float64) ** 2)))))
-
-
-def ref_unit(x, norm):
-    """a = |x| / norm in float32, clamped to 1 (0 where norm is 0)."""
-    norm = np.float32(norm)
-    if norm == 0:
-        return np.zeros(x.shape, np.float32)
-    return np.minimum(np.abs(x) / norm, np.float32(1))
-
-
-def ref_codes(x, a, s, u):
-    """Stochastic rounding of a * s: floor, plus one with probability of the fraction."""
-    y = a * np.float32(s)
-    low = np.floor(y)
-    code = (low + (u < y - low)).astype(np.int64)
-    return np.where(x < 0, -code, code)
-
-
-def ref_quantize(x, norm, bits, seed, step, stream, index=None):
-    index = np.arange(x.size) if index is None else index
-    v = x.reshape(-1)[index]
-    u = ref_uniform(ref_key(seed, step, stream), index)
-    return ref_codes(v, ref_unit(v, norm), 2 ** (bits - 1) - 1, u)
-
-
-def ref_scale_index(v, norm, levels):
-    """Eq. (11): the largest scale s with |v| / norm * s <= s_min (index 0 = s_min)."""
-    a = ref_unit(v, norm)
-    idx = np.zeros(v.size, np.int64)
-    for k, s in enumerate(levels):
-        idx[a * np.float32(s) <= np.float32(levels[0])] = k
-    return idx
-
-
-def ref_ms_quantize(v, norm, levels, sidx, seed, step, stream, index):
-    u = ref_uniform(ref_key(seed, step, stream), index)
-    s = np.array(levels, np.float32)[sidx]
-    return ref_codes(v, ref_unit(v, norm), s, u)
-
-
-def ref_coordinates(n, k, seed, step):
-    """Floyd's algorithm: for j = n-k..n-1 take t = bits * (j+1) >> 64 unless taken, then j."""
-    key = ref_key(seed, step, COORDINATE_STREAM)
-    bits = ref_bits(key, np.arange(n - k, n))
-    chosen = set()
-    for j, b in zip(range(n - k, n), bits.tolist(), strict=True):
-        t = (b * (j + 1)) >> 64
-        chosen.add(j if t in chosen else t)
-    return np.array(sorted(chosen), dtype=np.int64)
-
-
-def levels_of(bits):
-    return 2 ** (bits - 1) - 1
-
 
 # ---------------------------------------------------------------- QSGD-MaxNorm
 
@@ -488,6 +411,256 @@ def test_grandk_multiscale_matches_reference_any_length(n, seed, k):
     assert out.shape == (n,) and np.count_nonzero(out) <= idx.size
 
 
+# ---------------------------------------------------------------- block norms
+
+DENSE = ["qsgd_maxnorm", "qsgd_maxnorm_multiscale"]
+SPARSE = ["grandk_maxnorm", "grandk_maxnorm_multiscale"]
+CHUNK = 1 << 16
+
+
+def split(n, parts, seed):
+    """``parts`` tensor sizes adding to n (some may be empty), as 1-D shapes."""
+    cuts = np.sort(np.random.default_rng(seed).integers(0, n + 1, parts - 1))
+    return [(int(b - a),) for a, b in zip([0, *cuts], [*cuts, n], strict=True)]
+
+
+def test_default_block_and_parameters():
+    for name in DENSE + SPARSE:
+        c = mpicomp.codec(name)
+        assert c.params["block"] == 1024 and c.params["per_tensor"] is True
+        assert mpicomp.codec(name, block=None).params["block"] == 0
+    c = mpicomp.codec("qsgd_maxnorm", block=4096.0, per_tensor=np.bool_(False))
+    assert c.params["block"] == 4096 and c.params["per_tensor"] is False
+
+
+@pytest.mark.parametrize(
+    "numel, block, shapes, per_tensor",
+    [
+        (0, 16, None, True),
+        (1, 16, None, True),
+        (100, 16, None, True),
+        (96, 16, None, True),
+        (100, 0, None, True),
+        (100, 1000, None, True),
+        (100, 7, [(3, 4), (0,), (88,)], True),
+        (100, 7, [(3, 4), (0,), (88,)], False),
+        (100, 0, [(3, 4), (0,), (88,)], True),
+        (100, 0, [(3, 4), (0,), (88,)], False),
+        (5, 2, [(), (4,)], True),
+        (3 * CHUNK, 0, [(CHUNK + 1,), (2 * CHUNK - 1,)], True),
+    ],
+)
+@pytest.mark.parametrize("name", DENSE + SPARSE)
+def test_blocks_are_cut_as_documented(name, numel, block, shapes, per_tensor):
+    params = {"k": 0.37} if name in SPARSE else {}
+    c = mpicomp.codec(name, block=block, per_tensor=per_tensor, **params)
+    sizes = [math.prod(s) for s in shapes] if shapes else [numel]
+    at = {"step": 4} if name in SPARSE else {}
+    coords = c.coordinates(numel, 4) if name in SPARSE else None
+    starts = c.blocks(numel, shapes=shapes, **at)
+    np.testing.assert_array_equal(starts, ref_cut(ref_segments(sizes, per_tensor, coords), block))
+    assert starts.dtype == np.int64 and not starts.flags.writeable
+    x = gradient_like(numel, seed=numel)
+    assert c.local_norms(x, shapes=shapes, **at).shape == (starts.size - 1,)
+
+
+@given(
+    n=st.integers(0, 20_000),
+    block=st.sampled_from([0, 1, 2, 7, 64, 1000, 4096]),
+    parts=st.integers(1, 4),
+    per_tensor=st.booleans(),
+    seed=st.integers(0, 2**32 - 1),
+    bits=st.integers(2, 16),
+)
+def test_block_norms_codes_and_averages_match_the_reference(
+    n, block, parts, per_tensor, seed, bits
+):
+    x = gradient_like(n, seed=seed) * np.float32(1 + seed % 7)
+    shapes = split(n, parts, seed) if parts > 1 else None
+    c = mpicomp.codec("qsgd_maxnorm", bits=bits, block=block, per_tensor=per_tensor, seed=seed)
+    starts = ref_cut(ref_segments([s[0] for s in shapes] if shapes else [n], per_tensor), block)
+    norms = c.local_norms(x, shapes=shapes)
+    assert norms.dtype == np.float32
+    np.testing.assert_array_equal(norms, ref_block_norms(x, starts))  # the documented order
+    w = norms * np.float32(1.25)  # another rank's larger norms
+    codes = c.quantize(x, w, step=3, stream=2, shapes=shapes)
+    each = per_element(w, starts)
+    np.testing.assert_array_equal(codes, ref_quantize(x, each, bits, seed, 3, 2))
+    assert np.abs(codes.astype(np.int64)).max(initial=0) <= c.bound
+    total = codes.astype(np.int64) * 3
+    avg = c.dequantize(total, w, nranks=3, shapes=shapes)
+    s = np.float32(c.levels)
+    np.testing.assert_array_equal(avg, ((total.astype(np.float32) * each) / s) / np.float32(3))
+    # one quantization interval of each element's block: |Q(v) - v| <= w_b / s
+    assert np.all(np.abs(c.dequantize(codes, w, shapes=shapes) - x) <= each / s * 1.00001 + 1e-30)
+
+
+@pytest.mark.parametrize("name", DENSE)
+@pytest.mark.parametrize(
+    "block, shapes",
+    [
+        (1000, None),
+        (CHUNK + 5, None),
+        (0, [(CHUNK + 3,), (7,), (2 * CHUNK + 1,)]),
+        (333, [(70_000,), (126_619,)]),
+    ],
+    ids=["1000", "chunk+5", "0-members", "333-members"],
+)
+def test_parallel_chunks_give_the_reference_bytes_by_block(name, block, shapes):
+    n = 3 * (1 << 16) + 11  # four chunks of the parallel drivers, the last one short
+    x = gradient_like(n, seed=21)
+    c = mpicomp.codec(name, bits=4, block=block, seed=5)
+    starts = ref_cut([s[0] for s in shapes] if shapes else [n], block)
+    norms = c.local_norms(x, shapes=shapes)
+    np.testing.assert_array_equal(norms, ref_block_norms(x, starts))
+    each = per_element(norms, starts)
+    if name == "qsgd_maxnorm":
+        codes = c.quantize(x, norms, step=3, stream=1, shapes=shapes)
+        np.testing.assert_array_equal(codes, ref_quantize(x, each, 4, 5, 3, 1))
+        expected = ((codes.astype(np.float32) * each) / np.float32(7)) / np.float32(1)
+        np.testing.assert_array_equal(c.dequantize(codes, norms, shapes=shapes), expected)
+        return
+    levels = c.scale_levels
+    sidx = c.scale_index(x, norms, shapes=shapes)
+    np.testing.assert_array_equal(sidx, ref_scale_index(x, each, levels))
+    codes = c.quantize(x, norms, sidx, step=3, stream=1, shapes=shapes)
+    np.testing.assert_array_equal(
+        codes, ref_ms_quantize(x, each, levels, sidx, 5, 3, 1, np.arange(n))
+    )
+    s = np.array(levels, np.float32)[sidx]
+    expected = ((codes.astype(np.float32) * each) / s) / np.float32(1)
+    np.testing.assert_array_equal(c.dequantize(codes, norms, sidx, shapes=shapes), expected)
+
+
+@given(
+    n=st.integers(0, 20_000),
+    k=st.integers(1, 3000),
+    block=st.sampled_from([0, 1, 5, 64, 1000]),
+    parts=st.integers(1, 4),
+    seed=st.integers(0, 2**32 - 1),
+)
+def test_grandk_block_norms_and_codes_match_the_reference(n, k, block, parts, seed):
+    x = gradient_like(n, seed=seed)
+    shapes = split(n, parts, seed) if parts > 1 else None
+    for name in SPARSE:
+        c = mpicomp.codec(name, bits=4, k=k, block=block, seed=seed)
+        idx = c.coordinates(n, 7)
+        sizes = [s[0] for s in shapes] if shapes else [n]
+        starts = ref_cut(ref_segments(sizes, True, idx), block)
+        norms = c.local_norms(x, step=7, shapes=shapes)
+        np.testing.assert_array_equal(norms, ref_block_norms(x[idx], starts))
+        each = per_element(norms, starts)
+        if name == "grandk_maxnorm":
+            codes = c.quantize(x, norms, step=7, stream=1, shapes=shapes)
+            np.testing.assert_array_equal(codes, ref_quantize(x, each, 4, seed, 7, 1, index=idx))
+            out = c.dequantize(codes, norms, shape=(n,), step=7, shapes=shapes)
+            vals = ((codes.astype(np.float32) * each) / np.float32(7)) / np.float32(1)
+        else:
+            levels = c.scale_levels
+            sidx = c.scale_index(x, norms, step=7, shapes=shapes)
+            np.testing.assert_array_equal(sidx, ref_scale_index(x[idx], each, levels))
+            codes = c.quantize(x, norms, sidx, step=7, stream=1, shapes=shapes)
+            ref = ref_ms_quantize(x[idx], each, levels, sidx, seed, 7, 1, idx)
+            np.testing.assert_array_equal(codes, ref)
+            out = c.dequantize(codes, norms, sidx, shape=(n,), step=7, shapes=shapes)
+            s = np.array(levels, np.float32)[sidx]
+            vals = ((codes.astype(np.float32) * each) / s) / np.float32(1)
+        expected = np.zeros(n, np.float32)
+        if idx.size:
+            expected[idx] = vals * np.float32(n / idx.size)
+        np.testing.assert_array_equal(out, expected)
+
+
+def test_one_norm_per_tensor_and_the_papers_one_norm():
+    x = gradient_like(5000, seed=9)
+    shapes = [(2000,), (3000,)]
+    per_tensor = mpicomp.codec("qsgd_maxnorm", block=0)
+    norms = per_tensor.local_norms(x, shapes=shapes)
+    assert norms.tolist() == [per_tensor.local_norm(x[:2000]), per_tensor.local_norm(x[2000:])]
+    paper = mpicomp.codec("qsgd_maxnorm", block=0, per_tensor=False)
+    assert paper.local_norms(x, shapes=shapes).tolist() == [paper.local_norm(x)]
+    # one number for every block gives the bytes of the paper's codec
+    one = paper.local_norm(x)
+    blocked = mpicomp.codec("qsgd_maxnorm")
+    np.testing.assert_array_equal(
+        blocked.quantize(x, one, step=2, shapes=shapes), paper.quantize(x, one, step=2)
+    )
+    np.testing.assert_array_equal(
+        paper.quantize(x, np.array([one], np.float32), step=2), paper.quantize(x, one, step=2)
+    )
+
+
+def test_block_quantization_is_unbiased():
+    # Blocks of 16 over a vector whose magnitudes differ by 1e3 between blocks, each
+    # quantized against 1.5 times its own norm (another rank's) at s = 3.
+    n, steps, block = 400, 1000, 16
+    x = gradient_like(n, seed=13) * np.repeat(np.float32(10.0) ** np.arange(-2, 3), n // 5)
+    c = mpicomp.codec("qsgd_maxnorm", bits=3, block=block)
+    w = c.local_norms(x) * np.float32(1.5)
+    acc = np.zeros(n)
+    for t in range(steps):
+        acc += c.dequantize(c.quantize(x, w, step=t, stream=0), w)
+    mean = acc / steps
+    each = per_element(w, c.blocks(n)).astype(np.float64)
+    y = ref_unit(x, per_element(w, c.blocks(n))) * np.float32(c.levels)
+    p = (y - np.floor(y)).astype(np.float64)
+    sigma = each / c.levels * np.sqrt(p * (1 - p) / steps)  # exact std of the mean
+    assert np.all(np.abs(mean - x) <= 6 * sigma + 1e-6 * each / c.levels)
+    z = (mean - x) / np.maximum(sigma, 1e-30)
+    assert abs(np.sum(z[sigma > 0])) <= 5 * math.sqrt(np.count_nonzero(sigma))
+
+
+@pytest.mark.parametrize("bits, block", [(2, 16), (3, 64), (4, 1000), (8, 64)])
+def test_variance_bound_holds_per_block(bits, block):
+    """Lemma 1 per block b of d_b elements: E‖Q(v_b) - v_b‖² <= min(d_b/s², √d_b/s)‖w_b‖²."""
+    n, steps = 3000, 200
+    v = gradient_like(n, seed=bits + block)
+    c = mpicomp.codec("qsgd_maxnorm", bits=bits, block=block, seed=1)
+    starts = c.blocks(n)
+    w = c.local_norms(v) * np.float32(1.25)
+    s = c.levels
+    errs = np.zeros(starts.size - 1)
+    for t in range(steps):
+        sq = (c.dequantize(c.quantize(v, w, step=t), w) - v).astype(np.float64) ** 2
+        errs += np.add.reduceat(sq, starts[:-1]) / steps
+    d = np.diff(starts)
+    w64 = w.astype(np.float64)
+    assert np.all(errs <= np.minimum(d / s**2, np.sqrt(d) / s) * w64**2)
+    # and it is the exact variance sum_i (w_b/s)^2 p_i (1 - p_i), within 5 standard errors
+    each = per_element(w, starts).astype(np.float64)
+    y = ref_unit(v, per_element(w, starts)) * np.float32(s)
+    p = (y - np.floor(y)).astype(np.float64)
+    exact = np.add.reduceat((each / s) ** 2 * p * (1 - p), starts[:-1])
+    var4 = np.add.reduceat((each / s) ** 4 * p * (1 - p) * (1 - 2 * p) ** 2, starts[:-1])
+    assert np.all(np.abs(errs - exact) <= 5 * np.sqrt(var4 / steps) + 1e-4 * exact + 1e-30)
+
+
+def test_blocks_cut_the_error_of_one_norm():
+    x = gradient_like(200_000, seed=3)
+    errs = {}
+    for block in (0, 1024, 64):
+        c = mpicomp.codec("qsgd_maxnorm", bits=4, block=block)
+        w = c.local_norms(x)
+        errs[block] = np.linalg.norm(c.dequantize(c.quantize(x, w), w) - x) / np.linalg.norm(x)
+    assert errs[64] < errs[1024] < errs[0] / 4
+
+
+def test_the_bench_error_drops_at_4m_elements(monkeypatch):
+    """`mpicomp bench`'s rel.err column (one rank, no error feedback) at 4M elements: the
+    paper's one norm against the default blocks (an error, not a timing)."""
+    from mpicomp.bench import kernels, workload
+
+    rows = [("qsgd_maxnorm", {"bits": b, "block": d}) for b in (8, 2) for d in (0, 1024)]
+    monkeypatch.setattr(workload, "BENCH_SET", rows)
+    err = {
+        (r["params"]["bits"], r["params"]["block"]): r["rel_error"]
+        for r in kernels.run(["qsgd_maxnorm"], numel=4_000_000, reps=1)
+    }
+    assert err[8, 0] > 2.0 and err[2, 0] > 25  # one norm: the error grows as n^(1/4)
+    assert err[8, 1024] < 0.15 and err[2, 1024] < 6
+    assert err[8, 1024] < err[8, 0] / 15 and err[2, 1024] < err[2, 0] / 5
+
+
 # ---------------------------------------------------------------- bad parameters and inputs
 
 
@@ -634,6 +807,64 @@ def test_grandk_dequantize_needs_the_full_shape_and_k_codes():
     out = c.dequantize(codes, norm, shape=(10, 10), step=1)
     assert out.shape == (10, 10)
     np.testing.assert_array_equal(np.flatnonzero(out), c.coordinates(100, 1)[codes != 0])
+
+
+@pytest.mark.parametrize("name", DENSE + SPARSE)
+@pytest.mark.parametrize(
+    "params, param",
+    [
+        ({"block": -1}, "block"),
+        ({"block": 2.5}, "block"),
+        ({"block": "64"}, "block"),
+        ({"block": True}, "block"),
+        ({"block": float("inf")}, "block"),
+        ({"per_tensor": "yes"}, "per_tensor"),
+        ({"per_tensor": 1}, "per_tensor"),
+        ({"per_tensor": None}, "per_tensor"),
+    ],
+)
+def test_bad_block_parameters_name_the_parameter(name, params, param):
+    with pytest.raises(ValueError, match=param):
+        mpicomp.codec(name, **params)
+
+
+@pytest.mark.parametrize("name", DENSE + SPARSE)
+def test_shapes_and_block_norms_are_checked(name):
+    c = mpicomp.codec(name, block=100, **({"k": 0.5} if name in SPARSE else {}))
+    x = gradient_like(1000, seed=1)
+    at = {"step": 2} if name in SPARSE else {}
+    for bad in ([(999,)], [(500,), (501,)], [(2, -1)], [("a",)]):
+        with pytest.raises(ValueError, match="shapes"):
+            c.local_norms(x, shapes=bad, **at)
+    norms = c.local_norms(x, **at)
+    extra = (c.scale_index(x, norms, **at),) if name.endswith("multiscale") else ()
+    out = {"shape": x.shape, **at} if name in SPARSE else {}
+    codes = c.quantize(x, norms, *extra, **at)
+    good = norms.copy()
+    for bad, what in [
+        (good[:-1], ValueError),
+        (np.append(good, 1), ValueError),
+        (good.reshape(1, -1), ValueError),
+        (np.where(np.arange(good.size) == 2, np.nan, good), ValueError),
+        (np.where(np.arange(good.size) == 2, -1.0, good), ValueError),
+        (np.where(np.arange(good.size) == 2, np.inf, good), ValueError),
+        (np.full(good.size, 1e39), ValueError),
+        (good.astype(np.complex64), TypeError),
+    ]:
+        with pytest.raises(what, match="norm"):
+            c.quantize(x, bad, *extra, **at)
+        with pytest.raises(what, match="norm"):
+            c.dequantize(codes, bad, *extra, **out)
+    short = good.copy()
+    short[3] *= np.float32(0.5)  # no longer bounds |x| in block 3
+    with pytest.raises(ValueError, match="block's norm is below"):
+        c.quantize(x, short, *extra, **at)
+    with pytest.raises(ValueError, match="overflows"):
+        c.local_norms(np.full(1000, 3e38, np.float32), **at)
+    bad_x = x.copy()
+    bad_x[c.coordinates(1000, 2)[5] if name in SPARSE else 5] = np.nan
+    with pytest.raises(ValueError, match="NaN or Inf"):
+        c.local_norms(bad_x, **at)
 
 
 # ---------------------------------------------------------------- packed code sums

@@ -60,9 +60,13 @@ def test_a_whole_call_adds_the_agreement_and_the_codecs_own_messages():
     signsgd = mpicomp.codec("signsgd")
     scales = Cost(_log2(N), 8 * _log2(N))
     assert cost("direct", signsgd, n, N) == head + scales + bounded("direct", n, N, 1, True)
+    paper = mpicomp.codec("qsgd_maxnorm", bits=4, block=0, per_tensor=False)
+    assert cost("ring", paper, n, N) == head + bounded("ring", n, N, 14, False)
+    # 32 block norms: a MaxAllReduce of its own, its head and a tail of 16 float32
     qsgd = mpicomp.codec("qsgd_maxnorm", bits=4)
-    assert cost("ring", qsgd, n, N) == head + bounded("ring", n, N, 14, False)
-    grandk = mpicomp.codec("grandk_maxnorm", bits=4, k=800)
+    norms = head + Cost(_log2(N), _log2(N) * 16 * 4)
+    assert cost("ring", qsgd, n, N) == head + norms + bounded("ring", n, N, 14, False)
+    grandk = mpicomp.codec("grandk_maxnorm", bits=4, k=800)  # one block: in the agreement
     assert cost("direct", grandk, n, N) == head + bounded("direct", 800, N, 14, False)
     # float32: MPI's allreduce moves 2(N-1)/N of the buffer in 2 log2 N messages; fp16's
     # own ring the same bytes of float16 in 2(N-1) steps.
@@ -71,6 +75,25 @@ def test_a_whole_call_adds_the_agreement_and_the_codecs_own_messages():
     threelc = mpicomp.codec("threelc")
     assert cost("allgather", threelc, n, N, payload=1000) == head + gathered("allgather", N, 1000)
     assert cost("float32", qsgd, n, 1) == Cost(0, 0)
+
+
+@pytest.mark.parametrize(
+    "numel, block, extra",
+    [
+        (1024, 1024, Cost(0, 0)),  # one block: the norm rides in the agreement
+        (1025, 1024, Cost(2, 2 * AGREEMENT_BYTES)),  # two: a head of its own
+        (17 * 64, 64, Cost(4, 2 * AGREEMENT_BYTES + 2 * 4)),  # and a tail of one norm
+        # 4096 norms past the head: MPICH's reduce-scatter and allgather of 16 KiB
+        (4112 * 64, 64, Cost(2 + 4, 2 * AGREEMENT_BYTES + 2 * 3 * 4 * 4096 // 4)),
+        (10**6, 0, Cost(0, 0)),
+    ],
+)
+def test_block_norms_cost_one_more_maxallreduce(numel, block, extra):
+    N = 4
+    qsgd = mpicomp.codec("qsgd_maxnorm", bits=4, block=block)
+    head = Cost(_log2(N), _log2(N) * AGREEMENT_BYTES)
+    assert cost("ring", qsgd, numel, N) == head + extra + bounded("ring", numel, N, 14, False)
+    assert cost("ring", qsgd, numel, 1) == Cost(0, 0)
 
 
 def test_sharded_receives_about_two_payloads_whatever_the_ranks():

@@ -97,6 +97,7 @@ def record() -> SimpleNamespace:
         ),
         qsgd=family(
             sumsq=qsgd.sumsq,
+            block_norms=qsgd.block_norms,
             quantize=qsgd.quantize,
             multiscale_index=qsgd.multiscale_index,
             multiscale_quantize=qsgd.multiscale_quantize,

@@ -1,12 +1,15 @@
 """QSGD-MaxNorm kernels (paper 000 §3.1-3.4): norms, stochastic codes, scale indices,
 reconstruction and the shared GlobalRandK coordinates.
 
-All arithmetic on values is float32 in a fixed order (no fastmath), so a CUDA twin (planned) built
+All arithmetic on values is float32 in a fixed order (no fastmath), so the CUDA twin built
 with --fmad=false gives the same codes: a = |v| / norm; y = a * s; l = floor(y); the
 code is l + 1 iff u < y - l, u the counter-based uniform of (key, element index).
+``norm`` is the norm of the element's block: ``norms[b]`` for starts[b] <= i <
+starts[b + 1] (kernels/qsgd.py); a block norm that is not a finite float32 >= 0 sets
+ERR_NORM.
 Error results are bit masks: ERR_VALUE (NaN/Inf, or |v| above the norm bound),
 ERR_INDEX (a scale index outside the scale set), ERR_UNSAFE (a scale index whose
-scale would push a code past s_min), ERR_RANGE (a code sum outside ±limit).
+scale would push a code past s_min), ERR_RANGE (a code sum outside ±limit), ERR_NORM.
 
 The element kernels work on a range [lo, hi) in one thread; the ``*_chunks`` drivers run
 them over CHUNK-element chunks in parallel (same bytes, any thread count). Their loops
@@ -20,7 +23,8 @@ import numba as nb
 import numpy as np
 
 from mpicomp._numba_cache import guard
-from mpicomp.kernels.qsgd import CHUNK, ERR_RANGE, ERR_VALUE
+from mpicomp.kernels.qsgd import CHUNK, ERR_NORM, ERR_OVERFLOW, ERR_RANGE, ERR_VALUE
+from mpicomp.kernels.qsgd import F32_MAX as _F32_MAX
 from mpicomp.kernels.qsgd import LIMIT as _LIMIT
 
 from . import bits as _bits
@@ -28,6 +32,8 @@ from .rng import mpicomp_bits, mpicomp_uniform
 
 _ONE = np.float32(1.0)
 _ZERO = np.float32(0.0)
+_NO_SCALE = np.empty(0, np.uint8)  # the single-scale kernels' scale indices: none
+_NO_LEVELS = np.empty(0, np.float32)
 _LO32 = np.uint64(0xFFFFFFFF)
 _S32 = np.uint64(32)
 
@@ -118,17 +124,40 @@ def mpicomp_qsgd_sumsq(x, idx, dense, lo, hi):
 
 # The element loops below run from 0 over slices: a signed loop index from a runtime
 # start makes numba wrap negative indices, and the compiler then gathers instead of
-# loading vectors. Errors accumulate as integer ORs, so the loops stay branch-free.
+# loading vectors. Errors accumulate as integer ORs, so the loops stay branch-free. A
+# ``_run`` helper works on a range inside one block, against that block's norm (a
+# scalar, so the loop vectorizes); the kernels walk the blocks of their range.
+
+
+@nb.njit(inline="always", cache=True)
+def mpicomp_qsgd_block_at(starts, regular, i):
+    """Return the block of element i: i // regular, or the b with starts[b] <= i < starts[b + 1]."""
+    if regular > 0:
+        return i // regular
+    lo = np.int64(0)
+    hi = np.int64(starts.size - 1)  # starts[lo] <= i < starts[hi]
+    while hi - lo > 1:
+        mid = lo + (hi - lo) // 2
+        if starts[mid] <= i:
+            lo = mid
+        else:
+            hi = mid
+    return lo
+
+
+@nb.njit(inline="always", cache=True)
+def mpicomp_qsgd_norm_bad(norm):
+    """Return ERR_NORM unless ``norm`` is a finite float32 >= 0 (NaN fails), else 0."""
+    return 0 if (norm >= _ZERO) & (norm <= _F32_MAX) else ERR_NORM
+
+
+@nb.njit(inline="always", cache=True)
+def _block_end(starts, b, hi):
+    return min(hi, starts[b + 1])
 
 
 @nb.njit(cache=True, nogil=True, error_model="numpy")
-def mpicomp_qsgd_quantize(x, idx, dense, norm, levels, key, out, lo, hi):
-    """Write the code of x[i] (or x[idx[i]]) to out[i], lo <= i < hi; return an error mask.
-
-    The uniform of an element is drawn at its index in x, so a GlobalRandK coordinate
-    gets the same rounding noise whatever K is.
-    """
-    s = np.float32(levels)
+def _quantize_run(x, idx, dense, norm, s, key, out, lo, hi):
     o = out[lo:hi]
     bad = 0
     if dense:
@@ -149,6 +178,26 @@ def mpicomp_qsgd_quantize(x, idx, dense, norm, levels, key, out, lo, hi):
     return ERR_VALUE if bad else 0
 
 
+@nb.njit(cache=True, nogil=True, error_model="numpy")
+def mpicomp_qsgd_quantize(x, idx, dense, norms, starts, regular, levels, key, out, lo, hi):
+    """Write the code of x[i] (or x[idx[i]]) against its block's norm to out[i], lo <= i < hi; return an error mask.
+
+    The uniform of an element is drawn at its index in x, so a GlobalRandK coordinate
+    gets the same rounding noise whatever K is.
+    """
+    s = np.float32(levels)
+    err = 0
+    b = mpicomp_qsgd_block_at(starts, regular, lo)
+    while lo < hi:
+        end = _block_end(starts, b, hi)
+        norm = norms[b]
+        err |= mpicomp_qsgd_norm_bad(norm) | _quantize_run(
+            x, idx, dense, norm, s, key, out, lo, end
+        )
+        lo, b = end, b + 1
+    return err
+
+
 @nb.njit(inline="always", cache=True)
 def mpicomp_qsgd_pick_scale(a, scales):
     """Return the largest k with a * scales[k] <= scales[0] (scales ascending, float32).
@@ -164,8 +213,7 @@ def mpicomp_qsgd_pick_scale(a, scales):
 
 
 @nb.njit(cache=True, nogil=True, error_model="numpy")
-def mpicomp_qsgd_multiscale_index(x, idx, dense, norm, scales, out, lo, hi):
-    """Write the index of the finest safe scale of x[i] (or x[idx[i]]) to out[i]; return an error mask."""
+def _index_run(x, idx, dense, norm, scales, out, lo, hi):
     o = out[lo:hi]
     bad = 0
     if dense:
@@ -181,6 +229,19 @@ def mpicomp_qsgd_multiscale_index(x, idx, dense, norm, scales, out, lo, hi):
             bad |= np.int64(not ok)
             o[j] = mpicomp_qsgd_pick_scale(a, scales)
     return ERR_VALUE if bad else 0
+
+
+@nb.njit(cache=True, nogil=True, error_model="numpy")
+def mpicomp_qsgd_multiscale_index(x, idx, dense, norms, starts, regular, scales, out, lo, hi):
+    """Write the index of the finest safe scale of x[i] (or x[idx[i]]) to out[i]; return an error mask."""
+    err = 0
+    b = mpicomp_qsgd_block_at(starts, regular, lo)
+    while lo < hi:
+        end = _block_end(starts, b, hi)
+        norm = norms[b]
+        err |= mpicomp_qsgd_norm_bad(norm) | _index_run(x, idx, dense, norm, scales, out, lo, end)
+        lo, b = end, b + 1
+    return err
 
 
 @nb.njit(inline="always", cache=True)
@@ -212,8 +273,7 @@ def mpicomp_qsgd_ms_code(v, norm, s, inside, smin, u):
 
 
 @nb.njit(cache=True, nogil=True, error_model="numpy")
-def mpicomp_qsgd_multiscale_quantize(x, idx, dense, norm, scales, sidx, key, out, lo, hi):
-    """Write the code of x[i] (or x[idx[i]]) at scale scales[sidx[i]] to out[i]; return an error mask."""
+def _ms_quantize_run(x, idx, dense, norm, scales, sidx, key, out, lo, hi):
     o = out[lo:hi]
     ks = sidx[lo:hi]
     s0, s1 = scales[0], scales[scales.size - 1]
@@ -234,42 +294,35 @@ def mpicomp_qsgd_multiscale_quantize(x, idx, dense, norm, scales, sidx, key, out
     return err
 
 
+@nb.njit(cache=True, nogil=True, error_model="numpy")
+def mpicomp_qsgd_multiscale_quantize(
+    x, idx, dense, norms, starts, regular, scales, sidx, key, out, lo, hi
+):
+    """Write the code of x[i] (or x[idx[i]]) at scale scales[sidx[i]] to out[i]; return an error mask."""
+    err = 0
+    b = mpicomp_qsgd_block_at(starts, regular, lo)
+    while lo < hi:
+        end = _block_end(starts, b, hi)
+        norm = norms[b]
+        err |= mpicomp_qsgd_norm_bad(norm)
+        err |= _ms_quantize_run(x, idx, dense, norm, scales, sidx, key, out, lo, end)
+        lo, b = end, b + 1
+    return err
+
+
 @nb.njit(inline="always", cache=True)
 def mpicomp_qsgd_value(c, norm, s, nr, limit):
     """Return (((c * norm) / s) / nr in float32, True iff |c| > limit) for an int64 code sum."""
     return ((np.float32(c) * norm) / s) / nr, (c > limit) | (c < -limit)
 
 
-@nb.njit(cache=True, nogil=True, error_model="numpy")
-def mpicomp_qsgd_dequantize(codes, norm, levels, nranks, limit, out, lo, hi):
-    """Write out[i] = ((codes[i] * norm) / levels) / nranks in float32; return an error mask."""
-    s = np.float32(levels)
-    nr = np.float32(nranks)
-    cs = codes[lo:hi]
-    o = out[lo:hi]
+@nb.njit(inline="always", cache=True)
+def _values(cs, shift, norm, s, nr, limit, o):
+    """o[j] = the value of code sum cs[j] - shift; return ERR_RANGE if one is beyond limit."""
     bad = 0
     for j in range(o.size):
-        o[j], far = mpicomp_qsgd_value(np.int64(cs[j]), norm, s, nr, limit)
+        o[j], far = mpicomp_qsgd_value(np.int64(cs[j]) - shift, norm, s, nr, limit)
         bad |= np.int64(far)
-    return ERR_RANGE if bad else 0
-
-
-@nb.njit(cache=True, nogil=True, error_model="numpy")
-def mpicomp_qsgd_dequantize_packed(stream, width, shift, norm, levels, nranks, limit, out, lo, hi):
-    """As mpicomp_qsgd_dequantize for codes[i] = (code i of ``stream``, ``width`` bits) - shift.
-
-    The code sums come straight from the ring's packed result; ``lo`` is a multiple of 8.
-    """
-    s = np.float32(levels)
-    nr = np.float32(nranks)
-    tmp = np.empty(_bits.BLOCK, np.uint32)
-    bad = 0
-    for b in range(lo, hi, _bits.BLOCK):
-        o = out[b : min(hi, b + _bits.BLOCK)]
-        _bits.mpicomp_bits_unpack_block(stream, (b * width) >> 3, width, o.size, tmp)
-        for j in range(o.size):
-            o[j], far = mpicomp_qsgd_value(np.int64(tmp[j]) - shift, norm, s, nr, limit)
-            bad |= np.int64(far)
     return ERR_RANGE if bad else 0
 
 
@@ -281,7 +334,7 @@ def mpicomp_qsgd_ms_value(c, s, inside, norm, nr, limit):
 
 
 @nb.njit(inline="always", cache=True)
-def _ms_dequantize(cs, shift, ks, norm, scales, nr, limit, o):
+def _ms_values(cs, shift, ks, norm, scales, nr, limit, o):
     """o[j] = the value of code sum cs[j] - shift at scale index ks[j]; return the error mask."""
     s0, s1 = scales[0], scales[scales.size - 1]
     err = 0
@@ -298,26 +351,113 @@ def _ms_dequantize(cs, shift, ks, norm, scales, nr, limit, o):
     return err
 
 
+@nb.njit(inline="always", cache=True)
+def _values_by_block(cs, shift, ks, norms, starts, regular, s, scales, nr, limit, o, lo):
+    """o[j] = the value of code sum cs[j] - shift for o = out[lo:lo + o.size], each block
+    against its own norm: at scale scales[ks[j]] (multi-scale), or s where ks is empty."""
+    err = 0
+    hi = lo + o.size
+    b = mpicomp_qsgd_block_at(starts, regular, lo)
+    at = lo
+    while at < hi:
+        end = _block_end(starts, b, hi)
+        norm = norms[b]
+        j, k = at - lo, end - lo
+        err |= mpicomp_qsgd_norm_bad(norm)
+        if ks.size:
+            err |= _ms_values(cs[j:k], shift, ks[j:k], norm, scales, nr, limit, o[j:k])
+        else:
+            err |= _values(cs[j:k], shift, norm, s, nr, limit, o[j:k])
+        at, b = end, b + 1
+    return err
+
+
 @nb.njit(cache=True, nogil=True, error_model="numpy")
-def mpicomp_qsgd_multiscale_dequantize(codes, sidx, norm, scales, nranks, limit, out, lo, hi):
-    """Write out[i] = ((codes[i] * norm) / scales[sidx[i]]) / nranks in float32; return an error mask."""
+def mpicomp_qsgd_dequantize(codes, norms, starts, regular, levels, nranks, limit, out, lo, hi):
+    """Write out[i] = ((codes[i] * norm) / levels) / nranks in float32, norm its block's; return an error mask."""
+    s = np.float32(levels)
     nr = np.float32(nranks)
-    return _ms_dequantize(codes[lo:hi], 0, sidx[lo:hi], norm, scales, nr, limit, out[lo:hi])
+    cs, o = codes[lo:hi], out[lo:hi]
+    return _values_by_block(
+        cs, 0, _NO_SCALE, norms, starts, regular, s, _NO_LEVELS, nr, limit, o, lo
+    )
 
 
-@nb.njit(cache=True, nogil=True, error_model="numpy")
-def mpicomp_qsgd_multiscale_dequantize_packed(
-    stream, width, shift, sidx, norm, scales, nranks, limit, out, lo, hi
+@nb.njit(inline="always", cache=True)
+def _packed_values(
+    stream, width, shift, ks, norms, starts, regular, s, scales, nr, limit, out, lo, hi
 ):
-    """As mpicomp_qsgd_multiscale_dequantize for codes[i] = (code i of ``stream``) - shift."""
-    nr = np.float32(nranks)
+    """_values_by_block of the code sums read from ``stream`` (``width`` bits, less
+    ``shift``), a bits BLOCK at a time; ``lo`` is a multiple of 8."""
     tmp = np.empty(_bits.BLOCK, np.uint32)
     err = 0
     for b in range(lo, hi, _bits.BLOCK):
         o = out[b : min(hi, b + _bits.BLOCK)]
         _bits.mpicomp_bits_unpack_block(stream, (b * width) >> 3, width, o.size, tmp)
-        ks = sidx[b : b + o.size]
-        err |= _ms_dequantize(tmp, shift, ks, norm, scales, nr, limit, o)
+        kb = ks[b : b + o.size]
+        err |= _values_by_block(tmp, shift, kb, norms, starts, regular, s, scales, nr, limit, o, b)
+    return err
+
+
+@nb.njit(cache=True, nogil=True, error_model="numpy")
+def mpicomp_qsgd_dequantize_packed(
+    stream, width, shift, norms, starts, regular, levels, nranks, limit, out, lo, hi
+):
+    """As mpicomp_qsgd_dequantize for codes[i] = (code i of ``stream``, ``width`` bits) - shift.
+
+    The code sums come straight from the ring's packed result; ``lo`` is a multiple of 8.
+    """
+    s, nr, ks, scales = np.float32(levels), np.float32(nranks), _NO_SCALE, _NO_LEVELS
+    return _packed_values(
+        stream, width, shift, ks, norms, starts, regular, s, scales, nr, limit, out, lo, hi
+    )
+
+
+@nb.njit(cache=True, nogil=True, error_model="numpy")
+def mpicomp_qsgd_multiscale_dequantize(
+    codes, sidx, norms, starts, regular, scales, nranks, limit, out, lo, hi
+):
+    """Write out[i] = ((codes[i] * norm) / scales[sidx[i]]) / nranks in float32, norm its block's; return an error mask."""
+    nr = np.float32(nranks)
+    cs, ks, o = codes[lo:hi], sidx[lo:hi], out[lo:hi]
+    return _values_by_block(cs, 0, ks, norms, starts, regular, _ONE, scales, nr, limit, o, lo)
+
+
+@nb.njit(cache=True, nogil=True, error_model="numpy")
+def mpicomp_qsgd_multiscale_dequantize_packed(
+    stream, width, shift, sidx, norms, starts, regular, scales, nranks, limit, out, lo, hi
+):
+    """As mpicomp_qsgd_multiscale_dequantize for codes[i] = (code i of ``stream``) - shift."""
+    nr = np.float32(nranks)
+    return _packed_values(
+        stream, width, shift, sidx, norms, starts, regular, _ONE, scales, nr, limit, out, lo, hi
+    )
+
+
+@nb.njit(cache=True, nogil=True, error_model="numpy")
+def mpicomp_qsgd_piece_sums(x, idx, dense, pieces, part, lo, hi):
+    """Write part[p] = mpicomp_qsgd_sumsq of piece p (pieces[p] <= i < pieces[p + 1]), lo <= p < hi."""
+    for p in range(lo, hi):
+        part[p] = mpicomp_qsgd_sumsq(x, idx, dense, pieces[p], pieces[p + 1])
+
+
+@nb.njit(cache=True, nogil=True, error_model="numpy")
+def mpicomp_qsgd_block_norms(part, first, out):
+    """Write out[b] = float32(sqrt(the sums of block b's pieces, added in order)); return an error mask.
+
+    ERR_VALUE for a sum that is NaN/Inf (the input held one), ERR_OVERFLOW for a norm
+    beyond float32; out[b] is 0 then.
+    """
+    err = 0
+    for b in range(out.size):
+        total = 0.0
+        for p in range(first[b], first[b + 1]):
+            total += part[p]
+        norm = np.sqrt(total)
+        finite = np.isfinite(total)
+        fits = norm <= np.float64(_F32_MAX)
+        err |= (0 if finite else ERR_VALUE) | (ERR_OVERFLOW if finite and not fits else 0)
+        out[b] = np.float32(norm) if finite and fits else _ZERO
     return err
 
 
@@ -359,83 +499,100 @@ def mpicomp_qsgd_sumsq_chunks(x, idx, dense, n):
 
 
 @nb.njit(parallel=True, cache=True, nogil=True, error_model="numpy")
-def mpicomp_qsgd_quantize_chunks(x, idx, dense, norm, levels, key, out, n):
+def mpicomp_qsgd_piece_sums_chunks(x, idx, dense, pieces, part, n):
+    """Run mpicomp_qsgd_piece_sums over all n pieces in parallel."""
+    for p in nb.prange(n):
+        part[p] = mpicomp_qsgd_sumsq(x, idx, dense, pieces[p], pieces[p + 1])
+
+
+@nb.njit(parallel=True, cache=True, nogil=True, error_model="numpy")
+def mpicomp_qsgd_quantize_chunks(x, idx, dense, norms, starts, regular, levels, key, out, n):
     """Run mpicomp_qsgd_quantize over all n elements in parallel chunks; return the error mask."""
     res = np.empty(_nchunks(n), np.int64)
     for c in nb.prange(res.size):
         lo, hi = _chunk(c, n)
-        res[c] = mpicomp_qsgd_quantize(x, idx, dense, norm, levels, key, out, lo, hi)
-    return _or_all(res)
-
-
-@nb.njit(parallel=True, cache=True, nogil=True, error_model="numpy")
-def mpicomp_qsgd_multiscale_index_chunks(x, idx, dense, norm, scales, out, n):
-    """Run mpicomp_qsgd_multiscale_index over all n elements in parallel chunks."""
-    res = np.empty(_nchunks(n), np.int64)
-    for c in nb.prange(res.size):
-        lo, hi = _chunk(c, n)
-        res[c] = mpicomp_qsgd_multiscale_index(x, idx, dense, norm, scales, out, lo, hi)
-    return _or_all(res)
-
-
-@nb.njit(parallel=True, cache=True, nogil=True, error_model="numpy")
-def mpicomp_qsgd_multiscale_quantize_chunks(x, idx, dense, norm, scales, sidx, key, out, n):
-    """Run mpicomp_qsgd_multiscale_quantize over all n elements in parallel chunks."""
-    res = np.empty(_nchunks(n), np.int64)
-    for c in nb.prange(res.size):
-        lo, hi = _chunk(c, n)
-        res[c] = mpicomp_qsgd_multiscale_quantize(
-            x, idx, dense, norm, scales, sidx, key, out, lo, hi
+        res[c] = mpicomp_qsgd_quantize(
+            x, idx, dense, norms, starts, regular, levels, key, out, lo, hi
         )
     return _or_all(res)
 
 
 @nb.njit(parallel=True, cache=True, nogil=True, error_model="numpy")
-def mpicomp_qsgd_dequantize_chunks(codes, norm, levels, nranks, limit, out, n):
-    """Run mpicomp_qsgd_dequantize over all n elements in parallel chunks."""
+def mpicomp_qsgd_multiscale_index_chunks(x, idx, dense, norms, starts, regular, scales, out, n):
+    """Run mpicomp_qsgd_multiscale_index over all n elements in parallel chunks."""
     res = np.empty(_nchunks(n), np.int64)
     for c in nb.prange(res.size):
         lo, hi = _chunk(c, n)
-        res[c] = mpicomp_qsgd_dequantize(codes, norm, levels, nranks, limit, out, lo, hi)
+        res[c] = mpicomp_qsgd_multiscale_index(
+            x, idx, dense, norms, starts, regular, scales, out, lo, hi
+        )
     return _or_all(res)
 
 
 @nb.njit(parallel=True, cache=True, nogil=True, error_model="numpy")
-def mpicomp_qsgd_multiscale_dequantize_chunks(codes, sidx, norm, scales, nranks, limit, out, n):
+def mpicomp_qsgd_multiscale_quantize_chunks(
+    x, idx, dense, norms, starts, regular, scales, sidx, key, out, n
+):
+    """Run mpicomp_qsgd_multiscale_quantize over all n elements in parallel chunks."""
+    res = np.empty(_nchunks(n), np.int64)
+    for c in nb.prange(res.size):
+        lo, hi = _chunk(c, n)
+        res[c] = mpicomp_qsgd_multiscale_quantize(
+            x, idx, dense, norms, starts, regular, scales, sidx, key, out, lo, hi
+        )
+    return _or_all(res)
+
+
+@nb.njit(parallel=True, cache=True, nogil=True, error_model="numpy")
+def mpicomp_qsgd_dequantize_chunks(codes, norms, starts, regular, levels, nranks, limit, out, n):
+    """Run mpicomp_qsgd_dequantize over all n elements in parallel chunks."""
+    res = np.empty(_nchunks(n), np.int64)
+    for c in nb.prange(res.size):
+        lo, hi = _chunk(c, n)
+        res[c] = mpicomp_qsgd_dequantize(
+            codes, norms, starts, regular, levels, nranks, limit, out, lo, hi
+        )
+    return _or_all(res)
+
+
+@nb.njit(parallel=True, cache=True, nogil=True, error_model="numpy")
+def mpicomp_qsgd_multiscale_dequantize_chunks(
+    codes, sidx, norms, starts, regular, scales, nranks, limit, out, n
+):
     """Run mpicomp_qsgd_multiscale_dequantize over all n elements in parallel chunks."""
     res = np.empty(_nchunks(n), np.int64)
     for c in nb.prange(res.size):
         lo, hi = _chunk(c, n)
         res[c] = mpicomp_qsgd_multiscale_dequantize(
-            codes, sidx, norm, scales, nranks, limit, out, lo, hi
+            codes, sidx, norms, starts, regular, scales, nranks, limit, out, lo, hi
         )
     return _or_all(res)
 
 
 @nb.njit(parallel=True, cache=True, nogil=True, error_model="numpy")
 def mpicomp_qsgd_dequantize_packed_chunks(
-    stream, width, shift, norm, levels, nranks, limit, out, n
+    stream, width, shift, norms, starts, regular, levels, nranks, limit, out, n
 ):
     """Run mpicomp_qsgd_dequantize_packed over all n elements in parallel chunks."""
     res = np.empty(_nchunks(n), np.int64)
     for c in nb.prange(res.size):
         lo, hi = _chunk(c, n)
         res[c] = mpicomp_qsgd_dequantize_packed(
-            stream, width, shift, norm, levels, nranks, limit, out, lo, hi
+            stream, width, shift, norms, starts, regular, levels, nranks, limit, out, lo, hi
         )
     return _or_all(res)
 
 
 @nb.njit(parallel=True, cache=True, nogil=True, error_model="numpy")
 def mpicomp_qsgd_multiscale_dequantize_packed_chunks(
-    stream, width, shift, sidx, norm, scales, nranks, limit, out, n
+    stream, width, shift, sidx, norms, starts, regular, scales, nranks, limit, out, n
 ):
     """Run mpicomp_qsgd_multiscale_dequantize_packed over all n elements in parallel chunks."""
     res = np.empty(_nchunks(n), np.int64)
     for c in nb.prange(res.size):
         lo, hi = _chunk(c, n)
         res[c] = mpicomp_qsgd_multiscale_dequantize_packed(
-            stream, width, shift, sidx, norm, scales, nranks, limit, out, lo, hi
+            stream, width, shift, sidx, norms, starts, regular, scales, nranks, limit, out, lo, hi
         )
     return _or_all(res)
 
@@ -495,45 +652,61 @@ def sumsq(x, idx, dense) -> float:
     return _over(mpicomp_qsgd_sumsq, mpicomp_qsgd_sumsq_chunks, n, x, idx, dense)
 
 
-def quantize(x, idx, dense, norm, levels, key, out) -> int:
-    """Write the codes of x (``dense``) or x[idx] into ``out``; return an error mask."""
-    args = (x, idx, dense, norm, levels, key, out)
+def block_norms(x, idx, dense, pieces, first, out) -> int:
+    """Write the float32 L2 norm of each block of x (``dense``) or x[idx] into ``out``;
+    return an error mask (ERR_VALUE: NaN/Inf, ERR_OVERFLOW: a norm beyond float32).
+
+    Block b adds its pieces first[b] <= p < first[b + 1], piece p the elements
+    pieces[p] <= i < pieces[p + 1] (kernels/qsgd.py).
+    """
+    part = np.empty(pieces.size - 1, np.float64)
+    if pieces[-1] <= CHUNK:
+        mpicomp_qsgd_piece_sums(x, idx, dense, pieces, part, 0, part.size)
+    else:
+        mpicomp_qsgd_piece_sums_chunks(x, idx, dense, pieces, part, part.size)
+    return mpicomp_qsgd_block_norms(part, first, out)
+
+
+def quantize(x, idx, dense, norms, starts, regular, levels, key, out) -> int:
+    """Write the codes of x (``dense``) or x[idx] into ``out``, each against its block's
+    norm (norms[b] for starts[b] <= i < starts[b + 1]); return an error mask."""
+    args = (x, idx, dense, norms, starts, regular, levels, key, out)
     return _over(mpicomp_qsgd_quantize, mpicomp_qsgd_quantize_chunks, out.size, *args)
 
 
-def multiscale_index(x, idx, dense, norm, scales, out) -> int:
+def multiscale_index(x, idx, dense, norms, starts, regular, scales, out) -> int:
     """Write each element's scale index into uint8 ``out``; return an error mask."""
-    args = (x, idx, dense, norm, scales, out)
+    args = (x, idx, dense, norms, starts, regular, scales, out)
     return _over(
         mpicomp_qsgd_multiscale_index, mpicomp_qsgd_multiscale_index_chunks, out.size, *args
     )
 
 
-def multiscale_quantize(x, idx, dense, norm, scales, sidx, key, out) -> int:
+def multiscale_quantize(x, idx, dense, norms, starts, regular, scales, sidx, key, out) -> int:
     """Write the codes at the shared scale indices ``sidx`` into ``out``; return an error mask."""
-    args = (x, idx, dense, norm, scales, sidx, key, out)
+    args = (x, idx, dense, norms, starts, regular, scales, sidx, key, out)
     return _over(
         mpicomp_qsgd_multiscale_quantize, mpicomp_qsgd_multiscale_quantize_chunks, out.size, *args
     )
 
 
-def dequantize(codes, norm, levels, nranks, limit, out) -> int:
-    """Write out = ((codes * norm) / levels) / nranks in float32; return an error mask."""
-    args = (codes, norm, levels, nranks, limit, out)
+def dequantize(codes, norms, starts, regular, levels, nranks, limit, out) -> int:
+    """Write out = ((codes * norm) / levels) / nranks in float32, norm each block's; return an error mask."""
+    args = (codes, norms, starts, regular, levels, nranks, limit, out)
     return _over(mpicomp_qsgd_dequantize, mpicomp_qsgd_dequantize_chunks, out.size, *args)
 
 
-def dequantize_packed(stream, width, shift, norm, levels, nranks, limit, out) -> int:
+def dequantize_packed(stream, width, shift, norms, starts, regular, levels, nranks, limit, out):
     """As ``dequantize`` for codes[i] = (the ``width``-bit code i of ``stream``) - shift."""
-    args = (stream, width, shift, norm, levels, nranks, limit, out)
+    args = (stream, width, shift, norms, starts, regular, levels, nranks, limit, out)
     return _over(
         mpicomp_qsgd_dequantize_packed, mpicomp_qsgd_dequantize_packed_chunks, out.size, *args
     )
 
 
-def multiscale_dequantize(codes, sidx, norm, scales, nranks, limit, out) -> int:
+def multiscale_dequantize(codes, sidx, norms, starts, regular, scales, nranks, limit, out) -> int:
     """Write out = ((codes * norm) / scales[sidx]) / nranks in float32; return an error mask."""
-    args = (codes, sidx, norm, scales, nranks, limit, out)
+    args = (codes, sidx, norms, starts, regular, scales, nranks, limit, out)
     return _over(
         mpicomp_qsgd_multiscale_dequantize,
         mpicomp_qsgd_multiscale_dequantize_chunks,
@@ -542,9 +715,11 @@ def multiscale_dequantize(codes, sidx, norm, scales, nranks, limit, out) -> int:
     )
 
 
-def multiscale_dequantize_packed(stream, width, shift, sidx, norm, scales, nranks, limit, out):
+def multiscale_dequantize_packed(
+    stream, width, shift, sidx, norms, starts, regular, scales, nranks, limit, out
+):
     """As ``multiscale_dequantize`` for codes read from a packed ``stream`` (less ``shift``)."""
-    args = (stream, width, shift, sidx, norm, scales, nranks, limit, out)
+    args = (stream, width, shift, sidx, norms, starts, regular, scales, nranks, limit, out)
     return _over(
         mpicomp_qsgd_multiscale_dequantize_packed,
         mpicomp_qsgd_multiscale_dequantize_packed_chunks,

@@ -2,8 +2,9 @@
 // stochastic codes, scale indices, reconstruction, GlobalRandK coordinates.
 //
 // Float arithmetic is the numba twin's, operation for operation (built with --fmad=false):
-// a = |v| / norm, y = a * s, l = floor(y), code l + 1 iff u < y - l. The squared norm adds
-// in its fixed order: 8 lanes per CHUNK, lanes ((0+1)+(2+3))+((4+5)+(6+7)), chunks in order.
+// a = |v| / norm, y = a * s, l = floor(y), code l + 1 iff u < y - l, norm the element's
+// block's (kernels/qsgd.py). The squared norm adds in its fixed order: 8 lanes per piece (CHUNK
+// elements, or a block's cut), lanes ((0+1)+(2+3))+((4+5)+(6+7)), pieces in order.
 // Error results are bit masks OR-ed into one u32 (integer atomics: order-free).
 // Constants come from kernels/qsgd.py as -D macros (kernels/cuda/qsgd.py: DEFINES).
 #include "common.cuh"
@@ -70,15 +71,41 @@ __device__ __forceinline__ u32 qsgd_code_at(const u8* stream, i64 i, int width) 
     return (u32)((acc >> off) & ((1ull << width) - 1ull));                  // width <= 32
 }
 
+// ---- block norms ---------------------------------------------------------------------------------
+
+// The norms of the coded vector's blocks (kernels/qsgd.py): norms[b] for starts[b] <= i <
+// starts[b + 1], nb blocks; `regular` > 0: block b is [b * regular, (b + 1) * regular).
+#define QSGD_BLOCKS const float *norms, const i64 *starts, i64 nb, i64 regular
+#define QSGD_BLOCKS_ARGS norms, starts, nb, regular
+
+// The block of element i (mpicomp_qsgd_block_at): i / regular, or a binary search of starts.
+__device__ __forceinline__ i64 qsgd_block_at(const i64* starts, i64 nb, i64 regular, i64 i) {
+    if (regular > 0) return i / regular;
+    i64 lo = 0, hi = nb;  // starts[lo] <= i < starts[hi]
+    while (hi - lo > 1) {
+        const i64 mid = lo + (hi - lo) / 2;
+        if (starts[mid] <= i) lo = mid; else hi = mid;
+    }
+    return lo;
+}
+
+// The norm of element i's block; ERR_NORM into *bad unless it is a finite float32 >= 0.
+__device__ __forceinline__ float qsgd_norm_of(i64 i, QSGD_BLOCKS, u32* bad) {
+    const float norm = norms[qsgd_block_at(starts, nb, regular, i)];
+    *bad |= (norm >= 0.0f && norm <= MPICOMP_QSGD_F32_MAX) ? 0u : (u32)MPICOMP_QSGD_ERR_NORM;
+    return norm;
+}
+
 // ---- squared norm -------------------------------------------------------------------------------
 
-// lanes[8c + l] = lane l of chunk c: elements j = l, l+8, ... of the chunk's whole octets in
-// order, then (lane 0) the tail of fewer than 8, as mpicomp_qsgd_sumsq adds them.
+// lanes[8p + l] = lane l of piece p (elements pieces[p] <= i < pieces[p + 1]): elements j = l,
+// l+8, ... of the piece's whole octets in order, then (lane 0) the tail of fewer than 8, as
+// mpicomp_qsgd_sumsq adds them.
 extern "C" __global__ void mpicomp_qsgd_sumsq_lanes(const float* x, const i64* idx, int dense,
-                                                     i64 n, double* lanes) {
-    const i64 nchunks = (n + QSGD_CHUNK - 1) / QSGD_CHUNK;
-    MPICOMP_FOR(q, nchunks * 8) {
-        const i64 lo = (q >> 3) * QSGD_CHUNK, hi = qsgd_min64(n, lo + QSGD_CHUNK);
+                                                     const i64* pieces, i64 npieces,
+                                                     double* lanes) {
+    MPICOMP_FOR(q, npieces * 8) {
+        const i64 lo = pieces[q >> 3], hi = pieces[(q >> 3) + 1];
         const i64 lane = q & 7, m = hi - lo, full = m - m % 8;
         double acc = 0.0;
         if (dense) {
@@ -100,87 +127,106 @@ extern "C" __global__ void mpicomp_qsgd_sumsq_lanes(const float* x, const i64* i
     }
 }
 
-// *out = the chunk sums (lanes combined as a tree of fixed shape) added in chunk order: one
-// block; the serial part runs over chunks, not elements.
+// A piece's sum: its lanes combined as a tree of fixed shape.
+__device__ __forceinline__ double qsgd_piece_sum(const double* l) {
+    return ((l[0] + l[1]) + (l[2] + l[3])) + ((l[4] + l[5]) + (l[6] + l[7]));
+}
+
+// *out = the chunk sums (pieces of CHUNK elements) added in chunk order: one block; the
+// serial part runs over chunks, not elements.
 extern "C" __global__ void mpicomp_qsgd_sumsq_total(double* lanes, i64 nchunks, double* out) {
     if (blockIdx.x != 0) return;
-    for (i64 c = threadIdx.x; c < nchunks; c += blockDim.x) {
-        const double* l = lanes + 8 * c;
-        const double s = ((l[0] + l[1]) + (l[2] + l[3])) + ((l[4] + l[5]) + (l[6] + l[7]));
-        lanes[8 * c] = s;
-    }
+    for (i64 c = threadIdx.x; c < nchunks; c += blockDim.x)
+        lanes[8 * c] = qsgd_piece_sum(lanes + 8 * c);
     __syncthreads();
     if (threadIdx.x == 0) {
-        double total = nchunks == 1 ? lanes[0] : 0.0;  // one chunk: the twin's direct call
-        if (nchunks > 1)
-            for (i64 c = 0; c < nchunks; ++c) total += lanes[8 * c];
+        double total = 0.0;
+        for (i64 c = 0; c < nchunks; ++c) total += lanes[8 * c];
         *out = total;
     }
+}
+
+// out[b] = (float)sqrt(the sums of block b's pieces first[b] <= p < first[b + 1], in order);
+// ERR_VALUE for a NaN/Inf sum, ERR_OVERFLOW for a norm beyond float32 (out[b] = 0 then).
+extern "C" __global__ void mpicomp_qsgd_block_norms(const double* lanes, const i64* first, i64 nb,
+                                                     float* out, u32* err) {
+    u32 bad = 0;
+    MPICOMP_FOR(b, nb) {
+        double total = 0.0;
+        for (i64 p = first[b]; p < first[b + 1]; ++p) total += qsgd_piece_sum(lanes + 8 * p);
+        const double norm = sqrt(total);
+        const bool finite = isfinite(total), fits = norm <= (double)MPICOMP_QSGD_F32_MAX;
+        bad |= (finite ? 0u : (u32)MPICOMP_QSGD_ERR_VALUE) |
+               (finite && !fits ? (u32)MPICOMP_QSGD_ERR_OVERFLOW : 0u);
+        out[b] = finite && fits ? (float)norm : 0.0f;
+    }
+    if (bad) atomicOr(err, bad);
 }
 
 // ---- codes ---------------------------------------------------------------------------------------
 
 template <class T>
-__device__ void qsgd_quantize(const float* x, const i64* idx, int dense, float norm, i64 levels,
+__device__ void qsgd_quantize(const float* x, const i64* idx, int dense, QSGD_BLOCKS, i64 levels,
                               u64 key, T* out, i64 n, u32* err) {
     const float s = (float)levels;
     u32 bad = 0;
     MPICOMP_FOR(i, n) {
         const i64 at = dense ? i : idx[i];  // the uniform is drawn at the index in x
-        const float v = x[at];
+        const float v = x[at], norm = qsgd_norm_of(i, QSGD_BLOCKS_ARGS, &bad);
         bool ok;
         const float a = qsgd_unit(v, norm, &ok);
         bad |= (u32)!ok;
         out[i] = (T)qsgd_round(v, a, s, mpicomp_uniform(key, (u64)at));
     }
-    if (bad) atomicOr(err, (u32)MPICOMP_QSGD_ERR_VALUE);
+    if (bad) atomicOr(err, bad);
 }
 
 extern "C" __global__ void mpicomp_qsgd_quantize_i8(const float* x, const i64* idx, int dense,
-                                                     float norm, i64 levels, u64 key,
+                                                     QSGD_BLOCKS, i64 levels, u64 key,
                                                      signed char* out, i64 n, u32* err) {
-    qsgd_quantize(x, idx, dense, norm, levels, key, out, n, err);
+    qsgd_quantize(x, idx, dense, QSGD_BLOCKS_ARGS, levels, key, out, n, err);
 }
 extern "C" __global__ void mpicomp_qsgd_quantize_i16(const float* x, const i64* idx, int dense,
-                                                      float norm, i64 levels, u64 key, short* out,
+                                                      QSGD_BLOCKS, i64 levels, u64 key, short* out,
                                                       i64 n, u32* err) {
-    qsgd_quantize(x, idx, dense, norm, levels, key, out, n, err);
+    qsgd_quantize(x, idx, dense, QSGD_BLOCKS_ARGS, levels, key, out, n, err);
 }
 extern "C" __global__ void mpicomp_qsgd_quantize_i32(const float* x, const i64* idx, int dense,
-                                                      float norm, i64 levels, u64 key, int* out,
+                                                      QSGD_BLOCKS, i64 levels, u64 key, int* out,
                                                       i64 n, u32* err) {
-    qsgd_quantize(x, idx, dense, norm, levels, key, out, n, err);
+    qsgd_quantize(x, idx, dense, QSGD_BLOCKS_ARGS, levels, key, out, n, err);
 }
 extern "C" __global__ void mpicomp_qsgd_quantize_i64(const float* x, const i64* idx, int dense,
-                                                      float norm, i64 levels, u64 key, i64* out,
+                                                      QSGD_BLOCKS, i64 levels, u64 key, i64* out,
                                                       i64 n, u32* err) {
-    qsgd_quantize(x, idx, dense, norm, levels, key, out, n, err);
+    qsgd_quantize(x, idx, dense, QSGD_BLOCKS_ARGS, levels, key, out, n, err);
 }
 
 extern "C" __global__ void mpicomp_qsgd_multiscale_index(const float* x, const i64* idx,
-                                                          int dense, float norm,
+                                                          int dense, QSGD_BLOCKS,
                                                           const float* scales, i64 ns, u8* out,
                                                           i64 n, u32* err) {
     u32 bad = 0;
     MPICOMP_FOR(i, n) {
+        const float norm = qsgd_norm_of(i, QSGD_BLOCKS_ARGS, &bad);
         bool ok;
         const float a = qsgd_unit(x[dense ? i : idx[i]], norm, &ok);
         bad |= (u32)!ok;
         out[i] = qsgd_pick_scale(a, scales, ns);
     }
-    if (bad) atomicOr(err, (u32)MPICOMP_QSGD_ERR_VALUE);
+    if (bad) atomicOr(err, bad);
 }
 
 // Codes at scale scales[sidx[i]]; errors: ERR_VALUE, ERR_INDEX (bit 1), ERR_UNSAFE (bit 2).
 template <class T, class K>
-__device__ void qsgd_ms_quantize(const float* x, const i64* idx, int dense, float norm,
+__device__ void qsgd_ms_quantize(const float* x, const i64* idx, int dense, QSGD_BLOCKS,
                                  const float* scales, i64 ns, const K* sidx, u64 key, T* out,
                                  i64 n, u32* err) {
     const float smin = scales[0];
     u32 bad = 0;
     MPICOMP_FOR(i, n) {
         const i64 at = dense ? i : idx[i];
-        const float v = x[at];
+        const float v = x[at], norm = qsgd_norm_of(i, QSGD_BLOCKS_ARGS, &bad);
         bool inside, ok;
         const float s = qsgd_scale_at(scales, ns, (i64)sidx[i], &inside);
         const float a = qsgd_unit(v, norm, &ok);
@@ -194,95 +240,85 @@ __device__ void qsgd_ms_quantize(const float* x, const i64* idx, int dense, floa
 // One kernel per (code dtype, scale-index dtype): codes int8..int64; indices uint8 or int64
 // (the launcher widens any other integer dtype to int64, as the twin's np.int64(k) does).
 extern "C" __global__ void mpicomp_qsgd_multiscale_quantize_i8_u8(
-    const float* x, const i64* idx, int dense, float norm, const float* scales, i64 ns,
+    const float* x, const i64* idx, int dense, QSGD_BLOCKS, const float* scales, i64 ns,
     const u8* sidx, u64 key, signed char* out, i64 n, u32* err) {
-    qsgd_ms_quantize(x, idx, dense, norm, scales, ns, sidx, key, out, n, err);
+    qsgd_ms_quantize(x, idx, dense, QSGD_BLOCKS_ARGS, scales, ns, sidx, key, out, n, err);
 }
 extern "C" __global__ void mpicomp_qsgd_multiscale_quantize_i16_u8(
-    const float* x, const i64* idx, int dense, float norm, const float* scales, i64 ns,
+    const float* x, const i64* idx, int dense, QSGD_BLOCKS, const float* scales, i64 ns,
     const u8* sidx, u64 key, short* out, i64 n, u32* err) {
-    qsgd_ms_quantize(x, idx, dense, norm, scales, ns, sidx, key, out, n, err);
+    qsgd_ms_quantize(x, idx, dense, QSGD_BLOCKS_ARGS, scales, ns, sidx, key, out, n, err);
 }
 extern "C" __global__ void mpicomp_qsgd_multiscale_quantize_i32_u8(
-    const float* x, const i64* idx, int dense, float norm, const float* scales, i64 ns,
+    const float* x, const i64* idx, int dense, QSGD_BLOCKS, const float* scales, i64 ns,
     const u8* sidx, u64 key, int* out, i64 n, u32* err) {
-    qsgd_ms_quantize(x, idx, dense, norm, scales, ns, sidx, key, out, n, err);
+    qsgd_ms_quantize(x, idx, dense, QSGD_BLOCKS_ARGS, scales, ns, sidx, key, out, n, err);
 }
 extern "C" __global__ void mpicomp_qsgd_multiscale_quantize_i64_u8(
-    const float* x, const i64* idx, int dense, float norm, const float* scales, i64 ns,
+    const float* x, const i64* idx, int dense, QSGD_BLOCKS, const float* scales, i64 ns,
     const u8* sidx, u64 key, i64* out, i64 n, u32* err) {
-    qsgd_ms_quantize(x, idx, dense, norm, scales, ns, sidx, key, out, n, err);
+    qsgd_ms_quantize(x, idx, dense, QSGD_BLOCKS_ARGS, scales, ns, sidx, key, out, n, err);
 }
 extern "C" __global__ void mpicomp_qsgd_multiscale_quantize_i8_i64(
-    const float* x, const i64* idx, int dense, float norm, const float* scales, i64 ns,
+    const float* x, const i64* idx, int dense, QSGD_BLOCKS, const float* scales, i64 ns,
     const i64* sidx, u64 key, signed char* out, i64 n, u32* err) {
-    qsgd_ms_quantize(x, idx, dense, norm, scales, ns, sidx, key, out, n, err);
+    qsgd_ms_quantize(x, idx, dense, QSGD_BLOCKS_ARGS, scales, ns, sidx, key, out, n, err);
 }
 extern "C" __global__ void mpicomp_qsgd_multiscale_quantize_i16_i64(
-    const float* x, const i64* idx, int dense, float norm, const float* scales, i64 ns,
+    const float* x, const i64* idx, int dense, QSGD_BLOCKS, const float* scales, i64 ns,
     const i64* sidx, u64 key, short* out, i64 n, u32* err) {
-    qsgd_ms_quantize(x, idx, dense, norm, scales, ns, sidx, key, out, n, err);
+    qsgd_ms_quantize(x, idx, dense, QSGD_BLOCKS_ARGS, scales, ns, sidx, key, out, n, err);
 }
 extern "C" __global__ void mpicomp_qsgd_multiscale_quantize_i32_i64(
-    const float* x, const i64* idx, int dense, float norm, const float* scales, i64 ns,
+    const float* x, const i64* idx, int dense, QSGD_BLOCKS, const float* scales, i64 ns,
     const i64* sidx, u64 key, int* out, i64 n, u32* err) {
-    qsgd_ms_quantize(x, idx, dense, norm, scales, ns, sidx, key, out, n, err);
+    qsgd_ms_quantize(x, idx, dense, QSGD_BLOCKS_ARGS, scales, ns, sidx, key, out, n, err);
 }
 extern "C" __global__ void mpicomp_qsgd_multiscale_quantize_i64_i64(
-    const float* x, const i64* idx, int dense, float norm, const float* scales, i64 ns,
+    const float* x, const i64* idx, int dense, QSGD_BLOCKS, const float* scales, i64 ns,
     const i64* sidx, u64 key, i64* out, i64 n, u32* err) {
-    qsgd_ms_quantize(x, idx, dense, norm, scales, ns, sidx, key, out, n, err);
+    qsgd_ms_quantize(x, idx, dense, QSGD_BLOCKS_ARGS, scales, ns, sidx, key, out, n, err);
 }
 
 // ---- reconstruction ------------------------------------------------------------------------------
 
-template <class C>
-__device__ void qsgd_dequantize(const C* codes, float norm, i64 levels, i64 nranks, i64 limit,
-                                float* out, i64 n, u32* err) {
+// Code i of an array of signed codes of `bytes` bytes each (1, 2, 4 or 8), as int64.
+__device__ __forceinline__ i64 qsgd_code(const void* codes, int bytes, i64 i) {
+    switch (bytes) {
+        case 1: return ((const signed char*)codes)[i];
+        case 2: return ((const short*)codes)[i];
+        case 4: return ((const int*)codes)[i];
+        default: return ((const i64*)codes)[i];
+    }
+}
+
+// out[i] = ((codes[i] * norm) / levels) / nranks, codes of `bytes` bytes each.
+extern "C" __global__ void mpicomp_qsgd_dequantize(const void* codes, int bytes, QSGD_BLOCKS,
+                                                    i64 levels, i64 nranks, i64 limit,
+                                                    float* out, i64 n, u32* err) {
     const float s = (float)levels, nr = (float)nranks;
     u32 bad = 0;
     MPICOMP_FOR(i, n) {
-        const i64 c = (i64)codes[i];
-        out[i] = qsgd_value(c, norm, s, nr);
-        bad |= (u32)qsgd_far(c, limit);
+        const i64 c = qsgd_code(codes, bytes, i);
+        out[i] = qsgd_value(c, qsgd_norm_of(i, QSGD_BLOCKS_ARGS, &bad), s, nr);
+        bad |= qsgd_far(c, limit) ? (u32)MPICOMP_QSGD_ERR_RANGE : 0u;
     }
-    if (bad) atomicOr(err, (u32)MPICOMP_QSGD_ERR_RANGE);
-}
-
-extern "C" __global__ void mpicomp_qsgd_dequantize_i8(const signed char* codes, float norm,
-                                                       i64 levels, i64 nranks, i64 limit,
-                                                       float* out, i64 n, u32* err) {
-    qsgd_dequantize(codes, norm, levels, nranks, limit, out, n, err);
-}
-extern "C" __global__ void mpicomp_qsgd_dequantize_i16(const short* codes, float norm, i64 levels,
-                                                        i64 nranks, i64 limit, float* out, i64 n,
-                                                        u32* err) {
-    qsgd_dequantize(codes, norm, levels, nranks, limit, out, n, err);
-}
-extern "C" __global__ void mpicomp_qsgd_dequantize_i32(const int* codes, float norm, i64 levels,
-                                                        i64 nranks, i64 limit, float* out, i64 n,
-                                                        u32* err) {
-    qsgd_dequantize(codes, norm, levels, nranks, limit, out, n, err);
-}
-extern "C" __global__ void mpicomp_qsgd_dequantize_i64(const i64* codes, float norm, i64 levels,
-                                                        i64 nranks, i64 limit, float* out, i64 n,
-                                                        u32* err) {
-    qsgd_dequantize(codes, norm, levels, nranks, limit, out, n, err);
+    if (bad) atomicOr(err, bad);
 }
 
 // Code sums straight from the ring's packed result: sum i = (code i of stream) - shift.
 extern "C" __global__ void mpicomp_qsgd_dequantize_packed(const u8* stream, int width, i64 shift,
-                                                           float norm, i64 levels, i64 nranks,
+                                                           QSGD_BLOCKS, i64 levels, i64 nranks,
                                                            i64 limit, float* out, i64 n,
                                                            u32* err) {
     const float s = (float)levels, nr = (float)nranks;
     u32 bad = 0;
     MPICOMP_FOR(i, n) {
         const i64 c = (i64)qsgd_code_at(stream, i, width) - shift;
-        out[i] = qsgd_value(c, norm, s, nr);
-        bad |= (u32)qsgd_far(c, limit);
+        out[i] = qsgd_value(c, qsgd_norm_of(i, QSGD_BLOCKS_ARGS, &bad), s, nr);
+        bad |= qsgd_far(c, limit) ? (u32)MPICOMP_QSGD_ERR_RANGE : 0u;
     }
-    if (bad) atomicOr(err, (u32)MPICOMP_QSGD_ERR_RANGE);
+    if (bad) atomicOr(err, bad);
 }
 
 // Value of code sum c at scale index k: ERR_INDEX (bit 1) outside the set, ERR_RANGE (bit 3).
@@ -295,81 +331,84 @@ __device__ __forceinline__ float qsgd_ms_value(i64 c, i64 k, const float* scales
 }
 
 template <class C, class K>
-__device__ void qsgd_ms_dequantize(const C* codes, const K* sidx, float norm, const float* scales,
-                                   i64 ns, i64 nranks, i64 limit, float* out, i64 n, u32* err) {
+__device__ void qsgd_ms_dequantize(const C* codes, const K* sidx, QSGD_BLOCKS,
+                                   const float* scales, i64 ns, i64 nranks, i64 limit, float* out,
+                                   i64 n, u32* err) {
     const float nr = (float)nranks;
     u32 bad = 0;
     MPICOMP_FOR(i, n) {
+        const float norm = qsgd_norm_of(i, QSGD_BLOCKS_ARGS, &bad);
         out[i] = qsgd_ms_value((i64)codes[i], (i64)sidx[i], scales, ns, norm, nr, limit, &bad);
     }
     if (bad) atomicOr(err, bad);
 }
 
 extern "C" __global__ void mpicomp_qsgd_multiscale_dequantize_i8_u8(
-    const signed char* codes, const u8* sidx, float norm, const float* scales, i64 ns, i64 nranks,
+    const signed char* codes, const u8* sidx, QSGD_BLOCKS, const float* scales, i64 ns, i64 nranks,
     i64 limit, float* out, i64 n, u32* err) {
-    qsgd_ms_dequantize(codes, sidx, norm, scales, ns, nranks, limit, out, n, err);
+    qsgd_ms_dequantize(codes, sidx, QSGD_BLOCKS_ARGS, scales, ns, nranks, limit, out, n, err);
 }
 extern "C" __global__ void mpicomp_qsgd_multiscale_dequantize_i16_u8(
-    const short* codes, const u8* sidx, float norm, const float* scales, i64 ns, i64 nranks,
+    const short* codes, const u8* sidx, QSGD_BLOCKS, const float* scales, i64 ns, i64 nranks,
     i64 limit, float* out, i64 n, u32* err) {
-    qsgd_ms_dequantize(codes, sidx, norm, scales, ns, nranks, limit, out, n, err);
+    qsgd_ms_dequantize(codes, sidx, QSGD_BLOCKS_ARGS, scales, ns, nranks, limit, out, n, err);
 }
 extern "C" __global__ void mpicomp_qsgd_multiscale_dequantize_i32_u8(
-    const int* codes, const u8* sidx, float norm, const float* scales, i64 ns, i64 nranks,
+    const int* codes, const u8* sidx, QSGD_BLOCKS, const float* scales, i64 ns, i64 nranks,
     i64 limit, float* out, i64 n, u32* err) {
-    qsgd_ms_dequantize(codes, sidx, norm, scales, ns, nranks, limit, out, n, err);
+    qsgd_ms_dequantize(codes, sidx, QSGD_BLOCKS_ARGS, scales, ns, nranks, limit, out, n, err);
 }
 extern "C" __global__ void mpicomp_qsgd_multiscale_dequantize_i64_u8(
-    const i64* codes, const u8* sidx, float norm, const float* scales, i64 ns, i64 nranks,
+    const i64* codes, const u8* sidx, QSGD_BLOCKS, const float* scales, i64 ns, i64 nranks,
     i64 limit, float* out, i64 n, u32* err) {
-    qsgd_ms_dequantize(codes, sidx, norm, scales, ns, nranks, limit, out, n, err);
+    qsgd_ms_dequantize(codes, sidx, QSGD_BLOCKS_ARGS, scales, ns, nranks, limit, out, n, err);
 }
 extern "C" __global__ void mpicomp_qsgd_multiscale_dequantize_i8_i64(
-    const signed char* codes, const i64* sidx, float norm, const float* scales, i64 ns,
-    i64 nranks, i64 limit, float* out, i64 n, u32* err) {
-    qsgd_ms_dequantize(codes, sidx, norm, scales, ns, nranks, limit, out, n, err);
+    const signed char* codes, const i64* sidx, QSGD_BLOCKS, const float* scales, i64 ns, i64 nranks,
+    i64 limit, float* out, i64 n, u32* err) {
+    qsgd_ms_dequantize(codes, sidx, QSGD_BLOCKS_ARGS, scales, ns, nranks, limit, out, n, err);
 }
 extern "C" __global__ void mpicomp_qsgd_multiscale_dequantize_i16_i64(
-    const short* codes, const i64* sidx, float norm, const float* scales, i64 ns, i64 nranks,
+    const short* codes, const i64* sidx, QSGD_BLOCKS, const float* scales, i64 ns, i64 nranks,
     i64 limit, float* out, i64 n, u32* err) {
-    qsgd_ms_dequantize(codes, sidx, norm, scales, ns, nranks, limit, out, n, err);
+    qsgd_ms_dequantize(codes, sidx, QSGD_BLOCKS_ARGS, scales, ns, nranks, limit, out, n, err);
 }
 extern "C" __global__ void mpicomp_qsgd_multiscale_dequantize_i32_i64(
-    const int* codes, const i64* sidx, float norm, const float* scales, i64 ns, i64 nranks,
+    const int* codes, const i64* sidx, QSGD_BLOCKS, const float* scales, i64 ns, i64 nranks,
     i64 limit, float* out, i64 n, u32* err) {
-    qsgd_ms_dequantize(codes, sidx, norm, scales, ns, nranks, limit, out, n, err);
+    qsgd_ms_dequantize(codes, sidx, QSGD_BLOCKS_ARGS, scales, ns, nranks, limit, out, n, err);
 }
 extern "C" __global__ void mpicomp_qsgd_multiscale_dequantize_i64_i64(
-    const i64* codes, const i64* sidx, float norm, const float* scales, i64 ns, i64 nranks,
+    const i64* codes, const i64* sidx, QSGD_BLOCKS, const float* scales, i64 ns, i64 nranks,
     i64 limit, float* out, i64 n, u32* err) {
-    qsgd_ms_dequantize(codes, sidx, norm, scales, ns, nranks, limit, out, n, err);
+    qsgd_ms_dequantize(codes, sidx, QSGD_BLOCKS_ARGS, scales, ns, nranks, limit, out, n, err);
 }
 
 template <class K>
 __device__ void qsgd_ms_dequantize_packed(const u8* stream, int width, i64 shift, const K* sidx,
-                                          float norm, const float* scales, i64 ns, i64 nranks,
+                                          QSGD_BLOCKS, const float* scales, i64 ns, i64 nranks,
                                           i64 limit, float* out, i64 n, u32* err) {
     const float nr = (float)nranks;
     u32 bad = 0;
     MPICOMP_FOR(i, n) {
         const i64 c = (i64)qsgd_code_at(stream, i, width) - shift;
+        const float norm = qsgd_norm_of(i, QSGD_BLOCKS_ARGS, &bad);
         out[i] = qsgd_ms_value(c, (i64)sidx[i], scales, ns, norm, nr, limit, &bad);
     }
     if (bad) atomicOr(err, bad);
 }
 
 extern "C" __global__ void mpicomp_qsgd_multiscale_dequantize_packed_u8(
-    const u8* stream, int width, i64 shift, const u8* sidx, float norm, const float* scales,
+    const u8* stream, int width, i64 shift, const u8* sidx, QSGD_BLOCKS, const float* scales,
     i64 ns, i64 nranks, i64 limit, float* out, i64 n, u32* err) {
-    qsgd_ms_dequantize_packed(stream, width, shift, sidx, norm, scales, ns, nranks, limit, out, n,
-                              err);
+    qsgd_ms_dequantize_packed(stream, width, shift, sidx, QSGD_BLOCKS_ARGS, scales, ns, nranks,
+                              limit, out, n, err);
 }
 extern "C" __global__ void mpicomp_qsgd_multiscale_dequantize_packed_i64(
-    const u8* stream, int width, i64 shift, const i64* sidx, float norm, const float* scales,
+    const u8* stream, int width, i64 shift, const i64* sidx, QSGD_BLOCKS, const float* scales,
     i64 ns, i64 nranks, i64 limit, float* out, i64 n, u32* err) {
-    qsgd_ms_dequantize_packed(stream, width, shift, sidx, norm, scales, ns, nranks, limit, out, n,
-                              err);
+    qsgd_ms_dequantize_packed(stream, width, shift, sidx, QSGD_BLOCKS_ARGS, scales, ns, nranks,
+                              limit, out, n, err);
 }
 
 // ---- GlobalRandK coordinates ---------------------------------------------------------------------

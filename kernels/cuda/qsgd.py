@@ -5,7 +5,7 @@ The launchers are the numba twin's, in its order, with its arguments: the method
 (the index a dense launch passes, where the twin takes a NumPy one); ``launchers(dev)``
 makes one for a device and returns its launchers. Same outputs and return values. What
 comes back to the host (one counted sync each): the sum in ``sumsq``, the error mask in
-``quantize``, ``multiscale_index``, ``multiscale_quantize`` and the four ``*dequantize*``
+``block_norms``, ``quantize``, ``multiscale_index``, ``multiscale_quantize`` and the four ``*dequantize*``
 (none for an empty input). The ``grandk_*`` launchers sync nothing.
 
 Dtypes: ``x`` float32, ``idx`` int64 (others are widened), codes int8..int64, scale
@@ -32,6 +32,9 @@ DEFINES = {
     "MPICOMP_QSGD_LIMIT": f"{float(kq.LIMIT).hex()}f",  # exact: a float32 in hex
     "MPICOMP_QSGD_ERR_VALUE": f"{kq.ERR_VALUE}u",
     "MPICOMP_QSGD_ERR_RANGE": f"{kq.ERR_RANGE}u",
+    "MPICOMP_QSGD_ERR_NORM": f"{kq.ERR_NORM}u",
+    "MPICOMP_QSGD_ERR_OVERFLOW": f"{kq.ERR_OVERFLOW}u",
+    "MPICOMP_QSGD_F32_MAX": f"{float(kq.F32_MAX).hex()}f",
 }
 
 _CODES = {
@@ -76,6 +79,16 @@ def _index_of(sidx):
 
 def _scale_set(scales):
     return scales if scales.dtype == np.float32 else scales.astype(np.float32)
+
+
+def _int64(a):
+    return a if a.dtype == np.int64 else a.astype(np.int64)
+
+
+def _blocks(norms, starts, regular) -> tuple:
+    """Return the kernels' QSGD_BLOCKS arguments: float32 norms, int64 starts, nb, regular."""
+    norms = norms if norms.dtype == np.float32 else norms.astype(np.float32)
+    return norms, _int64(starts), np.int64(starts.size - 1), np.int64(regular)
 
 
 def _width_of(width) -> np.int32:
@@ -183,30 +196,45 @@ class Qsgd:
         if src is not picks:
             picks[...] = src
 
+    def _lanes(self, x, idx, dense, pieces):
+        """Return the 8 lanes of every piece (``pieces``: int64 starts and the end)."""
+        npieces = pieces.size - 1
+        lanes = self._dev.xp.empty(8 * npieces, dtype=np.float64)
+        index = self._index(idx, dense)
+        args = (_floats(x), index, np.int32(bool(dense)), pieces, np.int64(npieces), lanes)
+        self._launch("sumsq_lanes", 8 * npieces, *args)
+        return lanes
+
     def sumsq(self, x, idx, dense) -> float:
         """Return the float64 sum of squares of x (``dense``) or of x[idx], in CHUNK order."""
-        x = _floats(x)
         n = x.size if dense else idx.size
         if n == 0:
             return 0.0
         nchunks = -(-n // kq.CHUNK)
-        lanes = self._dev.xp.empty(8 * nchunks, dtype=np.float64)
-        total = self._dev.xp.empty(1, dtype=np.float64)
-        self._launch(
-            "sumsq_lanes",
-            8 * nchunks,
-            x,
-            self._index(idx, dense),
-            np.int32(bool(dense)),
-            np.int64(n),
-            lanes,
-        )
+        xp = self._dev.xp
+        pieces = xp.minimum(xp.arange(nchunks + 1, dtype=np.int64) * kq.CHUNK, n)
+        lanes = self._lanes(x, idx, dense, pieces)
+        total = xp.empty(1, dtype=np.float64)
         args = (lanes, np.int64(nchunks), total)
         _kernel(self._dev, "sumsq_total")((1,), (self._dev.threads,), args)
         return float(self._dev.to_host(total, why="qsgd.sumsq: sum of squares")[0])
 
-    def quantize(self, x, idx, dense, norm, levels, key, out) -> int:
-        """Write the codes of x (``dense``) or x[idx] into ``out``; return an error mask."""
+    def block_norms(self, x, idx, dense, pieces, first, out) -> int:
+        """As ``kernels.cpu.qsgd.block_norms``: the float32 norm of each block into ``out``;
+        return an error mask. ``pieces`` and ``first`` are int64 device arrays."""
+        nb = out.size
+        if nb == 0:
+            return 0
+        if out.dtype != np.float32:
+            raise TypeError(f"norms are written as float32, got {out.dtype}")
+        lanes = self._lanes(x, idx, dense, _int64(pieces))
+        err = self._flags()
+        self._launch("block_norms", nb, lanes, _int64(first), np.int64(nb), out, err)
+        return self._result(err, "block_norms")
+
+    def quantize(self, x, idx, dense, norms, starts, regular, levels, key, out) -> int:
+        """Write the codes of x (``dense``) or x[idx] into ``out``, each against its block's
+        norm (norms[b] for starts[b] <= i < starts[b + 1]); return an error mask."""
         n = out.size
         name = f"quantize_{_out_codes(out)}"
         if n == 0:
@@ -218,7 +246,7 @@ class Qsgd:
             _floats(x),
             self._index(idx, dense),
             np.int32(bool(dense)),
-            np.float32(norm),
+            *_blocks(norms, starts, regular),
             np.int64(levels),
             np.uint64(key),
             out,
@@ -227,7 +255,7 @@ class Qsgd:
         )
         return self._result(err, "quantize")
 
-    def multiscale_index(self, x, idx, dense, norm, scales, out) -> int:
+    def multiscale_index(self, x, idx, dense, norms, starts, regular, scales, out) -> int:
         """Write each element's scale index into uint8 ``out``; return an error mask."""
         if out.dtype != np.uint8:
             raise TypeError(f"scale indices are written as uint8, got {out.dtype}")
@@ -241,7 +269,7 @@ class Qsgd:
             _floats(x),
             self._index(idx, dense),
             np.int32(bool(dense)),
-            np.float32(norm),
+            *_blocks(norms, starts, regular),
             scales,
             np.int64(scales.size),
             out,
@@ -250,7 +278,9 @@ class Qsgd:
         )
         return self._result(err, "multiscale_index")
 
-    def multiscale_quantize(self, x, idx, dense, norm, scales, sidx, key, out) -> int:
+    def multiscale_quantize(
+        self, x, idx, dense, norms, starts, regular, scales, sidx, key, out
+    ) -> int:
         """Write the codes at the shared scale indices ``sidx`` into ``out``; return an error mask."""
         n = out.size
         name = f"multiscale_quantize_{_out_codes(out)}"
@@ -264,7 +294,7 @@ class Qsgd:
             _floats(x),
             self._index(idx, dense),
             np.int32(bool(dense)),
-            np.float32(norm),
+            *_blocks(norms, starts, regular),
             scales,
             np.int64(scales.size),
             sidx,
@@ -275,18 +305,19 @@ class Qsgd:
         )
         return self._result(err, "multiscale_quantize")
 
-    def dequantize(self, codes, norm, levels, nranks, limit, out) -> int:
-        """Write out = ((codes * norm) / levels) / nranks in float32; return an error mask."""
+    def dequantize(self, codes, norms, starts, regular, levels, nranks, limit, out) -> int:
+        """Write out = ((codes * norm) / levels) / nranks in float32, norm each block's; return an error mask."""
         n = out.size
         if n == 0:
             return 0
-        codes, kind = _codes_of(codes)
+        codes, _ = _codes_of(codes)
         err = self._flags()
         self._launch(
-            f"dequantize_{kind}",
+            "dequantize",
             n,
             codes,
-            np.float32(norm),
+            np.int32(codes.dtype.itemsize),
+            *_blocks(norms, starts, regular),
             np.int64(levels),
             np.int64(nranks),
             np.int64(limit),
@@ -296,7 +327,9 @@ class Qsgd:
         )
         return self._result(err, "dequantize")
 
-    def dequantize_packed(self, stream, width, shift, norm, levels, nranks, limit, out) -> int:
+    def dequantize_packed(
+        self, stream, width, shift, norms, starts, regular, levels, nranks, limit, out
+    ) -> int:
         """As ``dequantize`` for codes[i] = (the ``width``-bit code i of ``stream``) - shift."""
         n = out.size
         width = _width_of(width)
@@ -309,7 +342,7 @@ class Qsgd:
             stream,
             width,
             np.int64(shift),
-            np.float32(norm),
+            *_blocks(norms, starts, regular),
             np.int64(levels),
             np.int64(nranks),
             np.int64(limit),
@@ -319,7 +352,9 @@ class Qsgd:
         )
         return self._result(err, "dequantize_packed")
 
-    def multiscale_dequantize(self, codes, sidx, norm, scales, nranks, limit, out) -> int:
+    def multiscale_dequantize(
+        self, codes, sidx, norms, starts, regular, scales, nranks, limit, out
+    ) -> int:
         """Write out = ((codes * norm) / scales[sidx]) / nranks in float32; return an error mask."""
         n = out.size
         if n == 0:
@@ -332,7 +367,7 @@ class Qsgd:
             n,
             codes,
             sidx,
-            np.float32(norm),
+            *_blocks(norms, starts, regular),
             scales,
             np.int64(scales.size),
             np.int64(nranks),
@@ -344,7 +379,7 @@ class Qsgd:
         return self._result(err, "multiscale_dequantize")
 
     def multiscale_dequantize_packed(
-        self, stream, width, shift, sidx, norm, scales, nranks, limit, out
+        self, stream, width, shift, sidx, norms, starts, regular, scales, nranks, limit, out
     ):
         """As ``multiscale_dequantize`` for codes read from a packed ``stream`` (less ``shift``)."""
         n = out.size
@@ -360,7 +395,7 @@ class Qsgd:
             width,
             np.int64(shift),
             sidx,
-            np.float32(norm),
+            *_blocks(norms, starts, regular),
             scales,
             np.int64(scales.size),
             np.int64(nranks),
@@ -377,6 +412,7 @@ def launchers(dev) -> SimpleNamespace:
     q = Qsgd(dev)
     return SimpleNamespace(
         sumsq=q.sumsq,
+        block_norms=q.block_norms,
         quantize=q.quantize,
         multiscale_index=q.multiscale_index,
         multiscale_quantize=q.multiscale_quantize,

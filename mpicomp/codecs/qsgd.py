@@ -1,8 +1,10 @@
 """QSGD-MaxNorm and its relatives (paper 000 §3.1-3.4): summable integer codes.
 
-Every rank quantizes its gradient against a shared norm ‖w‖ (the max over ranks of
-‖g‖₂, from a MaxAllReduce) into integer codes in [-bound, bound]; a ring reduce sums
-the codes exactly and ``dequantize`` turns the sum back into the average gradient.
+Every rank quantizes its gradient against shared norms into integer codes in
+[-bound, bound]; a ring reduce sums the codes exactly and ``dequantize`` turns the sum
+back into the average gradient. The norms are per block of ``block`` consecutive
+elements (``_qsgd_blocks``): each rank's L2 norm of each block, their elementwise max
+over ranks by a MaxAllReduce (``block=0``: one norm per tensor, the paper's ‖w‖).
 The multi-scale variants also share one scale index per coordinate (the elementwise
 MIN over ranks of ``scale_index``); the GlobalRandK variants quantize only K
 coordinates drawn from (seed, step), the same on every rank. There is no payload:
@@ -14,16 +16,19 @@ from __future__ import annotations
 import math
 from collections import OrderedDict
 from fractions import Fraction
+from typing import NamedTuple
 
 import numpy as np
 
 from mpicomp._arrays import all_finite, array_module, as_gradient, is_array
 from mpicomp.codecs._base import Codec, check_number, register
+from mpicomp.codecs._qsgd_blocks import Blocks, Cuts, member_sizes
 from mpicomp.kernels import backend_of, place
 from mpicomp.kernels import qsgd as _k
 from mpicomp.kernels.rng import key as _rng_key
 
 DEFAULT_K = 10000  # the paper's K for all its GlobalRandK experiments (§5)
+DEFAULT_BLOCK = 1024  # elements per norm (docs/codecs.md, "Block norms": the measurement)
 MAX_SCALE_BITS = 24  # 2^(b-1) - 1 levels stay exact in float32 up to here
 COORDINATE_STREAM = 2**64 - 1  # RNG stream of the GlobalRandK coordinates; ranks use 0, 1, ...
 _NO_INDEX = np.empty(0, dtype=np.int64)
@@ -100,13 +105,44 @@ def _out_shape(shape, n: int | None) -> tuple[int, ...]:
     return tuple(int(d) for d in shape)
 
 
+def _is_one(norm) -> bool:
+    """Whether ``norm`` is one number for every block (not an array of block norms)."""
+    return not is_array(norm) or (isinstance(norm, np.ndarray) and norm.size == 1)
+
+
+def _norm_array(norm, count: int):
+    """Return block norms ``norm`` as a flat float32 array, checking its length (and, on
+    the host, its values: the kernels refuse a bad one on a device, ERR_NORM)."""
+    if norm.ndim != 1 or norm.size != count:
+        raise ValueError(
+            f"norm holds {norm.size} values in shape {norm.shape}; this x has {count} blocks "
+            "(one norm per block, or one number for all)"
+        )
+    if norm.dtype.kind not in "fiu":
+        raise TypeError(f"norm must be a numeric array, got dtype {norm.dtype}")
+    if isinstance(norm, np.ndarray):
+        wide = norm.astype(np.float64)
+        if not np.all((wide >= 0.0) & (wide <= _F32_MAX)):  # also False for NaN
+            raise ValueError("norm must hold finite float32 numbers >= 0, one per block")
+    return norm.astype(np.float32, copy=False)
+
+
 def _raise(err: int, values: np.ndarray, norm) -> None:
     """Turn a kernel error mask into the ValueError that says what went wrong."""
+    if err & _k.ERR_NORM:
+        raise ValueError("norm must hold finite float32 numbers >= 0, one per block")
+    if err & _k.ERR_OVERFLOW:
+        raise ValueError("the norm of a block of x overflows float32")
     if err & _k.ERR_VALUE:
         if not all_finite(values):
             raise ValueError("x holds NaN or Inf")
+        if _is_one(norm):
+            raise ValueError(
+                f"norm {float(_norm(norm))!r} is below max|x|: it must bound every |x| (1e-6 slack)"
+            )
         raise ValueError(
-            f"norm {float(norm)!r} is below max|x|: it must bound every |x| (1e-6 slack)"
+            "a block's norm is below max|x| in its block: each must bound every |x| of its "
+            "block (1e-6 slack)"
         )
     if err & _k.ERR_INDEX:
         raise ValueError("scale_index holds a value outside the scale set")
@@ -130,20 +166,58 @@ def _sumsq_norm(kernels, flat: np.ndarray, idx: np.ndarray | None) -> float:
     return float(np.float32(norm))
 
 
+def _check_block(block) -> int:
+    if block is None:
+        return 0
+    return check_number("block", block, 0, None, integer=True)
+
+
+def _check_per_tensor(per_tensor) -> bool:
+    if not isinstance(per_tensor, (bool, np.bool_)):
+        raise ValueError(f"per_tensor must be True or False, got {per_tensor!r}")
+    return bool(per_tensor)
+
+
+class _Coded(NamedTuple):
+    """One input as the kernels take it: ``flat`` x on the device of ``kernels``, the
+    ``index`` of its codes (``dense``: all of x, in order), their number ``n``, and the
+    (norms, starts, regular) of their blocks."""
+
+    flat: object
+    kernels: object
+    index: object
+    dense: bool
+    n: int
+    blocks: tuple
+
+    def values(self):
+        """Return the values the codes are of (for error messages)."""
+        return self.flat if self.dense else self.flat[self.index]
+
+
 class _MaxNorm(Codec):
-    """What the four codecs share: ``bits``, ``seed``, levels and the code dtype."""
+    """What the four codecs share: ``bits``, ``block``, ``per_tensor``, ``seed``, levels,
+    the code dtype, and the blocks that share a norm.
+
+    The coded vector of x (``numel`` elements) is x itself, or GlobalRandK's
+    x[coordinates] (``_picks``); its blocks follow from ``shapes`` (the tensors x holds
+    end to end) and ``step`` (which coordinates).
+    """
 
     aggregation = "integer_sum"
     multiscale = False  # a ScaleIndexCodec (mpicomp.codecs._base)
     sparse = False  # a SparseCoordinatesCodec
 
-    def _setup(self, bits, seed, **more):
+    def _setup(self, bits, seed, block, per_tensor, **more):
         bits = check_number("bits", bits, 2, 16, integer=True)
+        block = _check_block(block)
+        per_tensor = _check_per_tensor(per_tensor)
         seed = check_number("seed", seed, 0, 2**64 - 1, integer=True)
-        super().__init__(bits=bits, **more, seed=seed)
+        super().__init__(bits=bits, **more, block=block, per_tensor=per_tensor, seed=seed)
         self.levels = _levels(bits)
         self.bound = self.levels
         self.code_dtype = np.dtype(np.int8 if bits <= 8 else np.int16)
+        self._cuts = Cuts()
 
     def _key(self, step, stream) -> np.uint64:
         step = _counter("step", step)
@@ -154,16 +228,140 @@ class _MaxNorm(Codec):
         nranks = check_number("nranks", nranks, 1, None, integer=True)
         return nranks, np.int64(nranks * self.bound)
 
-    def _dequantize_packed(self, data, n, width, offset, norm, nranks) -> np.ndarray:
-        norm = _norm(norm)
-        data, n, width, offset = _packed_sums(data, n, width, offset)
+    def _picks(self, kernels, numel: int, step):
+        """Return the coordinates the codes belong to; None: all of x, in order."""
+        return None
+
+    def _coded(self, numel: int) -> int:
+        """Return how many codes x of ``numel`` elements has."""
+        return numel
+
+    def _segments(self, kernels, numel: int, shapes, step) -> tuple[int, ...]:
+        """Return the sizes of the tensors the coded vector holds end to end: one unless
+        ``per_tensor`` and ``shapes`` name several."""
+        sizes = member_sizes(numel, shapes)
+        if len(sizes) == 1 or not self.params["per_tensor"]:
+            return (self._coded(numel),)
+        idx = self._picks(kernels, numel, step)
+        if idx is None:
+            return sizes
+        # The selected coordinates of each tensor (one host read on a device).
+        ends = kernels.xp.asarray(np.cumsum(sizes, dtype=np.int64))
+        at = kernels.to_host(kernels.xp.searchsorted(idx, ends), why="qsgd: picks per tensor")
+        return tuple(int(c) for c in np.diff(at, prepend=0))
+
+    def _blocks(self, kernels, numel: int, shapes, step) -> Blocks:
+        """Return the blocks of the coded vector of x on ``kernels``' device."""
+        segments = self._segments(kernels, numel, shapes, step)
+        return self._cuts.on(kernels, segments, self.params["block"])
+
+    def _against(self, kernels, norm, numel: int, shapes, step):
+        """Return (float32 norms, their blocks) on ``kernels``' device: one block over all
+        for one number, else ``norm`` as the norms of the codec's blocks."""
+        if _is_one(norm):
+            one = self._cuts.on(kernels, (self._coded(numel),), 0)
+            return kernels.xp.full(1, _norm(norm), dtype=np.float32), one
+        blocks = self._blocks(kernels, numel, shapes, step)
+        return kernels.xp.asarray(_norm_array(norm, blocks.count)), blocks
+
+    def _coded_input(self, x, norm, shapes, step) -> _Coded:
+        """Return x as the kernels code it against ``norm`` (None: the codec's blocks)."""
+        flat = _flat(x)
+        k = backend_of(flat, self.kernels)
+        idx = self._picks(k, flat.size, step)
+        if norm is None:
+            b = self._blocks(k, flat.size, shapes, step)
+            blocks = (None, b.pieces, b.first)
+        else:
+            norms, b = self._against(k, norm, flat.size, shapes, step)
+            blocks = (norms, b.starts, b.regular)
+        if idx is None:
+            return _Coded(flat, k, _NO_INDEX, True, flat.size, blocks)
+        return _Coded(flat, k, idx, False, idx.size, blocks)
+
+    def _local_norms(self, x, shapes, step=0):
+        a = self._coded_input(x, None, shapes, step)
+        _, pieces, first = a.blocks
+        out = a.kernels.xp.empty(first.size - 1, dtype=np.float32)
+        err = a.kernels.qsgd.block_norms(a.flat, a.index, a.dense, pieces, first, out)
+        if err:
+            _raise(err, a.values(), out)
+        return out
+
+    def _host_blocks(self, numel: int, shapes, step=0) -> np.ndarray:
+        numel = check_number("numel", numel, 0, None, integer=True)
+        starts = np.array(self._blocks(self.kernels, numel, shapes, step).starts, np.int64)
+        starts.flags.writeable = False
+        return starts
+
+    def _quantize(self, x, norm, key, shapes, step=0):
+        a = self._coded_input(x, norm, shapes, step)
+        out = a.kernels.xp.empty(a.n, dtype=self.code_dtype)
+        args = (*a.blocks, self.levels, key, out)
+        err = a.kernels.qsgd.quantize(a.flat, a.index, a.dense, *args)
+        if err:
+            _raise(err, a.values(), norm)
+        return out
+
+    def _values(self, codes, norm, nranks, numel, shapes, step=0):
+        """Return the float32 ((codes * norm) / s) / nranks, norm each code's block's."""
         nranks, limit = self._limit(nranks)
-        k = backend_of(data, self.kernels)
-        out = k.xp.empty(n, dtype=np.float32)
-        err = k.qsgd.dequantize_packed(data, width, offset, norm, self.levels, nranks, limit, out)
+        k = backend_of(codes, self.kernels)
+        norms, b = self._against(k, norm, numel, shapes, step)
+        out = k.xp.empty(codes.size, dtype=np.float32)
+        err = k.qsgd.dequantize(codes, norms, b.starts, b.regular, self.levels, nranks, limit, out)
         if err:
             _raise(err, out, norm)
         return out
+
+    def _values_packed(self, data, n, width, offset, norm, nranks, numel, shapes, step=0):
+        """As ``_values`` for the n code sums bit-packed in ``data``."""
+        data, n, width, offset = _packed_sums(data, n, width, offset)
+        nranks, limit = self._limit(nranks)
+        k = backend_of(data, self.kernels)
+        norms, b = self._against(k, norm, numel, shapes, step)
+        out = k.xp.empty(n, dtype=np.float32)
+        args = (norms, b.starts, b.regular, self.levels, nranks, limit, out)
+        err = k.qsgd.dequantize_packed(data, width, offset, *args)
+        if err:
+            _raise(err, out, norm)
+        return out
+
+
+class _Dense:
+    """The norms of the dense codecs: of x, per block."""
+
+    def local_norm(self, x) -> float:
+        """Return the float32 ‖x‖₂ of this rank (float64 accumulation, fixed order): the
+        paper's one norm.
+
+        Raises:
+            ValueError: ``x`` holds NaN/Inf, or its norm overflows float32.
+        """
+        flat = _flat(x)
+        return _sumsq_norm(backend_of(flat, self.kernels), flat, None)
+
+    def local_norms(self, x, shapes=None):
+        """Return this rank's float32 L2 norm of each block of x (``blocks``), on x's device:
+        what the ranks share, elementwise, by a MaxAllReduce.
+
+        Args:
+            x: this rank's gradient, any shape and float dtype.
+            shapes: the shapes of the tensors x holds end to end (a fused bucket); None: x
+                is one tensor. Blocks never cross a tensor's end unless ``per_tensor`` is
+                False.
+
+        Raises:
+            ValueError: ``x`` holds NaN/Inf, a block's norm overflows float32, or
+                ``shapes`` do not hold x.size elements.
+        """
+        return self._local_norms(x, shapes)
+
+    def blocks(self, numel: int, shapes=None) -> np.ndarray:
+        """Return the read-only int64 starts of the blocks of x of ``numel`` elements, and
+        the end: block b is starts[b] <= i < starts[b + 1] (``local_norms`` gives one norm
+        per block)."""
+        return self._host_blocks(numel, shapes)
 
 
 class _Multiscale:
@@ -196,55 +394,50 @@ class _Multiscale:
             scales = self._scales[at] = kernels.xp.asarray(host)
         return scales
 
-    def _scale_index(self, flat, idx, norm) -> np.ndarray:
-        norm = _norm(norm)
-        dense = idx is None
-        k = backend_of(flat, self.kernels)
-        out = k.xp.empty(flat.size if dense else idx.size, dtype=np.uint8)
-        index = _NO_INDEX if dense else idx
-        err = k.qsgd.multiscale_index(flat, index, dense, norm, self._scales_on(k), out)
+    def _scale_index(self, x, norm, shapes, step=0) -> np.ndarray:
+        a = self._coded_input(x, norm, shapes, step)
+        out = a.kernels.xp.empty(a.n, dtype=np.uint8)
+        args = (*a.blocks, self._scales_on(a.kernels), out)
+        err = a.kernels.qsgd.multiscale_index(a.flat, a.index, a.dense, *args)
         if err:
-            _raise(err, flat if dense else flat[idx], norm)
+            _raise(err, a.values(), norm)
         return out
 
-    def _ms_quantize(self, flat, idx, norm, scale_index, key) -> np.ndarray:
-        norm = _norm(norm)
-        dense = idx is None
-        n = flat.size if dense else idx.size
-        sidx = _int_array(scale_index, "scale_index", n, signed=False)
-        k = backend_of(flat, self.kernels)
-        out = k.xp.empty(n, dtype=self.code_dtype)
-        index = _NO_INDEX if dense else idx
-        scales = self._scales_on(k)
-        err = k.qsgd.multiscale_quantize(flat, index, dense, norm, scales, sidx, key, out)
+    def _ms_quantize(self, x, norm, scale_index, key, shapes, step=0) -> np.ndarray:
+        a = self._coded_input(x, norm, shapes, step)
+        sidx = _int_array(scale_index, "scale_index", a.n, signed=False)
+        out = a.kernels.xp.empty(a.n, dtype=self.code_dtype)
+        args = (*a.blocks, self._scales_on(a.kernels), sidx, key, out)
+        err = a.kernels.qsgd.multiscale_quantize(a.flat, a.index, a.dense, *args)
         if err:
-            _raise(err, flat if dense else flat[idx], norm)
+            _raise(err, a.values(), norm)
         return out
 
-    def _ms_dequantize(self, code_sum, norm, scale_index, nranks, n=None) -> np.ndarray:
-        norm = _norm(norm)
-        if n is None:
-            n = code_sum.size if is_array(code_sum) else 0
+    def _ms_values(self, code_sum, norm, scale_index, nranks, numel, shapes, step=0):
+        n = self._coded(numel)
         codes = _int_array(code_sum, "code_sum", n, signed=True)
         sidx = _int_array(scale_index, "scale_index", n, signed=False)
         nranks, limit = self._limit(nranks)
         k = backend_of(codes, self.kernels)
+        norms, b = self._against(k, norm, numel, shapes, step)
         out = k.xp.empty(n, dtype=np.float32)
-        scales = self._scales_on(k)
-        err = k.qsgd.multiscale_dequantize(codes, sidx, norm, scales, nranks, limit, out)
+        args = (norms, b.starts, b.regular, self._scales_on(k), nranks, limit, out)
+        err = k.qsgd.multiscale_dequantize(codes, sidx, *args)
         if err:
             _raise(err, out, norm)
         return out
 
-    def _ms_dequantize_packed(self, data, n, width, offset, norm, scale_index, nranks):
-        norm = _norm(norm)
+    def _ms_values_packed(
+        self, data, n, width, offset, norm, scale_index, nranks, numel, shapes, step=0
+    ):
         data, n, width, offset = _packed_sums(data, n, width, offset)
         sidx = _int_array(scale_index, "scale_index", n, signed=False)
         nranks, limit = self._limit(nranks)
         k = backend_of(data, self.kernels)
+        norms, b = self._against(k, norm, numel, shapes, step)
         out = k.xp.empty(n, dtype=np.float32)
-        args = (data, width, offset, sidx, norm, self._scales_on(k), nranks, limit, out)
-        err = k.qsgd.multiscale_dequantize_packed(*args)
+        args = (norms, b.starts, b.regular, self._scales_on(k), nranks, limit, out)
+        err = k.qsgd.multiscale_dequantize_packed(data, width, offset, sidx, *args)
         if err:
             _raise(err, out, norm)
         return out
@@ -274,6 +467,9 @@ class _GlobalRandK:
             return math.ceil(Fraction(repr(k)) * numel)
         return min(k, numel)
 
+    def _coded(self, numel: int) -> int:
+        return self.num_coordinates(numel)
+
     def coordinates(self, numel: int, step: int = 0) -> np.ndarray:
         """Return the sorted int64 coordinates selected at ``step`` (read-only, cached).
 
@@ -281,9 +477,9 @@ class _GlobalRandK:
         every rank and every re-run draws the same set, a uniform K-subset. They are
         host arrays; a device gradient's are drawn on its device (the same values).
         """
-        return self._coordinates(self.kernels, numel, step)
+        return self._picks(self.kernels, numel, step)
 
-    def _coordinates(self, kernels, numel: int, step: int) -> np.ndarray:
+    def _picks(self, kernels, numel: int, step: int) -> np.ndarray:
         """Return ``coordinates(numel, step)`` as an array of backend ``kernels``."""
         k = self.num_coordinates(numel)
         step = _counter("step", step)
@@ -313,22 +509,43 @@ class _GlobalRandK:
         return picks
 
     def local_norm(self, x, step: int = 0) -> float:
-        """Return the float32 ‖x[coordinates]‖₂ of this rank (float64 accumulation).
+        """Return the float32 ‖x[coordinates]‖₂ of this rank (float64 accumulation): the
+        paper's one norm.
 
         Raises:
             ValueError: a selected element is NaN/Inf, or the norm overflows float32.
         """
         flat = _flat(x)
         k = backend_of(flat, self.kernels)
-        return _sumsq_norm(k, flat, self._coordinates(k, flat.size, step))
+        return _sumsq_norm(k, flat, self._picks(k, flat.size, step))
 
-    def _full(self, shape, step, kernels) -> tuple[tuple[int, ...], np.ndarray]:
-        """Return the full tensor's shape and the coordinates its codes belong to (on the
-        device of ``kernels``)."""
+    def local_norms(self, x, step: int = 0, shapes=None):
+        """Return this rank's float32 L2 norm of each block of x[coordinates] (``blocks``:
+        blocks of the K selected values, in their order), on x's device.
+
+        Raises:
+            ValueError: a selected element is NaN/Inf, a block's norm overflows float32,
+                or ``shapes`` do not hold x.size elements.
+        """
+        return self._local_norms(x, shapes, step)
+
+    def blocks(self, numel: int, shapes=None, step: int = 0) -> np.ndarray:
+        """Return the read-only int64 starts of the blocks of the K codes of a tensor of
+        ``numel`` elements at ``step``, and the end (K)."""
+        return self._host_blocks(numel, shapes, step)
+
+    def _full(self, codes, shape, step, n=None) -> tuple:
+        """Return (the kernels of ``codes``, the full tensor's shape and size, the
+        coordinates the codes belong to), checking ``n`` codes are K when given."""
+        k = backend_of(codes, self.kernels) if is_array(codes) else self.kernels
         if shape is None:
             raise ValueError("shape is required: the shape (or numel) of the full tensor")
         shape = _out_shape(shape, None)
-        return shape, self._coordinates(kernels, math.prod(shape), step)
+        numel = math.prod(shape)
+        idx = self._picks(k, numel, step)
+        if n is not None and n != idx.size:
+            raise ValueError(f"code_sum holds {n} elements, expected {idx.size}")
+        return k, shape, numel, idx
 
 
 def _scatter(kernels, vals, shape: tuple[int, ...], idx):
@@ -341,71 +558,54 @@ def _scatter(kernels, vals, shape: tuple[int, ...], idx):
 
 
 @register
-class QSGDMaxNorm(_MaxNorm):
-    """QSGD-MaxNorm (paper 000 §3.1): r-bit stochastic codes against the max norm over ranks.
+class QSGDMaxNorm(_Dense, _MaxNorm):
+    """QSGD-MaxNorm (paper 000 §3.1): r-bit stochastic codes against block norms, the max
+    over ranks.
 
     Args:
         bits: r in [2, 16]; codes lie in [-s, s] with s = 2^(r-1) - 1 levels.
+        block: elements per norm (blocks of x, the last of each tensor shorter), or 0 (or
+            None) for one norm per tensor, the paper's.
+        per_tensor: blocks restart at each tensor of a fused bucket (``shapes``); False
+            cuts the bucket as one vector (``block=0``: one norm for the whole bucket).
         seed: seed of the counter-based rounding noise (with step and stream).
     """
 
     name = "qsgd_maxnorm"
 
-    def __init__(self, bits: int = 8, seed: int = 0):
-        self._setup(bits, seed)
+    def __init__(self, bits=8, block=DEFAULT_BLOCK, per_tensor=True, seed=0):
+        self._setup(bits, seed, block, per_tensor)
 
-    def local_norm(self, x) -> float:
-        """Return the float32 ‖x‖₂ of this rank (float64 accumulation, fixed order).
-
-        Raises:
-            ValueError: ``x`` holds NaN/Inf, or its norm overflows float32.
-        """
-        flat = _flat(x)
-        return _sumsq_norm(backend_of(flat, self.kernels), flat, None)
-
-    def quantize(self, x, norm, step: int = 0, stream: int = 0) -> np.ndarray:
-        """Return the codes of ``x`` (flattened, ``code_dtype``) against the shared ``norm``.
+    def quantize(self, x, norm, step: int = 0, stream: int = 0, shapes=None) -> np.ndarray:
+        """Return the codes of ``x`` (flattened, ``code_dtype``) against the shared norms.
 
         Args:
             x: this rank's gradient, any shape and float dtype.
-            norm: the max over ranks of ``local_norm``; 0 gives all-zero codes.
+            norm: the max over ranks of ``local_norms`` (one per block), or one number for
+                every element (the paper's ‖w‖, e.g. from ``local_norm``); 0 gives zero codes.
             step: the training step; stream: this rank (independent rounding noise).
+            shapes: the tensors x holds end to end, as for ``local_norms``.
 
         Raises:
-            ValueError: NaN/Inf in ``x``, or some |x| > norm * (1 + 1e-6).
+            ValueError: NaN/Inf in ``x``, some |x| > its norm * (1 + 1e-6), or ``norm``
+                not one finite float32 >= 0 per block.
         """
-        flat = _flat(x)
-        norm = _norm(norm)
-        k = backend_of(flat, self.kernels)
-        out = k.xp.empty(flat.size, dtype=self.code_dtype)
-        err = k.qsgd.quantize(
-            flat, _NO_INDEX, True, norm, self.levels, self._key(step, stream), out
-        )
-        if err:
-            _raise(err, flat, norm)
-        return out
+        return self._quantize(x, norm, self._key(step, stream), shapes)
 
-    def dequantize(self, code_sum, norm, nranks: int = 1, shape=None) -> np.ndarray:
+    def dequantize(self, code_sum, norm, nranks: int = 1, shape=None, shapes=None) -> np.ndarray:
         """Return the float32 average ((code_sum * norm) / s) / nranks, reshaped to ``shape``.
 
         Raises:
             TypeError: ``code_sum`` is not a signed integer array.
             ValueError: wrong length for ``shape``, or |code_sum| > nranks * s.
         """
-        norm = _norm(norm)
         n = code_sum.size if is_array(code_sum) else 0
         codes = _int_array(code_sum, "code_sum", n, signed=True)
         shape = _out_shape(shape, n)
-        nranks, limit = self._limit(nranks)
-        k = backend_of(codes, self.kernels)
-        out = k.xp.empty(n, dtype=np.float32)
-        err = k.qsgd.dequantize(codes, norm, self.levels, nranks, limit, out)
-        if err:
-            _raise(err, out, norm)
-        return out.reshape(shape)
+        return self._values(codes, norm, nranks, n, shapes).reshape(shape)
 
     def dequantize_packed(
-        self, data, n: int, width: int, offset: int, norm, nranks: int = 1, shape=None
+        self, data, n: int, width: int, offset: int, norm, nranks: int = 1, shape=None, shapes=None
     ) -> np.ndarray:
         """Return ``dequantize`` of the n code sums packed in ``data``, unpacking as it goes.
 
@@ -417,11 +617,12 @@ class QSGDMaxNorm(_MaxNorm):
             ValueError: too few bytes, width outside 1..32, or |sum| > nranks * s.
         """
         shape = _out_shape(shape, n)
-        return self._dequantize_packed(data, n, width, offset, norm, nranks).reshape(shape)
+        out = self._values_packed(data, n, width, offset, norm, nranks, n, shapes)
+        return out.reshape(shape)
 
 
 @register
-class QSGDMaxNormMultiscale(_Multiscale, _MaxNorm):
+class QSGDMaxNormMultiscale(_Dense, _Multiscale, _MaxNorm):
     """QSGD-MaxNorm with several scales (paper 000 §3.2), shared by an elementwise MIN.
 
     Per coordinate the finest scale s_k in the set with |v| / norm * s_k <= s_min, so
@@ -433,94 +634,90 @@ class QSGDMaxNormMultiscale(_Multiscale, _MaxNorm):
         scales: bit widths b in [bits, 24] of the scale set (levels 2^(b-1) - 1 each);
             ``bits`` always belongs to it. Default (bits, bits + 4), as the paper's
             two-scale runs (8, 12), (6, 10), (4, 8), (2, 6).
+        block, per_tensor: the blocks of the norms, as ``qsgd_maxnorm``'s.
         seed: seed of the counter-based rounding noise.
     """
 
     name = "qsgd_maxnorm_multiscale"
 
-    def __init__(self, bits: int = 8, scales=None, seed: int = 0):
-        self._setup(bits, seed, scales=self._scales(bits, scales))
+    def __init__(self, bits=8, scales=None, block=DEFAULT_BLOCK, per_tensor=True, seed=0):
+        self._setup(bits, seed, block, per_tensor, scales=self._scales(bits, scales))
         self._init_scales()
 
-    def local_norm(self, x) -> float:
-        """Return the float32 ‖x‖₂ of this rank (float64 accumulation, fixed order)."""
-        flat = _flat(x)
-        return _sumsq_norm(backend_of(flat, self.kernels), flat, None)
-
-    def scale_index(self, x, norm) -> np.ndarray:
+    def scale_index(self, x, norm, shapes=None) -> np.ndarray:
         """Return this rank's uint8 scale index per element (MIN over ranks to share).
 
         Raises:
-            ValueError: NaN/Inf in ``x``, or some |x| > norm * (1 + 1e-6).
+            ValueError: NaN/Inf in ``x``, or some |x| > its norm * (1 + 1e-6).
         """
-        return self._scale_index(_flat(x), None, norm)
+        return self._scale_index(x, norm, shapes)
 
-    def quantize(self, x, norm, scale_index, step: int = 0, stream: int = 0) -> np.ndarray:
+    def quantize(
+        self, x, norm, scale_index, step: int = 0, stream: int = 0, shapes=None
+    ) -> np.ndarray:
         """Return the codes of ``x`` at the shared scale indices, in [-s_min, s_min].
 
         Raises:
             ValueError: NaN/Inf in ``x``, |x| above the norm bound, or an index outside
                 the set or finer than this rank's own choice.
         """
-        flat = _flat(x)
-        return self._ms_quantize(flat, None, norm, scale_index, self._key(step, stream))
+        return self._ms_quantize(x, norm, scale_index, self._key(step, stream), shapes)
 
-    def dequantize(self, code_sum, norm, scale_index, nranks: int = 1, shape=None) -> np.ndarray:
+    def dequantize(
+        self, code_sum, norm, scale_index, nranks: int = 1, shape=None, shapes=None
+    ) -> np.ndarray:
         """Return the float32 average ((code_sum * norm) / s_index) / nranks, reshaped.
 
         Raises:
             TypeError: ``code_sum``/``scale_index`` are not integer arrays.
             ValueError: wrong lengths, an index outside the set, |code_sum| > nranks * s_min.
         """
-        out = self._ms_dequantize(code_sum, norm, scale_index, nranks)
+        n = code_sum.size if is_array(code_sum) else 0
+        out = self._ms_values(code_sum, norm, scale_index, nranks, n, shapes)
         return out.reshape(_out_shape(shape, out.size))
 
     def dequantize_packed(
-        self, data, n: int, width: int, offset: int, norm, scale_index, nranks: int = 1, shape=None
+        self, data, n, width, offset, norm, scale_index, nranks=1, shape=None, shapes=None
     ) -> np.ndarray:
         """Return ``dequantize`` of the n code sums packed in ``data`` (see QSGDMaxNorm)."""
         shape = _out_shape(shape, n)
-        out = self._ms_dequantize_packed(data, n, width, offset, norm, scale_index, nranks)
-        return out.reshape(shape)
+        args = (norm, scale_index, nranks, n, shapes)
+        return self._ms_values_packed(data, n, width, offset, *args).reshape(shape)
 
 
 @register
 class GRandKMaxNorm(_GlobalRandK, _MaxNorm):
     """GlobalRandK-MaxNorm (paper 000 §3.3): QSGD-MaxNorm on K shared random coordinates.
 
-    The quantized vector is the selected sub-vector, so the shared norm is the max over
-    ranks of ‖x[coordinates]‖₂; ``dequantize`` scales by n / K, so the result is unbiased.
+    The quantized vector is the selected sub-vector, so the shared norms are the max over
+    ranks of the norms of its blocks; ``dequantize`` scales by n / K, so the result is
+    unbiased.
 
     Args:
         bits: r in [2, 16]; codes lie in [-s, s], s = 2^(r-1) - 1.
         k: an int K >= 1 (min(K, numel) coordinates) or a float fraction in (0, 1]
             (ceil(k * numel) coordinates). Default 10000, the paper's.
+        block, per_tensor: the blocks of the norms, over the K selected values in order.
         seed: seed of the coordinates (stream 2^64 - 1) and of the rounding noise.
     """
 
     name = "grandk_maxnorm"
 
-    def __init__(self, bits: int = 8, k=DEFAULT_K, seed: int = 0):
-        self._setup(bits, seed, k=self._check_k(k))
+    def __init__(self, bits=8, k=DEFAULT_K, block=DEFAULT_BLOCK, per_tensor=True, seed=0):
+        self._setup(bits, seed, block, per_tensor, k=self._check_k(k))
         self._coords = OrderedDict()
 
-    def quantize(self, x, norm, step: int = 0, stream: int = 0) -> np.ndarray:
-        """Return the K codes of x[coordinates(x.size, step)] against the shared ``norm``.
+    def quantize(self, x, norm, step: int = 0, stream: int = 0, shapes=None) -> np.ndarray:
+        """Return the K codes of x[coordinates(x.size, step)] against the shared norms.
 
         Raises:
-            ValueError: a selected element is NaN/Inf or above the norm bound.
+            ValueError: a selected element is NaN/Inf or above its norm bound.
         """
-        flat = _flat(x)
-        norm = _norm(norm)
-        k = backend_of(flat, self.kernels)
-        idx = self._coordinates(k, flat.size, step)
-        out = k.xp.empty(idx.size, dtype=self.code_dtype)
-        err = k.qsgd.quantize(flat, idx, False, norm, self.levels, self._key(step, stream), out)
-        if err:
-            _raise(err, flat[idx], norm)
-        return out
+        return self._quantize(x, norm, self._key(step, stream), shapes, step)
 
-    def dequantize(self, code_sum, norm, nranks: int = 1, shape=None, step: int = 0) -> np.ndarray:
+    def dequantize(
+        self, code_sum, norm, nranks: int = 1, shape=None, step: int = 0, shapes=None
+    ) -> np.ndarray:
         """Return the full float32 tensor: zeros, and (((c * norm) / s) / nranks) * (n / K) at the coordinates.
 
         Args:
@@ -530,26 +727,17 @@ class GRandKMaxNorm(_GlobalRandK, _MaxNorm):
         Raises:
             ValueError: no shape, K codes expected, or |code_sum| > nranks * s.
         """
-        k = backend_of(code_sum, self.kernels) if is_array(code_sum) else self.kernels
-        shape, idx = self._full(shape, step, k)
-        norm = _norm(norm)
+        k, shape, numel, idx = self._full(code_sum, shape, step)
         codes = _int_array(code_sum, "code_sum", idx.size, signed=True)
-        nranks, limit = self._limit(nranks)
-        vals = k.xp.empty(idx.size, dtype=np.float32)
-        err = k.qsgd.dequantize(codes, norm, self.levels, nranks, limit, vals)
-        if err:
-            _raise(err, vals, norm)
+        vals = self._values(codes, norm, nranks, numel, shapes, step)
         return _scatter(k, vals, shape, idx)
 
     def dequantize_packed(
-        self, data, n: int, width: int, offset: int, norm, nranks: int = 1, shape=None, step=0
+        self, data, n, width, offset, norm, nranks=1, shape=None, step=0, shapes=None
     ) -> np.ndarray:
         """Return ``dequantize`` of the K code sums packed in ``data`` (see QSGDMaxNorm)."""
-        k = backend_of(data, self.kernels) if is_array(data) else self.kernels
-        shape, idx = self._full(shape, step, k)
-        if n != idx.size:
-            raise ValueError(f"code_sum holds {n} elements, expected {idx.size}")
-        vals = self._dequantize_packed(data, n, width, offset, norm, nranks)
+        k, shape, numel, idx = self._full(data, shape, step, n)
+        vals = self._values_packed(data, n, width, offset, norm, nranks, numel, shapes, step)
         return _scatter(k, vals, shape, idx)
 
 
@@ -561,53 +749,43 @@ class GRandKMaxNormMultiscale(_GlobalRandK, _Multiscale, _MaxNorm):
         bits: r in [2, 16] of the coarsest scale (the code width).
         scales: bit widths in [bits, 24] of the scale set; default (bits, bits + 4).
         k: an int count >= 1 or a float fraction in (0, 1]; default 10000.
+        block, per_tensor: the blocks of the norms, over the K selected values in order.
         seed: seed of the coordinates and of the rounding noise.
     """
 
     name = "grandk_maxnorm_multiscale"
 
-    def __init__(self, bits: int = 8, scales=None, k=DEFAULT_K, seed: int = 0):
-        self._setup(bits, seed, scales=self._scales(bits, scales), k=self._check_k(k))
+    def __init__(
+        self, bits=8, scales=None, k=DEFAULT_K, block=DEFAULT_BLOCK, per_tensor=True, seed=0
+    ):
+        scales = self._scales(bits, scales)
+        self._setup(bits, seed, block, per_tensor, scales=scales, k=self._check_k(k))
         self._init_scales()
         self._coords = OrderedDict()
 
-    def scale_index(self, x, norm, step: int = 0) -> np.ndarray:
+    def scale_index(self, x, norm, step: int = 0, shapes=None) -> np.ndarray:
         """Return this rank's uint8 scale index for each of the K selected elements."""
-        flat = _flat(x)
-        idx = self._coordinates(backend_of(flat, self.kernels), flat.size, step)
-        return self._scale_index(flat, idx, norm)
+        return self._scale_index(x, norm, shapes, step)
 
-    def quantize(self, x, norm, scale_index, step: int = 0, stream: int = 0) -> np.ndarray:
+    def quantize(
+        self, x, norm, scale_index, step: int = 0, stream: int = 0, shapes=None
+    ) -> np.ndarray:
         """Return the K codes of the selected elements at the shared scale indices."""
-        flat = _flat(x)
-        idx = self._coordinates(backend_of(flat, self.kernels), flat.size, step)
-        return self._ms_quantize(flat, idx, norm, scale_index, self._key(step, stream))
+        key = self._key(step, stream)
+        return self._ms_quantize(x, norm, scale_index, key, shapes, step)
 
     def dequantize(
-        self, code_sum, norm, scale_index, nranks: int = 1, shape=None, step: int = 0
+        self, code_sum, norm, scale_index, nranks: int = 1, shape=None, step: int = 0, shapes=None
     ) -> np.ndarray:
         """Return the full float32 tensor: zeros, and the rescaled average at the coordinates."""
-        k = backend_of(code_sum, self.kernels) if is_array(code_sum) else self.kernels
-        shape, idx = self._full(shape, step, k)
-        vals = self._ms_dequantize(code_sum, norm, scale_index, nranks, idx.size)
+        k, shape, numel, idx = self._full(code_sum, shape, step)
+        vals = self._ms_values(code_sum, norm, scale_index, nranks, numel, shapes, step)
         return _scatter(k, vals, shape, idx)
 
     def dequantize_packed(
-        self,
-        data,
-        n: int,
-        width: int,
-        offset: int,
-        norm,
-        scale_index,
-        nranks: int = 1,
-        shape=None,
-        step: int = 0,
+        self, data, n, width, offset, norm, scale_index, nranks=1, shape=None, step=0, shapes=None
     ) -> np.ndarray:
         """Return ``dequantize`` of the K code sums packed in ``data`` (see QSGDMaxNorm)."""
-        k = backend_of(data, self.kernels) if is_array(data) else self.kernels
-        shape, idx = self._full(shape, step, k)
-        if n != idx.size:
-            raise ValueError(f"code_sum holds {n} elements, expected {idx.size}")
-        vals = self._ms_dequantize_packed(data, n, width, offset, norm, scale_index, nranks)
-        return _scatter(k, vals, shape, idx)
+        k, shape, numel, idx = self._full(data, shape, step, n)
+        args = (norm, scale_index, nranks, numel, shapes, step)
+        return _scatter(k, self._ms_values_packed(data, n, width, offset, *args), shape, idx)

@@ -1,28 +1,42 @@
-"""The ``"integer_sum"`` kind (QSGD-MaxNorm): a MaxAllReduce of norms, [a MinAllReduce of
-scale indices], an exact sum of bounded integer codes by the width-growing ring or the
+"""The ``"integer_sum"`` kind (QSGD-MaxNorm): a MaxAllReduce of block norms, [a MinAllReduce
+of scale indices], an exact sum of bounded integer codes by the width-growing ring or the
 direct reduce-scatter, then dequantize."""
 
 from __future__ import annotations
 
+import math
 from functools import partial
 from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 
+from mpicomp.collectives.maxallreduce import max_allreduce
 from mpicomp.collectives.ring import ring_allreduce_min
+from mpicomp.kernels import backend_of
 from mpicomp.kernels.bits import packed_size
-from mpicomp.reduction._cost import Cost, bounded, chunk, direct_alltoall
+from mpicomp.reduction._cost import (
+    AGREEMENT_BYTES,
+    NOTHING,
+    Cost,
+    bounded,
+    chunk,
+    direct_alltoall,
+    mpi_allreduce,
+    small,
+)
 from mpicomp.reduction._kind import Kind, bounded_schedules
 from mpicomp.reduction.agreement import Call, agree, device, down, encode_here, up
 
 
 @runtime_checkable
 class IntegerSumCodec(Protocol):
-    """``aggregation = "integer_sum"``: integer codes in [-bound, bound] against a norm
-    shared by MaxAllReduce, summed exactly on the width-growing ring.
+    """``aggregation = "integer_sum"``: integer codes in [-bound, bound] against norms per
+    block (``blocks``) shared by MaxAllReduce, summed exactly on the width-growing ring.
 
-    ``multiscale`` says the codec is also a ``ScaleIndexCodec``, ``sparse`` that it is a
-    ``SparseCoordinatesCodec``; their methods then take the extra arguments those name.
+    ``shapes`` are the tensors a flat input holds end to end (a fused bucket): blocks do
+    not cross them unless the codec is told to. ``multiscale`` says the codec is also a
+    ``ScaleIndexCodec``, ``sparse`` that it is a ``SparseCoordinatesCodec``; their methods
+    then take the extra arguments those name.
     """
 
     name: str
@@ -33,10 +47,14 @@ class IntegerSumCodec(Protocol):
 
     def local_norm(self, x) -> float: ...
 
-    def quantize(self, x, norm, step: int = 0, stream: int = 0) -> Any: ...
+    def local_norms(self, x, shapes=None) -> Any: ...
+
+    def blocks(self, numel: int, shapes=None) -> Any: ...
+
+    def quantize(self, x, norm, step: int = 0, stream: int = 0, shapes=None) -> Any: ...
 
     def dequantize_packed(
-        self, data, n: int, width: int, offset: int, norm, nranks: int = 1, shape=None
+        self, data, n: int, width: int, offset: int, norm, nranks: int = 1, shape=None, shapes=None
     ) -> Any: ...
 
 
@@ -48,7 +66,7 @@ class ScaleIndexCodec(IntegerSumCodec, Protocol):
     index_bits: int
     index_dtype: np.dtype
 
-    def scale_index(self, x, norm) -> Any: ...
+    def scale_index(self, x, norm, shapes=None) -> Any: ...
 
 
 @runtime_checkable
@@ -60,21 +78,51 @@ class SparseCoordinatesCodec(IntegerSumCodec, Protocol):
     def coordinates(self, numel: int, step: int = 0) -> Any: ...
 
 
+def _shapes(call: Call, numel: int):
+    """Return the shapes of the tensors the call's flat input holds end to end, or None
+    (one tensor) where the call names none or others (a hierarchy's shard of a bucket)."""
+    shapes = getattr(call, "shapes", None)
+    if not shapes or sum(math.prod(s) for s in shapes) != numel:
+        return None
+    return shapes
+
+
+def _to_share(call: Call, norms) -> tuple[float, object]:
+    """Return what this rank's block ``norms`` (None: its encode failed) send: the
+    agreement's value and the host vector for the MaxAllReduce.
+
+    One block rides in the agreement's value; a rank with several sends +inf there (never
+    a norm), and then every rank sends its vector through one MaxAllReduce (which raises
+    on every rank if the ranks cut different blocks). Device norms come to the host (one
+    read): MPI gets a few bytes either way.
+    """
+    count = 0 if norms is None else norms.size
+    if not count:
+        return 0.0, norms
+    host = backend_of(norms, call.kernels).to_host(norms, why="integer_sum: block norms")
+    return (float(host[0]) if count == 1 else math.inf), host
+
+
 def run(call: Call, codec, flat, *, collective):
     """Average QSGD-MaxNorm codes, their sum made by ``collective`` (the ring's or the
     direct schedule's ``*_allreduce_bounded``)."""
     comm, clock, step = call.comm, call.clock, call.step
     dev = device(flat)
+    shapes = _shapes(call, flat.size)
     at = {"step": step} if codec.sparse else {}  # GlobalRandK: K coordinates drawn per step
-    norm, flat, err, bad = encode_here(call, partial(codec.local_norm, **at), flat)
+    norms_of = partial(codec.local_norms, shapes=shapes, **at)
+    norms, flat, err, bad = encode_here(call, norms_of, flat)
     clock.encoded()
-    norm = agree(call, flat.size, err, norm or 0.0, nonfinite=bad)
+    value, norms = _to_share(call, norms)
+    norm = agree(call, flat.size, err, value, nonfinite=bad)
+    if norm == math.inf:  # norms of several blocks: their max over ranks
+        norm = up(dev, max_allreduce(comm, norms, **call.io))
     clock.communicated()
     # After the agreement every rank's codes (and scale indices) have one length and lie
     # within their bounds by construction: the collectives trust it (no second agreement).
     extra = ()
     if codec.multiscale:
-        sidx = codec.scale_index(flat, norm, **at)
+        sidx = codec.scale_index(flat, norm, shapes=shapes, **at)
         clock.encoded()
         if codec.index_bits:
             sidx = ring_allreduce_min(
@@ -88,7 +136,8 @@ def run(call: Call, codec, flat, *, collective):
             )
             clock.communicated()
         extra = (up(dev, sidx).astype(codec.index_dtype, copy=False),)
-    codes = codec.quantize(flat, norm, *extra, step=step, stream=call.stream + comm.rank)
+    stream = call.stream + comm.rank
+    codes = codec.quantize(flat, norm, *extra, step=step, stream=stream, shapes=shapes)
     clock.encoded()
     # The sums stay packed as the schedule left them; dequantize_packed unpacks as it goes.
     data, n, width, offset = collective(
@@ -103,7 +152,7 @@ def run(call: Call, codec, flat, *, collective):
     clock.communicated()
     at = {"shape": flat.shape, "step": step} if codec.sparse else {}
     out = codec.dequantize_packed(
-        up(dev, data), n, width, offset, norm, *extra, nranks=comm.size, **at
+        up(dev, data), n, width, offset, norm, *extra, nranks=comm.size, shapes=shapes, **at
     )
     clock.decoded()
     return out
@@ -113,9 +162,28 @@ def _coded(codec, numel: int) -> int:
     return codec.num_coordinates(numel) if codec.sparse else numel
 
 
+def _norms(codec, numel: int, nranks: int) -> Cost:
+    """The block norms' MaxAllReduce, for one tensor of ``numel`` elements (a bucket's
+    members add a block each at most); nothing where one norm rides in the agreement.
+
+    Its head is as long as the agreement's; norms past the head's 16 go in a second
+    Allreduce, as MPICH runs it: recursive doubling up to 2 KiB, else reduce-scatter and
+    allgather (2 log2 N messages, 2 (N-1)/N of the bytes).
+    """
+    block = codec.params.get("block", 0)
+    count = -(-_coded(codec, numel) // block) if block else 1
+    if count <= 1 or nranks == 1:
+        return NOTHING
+    total = small(AGREEMENT_BYTES, nranks)
+    tail = 4 * max(0, count - 16)
+    if tail:
+        total += small(tail, nranks) if tail <= 2048 else mpi_allreduce(tail, nranks)
+    return total
+
+
 def _cost(schedule: str, codec, numel: int, nranks: int, payload=None) -> Cost:
     coded = _coded(codec, numel)
-    total = bounded(schedule, coded, nranks, 2 * codec.bound, False)
+    total = _norms(codec, numel, nranks) + bounded(schedule, coded, nranks, 2 * codec.bound, False)
     if codec.multiscale and codec.index_bits and nranks > 1:
         # The scale index MIN runs on the constant-width ring under either schedule.
         N, C = nranks, chunk(coded, nranks)
