@@ -111,15 +111,17 @@ def test_unshaped_comparison_writes_every_row_and_a_failure_is_a_row(tmp_path):
         r = runs[label]
         assert r["status"] == "ok", (r["status"], open(r["log"]).read()[-2000:])
         assert r["network"] == "unshaped" and r["model"] == "mlp" and r["ranks"] == 2
-        assert r["params"] == 64 * 32 + 32 + 32 * 10 + 10
+        assert r["model_params"] == 64 * 32 + 32 + 32 * 10 + 10
         assert len(r["step_ms"]) == 4 and r["ms_step"] > 0
         assert [s for s, _ in r["accuracy"]] == [0, 2, 4]
         assert r["final_accuracy"] == r["accuracy"][-1][1]
         assert r["target_accuracy"] == runs["ddp"]["final_accuracy"]
         assert r["bytes_per_step_tc"] is None  # unshaped: no tc
     assert runs["ddp"]["bytes_per_step_traced"] is None  # DDP's bytes: n/a unshaped
+    assert runs["mpicomp_fp16"]["codec"] == "fp16" and runs["mpicomp_fp16"]["params"] == {}
+    assert runs["ddp_fp16"]["kind"] == "ddp" and runs["ddp_fp16"]["hook"] == "fp16"
     # fp16 through mpicomp: 2 bytes per parameter from each of the 2 ranks, at least
-    assert runs["mpicomp_fp16"]["bytes_per_step_traced"] >= 2 * 2 * runs["ddp"]["params"]
+    assert runs["mpicomp_fp16"]["bytes_per_step_traced"] >= 2 * 2 * runs["ddp"]["model_params"]
     # the same weights, batches and averaging: float32 DDP reaches its own final accuracy
     assert runs["ddp"]["steps_to_target"] == 4
     assert "mpicomp_nosuchcodec" in out.stdout and "time to DDP f32's" in out.stdout

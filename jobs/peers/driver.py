@@ -25,7 +25,7 @@ per step (tc's counters on the emulated networks; unshaped, what mpicomp's calls
 "n/a" for DDP), test accuracy every ``--eval-every`` steps, and the time to reach the
 final accuracy of DDP float32 on the same network and model (steps x ms/step, or
 "never" within ``--steps``). Output: a table per network and model on stdout,
-``OUT/peers.json``, ``OUT/accuracy.png`` (accuracy against steps x ms/step) and each
+``OUT/peers.json``, ``OUT/accuracy.png`` (accuracy against steps x ms/step, log) and each
 launch's log under ``OUT/logs/``.
 """
 
@@ -351,8 +351,9 @@ def plot(path: str, groups: dict, title: str) -> None:
     for ax, key in zip(axes[0], keys, strict=True):
         rows = [r for r in groups[key] if r.get("ms_step") and r.get("accuracy")]
         for i, r in enumerate(rows):
-            xs = [s * r["ms_step"] / 1e3 for s, _ in r["accuracy"]]
-            ys = [a for _, a in r["accuracy"]]
+            # log time: one slow configuration would squeeze the others into a corner
+            xs = [s * r["ms_step"] / 1e3 for s, _ in r["accuracy"] if s > 0]
+            ys = [a for s, a in r["accuracy"] if s > 0]
             ddp = r["kind"] == "ddp"
             style = dict(color="black", lw=2.2, zorder=5) if r["config"] == REFERENCE else {}
             if not style:
@@ -362,7 +363,8 @@ def plot(path: str, groups: dict, title: str) -> None:
         if target is not None:
             ax.axhline(target, color="grey", ls=":", lw=1)
         ax.set_title(f"{key[0]}, {key[1]}")
-        ax.set_xlabel("steps x median ms/step (s)")
+        ax.set_xscale("log")
+        ax.set_xlabel("steps x median ms/step (s, log)")
         ax.set_ylabel("test accuracy")
         ax.grid(True, alpha=0.3)
         if rows:

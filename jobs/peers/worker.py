@@ -250,7 +250,7 @@ def train(comm, peer, data: models.Data, args) -> dict:
     comm.Allreduce(local, slowest, op=MPI.MAX)
     step_ms = (1e3 * slowest).tolist()
     return {
-        "params": models.n_params(peer.module),
+        "model_params": models.n_params(peer.module),
         "ranks": comm.size,
         "steps": args.steps,
         "warmup": args.warmup,
