@@ -186,60 +186,17 @@ def test_bad_parameters_are_refused(params, match):
         mpicomp.codec("powersgd", **params)
 
 
-# -- through mpicomp.torch: the optimizer's buckets and DDP's, shapes included ------------
+# -- through mpicomp.torch's DDP hook (the optimizer: test_mpi_torch.py, byte for byte) ---
 
 torch = pytest.importorskip("torch")
 from test_mpi_torch import (  # noqa: E402
-    _batches,
     _ddp_train,
-    _loss,
     _model,
     _same_on_every_rank,
-    _weights,
     gloo,  # noqa: F401  (a fixture)
 )
 
 import mpicomp.torch as mt  # noqa: E402
-
-
-@pytest.mark.mpi
-def test_distributed_optimizer_steps_equal_compressedcomm_calls_with_the_buckets_shapes():
-    """Byte for byte: each bucket is one call on its gradients end to end, with their
-    shapes, so the weight matrices are factored and the biases go uncompressed."""
-    comm = world()
-    model, ref = _model(), _model()
-    params = {"rank": 2, "start_iter": 1, "min_compression_rate": 1.0}
-    opt = mt.DistributedOptimizer(
-        torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
-        comm,
-        model.named_parameters(),
-        "powersgd",
-        min_numel=64,
-        bucket_numel=1000,
-        **params,
-    )
-    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
-    cc = mpicomp.CompressedComm(comm, "powersgd", min_numel=64, **params)
-    named = dict(ref.named_parameters())
-    for step in range(4):
-        batch = _batches(step, comm.size)[comm.rank]
-        opt.zero_grad()
-        _loss(model, batch).backward()
-        opt.step()
-        ref_opt.zero_grad()
-        _loss(ref, batch).backward()
-        for b in opt._buckets:
-            grads = [named[n].grad for n in b.names]
-            flat = torch.cat([g.reshape(-1) for g in grads])
-            shapes = [tuple(g.shape) for g in grads]
-            avg, _ = cc.start(flat, f"bucket{b.index}", layout=b.layout, shapes=shapes).wait()
-            for g, lo, hi in zip(grads, b.offsets, b.offsets[1:], strict=False):
-                g.copy_(avg[lo:hi].view_as(g))
-        ref_opt.step()
-    assert _weights(model).tobytes() == _weights(ref).tobytes()
-    assert _same_on_every_rank(comm, _weights(model))
-    cc.close()
-    opt.close()
 
 
 @pytest.mark.mpi

@@ -309,8 +309,7 @@ def table(rows: list[dict], args, out=sys.stdout) -> None:
         f"{'configuration':<40}{'ms/step':>9}{'x DDP':>7}{'MB/step':>9}"
         f"{f'acc@{mid}':>9}{f'acc@{args.steps}':>9}  {goal}"
     )
-    print(head, file=out)
-    print("-" * len(head), file=out)
+    print(head, "-" * len(head), sep="\n", file=out)  # the header and its rule
     for r in rows:
         if r["status"] not in ("ok",) and not r["status"].startswith("diverged"):
             print(f"{r['config']:<40}{r['status']}", file=out)
