@@ -24,7 +24,8 @@ def test_comm_must_be_an_intracommunicator(comm):
 
 def test_a_misspelled_option_is_named_with_the_closest_one():
     with pytest.raises(
-        TypeError, match=r"'min_numl' \(did you mean 'min_numel'\?\).*\(bits, seed\)"
+        TypeError,
+        match=r"'min_numl' \(did you mean 'min_numel'\?\).*\(bits, block, per_tensor, seed\)",
     ):
         mpicomp.CompressedComm(MPI.COMM_SELF, "qsgd_maxnorm", min_numl=10)
     with pytest.raises(TypeError, match=r"'bitz' \(did you mean 'bits'\?\)"):

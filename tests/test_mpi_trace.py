@@ -32,15 +32,16 @@ def _expected_bytes(name, comm, x, schedule=None):
             votes = ring_traffic(x.size, size, rank, 8, lambda i: math.ceil(math.log2(i + 1)), 1)
         return HEAD + 8 + votes[0], HEAD + 8 * (size - 1) + votes[1]
     if name == "qsgd_maxnorm":
-        # Agreement, the MaxAllReduce of the block norms (ceil(5003 / 1024) = 5 fit its
-        # head), then the signed sum with bound s = 2^(4-1) - 1 = 7.
+        # Agreement, the MaxAllReduce of the ceil(5003 / 128) = 40 block norms (16 in its
+        # head, 24 float32 in its tail), then the signed sum with bound s = 2^(4-1) - 1 = 7.
         if schedule == "direct":
             sums = direct_traffic(x.size, size, rank, 8, 4, (14 * size).bit_length())
         else:
             sums = ring_traffic(
                 x.size, size, rank, 8, lambda i: (14 * i).bit_length(), (14 * size).bit_length()
             )
-        return 2 * HEAD + sums[0], 2 * HEAD + sums[1]
+        norms = 2 * HEAD + 24 * 4
+        return norms + sums[0], norms + sums[1]
     # threelc: the agreement, sizes (one int64 each), then the payloads by Allgatherv.
     own = mpicomp.codec(name).encode(x).size
     every = gather_all(comm, np.array([own], dtype=np.int64)).reshape(-1)

@@ -62,12 +62,14 @@ def test_a_whole_call_adds_the_agreement_and_the_codecs_own_messages():
     assert cost("direct", signsgd, n, N) == head + scales + bounded("direct", n, N, 1, True)
     paper = mpicomp.codec("qsgd_maxnorm", bits=4, block=0, per_tensor=False)
     assert cost("ring", paper, n, N) == head + bounded("ring", n, N, 14, False)
-    # 32 block norms: a MaxAllReduce of its own, its head and a tail of 16 float32
+    # 250 block norms: a MaxAllReduce of its own, its head and a tail of 234 float32
     qsgd = mpicomp.codec("qsgd_maxnorm", bits=4)
-    norms = head + Cost(_log2(N), _log2(N) * 16 * 4)
+    norms = head + Cost(_log2(N), _log2(N) * 234 * 4)
     assert cost("ring", qsgd, n, N) == head + norms + bounded("ring", n, N, 14, False)
-    grandk = mpicomp.codec("grandk_maxnorm", bits=4, k=800)  # one block: in the agreement
-    assert cost("direct", grandk, n, N) == head + bounded("direct", 800, N, 14, False)
+    grandk = mpicomp.codec("grandk_maxnorm", bits=4, k=800)  # 7 blocks of the 800: a head
+    assert cost("direct", grandk, n, N) == head + head + bounded("direct", 800, N, 14, False)
+    lone = mpicomp.codec("grandk_maxnorm", bits=4, k=800, block=1024)  # in the agreement
+    assert cost("direct", lone, n, N) == head + bounded("direct", 800, N, 14, False)
     # float32: MPI's allreduce moves 2(N-1)/N of the buffer in 2 log2 N messages; fp16's
     # own ring the same bytes of float16 in 2(N-1) steps.
     assert cost("float32", qsgd, n, N) == head + Cost(4, 2 * 3 * 4 * n // 4)

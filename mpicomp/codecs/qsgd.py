@@ -28,7 +28,7 @@ from mpicomp.kernels import qsgd as _k
 from mpicomp.kernels.rng import key as _rng_key
 
 DEFAULT_K = 10000  # the paper's K for all its GlobalRandK experiments (§5)
-DEFAULT_BLOCK = 1024  # elements per norm (docs/codecs.md, "Block norms": the measurement)
+DEFAULT_BLOCK = 128  # elements per norm (docs/codecs.md, "Block norms": the measurement)
 MAX_SCALE_BITS = 24  # 2^(b-1) - 1 levels stay exact in float32 up to here
 COORDINATE_STREAM = 2**64 - 1  # RNG stream of the GlobalRandK coordinates; ranks use 0, 1, ...
 _NO_INDEX = np.empty(0, dtype=np.int64)
