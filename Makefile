@@ -120,7 +120,7 @@ test-gpu-unit: $(VENV)/.installed
 # 4 ranks sharing the GPU: CompressedComm on CuPy arrays against the NumPy path.
 test-gpu-mpi: mpi-check
 	MPICOMP_TEST_GPU=1 $(MPIENV) $(MPIRUN) -n 4 $(BIN)/python -m mpi4py -m pytest -q \
-	  --with-mpi -m mpi -p no:cacheprovider -k gpu tests/test_mpi_device.py
+	  --with-mpi -m mpi -p no:cacheprovider -k gpu tests/test_mpi_device.py tests/test_mpi_powersgd.py
 
 test-gpu-sanitize: $(VENV)/.installed
 	@set -e; for t in $(GPU_SANITIZERS); do \

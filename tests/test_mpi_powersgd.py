@@ -6,12 +6,16 @@ import zlib
 
 import numpy as np
 import pytest
+from _devices import REQUIRE_GPU, gpu_present, place
 
 import mpicomp
 from conftest import gather_all, world
 from mpicomp.errors import RankError
 
 SHAPES = [(32, 24), (24,), (16, 40), (3, 3), (40, 2)]
+
+# NumPy arrays everywhere; CuPy arrays where a GPU is present (the ranks share it).
+PLACES = ["host"] + (["gpu"] if gpu_present() or REQUIRE_GPU else [])
 
 
 def _orthonormal(m: np.ndarray) -> np.ndarray:
@@ -79,11 +83,13 @@ def _flat(tensors):
 
 
 @pytest.mark.mpi
+@pytest.mark.parametrize("where", PLACES)
 @pytest.mark.parametrize(
     ("rank", "params"),
     [(1, {}), (2, {}), (4, {"warm_start": False}), (1, {"min_compression_rate": 1.0})],
 )
-def test_allreduce_many_matches_numpy_powersgd(rank, params):
+def test_allreduce_many_matches_numpy_powersgd(rank, params, where):
+    to_place, to_host, _ = place(where)
     comm = world()
     rng = np.random.default_rng(100 + comm.rank)
     kwargs = {"rank": rank, "start_iter": 1, **params}
@@ -91,7 +97,10 @@ def test_allreduce_many_matches_numpy_powersgd(rank, params):
     with mpicomp.CompressedComm(comm, "powersgd", bucket_numel=1 << 20, **kwargs) as cc:
         for _ in range(4):
             tensors = [rng.standard_normal(s).astype(np.float32) for s in SHAPES]
-            got = cc.allreduce_many(tensors, names=[f"t{i}" for i in range(len(SHAPES))])
+            got = cc.allreduce_many(
+                [to_place(t) for t in tensors], names=[f"t{i}" for i in range(len(SHAPES))]
+            )
+            got = [to_host(g) for g in got]
             everyone = gather_all(comm, _flat(tensors))
             if ref is None:
                 name = "bucket:" + "|".join(f"t{i}" for i in range(len(SHAPES)))
