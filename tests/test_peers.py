@@ -126,3 +126,26 @@ def test_unshaped_comparison_writes_every_row_and_a_failure_is_a_row(tmp_path):
     assert runs["ddp"]["steps_to_target"] == 4
     assert "mpicomp_nosuchcodec" in out.stdout and "time to DDP f32's" in out.stdout
     assert (tmp_path / "accuracy.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_the_exchanges_alone_average_and_are_timed(tmp_path):
+    # 2 ranks, the MLP 64-16-10's gradients: every exchange of jobs.peers.exchange, each
+    # checked against a float64 average by the worker itself (it fails otherwise).
+    pytest.importorskip("torch")
+    out = subprocess.run(
+        [sys.executable, "-m", "jobs.peers", "--exchange", "--ranks", "2", "--models", "mlp",
+         "--mlp-hidden", "16", "--exchange-repeats", "2", "--timeout", "240",
+         "--out", str(tmp_path)],
+        capture_output=True, text=True, timeout=600, cwd=_REPO,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr[-3000:]
+    (result,) = json.loads((tmp_path / "peers.json").read_text())["exchange"]
+    assert result["status"] == "ok", open(result["log"]).read()[-2000:]
+    assert result["model_params"] == 64 * 16 + 16 + 16 * 10 + 10 and result["ranks"] == 2
+    names = ["gloo float32", "gloo fp16", "MPI_Allreduce float32"]
+    names += [f"mpicomp {c} {how}" for c in ("none", "fp16") for how in ("flat", "optimizer")]
+    assert sorted(result["ms"]) == sorted(names)
+    assert all(len(result["ms_all"][n]) == 2 and result["ms"][n] > 0 for n in names)
+    assert all(result["rel_err"][n] < 1e-6 for n in names if "fp16" not in n)
+    assert all(0 < result["rel_err"][n] < 1e-2 for n in names if "fp16" in n)
+    assert "gloo f32 / x" in out.stdout

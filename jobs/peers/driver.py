@@ -222,21 +222,10 @@ def _failure(log: str) -> str:
     return (errors or [line for line in lines if line] or ["no output"])[-1][:300]
 
 
-def run_config(network: Network, model: str, config: Config, args) -> dict:
-    """Launch one configuration under ``--timeout``; return its row (never raises for
-    what the launch does)."""
-    tag = f"{network.name}-{model}-{config.label}"
-    result = os.path.join(args.out, "logs", f"{tag}.json")
+def _launch(network: Network, argv: list[str], tag: str, args) -> tuple[int | None, str, float]:
+    """Run ``python -m mpi4py ARGV`` on the ranks under ``--timeout``, logging to
+    OUT/logs/TAG.log; return (exit code or None when timed out, the log, seconds)."""
     log_path = os.path.join(args.out, "logs", f"{tag}.log")
-    with contextlib.suppress(FileNotFoundError):
-        os.remove(result)
-    argv = ["-m", "jobs.peers.worker", "--model", model, "--config", json.dumps(config.spec)]
-    argv += ["--sizes", json.dumps(asdict(args.sizes)), "--result", result]
-    argv += ["--steps", str(args.steps), "--warmup", str(args.warmup)]
-    argv += ["--eval-every", str(args.eval_every), "--batch", str(args.batch)]
-    argv += ["--lr", str(args.lr), "--seed", str(args.seed), "--iface", network.iface]
-    argv += ["--tc-dev", ",".join(network.tc_devs)]
-    row = {"network": network.name, "model": model, "config": config.label, **config.spec}
     started = time.monotonic()
     with open(log_path, "w") as log:
         proc = subprocess.Popen(
@@ -251,17 +240,70 @@ def run_config(network: Network, model: str, config: Config, args) -> dict:
             raise
         if rc is None:
             _kill(proc)
-    row["seconds"] = time.monotonic() - started
-    row["log"] = log_path
+    return rc, log_path, time.monotonic() - started
+
+
+def _outcome(rc: int | None, log_path: str, result: str, args) -> str | None:
+    """Why a launch gave no result (None when it did)."""
     if rc is None:
-        row["status"] = f"timed out after {args.timeout:g} s"
-    elif rc != 0 or not os.path.exists(result):
+        return f"timed out after {args.timeout:g} s"
+    if rc != 0 or not os.path.exists(result):
         with open(log_path) as f:
-            row["status"] = f"failed (exit {rc}): {_failure(f.read())}"
+            return f"failed (exit {rc}): {_failure(f.read())}"
+    return None
+
+
+def run_config(network: Network, model: str, config: Config, args) -> dict:
+    """Launch one configuration under ``--timeout``; return its row (never raises for
+    what the launch does)."""
+    tag = f"{network.name}-{model}-{config.label}"
+    result = os.path.join(args.out, "logs", f"{tag}.json")
+    with contextlib.suppress(FileNotFoundError):
+        os.remove(result)
+    argv = ["-m", "jobs.peers.worker", "--model", model, "--config", json.dumps(config.spec)]
+    argv += ["--sizes", json.dumps(asdict(args.sizes)), "--result", result]
+    argv += ["--steps", str(args.steps), "--warmup", str(args.warmup)]
+    argv += ["--eval-every", str(args.eval_every), "--batch", str(args.batch)]
+    argv += ["--lr", str(args.lr), "--seed", str(args.seed), "--iface", network.iface]
+    argv += ["--tc-dev", ",".join(network.tc_devs)]
+    row = {"network": network.name, "model": model, "config": config.label, **config.spec}
+    rc, row["log"], row["seconds"] = _launch(network, argv, tag, args)
+    failed = _outcome(rc, row["log"], result, args)
+    if failed:
+        row["status"] = failed
     else:
         with open(result) as f:
             row.update(json.load(f))
         row["status"] = f"diverged at step {row['diverged']}" if row["diverged"] else "ok"
+    return row
+
+
+def run_exchange(network: Network, model: str, args) -> dict:
+    """Launch jobs.peers.exchange (the float32 and fp16 exchanges alone) on one network
+    and model, print its table, and return its result (or a status saying why none)."""
+    tag = f"{network.name}-{model}-exchange"
+    result = os.path.join(args.out, "logs", f"{tag}.json")
+    with contextlib.suppress(FileNotFoundError):
+        os.remove(result)
+    argv = ["-m", "jobs.peers.exchange", "--model", model, "--result", result]
+    argv += ["--sizes", json.dumps(asdict(args.sizes)), "--iface", network.iface]
+    argv += ["--repeats", str(args.exchange_repeats)]
+    row = {"network": network.name, "model": model}
+    rc, row["log"], row["seconds"] = _launch(network, argv, tag, args)
+    failed = _outcome(rc, row["log"], result, args)
+    if failed:
+        print(f"  exchange: {failed}", flush=True)
+        return {**row, "status": failed}
+    with open(result) as f:
+        row.update(json.load(f), status="ok")
+    print(
+        f"\n{network.name}, {model}: {row['model_params']:,} float32 gradients averaged over "
+        f"{row['ranks']} ranks, alone (median of {row['repeats']}, slowest rank)"
+    )
+    base = row["ms"]["gloo float32"]
+    print(f"{'exchange':32s} {'ms':>9s} {'gloo f32 / x':>13s}")
+    for name, ms in row["ms"].items():
+        print(f"{name:32s} {ms:9.1f} {base / ms:13.2f}")
     return row
 
 
@@ -444,6 +486,13 @@ def _parse(argv):
     ap.add_argument("--timeout", type=float, default=300, help="seconds per configuration (300)")
     ap.add_argument("--out", default=os.path.join("runs", "peers"), help="output directory")
     ap.add_argument("--no-plot", action="store_true", help="write no accuracy.png")
+    ap.add_argument(
+        "--exchange",
+        action="store_true",
+        help="instead of training: time the float32 and fp16 exchanges alone, gloo's, "
+        "MPI_Allreduce's and mpicomp's (jobs/peers/exchange.py)",
+    )
+    ap.add_argument("--exchange-repeats", type=int, default=8, help="with --exchange (8)")
     args = ap.parse_args(argv)
     preset = PRESETS[args.preset]
     args.models = [m.strip() for m in (args.models or preset.models).split(",") if m.strip()]
@@ -511,6 +560,7 @@ def main(argv=None) -> int:
         },
         "networks": [],
         "runs": [],
+        "exchange": [],
     }
     groups: dict[tuple[str, str], list[dict]] = {}
     code = 0
@@ -524,6 +574,9 @@ def main(argv=None) -> int:
                         {"network": name, "ranks": network.ranks, "uncounted": network.uncounted}
                     )
                     for model in args.models:
+                        if args.exchange:
+                            summary["exchange"].append(run_exchange(network, model, args))
+                            continue
                         rows = _run_model(network, model, args)
                         groups[(name, model)] = rows
                         summary["runs"] += rows

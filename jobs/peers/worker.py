@@ -65,30 +65,36 @@ class _Bytes:
             self.schedules.add(event["schedule"])
 
 
+def init_gloo(comm, iface: str) -> None:
+    """Start torch.distributed's gloo group on the ranks of ``comm``, over ``iface``."""
+    import torch.distributed as dist
+
+    os.environ["GLOO_SOCKET_IFNAME"] = iface
+    where = None
+    if comm.rank == 0:
+        host = _address(iface)
+        with socket.socket() as s:  # a free port for gloo's rendezvous
+            s.bind((host, 0))
+            where = s.getsockname()
+    host, port = comm.bcast(where, root=0)
+    dist.init_process_group(
+        "gloo",
+        init_method=f"tcp://{host}:{port}",
+        rank=comm.rank,
+        world_size=comm.size,
+        timeout=datetime.timedelta(seconds=GLOO_TIMEOUT_S),
+    )
+
+
 class DDPPeer:
     """torch DDP over gloo, with one of torch's communication hooks or none."""
 
     def __init__(self, comm, model, config: dict, iface: str, lr_momentum: float):
         import torch
-        import torch.distributed as dist
         from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
         from torch.nn.parallel import DistributedDataParallel as DDP
 
-        os.environ["GLOO_SOCKET_IFNAME"] = iface
-        where = None
-        if comm.rank == 0:
-            host = _address(iface)
-            with socket.socket() as s:  # a free port for gloo's rendezvous
-                s.bind((host, 0))
-                where = s.getsockname()
-        host, port = comm.bcast(where, root=0)
-        dist.init_process_group(
-            "gloo",
-            init_method=f"tcp://{host}:{port}",
-            rank=comm.rank,
-            world_size=comm.size,
-            timeout=datetime.timedelta(seconds=GLOO_TIMEOUT_S),
-        )
+        init_gloo(comm, iface)
         hook = config.get("hook")
         options = {}
         if hook == "powersgd":
