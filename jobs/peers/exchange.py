@@ -150,7 +150,10 @@ def main(argv=None) -> int:
     model = models.build(args.model, models.Sizes(**sizes), seed=0)
     init_gloo(comm, args.iface)
     ops, closers, flat = exchanges(comm, model)
-    times, last = measure(comm, ops, args.warmup, args.repeats)
+    from threadpoolctl import threadpool_limits
+
+    with threadpool_limits(limits=1, user_api="blas"):  # as the training worker
+        times, last = measure(comm, ops, args.warmup, args.repeats)
     for closer in closers:
         closer.close()
     rel_err = errors(comm, flat, last)

@@ -311,8 +311,13 @@ def main(argv=None) -> int:
         peer = DDPPeer(comm, model, config, args.iface, args.momentum)
     else:
         peer = MpicompPeer(comm, model, config, args.momentum)
+    # One BLAS thread per rank, as torch's and numba's: the ranks share the cores, and
+    # OpenBLAS threads spinning beside them slowed powersgd's matrix products (jobs._loop).
+    from threadpoolctl import threadpool_limits
+
     # An exception here ends every rank (python -m mpi4py): no close, which is collective.
-    result = train(comm, peer, data, args)
+    with threadpool_limits(limits=1, user_api="blas"):
+        result = train(comm, peer, data, args)
     peer.close()
     if comm.rank == 0:
         result.update(torch=torch.__version__, mpi=MPI.Get_library_version().splitlines()[0])
