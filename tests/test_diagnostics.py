@@ -31,6 +31,7 @@ def _rank(rank, host="n0", **kw):
         "cuda aware": False,
         "backend": "numba",
         "numba threads": 4,
+        "BLAS threads": 1,
     }
     facts.update(kw)
     return facts
@@ -72,6 +73,17 @@ def test_numba_threads_times_ranks_per_host_above_its_cores_warns():
     (w,) = diagnostics.warnings(ranks)
     assert w.startswith("host n1: ranks 2-5 run 4 x 4 = 16 numba threads on 8 CPUs")
     assert "NUMBA_NUM_THREADS" in w and "at most 2" in w
+
+
+def test_blas_threads_times_ranks_per_host_above_its_cores_warns():
+    ranks = [_rank(r, **{"numba threads": 1, "BLAS threads": 8, "host cpus": 8}) for r in range(4)]
+    (w,) = diagnostics.warnings(ranks)
+    assert w.startswith("host n0: ranks 0-3 run 4 x 8 = 32 BLAS threads on 8 CPUs"), w
+    assert "powersgd" in w and "OPENBLAS_NUM_THREADS" in w and "at most 2" in w
+    ranks = [
+        _rank(r, **{"numba threads": 1, "BLAS threads": None, "host cpus": 8}) for r in range(4)
+    ]
+    assert diagnostics.warnings(ranks) == []  # unknown: no threadpoolctl
 
 
 def test_more_numba_threads_than_the_affinity_warns():
