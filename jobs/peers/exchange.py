@@ -11,7 +11,8 @@
 - ``MPI_Allreduce float32``: mpi4py's ``Allreduce`` of the same flat buffer, in place;
 - ``mpicomp <codec> flat``: ``CompressedComm.allreduce`` of the flat buffer;
 - ``mpicomp <codec> optimizer``: ``DistributedOptimizer.step()`` with every parameter's
-  gradient set (the buckets, copies and SGD update of a training step, no backward).
+  gradient set (its buckets and copies, as in a training step; no backward, and an inner
+  optimizer that updates nothing).
 
 Each round runs every exchange once, in turn, so that load on the machine falls on all of
 them alike; a time is the slowest rank's (a barrier before each). Rank 0 writes the
@@ -34,6 +35,21 @@ from jobs.peers import models
 from jobs.peers.worker import init_gloo
 
 CODECS = ("none", "fp16")
+
+
+def _no_update():
+    import torch
+
+    class NoUpdate(torch.optim.Optimizer):
+        """An optimizer that leaves the weights alone: the rows time the reduction only."""
+
+        def __init__(self, params):
+            super().__init__(params, {})
+
+        def step(self, closure=None):
+            return None
+
+    return NoUpdate
 
 
 def exchanges(comm, model) -> tuple[dict, list, np.ndarray]:
@@ -77,21 +93,22 @@ def exchanges(comm, model) -> tuple[dict, list, np.ndarray]:
         "MPI_Allreduce float32": mpi_float32,
     }
     closers = []
-    ends = np.cumsum([p.numel() for p in params])
-    grads = [
-        torch.from_numpy(part.reshape(p.shape).copy())
-        for p, part in zip(params, np.split(flat_np, ends[:-1]), strict=True)
-    ]
+    no_update = _no_update()
+    parts = np.split(flat_np, np.cumsum([p.numel() for p in params])[:-1])
     for codec in CODECS:
         cc = mpicomp.CompressedComm(comm, codec)
         ops[f"mpicomp {codec} flat"] = lambda cc=cc: cc.allreduce(flat_np, name="flat")
-        sgd = torch.optim.SGD(params, lr=0.0)
-        opt = mt.DistributedOptimizer(sgd, comm, model.named_parameters(), codec)
+        opt = mt.DistributedOptimizer(no_update(params), comm, model.named_parameters(), codec)
         closers += [cc, opt]
+        grads = [
+            torch.from_numpy(x.reshape(p.shape).copy()) for p, x in zip(params, parts, strict=True)
+        ]
 
-        def step(opt=opt):
+        def step(opt=opt, grads=grads):
+            # The averages land in this codec's own tensors: from the second round on,
+            # every rank averages the same values, whose average they are (no copy timed).
             for p, g in zip(params, grads, strict=True):
-                p.grad = g.clone()
+                p.grad = g
             opt.step()
             return torch.cat([p.grad.reshape(-1) for p in params]).numpy()
 
