@@ -121,6 +121,27 @@ def test_hierarchical_qsgd_quantizes_each_hosts_sum_once(inner):
 
 
 @pytest.mark.mpi
+@pytest.mark.parametrize("inner", ["ring", "direct"])
+def test_hierarchical_qsgd_keeps_the_norms_of_a_fused_buckets_tensors_apart(inner):
+    """A bucket of a small tensor and a large one: a local rank's shard holds the end of
+    the one and the start of the other, and no norm block may span both (per_tensor)."""
+    comm = world()
+    if not _hierarchical(comm):
+        pytest.skip("needs an even number of ranks >= 4 (hosts of two)")
+    rng = np.random.default_rng(comm.rank)
+    small = (rng.standard_normal(1500) * 1e-3).astype(np.float32)  # ends mid-block of shard 0
+    large = (rng.standard_normal(2501) * 1e3).astype(np.float32)
+    cc = mpicomp.CompressedComm(
+        comm, "qsgd_maxnorm", bits=8, schedule=f"hier:{inner}", local_comm=_pairs(comm)
+    )
+    with cc:
+        got_small, got_large = cc.allreduce_many([small, large], ["small", "large"])
+    for mine, got in ((small, got_small), (large, got_large)):
+        want = gather_all(comm, mine).astype(np.float64).mean(axis=0)
+        assert np.linalg.norm(got - want) <= 0.05 * np.linalg.norm(want)
+
+
+@pytest.mark.mpi
 def test_hierarchical_ring_and_direct_give_the_same_results():
     comm = world()
     if not _hierarchical(comm):

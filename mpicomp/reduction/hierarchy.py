@@ -4,6 +4,7 @@ run the flat schedule between hosts on each local rank's shard, share within the
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, replace
 
 import numpy as np
@@ -79,7 +80,12 @@ def run(call: Call, codec, flat, *, inner, hosts: Hosts):
         if guard.policy == "skip_step":
             raise Skipped([], f"{guard.what}: {message}; call skipped")
         raise RankError(message)
-    inner_call = replace(call, comm=hosts.cross, stream=node.rank * hosts.cross.size)
+    inner_call = replace(
+        call,
+        comm=hosts.cross,
+        stream=node.rank * hosts.cross.size,
+        shapes=_pieces(call.shapes, a, b),
+    )
     status, error, avg = _DONE, None, None
     try:
         avg = inner(inner_call, codec, up(dev, mine))
@@ -105,3 +111,16 @@ def run(call: Call, codec, flat, *, inner, hosts: Hosts):
     out = up(dev, out)
     clock.communicated()
     return out
+
+
+def _pieces(shapes, lo: int, hi: int) -> tuple:
+    """Return the parts of the tensors of ``shapes`` (end to end) that lie in [lo, hi),
+    as 1-D shapes: a shard's own members, so that a codec keeping tensors apart (QSGD's
+    norms per tensor) does so on the shard too."""
+    out, start = [], 0
+    for shape in shapes:
+        stop = start + math.prod(shape)
+        if min(stop, hi) > max(start, lo):
+            out.append((min(stop, hi) - max(start, lo),))
+        start = stop
+    return tuple(out)
