@@ -24,15 +24,13 @@ what separates mpicomp's float32 and fp16 steps from DDP's when the compute is t
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import sys
 import time
 
 import numpy as np
 
 from jobs.peers import models
-from jobs.peers.worker import init_gloo
+from jobs.peers.worker import init_gloo, sizes_from_json, write_result
 
 CODECS = ("none", "fp16")
 
@@ -160,11 +158,9 @@ def main(argv=None) -> int:
     ap.add_argument("--repeats", type=int, default=8)
     ap.add_argument("--iface", default="lo", help="the interface gloo uses")
     args = ap.parse_args(argv)
-    sizes = json.loads(args.sizes)
-    sizes["mlp_hidden"] = tuple(sizes["mlp_hidden"])
     torch.set_num_threads(1)  # the ranks share the cores
     comm = MPI.COMM_WORLD
-    model = models.build(args.model, models.Sizes(**sizes), seed=0)
+    model = models.build(args.model, sizes_from_json(args.sizes), seed=0)
     init_gloo(comm, args.iface)
     ops, closers, flat = exchanges(comm, model)
     from threadpoolctl import threadpool_limits
@@ -188,10 +184,7 @@ def main(argv=None) -> int:
             "ms_all": times,
             "rel_err": rel_err,
         }
-        tmp = args.result + ".tmp"
-        with open(tmp, "w") as f:
-            json.dump(result, f)
-        os.replace(tmp, args.result)
+        write_result(args.result, result)
     return 0
 
 

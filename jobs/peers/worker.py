@@ -272,6 +272,21 @@ def train(comm, peer, data: models.Data, args) -> dict:
     }
 
 
+def sizes_from_json(text: str) -> models.Sizes:
+    """The driver's ``--sizes`` JSON as ``models.Sizes``."""
+    sizes = json.loads(text)
+    sizes["mlp_hidden"] = tuple(sizes["mlp_hidden"])
+    return models.Sizes(**sizes)
+
+
+def write_result(path: str, result: dict) -> None:
+    """Write ``result`` to ``path`` as JSON, whole or not at all (the driver reads it)."""
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        json.dump(result, f)
+    os.replace(tmp, path)
+
+
 def _parse(argv):
     ap = argparse.ArgumentParser(prog="jobs.peers.worker", description=__doc__.splitlines()[0])
     ap.add_argument("--model", choices=models.MODELS, required=True)
@@ -290,9 +305,7 @@ def _parse(argv):
     args = ap.parse_args(argv)
     args.tc_dev = [d for d in args.tc_dev.split(",") if d]
     args.config = json.loads(args.config)
-    sizes = json.loads(args.sizes)
-    sizes["mlp_hidden"] = tuple(sizes["mlp_hidden"])
-    args.sizes = models.Sizes(**sizes)
+    args.sizes = sizes_from_json(args.sizes)
     return args
 
 
@@ -321,10 +334,7 @@ def main(argv=None) -> int:
     peer.close()
     if comm.rank == 0:
         result.update(torch=torch.__version__, mpi=MPI.Get_library_version().splitlines()[0])
-        tmp = args.result + ".tmp"
-        with open(tmp, "w") as f:
-            json.dump(result, f)
-        os.replace(tmp, args.result)
+        write_result(args.result, result)
     return 0
 
 
