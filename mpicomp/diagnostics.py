@@ -341,7 +341,7 @@ THREAD_POOLS = [
 ]
 
 
-def _threads_per_host(hosts: dict, key: str, setting: str, what: str) -> list[str]:
+def _threads_per_host(ranks, hosts: dict, key: str, setting: str, what: str) -> list[str]:
     """Warnings where the ranks of a host run more ``key`` threads than it has CPUs,
     or a rank more than its affinity allows."""
     out = []
@@ -357,7 +357,6 @@ def _threads_per_host(hosts: dict, key: str, setting: str, what: str) -> list[st
                     f"{per} = {total} {key} on {ncpu} CPUs ({what}); set {setting} "
                     f"to at most {max(1, ncpu // len(rs))} (CPUs / ranks on the host)."
                 )
-    ranks = [r for rs in hosts.values() for r in rs]
     over = [
         r
         for r in ranks
@@ -399,7 +398,7 @@ def warnings(ranks: list[dict]) -> list[str]:
         )
 
     for key, setting, what in THREAD_POOLS:
-        out += _threads_per_host(hosts, key, setting, what)
+        out += _threads_per_host(ranks, hosts, key, setting, what)
     unused = [
         r for r in ranks if r.get("MPI CUDA support") is True and r.get("cuda aware") is False
     ]
