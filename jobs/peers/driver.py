@@ -222,14 +222,21 @@ def _failure(log: str) -> str:
     return (errors or [line for line in lines if line] or ["no output"])[-1][:300]
 
 
-def _launch(network: Network, argv: list[str], tag: str, args) -> tuple[int | None, str, float]:
-    """Run ``python -m mpi4py ARGV`` on the ranks under ``--timeout``, logging to
-    OUT/logs/TAG.log; return (exit code or None when timed out, the log, seconds)."""
+def _launch(network: Network, argv: list[str], tag: str, args) -> tuple[dict, dict | None]:
+    """Run ``python -m mpi4py ARGV --result PATH`` on the ranks under ``--timeout``, logging
+    to OUT/logs/TAG.log. Return ({"log", "seconds"}, plus "status" saying why when it gave
+    no result) and the result rank 0 wrote (None then); never raises for what it does."""
     log_path = os.path.join(args.out, "logs", f"{tag}.log")
+    result = os.path.join(args.out, "logs", f"{tag}.json")
+    with contextlib.suppress(FileNotFoundError):
+        os.remove(result)
     started = time.monotonic()
     with open(log_path, "w") as log:
         proc = subprocess.Popen(
-            network.command(argv), stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+            network.command([*argv, "--result", result]),
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
         )
         try:
             rc = proc.wait(timeout=args.timeout)
@@ -240,40 +247,30 @@ def _launch(network: Network, argv: list[str], tag: str, args) -> tuple[int | No
             raise
         if rc is None:
             _kill(proc)
-    return rc, log_path, time.monotonic() - started
-
-
-def _outcome(rc: int | None, log_path: str, result: str, args) -> str | None:
-    """Why a launch gave no result (None when it did)."""
+    meta = {"log": log_path, "seconds": time.monotonic() - started}
     if rc is None:
-        return f"timed out after {args.timeout:g} s"
+        return {**meta, "status": f"timed out after {args.timeout:g} s"}, None
     if rc != 0 or not os.path.exists(result):
         with open(log_path) as f:
-            return f"failed (exit {rc}): {_failure(f.read())}"
-    return None
+            return {**meta, "status": f"failed (exit {rc}): {_failure(f.read())}"}, None
+    with open(result) as f:
+        return meta, json.load(f)
 
 
 def run_config(network: Network, model: str, config: Config, args) -> dict:
     """Launch one configuration under ``--timeout``; return its row (never raises for
     what the launch does)."""
-    tag = f"{network.name}-{model}-{config.label}"
-    result = os.path.join(args.out, "logs", f"{tag}.json")
-    with contextlib.suppress(FileNotFoundError):
-        os.remove(result)
     argv = ["-m", "jobs.peers.worker", "--model", model, "--config", json.dumps(config.spec)]
-    argv += ["--sizes", json.dumps(asdict(args.sizes)), "--result", result]
+    argv += ["--sizes", json.dumps(asdict(args.sizes))]
     argv += ["--steps", str(args.steps), "--warmup", str(args.warmup)]
     argv += ["--eval-every", str(args.eval_every), "--batch", str(args.batch)]
     argv += ["--lr", str(args.lr), "--seed", str(args.seed), "--iface", network.iface]
     argv += ["--tc-dev", ",".join(network.tc_devs)]
     row = {"network": network.name, "model": model, "config": config.label, **config.spec}
-    rc, row["log"], row["seconds"] = _launch(network, argv, tag, args)
-    failed = _outcome(rc, row["log"], result, args)
-    if failed:
-        row["status"] = failed
-    else:
-        with open(result) as f:
-            row.update(json.load(f))
+    meta, result = _launch(network, argv, f"{network.name}-{model}-{config.label}", args)
+    row.update(meta)
+    if result is not None:
+        row.update(result)
         row["status"] = f"diverged at step {row['diverged']}" if row["diverged"] else "ok"
     return row
 
@@ -281,21 +278,15 @@ def run_config(network: Network, model: str, config: Config, args) -> dict:
 def run_exchange(network: Network, model: str, args) -> dict:
     """Launch jobs.peers.exchange (the float32 and fp16 exchanges alone) on one network
     and model, print its table, and return its result (or a status saying why none)."""
-    tag = f"{network.name}-{model}-exchange"
-    result = os.path.join(args.out, "logs", f"{tag}.json")
-    with contextlib.suppress(FileNotFoundError):
-        os.remove(result)
-    argv = ["-m", "jobs.peers.exchange", "--model", model, "--result", result]
-    argv += ["--sizes", json.dumps(asdict(args.sizes)), "--iface", network.iface]
+    argv = ["-m", "jobs.peers.exchange", "--model", model, "--iface", network.iface]
+    argv += ["--sizes", json.dumps(asdict(args.sizes))]
     argv += ["--repeats", str(args.exchange_repeats)]
-    row = {"network": network.name, "model": model}
-    rc, row["log"], row["seconds"] = _launch(network, argv, tag, args)
-    failed = _outcome(rc, row["log"], result, args)
-    if failed:
-        print(f"  exchange: {failed}", flush=True)
-        return {**row, "status": failed}
-    with open(result) as f:
-        row.update(json.load(f), status="ok")
+    meta, result = _launch(network, argv, f"{network.name}-{model}-exchange", args)
+    row = {"network": network.name, "model": model, **meta}
+    if result is None:
+        print(f"  exchange: {row['status']}", flush=True)
+        return row
+    row.update(result, status="ok")
     print(
         f"\n{network.name}, {model}: {row['model_params']:,} float32 gradients averaged over "
         f"{row['ranks']} ranks, alone (median of {row['repeats']}, slowest rank)"
