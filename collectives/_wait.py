@@ -222,3 +222,6 @@ def expire(comm, op: str, detail, timeout: float, elapsed: float) -> None:
     for handler in logging.getLogger().handlers + log.handlers:
         handler.flush()  # MPI_Abort kills the process: nothing buffered survives it
     comm.Abort(ABORT_CODE)
+    # Some MPI libraries return from MPI_Abort (MPICH can, before its launcher ends the
+    # ranks): nothing of the caller may run on after it with buffers never filled.
+    os._exit(ABORT_CODE)

@@ -79,9 +79,42 @@ def disagreement(comm, mine: dict | None, timeout: float | None) -> str:
     for key in keys:
         groups = sides(key)
         if len(groups) > 1 and (key.endswith(".name") or not key.startswith(tuple(renamed))):
-            values = ", ".join(f"{value} on {ranks_text(r)}" for value, r in groups.items())
+            values = ", ".join(f"{_short(value)} on {ranks_text(r)}" for value, r in groups.items())
             parts.append(f"{key}: {values}")
-    return "; ".join(parts) or "the configurations differ"
+    if not parts:  # digests differ where the fields agree: a rank refused to describe
+        return "the configurations differ"
+    # A list shifted by one tensor differs at every later index: the first say enough.
+    more = f"; and {len(parts) - _PARTS} more" if len(parts) > _PARTS else ""
+    return "; ".join(parts[:_PARTS]) + more + world_ranks(comm)
+
+
+_PARTS = 6  # differing fields named in one message
+
+
+def _short(value: str, limit: int = 120) -> str:
+    return value if len(value) <= limit else value[: limit - 5] + " ...]"
+
+
+def world_ranks(comm) -> str:
+    """Return, for a communicator that is not the world (in order), how its ranks map to
+    the world's ("" for the world or a duplicate of it): messages number ranks in
+    ``comm``."""
+    from mpi4py import MPI
+
+    try:
+        group, world = comm.Get_group(), MPI.COMM_WORLD.Get_group()
+        try:
+            ranks = MPI.Group.Translate_ranks(group, list(range(comm.size)), world)
+        finally:
+            group.Free()
+            world.Free()
+    except Exception:  # a stand-in communicator (tests), or MPI gone
+        return ""
+    if list(ranks) == list(range(MPI.COMM_WORLD.size)):
+        return ""
+    shown = ", ".join(f"{r}->{w}" for r, w in enumerate(ranks[:16]))
+    more = ", ..." if len(ranks) > 16 else ""
+    return f" (ranks of this communicator; in MPI.COMM_WORLD: {shown}{more})"
 
 
 def _allgather_json(comm, mine, timeout: float | None) -> list:
@@ -122,7 +155,7 @@ def check_same(comm, config: Config | None, error: BaseException | None, what: s
         first = _allgather_json(comm, why, timeout)[failed[0]]
         if error is not None:
             raise error
-        raise RankError(f"{ranks_text(failed)} failed making {what}: {first}")
+        raise RankError(f"{ranks_text(failed)} failed making {what}: {first}{world_ranks(comm)}")
     if (every[:, 1] != every[0, 1]).any():
         differs = disagreement(comm, config.fields, timeout)
         raise RankError(f"ranks configured {what} differently: {differs}")

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import math
 import sys
+from collections import Counter
 from contextlib import nullcontext
 from dataclasses import dataclass
 from functools import partial
@@ -139,6 +140,10 @@ def take_many(arrays, names, gpu: Gpu, named: bool) -> tuple[list, Tensor | None
         return [], Tensor.refused(arrays, "", e)
     if len(names) != len(arrays):
         error = ValueError(f"{len(names)} names for {len(arrays)} arrays")
+        return [], Tensor.refused(arrays, "", error)
+    if len(set(map(str, names))) < len(names):  # one name, one residual: errors would mix
+        twice = sorted({str(n) for n, k in Counter(map(str, names)).items() if k > 1})
+        error = ValueError(f"names must differ within one call; given more than once: {twice}")
         return [], Tensor.refused(arrays, "", error)
     tensors = [take(a, n, gpu, named) for a, n in zip(arrays, names, strict=True)]
     refused = next((t for t in tensors if t.error is not None), None)

@@ -12,7 +12,9 @@ adapter rolls back, restores it, so it moves nothing on any rank.
 
 from __future__ import annotations
 
-from mpicomp._arrays import as_gradient
+import numbers
+
+from mpicomp._arrays import all_finite, as_gradient
 from mpicomp.codecs import ErrorFeedback
 
 
@@ -178,5 +180,45 @@ class Memory:
 def rollback(encodings) -> None:
     """Restore the residuals of ``encodings`` (the calls of a failed, skipped or rolled-back
     step)."""
-    for encoding in encodings:
+    # Latest first: a name moved twice in one step ends as it was before the first.
+    for encoding in reversed(encodings):
         encoding.restore()
+
+
+def check_state(state) -> tuple[int, dict, dict]:
+    """Return (step, workers' residuals, owners' residuals) of a checkpoint ``state``
+    (what ``CompressedComm.state_dict`` returned), every array converted and checked
+    before anything is loaded: loading a state refused changes nothing.
+
+    Raises:
+        TypeError: not such a dict, a step that is not an integer, a residual that is
+            not an array of real numbers.
+        ValueError: a negative step; a residual holding NaN or Inf (named).
+    """
+    if not hasattr(state, "keys") or not {"step", "residuals", "server_residuals"} <= set(state):
+        raise TypeError(
+            "state must be what CompressedComm.state_dict() returned: a dict with 'step', "
+            f"'residuals' and 'server_residuals', got {type(state).__name__}"
+        )
+    step = state["step"]
+    if isinstance(step, bool) or not isinstance(step, numbers.Integral):
+        raise TypeError(f"state['step'] must be an integer, got {step!r}")
+    if step < 0:
+        raise ValueError(f"state['step'] must be >= 0, got {step}")
+    parts = []
+    for key in ("residuals", "server_residuals"):
+        arrays = state[key]
+        if not hasattr(arrays, "items"):
+            raise TypeError(f"state[{key!r}] must be a dict of arrays by name, got {arrays!r}")
+        checked = {}
+        for name, array in arrays.items():
+            what = f"residual {name!r} of state[{key!r}]"
+            r = as_gradient(array, what=what)
+            if not all_finite(r):
+                raise ValueError(
+                    f"{what} holds NaN or Inf: the checkpoint is damaged (or was saved "
+                    "after a non-finite gradient reached it); nothing was loaded"
+                )
+            checked[name] = r
+        parts.append(checked)
+    return int(step), parts[0], parts[1]

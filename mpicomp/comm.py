@@ -9,10 +9,11 @@ how the bytes move, ``mpicomp.reduction`` (docs/architecture.md).
 
 from __future__ import annotations
 
+import math
+import threading
 import warnings
-import zlib
 from dataclasses import replace
-from functools import partial
+from functools import partial, wraps
 from typing import NamedTuple
 
 from mpi4py import MPI
@@ -23,7 +24,7 @@ from mpicomp._config import check_same
 from mpicomp._intake import Gpu, Tensor, buckets, take, take_many
 from mpicomp._log import log
 from mpicomp._placement import Planner, place
-from mpicomp._residuals import NO_RESIDUALS, Encoding, rollback
+from mpicomp._residuals import NO_RESIDUALS, Encoding, check_state, rollback
 from mpicomp._same_call import CLOSING, check_same_call
 from mpicomp._worker import Handle, Runner
 from mpicomp.codecs import Codec
@@ -31,7 +32,16 @@ from mpicomp.codecs._base import make as make_codec
 from mpicomp.errors import NonFiniteWarning, PeerClosed, RankError
 from mpicomp.options import Options
 from mpicomp.reduction import kind_of
-from mpicomp.reduction.agreement import Call, Guard, Skipped, agree_close, fail
+from mpicomp.reduction.agreement import (
+    Call,
+    Guard,
+    Skipped,
+    agree,
+    agree_close,
+    check_average,
+    describe,
+    fail,
+)
 from mpicomp.schedules import Topology
 
 __all__ = ["CompressedComm", "Handle", "NonFiniteWarning", "Options", "Outcome", "RankError"]
@@ -44,6 +54,41 @@ class Outcome(NamedTuple):
 
     average: object
     skipped: list
+
+
+def _one_thread(method):
+    """Make ``method`` refuse a second thread while another is inside this CompressedComm:
+    two threads' calls would interleave their messages (wrong sums, then MPI's fatal
+    errors), so the second raises at once instead."""
+
+    @wraps(method)
+    def entered(self, *args, **kwargs):
+        if not self._entry.acquire(blocking=False):
+            raise RuntimeError(
+                f"CompressedComm.{method.__name__} called from thread "
+                f"{threading.current_thread().name!r} while thread {self._inside!r} is in "
+                "a call of this CompressedComm: one thread drives a CompressedComm (make "
+                "one per thread, each on its own communicator, or take a lock around the calls)"
+            )
+        self._inside = threading.current_thread().name
+        try:
+            return method(self, *args, **kwargs)
+        finally:
+            self._inside = None
+            self._entry.release()
+
+    return entered
+
+
+class _Step:
+    """What puts a CompressedComm's step back where it was before a call (in a list of
+    snapshots, for ``rollback``): a step not taken draws no random numbers."""
+
+    def __init__(self, owner, step: int):
+        self._owner, self._step = owner, step
+
+    def restore(self) -> None:
+        self._owner._calls = self._step
 
 
 class CompressedComm:
@@ -122,7 +167,8 @@ class CompressedComm:
     Every rank must make the same calls in the same order with tensors of the same
     sizes (as with any MPI collective); sizes that differ, or a NaN/Inf on one rank,
     raise an error on every rank instead of hanging. ``iallreduce`` calls count in
-    the order they are started; one thread drives a CompressedComm.
+    the order they are started; one thread drives a CompressedComm (a second thread
+    entering it while a call runs gets a ``RuntimeError``).
 
     Every rank must configure it alike: the codec, its parameters and the options that
     change the messages are compared once here, collectively, and by digest in every
@@ -161,6 +207,8 @@ class CompressedComm:
         **codec_params,
     ):
         _check_comm(comm)
+        self._entry = threading.Lock()  # held by the one thread inside a call (_one_thread)
+        self._inside = None
         # Whatever one rank finds wrong here, every rank hears of in the check below (one
         # small Allgather on ``comm``), before anything collective could wait for it.
         error, args = None, None
@@ -210,6 +258,7 @@ class CompressedComm:
             self._comm.Free()
             raise
         self._planner = Planner(codec, opts.schedule, self._placement, args.config)
+        self._shaped = kind_of(codec).shaped  # whether calls agree on shapes, not only sizes
         self._calls = 0  # the step of the counter-based RNG: the same on every rank
         #: Gets every exchange step of the collectives, ``record(op, step, sent, recv,
         #: bits)`` (e.g. a ``collectives.traffic.Traffic``); None by default.
@@ -252,6 +301,7 @@ class CompressedComm:
 
     # -- the API ---------------------------------------------------------------
 
+    @_one_thread
     def allreduce(self, x, name: str = ""):
         """Return the average over ranks of ``x``, with ``x``'s backend, shape and dtype.
 
@@ -265,6 +315,7 @@ class CompressedComm:
         self._drain()
         return _deliver(self._average(self._take(x, name)))
 
+    @_one_thread
     def iallreduce(self, x, name: str = "") -> Handle:
         """Start ``allreduce(x, name)`` and return at once; ``wait()`` on the handle gives
         what ``allreduce`` would have returned (or raises what it would have raised).
@@ -291,6 +342,7 @@ class CompressedComm:
         self._check_open()
         return self._start(partial(self._average, self._take(x, name)), _deliver)
 
+    @_one_thread
     def allreduce_many(self, arrays, names=None) -> list:
         """Return the averages of ``arrays``, fusing small tensors into buckets.
 
@@ -306,6 +358,7 @@ class CompressedComm:
         self._drain()
         return _deliver(self._many(*self._take_many(arrays, names)))
 
+    @_one_thread
     def iallreduce_many(self, arrays, names=None) -> Handle:
         """Start ``allreduce_many(arrays, names)``; return a ``Handle`` whose ``wait()``
         gives its list of averages. The rules of ``iallreduce`` apply.
@@ -323,6 +376,7 @@ class CompressedComm:
         planned = self._planner.plan(numel, numel >= self.options.min_numel)
         return planned.plan.name, planned.predicted
 
+    @_one_thread
     def state_dict(self) -> dict:
         """Return the error-feedback residuals and the step, for a checkpoint.
 
@@ -332,15 +386,24 @@ class CompressedComm:
         residuals, server = self._residuals.state_dict()
         return {"step": self._calls, "residuals": residuals, "server_residuals": server}
 
+    @_one_thread
     def load_state_dict(self, state: dict) -> None:
         """Restore what ``state_dict`` returned (same codec, same tensor names).
 
-        Waits first for every started ``iallreduce``.
+        Waits first for every started ``iallreduce``. All of ``state`` is checked
+        before anything changes: a state refused changes nothing.
+
+        Raises:
+            TypeError: ``state`` is not such a dict, its step not an integer, or a
+                residual not an array.
+            ValueError: the step is negative, or a residual holds NaN or Inf (naming it).
         """
         self._drain()
-        self._calls = int(state["step"])
-        self._residuals.load_state_dict(state["residuals"], state["server_residuals"])
+        step, workers, owners = check_state(state)
+        self._residuals.load_state_dict(workers, owners)
+        self._calls = step
 
+    @_one_thread
     def close(self) -> None:
         """Wait for every started ``iallreduce`` (their handles keep their results and
         errors), write the rest of the trace, release the duplicated communicator.
@@ -372,6 +435,7 @@ class CompressedComm:
         """Whether ``close`` ran, or another rank closed this CompressedComm."""
         return self._closed or self._peer_closed is not None
 
+    @_one_thread
     def start(
         self,
         x,
@@ -388,10 +452,11 @@ class CompressedComm:
         Args:
             x: the local gradient, as for ``allreduce``.
             name: the tensor's name, as for ``allreduce``.
-            layout: a 32-bit number every rank must bring to this call (default: a
-                hash of ``name``); ranks calling with different buckets raise.
-            snapshots: a list the call appends what restores the residuals it may
-                move to, for ``rollback``.
+            layout: a number (JSON-able) every rank must bring to this call besides
+                the name, sizes and step it agrees on anyway (e.g. a hash of a bucket's
+                parameters); ranks calling with different ones raise.
+            snapshots: a list the call appends what restores the residuals and the
+                step it may move to, for ``rollback``.
             compress: False averages uncompressed (the float32 sum; a warm-up step).
             shapes: the shapes of the tensors ``x`` holds end to end (a bucket of
                 parameters; default: ``x``'s shape), for codecs that work on matrices
@@ -411,16 +476,18 @@ class CompressedComm:
 
     @staticmethod
     def rollback(snapshots: list) -> None:
-        """Restore the residuals of ``snapshots`` (filled by ``start``): a step that is
-        not taken moves no residual. Wait for those calls first."""
+        """Restore the residuals and the step of ``snapshots`` (filled by ``start``): a
+        step that is not taken moves no state. Wait for those calls first."""
         rollback(snapshots)
 
+    @_one_thread
     def forget(self, name: str) -> None:
         """Drop the residuals of tensor ``name`` (its layout changed, e.g. DDP rebuilt
         its buckets): the next call starts it from zero. Waits for started calls."""
         self._drain()
         self._residuals.forget(name)
 
+    @_one_thread
     def wait_all(self) -> None:
         """Wait until every started call has finished (their handles keep their results
         and errors).
@@ -440,6 +507,7 @@ class CompressedComm:
         layout: int | None = None,
         snapshots: list | None = None,
         compress: bool = True,
+        whole: dict | None = None,
     ) -> tuple:
         """Run one collective call averaging ``t`` over ranks (``compress=False``: the
         float32 sum of ``none``, as below ``min_numel``; a warm-up step).
@@ -448,9 +516,11 @@ class CompressedComm:
             (average in ``t``'s framework, shape and dtype; skip messages). A call
             skipped under ``nonfinite="skip_step"`` returns zeros and its message.
 
-        Error-feedback residuals are snapshot before the call and restored when it
-        fails or is skipped, so such a call changes no residual on any rank; the
-        snapshot is appended to ``snapshots`` for a caller that may roll back later.
+        A call that fails or is skipped changes no state on any rank: its residuals
+        are snapshot before and restored, and its step is not counted (the next call
+        draws as a fresh CompressedComm at this step would). What restores them is
+        appended to ``snapshots`` for a caller that may roll back later; ``whole``
+        describes the ``allreduce_many`` call this is the first bucket of.
 
         Raises:
             ValueError, TypeError: this rank's input was refused (RankError on the others).
@@ -460,13 +530,18 @@ class CompressedComm:
         """
         if self._peer_closed is not None:
             raise PeerClosed(self._peer_closed)
+        step = self._calls
+        if snapshots is not None:
+            snapshots.append(_Step(self, step))
         try:
             with self._gpu.current():
-                call, codec, run = self._prepare(t, op, layout, snapshots, compress)
+                call, codec, run = self._prepare(t, op, layout, snapshots, compress, whole)
                 try:
                     avg = run(call, codec, t.flat)
+                    check_average(call, codec, avg)
                 except Skipped as e:
                     call.residuals.restore()
+                    self._calls = step
                     if self.trace is not None:
                         self.trace.end()  # a skipped call still exchanged its agreement
                     return t.zeros(), [e.message]
@@ -476,17 +551,19 @@ class CompressedComm:
                 if self.trace is not None:
                     self.trace.end()
                 return t.result(avg), []
-        except PeerClosed as e:  # met here, or in the debug check
-            self._peer_closed = str(e)
+        except BaseException as e:
+            self._calls = step
+            if isinstance(e, PeerClosed):  # met here, or in the debug check
+                self._peer_closed = str(e)
             raise
 
-    def _prepare(self, t: Tensor, op, layout, snapshots, compress) -> tuple:
+    def _prepare(self, t: Tensor, op, layout, snapshots, compress, whole=None) -> tuple:
         """Return (``Call``, codec, run) of the next call averaging ``t``: its step,
         plan, residual snapshot and trace event begun; a refused input raises here on
         this rank, RankError on the others."""
         opts = self.options
         step = self._calls
-        self._calls += 1  # counted on every rank, failed or not: the RNG steps stay aligned
+        self._calls += 1  # taken back by _average if the call fails or is skipped
         # Below min_numel every codec, fp16 included, steps aside for the float32 sum of `none`.
         small = t.flat.size < opts.min_numel
         planned = self._planner.plan(t.flat.size, compress and not small)
@@ -501,11 +578,23 @@ class CompressedComm:
         residuals = self._encoding(t.name, plan)
         if snapshots is not None and residuals is not NO_RESIDUALS:
             snapshots.append(residuals)
-        # Names (and bucket layouts) take part in the agreement: ranks calling with
-        # tensors in different orders raise instead of mixing them.
+        # Everything the bytes depend on takes part in the agreement: ranks calling with
+        # tensors in other orders, sizes, shapes or buckets raise instead of mixing them.
+        description = {
+            "op": op,
+            "tensor": t.name,
+            "numels": [math.prod(shape) for shape in t.shapes],
+            "step": step,
+        }
+        if self._shaped and plan.compressed:
+            description["shapes"] = [list(shape) for shape in t.shapes]
+        if layout is not None:
+            description["layout"] = layout
+        if whole is not None:
+            description["call"] = whole
         call = self._context(
             step,
-            zlib.crc32(t.name.encode()) if layout is None else layout,
+            description,
             Guard(opts.nonfinite, t.what, t.overflowed),
             residuals=residuals,
             shapes=t.shapes,
@@ -544,13 +633,17 @@ class CompressedComm:
             owners = hosts.cross.size if plan.hierarchical else self.size
         return self._residuals.encoding(name, owners)
 
-    def _context(self, step: int, layout: int = 0, guard: Guard | None = None, **more) -> Call:
+    def _context(
+        self, step: int, description: dict | None = None, guard: Guard | None = None, **more
+    ) -> Call:
         """Return the ``Call`` of call ``step``: what its messages share (untraced)."""
+        description = description or {}
         return Call(
             self._comm,
             step,
             self.recorder,
-            layout=layout,
+            description=description,
+            digest=describe(description),
             guard=guard or Guard(),
             timeout=self.options.timeout,
             kernels=self.kernels,
@@ -566,34 +659,62 @@ class CompressedComm:
 
     def _many(self, tensors: list, refused: Tensor | None) -> tuple:
         """Average ``tensors`` in buckets, one call per bucket; return (averages, skip
-        messages). A refused input makes one failing call."""
+        messages). A refused input makes one failing call.
+
+        The first bucket's agreement carries the whole call (how many tensors, their
+        names and sizes): a rank that brings other tensors raises there, on every rank,
+        before any bucket's bytes move; an empty call still agrees. All or nothing: a
+        bucket that fails or is skipped rolls back the residuals and steps of the
+        buckets before it."""
         with self._gpu.current():  # fusing and slicing run on the gradients' GPU
             if refused is not None:
                 self._average(refused, "allreduce_many")  # raises on every rank
+            whole = {"tensors": len(tensors)}
+            whole.update({f"#{i}": f"{t.name} ({t.flat.size})" for i, t in enumerate(tensors)})
+            groups = buckets([t.flat.size for t in tensors], self.options.bucket_numel)
+            if not groups:
+                self._agree_empty(whole)
+                return [], []
             out: list = [None] * len(tensors)
             skipped, snapshots = [], []
-            for members in buckets([t.flat.size for t in tensors], self.options.bucket_numel):
-                if len(members) == 1:
-                    (i,) = members
-                    out[i], messages = self._average(tensors[i], "allreduce_many", None, snapshots)
-                else:
-                    bucket = Tensor.fused([tensors[i] for i in members])
-                    label = f"{bucket.name}/{','.join(str(tensors[i].flat.size) for i in members)}"
-                    layout = zlib.crc32(label.encode())
-                    avg, messages = self._average(
-                        bucket, "allreduce_many bucket", layout, snapshots
-                    )
-                    start = 0
-                    for i in members:
-                        out[i] = tensors[i].result(avg[start : start + tensors[i].flat.size])
-                        start += tensors[i].flat.size
-                # The later buckets still run (every rank makes their calls), but skip_step
-                # means no update at all: zeros, and residuals rolled back, below.
-                skipped += messages
+            try:
+                for k, members in enumerate(groups):
+                    first = whole if k == 0 else None
+                    if len(members) == 1:
+                        (i,) = members
+                        out[i], messages = self._average(
+                            tensors[i], "allreduce_many", None, snapshots, whole=first
+                        )
+                    else:
+                        bucket = Tensor.fused([tensors[i] for i in members])
+                        avg, messages = self._average(
+                            bucket, "allreduce_many bucket", None, snapshots, whole=first
+                        )
+                        start = 0
+                        for i in members:
+                            out[i] = tensors[i].result(avg[start : start + tensors[i].flat.size])
+                            start += tensors[i].flat.size
+                    # The later buckets still run (every rank makes their calls), but
+                    # skip_step means no update at all: zeros, and state rolled back, below.
+                    skipped += messages
+            except BaseException:
+                rollback(snapshots)
+                raise
             if skipped:
                 rollback(snapshots)
                 out = [t.zeros() for t in tensors]
             return out, skipped
+
+    def _agree_empty(self, whole: dict) -> None:
+        """Take part, with an empty ``allreduce_many``, in the agreement that the other
+        ranks' first bucket begins with (they raise if they brought tensors)."""
+        opts = self.options
+        if opts.debug:
+            config = f"{self.codec!r}, nonfinite={opts.nonfinite!r}, schedule=None"
+            check_same_call(self._comm, "allreduce_many([])", config, opts.timeout)
+        description = {"op": "allreduce_many", "tensor": "", "numels": [], "call": whole}
+        call = self._context(self._calls, description, config=self._planner.plan(0, False).config)
+        agree(call, 0, None)
 
     # -- threads and lifetime ---------------------------------------------------
 

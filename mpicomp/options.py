@@ -26,7 +26,7 @@ class Options:
     The fields are the keyword arguments of ``CompressedComm`` (its docstring says what
     each does), with the defaults that depend on the codec or the environment already
     resolved by ``Options.resolve``: ``error_feedback`` is a bool, ``debug`` a bool,
-    ``timeout`` seconds, 0 (off) or None (``MPICOMP_TIMEOUT`` decides at each call).
+    ``timeout`` seconds or 0 (off; ``MPICOMP_TIMEOUT`` is read once, by ``resolve``).
     ``background`` stays as asked (None: decided by the MPI thread level).
 
     Raises:
@@ -92,7 +92,7 @@ class Options:
         Defaults: ``error_feedback`` the codec's ``feedback_default`` (on for the biased
         codecs 3LC, top-k, FFT, FastSGD and PowerSGD); ``schedule`` the codec's first (``sharded`` when
         ``sharded=True``); ``debug`` from ``MPICOMP_DEBUG``; ``timeout=None`` left to
-        ``MPICOMP_TIMEOUT`` at each call, 0 off whatever the environment says.
+        ``MPICOMP_TIMEOUT``, read once here; 0 off whatever the environment says.
 
         Raises:
             ValueError: ``error_feedback`` or ``sharded`` asked of a codec that does not
@@ -115,8 +115,9 @@ class Options:
         schedule = _schedule(codec, schedule, sharded)
         if debug is None:
             debug = os.environ.get(DEBUG_ENV, "") not in ("", "0")
-        if timeout is not None:
-            timeout = resolve_timeout(timeout) or 0
+        # MPICOMP_TIMEOUT is read here, once: a rank whose environment changed later
+        # would otherwise mix blocking and nonblocking calls with the others and hang.
+        timeout = resolve_timeout(timeout) or 0
         return cls(
             error_feedback=error_feedback,
             sharded=schedule == "sharded",

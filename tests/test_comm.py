@@ -289,7 +289,8 @@ def test_one_rank_policies(policy):
                 np.testing.assert_array_equal(cc.allreduce(x, name="w"), [0, 0, 0])
         else:
             np.testing.assert_array_equal(cc.allreduce(x, name="w"), [1, 0, 3])
-        assert cc.state_dict()["step"] == 1
+        # A failed or skipped call takes no step.
+        assert cc.state_dict()["step"] == (1 if policy == "zero" else 0)
 
 
 # --- iallreduce on one rank: handles, the eager fallback, whole jobs under mpiexec -----

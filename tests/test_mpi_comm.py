@@ -230,11 +230,11 @@ def test_bad_input_on_one_rank_raises_everywhere_and_keeps_steps_aligned(name):
         expected = TypeError if comm.rank == 1 else RuntimeError
         with pytest.raises(expected, match="floating-point|rank 1 failed"):
             cc.allreduce(bad, name="g")
-        # The failed call counted on every rank: the next call draws the same numbers.
+        # The failed call counted on no rank: the next call draws as the first would.
         y = cc.allreduce(x, name="g2")
-        assert cc.state_dict()["step"] == 2
+        assert cc.state_dict()["step"] == 1
     np.testing.assert_array_equal(gather_all(comm, y)[0], y)
-    expected_y = reference_average(name, gather_all(comm, x), step=1)
+    expected_y = reference_average(name, gather_all(comm, x), step=0)
     if name == "none":
         np.testing.assert_allclose(y, expected_y, rtol=1e-6, atol=1e-9)
     elif name != "fastsgd":  # fastsgd's payloads carry feedback state: same-step check suffices
@@ -248,7 +248,7 @@ def test_tensors_fused_in_different_orders_raise_everywhere():
     order = [a, b] if comm.rank % 2 == 0 else [b, a]
     names = ["a", "b"] if comm.rank % 2 == 0 else ["b", "a"]
     with mpicomp.CompressedComm(comm, "none", bucket_numel=1000) as cc:
-        match = r'disagree on the tensor \(names or bucket layout\).*"bucket:a\|b" on ranks? 0'
+        match = r'disagree on the tensor \(names.*"bucket:a\|b" on ranks? 0'
         with pytest.raises(RuntimeError, match=match):
             cc.allreduce_many(order, names=names)
 

@@ -30,7 +30,9 @@ def register(cls: type[Codec]) -> type[Codec]:
 def check_number(
     name: str, value, lo=None, hi=None, *, integer=False, lo_open=False, hi_open=False
 ):
-    """Return ``value`` if it is a number in the interval, else raise ValueError naming ``name``.
+    """Return ``value`` if it is a number in the interval; raise naming ``name`` otherwise:
+    TypeError for what is not a number (a str such as ``"4"``, a bool), ValueError for a
+    number out of the interval (or not integral where ``integer``).
 
     ``lo``/``hi`` are inclusive unless ``lo_open``/``hi_open``.
     """
@@ -43,7 +45,7 @@ def check_number(
         or not isinstance(value, (int, float))
         and not hasattr(value, "__index__")
     ):
-        raise ValueError(f"{name} must be {kind} in {allowed}, got {value!r}")
+        raise TypeError(f"{name} must be {kind} in {allowed}, got {value!r}")
     if integer:
         if isinstance(value, float) and not value.is_integer():
             raise ValueError(f"{name} must be {kind} in {allowed}, got {value!r}")

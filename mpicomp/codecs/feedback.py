@@ -25,6 +25,7 @@ class ErrorFeedback:
         self.codec = codec
         self._memory = {}
         self._spare = {}  # snapshot buffers, one per name, reused call after call
+        self._loaded = set()  # names whose residual came from a checkpoint (messages)
 
     def encode(self, x, name: str = ""):
         """Return the payload of ``x`` plus the residual of ``name``; update the residual.
@@ -37,6 +38,12 @@ class ErrorFeedback:
         xp = backend_of(x, self.codec.kernels).xp
         r = self._memory.get(name)
         if r is not None and r.shape != x.shape:
+            if name in self._loaded:
+                raise ValueError(
+                    f"error feedback: the residual of tensor {name!r} loaded from a "
+                    f"checkpoint has shape {r.shape}, this tensor {x.shape}: load the "
+                    "checkpoint of this model (or forget(name) to start it from zero)"
+                )
             raise ValueError(
                 f"error feedback: tensor {name!r} had shape {r.shape}, now {x.shape}; "
                 "give each tensor its own name"
@@ -82,6 +89,7 @@ class ErrorFeedback:
         for key in [k for k in self._memory if k == name or k.startswith(f"{name}#shard")]:
             del self._memory[key]
             self._spare.pop(key, None)
+            self._loaded.discard(key)
 
     def state_dict(self) -> dict:
         """Return copies of the residuals, keyed by tensor name, for a checkpoint."""
@@ -90,13 +98,15 @@ class ErrorFeedback:
     def load_state_dict(self, state: dict) -> None:
         """Restore residuals saved by ``state_dict``."""
         self._memory = {k: as_gradient(v, what=f"residual {k!r}").copy() for k, v in state.items()}
+        self._loaded = set(self._memory)
 
 
 class Snapshot:
     """Residuals as ``ErrorFeedback.snapshot`` found them; ``restore()`` puts them back.
 
     A call that fails or is skipped restores its snapshot, so it changes no residual
-    on any rank. A residual that did not exist yet is zeroed (as new ones start).
+    on any rank. A residual that did not exist yet is dropped again: a first call that
+    failed (a size another rank refused) leaves nothing behind for the next one.
     """
 
     def __init__(self, feedback: ErrorFeedback, kept: list):
@@ -105,7 +115,12 @@ class Snapshot:
 
     def restore(self) -> None:
         """Put the residuals back as they were when the snapshot was taken."""
+        memory = self._feedback._memory
         for name, copy in self._kept:
-            r = self._feedback.residual(name)
-            if r is not None:
-                r[...] = 0 if copy is None else copy
+            r = memory.get(name)
+            if copy is None:
+                memory.pop(name, None)
+            elif r is not None and r.shape == copy.shape and type(r) is type(copy):
+                r[...] = copy
+            else:  # the call replaced it (another size or device): the spare is reused later
+                memory[name] = copy.copy()

@@ -44,7 +44,8 @@ class Schedule(NamedTuple):
 class Kind:
     """An aggregation kind: ``name`` (what codecs declare as ``aggregation``), the
     ``protocol`` its codecs implement, its ``schedules`` (the default first),
-    ``hierarchical`` whether ``"hier:NAME"`` runs them between hosts, ``payload`` whether
+    ``hierarchical`` whether ``"hier:NAME"`` runs them between hosts, ``shaped`` whether
+    its bytes depend on the tensors' shapes (not only their sizes), ``payload`` whether
     their cost needs a payload's bytes, ``feedback`` whether error feedback applies;
     ``state(codec, options)`` makes what a CompressedComm keeps per tensor across calls
     (``mpicomp._residuals``: ``Stateless``, ``Residuals``, ``Memory``); ``alone(codec,
@@ -55,6 +56,7 @@ class Kind:
     protocol: type
     schedules: dict[str, Schedule] = field(default_factory=dict)
     hierarchical: bool = True
+    shaped: bool = False
     payload: bool = False
     feedback: bool = False
     state: Callable = _stateless

@@ -22,12 +22,14 @@ back to the device before it decodes them.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import hashlib
+import json
+from dataclasses import dataclass, field
 
 import numpy as np
 
 from mpicomp._arrays import all_finite, is_device_array, zero_nonfinite
-from mpicomp._config import Config, disagreement
+from mpicomp._config import Config, disagreement, ranks_text, world_ranks
 from mpicomp._residuals import NO_RESIDUALS
 from mpicomp._transport import Transport
 from mpicomp.collectives import plain
@@ -78,7 +80,9 @@ class Call:
 
     ``step`` drives the counter-based random draws; ``recorder`` gets the collectives'
     exchange steps and ``clock`` the phase marks (``NO_CLOCK`` when untraced);
-    ``layout`` is the name or bucket hash the agreement compares; ``guard`` the NaN/Inf
+    ``description`` is everything else the call's bytes depend on that every rank must
+    bring alike (op, tensor names, member sizes, shapes where the codec reads them,
+    step; ``describe``), ``digest`` its 64-bit hash the agreement compares; ``guard`` the NaN/Inf
     policy; ``timeout`` each wait's limit in seconds (None: ``MPICOMP_TIMEOUT``);
     ``kernels`` the kernel backend of NumPy arrays (None: ``mpicomp.kernels.backend()``);
     ``transport`` how device bytes reach MPI (``mpicomp._transport``; needed for device
@@ -94,7 +98,8 @@ class Call:
     step: int = 0
     recorder: object = None
     clock: object = NO_CLOCK
-    layout: int = 0
+    description: dict = field(default_factory=dict)
+    digest: int = 0
     guard: Guard = RAISE
     timeout: float | None = None
     kernels: object = None
@@ -135,6 +140,15 @@ def up(dev, a):
     return a if dev is None or not isinstance(a, np.ndarray) else dev.xp.asarray(a)
 
 
+def describe(description: dict) -> int:
+    """Return the 64-bit digest of a call's ``description`` (a dict of JSON values):
+    equal descriptions give equal digests on every rank and machine, and two different
+    ones collide with probability 2^-64 (CRC-32 let names such as "plumless" and
+    "buckeroo" pass for each other)."""
+    text = json.dumps(description, sort_keys=True, separators=(",", ":")).encode()
+    return int.from_bytes(hashlib.blake2b(text, digest_size=8).digest(), "little")
+
+
 def agree(
     call: Call,
     n: int,
@@ -143,12 +157,13 @@ def agree(
     nonfinite: bool = False,
     closing: bool = False,
 ) -> float:
-    """Check that all ranks bring n elements in the same layout and configuration, and
+    """Check that all ranks bring n elements in the same call and configuration, and
     that none failed or is closing the CompressedComm.
 
-    One MaxAllReduce of [value, n, -n, layout, -layout, config, -config, failed_rank + 1,
-    nonfinite_rank + 1, closing_rank + 1, calling_rank + 1] (float64 holds n, the 32-bit
-    layout hash and the configuration digest exactly; 11 values fit the 192-byte head).
+    One MaxAllReduce of [value, n, -n, digest_high, -digest_high, digest_low,
+    -digest_low, config, -config, failed_rank + 1, nonfinite_rank + 1, closing_rank + 1,
+    calling_rank + 1] (float64 holds n, each 32-bit half of the call's digest and the
+    configuration digest exactly; 13 values fit the MaxAllReduce's one-message head).
     Returns the max of ``value`` over ranks. A rank closing (``agree_close``) makes every
     rank that called raise PeerClosed. Raises the local error on the rank that failed
     and RankError elsewhere; a failure other than NaN/Inf wins. Ranks that disagree all
@@ -156,36 +171,44 @@ def agree(
     travel). When only NaN/Inf failed, one more small Allgather names every such rank
     and under ``skip_step`` every rank raises ``Skipped``.
     """
-    rank, layout, digest = call.comm.rank, call.layout, call.config.digest
+    comm = call.comm
+    rank, digest = comm.rank, call.config.digest
+    high, low = divmod(call.digest, 1 << 32)
     failed = rank + 1 if error is not None and not nonfinite else 0
     bad = rank + 1 if nonfinite else 0
     close, calls = (rank + 1, 0) if closing else (0, rank + 1)
     vec = np.array(
-        [value, n, -n, layout, -layout, digest, -digest, failed, bad, close, calls], np.float64
+        [value, n, -n, high, -high, low, -low, digest, -digest, failed, bad, close, calls],
+        np.float64,
     )
-    top = max_allreduce(call.comm, vec, **call.io)
-    if top[9]:  # a rank is closing: no call runs
+    top = max_allreduce(comm, vec, **call.io)
+    if top[11]:  # a rank is closing: no call runs
         if closing:
-            return float(top[10])  # a rank that called, + 1; 0 when every rank closes
+            return float(top[12])  # a rank that called, + 1; 0 when every rank closes
         raise PeerClosed(
-            f"rank {int(top[9]) - 1} closed this CompressedComm while this rank called it; "
-            "it is closed on this rank too"
+            f"{ranks_text([int(top[11]) - 1])} closed this CompressedComm while this "
+            f"rank called it; it is closed on this rank too{world_ranks(comm)}"
         ) from error
-    if top[7]:
+    if top[9]:
         if error is not None:
             raise error
-        raise RankError(f"rank {int(top[7]) - 1} failed in the same call (see its error)")
+        who = ranks_text([int(top[9]) - 1])
+        raise RankError(f"{who} failed in the same call (see its error){world_ranks(comm)}")
     # Sizes first: the schedule in the configuration can follow from the size.
-    if top[1] != -top[2] or top[3] != -top[4]:
-        mine = {"tensor": call.label, "numel": n}
-        differs = disagreement(call.comm, mine, resolve_timeout(call.timeout))
-        what = "the tensor size" if top[1] != -top[2] else "the tensor (names or bucket layout)"
+    if top[1] != -top[2] or top[3] != -top[4] or top[5] != -top[6]:
+        mine = {"numel": n, **call.description}
+        differs = disagreement(comm, mine, resolve_timeout(call.timeout))
+        what = (
+            "the tensor size"
+            if top[1] != -top[2]
+            else "the tensor (names, sizes, shapes, buckets or step)"
+        )
         raise RankError(f"ranks disagree on {what} in the same call: {differs}")
-    if top[5] != -top[6]:
-        differs = disagreement(call.comm, call.config.fields, resolve_timeout(call.timeout))
+    if top[7] != -top[8]:
+        differs = disagreement(comm, call.config.fields, resolve_timeout(call.timeout))
         raise RankError(f"ranks configured this CompressedComm differently: {differs}")
-    if top[8]:
-        raise_nonfinite(flagged(call, nonfinite), nonfinite, call.guard, error)
+    if top[10]:
+        raise_nonfinite(flagged(call, nonfinite), nonfinite, call.guard, error, call.comm)
     return float(top[0])
 
 
@@ -196,9 +219,11 @@ def flagged(call: Call, flag: bool) -> list[int]:
     return np.flatnonzero(flags).tolist()
 
 
-def raise_nonfinite(ranks: list[int], local: bool, guard: Guard, error: Exception | None) -> None:
-    """Raise, on every rank, what the policy makes of NaN/Inf on ``ranks``."""
-    who = ", ".join(map(str, ranks))
+def raise_nonfinite(
+    ranks: list[int], local: bool, guard: Guard, error: Exception | None, comm=None
+) -> None:
+    """Raise, on every rank, what the policy makes of NaN/Inf on ``ranks`` (of ``comm``)."""
+    who = ", ".join(map(str, ranks)) + (world_ranks(comm) if comm is not None else "")
     if guard.policy == "skip_step":
         raise Skipped(ranks, f"rank(s) {who}: {guard.what} holds NaN or Inf; call skipped")
     if local:
@@ -237,6 +262,24 @@ def fail(call: Call, error: Exception) -> None:
     path they took, receive the failure there and raise RankError.
     """
     agree(call, 0, error)
+
+
+def check_average(call: Call, codec, avg) -> None:
+    """Raise on every rank when a codec made a non-finite average of finite inputs
+    (its float32 scale or sum overflowed): the average is the same bits on every rank,
+    so each rank's own pass over it decides alike, with no message. Under
+    ``"skip_step"`` the call is skipped instead. ``none``'s and fp16's sums check
+    themselves (``float_sum``)."""
+    if codec.aggregation == "sum" or all_finite(avg, call.kernels):
+        return
+    msg = (
+        f"{codec.name}: the average over ranks overflows float32 although every input "
+        "was finite (values near float32's limit, 3.4e38); scale the gradients down "
+        "(e.g. a loss scale) or use codec 'none'"
+    )
+    if call.guard.policy == "skip_step":
+        raise Skipped([], f"{call.guard.what}: {msg}; call skipped")
+    raise RankError(msg)
 
 
 def attempt(fn, *args, **kwargs):

@@ -91,7 +91,7 @@ def _zeroed(call: Call, codec, flat, dtype):
             raise Skipped([], f"{guard.what}: {msg}; call skipped")
         raise RankError(msg + ("; use codec 'none'" if what == "float16" else ""))
     if guard.policy != "zero":
-        raise_nonfinite(ranks, local, guard, None)
+        raise_nonfinite(ranks, local, guard, None, call.comm)
     return zero_nonfinite(flat) if local else flat
 
 
