@@ -127,11 +127,15 @@ class FakeComm:
         self.aborted = code
 
 
-def test_expire_reports_what_was_awaited_and_aborts(caplog):
+def test_expire_reports_what_was_awaited_and_aborts(caplog, monkeypatch):
     comm = FakeComm()
+    exits = []
+    # An MPI_Abort that returns (FakeComm's, as MPICH's may): the process ends anyway.
+    monkeypatch.setattr(_wait.os, "_exit", exits.append)
     _wait.expire(comm, "allgather", lambda: "sizes from rank 2", 2.0, 2.0004)
     err = caplog.text  # logged CRITICAL to "mpicomp" (stderr where logging is not set up)
     assert comm.aborted == _wait.ABORT_CODE
+    assert exits == [_wait.ABORT_CODE]
     assert "rank 3 of 5 timed out in allgather after 2 s (timeout 2 s): sizes from rank 2" in err
 
 

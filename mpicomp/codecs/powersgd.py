@@ -126,13 +126,24 @@ class PowerSGD(Codec):
 
     def orthogonalize(self, matrix) -> None:
         """Make the columns of the n x r ``matrix`` orthonormal, in place (Gram-Schmidt,
-        as PyTorch's hook does at rank <= 2; a zero column stays zero)."""
+        as PyTorch's hook does at rank <= 2; a zero column stays zero).
+
+        The squares of entries beyond 1.8e19 overflow float32 (and of entries below
+        1e-19 underflow), which would make their columns zero: the matrix is first
+        scaled by the power of two that brings its largest entry near 1. That scaling is
+        exact, so the result is the same bits as without it wherever the squares fit.
+        """
         xp = array_module(matrix)
+        scale = _inverse_power_of_two(xp, matrix)
+        matrix *= scale
+        if self.epsilon:
+            with np.errstate(over="ignore"):  # a huge epsilon to a tiny matrix: Inf, col 0
+                epsilon = np.float32(self.epsilon) * scale  # to the columns' scale
         for i in range(matrix.shape[1]):
             col = matrix[:, i]
             norm = xp.sqrt(xp.sum(col * col))
             if self.epsilon:
-                col /= norm + np.float32(self.epsilon)
+                col /= norm + epsilon
             else:
                 col *= xp.where(norm > 0, 1 / xp.maximum(norm, np.float32(1e-30)), 0)
             if i + 1 < matrix.shape[1]:
@@ -144,3 +155,15 @@ class PowerSGD(Codec):
         floats): Gaussian draws seeded by ``seed`` and the name, alike on every rank."""
         rng = np.random.default_rng([self.seed, zlib.crc32(name.encode())])
         return xp.asarray(rng.standard_normal(layout.q_size, dtype=np.float32))
+
+
+def _inverse_power_of_two(xp, matrix):
+    """Return the float32 power of two 2^-e where max |``matrix``| = f·2^e (0.5 <= f < 1),
+    e kept within [-126, 126] so that 2^-e and 2^e are normal floats (1 where ``matrix``
+    is 0 or not finite), on ``matrix``'s device."""
+    if xp is np:  # two SIMD passes without a temporary, then Python's frexp
+        top = max(float(matrix.max()), -float(matrix.min()))
+        e = math.frexp(top)[1] if math.isfinite(top) else 0
+        return np.float32(2.0 ** -min(max(e, -126), 126))
+    exponent = xp.clip(xp.frexp(xp.max(xp.abs(matrix)))[1], -126, 126)  # no host sync
+    return xp.ldexp(np.float32(1), -exponent).astype(np.float32, copy=False)

@@ -374,7 +374,7 @@ class _Multiscale:
         if scales is None:
             scales = (bits, min(bits + 4, MAX_SCALE_BITS))  # the paper's pairs: (8, 12) ... (2, 6)
         if isinstance(scales, (str, bytes)) or not hasattr(scales, "__iter__"):
-            raise ValueError(f"scales must be a sequence of bit widths, got {scales!r}")
+            raise TypeError(f"scales must be a sequence of bit widths, got {scales!r}")
         widths = {check_number("scales", b, bits, MAX_SCALE_BITS, integer=True) for b in scales}
         return tuple(sorted(widths | {bits}))
 
@@ -453,7 +453,9 @@ class _GlobalRandK:
             if not (0.0 < k <= 1.0):
                 raise ValueError(f"k must be a count >= 1 or a fraction in (0, 1], got {k!r}")
             return float(k)
-        if isinstance(k, (bool, np.bool_)) or not isinstance(k, (int, np.integer)) or k < 1:
+        if isinstance(k, (bool, np.bool_)) or not isinstance(k, (int, np.integer)):
+            raise TypeError(f"k must be a count >= 1 or a fraction in (0, 1], got {k!r}")
+        if k < 1:
             raise ValueError(f"k must be a count >= 1 or a fraction in (0, 1], got {k!r}")
         return int(k)
 

@@ -119,8 +119,12 @@ def _decode_mean(codec, payloads, n: int):
     another size is corrupt: PayloadError, checked before the decoder allocates.
     The codec's ``decode_sum`` adds them in order (FastSGD without decoding each into
     a dense array, FFT by one inverse transform of the summed spectra).
+    A float32 sum that overflows becomes Inf quietly, and what follows raises on every
+    rank (``check_average``; a shard's owner refuses to encode it), where NumPy's
+    warning, an exception under ``-W error``, could come on the owner alone.
     """
-    return codec.decode_sum(payloads, numel=n) / np.float32(len(payloads))
+    with np.errstate(over="ignore", invalid="ignore"):
+        return codec.decode_sum(payloads, numel=n) / np.float32(len(payloads))
 
 
 def _decode_sum_seconds(codec, speed, numel: int, count: int) -> float:

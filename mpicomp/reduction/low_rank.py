@@ -4,6 +4,7 @@ P factor (with the tensors that go uncompressed), one of its Q factor, each one 
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Any, Protocol, runtime_checkable
 
@@ -17,7 +18,7 @@ from mpicomp.errors import RankError
 from mpicomp.kernels import backend_of
 from mpicomp.reduction._cost import Cost, mpi_allreduce
 from mpicomp.reduction._kind import Kind, Schedule
-from mpicomp.reduction.agreement import Call, agree, device, down, encode_here, up
+from mpicomp.reduction.agreement import Call, Skipped, agree, device, down, encode_here, up
 
 
 @runtime_checkable
@@ -38,6 +39,21 @@ class LowRankCodec(Protocol):
     def first_q(self, name: str, layout, xp) -> Any: ...
 
 
+def _quiet(fn):
+    """Run ``fn`` without NumPy's floating-point warnings: overflow is found by the
+    finiteness checks (of the sums here, of the average in ``check_average``, of the
+    next call's input), the same on every rank, where a warning would be on one rank
+    only, and under ``-W error`` an exception there alone."""
+
+    @functools.wraps(fn)
+    def quiet(*args, **kwargs):
+        with np.errstate(over="ignore", invalid="ignore"):
+            return fn(*args, **kwargs)
+
+    return quiet
+
+
+@_quiet
 def run(call: Call, codec, flat):
     """Average ``flat`` (the tensors of ``call.shapes``) by PowerSGD's two rounds."""
     comm, clock, memory = call.comm, call.clock, call.residuals.arrays
@@ -59,7 +75,10 @@ def run(call: Call, codec, flat):
         _check_sizes(call.label, error, f.size, q, layout.q_size)
         x = f + error if error is not None else f
         if not all_finite(x):
-            raise ValueError("NaN or Inf")
+            if error is None or not all_finite(f):
+                raise ValueError("NaN or Inf")
+            what = f"{call.label!r} plus its kept error"
+            raise ValueError(_overflow(call, what, kept=True, factors=False))
         q = (
             q.copy()
             if q is not None and codec.warm_start
@@ -82,7 +101,7 @@ def run(call: Call, codec, flat):
     clock.encoded()
     agree(call, flat.size, err, nonfinite=bad)
     wire, x = found
-    total = _sum(call, dev, wire, "p")
+    total = _sum(call, dev, wire, "p", factors=not plain)
     clock.communicated()
     if plain:
         total /= np.float32(comm.size)
@@ -102,7 +121,7 @@ def run(call: Call, codec, flat):
         out[k.start : k.stop] = total[p_at : p_at + k.stop - k.start] / np.float32(comm.size)
         p_at += k.stop - k.start
     clock.encoded()
-    q = _sum(call, dev, qs, "q")
+    q = _sum(call, dev, qs, "q", factors=True)
     q /= np.float32(comm.size)
     clock.communicated()
     p_at, q_at = 0, 0
@@ -120,15 +139,36 @@ def run(call: Call, codec, flat):
     return out
 
 
-def _sum(call: Call, dev, wire, slot: str):
-    """Return the float32 sum over ranks of ``wire`` (one MPI_Allreduce), on its device."""
+def _sum(call: Call, dev, wire, slot: str, factors: bool):
+    """Return the float32 sum over ranks of ``wire`` (one MPI_Allreduce), on its device
+    (``factors``: it holds factors, not a plain call's gradients; for the message)."""
     send = down(call, dev, wire, slot)
     total = backend_of(send, call.kernels).xp.empty_like(send)
     plain.allreduce(call.comm, send, total, MPI.SUM, **call.io)
     total = up(dev, total)
     if not all_finite(total):  # finite inputs can still sum past float32, alike everywhere
-        raise RankError("powersgd: the sum over ranks overflows float32")
+        kept = factors and call.residuals.feedback
+        msg = _overflow(call, "the sum over ranks", kept, factors)
+        if call.guard.policy == "skip_step":
+            raise Skipped([], f"{call.guard.what}: {msg}; call skipped")
+        raise RankError(msg)
     return total
+
+
+def _overflow(call: Call, what: str, kept: bool, factors: bool = True) -> str:
+    """Return the message for ``what`` overflowing float32 although every input was
+    finite (``kept``: error feedback added its kept error to each rank's input;
+    ``factors``: the factors overflowed, which sum a matrix's rows or columns)."""
+    why = "values near its limit, 3.4e38" + (
+        ", or a matrix whose rows or columns sum past it" if factors else ""
+    )
+    hint = "scale the gradients down (e.g. a loss scale) or use codec 'none'"
+    if kept:
+        hint += (
+            "; each rank's input includes the error kept from earlier calls (error "
+            f"feedback): forget({call.label!r}) drops it"
+        )
+    return f"powersgd: {what} overflows float32 although every input was finite ({why}): {hint}"
 
 
 def _check_sizes(name: str, error, numel: int, q, q_size: int) -> None:
@@ -194,6 +234,7 @@ KIND = Kind(
     LowRankCodec,
     {"allreduce": Schedule(run, _cost)},
     hierarchical=False,  # a host's shard of a bucket is no matrix
+    shaped=True,  # matrices: (100, 500) and (500, 100) send factors of other sizes
     feedback=True,
     state=_state,
     alone=alone,
