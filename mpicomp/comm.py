@@ -259,6 +259,7 @@ class CompressedComm:
             raise
         self._planner = Planner(codec, opts.schedule, self._placement, args.config)
         self._shaped = kind_of(codec).shaped  # whether calls agree on shapes, not only sizes
+        self._last_whole = None, None  # the last allreduce_many's tensors and description
         self._calls = 0  # the step of the counter-based RNG: the same on every rank
         #: Gets every exchange step of the collectives, ``record(op, step, sent, recv,
         #: bits)`` (e.g. a ``collectives.traffic.Traffic``); None by default.
@@ -590,12 +591,16 @@ class CompressedComm:
             description["shapes"] = [list(shape) for shape in t.shapes]
         if layout is not None:
             description["layout"] = layout
+        digested = description
         if whole is not None:
-            description["call"] = whole
+            whole, whole_digest = whole
+            description["call"] = whole  # named where ranks differ; its digest joins the call's
+            digested = {**description, "call": whole_digest}
         call = self._context(
             step,
             description,
             Guard(opts.nonfinite, t.what, t.overflowed),
+            digest=describe(digested),
             residuals=residuals,
             shapes=t.shapes,
             config=planned.config,
@@ -634,16 +639,22 @@ class CompressedComm:
         return self._residuals.encoding(name, owners)
 
     def _context(
-        self, step: int, description: dict | None = None, guard: Guard | None = None, **more
+        self,
+        step: int,
+        description: dict | None = None,
+        guard: Guard | None = None,
+        digest: int | None = None,
+        **more,
     ) -> Call:
-        """Return the ``Call`` of call ``step``: what its messages share (untraced)."""
+        """Return the ``Call`` of call ``step``: what its messages share (untraced);
+        ``digest``: the description's (default: computed here)."""
         description = description or {}
         return Call(
             self._comm,
             step,
             self.recorder,
             description=description,
-            digest=describe(description),
+            digest=describe(description) if digest is None else digest,
             guard=guard or Guard(),
             timeout=self.options.timeout,
             kernels=self.kernels,
@@ -669,11 +680,10 @@ class CompressedComm:
         with self._gpu.current():  # fusing and slicing run on the gradients' GPU
             if refused is not None:
                 self._average(refused, "allreduce_many")  # raises on every rank
-            whole = {"tensors": len(tensors)}
-            whole.update({f"#{i}": f"{t.name} ({t.flat.size})" for i, t in enumerate(tensors)})
+            whole = self._whole(tensors)
             groups = buckets([t.flat.size for t in tensors], self.options.bucket_numel)
             if not groups:
-                self._agree_empty(whole)
+                self._agree_empty(whole[0])
                 return [], []
             out: list = [None] * len(tensors)
             skipped, snapshots = [], []
@@ -704,6 +714,17 @@ class CompressedComm:
                 rollback(snapshots)
                 out = [t.zeros() for t in tensors]
             return out, skipped
+
+    def _whole(self, tensors: list) -> tuple[dict, str]:
+        """Return the description of an ``allreduce_many`` call of ``tensors`` (how many,
+        each one's name and size) and its digest, kept from the last call: a training
+        loop passes the same tensors every step."""
+        key = tuple((t.name, t.flat.size) for t in tensors)
+        if self._last_whole[0] != key:
+            whole = {"tensors": len(tensors)}
+            whole.update({f"#{i}": f"{name} ({n})" for i, (name, n) in enumerate(key)})
+            self._last_whole = key, (whole, f"{describe(whole):016x}")
+        return self._last_whole[1]
 
     def _agree_empty(self, whole: dict) -> None:
         """Take part, with an empty ``allreduce_many``, in the agreement that the other
