@@ -63,6 +63,9 @@ CASES = [
     Case("grandk_maxnorm_multiscale", {}, _qsgd(127)),
     Case("threelc"),
     Case("topk"),
+    # The shard's owner averages the pushes before it compresses them again.
+    Case("threelc", {"sharded": True}),
+    Case("topk", {"sharded": True}),
     Case("fastsgd"),
     Case("powersgd"),  # start_iter=1000: plain float32 averages first
     Case("powersgd", {"start_iter": 0}),  # the Q factor's sum

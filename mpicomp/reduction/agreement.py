@@ -272,10 +272,16 @@ def check_average(call: Call, codec, avg) -> None:
     themselves (``float_sum``)."""
     if codec.aggregation == "sum" or all_finite(avg, call.kernels):
         return
+    raise_overflow(call, codec, "the average over ranks")
+
+
+def raise_overflow(call: Call, codec, what: str) -> None:
+    """Raise, on every rank, what finite inputs whose ``what`` overflows float32 get:
+    RankError, or ``Skipped`` under ``"skip_step"``."""
     msg = (
-        f"{codec.name}: the average over ranks overflows float32 although every input "
-        "was finite (values near float32's limit, 3.4e38); scale the gradients down "
-        "(e.g. a loss scale) or use codec 'none'"
+        f"{codec.name}: {what} overflows float32 although every input was finite "
+        "(values near float32's limit, 3.4e38); scale the gradients down (e.g. a loss "
+        "scale) or use codec 'none'"
     )
     if call.guard.policy == "skip_step":
         raise Skipped([], f"{call.guard.what}: {msg}; call skipped")

@@ -8,14 +8,23 @@ from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 
-from mpicomp._arrays import array_module
+from mpicomp._arrays import all_finite, array_module
 from mpicomp._residuals import Encoding, Residuals, Stateless
 from mpicomp.collectives.allgather import allgather_bytes
 from mpicomp.collectives.sharded import push_pull, shard_bounds
 from mpicomp.errors import RankError
 from mpicomp.reduction._cost import Cost, gathered
 from mpicomp.reduction._kind import Kind, Schedule
-from mpicomp.reduction.agreement import Call, agree, attempt, device, down, encode_here
+from mpicomp.reduction.agreement import (
+    Call,
+    agree,
+    attempt,
+    device,
+    down,
+    encode_here,
+    flagged,
+    raise_overflow,
+)
 from mpicomp.reduction.hierarchy import PREFIX
 
 
@@ -79,17 +88,28 @@ def sharded(call: Call, codec, flat):
         # Its average can still be refused (a corrupt push, a float32 sum that
         # overflowed): it then takes part in the pull with None, and every rank raises.
         mine, err = attempt(_decode_mean, codec, received, b - a)
+        if err is None and not all_finite(mine, call.kernels):
+            overflowed[0] = True
+            err = RankError("this rank's shard's average overflows float32")
         clock.decoded()
         pull, err = (None, err) if err is not None else attempt(residuals.pull, mine)
         clock.encoded()
         return down(call, dev, pull, "pull"), err
 
+    overflowed = [False]
     pushed, flat, err, bad = encode_here(call, push, flat)
     clock.encoded()
     agree(call, flat.size, err, nonfinite=bad)
     if pushed is not None:
         pushed = [down(call, dev, p, f"push{s}") for s, p in enumerate(pushed)]
-    pulled = _up_all(dev, push_pull(comm, pushed, average, **call.io))
+    try:
+        pulled = _up_all(dev, push_pull(comm, pushed, average, **call.io))
+    except Exception:
+        # Every rank raises when an owner failed; one byte per rank (on this path only)
+        # tells them all whether it was an overflow, for one message and skip_step.
+        if flagged(call, overflowed[0]):
+            raise_overflow(call, codec, "the average of a shard over ranks")
+        raise
     clock.communicated()
     # Sizes were agreed: a payload of another size is corrupt (PayloadError everywhere).
     parts = [
