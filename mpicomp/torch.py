@@ -13,7 +13,10 @@ Needs PyTorch (``pip install 'mpicomp[torch]'``). See docs/pytorch.md.
 from __future__ import annotations
 
 import io
+import json
 import numbers
+import os
+import sys
 import threading
 import warnings
 import zlib
@@ -25,14 +28,16 @@ try:
 except ImportError as e:  # pragma: no cover - the test extras install torch
     raise ImportError("mpicomp.torch needs PyTorch: pip install 'mpicomp[torch]'") from e
 
-from mpicomp._config import Config, check_same
+from mpicomp._config import Config, check_same, ranks_text
 from mpicomp._log import log
 from mpicomp.collectives import plain
+from mpicomp.collectives._wait import issue, resolve_timeout, wait_all
 from mpicomp.comm import CompressedComm
-from mpicomp.errors import NonFiniteWarning, RankError
+from mpicomp.errors import NonFiniteWarning, PeerClosed, RankError
 
 __all__ = [
     "DistributedOptimizer",
+    "GradientsOverwrittenWarning",
     "HookState",
     "broadcast_optimizer_state",
     "broadcast_parameters",
@@ -141,7 +146,45 @@ class _Staging:
         return torch.empty(numel, dtype=torch.float32, pin_memory=True)
 
 
+class _Failed:
+    """The handle of a call that could not start: ``wait()`` raises ``error``."""
+
+    done = True
+
+    def __init__(self, error: Exception):
+        self.error = error
+
+    def wait(self):
+        raise self.error
+
+    def add_done_callback(self, fn) -> None:
+        fn(self)
+
+
+def _peer_closed_in(handles: list) -> PeerClosed | None:
+    """Return the PeerClosed that one of ``handles`` (calls started earlier in this step)
+    met, or None.
+
+    Once a call has met another rank's close, the CompressedComm refuses to start more
+    (RuntimeError): the calls of the same step started after that fail with its
+    PeerClosed instead, as those started before it do."""
+    for h in handles:
+        try:
+            h.wait()
+        except PeerClosed as e:
+            return e
+        except Exception:  # another call's own error: raised where it is waited for
+            pass
+    return None
+
+
 # -- the distributed optimizer ------------------------------------------------------
+
+
+class GradientsOverwrittenWarning(UserWarning):
+    """``DistributedOptimizer.step()`` (or ``synchronize()``) is overwriting gradients
+    that changed after their bucket was sent for averaging (clipped or scaled without
+    ``synchronize()`` first, or another backward pass): the change is lost."""
 
 
 @dataclass
@@ -157,6 +200,9 @@ class _Bucket:
     ready: int = 0  # parameters whose gradients are complete this step
     handle: object = None
     has_grad: list[bool] = field(default_factory=list)
+    # Each gradient as copied into the buffer, with its version counter (None: no
+    # gradient): a change after the copy is one step() would overwrite.
+    sent: list = field(default_factory=list)
 
 
 class DistributedOptimizer(torch.optim.Optimizer):
@@ -185,19 +231,24 @@ class DistributedOptimizer(torch.optim.Optimizer):
 
     ``step()`` waits for the reductions, writes the averages into ``p.grad`` (in each
     gradient's own device and dtype) and steps the wrapped optimizer. Call
-    ``synchronize()`` first when something must read the averaged gradients before
-    the step (gradient clipping, ``GradScaler.unscale_``); ``step()`` then does not
-    wait again. A parameter without a gradient on some rank counts as zeros there;
+    ``synchronize()`` first when something must read or change the averaged
+    gradients before the step (gradient clipping, ``GradScaler.unscale_``); ``step()``
+    then does not wait again. A gradient changed after its bucket was sent and before
+    ``synchronize()`` is overwritten by the average: ``GradientsOverwrittenWarning``.
+    A parameter without a gradient on some rank counts as zeros there;
     one without a gradient on every rank keeps ``grad = None``. Under
     ``nonfinite="skip_step"`` a NaN/Inf on any rank skips the wrapped optimizer's
     step on every rank (momentum, weight decay and residuals untouched) with a
     ``NonFiniteWarning``; ``skipped`` tells it.
 
-    Every rank must wrap the same parameters in the same order.
+    Every rank must wrap the same parameters in the same order, and take as many
+    steps: a rank stepping after another closed raises ``mpicomp.PeerClosed``.
 
     Raises:
         TypeError, ValueError: an argument is wrong on this rank (RankError on the
             others: every rank hears of it before anything else collective runs).
+        RankError: ranks wrap other parameters (naming each one that differs, with
+            its shapes on every rank) or configure it differently.
     """
 
     def __init__(
@@ -241,13 +292,23 @@ class DistributedOptimizer(torch.optim.Optimizer):
                     "start_step": start_step,
                     "overlap": bool(overlap),
                     "parameters": len(named),
-                    "parameter_names_and_shapes": f"{zlib.crc32(layout):08x}",
+                    _LAYOUT: f"{zlib.crc32(layout):08x}",
                 }
             )
         except Exception as e:  # whatever it is, the other ranks must hear of it
             error, config = e, None
         # The CompressedComm made below checks its own options the same way.
-        check_same(_quiet(comm), config, error, "this DistributedOptimizer", None)
+        what = "this DistributedOptimizer"
+        try:
+            check_same(_quiet(comm), config, error, what, None)
+        except RankError as e:
+            # Every rank has the same message: all ask for the parameters' details together.
+            if f"configured {what} differently" not in str(e) or f"{_LAYOUT}: " not in str(e):
+                raise
+            differs = _layout_differences(_mpi(comm), config, named, None)
+            if not differs:
+                raise
+            raise RankError(f"ranks configured {what} differently: {differs}") from None
         self._building = True
         # The parent's bookkeeping (hooks, profiling) over the wrapped groups; the
         # groups and state are then the wrapped optimizer's own objects.
@@ -269,7 +330,12 @@ class DistributedOptimizer(torch.optim.Optimizer):
         # Which parameters have gradients goes through a communicator of its own: the
         # CompressedComm's may be busy with this step's calls on its worker thread.
         self._control = _mpi(self.comm).Dup()
+        self._closed_why = "close() was called"  # told by a step() after close()
         self._hooks = []
+        self._buckets: list[_Bucket] = []
+        self._next = 0  # the next bucket to start: buckets start in order on every rank
+        self._snapshots: list = []  # residual snapshots of this step's calls
+        self._synchronized = False
         error = None
         try:
             self._buckets = self._make_buckets(named)  # allocates: may fail on one rank
@@ -284,9 +350,6 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self._passes = dict.fromkeys(self._owner, 0)
         # Autograd may run hooks on one thread per device: buckets start one at a time.
         self._lock = threading.Lock()
-        self._next = 0  # the next bucket to start: buckets start in order on every rank
-        self._snapshots: list = []  # residual snapshots of this step's calls
-        self._synchronized = False
         log.info(
             "DistributedOptimizer: %d buckets of %s values, overlap %s, start_step %d",
             len(self._buckets),
@@ -360,24 +423,32 @@ class DistributedOptimizer(torch.optim.Optimizer):
 
     def _launch(self, b: _Bucket) -> None:
         """Copy the bucket's gradients (zeros where none) into its buffer; start its call."""
-        b.has_grad = []
+        b.has_grad, b.sent = [], []
         with torch.no_grad():
             for p, lo, hi in zip(b.params, b.offsets, b.offsets[1:], strict=False):
                 part = b.buffer[lo:hi]
-                if p.grad is None:
+                grad = p.grad
+                if grad is None:
                     part.zero_()
                 else:
-                    part.copy_(p.grad.reshape(-1))
-                b.has_grad.append(p.grad is not None)
+                    part.copy_(grad.reshape(-1))
+                b.has_grad.append(grad is not None)
+                b.sent.append(None if grad is None else (grad, grad._version))
         compress = self.steps >= self.start_step
-        b.handle = self.comm.start(
-            b.buffer,
-            f"bucket{b.index}",
-            layout=b.layout,
-            snapshots=self._snapshots,
-            compress=compress,
-            shapes=[tuple(p.shape) for p in b.params],
-        )
+        try:
+            b.handle = self.comm.start(
+                b.buffer,
+                f"bucket{b.index}",
+                layout=b.layout,
+                snapshots=self._snapshots,
+                compress=compress,
+                shapes=[tuple(p.shape) for p in b.params],
+            )
+        except RuntimeError:  # closed: by a peer whose close an earlier bucket met?
+            closed = _peer_closed_in([x.handle for x in self._buckets[: b.index]])
+            if closed is None:
+                raise
+            b.handle = _Failed(closed)  # step() raises it
         self._next = b.index + 1
 
     # -- the step ----------------------------------------------------------------
@@ -389,23 +460,40 @@ class DistributedOptimizer(torch.optim.Optimizer):
         Raises:
             RankError, ValueError, TypeError: the reduction failed on this rank or
                 another (every rank raises; nothing was written, residuals unchanged).
+            PeerClosed: another rank closed this DistributedOptimizer (or its
+                CompressedComm) instead of taking this step; it is closed here too.
+            RuntimeError: this DistributedOptimizer is closed.
         """
+        self._synchronize()
+
+    def _synchronize(self) -> None:
         if self._synchronized:
             return
+        if self._control is None:
+            raise RuntimeError(f"DistributedOptimizer is closed: {self._closed_why}")
         for b in self._buckets[self._next :]:
             self._launch(b)
-        flags = self._agree_on_grads()
-        outcomes, error = [], None
-        for b in self._buckets:
-            try:
-                outcomes.append(b.handle.wait())
-            except Exception as e:  # wait for every call before raising the first error
-                error = error or e
+        # The bucket calls first: their agreement raises PeerClosed where a rank closed
+        # (and any failure on every rank), so the exchange below runs only when every
+        # rank made this step's calls, and every rank then makes it (or close() does).
+        outcomes, error = self._wait_for_buckets()
+        sent = [s for b in self._buckets for s in b.sent]
         snapshots, self._snapshots = self._snapshots, []
         self._reset_passes()
         skipped = [m for _, messages in outcomes for m in messages]
+        if error is None and not skipped and self._buckets:
+            flags, closer = self._exchange(closing=False)
+            if closer is not None:
+                error = PeerClosed(
+                    f"rank {closer} closed its DistributedOptimizer after sending the "
+                    f"gradients of step {self.steps}, which this rank took; it is closed on "
+                    "this rank too"
+                )
         if error is not None or skipped:
             self.comm.rollback(snapshots)  # no residual moves in a step that does not happen
+        if isinstance(error, PeerClosed):
+            self._closed_why = str(error)
+            self.close()  # as the CompressedComm is: a later step() raises RuntimeError
         if error is not None:
             raise error
         self.skipped = bool(skipped)
@@ -415,9 +503,10 @@ class DistributedOptimizer(torch.optim.Optimizer):
             warnings.warn(
                 f"{text}: optimizer step {self.steps} skipped on every rank",
                 NonFiniteWarning,
-                stacklevel=3,
+                stacklevel=_callers_level(),
             )
             return
+        self._warn_if_changed(sent)
         with torch.no_grad():
             i = 0
             for b, (avg, _) in zip(self._buckets, outcomes, strict=True):
@@ -428,23 +517,79 @@ class DistributedOptimizer(torch.optim.Optimizer):
                         p.grad.copy_(avg[lo:hi].view_as(p))
                     i += 1
 
-    def _agree_on_grads(self) -> list[bool]:
-        """Return, per parameter in bucket order, whether any rank has its gradient (one
-        small MPI call): a parameter unused everywhere keeps ``grad = None``."""
+    def _wait_for_buckets(self) -> tuple[list, Exception | None]:
+        """Wait for every started bucket call; return their outcomes and the first error."""
+        outcomes, error = [], None
+        for b in self._buckets:
+            if b.handle is None:  # not started (close() in the middle of a step)
+                continue
+            try:
+                outcomes.append(b.handle.wait())
+            except Exception as e:  # wait for every call before raising the first error
+                error = error or e
+        return outcomes, error
+
+    def _exchange(self, closing: bool) -> tuple[list[bool], int | None]:
+        """Return, per parameter in bucket order, whether any rank has its gradient (a
+        parameter unused everywhere keeps ``grad = None``), and the rank that closed
+        instead of stepping (None: none). One small MPI_Allreduce (max) on the control
+        communicator, behind the CompressedComm's timeout; ``closing``: this rank's
+        part in it is its close()."""
         import numpy as np
         from mpi4py import MPI
 
-        mine = np.array([h for b in self._buckets for h in b.has_grad], dtype=np.uint8)
-        anyone = np.empty_like(mine)
-        timeout = self.comm.options.timeout
-        plain.allreduce(self._control, mine, anyone, MPI.BOR, timeout=timeout)
-        return anyone.astype(bool).tolist()
+        flags = [h for b in self._buckets for h in b.has_grad]
+        mine = np.array([*flags, self._control.rank + 1 if closing else 0], np.int32)
+        every = np.empty_like(mine)
+        if closing:
+            where, what = "close", "telling the other ranks that this rank closes"
+        else:
+            where, what = "synchronize", "which parameters have gradients"
+        issue(
+            self._control,
+            "Allreduce",
+            mine,
+            every,
+            op=MPI.MAX,
+            timeout=resolve_timeout(self.comm.options.timeout),
+            name=f"DistributedOptimizer.{where}",
+            detail=lambda: (
+                f"{what} in step {self.steps} (optimizer.steps, from 0), an Iallreduce of "
+                f"{mine.nbytes} bytes over all {self._control.size} ranks"
+            ),
+        )
+        closer = int(every[-1]) - 1
+        return every[:-1].astype(bool).tolist(), None if closer < 0 else closer
+
+    def _warn_if_changed(self, sent: list) -> None:
+        """Warn when a gradient changed after its bucket copied it: writing the averages
+        is about to undo that change (clipping before ``step()`` without
+        ``synchronize()``, a GradScaler's unscale_, another backward pass)."""
+        names = [n for b in self._buckets for n in b.names]
+        params = [p for b in self._buckets for p in b.params]
+        changed = [
+            n for n, p, s in zip(names, params, sent, strict=True) if _changed_since(p.grad, s)
+        ]
+        if not changed:
+            return
+        shown = ", ".join(map(repr, changed[:3]))
+        more = f" and {len(changed) - 3} more" if len(changed) > 3 else ""
+        warnings.warn(
+            f"DistributedOptimizer step {self.steps}: the gradients of {shown}{more} changed "
+            "after they were sent for averaging (clipped or scaled before step() without "
+            "synchronize(), or another backward pass) and are overwritten now with the "
+            "averages of the gradients as sent, undoing the change: call "
+            "optimizer.synchronize() first, then clip or scale, then step()",
+            GradientsOverwrittenWarning,
+            stacklevel=_callers_level(),
+        )
 
     def _reset_passes(self) -> None:
         for p in self._passes:
             self._passes[p] = 0
         for b in self._buckets:
             b.ready, b.handle = 0, None
+            b.sent = []  # holds gradients: let zero_grad() free them
         self._next = 0
 
     def step(self, closure=None):
@@ -455,7 +600,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         try:
-            self.synchronize()
+            self._synchronize()
         finally:
             self._synchronized = False
             self.steps += 1
@@ -504,15 +649,41 @@ class DistributedOptimizer(torch.optim.Optimizer):
 
     def close(self) -> None:
         """Remove the gradient hooks and release the communicators (the CompressedComm
-        too when this optimizer made it). Safe twice."""
+        too when this optimizer made it). Safe twice.
+
+        Like ``CompressedComm.close``, it takes part in what the other ranks' next step
+        begins with: a rank still stepping raises ``PeerClosed`` instead of waiting for
+        this one, also when this rank closes after backward, before its ``step()``."""
         for h in self._hooks:
             h.remove()
         self._hooks = []
-        if self._control is not None:
-            if self._owns_comm:
-                self.comm.close()
-            self._control.Free()
-            self._control = None
+        if self._control is None:
+            return
+        try:
+            self._leave_step()
+        finally:
+            try:
+                if self._owns_comm:
+                    self.comm.close()
+            finally:
+                self._control.Free()
+                self._control = None
+
+    def _leave_step(self) -> None:
+        """Drop a step whose buckets were started but not synchronized (close() after
+        backward). If every bucket went through, the other ranks' next MPI call is that
+        step's exchange (in ``synchronize``, or this same one in their ``close``): take
+        part as the closing rank, so they raise PeerClosed. Otherwise their next bucket
+        call meets the CompressedComm's close, or they failed alike already."""
+        if self._synchronized or self._next == 0:
+            return
+        sent_all = self._next == len(self._buckets)
+        outcomes, error = self._wait_for_buckets()
+        snapshots, self._snapshots = self._snapshots, []
+        self._reset_passes()
+        self.comm.rollback(snapshots)  # the step is not taken
+        if sent_all and error is None and not any(messages for _, messages in outcomes):
+            self._exchange(closing=True)
 
     def __repr__(self) -> str:
         return (
@@ -598,6 +769,96 @@ def _pairs(named_parameters) -> list[tuple[str, torch.Tensor]]:
             raise TypeError(f"{_PAIRS}; got an item {_kind(item)}")
         pairs.append((item[0], item[1]))
     return pairs
+
+
+def _callers_level() -> int:
+    """Return the ``stacklevel`` of the first frame outside this module and torch (which
+    wraps ``Optimizer.step``) for a warning raised by the function calling this one."""
+    level, frame = 1, sys._getframe(1)  # stacklevel 1: the function calling warn()
+    while frame is not None and (
+        frame.f_code.co_filename == __file__ or frame.f_code.co_filename.startswith(_TORCH)
+    ):
+        level, frame = level + 1, frame.f_back
+    return level
+
+
+_TORCH = os.path.dirname(torch.__file__) + os.sep
+
+
+def _changed_since(grad, sent) -> bool:
+    """Whether ``grad`` (a parameter's gradient now) is not what a bucket copied:
+    ``sent`` is (that gradient, its version counter), or None where there was none."""
+    if sent is None:
+        return grad is not None
+    return grad is not sent[0] or grad._version != sent[1]
+
+
+#: The configuration field of the parameters' names, shapes and order (a digest).
+_LAYOUT = "parameter_names_and_shapes"
+_SHOWN = 4  # differing parameters named in one message
+
+
+def _layout_differences(mpi, config: Config, named: list, timeout) -> str:
+    """Return, on every rank, what differs among the ranks' parameters (each one named,
+    with its shape on every rank) and other fields of ``config``. Collective: every
+    rank's names and shapes go to every rank, once the digests have differed."""
+    fields = {k: v for k, v in config.fields.items() if k not in (_LAYOUT, "parameters")}
+    mine = {"fields": fields, "parameters": [[n, list(p.shape)] for n, p in named]}
+    every = _allgather_json(mpi, mine, timeout)
+    parts = []
+    for key in fields:
+        groups = _ranks_by(json.dumps(e["fields"].get(key)) for e in every)
+        if len(groups) > 1:
+            parts.append(f"{key}: " + ", ".join(f"{v} on {r}" for v, r in groups))
+    shapes = [{n: tuple(s) for n, s in e["parameters"]} for e in every]
+    names = dict.fromkeys(n for e in every for n, _ in e["parameters"])
+    differ = []
+    for name in names:
+        groups = _ranks_by(s.get(name) for s in shapes)
+        if len(groups) > 1:
+            sides, said = [], False  # "shape (4, 3) on rank 0, (5, 3) on rank 1"
+            for shape, ranks in groups:
+                if shape is None:
+                    sides.append(f"absent on {ranks}")
+                else:
+                    sides.append(f"{'' if said else 'shape '}{shape} on {ranks}")
+                    said = True
+            differ.append(f"parameter {name!r}: " + ", ".join(sides))
+    orders = [[n for n, _ in e["parameters"]] for e in every]
+    rows = enumerate(zip(*orders, strict=False))  # up to the shortest list
+    at = next((i for i, row in rows if len(set(row)) > 1), None)
+    if not differ and at is not None:  # the same names and shapes, in another order
+        sides = ", ".join(f"{n!r} on {r}" for n, r in _ranks_by(o[at] for o in orders))
+        differ.append(f"the same parameters in another order: at position {at}, {sides}")
+    more = [f"and {len(differ) - _SHOWN} more parameters"] if len(differ) > _SHOWN else []
+    return "; ".join(parts + differ[:_SHOWN] + more)
+
+
+def _ranks_by(values) -> list[tuple]:
+    """Return [(value, "rank 0" or "ranks 1-3")] for each distinct value, in rank order."""
+    groups: dict = {}
+    for rank, v in enumerate(values):
+        groups.setdefault(v, []).append(rank)
+    return [(v, ranks_text(r)) for v, r in groups.items()]
+
+
+def _allgather_json(mpi, mine, timeout) -> list:
+    """Return every rank's ``mine`` (JSON), in rank order. Nonblocking calls waited on
+    with the timeout (``MPICOMP_TIMEOUT`` for None), as ``check_same``'s: ranks may
+    differ in their timeout before the CompressedComm has compared them."""
+    import numpy as np
+
+    timeout = resolve_timeout(timeout)
+    blob = np.frombuffer(json.dumps(mine).encode(), np.uint8)
+    sizes = np.empty(mpi.size, np.int64)
+    request = mpi.Iallgather(np.array([blob.size], np.int64), sizes)
+    what = "DistributedOptimizer's parameter names and shapes"
+    wait_all(mpi, [request], timeout, "DistributedOptimizer", f"the sizes of {what}")
+    ends = np.cumsum(sizes)
+    whole = np.empty(int(ends[-1]), np.uint8)
+    request = mpi.Iallgatherv(blob, [whole, (sizes, ends - sizes)])
+    wait_all(mpi, [request], timeout, "DistributedOptimizer", f"{what}, {whole.size} bytes")
+    return [json.loads(bytes(whole[e - n : e])) for n, e in zip(sizes, ends, strict=True)]
 
 
 def _tensors(arrays: dict) -> dict:
@@ -793,7 +1054,8 @@ def comm_hook(state: HookState, bucket) -> torch.futures.Future:
     A call that fails (a NaN/Inf under ``nonfinite="raise"``, a refused tensor, ranks
     that disagree) makes ``backward()`` raise mpicomp's own exception on every rank,
     after DDP has finished the backward pass: ``ValueError``/``TypeError`` on the rank
-    at fault, ``mpicomp.RankError`` on the others. The failed buckets' gradients are
+    at fault, ``mpicomp.RankError`` on the others; ``mpicomp.PeerClosed`` where another
+    rank has closed ``state.comm``. The failed buckets' gradients are
     zeros on every rank and no residual of that iteration moves; the next iteration
     runs as usual.
     """
@@ -826,9 +1088,15 @@ def comm_hook(state: HookState, bucket) -> torch.futures.Future:
     shapes = [tuple(g.shape) for g in grads]
     if sum(g.numel() for g in grads) != buffer.numel():
         shapes = None  # padded (or unknown): not the gradients end to end
-    handle = state.comm.start(
-        source, name, layout=layout, snapshots=this.snapshots, compress=compress, shapes=shapes
-    )
+    try:
+        handle = state.comm.start(
+            source, name, layout=layout, snapshots=this.snapshots, compress=compress, shapes=shapes
+        )
+    except RuntimeError:  # closed: by a peer whose close an earlier bucket met?
+        closed = _peer_closed_in(this.handles)
+        if closed is None:
+            raise
+        handle = _Failed(closed)  # backward() raises it, as the earlier bucket's
     this.handles.append(handle)
     if bucket.is_last():
         state.iteration += 1
