@@ -1,7 +1,7 @@
 """What ranks must agree on, and the message that names what differs on which ranks.
 
 A ``Config`` is everything about a CompressedComm that changes what goes on the wire
-(codec and its parameters, schedule, thresholds, policies): its 32-bit digest rides in
+(codec and its parameters, schedule, thresholds, policies): its 52-bit digest rides in
 every call's agreement, so ranks configured differently raise there instead of sending
 messages the others do not expect. The fields themselves travel only when digests
 differ, to say which field differs and on which ranks.
@@ -9,8 +9,8 @@ differ, to say which field differs and on which ranks.
 
 from __future__ import annotations
 
+import hashlib
 import json
-import zlib
 from dataclasses import dataclass, field
 from functools import cached_property
 
@@ -22,14 +22,15 @@ from mpicomp.errors import RankError
 
 @dataclass(frozen=True)
 class Config:
-    """Named values all ranks must share; ``digest`` is a 32-bit hash of them (exact in
-    the float64 agreement), never 0."""
+    """Named values all ranks must share; ``digest`` is a 52-bit hash of them (BLAKE2b:
+    exact in the float64 agreement, where CRC-32 let different values collide), never 0."""
 
     fields: dict = field(default_factory=dict)
 
     @cached_property
     def digest(self) -> int:  # computed once: every call's agreement carries it
-        return zlib.crc32(_canonical(self.fields)) | 1
+        digest = hashlib.blake2b(_canonical(self.fields), digest_size=8).digest()
+        return int.from_bytes(digest, "little") >> 12 | 1
 
     def with_fields(self, **more) -> Config:
         return Config({**self.fields, **more})
