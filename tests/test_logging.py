@@ -54,9 +54,7 @@ class _AbortingComm:
         self.aborted = code
 
 
-def test_a_timeout_is_logged_critical_hooks_run_and_a_failing_hook_is_logged(
-    caplog, monkeypatch
-):
+def test_a_timeout_is_logged_critical_hooks_run_and_a_failing_hook_is_logged(caplog, monkeypatch):
     comm, ran = _AbortingComm(), []
     monkeypatch.setattr(_wait.os, "_exit", lambda code: None)  # this Abort returns
 

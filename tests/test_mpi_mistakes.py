@@ -46,7 +46,9 @@ def _regular(cc, seed: int) -> list:
 
 def _make(spec, **more):
     codec, params = spec
-    return mpicomp.CompressedComm(world(), codec, min_numel=0, bucket_numel=BUCKET, **params, **more)
+    return mpicomp.CompressedComm(
+        world(), codec, min_numel=0, bucket_numel=BUCKET, **params, **more
+    )
 
 
 # --- the mistakes: each makes one call, differently on the rank at fault --------------
@@ -222,8 +224,10 @@ def test_random_mistakes_on_random_ranks():
     for _ in range(draws):
         codec, mistake = cases[rng.integers(len(cases))]
         odd_rank = int(rng.integers(comm.size))
-        policy = "raise" if mistake == "nan_in_the_last_bucket" else str(
-            rng.choice(["raise", "skip_step", "zero"])
+        policy = (
+            "raise"
+            if mistake == "nan_in_the_last_bucket"
+            else str(rng.choice(["raise", "skip_step", "zero"]))
         )
         check_mistake(CODECS[codec], mistake, odd_rank, int(rng.integers(1000)), nonfinite=policy)
 
