@@ -5,6 +5,7 @@ found)."""
 import math
 import os
 import shutil
+import socket
 import tempfile
 from pathlib import Path
 
@@ -74,6 +75,26 @@ def one_numba_thread_per_rank():
     numba.set_num_threads(1)
     yield
     numba.set_num_threads(before)
+
+
+@pytest.fixture
+def gloo():
+    """A torch.distributed gloo process group over the MPI ranks (rank and size from COMM_WORLD)."""
+    import torch.distributed as dist
+
+    comm = world()
+    port = None
+    if comm.rank == 0:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+    port = comm.bcast(port)
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=comm.rank, world_size=comm.size
+    )
+    yield dist
+    dist.destroy_process_group()
 
 
 def gather_all(comm, x):

@@ -3,8 +3,6 @@ batch and against the same buckets through CompressedComm, identical weights on 
 rank, parameters used on some ranks only, NaN on one rank, broadcasts, and the DDP
 communication hook on a gloo process group made from the MPI ranks."""
 
-import os
-import socket
 import warnings
 
 import numpy as np
@@ -320,26 +318,6 @@ def test_broadcast_optimizer_state_to_another_optimizer_raises_on_every_rank():
 
 
 # -- the DDP communication hook ------------------------------------------------------------
-
-
-@pytest.fixture
-def gloo():
-    """A gloo process group over the MPI ranks (rank and size from COMM_WORLD)."""
-    import torch.distributed as dist
-
-    comm = world()
-    port = None
-    if comm.rank == 0:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-    port = comm.bcast(port)
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    dist.init_process_group(
-        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=comm.rank, world_size=comm.size
-    )
-    yield dist
-    dist.destroy_process_group()
 
 
 def _ddp_train(model, hook_state, steps):

@@ -3,8 +3,6 @@ the DDP hook) after another closed raises PeerClosed instead of hanging, the opt
 own exchange names itself when it times out, gradients changed before step() without
 synchronize() are warned of, and parameters that differ are named with their shapes."""
 
-import os
-import socket
 import time
 
 import pytest
@@ -174,26 +172,6 @@ def test_the_optimizers_own_exchange_names_itself_when_it_times_out(monkeypatch)
 
 
 # -- the DDP hook ------------------------------------------------------------------------
-
-
-@pytest.fixture
-def gloo():
-    """A gloo process group over the MPI ranks (rank and size from COMM_WORLD)."""
-    import torch.distributed as dist
-
-    comm = world()
-    port = None
-    if comm.rank == 0:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-    port = comm.bcast(port)
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    dist.init_process_group(
-        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=comm.rank, world_size=comm.size
-    )
-    yield dist
-    dist.destroy_process_group()
 
 
 @pytest.mark.parametrize(
