@@ -12,7 +12,7 @@ adapter rolls back, restores it, so it moves nothing on any rank.
 
 from __future__ import annotations
 
-import numbers
+import operator
 
 from mpicomp._arrays import all_finite, as_gradient
 from mpicomp.codecs import ErrorFeedback
@@ -51,7 +51,7 @@ class Stateless:
     def __init__(self, encoding: Encoding = NO_RESIDUALS):
         self._encoding = encoding
 
-    def encoding(self, name: str, owners: int = 0) -> Encoding:
+    def encoding(self, name: str, owners: int = 0, private: bool = False) -> Encoding:
         return self._encoding
 
     def forget(self, name: str) -> None:
@@ -67,24 +67,27 @@ class Stateless:
 class _Fed(Encoding):
     """One call's encoding through error feedback, its residuals snapshot when made."""
 
-    def __init__(self, residuals: Residuals, name: str, owners: int):
+    def __init__(self, residuals: Residuals, name: str, owners: int, private: bool = False):
         self._residuals = residuals
-        self._name = name
+        self.name = name
         workers, server = residuals.workers, residuals.owners
         if owners:
             shards = [shard_key(name, s) for s in range(owners)]
-            self._snapshots = [workers.snapshot(shards), server.snapshot([name])]
+            self._snapshots = [
+                workers.snapshot(shards, private),
+                server.snapshot([name], private),
+            ]
         else:
-            self._snapshots = [workers.snapshot([name])]
+            self._snapshots = [workers.snapshot([name], private)]
 
     def encode(self, flat):
-        return self._residuals.workers.encode(flat, self._name)
+        return self._residuals.workers.encode(flat, self.name)
 
     def push(self, shard, s: int):
-        return self._residuals.workers.encode(shard, shard_key(self._name, s))
+        return self._residuals.workers.encode(shard, shard_key(self.name, s))
 
     def pull(self, average):
-        return self._residuals.owners.encode(average, self._name)
+        return self._residuals.owners.encode(average, self.name)
 
     def restore(self) -> None:
         """Put the residuals this call may have moved back as they were when it started."""
@@ -109,10 +112,11 @@ class Residuals:
         self.workers = ErrorFeedback(codec)
         self.owners = ErrorFeedback(codec) if sharded else None
 
-    def encoding(self, name: str, owners: int = 0) -> Encoding:
+    def encoding(self, name: str, owners: int = 0, private: bool = False) -> Encoding:
         """Return how a call of tensor ``name`` encodes, its residuals snapshot now;
-        ``owners``: the shard owners of a sharded call (0: not sharded)."""
-        return _Fed(self, name, owners)
+        ``owners``: the shard owners of a sharded call (0: not sharded); ``private``:
+        snapshot into new buffers (an earlier snapshot of ``name`` is still needed)."""
+        return _Fed(self, name, owners, private)
 
     def forget(self, name: str) -> None:
         """Drop the residuals of tensor ``name`` (and of its shards)."""
@@ -157,7 +161,7 @@ class Memory:
         self.feedback = feedback
         self._arrays: dict[str, dict] = {}
 
-    def encoding(self, name: str, owners: int = 0) -> Remembered:
+    def encoding(self, name: str, owners: int = 0, private: bool = False) -> Remembered:
         return Remembered(self._arrays, name, self.feedback)
 
     def forget(self, name: str) -> None:
@@ -201,8 +205,12 @@ def check_state(state) -> tuple[int, dict, dict]:
             f"'residuals' and 'server_residuals', got {type(state).__name__}"
         )
     step = state["step"]
-    if isinstance(step, bool) or not isinstance(step, numbers.Integral):
-        raise TypeError(f"state['step'] must be an integer, got {step!r}")
+    try:  # an int, or what np.load gives back of one (a 0-d integer array)
+        if isinstance(step, bool):
+            raise TypeError
+        step = operator.index(step)
+    except TypeError:
+        raise TypeError(f"state['step'] must be an integer, got {step!r}") from None
     if step < 0:
         raise ValueError(f"state['step'] must be >= 0, got {step}")
     parts = []

@@ -219,7 +219,7 @@ class Runner:
                 warnings.warn(
                     f"{why}: iallreduce runs each call at once in the caller's thread (no overlap)",
                     RuntimeWarning,
-                    stacklevel=3,  # this frame, the CompressedComm method, its caller
+                    stacklevel=4,  # this frame, the CompressedComm method, its thread guard, its caller
                 )
             handle = Handle(deliver)
             handle._run(job)

@@ -10,6 +10,8 @@ how the bytes move, ``mpicomp.reduction`` (docs/architecture.md).
 from __future__ import annotations
 
 import math
+import operator
+import sys
 import threading
 import warnings
 from dataclasses import replace
@@ -18,6 +20,7 @@ from typing import NamedTuple
 
 from mpi4py import MPI
 
+from mpicomp import _worker
 from mpicomp._arguments import resolve as resolve_arguments
 from mpicomp._arguments import trace_attrs
 from mpicomp._config import check_same
@@ -472,13 +475,20 @@ class CompressedComm:
         """
         self._check_open()
         t = take(x, name, self._gpu, self._residuals.named, shapes)
+        if layout is not None:
+            try:  # an int of any kind (a NumPy one too), as the agreement's digest takes it
+                layout = operator.index(layout)
+            except TypeError:
+                error = TypeError(f"layout must be an integer or None, got {layout!r}")
+                t = Tensor.refused(x, name, error)  # every rank hears of it in the call
         job = partial(self._average, t, "allreduce", layout, snapshots, compress)
         return self._start(job, Outcome._make)
 
-    @staticmethod
-    def rollback(snapshots: list) -> None:
+    def rollback(self, snapshots: list) -> None:
         """Restore the residuals and the step of ``snapshots`` (filled by ``start``): a
-        step that is not taken moves no state. Wait for those calls first."""
+        step that is not taken moves no state. Waits first for every started call (a
+        later one's step then depends on no thread's timing)."""
+        self._drain()
         rollback(snapshots)
 
     @_one_thread
@@ -529,42 +539,50 @@ class CompressedComm:
             PeerClosed: another rank closed this CompressedComm (then so do calls
                 started after it, without a message).
         """
+        avg, skipped = self._reduce(t, op, layout, snapshots, compress, whole)
+        return (t.zeros() if skipped else t.result(avg)), skipped
+
+    def _reduce(self, t: Tensor, op, layout, snapshots, compress, whole) -> tuple:
+        """Make the collective call of ``_average``; return (the flat float32 average or
+        None, skip messages). What fails here fails on every rank alike (the agreement,
+        the schedules' own checks), and only that takes the state back: the step and the
+        residuals. What comes after it (converting the result, the trace's bookkeeping)
+        runs on each rank alone, and is kept out of the rollback."""
         if self._peer_closed is not None:
             raise PeerClosed(self._peer_closed)
         step = self._calls
+        mark = _Step(self, step)
         if snapshots is not None:
-            snapshots.append(_Step(self, step))
-        try:
-            with self._gpu.current():
-                call, codec, run = self._prepare(t, op, layout, snapshots, compress, whole)
+            snapshots.append(mark)
+        with self._gpu.current():
+            try:
+                call, codec, run = self._prepare(t, op, layout, snapshots, compress, whole, step)
                 try:
                     avg = run(call, codec, t.flat)
                     check_average(call, codec, avg)
-                except Skipped as e:
-                    call.residuals.restore()
-                    self._calls = step
-                    if self.trace is not None:
-                        self.trace.end()  # a skipped call still exchanged its agreement
-                    return t.zeros(), [e.message]
                 except BaseException:
                     call.residuals.restore()
                     raise
+            except Skipped as e:
+                mark.restore()
                 if self.trace is not None:
-                    self.trace.end()
-                return t.result(avg), []
-        except BaseException as e:
-            self._calls = step
-            if isinstance(e, PeerClosed):  # met here, or in the debug check
-                self._peer_closed = str(e)
-            raise
+                    self.trace.end()  # a skipped call still exchanged its agreement
+                return None, [e.message]
+            except BaseException as e:
+                mark.restore()
+                if isinstance(e, PeerClosed):  # met here, or in the debug check
+                    self._peer_closed = str(e)
+                raise
+        if self.trace is not None:
+            self.trace.end()
+        return avg, []
 
-    def _prepare(self, t: Tensor, op, layout, snapshots, compress, whole=None) -> tuple:
-        """Return (``Call``, codec, run) of the next call averaging ``t``: its step,
-        plan, residual snapshot and trace event begun; a refused input raises here on
-        this rank, RankError on the others."""
+    def _prepare(self, t: Tensor, op, layout, snapshots, compress, whole, step: int) -> tuple:
+        """Return (``Call``, codec, run) of call ``step`` averaging ``t``: its plan,
+        residual snapshot and trace event begun; a refused input raises here on this
+        rank, RankError on the others."""
         opts = self.options
-        step = self._calls
-        self._calls += 1  # taken back by _average if the call fails or is skipped
+        self._calls = step + 1  # taken back by _reduce if the call fails or is skipped
         # Below min_numel every codec, fp16 included, steps aside for the float32 sum of `none`.
         small = t.flat.size < opts.min_numel
         planned = self._planner.plan(t.flat.size, compress and not small)
@@ -576,7 +594,7 @@ class CompressedComm:
         if t.error is not None:
             fail(self._context(step), t.error)
         codec = self.codec if plan.compressed else self._plain
-        residuals = self._encoding(t.name, plan)
+        residuals = self._encoding(t.name, plan, snapshots)
         if snapshots is not None and residuals is not NO_RESIDUALS:
             snapshots.append(residuals)
         # Everything the bytes depend on takes part in the agreement: ranks calling with
@@ -623,9 +641,9 @@ class CompressedComm:
             call = replace(call, recorder=trace, clock=trace)
         return call, codec, planned.run
 
-    def _encoding(self, name: str, plan) -> Encoding:
+    def _encoding(self, name: str, plan, snapshots: list | None = None) -> Encoding:
         """Return how a call of ``name`` by ``plan`` encodes, what it may move of this
-        CompressedComm's per-tensor state snapshot."""
+        CompressedComm's per-tensor state snapshot (``snapshots``: the list it will join)."""
         if not plan.compressed:
             return NO_RESIDUALS
         hosts = self._placement.hosts
@@ -636,7 +654,10 @@ class CompressedComm:
         owners = 0
         if plan.sharded:
             owners = hosts.cross.size if plan.hierarchical else self.size
-        return self._residuals.encoding(name, owners)
+        # A name met twice in one list of snapshots keeps a copy of its own: the shared
+        # snapshot buffer would hold the second state, and a rollback would stop there.
+        again = snapshots is not None and any(getattr(s, "name", None) == name for s in snapshots)
+        return self._residuals.encoding(name, owners, private=again)
 
     def _context(
         self,
@@ -685,25 +706,17 @@ class CompressedComm:
             if not groups:
                 self._agree_empty(whole[0])
                 return [], []
-            out: list = [None] * len(tensors)
-            skipped, snapshots = [], []
+            averages, skipped, snapshots = [], [], []
             try:
                 for k, members in enumerate(groups):
                     first = whole if k == 0 else None
                     if len(members) == 1:
                         (i,) = members
-                        out[i], messages = self._average(
-                            tensors[i], "allreduce_many", None, snapshots, whole=first
-                        )
+                        t, op = tensors[i], "allreduce_many"
                     else:
-                        bucket = Tensor.fused([tensors[i] for i in members])
-                        avg, messages = self._average(
-                            bucket, "allreduce_many bucket", None, snapshots, whole=first
-                        )
-                        start = 0
-                        for i in members:
-                            out[i] = tensors[i].result(avg[start : start + tensors[i].flat.size])
-                            start += tensors[i].flat.size
+                        t, op = Tensor.fused([tensors[i] for i in members]), "allreduce_many bucket"
+                    avg, messages = self._reduce(t, op, None, snapshots, True, first)
+                    averages.append(avg)
                     # The later buckets still run (every rank makes their calls), but
                     # skip_step means no update at all: zeros, and state rolled back, below.
                     skipped += messages
@@ -712,7 +725,13 @@ class CompressedComm:
                 raise
             if skipped:
                 rollback(snapshots)
-                out = [t.zeros() for t in tensors]
+                return [t.zeros() for t in tensors], skipped
+            out: list = [None] * len(tensors)
+            for members, avg in zip(groups, averages, strict=True):
+                start = 0
+                for i in members:
+                    out[i] = tensors[i].result(avg[start : start + tensors[i].flat.size])
+                    start += tensors[i].flat.size
             return out, skipped
 
     def _whole(self, tensors: list) -> tuple[dict, str]:
@@ -730,12 +749,16 @@ class CompressedComm:
         """Take part, with an empty ``allreduce_many``, in the agreement that the other
         ranks' first bucket begins with (they raise if they brought tensors)."""
         opts = self.options
-        if opts.debug:
-            config = f"{self.codec!r}, nonfinite={opts.nonfinite!r}, schedule=None"
-            check_same_call(self._comm, "allreduce_many([])", config, opts.timeout)
         description = {"op": "allreduce_many", "tensor": "", "numels": [], "call": whole}
         call = self._context(self._calls, description, config=self._planner.plan(0, False).config)
-        agree(call, 0, None)
+        try:
+            if opts.debug:
+                config = f"{self.codec!r}, nonfinite={opts.nonfinite!r}, schedule=None"
+                check_same_call(self._comm, "allreduce_many([])", config, opts.timeout)
+            agree(call, 0, None)
+        except PeerClosed as e:  # as _reduce: this rank follows the one that closed
+            self._peer_closed = str(e)
+            raise
 
     # -- threads and lifetime ---------------------------------------------------
 
@@ -815,5 +838,12 @@ def _deliver(outcome: tuple):
 def _warn(messages: list[str]) -> None:
     """Warn that a call was skipped on every rank, naming the ranks that held NaN/Inf."""
     text = "; ".join(messages) + " (every rank returned zeros; residuals unchanged)"
-    # _warn <- _deliver <- allreduce / Handle.wait <- the caller's line.
-    warnings.warn(text, NonFiniteWarning, stacklevel=4)
+    # At the caller's line: the first frame outside this module and the handles'
+    # (allreduce, its thread guard, Handle.wait).
+    level, frame = 2, sys._getframe(1)  # stacklevel 2: _warn's caller
+    while frame is not None and frame.f_code.co_filename in _OWN_FILES:
+        level, frame = level + 1, frame.f_back
+    warnings.warn(text, NonFiniteWarning, stacklevel=level)
+
+
+_OWN_FILES = (__file__, _worker.__file__)

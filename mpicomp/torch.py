@@ -336,6 +336,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self._next = 0  # the next bucket to start: buckets start in order on every rank
         self._snapshots: list = []  # residual snapshots of this step's calls
         self._synchronized = False
+        # The step and the gradients its averages overwrote, for a warning after the step.
+        self._overwritten: tuple[int, list[str]] = (0, [])
         error = None
         try:
             self._buckets = self._make_buckets(named)  # allocates: may fail on one rank
@@ -465,6 +467,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
             RuntimeError: this DistributedOptimizer is closed.
         """
         self._synchronize()
+        self._warn_overwritten()
 
     def _synchronize(self) -> None:
         if self._synchronized:
@@ -506,7 +509,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
                 stacklevel=_callers_level(),
             )
             return
-        self._warn_if_changed(sent)
+        # Warned after the step (step()) or the writing (synchronize()): under -W error it
+        # raises on the ranks whose gradients changed only, which must still step.
+        self._overwritten = (self.steps, self._changed_since_sent(sent))
         with torch.no_grad():
             i = 0
             for b, (avg, _) in zip(self._buckets, outcomes, strict=True):
@@ -561,21 +566,23 @@ class DistributedOptimizer(torch.optim.Optimizer):
         closer = int(every[-1]) - 1
         return every[:-1].astype(bool).tolist(), None if closer < 0 else closer
 
-    def _warn_if_changed(self, sent: list) -> None:
-        """Warn when a gradient changed after its bucket copied it: writing the averages
-        is about to undo that change (clipping before ``step()`` without
+    def _changed_since_sent(self, sent: list) -> list[str]:
+        """Return the parameters whose gradients changed after their bucket copied them:
+        writing the averages undoes that change (clipping before ``step()`` without
         ``synchronize()``, a GradScaler's unscale_, another backward pass)."""
         names = [n for b in self._buckets for n in b.names]
         params = [p for b in self._buckets for p in b.params]
-        changed = [
-            n for n, p, s in zip(names, params, sent, strict=True) if _changed_since(p.grad, s)
-        ]
+        return [n for n, p, s in zip(names, params, sent, strict=True) if _changed_since(p.grad, s)]
+
+    def _warn_overwritten(self) -> None:
+        """Warn of the gradients the last averages overwrote (``_changed_since_sent``)."""
+        (step, changed), self._overwritten = self._overwritten, (0, [])
         if not changed:
             return
         shown = ", ".join(map(repr, changed[:3]))
         more = f" and {len(changed) - 3} more" if len(changed) > 3 else ""
         warnings.warn(
-            f"DistributedOptimizer step {self.steps}: the gradients of {shown}{more} changed "
+            f"DistributedOptimizer step {step}: the gradients of {shown}{more} changed "
             "after they were sent for averaging (clipped or scaled before step() without "
             "synchronize(), or another backward pass) and are overwritten now with the "
             "averages of the gradients as sent, undoing the change: call "
@@ -606,6 +613,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
             self.steps += 1
         if not self.skipped:
             self.optimizer.step()
+        self._warn_overwritten()
         return loss
 
     def zero_grad(self, set_to_none: bool = True) -> None:

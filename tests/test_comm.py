@@ -588,3 +588,13 @@ def test_a_parameter_of_the_wrong_type_is_a_type_error(bits):
 
     with pytest.raises(TypeError, match="bits must be an integer"):
         mpicomp.CompressedComm(MPI.COMM_SELF, "qsgd_maxnorm", bits=bits)
+
+
+def test_a_checkpoint_step_saved_by_numpy_loads():
+    from mpi4py import MPI
+
+    with mpicomp.CompressedComm(MPI.COMM_SELF, "qsgd_maxnorm") as cc:
+        cc.load_state_dict({"step": np.array(7), "residuals": {}, "server_residuals": {}})
+        assert cc.state_dict()["step"] == 7
+        avg, _ = cc.start(np.ones(4, np.float32), "w", layout=np.int64(3)).wait()
+        np.testing.assert_array_equal(avg, 1)

@@ -272,3 +272,76 @@ def test_the_timeout_is_read_once_when_made(monkeypatch):
         assert cc.options.timeout == 0
     np.testing.assert_allclose(y, (comm.size - 1) / 2, atol=0.05 * comm.size)
     np.testing.assert_array_equal(gather_all(comm, y)[0], y)
+
+
+# --- state after what fails on one rank alone, and rollbacks ------------------------------
+
+
+@pytest.mark.mpi(min_size=2)
+def test_a_local_failure_after_the_call_keeps_the_steps_in_step(monkeypatch):
+    # Converting the result fails on one rank after every rank's call succeeded: only
+    # that rank raises, and its step must stay counted (else every later call disagrees).
+    from mpicomp import _intake
+
+    comm = world()
+    odd = comm.rank == comm.size - 1
+    result = _intake.Tensor.result
+    failures = []
+
+    def fails_once(self, avg):
+        if failures:
+            raise failures.pop()
+        return result(self, avg)
+
+    monkeypatch.setattr(_intake.Tensor, "result", fails_once)
+    with _make(CODECS["topk"]) as cc:
+        for many in (False, True):
+            x = _inputs(cc.rank)["c"]
+            failures += [MemoryError("converting the result")] if odd else []
+            try:
+                cc.allreduce_many([x], names=["c"]) if many else cc.allreduce(x, name="c")
+            except MemoryError:
+                assert odd
+            steps = comm.allgather(cc.state_dict()["step"])
+            assert len(set(steps)) == 1, steps
+            _regular(cc, 3)  # the next call agrees
+
+
+@pytest.mark.mpi(min_size=2)
+def test_rollback_waits_for_started_calls():
+    comm = world()
+    with _make(CODECS["qsgd"], background=None) as cc:
+        snapshots = []
+        cc.start(_inputs(cc.rank)["c"], "c", snapshots=snapshots)
+        later = cc.iallreduce(_inputs(cc.rank)["a"], name="a")  # still running, maybe
+        cc.rollback(snapshots)
+        later.wait()
+        steps = comm.allgather(cc.state_dict()["step"])
+        assert steps == [0] * comm.size
+        _regular(cc, 1)
+
+
+@pytest.mark.mpi(min_size=2)
+def test_a_name_started_twice_in_one_step_rolls_back_to_before_the_first():
+    comm = world()
+    with _make(CODECS["topk"]) as cc:
+        _regular(cc, 0)
+        before = cc.state_dict()
+        snapshots = []
+        for seed in (1, 2):
+            cc.start(_inputs(seed + comm.rank)["c"], "c", snapshots=snapshots).wait()
+        cc.rollback(snapshots)
+        _assert_same_state(before, cc.state_dict())
+
+
+@pytest.mark.mpi(min_size=2)
+def test_an_empty_call_meeting_a_close_closes_this_rank_too():
+    comm = world()
+    cc = _make(CODECS["none"])
+    if comm.rank == 0:
+        cc.close()
+    else:
+        with pytest.raises(mpicomp.PeerClosed):
+            cc.allreduce_many([])
+        assert cc.closed
+        cc.close()

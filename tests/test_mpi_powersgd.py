@@ -202,14 +202,13 @@ from test_mpi_torch import (  # noqa: E402
     _ddp_train,
     _model,
     _same_on_every_rank,
-    gloo,  # noqa: F401  (a fixture)
 )
 
 import mpicomp.torch as mt  # noqa: E402
 
 
 @pytest.mark.mpi
-def test_the_ddp_hook_with_powersgd_keeps_every_rank_identical(gloo):  # noqa: F811
+def test_the_ddp_hook_with_powersgd_keeps_every_rank_identical(gloo):
     comm = world()
     state = mt.HookState(comm, "powersgd", start_step=1, min_numel=16, start_iter=0)
     ours = _ddp_train(_model(), state, 4)

@@ -65,18 +65,21 @@ class ErrorFeedback:
         """Return the residual of ``name`` (None before its first encode)."""
         return self._memory.get(name)
 
-    def snapshot(self, names) -> Snapshot:
+    def snapshot(self, names, private: bool = False) -> Snapshot:
         """Copy the residuals of ``names`` aside, for ``Snapshot.restore`` to put back.
 
         The copies go to buffers kept per name and reused by the next snapshot of that
         name (no allocation per call in steady state), so a snapshot is only good until
-        the next snapshot of the same name.
+        the next snapshot of the same name; ``private`` copies into new buffers instead,
+        for a snapshot that must outlive the next one.
         """
         kept = []
         for name in names:
             r = self._memory.get(name)
             spare = None
-            if r is not None:
+            if r is not None and private:
+                spare = r.copy()
+            elif r is not None:
                 spare = self._spare.get(name)
                 if spare is None or spare.shape != r.shape or type(spare) is not type(r):
                     spare = self._spare[name] = backend_of(r, self.codec.kernels).xp.empty_like(r)

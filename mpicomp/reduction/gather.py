@@ -92,7 +92,12 @@ def sharded(call: Call, codec, flat):
             overflowed[0] = True
             err = RankError("this rank's shard's average overflows float32")
         clock.decoded()
-        pull, err = (None, err) if err is not None else attempt(residuals.pull, mine)
+        if err is None:
+            pull, err = attempt(residuals.pull, mine)
+            # A finite average refused: with the owner's kept error it overflows.
+            overflowed[0] = err is not None
+        else:
+            pull = None
         clock.encoded()
         return down(call, dev, pull, "pull"), err
 
@@ -103,13 +108,14 @@ def sharded(call: Call, codec, flat):
     if pushed is not None:
         pushed = [down(call, dev, p, f"push{s}") for s, p in enumerate(pushed)]
     try:
-        pulled = _up_all(dev, push_pull(comm, pushed, average, **call.io))
+        pulled = push_pull(comm, pushed, average, **call.io)
     except Exception:
         # Every rank raises when an owner failed; one byte per rank (on this path only)
         # tells them all whether it was an overflow, for one message and skip_step.
         if flagged(call, overflowed[0]):
             raise_overflow(call, codec, "the average of a shard over ranks")
         raise
+    pulled = _up_all(dev, pulled)
     clock.communicated()
     # Sizes were agreed: a payload of another size is corrupt (PayloadError everywhere).
     parts = [
