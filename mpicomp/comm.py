@@ -18,6 +18,7 @@ from dataclasses import replace
 from functools import partial, wraps
 from typing import NamedTuple
 
+import numpy as np
 from mpi4py import MPI
 
 from mpicomp import _worker
@@ -317,7 +318,9 @@ class CompressedComm:
         """
         self._check_open()
         self._drain()
-        return _deliver(self._average(self._take(x, name)))
+        t = self._take(x, name)
+        # _reduce itself, not _average: a gradient reaches MPI in six frames from here.
+        return _deliver(_shaped(t, *self._reduce(t, "allreduce")))
 
     @_one_thread
     def iallreduce(self, x, name: str = "") -> Handle:
@@ -539,10 +542,11 @@ class CompressedComm:
             PeerClosed: another rank closed this CompressedComm (then so do calls
                 started after it, without a message).
         """
-        avg, skipped = self._reduce(t, op, layout, snapshots, compress, whole)
-        return (t.zeros() if skipped else t.result(avg)), skipped
+        return _shaped(t, *self._reduce(t, op, layout, snapshots, compress, whole))
 
-    def _reduce(self, t: Tensor, op, layout, snapshots, compress, whole) -> tuple:
+    def _reduce(
+        self, t: Tensor, op: str, layout=None, snapshots=None, compress=True, whole=None
+    ) -> tuple:
         """Make the collective call of ``_average``; return (the flat float32 average or
         None, skip messages). What fails here fails on every rank alike (the agreement,
         the schedules' own checks), and only that takes the state back: the step and the
@@ -558,7 +562,10 @@ class CompressedComm:
             try:
                 call, codec, run = self._prepare(t, op, layout, snapshots, compress, whole, step)
                 try:
-                    avg = run(call, codec, t.flat)
+                    # Overflow is found by the finiteness checks, alike on every rank;
+                    # NumPy's warning would come on some ranks only (an error under -W error).
+                    with np.errstate(over="ignore", invalid="ignore"):
+                        avg = run(call, codec, t.flat)
                     check_average(call, codec, avg)
                 except BaseException:
                     call.residuals.restore()
@@ -821,6 +828,12 @@ def _check_comm(comm) -> None:
         raise TypeError(
             f"comm must be an mpi4py.MPI.Intracomm such as MPI.COMM_WORLD, got {comm!r}"
         )
+
+
+def _shaped(t: Tensor, avg, skipped: list) -> tuple:
+    """Return (``_reduce``'s flat average as ``t``'s result, or zeros when skipped; the
+    skip messages)."""
+    return (t.zeros() if skipped else t.result(avg)), skipped
 
 
 def _deliver(outcome: tuple):

@@ -4,7 +4,6 @@ P factor (with the tensors that go uncompressed), one of its Q factor, each one 
 
 from __future__ import annotations
 
-import functools
 import math
 from typing import Any, Protocol, runtime_checkable
 
@@ -39,21 +38,6 @@ class LowRankCodec(Protocol):
     def first_q(self, name: str, layout, xp) -> Any: ...
 
 
-def _quiet(fn):
-    """Run ``fn`` without NumPy's floating-point warnings: overflow is found by the
-    finiteness checks (of the sums here, of the average in ``check_average``, of the
-    next call's input), the same on every rank, where a warning would be on one rank
-    only, and under ``-W error`` an exception there alone."""
-
-    @functools.wraps(fn)
-    def quiet(*args, **kwargs):
-        with np.errstate(over="ignore", invalid="ignore"):
-            return fn(*args, **kwargs)
-
-    return quiet
-
-
-@_quiet
 def run(call: Call, codec, flat):
     """Average ``flat`` (the tensors of ``call.shapes``) by PowerSGD's two rounds."""
     comm, clock, memory = call.comm, call.clock, call.residuals.arrays
