@@ -320,7 +320,7 @@ class CompressedComm:
         self._drain()
         t = self._take(x, name)
         # _reduce itself, not _average: a gradient reaches MPI in six frames from here.
-        return _deliver(_shaped(t, *self._reduce(t, "allreduce")))
+        return _deliver(self._as_result(t, *self._reduce(t, "allreduce")))
 
     @_one_thread
     def iallreduce(self, x, name: str = "") -> Handle:
@@ -542,7 +542,13 @@ class CompressedComm:
             PeerClosed: another rank closed this CompressedComm (then so do calls
                 started after it, without a message).
         """
-        return _shaped(t, *self._reduce(t, op, layout, snapshots, compress, whole))
+        return self._as_result(t, *self._reduce(t, op, layout, snapshots, compress, whole))
+
+    def _as_result(self, t: Tensor, avg, skipped: list) -> tuple:
+        """Return (``_reduce``'s flat average as ``t``'s result, or zeros when skipped;
+        the skip messages), made on the gradients' GPU."""
+        with self._gpu.current():
+            return (t.zeros() if skipped else t.result(avg)), skipped
 
     def _reduce(
         self, t: Tensor, op: str, layout=None, snapshots=None, compress=True, whole=None
@@ -828,12 +834,6 @@ def _check_comm(comm) -> None:
         raise TypeError(
             f"comm must be an mpi4py.MPI.Intracomm such as MPI.COMM_WORLD, got {comm!r}"
         )
-
-
-def _shaped(t: Tensor, avg, skipped: list) -> tuple:
-    """Return (``_reduce``'s flat average as ``t``'s result, or zeros when skipped; the
-    skip messages)."""
-    return (t.zeros() if skipped else t.result(avg)), skipped
 
 
 def _deliver(outcome: tuple):
