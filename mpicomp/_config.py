@@ -62,7 +62,7 @@ def disagreement(comm, mine: dict | None, timeout: float | None) -> str:
     E.g. ``"codec.bits: 8 on rank 0, 4 on ranks 1-2"``. ``timeout``: seconds or None,
     resolved (the same on every rank).
     """
-    every = _allgather_json(comm, mine, timeout)
+    every = allgather_json(comm, mine, timeout)
     flat = [None if d is None else _flatten(d) for d in every]
     keys = list(dict.fromkeys(k for d in flat if d is not None for k in d))
 
@@ -118,7 +118,7 @@ def world_ranks(comm) -> str:
     return f" (ranks of this communicator; in MPI.COMM_WORLD: {shown}{more})"
 
 
-def _allgather_json(comm, mine, timeout: float | None) -> list:
+def allgather_json(comm, mine, timeout: float | None) -> list:
     """Return every rank's ``mine`` (JSON; None travels as nothing), in rank order."""
     payload = np.frombuffer(_canonical(mine) if mine is not None else b"", dtype=np.uint8)
     sizes = np.empty(comm.size, dtype=np.int64)
@@ -131,11 +131,15 @@ def _allgather_json(comm, mine, timeout: float | None) -> list:
     ]
 
 
-def check_same(comm, config: Config | None, error: BaseException | None, what: str, timeout):
+def check_same(
+    comm, config: Config | None, error: BaseException | None, what: str, timeout, differences=None
+):
     """Raise on every rank if some rank failed (``error``) or the configurations differ.
 
     Collective on ``comm``: one Allgather of two int64 per rank; the fields travel only
     when digests differ. The rank that failed raises its own error, the others RankError.
+    ``differences(timeout)``: what the message says differs (collective; default: the
+    fields of ``config`` that differ, ``disagreement``).
     """
     try:
         timeout = resolve_timeout(timeout)
@@ -153,12 +157,15 @@ def check_same(comm, config: Config | None, error: BaseException | None, what: s
     failed = np.flatnonzero(every[:, 0]).tolist()
     if failed:
         why = None if error is None else f"{type(error).__name__}: {error}"
-        first = _allgather_json(comm, why, timeout)[failed[0]]
+        first = allgather_json(comm, why, timeout)[failed[0]]
         if error is not None:
             raise error
         raise RankError(f"{ranks_text(failed)} failed making {what}: {first}{world_ranks(comm)}")
     if (every[:, 1] != every[0, 1]).any():
-        differs = disagreement(comm, config.fields, timeout)
+        if differences is None:
+            differs = disagreement(comm, config.fields, timeout)
+        else:
+            differs = differences(timeout)
         raise RankError(f"ranks configured {what} differently: {differs}")
 
 

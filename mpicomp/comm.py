@@ -262,7 +262,7 @@ class CompressedComm:
             self._comm.Free()
             raise
         self._planner = Planner(codec, opts.schedule, self._placement, args.config)
-        self._shaped = kind_of(codec).shaped  # whether calls agree on shapes, not only sizes
+        self._agrees_on_shapes = kind_of(codec).shaped  # not only on sizes
         self._last_whole = None, None  # the last allreduce_many's tensors and description
         self._calls = 0  # the step of the counter-based RNG: the same on every rank
         #: Gets every exchange step of the collectives, ``record(op, step, sent, recv,
@@ -602,8 +602,7 @@ class CompressedComm:
         plan = planned.plan
         if opts.debug:
             what = f"{op}({t.name!r}, {t.flat.size} {t.dtype})"
-            config = f"{self.codec!r}, nonfinite={opts.nonfinite!r}, schedule={plan.name!r}"
-            check_same_call(self._comm, None if t.error else what, config, opts.timeout)
+            self._check_same_call(None if t.error else what, repr(plan.name))
         if t.error is not None:
             fail(self._context(step), t.error)
         codec = self.codec if plan.compressed else self._plain
@@ -618,7 +617,7 @@ class CompressedComm:
             "numels": [math.prod(shape) for shape in t.shapes],
             "step": step,
         }
-        if self._shaped and plan.compressed:
+        if self._agrees_on_shapes and plan.compressed:
             description["shapes"] = [list(shape) for shape in t.shapes]
         if layout is not None:
             description["layout"] = layout
@@ -758,6 +757,12 @@ class CompressedComm:
             self._last_whole = key, (whole, f"{describe(whole):016x}")
         return self._last_whole[1]
 
+    def _check_same_call(self, what: str | None, schedule: str) -> None:
+        """The debug check that every rank makes call ``what`` (None: refused here)."""
+        opts = self.options
+        config = f"{self.codec!r}, nonfinite={opts.nonfinite!r}, schedule={schedule}"
+        check_same_call(self._comm, what, config, opts.timeout)
+
     def _agree_empty(self, whole: dict) -> None:
         """Take part, with an empty ``allreduce_many``, in the agreement that the other
         ranks' first bucket begins with (they raise if they brought tensors)."""
@@ -766,8 +771,7 @@ class CompressedComm:
         call = self._context(self._calls, description, config=self._planner.plan(0, False).config)
         try:
             if opts.debug:
-                config = f"{self.codec!r}, nonfinite={opts.nonfinite!r}, schedule=None"
-                check_same_call(self._comm, "allreduce_many([])", config, opts.timeout)
+                self._check_same_call("allreduce_many([])", "None")
             agree(call, 0, None)
         except PeerClosed as e:  # as _reduce: this rank follows the one that closed
             self._peer_closed = str(e)

@@ -22,16 +22,17 @@ import warnings
 import zlib
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
+from functools import partial
 
 try:
     import torch
 except ImportError as e:  # pragma: no cover - the test extras install torch
     raise ImportError("mpicomp.torch needs PyTorch: pip install 'mpicomp[torch]'") from e
 
-from mpicomp._config import Config, check_same, ranks_text
+from mpicomp._config import Config, allgather_json, check_same, disagreement, ranks_text
 from mpicomp._log import log
 from mpicomp.collectives import plain
-from mpicomp.collectives._wait import issue, resolve_timeout, wait_all
+from mpicomp.collectives._wait import issue, resolve_timeout
 from mpicomp.comm import CompressedComm
 from mpicomp.errors import NonFiniteWarning, PeerClosed, RankError
 
@@ -298,17 +299,14 @@ class DistributedOptimizer(torch.optim.Optimizer):
         except Exception as e:  # whatever it is, the other ranks must hear of it
             error, config = e, None
         # The CompressedComm made below checks its own options the same way.
-        what = "this DistributedOptimizer"
-        try:
-            check_same(_quiet(comm), config, error, what, None)
-        except RankError as e:
-            # Every rank has the same message: all ask for the parameters' details together.
-            if f"configured {what} differently" not in str(e) or f"{_LAYOUT}: " not in str(e):
-                raise
-            differs = _layout_differences(_mpi(comm), config, named, None)
-            if not differs:
-                raise
-            raise RankError(f"ranks configured {what} differently: {differs}") from None
+        check_same(
+            _quiet(comm),
+            config,
+            error,
+            "this DistributedOptimizer",
+            None,
+            differences=partial(_layout_differences, _mpi(comm), config, named),
+        )
         self._building = True
         # The parent's bookkeeping (hooks, profiling) over the wrapped groups; the
         # groups and state are then the wrapped optimizer's own objects.
@@ -812,7 +810,7 @@ def _layout_differences(mpi, config: Config, named: list, timeout) -> str:
     rank's names and shapes go to every rank, once the digests have differed."""
     fields = {k: v for k, v in config.fields.items() if k not in (_LAYOUT, "parameters")}
     mine = {"fields": fields, "parameters": [[n, list(p.shape)] for n, p in named]}
-    every = _allgather_json(mpi, mine, timeout)
+    every = allgather_json(mpi, mine, timeout)
     parts = []
     for key in fields:
         groups = _ranks_by(json.dumps(e["fields"].get(key)) for e in every)
@@ -839,7 +837,8 @@ def _layout_differences(mpi, config: Config, named: list, timeout) -> str:
         sides = ", ".join(f"{n!r} on {r}" for n, r in _ranks_by(o[at] for o in orders))
         differ.append(f"the same parameters in another order: at position {at}, {sides}")
     more = [f"and {len(differ) - _SHOWN} more parameters"] if len(differ) > _SHOWN else []
-    return "; ".join(parts + differ[:_SHOWN] + more)
+    # Digests that differ where nothing shown does: the fields, as check_same names them.
+    return "; ".join(parts + differ[:_SHOWN] + more) or disagreement(mpi, config.fields, timeout)
 
 
 def _ranks_by(values) -> list[tuple]:
@@ -848,25 +847,6 @@ def _ranks_by(values) -> list[tuple]:
     for rank, v in enumerate(values):
         groups.setdefault(v, []).append(rank)
     return [(v, ranks_text(r)) for v, r in groups.items()]
-
-
-def _allgather_json(mpi, mine, timeout) -> list:
-    """Return every rank's ``mine`` (JSON), in rank order. Nonblocking calls waited on
-    with the timeout (``MPICOMP_TIMEOUT`` for None), as ``check_same``'s: ranks may
-    differ in their timeout before the CompressedComm has compared them."""
-    import numpy as np
-
-    timeout = resolve_timeout(timeout)
-    blob = np.frombuffer(json.dumps(mine).encode(), np.uint8)
-    sizes = np.empty(mpi.size, np.int64)
-    request = mpi.Iallgather(np.array([blob.size], np.int64), sizes)
-    what = "DistributedOptimizer's parameter names and shapes"
-    wait_all(mpi, [request], timeout, "DistributedOptimizer", f"the sizes of {what}")
-    ends = np.cumsum(sizes)
-    whole = np.empty(int(ends[-1]), np.uint8)
-    request = mpi.Iallgatherv(blob, [whole, (sizes, ends - sizes)])
-    wait_all(mpi, [request], timeout, "DistributedOptimizer", f"{what}, {whole.size} bytes")
-    return [json.loads(bytes(whole[e - n : e])) for n, e in zip(sizes, ends, strict=True)]
 
 
 def _tensors(arrays: dict) -> dict:

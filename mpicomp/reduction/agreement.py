@@ -275,14 +275,16 @@ def check_average(call: Call, codec, avg) -> None:
     raise_overflow(call, codec, "the average over ranks")
 
 
-def raise_overflow(call: Call, codec, what: str) -> None:
+def raise_overflow(call: Call, codec, what: str, msg: str | None = None) -> None:
     """Raise, on every rank, what finite inputs whose ``what`` overflows float32 get:
-    RankError, or ``Skipped`` under ``"skip_step"``."""
-    msg = (
-        f"{codec.name}: {what} overflows float32 although every input was finite "
-        "(values near float32's limit, 3.4e38); scale the gradients down (e.g. a loss "
-        "scale) or use codec 'none'"
-    )
+    RankError, or ``Skipped`` under ``"skip_step"``; ``msg`` says it (default: the
+    codec's name, ``what`` and what to do)."""
+    if msg is None:
+        msg = (
+            f"{codec.name}: {what} overflows float32 although every input was finite "
+            "(values near float32's limit, 3.4e38); scale the gradients down (e.g. a loss "
+            "scale) or use codec 'none'"
+        )
     if call.guard.policy == "skip_step":
         raise Skipped([], f"{call.guard.what}: {msg}; call skipped")
     raise RankError(msg)

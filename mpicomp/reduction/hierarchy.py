@@ -14,7 +14,7 @@ from mpicomp._arrays import all_finite, array_module, zero_nonfinite
 from mpicomp.collectives import plain
 from mpicomp.collectives.sharded import shard_bounds
 from mpicomp.errors import RankError
-from mpicomp.reduction.agreement import Call, Skipped, agree, device, down, up
+from mpicomp.reduction.agreement import Call, Skipped, agree, device, down, raise_overflow, up
 
 #: The prefix of a hierarchical schedule: ``"hier:ring"`` reduces within each host, then
 #: runs the ring between hosts.
@@ -77,9 +77,7 @@ def run(call: Call, codec, flat, *, inner, hosts: Hosts):
     clock.communicated()
     if overflowed[0]:
         message = f"{codec.name}: the sum over a host's ranks overflows float32"
-        if guard.policy == "skip_step":
-            raise Skipped([], f"{guard.what}: {message}; call skipped")
-        raise RankError(message)
+        raise_overflow(call, codec, "", message)
     inner_call = replace(
         call,
         comm=hosts.cross,

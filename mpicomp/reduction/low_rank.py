@@ -13,11 +13,18 @@ from mpi4py import MPI
 from mpicomp._arrays import all_finite, array_module
 from mpicomp._residuals import Memory
 from mpicomp.collectives import plain
-from mpicomp.errors import RankError
 from mpicomp.kernels import backend_of
 from mpicomp.reduction._cost import Cost, mpi_allreduce
 from mpicomp.reduction._kind import Kind, Schedule
-from mpicomp.reduction.agreement import Call, Skipped, agree, device, down, encode_here, up
+from mpicomp.reduction.agreement import (
+    Call,
+    agree,
+    device,
+    down,
+    encode_here,
+    raise_overflow,
+    up,
+)
 
 
 @runtime_checkable
@@ -132,10 +139,8 @@ def _sum(call: Call, dev, wire, slot: str, factors: bool):
     total = up(dev, total)
     if not all_finite(total):  # finite inputs can still sum past float32, alike everywhere
         kept = factors and call.residuals.feedback
-        msg = _overflow(call, "the sum over ranks", kept, factors)
-        if call.guard.policy == "skip_step":
-            raise Skipped([], f"{call.guard.what}: {msg}; call skipped")
-        raise RankError(msg)
+        what = "the sum over ranks"
+        raise_overflow(call, None, what, _overflow(call, what, kept, factors))
     return total
 
 
