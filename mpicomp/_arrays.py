@@ -11,6 +11,7 @@ from contextlib import nullcontext
 import numpy as np
 
 from mpicomp.kernels import ENV, backend, backend_of
+from mpicomp.kernels.readback import read
 
 _ACCEPTED = (np.float16, np.float32, np.float64)
 _F32_MAX = float(np.finfo(np.float32).max)
@@ -134,10 +135,26 @@ def all_finite(x, kernels=None) -> bool:
     if x.size == 0:
         return True
     k = backend_of(x, kernels)
+    return bool(k.to_host(_finite(k, x), why="non-finite check"))
+
+
+def all_finite_later(x, kernels=None):
+    """Return ``all_finite(x, kernels)``, or on a device inside a ``readback.batch`` a
+    ``readback.Later`` of it, read with the batch's other values."""
+    if x.size == 0:
+        return True
+    k = backend_of(x, kernels)
+    return read(getattr(k, "device", None), _finite(k, x), "non-finite check", _true)
+
+
+def _finite(k, x):
     # min and max propagate NaN and reach ±Inf: two SIMD passes, no temporary, about
     # 8x faster than a scalar loop (0.5 ms for 4M float32 on one core).
-    finite = k.xp.isfinite(x.min()) & k.xp.isfinite(x.max())
-    return bool(k.to_host(finite, why="non-finite check"))
+    return k.xp.isfinite(x.min()) & k.xp.isfinite(x.max())
+
+
+def _true(host) -> bool:
+    return bool(host)
 
 
 def zero_nonfinite(x):

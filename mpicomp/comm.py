@@ -34,6 +34,7 @@ from mpicomp._worker import Handle, Runner
 from mpicomp.codecs import Codec
 from mpicomp.codecs._base import make as make_codec
 from mpicomp.errors import NonFiniteWarning, PeerClosed, RankError
+from mpicomp.kernels.readback import batch
 from mpicomp.options import Options
 from mpicomp.reduction import kind_of
 from mpicomp.reduction.agreement import (
@@ -570,9 +571,11 @@ class CompressedComm:
                 try:
                     # Overflow is found by the finiteness checks, alike on every rank;
                     # NumPy's warning would come on some ranks only (an error under -W error).
-                    with np.errstate(over="ignore", invalid="ignore"):
+                    # The checks that can wait for the end (the kernels' error masks, the
+                    # average's finiteness) come back together, in one read.
+                    with np.errstate(over="ignore", invalid="ignore"), batch("end of call"):
                         avg = run(call, codec, t.flat)
-                    check_average(call, codec, avg)
+                        check_average(call, codec, avg)
                 except BaseException:
                     call.residuals.restore()
                     raise

@@ -2,8 +2,9 @@
 
 ``adler32(dev, ...)`` takes the numba twin's arguments after the device it launches on;
 ``launchers(dev)`` binds it. The kernel reduces the bytes to two partial sums per block;
-one counted synchronization brings them to the host, where ``kernels/checksum.py``'s
-``combine`` continues the caller's running checksum.
+one counted synchronization brings them to the host (``readback.read``: later, with
+its batch, inside one), where ``kernels/checksum.py``'s ``combine`` continues the
+caller's running checksum.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import numpy as np
 
 from mpicomp.kernels.checksum import BASE, combine
 from mpicomp.kernels.cuda import bind, contiguous
+from mpicomp.kernels.readback import read
 
 DEFINES = {"MPICOMP_ADLER_BASE": f"{BASE}ull"}
 
@@ -46,11 +48,11 @@ def adler32(dev, src, value: int = 1, dst=None) -> int:
     args = (src, dst if copy else src, np.int32(copy), np.int64(n), partials)
     kernel = dev.kernel("checksum", "mpicomp_checksum_adler32", DEFINES)
     kernel(*dev.launch_shape(words), args)
-    return combine(
-        int(value),
-        span_sums(dev.to_host(partials, why="checksum.adler32: block sums").reshape(blocks, 2), n),
-        n,
-    )
+
+    def checksum(host) -> int:
+        return combine(int(value), span_sums(host.reshape(blocks, 2), n), n)
+
+    return read(dev, partials, "checksum.adler32: block sums", checksum)
 
 
 def launchers(dev) -> SimpleNamespace:

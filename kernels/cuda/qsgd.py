@@ -22,6 +22,7 @@ import numpy as np
 
 from mpicomp.kernels import qsgd as kq
 from mpicomp.kernels.cuda import family_kernel
+from mpicomp.kernels.readback import read
 
 #: Mask bytes per tile of ``grandk_compact`` (one block counts, then writes, one tile).
 TILE = 4096
@@ -44,6 +45,10 @@ _INDEX = {np.dtype(np.uint8): "u8", np.dtype(np.int64): "i64"}
 _U32_MAX = 0xFFFFFFFF
 
 _kernel = family_kernel("qsgd", DEFINES)
+
+
+def _first_int(host) -> int:
+    return int(host[0])
 
 
 def _floats(x, name: str = "x"):
@@ -118,8 +123,9 @@ class Qsgd:
     def _flags(self):
         return self._dev.xp.zeros(1, dtype=np.uint32)
 
-    def _result(self, err, launcher: str) -> int:
-        return int(self._dev.to_host(err, why=f"qsgd.{launcher}: error mask")[0])
+    def _result(self, err, launcher: str):
+        """Return the error mask ``err`` (an int, or a ``readback.Later`` in a batch)."""
+        return read(self._dev, err, f"qsgd.{launcher}: error mask", _first_int)
 
     def grandk_scatter(self, vals, idx, ratio, out) -> None:
         """Write out[idx[j]] = vals[j] * ratio (float32); out is zero elsewhere already."""

@@ -3,7 +3,8 @@
 The launchers are the numba twin's, in its order, each taking the device it launches on
 before the twin's arguments (``launchers(dev)`` binds them); same outputs and return
 values. The launchers that return a flag or a sum bring it to the host once
-(``dev.to_host``); ``expand`` brings nothing back.
+(``dev.to_host``), ``majority`` with ``readback.read`` (later, with its batch, inside
+one); ``expand`` brings nothing back.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import numpy as np
 
 from mpicomp.kernels.cuda import bind, contiguous, family_kernel
 from mpicomp.kernels.cuda.device import int_kind
+from mpicomp.kernels.readback import read
 from mpicomp.kernels.signsgd import CHUNK, TIE_POSITIVE, TIE_RANDOM
 
 DEFINES = {
@@ -50,11 +52,18 @@ def _sum_abs(dev, x, out):
     return not res[1], float(res[:1].view(np.float64)[0])
 
 
-def _flagged(dev, name: str, n_items: int, *args):
-    """Launch ``name`` over ``n_items`` with ``args`` and a flag; return not flag."""
+def _flagged(dev, name: str, n_items: int, *args, later: bool = False):
+    """Launch ``name`` over ``n_items`` with ``args`` and a flag; return not flag (``later``:
+    as ``readback.read`` returns it, a ``Later`` in a batch)."""
     flags = dev.xp.zeros(1, np.uint64)
     _kernel(dev, name)(*dev.launch_shape(n_items), (*args, flags))
-    return not dev.to_host(flags, why=f"signsgd.{name}: flag")[0]
+    if later:
+        return read(dev, flags, f"signsgd.{name}: flag", _clear)
+    return _clear(dev.to_host(flags, why=f"signsgd.{name}: flag"))
+
+
+def _clear(flags) -> bool:
+    return not flags[0]
 
 
 def pack(dev, x, out):
@@ -101,7 +110,7 @@ def majority(dev, counts, nranks, tie, key, offset, out):
         np.int32(tie),
     )
     args += (np.uint64(int(key) % 2**64), np.int64(offset), out)
-    return _flagged(dev, "majority", nbytes, *args)
+    return _flagged(dev, "majority", nbytes, *args, later=True)
 
 
 def expand(dev, bits, scale, out):

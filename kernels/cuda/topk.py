@@ -4,7 +4,9 @@ The launchers are the numba twin's ``scatter`` and ``select``, in its order, the
 ``all_finite`` (``kernels/cpu/checks.py`` on the numba side), each taking the device it
 launches on before the twin's arguments (``launchers(dev)`` binds them); same outputs and
 return values. ``select`` is a radix select of the k-th largest magnitude and a prefix-sum
-compaction, all on the device. Each brings one flag or error code to the host.
+compaction, all on the device. Each brings one flag or error code to the host:
+``select`` and ``scatter`` through ``readback.read`` (later, with its batch, inside
+one), ``all_finite`` at once.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import numpy as np
 
 from mpicomp.kernels.cuda import bind, contiguous, family_kernel
 from mpicomp.kernels.cuda.device import int_kind
+from mpicomp.kernels.readback import read
 
 #: Elements per thread of a compaction tile (CUDA-side only: the result does not depend on it).
 ITEMS = 8
@@ -65,7 +68,11 @@ def scatter(dev, indices, values, n, out):
     args = (indices, _kind(indices, "scatter"), np.int64(indices.size), values)
     args += (np.int64(n), out.view(np.uint32), err)
     _kernel(dev, "scatter")(*dev.launch_shape(indices.size), args)
-    err = int(dev.to_host(err, why="topk.scatter: bad-index flag")[0])
+    return read(dev, err, "topk.scatter: bad-index flag", _scatter_code)
+
+
+def _scatter_code(host) -> int:
+    err = int(host[0])
     return 0 if err == np.iinfo(np.uint64).max else err & 3
 
 
@@ -77,7 +84,7 @@ def select(dev, x, k, out_idx, out_val):
     |x|'s bit pattern find the threshold, a prefix sum over tiles places each kept pair.
 
     Returns:
-        False if ``x`` holds NaN or Inf (nothing is written), else True.
+        False if ``x`` holds NaN or Inf (the outputs are then undefined), else True.
     """
     u = _floats(dev, x, "select")
     n, k = u.size, int(k)
@@ -107,13 +114,15 @@ def select(dev, x, k, out_idx, out_val):
     _kernel(dev, "scan")((1,), (dev.threads,), (np.int64(ntiles), state, gt, eq, start))
     args = (u, np.int64(n), state, eq, start, idx, kind, val.view(np.uint32))
     _kernel(dev, "write")(*blocks, args)
-    if dev.to_host(state[2:], why="topk.select: non-finite flag")[0]:
-        return False
     if idx is not out_idx:
         out_idx[:k] = idx[:k]
     if val is not out_val:
         out_val[:k] = val[:k]
-    return True
+    return read(dev, state[2:3], "topk.select: non-finite flag", _clear)
+
+
+def _clear(host) -> bool:
+    return not host[0]
 
 
 def all_finite(dev, x):

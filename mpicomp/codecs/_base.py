@@ -113,8 +113,18 @@ class GatherCodecBase(Codec):
         xp = self.kernels.xp if not payloads else backend_of(payloads[0], self.kernels).xp
         total = xp.zeros(numel, dtype=np.float32)
         for p in payloads:
-            total += self.decode(p, numel=numel).reshape(-1)
+            total += self._decode_flat(p, numel).reshape(-1)
         return total
+
+    def decode_local(self, payload, shape):
+        """Return ``decode(payload)`` of a payload this process's ``encode`` just made of
+        an array of ``shape`` (error feedback's own decode); a codec may trust it."""
+        return self.decode(payload)
+
+    def _decode_flat(self, payload, numel: int):
+        """Return ``decode(payload, numel=numel)`` of a payload a collective gathered (of
+        a flat tensor); a codec may check it with fewer reads of the device."""
+        return self.decode(payload, numel=numel)
 
 
 def make(name: str, **params) -> Codec:

@@ -28,6 +28,7 @@ from mpicomp._arrays import is_array
 from mpicomp.errors import PayloadError
 from mpicomp.kernels import backend_of
 from mpicomp.kernels.checksum import combine
+from mpicomp.kernels.readback import batch, read, value_of, when
 
 MAGIC = b"MC"
 VERSION = 1
@@ -56,8 +57,15 @@ FIXED_SIZE = _FIXED.size  # 16
 
 def _checksum(payload: np.ndarray, kernels=None) -> int:
     # Chained over the two spans around the checksum field: no copy of the body.
-    adler32 = backend_of(payload, kernels).checksum.adler32
-    return adler32(payload[12:], zlib.adler32(payload[:8]))
+    return _adler32_now(backend_of(payload, kernels), payload[12:], zlib.adler32(payload[:8]))
+
+
+def _adler32_now(k, src, value: int, dst=None) -> int:
+    """Return ``k``'s Adler-32 of ``src`` continued from ``value``, read at once even
+    inside a caller's ``readback.batch``."""
+    with batch("checksum"):
+        found = k.checksum.adler32(src, value, dst=dst)
+    return value_of(found)
 
 
 def _head_checksum(head: np.ndarray, start: int) -> int:
@@ -95,13 +103,16 @@ def seal(
     body_sum=None,
     *,
     kernels=None,
+    batched: bool = False,
 ) -> np.ndarray:
     """Write the header of a payload from ``empty`` whose body is written; return it.
 
     ``body_sum``, when the encoder computed it while writing the body, is the body's
     Adler-32 from 0 (``zlib.adler32(body, 0)``): the body is then not read again.
     ``kernels``: the backend record of host arrays (default ``mpicomp.kernels.backend()``).
-    The header is made on the host and written with one copy.
+    The header is made on the host and written with one copy. ``batched``: the caller's
+    ``readback.batch`` reads a device body's checksum, and the header is written when
+    it closes (the payload must not be used before); else it is read here.
     """
     ndim = len(shape)
     start = header_size(ndim)
@@ -111,10 +122,17 @@ def seal(
     if ndim:
         head[FIXED_SIZE:] = np.asarray(shape, dtype="<u8").view(np.uint8)
     k = backend_of(payload, kernels)
-    if body_sum is None:
+    if body_sum is None and batched:
         body_sum = k.checksum.adler32(payload[start:], 0)
-    struct.pack_into("<I", head, 8, combine(_head_checksum(head, start), body_sum, body_len))
-    payload[:start] = k.xp.asarray(head)
+    elif body_sum is None:
+        body_sum = _adler32_now(k, payload[start:], 0)
+
+    def write(body_sum) -> None:
+        checksum = combine(_head_checksum(head, start), body_sum, body_len)
+        struct.pack_into("<I", head, 8, checksum)
+        payload[:start] = k.xp.asarray(head)
+
+    when(body_sum, write)
     return payload
 
 
@@ -126,7 +144,7 @@ def pack(
     body = k.xp.ascontiguousarray(body, dtype=np.uint8).reshape(-1)
     out, dst = empty(shape, body.size, k.xp)
     # One pass copies the body and sums it.
-    body_sum = k.checksum.adler32(body, 0, dst=dst)
+    body_sum = _adler32_now(k, body, 0, dst=dst)
     return seal(codec, out, shape, flags, body_sum, kernels=kernels)
 
 
@@ -134,14 +152,20 @@ def verify(codec: str, payload: np.ndarray, body_sum: int, *, kernels=None) -> N
     """Check the checksum of a payload that ``unpack(..., verify=False)`` accepted, given
     its body's Adler-32 from 0 (computed by a decoder in its own pass over the body).
 
+    ``body_sum`` may be a ``readback.Later``: the check then runs when it is read.
+
     Raises:
         PayloadError: the payload does not match its checksum.
     """
     head = _read_head(payload, kernels)
     start = header_size(int(head[4]))
-    value = combine(_head_checksum(head, start), body_sum, payload.size - start)
-    if value != struct.unpack_from("<I", head, 8)[0]:
-        raise PayloadError(f"{codec} payload fails its checksum (corrupted in transit?)")
+
+    def check(body_sum) -> None:
+        value = combine(_head_checksum(head, start), body_sum, payload.size - start)
+        if value != struct.unpack_from("<I", head, 8)[0]:
+            raise PayloadError(f"{codec} payload fails its checksum (corrupted in transit?)")
+
+    when(body_sum, check)
 
 
 def unpack(
@@ -215,10 +239,55 @@ def unpack(
             f"{codec} payload describes {numel_of(shape)} elements, expected {numel}"
         )
     if verify:
-        adler32 = backend_of(payload, kernels).checksum.adler32
-        if adler32(payload[12:], zlib.adler32(head[:8])) != checksum:
+        found = _adler32_now(backend_of(payload, kernels), payload[12:], zlib.adler32(head[:8]))
+        if found != checksum:
             raise PayloadError(f"{codec} payload fails its checksum (corrupted in transit?)")
     return shape, flags, payload[start:]
+
+
+def unpack_flat(codec: str, payload, numel: int, body_head: bytes = b"", *, kernels=None):
+    """Return the body of a payload that a rank's ``codec`` made from a flat tensor of
+    ``numel`` elements (what the collectives send), validated without reading it here.
+
+    Every byte of its header but the checksum is known from its length (ndim 1, no
+    flags), and ``body_head`` are bytes its body must start with (top-k's k): on a
+    device the comparison and the checksum run there and are read with the caller's
+    ``readback.batch`` (at once without one), and what fails raises when it is read,
+    with ``unpack``'s message. The checks are registered before anything the caller
+    decodes from the body, so a corrupt payload reports its corruption first.
+
+    Raises:
+        PayloadError: too short for the header, or (when read) corrupt.
+    """
+    start = header_size(1)
+    known = start + len(body_head)
+    if payload.size < known:
+        raise PayloadError(f"{codec} payload truncated: {payload.size} bytes < {known}")
+    head = np.empty(known, dtype=np.uint8)
+    body_len = payload.size - start
+    _FIXED.pack_into(head, 0, MAGIC, VERSION, CODEC_IDS[codec], 1, 0, 0, 0, body_len)
+    struct.pack_into("<Q", head, FIXED_SIZE, numel)
+    head[start:] = np.frombuffer(body_head, np.uint8)
+    k = backend_of(payload, kernels)
+    device = getattr(k, "device", None)
+    differs = k.xp.asarray(head) != payload[:known]
+    differs[8:12] = False  # the checksum: compared below
+    differs = read(device, differs.any(), f"{codec} payload: header", bool)
+    field = read(device, payload[8:12], f"{codec} payload: checksum field")
+    found = k.checksum.adler32(payload[12:], zlib.adler32(head[:8]))
+
+    def check(found) -> None:
+        if value_of(differs):
+            shape, _, _ = unpack(codec, payload, numel=numel, kernels=kernels)  # what is wrong
+            raise PayloadError(
+                f"{codec} payload of shape {shape}: expected one of a flat array (as the "
+                "collectives send)"
+            )
+        if found != int(value_of(field).view("<u4")[0]):
+            raise PayloadError(f"{codec} payload fails its checksum (corrupted in transit?)")
+
+    when(found, check)
+    return payload[start:]
 
 
 def claimed_shape(payload: np.ndarray) -> tuple[int, ...] | None:

@@ -11,6 +11,7 @@ from mpicomp.codecs import _wire
 from mpicomp.codecs._base import Codec, GatherCodecBase, check_number, register
 from mpicomp.errors import PayloadError
 from mpicomp.kernels import backend_of
+from mpicomp.kernels.readback import batch, when
 
 _FP16_MAX = float(np.finfo(np.float16).max)
 
@@ -193,14 +194,18 @@ class TopK(GatherCodecBase):
         body[:8] = kernels.xp.asarray(np.array([k], dtype="<u8").view(np.uint8))
         idx = body[8 : 8 + k * idt.itemsize].view(idt)
         vals = body[8 + k * idt.itemsize :].view("<f4")
-        if k == n:
-            if n and not kernels.topk.all_finite(flat):
-                raise ValueError("topk: input holds NaN or Inf")
-            idx[:] = kernels.xp.arange(n, dtype=idt)
-            vals[:] = flat
-        elif not kernels.topk.select(flat, k, idx, vals):
-            raise ValueError("topk: input holds NaN or Inf")
-        return _wire.seal(self.name, payload, x.shape, kernels=self.kernels)
+        # The NaN/Inf flag and the body's checksum come back in one read; the header
+        # is written after it, and only for a finite input.
+        with batch("topk encode"):
+            if k == n:
+                if n and not kernels.topk.all_finite(flat):
+                    raise ValueError("topk: input holds NaN or Inf")
+                idx[:] = kernels.xp.arange(n, dtype=idt)
+                vals[:] = flat
+            else:
+                when(kernels.topk.select(flat, k, idx, vals), _refuse_nonfinite)
+            _wire.seal(self.name, payload, x.shape, kernels=self.kernels, batched=True)
+        return payload
 
     def decode(self, payload, numel: int | None = None) -> np.ndarray:
         """Return the dense float32 array of ``payload`` (zeros where nothing was kept)."""
@@ -210,15 +215,51 @@ class TopK(GatherCodecBase):
         if body.size < 8:
             raise PayloadError(f"topk payload body truncated: {body.size} bytes")
         k = int(kernels.to_host(body[:8], why="topk decode: k").view("<u8")[0])
-        idt = self._index_dtype(n)
-        if k > n or body.size != 8 + k * (idt.itemsize + 4):
+        if k > n or body.size != self._body_size(n, k):
             raise PayloadError(f"topk payload holds k={k} for n={n} in a {body.size}-byte body")
+        return self._scatter(body, n, k).reshape(shape)
+
+    def decode_local(self, payload, shape) -> np.ndarray:
+        """Return ``decode(payload)`` of a payload this process's ``encode`` just made of
+        an array of ``shape``: its header is not read (nor yet written, in a batch)."""
+        n = math.prod(shape)
+        body = payload[_wire.header_size(len(shape)) :]
+        return self._scatter(body, n, self.kept(n), checked=False).reshape(shape)
+
+    def _decode_flat(self, payload, numel: int) -> np.ndarray:
+        """``decode(payload, numel)`` of a flat tensor's payload, k known from its length:
+        nothing read here, the checks read with the caller's batch."""
+        idt = self._index_dtype(numel)
+        k, extra = divmod(payload.size - _wire.header_size(1) - 8, idt.itemsize + 4)
+        if k < 0 or extra or k > numel:  # not a flat tensor's top-k: decode says what
+            return self.decode(payload, numel=numel).reshape(-1)
+        head = np.array([k], dtype="<u8").tobytes()
+        body = _wire.unpack_flat(self.name, payload, numel, head, kernels=self.kernels)
+        return self._scatter(body, numel, k)
+
+    def _body_size(self, n: int, k: int) -> int:
+        return 8 + k * (self._index_dtype(n).itemsize + 4)
+
+    def _scatter(self, body, n: int, k: int, checked: bool = True) -> np.ndarray:
+        """Return the dense float32 array of the k pairs of ``body`` (n elements)."""
+        kernels = backend_of(body, self.kernels)
+        idt = self._index_dtype(n)
         idx = body[8 : 8 + k * idt.itemsize].view(idt)
-        vals = body[8 + k * idt.itemsize :].view("<f4")
+        vals = body[8 + k * idt.itemsize : 8 + k * (idt.itemsize + 4)].view("<f4")
         out = kernels.xp.zeros(n, dtype=np.float32)
         err = kernels.topk.scatter(idx, vals, n, out)
-        if err == 1:
-            raise PayloadError("topk payload indices are out of range or not increasing")
-        if err == 2:
-            raise PayloadError("topk payload holds a NaN or Inf value")
-        return out.reshape(shape)
+        if checked:
+            when(err, _refuse_pairs)
+        return out
+
+
+def _refuse_nonfinite(ok: bool) -> None:
+    if not ok:
+        raise ValueError("topk: input holds NaN or Inf")
+
+
+def _refuse_pairs(err: int) -> None:
+    if err == 1:
+        raise PayloadError("topk payload indices are out of range or not increasing")
+    if err == 2:
+        raise PayloadError("topk payload holds a NaN or Inf value")

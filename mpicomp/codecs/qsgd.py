@@ -25,6 +25,7 @@ from mpicomp.codecs._base import Codec, check_number, register
 from mpicomp.codecs._qsgd_blocks import Blocks, Cuts, member_sizes
 from mpicomp.kernels import backend_of, place
 from mpicomp.kernels import qsgd as _k
+from mpicomp.kernels.readback import when
 from mpicomp.kernels.rng import key as _rng_key
 
 DEFAULT_K = 10000  # the paper's K for all its GlobalRandK experiments (§5)
@@ -153,6 +154,12 @@ def _raise(err: int, values: np.ndarray, norm) -> None:
         )
     if err & _k.ERR_RANGE:
         raise ValueError("code_sum holds a value beyond nranks * bound: wrong nranks or codes")
+
+
+def _check(err, values, norm) -> None:
+    """Raise what kernel error mask ``err`` says (``values()``: what was coded, for the
+    message): now, or when the read batch holding ``err`` closes."""
+    when(err, lambda e: _raise(e, values(), norm) if e else None)
 
 
 def _sumsq_norm(kernels, flat: np.ndarray, idx: np.ndarray | None) -> float:
@@ -284,8 +291,7 @@ class _MaxNorm(Codec):
         _, pieces, first = a.blocks
         out = a.kernels.xp.empty(first.size - 1, dtype=np.float32)
         err = a.kernels.qsgd.block_norms(a.flat, a.index, a.dense, pieces, first, out)
-        if err:
-            _raise(err, a.values(), out)
+        _check(err, a.values, out)
         return out
 
     def _host_blocks(self, numel: int, shapes, step=0) -> np.ndarray:
@@ -299,8 +305,7 @@ class _MaxNorm(Codec):
         out = a.kernels.xp.empty(a.n, dtype=self.code_dtype)
         args = (*a.blocks, self.levels, key, out)
         err = a.kernels.qsgd.quantize(a.flat, a.index, a.dense, *args)
-        if err:
-            _raise(err, a.values(), norm)
+        _check(err, a.values, norm)
         return out
 
     def _values(self, codes, norm, nranks, numel, shapes, step=0):
@@ -310,8 +315,7 @@ class _MaxNorm(Codec):
         norms, b = self._against(k, norm, numel, shapes, step)
         out = k.xp.empty(codes.size, dtype=np.float32)
         err = k.qsgd.dequantize(codes, norms, b.starts, b.regular, self.levels, nranks, limit, out)
-        if err:
-            _raise(err, out, norm)
+        _check(err, lambda: out, norm)
         return out
 
     def _values_packed(self, data, n, width, offset, norm, nranks, numel, shapes, step=0):
@@ -323,8 +327,7 @@ class _MaxNorm(Codec):
         out = k.xp.empty(n, dtype=np.float32)
         args = (norms, b.starts, b.regular, self.levels, nranks, limit, out)
         err = k.qsgd.dequantize_packed(data, width, offset, *args)
-        if err:
-            _raise(err, out, norm)
+        _check(err, lambda: out, norm)
         return out
 
 
@@ -399,8 +402,7 @@ class _Multiscale:
         out = a.kernels.xp.empty(a.n, dtype=np.uint8)
         args = (*a.blocks, self._scales_on(a.kernels), out)
         err = a.kernels.qsgd.multiscale_index(a.flat, a.index, a.dense, *args)
-        if err:
-            _raise(err, a.values(), norm)
+        _check(err, a.values, norm)
         return out
 
     def _ms_quantize(self, x, norm, scale_index, key, shapes, step=0) -> np.ndarray:
@@ -409,8 +411,7 @@ class _Multiscale:
         out = a.kernels.xp.empty(a.n, dtype=self.code_dtype)
         args = (*a.blocks, self._scales_on(a.kernels), sidx, key, out)
         err = a.kernels.qsgd.multiscale_quantize(a.flat, a.index, a.dense, *args)
-        if err:
-            _raise(err, a.values(), norm)
+        _check(err, a.values, norm)
         return out
 
     def _ms_values(self, code_sum, norm, scale_index, nranks, numel, shapes, step=0):
@@ -423,8 +424,7 @@ class _Multiscale:
         out = k.xp.empty(n, dtype=np.float32)
         args = (norms, b.starts, b.regular, self._scales_on(k), nranks, limit, out)
         err = k.qsgd.multiscale_dequantize(codes, sidx, *args)
-        if err:
-            _raise(err, out, norm)
+        _check(err, lambda: out, norm)
         return out
 
     def _ms_values_packed(
@@ -438,8 +438,7 @@ class _Multiscale:
         out = k.xp.empty(n, dtype=np.float32)
         args = (norms, b.starts, b.regular, self._scales_on(k), nranks, limit, out)
         err = k.qsgd.multiscale_dequantize_packed(data, width, offset, sidx, *args)
-        if err:
-            _raise(err, out, norm)
+        _check(err, lambda: out, norm)
         return out
 
 

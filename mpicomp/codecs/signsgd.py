@@ -17,7 +17,14 @@ from mpicomp.codecs._base import Codec, check_number, register
 from mpicomp.errors import PayloadError
 from mpicomp.kernels import backend_of
 from mpicomp.kernels import signsgd as _k
+from mpicomp.kernels.readback import when
 from mpicomp.kernels.rng import key as _rng_key
+
+
+def _counts_in_range(ok: bool, nranks: int) -> None:
+    if not ok:
+        raise ValueError(f"vote counts must lie in [0, {nranks}]")
+
 
 _TIES = {"negative": _k.TIE_NEGATIVE, "positive": _k.TIE_POSITIVE, "random": _k.TIE_RANDOM}
 
@@ -110,8 +117,8 @@ class SignSGD(Codec):
         out = k.xp.empty((counts.size + 7) // 8, dtype=np.uint8)
         key = _rng_key(self.params["seed"], step, 0)
         tie = _TIES[self.params["tie"]]
-        if not k.signsgd.majority(counts, nranks, tie, key, offset, out):
-            raise ValueError(f"vote counts must lie in [0, {nranks}]")
+        ok = k.signsgd.majority(counts, nranks, tie, key, offset, out)
+        when(ok, lambda ok: _counts_in_range(ok, nranks))
         return out
 
     def expand(self, bits, n: int, scale: float = 1.0) -> np.ndarray:

@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from mpicomp._arrays import all_finite, is_device_array, zero_nonfinite
+from mpicomp._arrays import all_finite, all_finite_later, is_device_array, zero_nonfinite
 from mpicomp._config import Config, disagreement, ranks_text, world_ranks
 from mpicomp._residuals import NO_RESIDUALS
 from mpicomp._transport import Transport
@@ -37,6 +37,7 @@ from mpicomp.collectives._wait import resolve_timeout
 from mpicomp.collectives.maxallreduce import max_allreduce
 from mpicomp.errors import PeerClosed, RankError
 from mpicomp.kernels import backend_of
+from mpicomp.kernels.readback import when
 from mpicomp.trace import NO_CLOCK
 
 POLICIES = ("raise", "skip_step", "zero")
@@ -270,9 +271,12 @@ def check_average(call: Call, codec, avg) -> None:
     so each rank's own pass over it decides alike, with no message. Under
     ``"skip_step"`` the call is skipped instead. ``none``'s and fp16's sums check
     themselves (``float_sum``)."""
-    if codec.aggregation == "sum" or all_finite(avg, call.kernels):
+    if codec.aggregation == "sum":
         return
-    raise_overflow(call, codec, "the average over ranks")
+    when(
+        all_finite_later(avg, call.kernels),
+        lambda finite: finite or raise_overflow(call, codec, "the average over ranks"),
+    )
 
 
 def raise_overflow(call: Call, codec, what: str, msg: str | None = None) -> None:

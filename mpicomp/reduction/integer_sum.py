@@ -5,7 +5,6 @@ direct reduce-scatter, then dequantize."""
 from __future__ import annotations
 
 import math
-from functools import partial
 from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
@@ -14,6 +13,7 @@ from mpicomp.collectives.maxallreduce import max_allreduce
 from mpicomp.collectives.ring import ring_allreduce_min
 from mpicomp.kernels import backend_of
 from mpicomp.kernels.bits import packed_size
+from mpicomp.kernels.readback import batch, read, value_of
 from mpicomp.reduction._cost import (
     AGREEMENT_BYTES,
     NOTHING,
@@ -87,20 +87,32 @@ def _shapes(call: Call, numel: int):
     return shapes
 
 
-def _to_share(call: Call, norms) -> tuple[float, object]:
-    """Return what this rank's block ``norms`` (None: its encode failed) send: the
-    agreement's value and the host vector for the MaxAllReduce.
+def _norms_of(call: Call, codec, shapes, at):
+    """Return ``norms(flat)``: this rank's block norms on the host. The norms and the
+    kernel's error mask come back in one read; a refused input raises there."""
+
+    def norms(flat):
+        with batch("encode"):
+            out = codec.local_norms(flat, shapes=shapes, **at)
+            device = getattr(backend_of(out, call.kernels), "device", None)
+            host = read(device, out, "integer_sum: block norms")
+        return value_of(host)
+
+    return norms
+
+
+def _to_share(norms) -> tuple[float, object]:
+    """Return what this rank's host block ``norms`` (None: its encode failed) send: the
+    agreement's value and the vector for the MaxAllReduce.
 
     One block rides in the agreement's value; a rank with several sends +inf there (never
     a norm), and then every rank sends its vector through one MaxAllReduce (which raises
-    on every rank if the ranks cut different blocks). Device norms come to the host (one
-    read): MPI gets a few bytes either way.
+    on every rank if the ranks cut different blocks).
     """
     count = 0 if norms is None else norms.size
     if not count:
         return 0.0, norms
-    host = backend_of(norms, call.kernels).to_host(norms, why="integer_sum: block norms")
-    return (float(host[0]) if count == 1 else math.inf), host
+    return (float(norms[0]) if count == 1 else math.inf), norms
 
 
 def run(call: Call, codec, flat, *, collective):
@@ -110,10 +122,9 @@ def run(call: Call, codec, flat, *, collective):
     dev = device(flat)
     shapes = _shapes(call, flat.size)
     at = {"step": step} if codec.sparse else {}  # GlobalRandK: K coordinates drawn per step
-    norms_of = partial(codec.local_norms, shapes=shapes, **at)
-    norms, flat, err, bad = encode_here(call, norms_of, flat)
+    norms, flat, err, bad = encode_here(call, _norms_of(call, codec, shapes, at), flat)
     clock.encoded()
-    value, norms = _to_share(call, norms)
+    value, norms = _to_share(norms)
     norm = agree(call, flat.size, err, value, nonfinite=bad)
     if norm == math.inf:  # norms of several blocks: their max over ranks
         norm = up(dev, max_allreduce(comm, norms, **call.io))
