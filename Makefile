@@ -31,7 +31,7 @@ export MPI4PY_LIBMPI := $(abspath $(VENV))/lib/$(LIBMPI_$(MPI))
 
 .PHONY: demo tour test test-unit test-mpi docs test-sanitize test-gpu test-gpu-unit test-gpu-mpi \
         test-gpu-sanitize \
-        bench-gpu mpi-check bench bench-mpi bench-netem peers lint clean fuzz soak
+        bench-gpu mpi-check bench bench-mpi bench-netem peers lint clean fuzz soak cuda-mpi
 
 $(BIN)/activate:
 	$(PYTHON) -m venv $(VENV)
@@ -137,6 +137,11 @@ bench-gpu: $(VENV)/.installed
 	  $(BIN)/mpicomp bench --backend cuda --numel $$n --no-allreduce $(BENCH_ARGS); done
 	$(MPIENV) $(MPIRUN) -n 4 $(BIN)/python -m mpi4py -m mpicomp bench --backend cuda \
 	  --no-kernels --sizes 1M,25.6M $(BENCH_ARGS)
+
+# Open MPI 4.1 with CUDA support, built from Debian's source (no GPU needed) into .cuda-mpi/
+# (about 9 MB, git-ignored) for .ci/gpu's `direct` step; CUDA_HOME picks the toolkit.
+cuda-mpi:
+	bash .ci/cuda-mpi
 
 # Fail early when mpi4py loaded another MPI than the one this environment is for.
 mpi-check: $(VENV)/.installed

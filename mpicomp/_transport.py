@@ -40,6 +40,9 @@ _HINTS = {
     "MPIR_CVAR_ENABLE_GPU": "MPICH",
     "MPICH_GPU_SUPPORT_ENABLED": "Cray MPICH",
     "MV2_USE_CUDA": "MVAPICH2",
+    # 1 enables GPU buffers (CUDA or Level Zero) in Intel MPI 2021; one that answers
+    # MPIX_GPU_query_support (2021.19 does) is believed instead.
+    "I_MPI_OFFLOAD": "Intel MPI",
 }
 
 
@@ -59,9 +62,12 @@ def libmpi_path() -> str | None:
 
 def library_cuda_support(libpath: str | None, vendor: str) -> tuple[bool | None, str]:
     """Return (True, False or None for unknown; how that was found) from the MPI library."""
-    env = os.environ.get("MPIR_CVAR_ENABLE_GPU")
-    if vendor == "MPICH" and env is not None and env.strip().lower() in _FALSE:
-        return False, f"MPIR_CVAR_ENABLE_GPU={env}"
+    # A build with GPU support answers yes even where this run switched it off (Open MPI
+    # 4.1's MPIX_Query_cuda_support returns how it was built).
+    off = {"MPICH": "MPIR_CVAR_ENABLE_GPU", "Open MPI": "OMPI_MCA_opal_cuda_support"}.get(vendor)
+    env = os.environ.get(off) if off else None
+    if env is not None and env.strip().lower() in _FALSE:
+        return False, f"{off}={env}"
     if libpath is None:
         return None, "MPI library file not found"
     try:

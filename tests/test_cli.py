@@ -80,6 +80,39 @@ def test_mpicomp_cuda_aware_overrides_the_detection(monkeypatch):
     _transport.cuda_aware.cache_clear()
 
 
+def test_intel_mpi_offload_is_a_hint_when_the_library_cannot_be_asked(monkeypatch):
+    from mpicomp import _transport
+
+    for var in (_transport.ENV, *_transport._HINTS):
+        monkeypatch.delenv(var, raising=False)
+    unasked = (None, "the library has no MPIX_Query_cuda_support")
+    monkeypatch.setattr(_transport, "library_cuda_support", lambda path, vendor: unasked)
+    try:
+        for value, expect in (
+            ("1", (True, "I_MPI_OFFLOAD=1 (Intel MPI)")),
+            ("0", (False, f"{unasked[1]}; no environment hint")),
+        ):
+            monkeypatch.setenv("I_MPI_OFFLOAD", value)
+            _transport.cuda_aware.cache_clear()
+            assert _transport.cuda_aware() == expect
+    finally:
+        _transport.cuda_aware.cache_clear()
+
+
+@pytest.mark.parametrize(
+    "vendor, var", [("MPICH", "MPIR_CVAR_ENABLE_GPU"), ("Open MPI", "OMPI_MCA_opal_cuda_support")]
+)
+def test_gpu_support_switched_off_for_the_run_wins_over_the_build(vendor, var, monkeypatch):
+    """Open MPI 4.1 answers MPIX_Query_cuda_support with how it was built: a run that
+    switched CUDA off must not get device pointers."""
+    from mpicomp import _transport
+
+    monkeypatch.setenv(var, "0")
+    assert _transport.library_cuda_support("/no/such/libmpi.so", vendor) == (False, f"{var}=0")
+    other = "Open MPI" if vendor == "MPICH" else "MPICH"
+    assert _transport.library_cuda_support(None, other)[0] is None  # another vendor's knob
+
+
 def test_info_names_the_backend_mpicomp_kernels_selects(monkeypatch):
     monkeypatch.setenv("MPICOMP_KERNELS", "no-such-backend")
     text = cli.info()["backends"]
