@@ -24,7 +24,9 @@ def _array(buf):
     return buf[0] if isinstance(buf, (list, tuple)) else buf
 
 
-def allreduce(comm, sendbuf, recvbuf, op=MPI.SUM, *, timeout=None, recorder=None) -> None:
+def allreduce(
+    comm, sendbuf, recvbuf, op=MPI.SUM, *, timeout=None, recorder=None, step: int = 1
+) -> None:
     """Reduce ``sendbuf`` over ranks with ``op`` into ``recvbuf`` (``MPI_Allreduce``).
 
     Args:
@@ -34,7 +36,8 @@ def allreduce(comm, sendbuf, recvbuf, op=MPI.SUM, *, timeout=None, recorder=None
         op: an ``MPI.Op`` (user-defined ones included).
         timeout: seconds to wait before this rank reports what it waits for and aborts
             the job (``comm.Abort``); None: ``MPICOMP_TIMEOUT``, unset or 0: off.
-        recorder: gets ``record("mpi.allreduce", 1, nbytes, nbytes, 8 * itemsize)``.
+        recorder: gets ``record("mpi.allreduce", step, nbytes, nbytes, 8 * itemsize)``.
+        step: which message of a sum sent in several (chunks) this is, from 1.
     """
     nbytes = _array(recvbuf).nbytes
     issue(
@@ -50,7 +53,7 @@ def allreduce(comm, sendbuf, recvbuf, op=MPI.SUM, *, timeout=None, recorder=None
     if recorder is not None:
         a = _array(sendbuf)
         wire = a.nbytes if comm.size > 1 else 0  # one rank sends nothing
-        recorder.record("mpi.allreduce", 1, wire, wire, 8 * a.itemsize)
+        recorder.record("mpi.allreduce", step, wire, wire, 8 * a.itemsize)
 
 
 def allgather(comm, sendbuf, recvbuf, *, timeout=None, recorder=None) -> None:

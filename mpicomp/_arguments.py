@@ -54,7 +54,7 @@ def resolve(codec, codec_params: dict, *, on_call, local_comm, **given) -> Argum
     transport = Transport(direct=cuda_aware()[0])
     background = why is None if opts.background is None else opts.background
     eager_why = why if opts.background is None else None
-    config = _config(codec, opts, on_call is not None, local_comm is not None)
+    config = _config(codec, opts, on_call is not None, local_comm is not None, transport)
     return Arguments(codec, opts, transport, background, eager_why, config)
 
 
@@ -111,10 +111,13 @@ def _unknown_keywords(unknown: list[str], codec: str) -> str:
     )
 
 
-def _config(codec: Codec, opts: Options, on_call: bool, local_comm: bool) -> Config:
+def _config(
+    codec: Codec, opts: Options, on_call: bool, local_comm: bool, transport: Transport
+) -> Config:
     """Return what every rank's CompressedComm must share: what changes the messages
     (a tracer of a file or of ``on_call`` alike syncs its clock with the other ranks'
-    at start; one of a file also gathers its events at every flush)."""
+    at start; one of a file also gathers its events at every flush; the staging chunk
+    cuts a float32 sum into as many MPI_Allreduce on every rank)."""
     traced = opts.trace is not None
     return Config(
         {
@@ -132,6 +135,7 @@ def _config(codec: Codec, opts: Options, on_call: bool, local_comm: bool) -> Con
             "trace_level": opts.trace_level if traced else None,
             "trace_flush_every": opts.trace_flush_every if traced else None,
             "local_comm": local_comm,
+            "staging_chunk": transport.chunk_bytes,
         }
     )
 

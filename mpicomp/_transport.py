@@ -10,7 +10,10 @@ of the common builds, else no.
 are done (``direct``, when ``cuda_aware()``), or copy them into its staging buffers and
 the results back (``staged``). The staging buffers are pinned where the device backend
 can pin, one per use, grown when a call needs more and reused by every later call (no
-allocation in steady state). Traces and ``mpicomp info`` say which path is taken.
+allocation in steady state). Traces and ``mpicomp info`` say which path is taken. A
+staged exchange of more than a chunk (``MPICOMP_STAGING_CHUNK``, 4 MiB) is pipelined:
+``Transport.exchange_in_chunks`` overlaps one chunk's MPI with the next chunk's copy down
+and the previous chunk's copy up (docs/performance.md, "Pipelined staging").
 """
 
 from __future__ import annotations
@@ -119,6 +122,57 @@ def cuda_aware() -> tuple[bool, str]:
     return False, f"{how}; no environment hint"
 
 
+#: The environment variable that sets the staging chunk, in bytes (``K``, ``M``, ``G``:
+#: KiB, MiB, GiB; 0: no chunks). Read when a CompressedComm is made; every rank must set
+#: it alike, since it splits the float32 sum's messages on every path.
+CHUNK_ENV = "MPICOMP_STAGING_CHUNK"
+
+#: The default staging chunk: MPI runs near its bandwidth on 4 MiB messages, and a 100 MB
+#: gradient still has 25 chunks whose copies can hide behind each other's MPI.
+CHUNK_BYTES = 4 << 20
+
+_UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+# Chunks in flight: one coming down, one in MPI, one going up (pinned buffers each).
+_DEPTH = 3
+_STAGING_WAIT = "staging: device to host"  # the name of the host's wait for a download
+
+
+def staging_chunk() -> int:
+    """Return the staging chunk in bytes: ``MPICOMP_STAGING_CHUNK``, else ``CHUNK_BYTES``.
+
+    Raises:
+        ValueError: the variable is not a whole number of bytes >= 0 (with K, M or G).
+    """
+    raw = os.environ.get(CHUNK_ENV, "").strip()
+    if not raw:
+        return CHUNK_BYTES
+    match = re.fullmatch(r"(\d+)\s*([KMG]?)(?:i?B)?", raw, re.IGNORECASE)
+    if match is None:
+        raise ValueError(f"{CHUNK_ENV} must be bytes >= 0, e.g. 4194304 or 4M; got {raw!r}")
+    return int(match[1]) * _UNITS[match[2].upper()]
+
+
+def chunk_bounds(n: int, itemsize: int, chunk_bytes: int) -> list[tuple[int, int]]:
+    """Return the ``(lo, hi)`` element ranges that split ``n`` values of ``itemsize``
+    bytes into chunks of ``chunk_bytes`` (whole values, one at least): one range when
+    ``chunk_bytes`` is 0 or they fit in one chunk."""
+    step = max(1, chunk_bytes // itemsize) if chunk_bytes else n
+    if n <= step:
+        return [(0, n)]
+    return [(lo, min(lo + step, n)) for lo in range(0, n, step)]
+
+
+class _Lanes:
+    """The streams and events of one device's pipeline, made once and reused by every
+    call (``down``: copies to the host; ``up``: copies back)."""
+
+    def __init__(self, dev):
+        self.down, self.up = dev.stream(), dev.stream()
+        self.ready, self.drained, self.done = dev.event(), dev.event(), dev.event()
+        self.downloaded = [dev.event() for _ in range(_DEPTH)]
+        self.uploaded = [dev.event() for _ in range(_DEPTH)]
+
+
 class Transport:
     """How one CompressedComm hands device bytes to MPI: ``direct`` (the device arrays
     themselves, to a CUDA-aware library, after their device work is done) or staged
@@ -129,11 +183,17 @@ class Transport:
     its first steps. Buffers are pinned (page-locked)
     where the device backend can pin (``record.device.pinned``), which makes the copies
     asynchronous-capable and about twice as fast as pageable ones on a GPU.
+
+    ``chunk_bytes`` (default ``staging_chunk()``) is the chunk of ``exchange_in_chunks``.
     """
 
-    def __init__(self, direct: bool = False):
+    def __init__(self, direct: bool = False, chunk_bytes: int | None = None):
         self.direct = bool(direct)
+        self.chunk_bytes = staging_chunk() if chunk_bytes is None else int(chunk_bytes)
+        if self.chunk_bytes < 0:
+            raise ValueError(f"chunk_bytes must be >= 0, got {chunk_bytes}")
         self._buffers: dict[str, np.ndarray] = {}
+        self._lanes: dict[tuple, _Lanes] = {}  # per device and GPU
         self.allocations = 0  # buffers made so far (tests check it stops growing)
 
     @property
@@ -160,5 +220,64 @@ class Transport:
     def down(self, record, a, slot: str) -> np.ndarray:
         """Return device array ``a`` copied into ``slot``'s host buffer (same shape)."""
         out = self.host(record, slot, a.dtype, a.size).reshape(a.shape)
-        record.to_host(a, out=out, why="staging: device to host")
+        record.to_host(a, out=out, why=_STAGING_WAIT)
         return out
+
+    def exchange_in_chunks(self, record, a, bounds, exchange, check) -> tuple[object, bool]:
+        """Return (a new device array holding what ``exchange`` made of each chunk of
+        contiguous device array ``a``; whether ``check`` held for every chunk).
+
+        For each chunk ``a[lo:hi]`` of ``bounds`` (``chunk_bounds``, in order): its copy
+        comes down into a pinned buffer, ``exchange(send, recv, step=i + 1)`` fills a
+        second one (an MPI collective: every rank calls it in the same order),
+        ``check(recv)`` reads the result (until it is False once) and the result goes up
+        into the chunk's place. Copies run on two streams of their own, so that while
+        chunk i is in MPI chunk i + 1 comes down and chunk i - 1 goes up; events order
+        them, and the host waits once per chunk, for its download (counted, as
+        ``"staging: device to host"``). Buffers and streams are reused by every call.
+        """
+        dev = record.device
+        where = (dev.name, dev.current())
+        lanes = self._lanes.get(where)
+        if lanes is None:
+            lanes = self._lanes[where] = _Lanes(dev)
+        step = bounds[0][1] - bounds[0][0]
+        sends = self.host(record, "chunks down", a.dtype, _DEPTH * step)
+        recvs = self.host(record, "chunks up", a.dtype, _DEPTH * step)
+        out = dev.xp.empty_like(a)
+        down, up = lanes.down, lanes.up
+        # The copies start after what the current stream has issued (the kernels that
+        # wrote a; the last use of out's memory) and after the previous call's uploads.
+        dev.current_stream().record(lanes.ready)
+        up.record(lanes.drained)
+        for stream in (down, up):
+            stream.wait_event(lanes.ready)
+        down.wait_event(lanes.drained)
+
+        def fetch(i: int) -> None:
+            lo, hi = bounds[i]
+            k = i % _DEPTH
+            if i >= _DEPTH:
+                # Chunk i - DEPTH has gone up from buffer k: once chunk i is down, the
+                # host may let MPI write there again.
+                down.wait_event(lanes.uploaded[k])
+            dev.download(a[lo:hi], sends[k * step : k * step + hi - lo], down)
+            down.record(lanes.downloaded[k])
+
+        for i in range(min(_DEPTH - 1, len(bounds))):
+            fetch(i)
+        ok = True
+        for i, (lo, hi) in enumerate(bounds):
+            k = i % _DEPTH
+            send = sends[k * step : k * step + hi - lo]
+            recv = recvs[k * step : k * step + hi - lo]
+            dev.wait(lanes.downloaded[k], why=_STAGING_WAIT)
+            exchange(send, recv, step=i + 1)
+            dev.upload(recv, out[lo:hi], up)
+            up.record(lanes.uploaded[k])
+            if i + _DEPTH - 1 < len(bounds):
+                fetch(i + _DEPTH - 1)  # its buffers' last chunk, i - 1, is going up
+            ok = ok and check(recv)  # while the copies run
+        # What the current stream runs next (the decode) reads out.
+        dev.current_stream().wait_event(up.record(lanes.done))
+        return out, ok

@@ -841,3 +841,106 @@ def install() -> None:
     if BACKEND not in K.available():
         K.register_backend(BACKEND, device_record)
     K.register_array_type(DeviceArray, BACKEND)
+
+
+# ---------------------------------------------------------------------- deferred copies
+
+
+class DeferredEvent:
+    """An event of ``DeferredStreams``: a point in one stream's queue (``at``), or None
+    where it was never recorded or was recorded on the current stream (it has happened)."""
+
+    def __init__(self):
+        self.at: tuple[DeferredStream, int] | None = None
+
+    @property
+    def done(self) -> bool:
+        return self.at is None or self.at[0]._ran >= self.at[1]
+
+    def synchronize(self) -> None:
+        if self.at is not None:
+            stream, position = self.at
+            stream.run_to(position)
+
+
+class DeferredStream:
+    """A copy stream that runs its work as late as a GPU may: only when the host waits
+    for one of its events, or another stream runs work that waits for one. A copy the
+    code forgot to wait for has then not happened when the host reads its bytes."""
+
+    def __init__(self, log: list, name: str):
+        self.log, self.name = log, name
+        self._queue: list = []  # (work, label), or (None, (stream, position)) to wait for
+        self._ran = 0
+
+    def submit(self, work, label) -> None:
+        self._queue.append((work, label))
+
+    def record(self, event: DeferredEvent | None = None) -> DeferredEvent:
+        event = event if event is not None else DeferredEvent()
+        event.at = (self, len(self._queue))
+        return event
+
+    def wait_event(self, event: DeferredEvent) -> None:
+        if event.at is not None:  # CUDA waits for the event as recorded now
+            self._queue.append((None, event.at))
+
+    def run_to(self, position: int) -> None:
+        while self._ran < position:
+            work, what = self._queue[self._ran]
+            self._ran += 1
+            if work is None:
+                stream, at = what
+                stream.run_to(at)
+            else:
+                work()
+                self.log.append(("ran", *what))
+
+    def synchronize(self) -> None:
+        self.run_to(len(self._queue))
+
+
+class _ImmediateStream:
+    """The current stream of the stand-ins: their kernels run when launched, so what it
+    waits for must have run by then."""
+
+    def record(self, event: DeferredEvent | None = None) -> DeferredEvent:
+        event = event if event is not None else DeferredEvent()
+        event.at = None
+        return event
+
+    def wait_event(self, event: DeferredEvent) -> None:
+        event.synchronize()
+
+    def synchronize(self) -> None:
+        return None
+
+
+class DeferredStreams:
+    """``Device.streams`` for the stand-ins (set it on the ``cuda-host-backed`` device):
+    copies run only when waited for (``DeferredStream``) and ``log`` gets, in order,
+    ``("download", pointer)`` and ``("upload", pointer)`` when a copy is issued (the
+    device array's first byte) and ``("ran", "download", pointer)`` ... when it runs."""
+
+    def __init__(self):
+        self.log: list = []
+        self._current = _ImmediateStream()
+        self._made = 0
+
+    def stream(self) -> DeferredStream:
+        self._made += 1
+        return DeferredStream(self.log, f"copies {self._made}")
+
+    def current(self) -> _ImmediateStream:
+        return self._current
+
+    def event(self) -> DeferredEvent:
+        return DeferredEvent()
+
+    def download(self, a: DeviceArray, out: np.ndarray, stream: DeferredStream) -> None:
+        self.log.append(("download", a.data.ptr))
+        stream.submit(lambda: a.get(out=out), ("download", a.data.ptr))
+
+    def upload(self, host: np.ndarray, out: DeviceArray, stream: DeferredStream) -> None:
+        self.log.append(("upload", out.data.ptr))
+        stream.submit(lambda: out.set(host), ("upload", out.data.ptr))

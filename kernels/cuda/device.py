@@ -11,6 +11,13 @@ through a pointer, and ``dev.to_host(a, why=...)`` brings a device array to the 
 counted in ``dev.syncs`` and, under its name, in ``dev.sync_reasons`` (the host
 synchronizations a launcher makes are part of its contract).
 
+Copies that overlap other work (the staging pipeline of ``mpicomp/_transport.py``) go
+through ``dev.stream()``, ``dev.event()``, ``dev.download``/``dev.upload`` (asynchronous,
+on a stream) and ``dev.wait(event, why=...)`` (the host waits: counted as ``to_host`` is).
+On a GPU they are CUDA streams, events and ``cudaMemcpyAsync``; a device that computes on
+the host (the emulation, the tests' stand-ins) has ``HostStreams``, whose copies run when
+issued.
+
 Every build uses the same options (``options(family)``): NVRTC's ``--fmad=false`` (no
 ``x*s+0.5f`` fused into one FMA: the numba twins round twice), C++17, the include path
 of ``common.cuh``, and the shared constants of ``kernels/<family>.py`` as ``-D`` macros
@@ -89,6 +96,8 @@ class Device:
             current device); default 0.
         on: ``on(gpu)`` returns a context manager inside which launches and allocations
             go to GPU ``gpu`` (``cupy.cuda.Device(gpu)``); default one that does nothing.
+        streams: what ``stream``, ``event``, ``download``, ``upload`` and ``wait`` run on:
+            ``CudaStreams()`` on a GPU; default ``HostStreams()``.
     """
 
     def __init__(
@@ -102,6 +111,7 @@ class Device:
         pinned=None,
         current=None,
         on=None,
+        streams=None,
     ):
         if threads % 32 or not 32 <= threads <= 1024:
             raise ValueError(f"threads must be a multiple of 32 in [32, 1024], got {threads}")
@@ -118,6 +128,7 @@ class Device:
         self.pinned = pinned or (lambda nbytes: np.empty(nbytes, np.uint8))
         self.current = current or (lambda: 0)
         self.on = on or (lambda gpu: nullcontext())
+        self.streams = streams or HostStreams()
         self._modules = {}
         self._lock = threading.Lock()
 
@@ -154,6 +165,7 @@ class Device:
             pinned,
             cupy.cuda.runtime.getDevice,
             cupy.cuda.Device,  # a new one per use: its context stack is not thread-safe
+            CudaStreams(),
         )
 
     def kernel(self, family: str, name: str, extra: dict[str, str] | None = None):
@@ -202,6 +214,132 @@ class Device:
             return np.asarray(a)
         np.copyto(out, a)
         return out
+
+    def stream(self):
+        """Return a new stream for copies that overlap the current stream's work."""
+        return self.streams.stream()
+
+    def current_stream(self):
+        """Return the stream launches go to now (CuPy's current stream)."""
+        return self.streams.current()
+
+    def event(self):
+        """Return a new event (``stream.record(event)`` marks a point of a stream;
+        ``other.wait_event(event)`` orders another stream's later work after it)."""
+        return self.streams.event()
+
+    def download(self, a, out: np.ndarray, stream) -> None:
+        """Start copying contiguous device array ``a`` into host array ``out`` (pinned, of
+        ``a``'s size and dtype) on ``stream``: ``out`` holds it once an event recorded
+        on ``stream`` after this has happened (``wait``)."""
+        self.streams.download(a, out, stream)
+
+    def upload(self, host: np.ndarray, out, stream) -> None:
+        """Start copying host array ``host`` (pinned) into contiguous device array
+        ``out`` on ``stream``: ``host`` must not change until an event recorded on
+        ``stream`` after this has happened."""
+        self.streams.upload(host, out, stream)
+
+    def wait(self, event, *, why: str = "unnamed") -> None:
+        """Block the host until ``event`` has happened: one synchronization, counted in
+        ``syncs`` and ``sync_reasons`` as ``to_host``'s are (a download the host then
+        reads is a read from the device)."""
+        self.syncs += 1
+        self.sync_reasons[why] += 1
+        event.synchronize()
+
+
+class HostEvent:
+    """The event of a ``HostStream``: its work ran when issued, so it has always happened."""
+
+    done = True
+
+    def synchronize(self) -> None:
+        return None
+
+
+class HostStream:
+    """A stream of a device that computes on the host: work runs when it is issued."""
+
+    def submit(self, work) -> None:
+        work()
+
+    def record(self, event=None):
+        return event if event is not None else HostEvent()
+
+    def wait_event(self, event) -> None:
+        return None
+
+    def synchronize(self) -> None:
+        return None
+
+
+class HostStreams:
+    """Streams, events and copies of a device whose arrays live in host memory (the
+    emulation's NumPy arrays, the tests' stand-ins): every copy runs when issued, through
+    the array's own ``get``/``set`` where it has them (as ``to_host`` reads)."""
+
+    _current = HostStream()
+
+    def stream(self) -> HostStream:
+        return HostStream()
+
+    def current(self) -> HostStream:
+        return self._current
+
+    def event(self) -> HostEvent:
+        return HostEvent()
+
+    def download(self, a, out: np.ndarray, stream) -> None:
+        stream.submit(lambda: a.get(out=out) if hasattr(a, "get") else np.copyto(out, a))
+
+    def upload(self, host: np.ndarray, out, stream) -> None:
+        stream.submit(lambda: out.set(host) if hasattr(out, "set") else np.copyto(out, host))
+
+
+class CudaStreams:
+    """CUDA streams (non-blocking: they do not wait for the legacy default stream),
+    events without timing, and ``cudaMemcpyAsync`` between device and pinned host memory
+    (asynchronous to the host only where the host side is pinned)."""
+
+    def stream(self):
+        import cupy
+
+        return cupy.cuda.Stream(non_blocking=True)
+
+    def current(self):
+        import cupy
+
+        return cupy.cuda.get_current_stream()
+
+    def event(self):
+        import cupy
+
+        return cupy.cuda.Event(disable_timing=True)
+
+    def download(self, a, out: np.ndarray, stream) -> None:
+        from cupy.cuda import runtime
+
+        _check_copy(a, out)
+        runtime.memcpyAsync(
+            out.ctypes.data, a.data.ptr, a.nbytes, runtime.memcpyDeviceToHost, stream.ptr
+        )
+
+    def upload(self, host: np.ndarray, out, stream) -> None:
+        from cupy.cuda import runtime
+
+        _check_copy(out, host)
+        runtime.memcpyAsync(
+            out.data.ptr, host.ctypes.data, host.nbytes, runtime.memcpyHostToDevice, stream.ptr
+        )
+
+
+def _check_copy(device_array, host: np.ndarray) -> None:
+    # A raw copy of bytes: both sides contiguous and of one size, or memory is overrun.
+    if not (device_array.flags.c_contiguous and host.flags.c_contiguous):
+        raise ValueError("an asynchronous copy needs C-contiguous arrays")
+    if device_array.nbytes != host.nbytes:
+        raise ValueError(f"copy of {device_array.nbytes} bytes into {host.nbytes}")
 
 
 @cache

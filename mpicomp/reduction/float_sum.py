@@ -4,12 +4,14 @@ every codec falls back to (``schedule="float32"``, below ``min_numel``)."""
 
 from __future__ import annotations
 
+from functools import partial
 from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 from mpi4py import MPI
 
 from mpicomp._arrays import all_finite, zero_nonfinite
+from mpicomp._transport import CHUNK_BYTES, chunk_bounds
 from mpicomp.collectives import plain
 from mpicomp.collectives.float16 import allreduce_float16
 from mpicomp.errors import RankError
@@ -49,32 +51,52 @@ def run(call: Call, codec, flat):
     ``none`` sends its input unchecked: a NaN/Inf on any rank reaches every rank's
     sum, so one pass over the sum tells every rank the same; only then does each
     rank look at its own input (and, under ``"zero"``, the sum is made again).
+
+    A float32 sum of more than one staging chunk (``mpicomp._transport.chunk_bounds``)
+    is one MPI_Allreduce per chunk, in order, on every path, so that ranks staging
+    through host memory and ranks that are not send the same messages; staged, its
+    copies overlap the chunks' MPI (``Transport.exchange_in_chunks``).
     """
     clock = call.clock
     dev = device(flat)
     wire, flat, err, bad = encode_here(call, codec.to_wire, flat)
     clock.encoded()
     agree(call, flat.size, err, nonfinite=bad)
+    # Through collectives.plain: blocking, or nonblocking under MPICOMP_TIMEOUT.
+    mpi_sum = partial(plain.allreduce, call.comm, op=MPI.SUM, **call.io)
+    bounds = chunk_bounds(wire.size, wire.itemsize, _chunk_bytes(call))
     for again in (False, True):
-        send = down(call, dev, wire, "wire")
-        if send.dtype == np.float16:
+        if wire.dtype == np.float16:
             # MPI has no float16 sum: mpicomp's ring, in place (this call's own buffer).
-            allreduce_float16(call.comm, send, kernels=call.kernels, **call.io)
-            total = send
+            total = down(call, dev, wire, "wire")
+            allreduce_float16(call.comm, total, kernels=call.kernels, **call.io)
+            finite = _finite(call, total)
+        elif len(bounds) > 1 and dev is not None and not call.transport.direct:
+            # Each chunk's host sum is checked as it arrives: the same values, the same
+            # answer as one pass over the whole.
+            check = partial(_finite, call)
+            total, finite = call.transport.exchange_in_chunks(dev, wire, bounds, mpi_sum, check)
         else:
+            send = down(call, dev, wire, "wire")
             total = backend_of(send, call.kernels).xp.empty_like(send)
-            # Through collectives.plain: blocking, or nonblocking under MPICOMP_TIMEOUT.
-            plain.allreduce(call.comm, send, total, MPI.SUM, **call.io)
+            for i, (lo, hi) in enumerate(bounds):
+                mpi_sum(send[lo:hi], total[lo:hi], step=i + 1)
+            finite = _finite(call, total)
         clock.communicated()
-        if _finite(call, total):
+        if finite:
             break
         if again:
             raise RankError(f"{codec.name}: the sum over ranks overflows float32")
         wire = codec.to_wire(_zeroed(call, codec, flat, wire.dtype))
-    # The sum is this call's own buffer (on the host or just copied up): averaged in place.
+    # The sum is this call's own buffer (wherever it is, or just copied up): averaged in place.
     out = codec.from_wire(up(dev, total), call.comm.size, reuse=True)
     clock.decoded()
     return out
+
+
+def _chunk_bytes(call: Call) -> int:
+    """Return the staging chunk of ``call`` (the same on every rank and path)."""
+    return call.transport.chunk_bytes if call.transport is not None else CHUNK_BYTES
 
 
 def _zeroed(call: Call, codec, flat, dtype):

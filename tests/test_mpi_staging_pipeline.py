@@ -1,0 +1,160 @@
+"""The staged float32 sum in chunks across ranks: the same bytes as the NumPy path and
+as one MPI_Allreduce, whichever path each rank takes (staged, direct or host arrays: the
+messages are the same), under the NaN/Inf policies and a timeout, with the copies of
+the host-backed stand-ins deferred until waited for (tests/_device_arrays.py)."""
+
+import _device_arrays as D
+import numpy as np
+import pytest
+from _devices import REQUIRE_GPU, gpu_present
+
+import mpicomp
+from mpicomp import RankError, _transport
+from mpicomp._transport import CHUNK_BYTES, CHUNK_ENV
+
+CHUNK = 4096  # bytes: 1024 float32 values
+N = 5000  # 5 chunks
+
+
+@pytest.fixture
+def deferred(monkeypatch):
+    """Chunks of ``CHUNK`` bytes; the host-backed device's copies deferred."""
+    monkeypatch.setenv(CHUNK_ENV, str(CHUNK))
+    D.install()
+    monkeypatch.setattr(mpicomp.kernels.backend(D.BACKEND).device, "streams", D.DeferredStreams())
+
+
+def _transport_is(monkeypatch, path: str) -> None:
+    monkeypatch.setenv(_transport.ENV, "1" if path == "direct" else "0")
+    _transport.cuda_aware.cache_clear()
+
+
+def _gradient(rank: int, n: int = N) -> np.ndarray:
+    rng = np.random.default_rng(rank)
+    return (rng.standard_normal(n) * rng.uniform(1e-20, 1e20, n)).astype(np.float32)
+
+
+def _average(world, x, chunk: int = CHUNK, name: str = "w", **options):
+    with mpicomp.CompressedComm(world, "none", min_numel=1, **options) as cc:
+        cc._transport.chunk_bytes = chunk
+        out = [cc.allreduce(x, name=name) for _ in range(2)]
+        assert cc._transport.allocations <= 3  # the chunks' two buffers, the wire's
+        return out[-1]
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("timeout", [None, 30.0])
+def test_staged_chunks_give_the_bytes_of_one_mpi_allreduce(deferred, monkeypatch, timeout):
+    from mpi4py import MPI
+
+    world = MPI.COMM_WORLD
+    x = _gradient(world.rank)
+    whole = _average(world, x, chunk=0, timeout=timeout)  # NumPy, one MPI_Allreduce
+    _transport_is(monkeypatch, "staged")
+    got = _average(world, D.to_device(x), timeout=timeout)
+    assert isinstance(got, D.DeviceArray)
+    assert D.to_host(got).tobytes() == whole.tobytes()
+    ref = np.sum(world.allgather(x), axis=0, dtype=np.float32) / np.float32(world.size)
+    if world.size <= 2:  # one addition per element: MPI's order cannot change it
+        assert whole.tobytes() == ref.tobytes()
+    _transport.cuda_aware.cache_clear()
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("other", ["host", "direct"])
+def test_ranks_on_different_paths_send_the_same_messages(deferred, monkeypatch, other):
+    """Rank 0 stages its device array in chunks while the others hand MPI host arrays
+    or device arrays directly: every path splits the sum alike, so they all meet."""
+    from mpi4py import MPI
+
+    world = MPI.COMM_WORLD
+    x = _gradient(world.rank)
+    want = _average(world, x)
+    _transport_is(monkeypatch, "staged" if world.rank == 0 or other == "host" else "direct")
+    mine = D.to_device(x) if world.rank == 0 or other == "direct" else x
+    got = _average(world, mine)
+    got = D.to_host(got) if isinstance(got, D.DeviceArray) else got
+    assert got.tobytes() == want.tobytes()
+    _transport.cuda_aware.cache_clear()
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("policy", ["raise", "skip_step", "zero"])
+def test_nonfinite_values_in_a_later_chunk_meet_the_policy_on_every_rank(
+    deferred, monkeypatch, policy
+):
+    from mpi4py import MPI
+
+    from mpicomp.comm import NonFiniteWarning
+
+    world = MPI.COMM_WORLD
+    culprit = world.size - 1
+    x = _gradient(world.rank)
+    if world.rank == culprit:
+        x[4321] = np.inf  # chunk 4 of 5
+    want = None
+    if policy == "zero":
+        want = _average(world, x, nonfinite="zero")
+    _transport_is(monkeypatch, "staged")
+    with mpicomp.CompressedComm(world, "none", min_numel=1, nonfinite=policy) as cc:
+        cc._transport.chunk_bytes = CHUNK
+        if policy == "raise":
+            err = ValueError if world.rank == culprit else RankError
+            with pytest.raises(err, match="NaN or Inf"):
+                cc.allreduce(D.to_device(x), name="w")
+        elif policy == "skip_step":
+            with pytest.warns(NonFiniteWarning, match=f"rank\\(s\\) {culprit}"):
+                cc.allreduce(D.to_device(x), name="w")
+        else:
+            got = D.to_host(cc.allreduce(D.to_device(x), name="w"))
+            assert got.tobytes() == want.tobytes()
+        # Every rank is still in step: the next call works.
+        ok = D.to_device(_gradient(world.rank))
+        assert cc.allreduce(ok, name="w").shape == (N,)
+    _transport.cuda_aware.cache_clear()
+
+
+@pytest.mark.mpi
+def test_a_sum_beyond_float32_in_a_later_chunk_is_refused_on_every_rank(deferred, monkeypatch):
+    from mpi4py import MPI
+
+    world = MPI.COMM_WORLD
+    if world.size < 2:
+        pytest.skip("a sum over one rank is its input")
+    x = np.full(N, 1.0, np.float32)
+    x[4999] = np.float32(3e38)  # the last chunk: finite on each rank, not in the sum
+    _transport_is(monkeypatch, "staged")
+    with mpicomp.CompressedComm(world, "none", min_numel=1) as cc:
+        cc._transport.chunk_bytes = CHUNK
+        with pytest.raises(RankError, match="the sum over ranks overflows float32"):
+            cc.allreduce(D.to_device(x), name="w")
+    _transport.cuda_aware.cache_clear()
+
+
+@pytest.mark.mpi
+@pytest.mark.skipif(not (gpu_present() or REQUIRE_GPU), reason="needs a GPU (CuPy)")
+def test_gpu_gradients_staged_in_default_chunks_give_the_numpy_bytes(monkeypatch):
+    import cupy
+    from mpi4py import MPI
+
+    world = MPI.COMM_WORLD
+    monkeypatch.delenv(CHUNK_ENV, raising=False)
+    x = _gradient(world.rank, 3 * (CHUNK_BYTES // 4) + 5)  # 4 chunks of 4 MiB
+    want = _average(world, x, chunk=CHUNK_BYTES)
+    _transport_is(monkeypatch, "staged")
+    got = _average(world, cupy.asarray(x), chunk=CHUNK_BYTES)
+    assert isinstance(got, cupy.ndarray)
+    assert got.get().tobytes() == want.tobytes()
+    _transport.cuda_aware.cache_clear()
+
+
+@pytest.mark.mpi(min_size=2)
+def test_ranks_with_other_staging_chunks_are_refused_at_the_agreement(monkeypatch):
+    """Another chunk cuts a sum into another number of MPI_Allreduce: the ranks would
+    hang, so the chunk is part of the configuration every rank agrees on."""
+    from mpi4py import MPI
+
+    world = MPI.COMM_WORLD
+    monkeypatch.setenv(CHUNK_ENV, "1M" if world.rank == 1 else "4M")
+    with pytest.raises(RankError, match="differently: staging_chunk: 4194304 on rank 0"):
+        mpicomp.CompressedComm(world, "none")
