@@ -162,7 +162,7 @@ def test_gathered_top_k_payloads_are_checked_in_the_batch_with_unpacks_messages(
     bad[at] ^= 1
     with pytest.raises(PayloadError, match=match):
         with batch("end"):
-            codec.decode_sum([good, bad], 4096)
+            codec.decode_gathered([good, bad], 4096)
 
 
 def test_gathered_top_k_payloads_decode_with_one_read(monkeypatch):
@@ -174,13 +174,15 @@ def test_gathered_top_k_payloads_decode_with_one_read(monkeypatch):
     payloads = [codec.encode(x) for x in xs]
     before = dev.syncs
     with batch("end"):
-        total = codec.decode_sum(payloads, 4096)
+        total = codec.decode_gathered(payloads, 4096)
     assert dev.syncs - before == 1
     want = np.zeros(4096, np.float32)
     for p in payloads:
         want += codec.decode(p, numel=4096)
     np.testing.assert_array_equal(total, want)
-    # Its checks assume what the collectives send: a flat array's payload.
+    # Its checks assume what the collectives send: a flat array's payload; decode_sum
+    # reads any payload's header.
     square = codec.encode(xs[0].reshape(64, 64))
     with pytest.raises(PayloadError, match=r"of shape \(64, 64\): expected one of a flat"):
-        codec.decode_sum([square], 4096)
+        codec.decode_gathered([square], 4096)
+    np.testing.assert_array_equal(codec.decode_sum([square], 4096), codec.decode(payloads[0]))

@@ -113,18 +113,20 @@ class GatherCodecBase(Codec):
         xp = self.kernels.xp if not payloads else backend_of(payloads[0], self.kernels).xp
         total = xp.zeros(numel, dtype=np.float32)
         for p in payloads:
-            total += self._decode_flat(p, numel).reshape(-1)
+            total += self.decode(p, numel=numel).reshape(-1)
         return total
+
+    def decode_gathered(self, payloads, numel: int):
+        """Return ``decode_sum(payloads, numel)`` of payloads a collective gathered: each
+        of a flat array of ``numel`` elements. A codec may check these with fewer reads
+        of the device than ``decode`` makes of any payload (top-k's knows their headers
+        from their lengths)."""
+        return self.decode_sum(payloads, numel)
 
     def decode_local(self, payload, shape):
         """Return ``decode(payload)`` of a payload this process's ``encode`` just made of
         an array of ``shape`` (error feedback's own decode); a codec may trust it."""
         return self.decode(payload)
-
-    def _decode_flat(self, payload, numel: int):
-        """Return ``decode(payload, numel=numel)`` of a payload a collective gathered (of
-        a flat tensor); a codec may check it with fewer reads of the device."""
-        return self.decode(payload, numel=numel)
 
 
 def make(name: str, **params) -> Codec:

@@ -226,9 +226,21 @@ class TopK(GatherCodecBase):
         body = payload[_wire.header_size(len(shape)) :]
         return self._scatter(body, n, self.kept(n), checked=False).reshape(shape)
 
+    def decode_gathered(self, payloads, numel: int) -> np.ndarray:
+        """Return the float32 sum of ``payloads``, each of a flat array of ``numel``
+        elements (what the collectives gather): k follows from a payload's length, and its
+        header and checksum are compared on its device and read with the caller's
+        ``readback.batch`` (``_wire.unpack_flat``), nothing in between.
+
+        Raises:
+            PayloadError: a payload is corrupt, or of an array of another shape.
+        """
+        total = backend_of(payloads[0], self.kernels).xp.zeros(numel, np.float32)
+        for p in payloads:
+            total += self._decode_flat(p, numel)
+        return total
+
     def _decode_flat(self, payload, numel: int) -> np.ndarray:
-        """``decode(payload, numel)`` of a flat tensor's payload, k known from its length:
-        nothing read here, the checks read with the caller's batch."""
         idt = self._index_dtype(numel)
         k, extra = divmod(payload.size - _wire.header_size(1) - 8, idt.itemsize + 4)
         if k < 0 or extra or k > numel:  # not a flat tensor's top-k: decode says what

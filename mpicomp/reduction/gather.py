@@ -149,8 +149,9 @@ def _decode_mean(codec, payloads, n: int):
     rank (``check_average``; a shard's owner refuses to encode it), where NumPy's
     warning, an exception under ``-W error``, could come on the owner alone.
     """
+    gathered = getattr(codec, "decode_gathered", codec.decode_sum)
     with np.errstate(over="ignore", invalid="ignore"):
-        return codec.decode_sum(payloads, numel=n) / np.float32(len(payloads))
+        return gathered(payloads, n) / np.float32(len(payloads))
 
 
 def _decode_sum_seconds(codec, speed, numel: int, count: int) -> float:
