@@ -33,6 +33,10 @@ def kernel_backend(name: str | None):
         raise RuntimeError(f"kernel backend {name!r} is not available here: {e}") from e
 
 
+def _fft_pair(xp, x):
+    return lambda: xp.fft.irfft(xp.fft.rfft(x), n=x.size)
+
+
 def run(
     codecs: Sequence[str] | None = None,
     numel: int = 1 << 20,
@@ -57,7 +61,8 @@ def run(
         ``encode_gbps``, ``decode_gbps``, ``memcpy_gbps`` (GB/s of float32 input,
         1 GB = 1e9 bytes; the copy is device to device on a GPU), ``bits_per_element``
         (one rank's wire) and ``rel_error`` (‖decode(encode(x)) − x‖ / ‖x‖, one rank,
-        no error feedback).
+        no error feedback); ``fft``'s row also ``fft_pair_gbps``, a bare ``rfft`` and
+        ``irfft`` of the same gradient on the backend's array module.
 
     Raises:
         ValueError: an unknown codec, or ``numel``/``reps`` below 1.
@@ -100,4 +105,6 @@ def run(
                 "rel_error": err / norm,
             }
         )
+        if name == "fft":  # FFT's yardstick: the bare transform pair (cuFFT on a GPU)
+            rows[-1]["fft_pair_gbps"] = gb / median_seconds(_fft_pair(rec.xp, x), reps, sync)
     return rows
