@@ -13,6 +13,7 @@ there, as it would have where the value was made.
 Without a batch, or on the host (NumPy arrays of the numba backend), ``read`` returns the
 value at once, so a launcher called on its own (tests, benchmarks, a codec used alone)
 behaves as before. Batches are per thread and nest: a read goes to the innermost one.
+Inside ``with ignored():`` reads are dropped (a flag the caller does not need).
 """
 
 from __future__ import annotations
@@ -101,6 +102,20 @@ class batch:
 
     def _when(self, later: Later, fn) -> None:
         self._callbacks.append((later, fn))
+
+
+class ignored(batch):
+    """Drop the ``read``s of this thread until the block ends: nothing is transferred,
+    for a launcher's flag its caller has no use for (a ``Later`` made here has no value)."""
+
+    def __init__(self):
+        super().__init__("ignored")
+
+    def read(self) -> None:
+        self._pending = []
+
+    def _when(self, later: Later, fn) -> None:
+        raise TypeError(f"{later.why}: a value read inside readback.ignored() is never read")
 
 
 def _read_together(pending: list[Later], name: str) -> None:

@@ -153,7 +153,7 @@ def test_a_snapshot_restores_residuals_and_reuses_its_buffers():
 # no Inf from finite inputs; none and fp16 check their sums instead).
 SYNCS = {
     "none": (1, 1),
-    "fp16": (3, 3),
+    "fp16": (2, 2),
     "topk": (2, 3),
     "signsgd": (2, 3),
     "qsgd_maxnorm": (2, 3),  # the block norms with their error mask; the end of call

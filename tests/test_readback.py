@@ -7,7 +7,7 @@ import pytest
 
 import mpicomp
 from mpicomp.kernels.cuda.device import Device
-from mpicomp.kernels.readback import Later, batch, read, value_of, when
+from mpicomp.kernels.readback import Later, batch, ignored, read, value_of, when
 
 
 @pytest.fixture
@@ -101,6 +101,18 @@ def test_batches_nest_and_a_read_goes_to_the_innermost(dev):
             when(outer, seen.append)  # registered on its own batch, the outer one
         assert inner.value == 2 and seen == [] and dev.syncs == 1
     assert seen == [1] and dev.sync_reasons == {"inner: i": 1, "outer: o": 1}
+
+
+def test_reads_inside_ignored_are_never_transferred(dev):
+    with batch("end"):
+        kept = read(dev, np.array([1], np.uint32), "kept", _first)
+        with ignored():
+            dropped = read(dev, np.array([2], np.uint32), "dropped", _first)
+            with pytest.raises(TypeError, match="dropped: a value read inside"):
+                when(dropped, print)
+    assert kept.value == 1 and dev.sync_reasons == {"end: kept": 1}
+    with pytest.raises(RuntimeError, match="dropped: read before"):
+        _ = dropped.value
 
 
 def test_batches_are_per_thread(dev):

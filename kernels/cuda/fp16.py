@@ -3,7 +3,9 @@
 The launchers are the numba twin's ``add``, ``all_finite``, ``encode`` and ``decode``, in
 its order, each taking the device it launches on before the twin's arguments
 (``launchers(dev)`` binds them). ``encode``, ``decode`` and ``all_finite`` bring one small
-array of per-block partials to the host (one counted synchronization each); ``add`` none.
+array of per-block partials to the host (one counted synchronization each; ``decode``'s
+through ``readback.read``: later in a batch, never inside ``readback.ignored()``); ``add``
+none.
 
 NaN results follow x86's rule as the numba twin's (see fp16.cu). Where ``decode`` divides
 and the quotient falls below 2^-126, the kernel rounds it onto the denormal grid from the
@@ -20,6 +22,7 @@ import numpy as np
 
 from mpicomp.kernels.checksum import BASE, combine
 from mpicomp.kernels.cuda import bind, contiguous, family_kernel
+from mpicomp.kernels.readback import read
 
 DEFINES = {"MPICOMP_ADLER_BASE": f"{BASE}ull"}
 
@@ -95,7 +98,11 @@ def decode(dev, h16, out, scale=1.0) -> bool:
     flags = dev.xp.empty(dev.grid(n), np.uint32)
     args = (h16, out.view(np.uint32), np.int64(n), by, np.int32(divide), flags)
     _kernel(dev, "decode")(*dev.launch_shape(n), args)
-    return not dev.to_host(flags, why="fp16.decode: non-finite flags").any()
+    return read(dev, flags, "fp16.decode: non-finite flags", _none_set)
+
+
+def _none_set(flags) -> bool:
+    return not flags.any()
 
 
 def launchers(dev) -> SimpleNamespace:

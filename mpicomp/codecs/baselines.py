@@ -11,7 +11,7 @@ from mpicomp.codecs import _wire
 from mpicomp.codecs._base import Codec, GatherCodecBase, check_number, register
 from mpicomp.errors import PayloadError
 from mpicomp.kernels import backend_of
-from mpicomp.kernels.readback import batch, when
+from mpicomp.kernels.readback import batch, ignored, when
 
 _FP16_MAX = float(np.finfo(np.float16).max)
 
@@ -62,10 +62,12 @@ class _Dense(Codec):
                 f"{self.wire_dtype.itemsize} per element"
             )
         out = backend_of(body, self.kernels).xp.empty(n, np.float32)
-        finite = self._read_body(body, out, payload)
+        when(self._read_body(body, out, payload), self._refuse_nonfinite)
+        return out.reshape(shape)
+
+    def _refuse_nonfinite(self, finite: bool) -> None:
         if not finite:
             raise PayloadError(f"{self.name} payload holds NaN or Inf, which its encoder refuses")
-        return out.reshape(shape)
 
     def _read_body(self, body, out, payload) -> bool:
         """Fill float32 ``out`` from the validated-size ``body``, verify the payload's
@@ -115,7 +117,8 @@ class Float16(_Dense):
             return super().from_wire(total, nranks, shape, reuse)  # any other dtype
         k = backend_of(total, self.kernels)
         out = k.xp.empty(total.shape, np.float32)
-        k.fp16.decode(total.reshape(-1).view(np.uint16), out.reshape(-1), nranks)
+        with ignored():  # its NaN/Inf flag is not returned (the collectives check the sum)
+            k.fp16.decode(total.reshape(-1).view(np.uint16), out.reshape(-1), nranks)
         return out.reshape(shape) if shape is not None else out
 
     def encode(self, x) -> np.ndarray:
