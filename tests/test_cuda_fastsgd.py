@@ -372,3 +372,259 @@ def test_host_syncs(dev):
     decode_both(dev, body, 1000, 400, 1.1, 127, 2, offsets, sums)
     dev.fs.powers(1.1, 127)
     assert dev.syncs == before + 2
+
+
+# ---- the parallel decode: segments, rounds, phases -------------------------------------------
+# The CUDA decode splits each key stream into 64-bit segments (FS_SEG), blockDim.x of them a
+# round, and finds where each segment's first field starts by composing per-segment phase
+# tables. These tests forge streams whose fields cross segment and round boundaries, streams
+# that end exactly at one, fixed-length fields (no resynchronization), the widest gaps, and
+# corruptions at those places; the numba twin is the reference throughout.
+
+SEG = 64  # FS_SEG in fastsgd.cu
+GPU_GEOMETRY = (cf.DECODE_THREADS, 2)  # the GPU's decode block: its rounds, on the emulation
+
+
+def bits_of(fields):
+    """The MSB-first stream of (value, width) fields, zero-padded to bytes."""
+    s = "".join(format(v, f"0{w}b") if w else "" for v, w in fields)
+    s += "0" * (-len(s) % 8)
+    return np.array([int(s[i : i + 8], 2) for i in range(0, len(s), 8)], np.uint8)
+
+
+def key_fields(keys, W, fb, flag_of=None):
+    """The (flag, delta) fields of sorted keys (the smallest flag for each delta, or
+    ``flag_of(j, delta)``)."""
+    nflags = 1 << fb
+    width = [((c + 1) * W + nflags - 1) >> fb for c in range(nflags)]
+    fields, prev = [], 0
+    for j, key in enumerate(keys):
+        delta = int(key) - prev
+        prev = int(key)
+        c = min(c for c in range(nflags) if width[c] >= delta.bit_length())
+        if flag_of is not None:
+            c = flag_of(j, delta, c)
+        fields += [(c, fb), (delta, width[c])]
+    return fields
+
+
+def forge(buckets, bucket, base=1.1, tau=127, fb=2):
+    """A body of buckets given as (sum, codes, W, stream bytes): any d, W and key bits."""
+    parts = [
+        np.frombuffer(np.float64(base).tobytes(), np.uint8),
+        np.frombuffer(np.uint32(bucket).tobytes(), np.uint8),
+        np.array([tau, fb, 0, 0], np.uint8),
+    ]
+    for s, codes, W, stream in buckets:
+        head = np.array([np.float32(s).view(np.uint32), len(codes), len(stream)], np.uint32)
+        parts += [head.view(np.uint8), np.array([W], np.uint8), np.asarray(codes, np.uint8)]
+        parts.append(np.asarray(stream, np.uint8))
+    return np.concatenate(parts)
+
+
+def valid_bucket(keys, blen, fb, rng, tau=127):
+    """(sum, codes, W, stream) of a bucket keeping ``keys`` (as the encoder writes it)."""
+    keys = np.asarray(keys, np.int64)
+    gaps = np.diff(keys, prepend=0)
+    W = int(gaps.max()).bit_length() if keys.size else 0
+    codes = rng.integers(0, tau + 1, keys.size) | (rng.integers(0, 2, keys.size) << 7)
+    return 1.0, codes, W, bits_of(key_fields(keys, W, fb)) if keys.size else []
+
+
+def check_decode(dev, body, n, bucket, fb, base=1.1, tau=127):
+    """Scan and decode ``body`` with both twins (both modes); return the errors."""
+    err, offsets, sums = scan_both(dev, body, n, bucket, fb)
+    assert err == K.OK
+    errs, _ = decode_both(dev, body, n, bucket, base, tau, fb, offsets, sums)
+    init = gradient(n, 3)
+    init[::3] = -0.0
+    errs2, _ = decode_both(dev, body, n, bucket, base, tau, fb, offsets, sums, init)
+    np.testing.assert_array_equal(errs2, errs)
+    return errs
+
+
+@pytest.fixture(scope="module")
+def gpu_geometry():
+    d = device(GPU_GEOMETRY)
+    d.fs = cf.launchers(d)
+    return d
+
+
+@pytest.mark.parametrize("fb", [1, 2, 3])
+def test_decode_fixed_length_fields_ending_on_round_boundaries(dev, gpu_geometry, fb):
+    """Every value kept (W = 1): fields of one length, which never resynchronize from a wrong
+    phase; buckets of exactly 1, 2 and 3 rounds of 32, 64 and 128 segments, and tails of a
+    few segments, a segment and a part of one."""
+    flen = fb + 1
+    blens = [32 * SEG // flen * r for r in (1, 2, 3)] + [4096 * 3 // flen, 3 * SEG, SEG, 7]
+    for d in (dev, gpu_geometry):
+        for blen in blens:
+            x = np.ones(2 * blen + 5, np.float32)
+            x[blen + 3] = -2.0  # a sign, and a value of another L
+            body = body_of(x, blen, 16.0, 127, fb)
+            assert not check_decode(d, body, x.size, blen, fb).any()
+
+
+@pytest.mark.parametrize("fb", [1, 2, 5])
+def test_decode_widest_gaps(dev, fb):
+    """Keys at the two ends of each bucket (delta = blen - 1: W at its largest for blen), one
+    key per bucket anywhere, and buckets of one key at 0 (W = 0)."""
+    rng = np.random.default_rng(fb)
+    for blen in (2, 3, 64, 65, 1 << 12, (1 << 13) + 1):
+        buckets = [valid_bucket([0, blen - 1], blen, fb, rng)]
+        buckets += [valid_bucket([blen - 1], blen, fb, rng), valid_bucket([0], blen, fb, rng)]
+        buckets += [valid_bucket([int(rng.integers(0, blen))], blen, fb, rng)]
+        buckets += [valid_bucket([], blen, fb, rng)]
+        body = forge(buckets, blen, fb=fb)
+        assert not check_decode(dev, body, blen * len(buckets), blen, fb).any()
+
+
+def test_decode_sparse_buckets_many_rounds(dev):
+    """Keys about 23 apart (W = 7 and 8; 13 phases beside fb = 5), streams of several rounds."""
+    x = sparse(70000, 5, 3000)
+    for fb in (2, 5):
+        body = body_of(x, 35000, 1.1, 127, fb)
+        assert not check_decode(dev, body, 70000, 35000, fb).any()
+
+
+def test_decode_segments_with_no_field_start(dev):
+    """Fields of up to 19 bits and single keys between long runs of empty buckets: rounds
+    whose segments hold no key, and buckets with no stream at all."""
+    rng = np.random.default_rng(4)
+    blen = 1 << 17
+    buckets = []
+    for k in range(6):
+        keys = np.sort(rng.choice(blen, 40 * k, replace=False)) if k % 2 else []
+        buckets.append(valid_bucket(keys, blen, 2, rng))
+    body = forge(buckets, blen, fb=2)
+    assert not check_decode(dev, body, blen * len(buckets), blen, 2).any()
+
+
+def stream_span(body, offsets, k):
+    """(first byte, end) of bucket k's key stream in body."""
+    d = int(body[offsets[k] + 4 : offsets[k] + 8].view(np.uint32)[0])
+    return offsets[k] + K.BUCKET_HEAD_BYTES + d, offsets[k + 1]
+
+
+@pytest.mark.parametrize("fb", [1, 2, 4])
+def test_decode_bit_flips_at_segment_and_round_boundaries(dev, gpu_geometry, fb):
+    """One key bit flipped beside a segment boundary (64 bits) or a round boundary (32, 64
+    and 128 segments), in fixed-length and in varied fields: the same error code, and the
+    same values written before it."""
+    x = gradient(9000, fb)
+    x[4500:6000] = 1.0  # a bucket of fixed-length fields
+    n, bucket = x.size, 1500
+    clean = body_of(x, bucket, 1.1, 127, fb)
+    _, offsets, _ = scan_both(dev, clean, n, bucket, fb)
+    spots = [SEG - 1, SEG, SEG + 1, 2048 - 1, 2048, 4096 + 1, 8192 - 1]
+    seen = set()
+    for k in range(offsets.size - 1):
+        s0, s1 = stream_span(clean, offsets, k)
+        for spot in spots:
+            if s0 * 8 + spot >= s1 * 8:
+                continue
+            body = clean.copy()
+            body[s0 + spot // 8] ^= np.uint8(0x80 >> (spot % 8))
+            for d in (dev, gpu_geometry) if spot in (2048, 4096 + 1) else (dev,):
+                errs = check_decode(d, body, n, bucket, fb)
+                seen.add(int(errs[k]))
+                assert not np.delete(errs, k).any()
+    assert len(seen - {K.OK}) >= 2, seen
+
+
+@pytest.mark.parametrize("fb", [1, 3])
+def test_decode_random_corruptions(dev, fb):
+    """Random bit flips in the codes and keys, streams cut or lengthened by whole bytes
+    (their headers agreeing), codes above tau, non-minimal flags: any error code, and the
+    values before it, as the twin's."""
+    rng = np.random.default_rng(10 + fb)
+    n, bucket, tau = 6000, 2000, 60
+    clean = body_of(gradient(n, fb, scale=1e-2), bucket, 1.1, tau, fb)
+    _, offsets, _ = scan_both(dev, clean, n, bucket, fb)
+    seen = set()
+    for trial in range(24):
+        k = int(rng.integers(0, offsets.size - 1))
+        s0, s1 = stream_span(clean, offsets, k)
+        head = offsets[k]
+        what = trial % 4
+        body = clean.copy()
+        if what == 0:  # a few bits anywhere in the bucket's codes and keys
+            for p in rng.integers(head + K.BUCKET_HEAD_BYTES, s1, int(rng.integers(1, 4))):
+                body[p] ^= np.uint8(1 << int(rng.integers(0, 8)))
+        elif what == 1:  # a code above tau, late in the bucket
+            d = s0 - head - K.BUCKET_HEAD_BYTES
+            body[head + K.BUCKET_HEAD_BYTES + int(rng.integers(d // 2, d))] = tau + 1
+        else:  # the key stream cut or lengthened by m bytes, key_bytes agreeing
+            m = int(rng.integers(1, 3))
+            cut = what == 2
+            extra = rng.integers(0, 256 if trial % 8 < 4 else 1, m).astype(np.uint8)
+            tail = body[s1:]
+            body = np.concatenate([body[: s1 - m] if cut else np.append(body[:s1], extra), tail])
+            kb = body[head + 8 : head + 12].view(np.uint32)
+            kb[0] = int(kb[0]) + (-m if cut else m)
+        err, offs, _ = scan_both(dev, body, n, bucket, fb)
+        if err != K.OK:
+            continue
+        errs = check_decode(dev, body, n, bucket, fb, tau=tau)
+        seen.update(int(e) for e in errs)
+    assert len(seen - {K.OK}) >= 3, seen
+
+
+def test_decode_forged_flags_and_orders(dev):
+    """Keys forged with a wider flag than their delta needs (ERR_KEY_FLAG), a repeated key
+    (ERR_KEY_ORDER), a key past the bucket, and a W no delta reaches (ERR_KEY_TAIL), each
+    in the middle of a stream of several rounds."""
+    rng = np.random.default_rng(8)
+    fb, blen = 2, 20000
+    keys = np.sort(rng.choice(blen, 6000, replace=False))
+    W = int(np.diff(keys, prepend=0).max()).bit_length()
+    codes = rng.integers(0, 128, keys.size)
+
+    def bucket_with(fields, w=W, c=codes):
+        return (1.0, c, w, bits_of(fields))
+
+    mid = keys.size // 2
+    wide = key_fields(keys, W, fb, lambda j, delta, c: 3 if j == mid else c)
+    repeat = key_fields(np.insert(keys, mid, keys[mid]), W, fb)
+    past = key_fields(np.append(keys[:-1], blen), W + 1, fb)
+    cases = {
+        K.ERR_KEY_FLAG: bucket_with(wide),
+        K.ERR_KEY_ORDER: bucket_with(repeat, c=np.append(codes, 0)),
+        K.ERR_KEY_TAIL: bucket_with(key_fields(keys, W + 1, fb), w=W + 1),
+    }
+    for want, b in cases.items():
+        body = forge([valid_bucket(keys[:10], blen, fb, rng), b], blen, fb=fb)
+        errs = check_decode(dev, body, 2 * blen, blen, fb)
+        assert list(errs) == [K.OK, want]
+    body = forge([(1.0, codes, W + 1, bits_of(past))], blen + 1, fb=fb)
+    errs = check_decode(dev, body, blen, blen + 1, fb)  # the last bucket is blen long
+    assert list(errs) == [K.ERR_KEY_ORDER]
+
+
+def test_decode_w0_many_fields(dev):
+    """W = 0 (every field is its flag alone) with many keys claimed: 64 / fb fields a segment,
+    all but the first invalid."""
+    for fb in (1, 2):
+        for d in (2, 5, 200):
+            kb = (d * fb + 7) // 8
+            body = forge([(1.0, np.zeros(d, np.uint8), 0, np.zeros(kb, np.uint8))], 300, fb=fb)
+            errs = check_decode(dev, body, 300, 300, fb)
+            assert list(errs) == [K.ERR_KEY_ORDER]
+
+
+@pytest.mark.parametrize("fb", [1, 2, 3])
+def test_decode_padding_bits(dev, fb):
+    """A one bit in any padding position of the last byte (ERR_KEY_TAIL), in streams that end
+    inside a segment, on a segment boundary and past it."""
+    rng = np.random.default_rng(fb)
+    blen = 5000
+    for d in (7, 64, 300):
+        keys = np.sort(rng.choice(blen, d, replace=False))
+        _, codes, W, stream = valid_bucket(keys, blen, fb, rng)
+        used = len("".join(format(v, f"0{w}b") if w else "" for v, w in key_fields(keys, W, fb)))
+        for pad in range(-used % 8):
+            bad = stream.copy()
+            bad[-1] |= np.uint8(1 << pad)
+            body = forge([(1.0, codes, W, stream), (1.0, codes, W, bad)], blen, fb=fb)
+            errs = check_decode(dev, body, 2 * blen, blen, fb)
+            assert list(errs) == [K.OK, K.ERR_KEY_TAIL]

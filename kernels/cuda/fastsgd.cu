@@ -490,10 +490,39 @@ extern "C" __global__ void mpicomp_fastsgd_scan(const u8* body, i64 size, i64 n,
 }
 
 // ---- decode ----------------------------------------------------------------------------------
+//
+// A block per bucket (grid-stride over buckets), walking the bucket's key stream in rounds of
+// blockDim.x segments of FS_SEG bits, a thread per segment. The (flag, delta) fields delimit
+// themselves, but where a segment's first field starts depends on every field before it. It
+// starts at one of fb + W bit offsets from the segment's start (the phases: no field is
+// wider), so each round:
+//   1. paths    each thread follows its segment's fields from every phase: the table of the
+//               phase each path leaves into the next segment at (FS_DEAD: the stream ends);
+//               a path that meets phase 0's path stops there (the rest is the same)
+//   2. compose  an inclusive scan of the tables over the block by function composition
+//               (Hillis-Steele): every segment's true phase, from the round's first one
+//   3. count    each thread walks its true path: its fields and the sum of their deltas;
+//               block-wide exclusive scans give each segment's first key index and key
+//   4. check    each thread walks again with its keys known, with the numba twin's checks
+//               per key in its order (code <= tau, then flag, order, inside the bucket); the
+//               smallest failing key index over the block (a min) ends the bucket; keys go to
+//               shared memory
+//   5. write    the keys before that index: the slice zeroed up to the last one (coalesced),
+//               then the values, a thread per key (neighbouring keys, neighbouring threads)
+// After the last round: the checks of the stream's end (too few fields, padding, exact W). The
+// same checks of the same keys in the same order as the twin's serial walk: the same error
+// code, and the same writes before it.
 
-// out[i] = 0 for every element of a bucket (not with accumulate).
-extern "C" __global__ void mpicomp_fastsgd_zero(float* out, i64 m) {
-    MPICOMP_FOR(i, m) out[i] = 0.0f;
+#define FS_SEG 64                 // stream bits of one segment (more than the widest field)
+#define FS_PHASES 34              // phases of a segment: fb + W <= 5 + 29
+#define FS_DEAD 255               // the phase of a path on which the stream ends
+#define FS_DT 128                 // most threads of a decode block (sizes its shared arrays)
+#define FS_SEG_KEYS (FS_SEG / 2)  // valid keys of a segment: W >= 1 makes every field >= 2 bits
+#define FS_NONE 0x7FFFFFFFFFFFFFFFll
+
+// out[i] = 0 for i in [a, b), by the threads of the block.
+__device__ __forceinline__ void fs_zero(float* o, i64 a, i64 b) {
+    for (i64 i = a + threadIdx.x; i < b; i += blockDim.x) o[i] = 0.0f;
 }
 
 // float32 a + b rounded once (through float64, exact for a sum of two float32 values), without
@@ -503,95 +532,211 @@ __device__ __forceinline__ float fs_add(float a, u32 b) {
     return __uint_as_float(fs_f64_to_f32(s));
 }
 
-// Bucket k's (flag, delta) keys, scattered with their values into out; errs[k] as the numba
-// twin's decoder (the same writes before an error). One thread per bucket: a key's position in
-// the stream depends on every field before it.
+// The stream bits [start, start + 128) of a segment, MSB first, zero past the stream's end.
+struct FsWindow {
+    u64 w0, w1;
+    i64 start;
+};
+
+__device__ FsWindow fs_window(const u8* stream, i64 slen, i64 start) {
+    FsWindow g;
+    g.start = start;
+    g.w0 = g.w1 = 0;
+    const i64 b0 = start >> 3;
+    for (int t = 0; t < 16; ++t) {
+        const u64 b = b0 + t < slen ? stream[b0 + t] : 0;
+        if (t < 8) g.w0 |= b << (56 - 8 * t);
+        else g.w1 |= b << (120 - 8 * t);
+    }
+    return g;
+}
+
+struct FsField {
+    int c, len;
+    i64 delta;
+};
+
+// The field at bit p < FS_SEG of the window (it ends before bit 98: inside the window).
+__device__ __forceinline__ FsField fs_field(const FsWindow& g, int p, int fb, int W) {
+    const u64 v = p ? (g.w0 << p) | (g.w1 >> (64 - p)) : g.w0;
+    FsField f;
+    f.c = (int)(v >> (64 - fb));
+    const int w = ((f.c + 1) * W + (1 << fb) - 1) >> fb;
+    f.len = fb + w;
+    f.delta = w ? (i64)((v << fb) >> (64 - w)) : 0;
+    return f;
+}
+
+// Follow the fields from bit p while they start in the segment and end in the stream (avail
+// bits), calling visit(field, its end) until it returns false; return the bit reached (below
+// FS_SEG only where the stream ended or visit stopped).
+template <class Visit>
+__device__ __forceinline__ int fs_walk(const FsWindow& g, int p, i64 avail, int fb, int W,
+                                       Visit visit) {
+    while (p < FS_SEG && g.start + p < avail) {
+        const FsField f = fs_field(g, p, fb, W);
+        if (g.start + p + f.len > avail) break;
+        p += f.len;
+        if (!visit(f, p)) break;
+    }
+    return p;
+}
+
+// Scatter bucket k's values at its keys into out (its slice zeroed first unless accumulate);
+// errs[k] as the numba twin's decoder. Every branch on bucket state is uniform over the block.
 extern "C" __global__ void mpicomp_fastsgd_decode(const u8* body, i64 n, i64 bucket,
-                                                  const double* powers, i64 tau, i64 fb,
+                                                  const double* powers, i64 tau, i64 fb_,
                                                   const i64* offsets, const u32* sums, i64 nb,
                                                   float* out, i64* errs, int accumulate) {
-    MPICOMP_FOR(k, nb) {
-        const i64 pos0 = offsets[k], end = offsets[k + 1], start = k * bucket;
+    __shared__ u8 tab[2][FS_DT][FS_PHASES];     // phase tables: the scan's two buffers
+    __shared__ int skeys[FS_DT * FS_SEG_KEYS];  // the round's keys, by index from its first
+    __shared__ u32 vtab[FS_QSIZE];              // float32 bits of sum / b^L
+    __shared__ i64 lscratch[32];
+    __shared__ i64 s_err, s_used;
+    __shared__ int s_code;
+    const int fb = (int)fb_, T = blockDim.x, t = threadIdx.x;
+    for (i64 k = blockIdx.x; k < nb; k += gridDim.x) {
+        const i64 pos0 = offsets[k], start = k * bucket;
         const i64 blen = min(n, start + bucket) - start;
         float* o = out + start;
         const i64 d = fs_get_u32(body + pos0 + 4);
-        if (d == 0) {
-            errs[k] = MPICOMP_FASTSGD_OK;
-            continue;
-        }
-        const int W = body[pos0 + 12];
-        const u8* codes = body + pos0 + MPICOMP_FASTSGD_HEAD;
-        i64 first_bad = d;
-        for (i64 j = 0; j < d; ++j)
-            if ((codes[j] & 0x7F) > tau) {
-                first_bad = j;
-                break;
+        i64 cursor = 0;  // elements of the slice zeroed so far
+        int code = MPICOMP_FASTSGD_OK;
+        if (d > 0) {
+            const int W = body[pos0 + 12], P = fb + W;
+            const u8* codes = body + pos0 + MPICOMP_FASTSGD_HEAD;
+            const u8* stream = codes + d;
+            const i64 slen = offsets[k + 1] - (pos0 + MPICOMP_FASTSGD_HEAD + d), avail = slen * 8;
+            const i64 nseg = (avail + FS_SEG - 1) / FS_SEG;
+            const double s = fs_f32_to_f64(sums[k]);
+            for (int L = t; L <= tau; L += T) vtab[L] = fs_f64_to_f32(s / powers[L]);
+            if (t == 0) s_err = FS_NONE;
+            // Round state (the same in every thread): the phase of its first segment, the
+            // index and key of the fields before it.
+            int e0 = 0;
+            i64 j0 = 0, key0 = 0, err = FS_NONE;
+            int big = 0;  // a valid delta >= 2^(W-1): W is exact
+            for (i64 seg0 = 0; seg0 < nseg; seg0 += T) {
+                const FsWindow g = fs_window(stream, slen, (seg0 + t) * FS_SEG);
+                // 1. paths; one that reaches a field start of phase 0's path goes on as it does
+                u64 seen = 0;  // the field starts of phase 0's path in the segment
+                int exit0 = FS_DEAD;
+                for (int e = 0; e < P; ++e) {
+                    int p = e;
+                    if (e == 0 || !((seen >> e) & 1))
+                        p = fs_walk(g, e, avail, fb, W, [&](const FsField&, int end) {
+                            if (e == 0) {
+                                seen |= end < FS_SEG ? 1ull << end : 0;
+                                return true;
+                            }
+                            return end >= FS_SEG || !((seen >> end) & 1);
+                        });
+                    const int x = p >= FS_SEG              ? p - FS_SEG
+                                  : e && ((seen >> p) & 1) ? exit0
+                                                           : FS_DEAD;
+                    if (e == 0) {
+                        exit0 = x;
+                        seen |= 1;
+                    }
+                    tab[0][t][e] = (u8)x;
+                }
+                __syncthreads();
+                // 2. compose: tab[cur][t] = the phase after segment t from the phase before
+                // segment max(0, t - 2 off + 1), for growing off
+                int cur = 0;
+                for (int off = 1; off < T; off <<= 1) {
+                    for (int e = 0; e < P; ++e) {
+                        const int h = t >= off ? tab[cur][t - off][e] : e;
+                        tab[cur ^ 1][t][e] = h == FS_DEAD ? (u8)FS_DEAD : tab[cur][t][h];
+                    }
+                    cur ^= 1;
+                    __syncthreads();
+                }
+                const int entry = t ? tab[cur][t - 1][e0] : e0;
+                const int next = tab[cur][T - 1][e0];
+                // 3. count
+                i64 cnt = 0, sum = 0;
+                if (entry != FS_DEAD)
+                    fs_walk(g, entry, avail, fb, W, [&](const FsField& f, int) {
+                        ++cnt;
+                        sum += f.delta;
+                        return true;
+                    });
+                i64 rcount, rsum;
+                const i64 jb = j0 + mpicomp_block_exclusive_scan(cnt, lscratch, &rcount);
+                const i64 kb = key0 + mpicomp_block_exclusive_scan(sum, lscratch, &rsum);
+                // 4. check
+                i64 j = jb, key = kb, mine = FS_NONE;
+                int mycode = MPICOMP_FASTSGD_OK, mybig = 0;
+                if (entry != FS_DEAD && jb < d)
+                    fs_walk(g, entry, avail, fb, W, [&](const FsField& f, int end) {
+                        if (j >= d) return false;
+                        if ((codes[j] & 0x7F) > tau) {
+                            mycode = MPICOMP_FASTSGD_ERR_CODE;  // checked before the key
+                        } else {
+                            key += f.delta;
+                            const i64 least =
+                                f.c ? 1ll << (((f.c * W) + (1 << fb) - 1) >> fb) : 0;
+                            if (f.delta < least) mycode = MPICOMP_FASTSGD_ERR_KEY_FLAG;
+                            else if ((j > 0 && f.delta == 0) || key >= blen)
+                                mycode = MPICOMP_FASTSGD_ERR_KEY_ORDER;
+                        }
+                        if (mycode != MPICOMP_FASTSGD_OK) {
+                            mine = j;
+                            return false;
+                        }
+                        mybig |= W > 0 && (f.delta >> (W - 1)) != 0;
+                        const i64 slot = j - j0;  // < FS_DT * FS_SEG_KEYS (see FS_SEG_KEYS)
+                        if (slot < FS_DT * FS_SEG_KEYS) skeys[slot] = (int)key;
+                        if (j == d - 1) s_used = g.start + end;
+                        ++j;
+                        return true;
+                    });
+                if (mine != FS_NONE) atomicMin(&s_err, mine);
+                big |= __syncthreads_or(mybig);
+                if (mine != FS_NONE && mine == s_err) s_code = mycode;  // one thread: j is its own
+                err = s_err;
+                // 5. write the keys before the first failure
+                const i64 nvalid = min(min(err, d), j0 + rcount) - j0;
+                if (nvalid > 0 && !accumulate) {
+                    const i64 last = skeys[nvalid - 1];
+                    fs_zero(o, cursor, last + 1);
+                    cursor = last + 1;
+                    __syncthreads();  // the zeros before the values
+                }
+                for (i64 i = t; i < nvalid; i += T) {
+                    const u8 c = codes[j0 + i];
+                    const u32 sign = c & MPICOMP_FASTSGD_SIGN_BIT ? 0x80000000u : 0u;
+                    const u32 v = vtab[c & 0x7F] | sign;
+                    const i64 at = skeys[i];
+                    o[at] = accumulate ? fs_add(o[at], v) : __uint_as_float(v);
+                }
+                __syncthreads();  // skeys, tab and s_code are reused
+                j0 += rcount;
+                key0 += rsum;
+                e0 = next;
+                if (err != FS_NONE) {
+                    code = s_code;
+                    break;
+                }
+                if (e0 == FS_DEAD) break;  // the stream ends in this round
             }
-        const double s = fs_f32_to_f64(sums[k]);
-        const i64 spos = pos0 + MPICOMP_FASTSGD_HEAD + d;
-        const u8* stream = body + spos;
-        const i64 slen = end > spos ? end - spos : 0, avail = slen * 8;
-        const int nflags = 1 << fb;
-        const u64 fmask = (u64)nflags - 1;
-        const int need = (int)fb + W;
-        i64 pos = 0, used = 0, key = -1, maxdelta = 0;
-        u64 acc = 0;
-        int nacc = 0;
-        i64 err = MPICOMP_FASTSGD_OK;
-        for (i64 j = 0; j < first_bad; ++j) {
-            while (nacc < need && pos < slen) {
-                if (nacc <= 32 && pos + 4 <= slen) {
-                    const u64 word = ((u64)stream[pos] << 24) | ((u64)stream[pos + 1] << 16) |
-                                     ((u64)stream[pos + 2] << 8) | (u64)stream[pos + 3];
-                    acc = (acc << 32) | word;
-                    pos += 4;
-                    nacc += 32;
+            if (err == FS_NONE) {
+                // j0 fields in all: too few, or an exact end (padding < 8 zero bits, W exact)
+                if (j0 < d) {
+                    code = (codes[j0] & 0x7F) > tau ? MPICOMP_FASTSGD_ERR_CODE
+                                                    : MPICOMP_FASTSGD_ERR_KEY_BITS;
                 } else {
-                    acc = (acc << 8) | (u64)stream[pos];
-                    pos += 1;
-                    nacc += 8;
+                    const i64 used = s_used;
+                    bool bad = avail - used >= 8 || (W > 0 && !big);
+                    for (i64 b = used; b < avail && !bad; ++b)
+                        bad = (stream[b >> 3] >> (7 - (b & 7))) & 1;
+                    if (bad) code = MPICOMP_FASTSGD_ERR_KEY_TAIL;
                 }
             }
-            if (used + fb > avail) {
-                err = MPICOMP_FASTSGD_ERR_KEY_BITS;
-                break;
-            }
-            const int c = (int)((acc >> (nacc - fb)) & fmask);
-            const int w = ((c + 1) * W + nflags - 1) >> fb;
-            used += fb + w;
-            if (used > avail) {
-                err = MPICOMP_FASTSGD_ERR_KEY_BITS;
-                break;
-            }
-            nacc -= (int)fb + w;
-            const i64 delta = (i64)((acc >> nacc) & ((1ull << w) - 1));
-            key += j ? delta : delta + 1;
-            const i64 least = c ? 1ll << (((c * W) + nflags - 1) >> fb) : 0;
-            if (delta < least) {
-                err = MPICOMP_FASTSGD_ERR_KEY_FLAG;
-                break;
-            }
-            if ((j > 0 && delta == 0) || key >= blen) {
-                err = MPICOMP_FASTSGD_ERR_KEY_ORDER;
-                break;
-            }
-            maxdelta = max(maxdelta, delta);
-            const u8 code = codes[j];
-            const u32 mag = fs_f64_to_f32(s / powers[min((i64)(code & 0x7F), tau)]);
-            const u32 v = mag | (code & MPICOMP_FASTSGD_SIGN_BIT ? 0x80000000u : 0u);
-            o[key] = accumulate ? fs_add(o[key], v) : __uint_as_float(v);
         }
-        if (err == MPICOMP_FASTSGD_OK) {
-            if (first_bad < d) {
-                err = MPICOMP_FASTSGD_ERR_CODE;
-            } else {
-                // the stream ends in its last byte, zero-padded, and W is exact
-                const u64 rest = nacc >= 64 ? ~0ull : (1ull << nacc) - 1;
-                if (avail - used >= 8 || (acc & rest) != 0 || pos != slen ||
-                    fs_bitlen((u64)maxdelta) != W)
-                    err = MPICOMP_FASTSGD_ERR_KEY_TAIL;
-            }
-        }
-        errs[k] = err;
+        if (!accumulate) fs_zero(o, cursor, blen);
+        if (t == 0) errs[k] = code;
+        __syncthreads();  // shared state is reused by the next bucket
     }
 }

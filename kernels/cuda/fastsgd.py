@@ -38,6 +38,8 @@ DEFINES = {
 #: Elements of one encoding chunk and bytes of one assembly piece (FS_CHUNK, FS_PIECE in the .cu).
 CHUNK = 2048
 PIECE = 4096
+#: Most threads of a decode block (FS_DT in the .cu: its shared tables are sized for it).
+DECODE_THREADS = 128
 _LIMBS = 10  # FS_LIMBS: 32-bit limbs of a bucket's exact sum
 
 _i64 = np.int64  # keeps the long argument tuples short
@@ -75,18 +77,16 @@ def scan(dev, body, n, bucket, flag_bits, offsets, sums):
 
 def decode(dev, body, n, bucket, powers, flag_bits, offsets, sums, out, errs, accumulate):
     """As ``kernels.cpu.fastsgd.mpicomp_fastsgd_decode``: each bucket's values scattered
-    into ``out`` (its slice zeroed first unless ``accumulate``), errs[k] set; a thread per
-    bucket walks its key stream."""
+    into ``out`` (its slice zeroed first unless ``accumulate``), errs[k] set; a block per
+    bucket decodes its key stream in parallel, FS_SEG-bit segments at a time."""
     nb = int(offsets.size) - 1
     if nb <= 0:
         return
-    n, bucket = int(n), int(bucket)
-    if not accumulate:
-        m = min(n, nb * bucket)
-        _kernel(dev, "zero")(*dev.launch_shape(m), (out, _i64(m)))
+    grid, _ = dev.tile_shape(nb)
+    block = (min(dev.threads, DECODE_THREADS),)
     args = (body, _i64(n), _i64(bucket), powers, _i64(powers.size - 1), _i64(flag_bits))
     args += (offsets, sums, _i64(nb), out, errs, np.int32(bool(accumulate)))
-    _kernel(dev, "decode")(*dev.launch_shape(nb), args)
+    _kernel(dev, "decode")(grid, block, args)
 
 
 def encode(dev, x, bucket, powers, flag_bits, scratch, cap, sizes) -> bool:
