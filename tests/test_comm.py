@@ -160,9 +160,9 @@ SYNCS = {
     "qsgd_maxnorm_multiscale": (2, 4),
     "grandk_maxnorm": (2, 3),
     "grandk_maxnorm_multiscale": (2, 4),
-    "threelc": (10, 11),
-    "fft": (14, 15),
-    "fastsgd": (14, 15),
+    "threelc": (9, 10),
+    "fft": (13, 14),
+    "fastsgd": (3, 4),
 }
 
 

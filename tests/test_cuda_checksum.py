@@ -74,3 +74,26 @@ def test_rejects(cuda):
         cuda.adler32(np.zeros(5, np.uint8), dst=np.zeros(4, np.uint8))
     with pytest.raises(TypeError, match="uint8"):
         cuda.adler32(np.zeros(5, np.float32))
+
+
+@pytest.mark.parametrize("n", SIZES)
+@pytest.mark.parametrize("offset", [0, 1])
+def test_adler32_into_writes_the_checksum_where_it_lies_with_no_read(dev, cuda, n, offset):
+    """The checksum finished on the device (a payload's field) equals the twin's and
+    zlib's, little-endian, with and without the copy, and nothing comes to the host."""
+    buf = data(n + offset + 8, offset, "random")
+    src = buf[offset : offset + n]
+    for value in VALUES:
+        got, want = np.zeros(6, np.uint8), np.zeros(6, np.uint8)
+        syncs = dev.syncs
+        cuda.adler32_into(src, value, got[1:5])
+        assert dev.syncs == syncs
+        REF.adler32_into(src, value, want[1:5])
+        assert got.tobytes() == want.tobytes()
+        assert int.from_bytes(got[1:5].tobytes(), "little") == zlib.adler32(src.tobytes(), value)
+        assert got[0] == got[5] == 0  # nothing written around the field
+    dst = np.zeros(n + 2, np.uint8)
+    cuda.adler32_into(src, 3, got[1:5], dst=dst[1 : n + 1])
+    assert dst[1 : n + 1].tobytes() == src.tobytes() and dst[0] == dst[-1] == 0
+    with pytest.raises(ValueError, match="4 uint8"):
+        cuda.adler32_into(src, 1, np.zeros(3, np.uint8))

@@ -195,6 +195,42 @@ def test_gathered_top_k_payloads_decode_with_one_read(monkeypatch):
     # Its checks assume what the collectives send: a flat array's payload; decode_sum
     # reads any payload's header.
     square = codec.encode(xs[0].reshape(64, 64))
-    with pytest.raises(PayloadError, match=r"of shape \(64, 64\): expected one of a flat"):
+    with pytest.raises(PayloadError, match=r"of shape \(64, 64\) is not what the collectives"):
         codec.decode_gathered([square], 4096)
     np.testing.assert_array_equal(codec.decode_sum([square], 4096), codec.decode(payloads[0]))
+
+
+def test_gathered_fastsgd_payloads_are_checked_before_they_decode(monkeypatch):
+    """FastSGD's gathered payloads: headers, prefixes, checksums and bucket scans read in
+    one transfer before anything decodes, the decodes' errors with the caller's batch."""
+    from mpicomp.codecs import _wire
+    from mpicomp.errors import PayloadError
+    from mpicomp.kernels.fastsgd import PREFIX_BYTES
+
+    monkeypatch.setenv(mpicomp.kernels.ENV, "cuda-emulated")
+    dev = mpicomp.kernels.backend("cuda-emulated").device
+    codec = mpicomp.codec("fastsgd", bucket=1024)
+    rng = np.random.default_rng(3)
+    payloads = [codec.encode(rng.standard_normal(5000).astype(np.float32)) for _ in range(3)]
+    before = dev.syncs
+    with batch("end"):
+        total = codec.decode_gathered(payloads, 5000)
+    assert dev.syncs - before == 2
+    np.testing.assert_array_equal(total, codec.decode_sum(payloads, 5000))
+    start = _wire.header_size(1)
+    first_bucket = start + PREFIX_BYTES
+    for at, match, reseal in [
+        (start + 1, "fails its checksum", False),  # the prefix's base
+        (start + 40, "fails its checksum", False),  # a bucket's bytes
+        (start + 9, "is not what the collectives send", True),  # another bucket, resealed
+        (first_bucket + 5, "is inconsistent", True),  # a bucket's count, resealed
+    ]:
+        bad = payloads[1].copy()
+        bad[at] ^= 0x40
+        if reseal:
+            _wire.reseal(bad)
+        with pytest.raises(PayloadError, match=match):
+            with batch("end"):
+                codec.decode_gathered([payloads[0], bad], 5000)
+    with pytest.raises(PayloadError, match="is not what the collectives send"):
+        codec.decode_gathered([codec.encode(np.ones((50, 100), np.float32))], 5000)

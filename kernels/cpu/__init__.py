@@ -66,7 +66,7 @@ def record() -> SimpleNamespace:
             add_unpack=bits.mpicomp_bits_add_unpack,
             min_repack=bits.mpicomp_bits_min_repack,
         ),
-        checksum=family(adler32=checksum.adler32),
+        checksum=family(adler32=checksum.adler32, adler32_into=checksum.adler32_into),
         fastsgd=family(
             powers=fastsgd.mpicomp_fastsgd_powers,
             encode=fastsgd.encode,

@@ -132,5 +132,13 @@ def adler32(src, value: int = 1, dst=None) -> int:
     return int(run(src, dst if copy else _NO_DST, copy, value))
 
 
+def adler32_into(src, value: int, out, dst=None) -> None:
+    """Write ``adler32(src, value, dst)`` into the 4 uint8 ``out``, little-endian (on a GPU
+    the twin writes it on the device: a payload's checksum field, no host read)."""
+    if out.dtype != np.uint8 or out.size != 4:
+        raise ValueError("adler32_into: out must be 4 uint8 bytes")
+    out[:] = np.frombuffer(adler32(src, value, dst).to_bytes(4, "little"), np.uint8)
+
+
 # Compiled under the cache directory's lock, one process at a time (mpicomp/_numba_cache.py).
 guard(globals())

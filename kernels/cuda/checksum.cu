@@ -54,3 +54,25 @@ extern "C" __global__ void mpicomp_checksum_adler32(const u8* src, u8* dst, int 
         partials[2 * blockIdx.x + 1] = ws % MPICOMP_ADLER_BASE;
     }
 }
+
+// out[0..3] = Adler-32 `value` continued over the n bytes whose block partials are
+// `partials` (as above), little-endian: kernels/checksum.py's `combine` of `span_sums`,
+// on the device, so a payload's checksum is written where it lies without a host read.
+extern "C" __global__ void mpicomp_checksum_finish(const u64* partials, i64 blocks, i64 n,
+                                                   u32 value, u8* out) {
+    if (blockIdx.x != 0 || threadIdx.x != 0) return;
+    const u64 base = MPICOMP_ADLER_BASE;
+    u64 p1 = 0, p2 = 0;  // each partial < BASE: no overflow below 2^47 blocks
+    for (i64 b = 0; b < blocks; ++b) {
+        p1 += partials[2 * b];
+        p2 += partials[2 * b + 1];
+    }
+    const u64 m = (u64)n % base;
+    const u64 s1 = p1 % base;
+    const u64 s2 = (m * s1 % base + base - p2 % base) % base;  // sum((n - i) * b_i)
+    u64 a = value & 0xFFFFu, c = value >> 16;
+    c = (c + m * a + s2) % base;
+    a = (a + s1) % base;
+    const u32 v = (u32)((c << 16) | a);
+    for (int k = 0; k < 4; ++k) out[k] = (u8)(v >> (8 * k));
+}

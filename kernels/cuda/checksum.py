@@ -1,7 +1,8 @@
 """CUDA launcher of the checksum family (``checksum.cu``), twin of ``kernels/cpu/checksum.py``.
 
-``adler32(dev, ...)`` takes the numba twin's arguments after the device it launches on;
-``launchers(dev)`` binds it. The kernel reduces the bytes to two partial sums per block;
+``adler32(dev, ...)`` and ``adler32_into(dev, ...)`` take the numba twin's arguments after
+the device they launch on; ``launchers(dev)`` binds them. ``adler32_into`` finishes the
+sum on the device and writes it where the caller says (a payload's checksum field). The kernel reduces the bytes to two partial sums per block;
 one counted synchronization brings them to the host (``readback.read``: later, with
 its batch, inside one), where ``kernels/checksum.py``'s ``combine`` continues the
 caller's running checksum.
@@ -55,6 +56,29 @@ def adler32(dev, src, value: int = 1, dst=None) -> int:
     return read(dev, partials, "checksum.adler32: block sums", checksum)
 
 
+def adler32_into(dev, src, value: int, out, dst=None) -> None:
+    """As ``kernels.cpu.checksum.adler32_into``: write ``zlib.adler32(src, value)`` into
+    the 4 uint8 ``out`` (little-endian), on the device: nothing comes to the host."""
+    if out.dtype != np.uint8 or out.size != 4:
+        raise ValueError("adler32_into: out must be 4 uint8 bytes")
+    n = int(src.size)
+    blocks = dev.grid(-(-n // 4)) if n else 0
+    partials = dev.xp.zeros(2 * max(blocks, 1), np.uint64)
+    if n:
+        if dst is not None:
+            if dst.size != n:
+                raise ValueError(f"adler32_into: dst has {dst.size} bytes, src {n}")
+            dst = contiguous(dst, "checksum adler32_into", "dst")
+        if src.dtype != np.uint8:
+            raise TypeError("adler32_into: src must be a uint8 array")
+        flat = dev.flat(src)
+        args = (flat, flat if dst is None else dst, np.int32(dst is not None))
+        kernel = dev.kernel("checksum", "mpicomp_checksum_adler32", DEFINES)
+        kernel(*dev.launch_shape(-(-n // 4)), (*args, np.int64(n), partials))
+    finish = dev.kernel("checksum", "mpicomp_checksum_finish", DEFINES)
+    finish((1,), (32,), (partials, np.int64(blocks), np.int64(n), np.uint32(value), out))
+
+
 def launchers(dev) -> SimpleNamespace:
     """Return the ``checksum`` launchers bound to ``dev``."""
-    return bind(dev, adler32=adler32)
+    return bind(dev, adler32=adler32, adler32_into=adler32_into)

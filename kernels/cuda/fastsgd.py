@@ -2,8 +2,9 @@
 
 The launchers are the numba twin's, in its order, each taking the device it launches on
 before the twin's arguments (``launchers(dev)`` binds them); the same bytes. Host
-synchronizations: ``encode`` one (its NaN/Inf flag), ``scan`` one (its error code);
-``powers``, ``assemble`` and ``decode`` none.
+synchronizations: ``encode`` one (its NaN/Inf flag), ``scan`` one (its error code), both
+through ``readback.read`` (later, with their batch, inside one); ``powers``, ``assemble``
+and ``decode`` none.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import numpy as np
 
 from mpicomp.kernels import fastsgd as _k
 from mpicomp.kernels.cuda import bind, family_kernel
+from mpicomp.kernels.readback import read
 
 FAMILY = "fastsgd"
 
@@ -72,7 +74,7 @@ def scan(dev, body, n, bucket, flag_bits, offsets, sums):
     nb = int(offsets.size) - 1
     args = (body, _i64(body.size), _i64(n), _i64(bucket), _i64(flag_bits), offsets, sums)
     _kernel(dev, "scan")((1,), (32,), (*args, _i64(nb), err))
-    return int(dev.to_host(err, why="fastsgd.scan: corrupt-stream flag")[0])
+    return read(dev, err, "fastsgd.scan: corrupt-stream flag", _first_int)
 
 
 def decode(dev, body, n, bucket, powers, flag_bits, offsets, sums, out, errs, accumulate):
@@ -140,7 +142,15 @@ def encode(dev, x, bucket, powers, flag_bits, scratch, cap, sizes) -> bool:
     _kernel(dev, "copy")(
         gc, t, (_i64(nb), _i64(cpb), bad, dk, kbytes, cboff, words, _i64(wcap), scratch, _i64(cap))
     )
-    return not int(dev.to_host(anybad, why="fastsgd.encode: non-finite flag")[0])
+    return read(dev, anybad, "fastsgd.encode: non-finite flag", _none_bad)
+
+
+def _first_int(host) -> int:
+    return int(host[0])
+
+
+def _none_bad(host) -> bool:
+    return not int(host[0])
 
 
 def launchers(dev) -> SimpleNamespace:

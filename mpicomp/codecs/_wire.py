@@ -103,37 +103,36 @@ def seal(
     body_sum=None,
     *,
     kernels=None,
-    batched: bool = False,
 ) -> np.ndarray:
     """Write the header of a payload from ``empty`` whose body is written; return it.
 
     ``body_sum``, when the encoder computed it while writing the body, is the body's
     Adler-32 from 0 (``zlib.adler32(body, 0)``): the body is then not read again.
     ``kernels``: the backend record of host arrays (default ``mpicomp.kernels.backend()``).
-    The header is made on the host and written with one copy. ``batched``: the caller's
-    ``readback.batch`` reads a device body's checksum, and the header is written when
-    it closes (the payload must not be used before); else it is read here.
+    The header is made on the host and written with one copy; without ``body_sum`` the
+    checksum is summed and written where the payload lies (``adler32_into``: on a GPU,
+    nothing comes back to the host).
     """
+    head, start = _head(codec, payload.size, shape, flags)
+    k = backend_of(payload, kernels)
+    if body_sum is not None:
+        checksum = combine(_head_checksum(head, start), body_sum, payload.size - start)
+        struct.pack_into("<I", head, 8, checksum)
+    payload[:start] = k.xp.asarray(head)
+    if body_sum is None:
+        k.checksum.adler32_into(payload[start:], _head_checksum(head, start), payload[8:12])
+    return payload
+
+
+def _head(codec: str, size: int, shape: tuple[int, ...], flags: int):
+    """Return (the header of a payload of ``size`` bytes, checksum 0, on the host; its size)."""
     ndim = len(shape)
     start = header_size(ndim)
-    body_len = payload.size - start
     head = np.empty(start, dtype=np.uint8)
-    _FIXED.pack_into(head, 0, MAGIC, VERSION, CODEC_IDS[codec], ndim, flags, 0, 0, body_len)
+    _FIXED.pack_into(head, 0, MAGIC, VERSION, CODEC_IDS[codec], ndim, flags, 0, 0, size - start)
     if ndim:
         head[FIXED_SIZE:] = np.asarray(shape, dtype="<u8").view(np.uint8)
-    k = backend_of(payload, kernels)
-    if body_sum is None and batched:
-        body_sum = k.checksum.adler32(payload[start:], 0)
-    elif body_sum is None:
-        body_sum = _adler32_now(k, payload[start:], 0)
-
-    def write(body_sum) -> None:
-        checksum = combine(_head_checksum(head, start), body_sum, body_len)
-        struct.pack_into("<I", head, 8, checksum)
-        payload[:start] = k.xp.asarray(head)
-
-    when(body_sum, write)
-    return payload
+    return head, start
 
 
 def pack(
@@ -143,9 +142,11 @@ def pack(
     k = backend_of(body, kernels)
     body = k.xp.ascontiguousarray(body, dtype=np.uint8).reshape(-1)
     out, dst = empty(shape, body.size, k.xp)
-    # One pass copies the body and sums it.
-    body_sum = _adler32_now(k, body, 0, dst=dst)
-    return seal(codec, out, shape, flags, body_sum, kernels=kernels)
+    head, start = _head(codec, out.size, shape, flags)
+    out[:start] = k.xp.asarray(head)
+    # One pass copies the body and sums it; the checksum is written where the payload is.
+    k.checksum.adler32_into(body, _head_checksum(head, start), out[8:12], dst=dst)
+    return out
 
 
 def verify(codec: str, payload: np.ndarray, body_sum: int, *, kernels=None) -> None:
@@ -245,12 +246,15 @@ def unpack(
     return shape, flags, payload[start:]
 
 
-def unpack_flat(codec: str, payload, numel: int, body_head: bytes = b"", *, kernels=None):
+def unpack_flat(
+    codec: str, payload, numel: int, body_head: bytes = b"", *, flags: int = 0, kernels=None
+):
     """Return the body of a payload that a rank's ``codec`` made from a flat tensor of
     ``numel`` elements (what the collectives send), validated without reading it here.
 
-    Every byte of its header but the checksum is known from its length (ndim 1, no
-    flags), and ``body_head`` are bytes its body must start with (top-k's k): on a
+    Every byte of its header but the checksum is known from its length (ndim 1, the
+    ``flags`` its encoder sets), and ``body_head`` are bytes its body must start with
+    (top-k's k): on a
     device the comparison and the checksum run there and are read with the caller's
     ``readback.batch`` (at once without one), and what fails raises when it is read,
     with ``unpack``'s message. The checks are registered before anything the caller
@@ -265,7 +269,7 @@ def unpack_flat(codec: str, payload, numel: int, body_head: bytes = b"", *, kern
         raise PayloadError(f"{codec} payload truncated: {payload.size} bytes < {known}")
     head = np.empty(known, dtype=np.uint8)
     body_len = payload.size - start
-    _FIXED.pack_into(head, 0, MAGIC, VERSION, CODEC_IDS[codec], 1, 0, 0, 0, body_len)
+    _FIXED.pack_into(head, 0, MAGIC, VERSION, CODEC_IDS[codec], 1, flags, 0, 0, body_len)
     struct.pack_into("<Q", head, FIXED_SIZE, numel)
     head[start:] = np.frombuffer(body_head, np.uint8)
     k = backend_of(payload, kernels)
@@ -278,10 +282,11 @@ def unpack_flat(codec: str, payload, numel: int, body_head: bytes = b"", *, kern
 
     def check(found) -> None:
         if value_of(differs):
-            shape, _, _ = unpack(codec, payload, numel=numel, kernels=kernels)  # what is wrong
+            # What is wrong (the expected flags are known ones there).
+            shape, _, _ = unpack(codec, payload, flags, numel=numel, kernels=kernels)
             raise PayloadError(
-                f"{codec} payload of shape {shape}: expected one of a flat array (as the "
-                "collectives send)"
+                f"{codec} payload of shape {shape} is not what the collectives send: a flat "
+                "array's, made with this codec's parameters"
             )
         if found != int(value_of(field).view("<u4")[0]):
             raise PayloadError(f"{codec} payload fails its checksum (corrupted in transit?)")

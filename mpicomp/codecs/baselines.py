@@ -197,8 +197,7 @@ class TopK(GatherCodecBase):
         body[:8] = kernels.xp.asarray(np.array([k], dtype="<u8").view(np.uint8))
         idx = body[8 : 8 + k * idt.itemsize].view(idt)
         vals = body[8 + k * idt.itemsize :].view("<f4")
-        # The NaN/Inf flag and the body's checksum come back in one read; the header
-        # is written after it, and only for a finite input.
+        # The NaN/Inf flag is read once, at the end (the checksum is written on the device).
         with batch("topk encode"):
             if k == n:
                 if n and not kernels.topk.all_finite(flat):
@@ -207,7 +206,7 @@ class TopK(GatherCodecBase):
                 vals[:] = flat
             else:
                 when(kernels.topk.select(flat, k, idx, vals), _refuse_nonfinite)
-            _wire.seal(self.name, payload, x.shape, kernels=self.kernels, batched=True)
+            _wire.seal(self.name, payload, x.shape, kernels=self.kernels)
         return payload
 
     def decode(self, payload, numel: int | None = None) -> np.ndarray:
@@ -224,7 +223,7 @@ class TopK(GatherCodecBase):
 
     def decode_local(self, payload, shape) -> np.ndarray:
         """Return ``decode(payload)`` of a payload this process's ``encode`` just made of
-        an array of ``shape``: its header is not read (nor yet written, in a batch)."""
+        an array of ``shape``: trusted, its header is not read."""
         n = math.prod(shape)
         body = payload[_wire.header_size(len(shape)) :]
         return self._scatter(body, n, self.kept(n), checked=False).reshape(shape)

@@ -9,6 +9,8 @@ Body after the common header (see docs/codecs.md, "fastsgd")::
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 
 from mpicomp._arrays import as_gradient
@@ -17,6 +19,7 @@ from mpicomp.codecs._base import GatherCodecBase, check_number, register
 from mpicomp.errors import PayloadError
 from mpicomp.kernels import backend_of, place
 from mpicomp.kernels import fastsgd as _k
+from mpicomp.kernels.readback import batch, ignored, read, value_of, when
 
 # The largest base keeps sum / b^tau well inside float64 for every float32 sum.
 MAX_BASE = 16.0
@@ -111,16 +114,18 @@ class FastSGD(GatherCodecBase):
         scratch = xp.empty(nbuckets * cap, np.uint8)
         sizes = xp.empty(nbuckets, np.int64)
         powers = self._powers_on(kernels, p["base"], p["tau"])
-        ok = k.encode(flat, bucket, powers, p["flag_bits"], scratch, cap, sizes)
-        if not ok:
-            raise ValueError("fastsgd cannot encode x: it contains NaN or Inf")
-        # offsets[i] = PREFIX_BYTES + sizes[:i].sum(); its last entry ends the body.
-        offsets = xp.empty(nbuckets + 1, np.int64)
-        offsets[:1] = 0
-        xp.cumsum(sizes, out=offsets[1:])
-        offsets += _k.PREFIX_BYTES
-        end = int(kernels.to_host(offsets[-1:], why="fastsgd encode: body length")[0])
-        payload, body = _wire.empty(x.shape, end, xp)
+        # The NaN/Inf flag and the body's length come back in one read.
+        with batch("fastsgd encode"):
+            ok = k.encode(flat, bucket, powers, p["flag_bits"], scratch, cap, sizes)
+            when(ok, _refuse_nonfinite)
+            # offsets[i] = PREFIX_BYTES + sizes[:i].sum(); its last entry ends the body.
+            offsets = xp.empty(nbuckets + 1, np.int64)
+            offsets[:1] = 0
+            xp.cumsum(sizes, out=offsets[1:])
+            offsets += _k.PREFIX_BYTES
+            device = getattr(kernels, "device", None)
+            end = read(device, offsets[-1:], "fastsgd encode: body length", _first_int)
+        payload, body = _wire.empty(x.shape, value_of(end), xp)
         body[: _k.PREFIX_BYTES] = xp.asarray(self._prefix().view(np.uint8))
         k.assemble(scratch, cap, sizes, offsets[:-1], body)
         return _wire.seal(self.name, payload, x.shape, kernels=self.kernels)
@@ -162,6 +167,55 @@ class FastSGD(GatherCodecBase):
             self._scatter(scan, out, accumulate=True)
         return out
 
+    def decode_local(self, payload, shape) -> np.ndarray:
+        """Return ``decode(payload)`` of a payload this process's ``encode`` just made of
+        an array of ``shape``: trusted, nothing of it is checked or read."""
+        n = math.prod(shape)
+        body = payload[_wire.header_size(len(shape)) :]
+        kernels = backend_of(body, self.kernels)
+        out = kernels.xp.empty(n, np.float32)
+        with ignored():
+            self._scatter(self._scan_own(kernels, body, n, checked=False), out, False, False)
+        return out.reshape(shape)
+
+    def decode_gathered(self, payloads, numel: int) -> np.ndarray:
+        """Return ``decode_sum(payloads, numel)`` of payloads of flat arrays made with this
+        codec's parameters (what the collectives gather: the parameters are agreed): each
+        header and prefix is known from its length and compared on its device, and with
+        the checksums and the bucket scans' errors read in one transfer before anything
+        is decoded; the decodes' errors are read with the caller's ``readback.batch``.
+
+        Raises:
+            PayloadError: a payload is corrupt, or of another shape or parameters.
+        """
+        prefix = self._prefix().tobytes()
+        with batch("fastsgd scans"):
+            scans = []
+            for p in payloads:
+                body = _wire.unpack_flat(self.name, p, numel, prefix, kernels=self.kernels)
+                scans.append(self._scan_own(backend_of(body, self.kernels), body, numel))
+        out = (scans[0][0] if scans else self.kernels).xp.zeros(numel, np.float32)
+        for scan in scans:
+            self._scatter(scan, out, accumulate=True)
+        return out
+
+    def _scan_own(self, kernels, body, n: int, checked: bool = True):
+        """``_scan`` of a body whose prefix holds this codec's parameters."""
+        p = self.params
+        bucket = self._bucket_length(p["bucket"], n)
+        nbuckets = -(-n // bucket) if n else 0
+        if nbuckets * _k.BUCKET_HEAD_BYTES > body.size - _k.PREFIX_BYTES:
+            raise PayloadError(
+                f"fastsgd payload body of {body.size} bytes cannot hold {nbuckets} buckets"
+            )
+        offsets = kernels.xp.empty(nbuckets + 1, np.int64)
+        sums = kernels.xp.empty(nbuckets, np.uint32)
+        err = kernels.fastsgd.scan(body, n, bucket, p["flag_bits"], offsets, sums)
+        if checked:
+            when(err, _refuse_stream)
+        powers = self._powers_on(kernels, p["base"], p["tau"])
+        return kernels, body, n, bucket, powers, p["flag_bits"], offsets, sums
+
     def _scan(self, payload, numel):
         """Check ``payload``'s header, prefix and bucket headers (no allocation beyond a
         constant times its size); return (shape, n, what ``_scatter`` needs)."""
@@ -195,9 +249,8 @@ class FastSGD(GatherCodecBase):
             )
         offsets = kernels.xp.empty(nbuckets + 1, np.int64)
         sums = kernels.xp.empty(nbuckets, np.uint32)
-        err = kernels.fastsgd.scan(body, n, bucket, flag_bits, offsets, sums)
-        if err:
-            raise PayloadError(f"fastsgd payload is inconsistent: {_DECODE_ERRORS[err]}")
+        with batch("fastsgd scan"):  # its error, before anything is decoded
+            when(kernels.fastsgd.scan(body, n, bucket, flag_bits, offsets, sums), _refuse_stream)
         powers = (
             self._powers_on(kernels, base, tau)
             if (base, tau) == (self.params["base"], self.params["tau"])
@@ -206,20 +259,17 @@ class FastSGD(GatherCodecBase):
         return shape, n, (kernels, body, n, bucket, powers, flag_bits, offsets, sums)
 
     @staticmethod
-    def _scatter(scan, out, accumulate: bool) -> None:
+    def _scatter(scan, out, accumulate: bool, checked: bool = True) -> None:
         """Write (or add) the values of a ``_scan``ned payload into ``out``; PayloadError
-        when its keys or codes are inconsistent."""
+        when its keys or codes are inconsistent (when the caller's batch reads them)."""
         kernels, body, n, bucket, powers, flag_bits, offsets, sums = scan
         errs = kernels.xp.zeros(sums.size, np.int64)
         kernels.fastsgd.decode(
             body, n, bucket, powers, flag_bits, offsets, sums, out, errs, accumulate
         )
-        bad = np.flatnonzero(kernels.to_host(errs, why="fastsgd decode: corrupt buckets"))
-        if bad.size:
-            k = int(bad[0])
-            raise PayloadError(
-                f"fastsgd payload is inconsistent in bucket {k}: {_DECODE_ERRORS[int(errs[k])]}"
-            )
+        if checked:
+            device = getattr(kernels, "device", None)
+            when(read(device, errs, "fastsgd decode: corrupt buckets"), _refuse_buckets)
 
     def _powers_on(self, kernels, base: float, tau: int):
         """Return this codec's table b^L on ``kernels``' device, made at its first use."""
@@ -241,3 +291,26 @@ class FastSGD(GatherCodecBase):
         if n > _k.MAX_BUCKET:
             return None
         return max(n, 1)
+
+
+def _first_int(host) -> int:
+    return int(host[0])
+
+
+def _refuse_nonfinite(ok: bool) -> None:
+    if not ok:
+        raise ValueError("fastsgd cannot encode x: it contains NaN or Inf")
+
+
+def _refuse_stream(err: int) -> None:
+    if err:
+        raise PayloadError(f"fastsgd payload is inconsistent: {_DECODE_ERRORS[err]}")
+
+
+def _refuse_buckets(errs: np.ndarray) -> None:
+    bad = np.flatnonzero(errs)
+    if bad.size:
+        k = int(bad[0])
+        raise PayloadError(
+            f"fastsgd payload is inconsistent in bucket {k}: {_DECODE_ERRORS[int(errs[k])]}"
+        )
