@@ -67,7 +67,7 @@ class Tensor:
 
     def zeros(self):
         """Return zeros as ``result`` would (a skipped call's result)."""
-        return self.result(np.zeros(self.flat.size, dtype=np.float32))
+        return self.result(array_module(self.flat).zeros(self.flat.size, dtype=np.float32))
 
 
 class Gpu:

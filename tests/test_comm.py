@@ -295,6 +295,23 @@ def test_one_rank_policies(policy):
         assert cc.state_dict()["step"] == (1 if policy == "zero" else 0)
 
 
+@pytest.mark.parametrize("name", ["none", "topk"])
+def test_a_skipped_call_of_device_gradients_gives_device_zeros(name):
+    """The zeros of a skipped call come on the gradients' device, as an average would."""
+    import _device_arrays as D
+    from mpi4py import MPI
+
+    from mpicomp.comm import NonFiniteWarning
+
+    D.install()
+    x = D.to_device(np.array([1.0, np.nan, 3.0], np.float32))
+    with mpicomp.CompressedComm(MPI.COMM_SELF, name, min_numel=1, nonfinite="skip_step") as cc:
+        with pytest.warns(NonFiniteWarning):
+            out = cc.allreduce(x, name="w")
+    assert isinstance(out, D.DeviceArray)
+    np.testing.assert_array_equal(D.to_host(out), [0, 0, 0])
+
+
 # --- iallreduce on one rank: handles, the eager fallback, whole jobs under mpiexec -----
 
 
