@@ -31,7 +31,8 @@ export MPI4PY_LIBMPI := $(abspath $(VENV))/lib/$(LIBMPI_$(MPI))
 
 .PHONY: demo tour test test-unit test-mpi docs test-sanitize test-gpu test-gpu-unit test-gpu-mpi \
         test-gpu-sanitize \
-        bench-gpu mpi-check bench bench-mpi bench-netem peers lint clean fuzz soak cuda-mpi
+        bench-gpu mpi-check bench bench-mpi bench-netem peers lint clean fuzz soak cuda-mpi \
+        gpu-wheels
 
 $(BIN)/activate:
 	$(PYTHON) -m venv $(VENV)
@@ -137,6 +138,14 @@ bench-gpu: $(VENV)/.installed
 	  $(BIN)/mpicomp bench --backend cuda --numel $$n --no-allreduce $(BENCH_ARGS); done
 	$(MPIENV) $(MPIRUN) -n 4 $(BIN)/python -m mpi4py -m mpicomp bench --backend cuda \
 	  --no-kernels --sizes 1M,25.6M $(BENCH_ARGS)
+
+# The wheels .ci/gpu installs into a lent GPU machine's python (3.12, no package index there),
+# at this environment's versions: carry .whl (about 14 MB) with .cuda-mpi.
+GPU_WHEELS := mpich==5.0.2 mpi4py==4.1.2 pytest-mpi==0.6 sybil==10.1.0
+gpu-wheels: $(VENV)/.installed
+	$(BIN)/python -m pip download -q --only-binary=:all: --no-deps -d .whl --python-version 3.12 \
+	  --implementation cp --abi cp312 --platform manylinux_2_28_x86_64 \
+	  --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 $(GPU_WHEELS)
 
 # Open MPI 4.1 with CUDA support, built from Debian's source (no GPU needed) into .cuda-mpi/
 # (about 9 MB, git-ignored) for .ci/gpu's `direct` step; CUDA_HOME picks the toolkit.
