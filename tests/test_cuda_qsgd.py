@@ -13,6 +13,7 @@ from mpicomp.kernels.bits import packed_size
 from mpicomp.kernels.cpu import qsgd as cpu_qsgd
 from mpicomp.kernels.cpu import record
 from mpicomp.kernels.cuda import qsgd as cuda_qsgd
+from mpicomp.kernels.cuda.device import Device
 
 REF = record().qsgd
 NO_INDEX = np.empty(0, np.int64)
@@ -629,3 +630,158 @@ def test_host_syncs_are_one_per_result(dev, cuda):
 
 def test_launchers_have_the_numba_names(cuda):
     assert set(vars(cuda)) == set(vars(REF))
+
+
+# ---- tiles, groups of 4 and misaligned views ------------------------------------------------
+# sumsq_lanes walks its pieces in tiles of 8 elements per thread (256 and 512 at the emulated
+# geometries, 1,024 at a GPU's: blocks of 128), a group of pieces per block; the element
+# kernels take 4 elements a thread, one vector access each for x (16 bytes), codes, scale
+# indices and floats where aligned, one access per element elsewhere.
+
+
+@pytest.fixture(scope="module")
+def gpu_like():
+    """The launchers at a GPU's geometry (256 threads a block; sumsq_lanes in blocks of 128),
+    on the emulation."""
+    return cuda_qsgd.launchers(Device.emulated(256, 8))
+
+
+def placed(a, shift):
+    """Return a copy of ``a`` that starts ``shift`` elements past a 16-byte boundary."""
+    buf = np.empty(a.nbytes + 64, np.uint8)
+    start = (-buf.ctypes.data) % 16 + shift * a.itemsize
+    view = buf[start : start + a.nbytes].view(a.dtype)
+    view[...] = a
+    return view
+
+
+# (elements, block): pieces of 128 in groups of up to 16 per block, pieces around a tile,
+# CHUNK-long pieces (one per block), blocks crossing tiles and CHUNKs, tiny inputs.
+LANE_EDGES = [
+    (1, 128), (5, 128), (255, 128), (257, 128), (1023, 128), (1025, 128), (4097, 128),
+    (1000, 1), (2049, 7), (3001, 1000), (kq.CHUNK - 1, 0), (kq.CHUNK + 1, 0),
+    (kq.CHUNK + 1, 128), (2 * kq.CHUNK + 5, kq.CHUNK - 3),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("m, block", LANE_EDGES, ids=str)
+@pytest.mark.parametrize("dense", [True, False], ids=["dense", "index"])
+def test_norms_around_tiles_and_misaligned(cuda, gpu_like, m, block, dense):
+    n = m if dense else m + m // 2 + 1
+    x = gradient(n, m + block, spread=0.5)
+    idx = NO_INDEX if dense else np.sort(np.random.default_rng(m).choice(n, m, replace=False))
+    starts, pieces, first, _ = cut(m, block)
+    want = np.zeros(starts.size - 1, np.float32)
+    assert REF.block_norms(x, idx, dense, pieces, first, want) == 0
+    big = m > kq.CHUNK
+    for k, shift in [(cuda, 1), (cuda, 0), (gpu_like, 3)][: 2 if big else 3]:
+        got = np.zeros(starts.size - 1, np.float32)
+        assert k.block_norms(placed(x, shift), idx, dense, pieces, first, got) == 0
+        same(got, want)
+    if block == 0 or m <= 1025:
+        ss = cuda.sumsq(placed(x, 2), idx, dense)
+        assert np.float64(ss).tobytes() == np.float64(ref_sumsq(x, idx, dense)).tobytes()
+
+
+def guarded(n, dtype, shift, fill=0x5A):
+    """An output of n elements ``shift`` elements past a 16-byte boundary, with 5 guard
+    elements after it; returns (the whole, the output view)."""
+    whole = placed(np.full((n + 5) * np.dtype(dtype).itemsize, fill, np.uint8).view(dtype), shift)
+    return whole, whole[:n]
+
+
+# Regular blocks of 3 (a group of 4 crosses a block's end), and irregular ones.
+def element_blocks(m):
+    starts = np.unique(np.r_[0, np.arange(1, m, 5), np.arange(2, m, 11), m]).astype(np.int64)
+    return [(3, cut(m, 3)[0]), (0, starts)]
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 4, 5, 6, 7, 8, 9, 13, 258, 1027])
+@pytest.mark.parametrize("shift", [1, 2, 3])
+def test_element_kernels_on_misaligned_views(cuda, gpu_like, n, shift):
+    k = gpu_like if n == 1027 else cuda
+    x = gradient(n, 7 * n + shift)
+    xs = placed(x, shift)
+    scales = scale_set((4, 8, 12))
+    for regular, starts in element_blocks(n):
+        norms = block_norms_of(x, NO_INDEX, True, starts) * np.float32(1.5)
+        norms_s = placed(norms, (shift + 1) % 4)
+        blocks, blocks_s = (norms, starts, regular), (norms_s, placed(starts, shift % 2), regular)
+        for dtype in CODES:
+            want, got = np.zeros(n + 5, dtype), guarded(n, dtype, (shift + 2) % 4)
+            e = REF.quantize(x, NO_INDEX, True, *blocks, 127, KEY, want[:n])
+            assert k.quantize(xs, NO_INDEX, True, *blocks_s, 127, KEY, got[1]) == e == 0
+            same(got[1], want[:n])
+            assert not np.any(got[0][n:].view(np.uint8) != 0x5A)
+        sidx_want, sidx_got = np.zeros(n, np.uint8), guarded(n, np.uint8, shift)
+        e = REF.multiscale_index(x, NO_INDEX, True, *blocks, scales, sidx_want)
+        assert k.multiscale_index(xs, NO_INDEX, True, *blocks_s, scales, sidx_got[1]) == e == 0
+        same(sidx_got[1], sidx_want)
+        assert not np.any(sidx_got[0][n:] != 0x5A)
+        for sdt in (np.uint8, np.int64):
+            sidx = placed(sidx_want.astype(sdt), (shift + 3) % 4)
+            want, got = np.zeros(n, np.int8), guarded(n, np.int8, shift)
+            e = REF.multiscale_quantize(x, NO_INDEX, True, *blocks, scales, sidx, KEY, want)
+            e2 = k.multiscale_quantize(xs, NO_INDEX, True, *blocks_s, scales, sidx, KEY, got[1])
+            assert e == e2 == 0
+            same(got[1], want)
+        for dtype in CODES:
+            codes = placed(np.resize(np.array([3, -5, 0, 127, -127, 1], dtype), n), shift)
+            want, got = np.zeros(n, np.float32), guarded(n, np.float32, (shift + 1) % 4)
+            e = REF.dequantize(codes, *blocks, 127, 2, np.int64(254), want)
+            assert k.dequantize(codes, *blocks_s, 127, 2, np.int64(254), got[1]) == e == 0
+            same(got[1], want)
+            assert not np.any(got[0][n:].view(np.uint8) != 0x5A)
+            sidx = placed(np.resize(np.array([0, 1, 2, 3], np.uint8), n), shift)  # 3: outside
+            want, got = np.zeros(n, np.float32), guarded(n, np.float32, shift)
+            e = REF.multiscale_dequantize(codes, sidx, *blocks, scales, 2, np.int64(254), want)
+            e2 = k.multiscale_dequantize(codes, sidx, *blocks_s, scales, 2, np.int64(254), got[1])
+            assert e == e2
+            same(got[1], want)
+        for width in (3, 8, 32):
+            stream, _ = packed(
+                np.random.default_rng([n, width]), n, width, 0, offset=shift, extra=0
+            )
+            want, got = np.zeros(n, np.float32), guarded(n, np.float32, shift)
+            limit = np.int64(2**31)
+            e = REF.dequantize_packed(stream, width, 1, *blocks, 7, 3, limit, want)
+            assert k.dequantize_packed(stream, width, 1, *blocks_s, 7, 3, limit, got[1]) == e
+            same(got[1], want)
+            sidx = placed(np.resize(np.array([2, 0, 1], np.int64), n), shift)
+            want, got = np.zeros(n, np.float32), guarded(n, np.float32, (shift + 2) % 4)
+            args = (scales, 3, limit)
+            e = REF.multiscale_dequantize_packed(stream, width, 1, sidx, *blocks, *args, want)
+            e2 = k.multiscale_dequantize_packed(stream, width, 1, sidx, *blocks_s, *args, got[1])
+            assert e == e2
+            same(got[1], want)
+
+
+@pytest.mark.parametrize("n", [1, 5, 1030])
+def test_index_kernels_on_misaligned_views(cuda, n):
+    # GlobalRandK: x[idx] gathered, idx itself misaligned (its 4 indices in two 16-byte loads
+    # where aligned).
+    x = gradient(3 * n, n)
+    idx = np.sort(np.random.default_rng(n).choice(3 * n, n, replace=False)).astype(np.int64)
+    norm = norm_of(x, idx)
+    for shift in (1, 2, 3):
+        want, got = np.zeros(n, np.int8), guarded(n, np.int8, shift)
+        e = REF.quantize(x, idx, False, *one(norm, n), 7, KEY, want)
+        assert cuda.quantize(placed(x, shift), placed(idx, shift), False, *one(norm, n), 7, KEY,
+                             got[1]) == e == 0  # fmt: skip
+        same(got[1], want)
+        ss = cuda.sumsq(placed(x, shift), placed(idx, shift), False)
+        assert np.float64(ss).tobytes() == np.float64(REF.sumsq(x, idx, False)).tobytes()
+
+
+def test_packed_stream_is_read_within_its_bytes(cuda):
+    # A stream that ends exactly at the end of its buffer, not on a 4-byte word: the last
+    # word is read byte by byte (ASan and a GPU's memcheck see any read past it).
+    for n, width in [(3, 3), (5, 7), (9, 31), (13, 32), (100, 9)]:
+        for offset in range(4):
+            stream, _ = packed(np.random.default_rng(n), n, width, 0, offset=offset, extra=0)
+            assert stream.size == packed_size(n, width) and stream.base.size == offset + stream.size
+            want, got = np.zeros(n, np.float32), np.zeros(n, np.float32)
+            limit = np.int64(2**32)
+            e = REF.dequantize_packed(stream, width, 0, *one(1.0, n), 7, 1, limit, want)
+            assert cuda.dequantize_packed(stream, width, 0, *one(1.0, n), 7, 1, limit, got) == e
+            same(got, want)

@@ -154,3 +154,82 @@ def test_expand_matches_numba(cuda, n):
         REF.expand(bits, np.float32(scale), ref)
         assert cuda.expand(bits, np.float32(scale), got) is None
         assert ref.tobytes() == got.tobytes(), scale
+
+
+# ---- tiles, chunks, warp rows and misaligned views --------------------------------------------
+# The lane sums walk a chunk in tiles of 8 elements per thread (256 and 512 at the emulated
+# geometries, 1,024 at a GPU's: blocks of 128); pack's warps take rows of 256 elements; the
+# vector accesses need 16-byte (x, expand's out) and 4-byte (votes, sign bits) alignment, and
+# fall back to one access per element elsewhere.
+EDGES = [2, 4, 5, 6, 255, 256, 257, 511, 512, 513, 1023, 1024, 1025, 4097]
+CHUNK_EDGES = [CHUNK - 1, CHUNK + 1, 2 * CHUNK - 4, 2 * CHUNK + 1]
+
+
+@pytest.fixture(scope="module")
+def gpu_like():
+    """The launchers at a GPU's geometry (256 threads a block: lane sums in blocks of 128, tiles
+    of 1,024 elements), on the emulation."""
+    return cuda_signsgd.launchers(Device.emulated(256, 8))
+
+
+def placed(a, shift):
+    """Return a copy of ``a`` that starts ``shift`` elements past a 16-byte boundary."""
+    buf = np.empty(a.nbytes + 64, np.uint8)
+    start = (-buf.ctypes.data) % 16 + shift * a.itemsize
+    view = buf[start : start + a.nbytes].view(a.dtype)
+    view[...] = a
+    return view
+
+
+def check_placed(k, n, shift, kind="special"):
+    """Every launcher the codec runs, on x, outputs and bits ``shift`` elements (or bytes) past
+    a 16-byte boundary, against the twin on plain arrays; the guard bytes after each output
+    stay as they were."""
+    x = gradient(n, kind, seed=shift)
+    xs = placed(x, shift)
+    ref, got = sentinel(n, shift), placed(sentinel(n, shift), (shift + 1) % 4)
+    r = REF.votes_scale(x, ref[:n])
+    g = k.votes_scale(xs, got[:n])
+    assert g[0] is r[0] is True
+    same_float(r[1], g[1])
+    assert ref.tobytes() == got.tobytes()
+    same_float(REF.abs_sum(x), k.abs_sum(xs))
+    m = (n + 7) // 8
+    ref, got = sentinel(m, n), placed(sentinel(m, n), shift)
+    assert REF.pack(x, ref[:m]) is k.pack(xs, got[:m]) is True
+    assert ref.tobytes() == got.tobytes()
+    bits = placed(ref[:m], (shift + 2) % 4)
+    want, out = np.full(n + 3, 7, np.float32), placed(np.full(n + 3, 7, np.float32), shift)
+    REF.expand(ref[:m], np.float32(-0.5), want[:n])
+    assert k.expand(bits, np.float32(-0.5), out[:n]) is None
+    assert want.tobytes() == out.tobytes()
+
+
+@pytest.mark.parametrize("n", EDGES)
+@pytest.mark.parametrize("shift", [0, 1, 2, 3])
+def test_tiles_rows_and_misaligned_views(cuda, gpu_like, n, shift):
+    for k in (cuda, gpu_like):
+        check_placed(k, n, shift)
+
+
+@pytest.mark.parametrize("n", CHUNK_EDGES)
+@pytest.mark.parametrize("shift", [0, 3])
+def test_chunk_edges(cuda, gpu_like, n, shift):
+    check_placed(cuda, n, shift, "normal")
+    if shift == 0:
+        check_placed(gpu_like, n, shift, "tiny")
+
+
+@pytest.mark.parametrize("n", [5, 1025, CHUNK + 1])
+@pytest.mark.parametrize("at", ["first", "last"])
+def test_nonfinite_in_a_tiles_tail_is_reported(cuda, n, at):
+    # The last group of 4 of a range is partial: its NaN must count, its padding must not.
+    x = gradient(n, "normal")
+    x[0 if at == "first" else n - 1] = np.nan
+    xs = placed(x, 1)
+    out = np.empty(n, np.uint8)
+    assert cuda.votes_scale(xs, out)[0] is REF.votes_scale(x, out)[0] is False
+    assert cuda.pack(xs, np.empty((n + 7) // 8, np.uint8)) is False
+    clean = placed(gradient(n, "normal"), 3)
+    assert cuda.votes_scale(clean, out)[0] is True
+    assert cuda.pack(clean, out[: (n + 7) // 8]) is True

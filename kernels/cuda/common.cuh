@@ -124,3 +124,168 @@ __device__ i64 mpicomp_block_exclusive_max(i64 v, i64 none, i64* scratch, i64* t
     *total = all;
     return before < exc ? exc : before;
 }
+
+// ---- four consecutive elements in one access ---------------------------------------------------
+// Elementwise kernels move 4 consecutive elements per thread: one 4-, 8- or 16-byte access
+// (two of 16 for 8-byte elements) where all 4 lie below `n` and the address is aligned to the
+// access, else one access per element (elements from n on untouched). Callers decide alignment
+// once per launch (mpicomp_aligned of the base pointer, with i a multiple of 4), so the branch
+// is uniform. CUDA's float4/uint2 are not in the emulation: these aligned structs stand in
+// (nvcc turns a copy of one into one vector access).
+struct __align__(16) mpicomp_x16 { u32 w[4]; };
+struct __align__(8) mpicomp_x8 { u32 w[2]; };
+
+// Whether p is aligned to `bytes` (a power of two).
+__device__ __forceinline__ bool mpicomp_aligned(const void* p, unsigned bytes) {
+    return ((unsigned long long)p & (bytes - 1)) == 0;
+}
+
+// The unsigned type of the same size as T (codes and floats move as their bits).
+template <int S> struct mpicomp_uint_of;
+template <> struct mpicomp_uint_of<1> { typedef u8 type; };
+template <> struct mpicomp_uint_of<2> { typedef u16 type; };
+template <> struct mpicomp_uint_of<4> { typedef u32 type; };
+template <> struct mpicomp_uint_of<8> { typedef u64 type; };
+
+// The alignment the vector path of mpicomp_load4/store4 needs for elements of `size` bytes.
+__device__ __forceinline__ unsigned mpicomp_vec_align(int size) {
+    return size >= 4 ? 16u : 4u * size;
+}
+
+// v[k] = p[i + k] for i + k < n; `vec`: p + i is aligned to mpicomp_vec_align(sizeof(U)).
+template <class U>
+__device__ __forceinline__ void mpicomp_load4(const U* p, i64 i, i64 n, bool vec, U v[4]) {
+    if (vec && i + 4 <= n) {
+        if constexpr (sizeof(U) == 1) {
+            const u32 w = *reinterpret_cast<const u32*>(p + i);
+            for (int k = 0; k < 4; ++k) v[k] = (U)(w >> (8 * k));
+        } else if constexpr (sizeof(U) == 2) {
+            const mpicomp_x8 w = *reinterpret_cast<const mpicomp_x8*>(p + i);
+            for (int k = 0; k < 4; ++k) v[k] = (U)(w.w[k >> 1] >> (16 * (k & 1)));
+        } else if constexpr (sizeof(U) == 4) {
+            const mpicomp_x16 w = *reinterpret_cast<const mpicomp_x16*>(p + i);
+            for (int k = 0; k < 4; ++k) v[k] = (U)w.w[k];
+        } else {
+            const mpicomp_x16 a = *reinterpret_cast<const mpicomp_x16*>(p + i);
+            const mpicomp_x16 b = *reinterpret_cast<const mpicomp_x16*>(p + i + 2);
+            v[0] = (U)a.w[0] | (U)a.w[1] << 32;
+            v[1] = (U)a.w[2] | (U)a.w[3] << 32;
+            v[2] = (U)b.w[0] | (U)b.w[1] << 32;
+            v[3] = (U)b.w[2] | (U)b.w[3] << 32;
+        }
+    } else {
+        for (int k = 0; k < 4; ++k)
+            if (i + k < n) v[k] = p[i + k];
+    }
+}
+
+// p[i + k] = v[k] for i + k < n; `vec` as for mpicomp_load4.
+template <class U>
+__device__ __forceinline__ void mpicomp_store4(U* p, i64 i, i64 n, bool vec, const U v[4]) {
+    if (vec && i + 4 <= n) {
+        if constexpr (sizeof(U) == 1) {
+            *reinterpret_cast<u32*>(p + i) =
+                (u32)v[0] | (u32)v[1] << 8 | (u32)v[2] << 16 | (u32)v[3] << 24;
+        } else if constexpr (sizeof(U) == 2) {
+            mpicomp_x8 w;
+            w.w[0] = (u32)v[0] | (u32)v[1] << 16;
+            w.w[1] = (u32)v[2] | (u32)v[3] << 16;
+            *reinterpret_cast<mpicomp_x8*>(p + i) = w;
+        } else if constexpr (sizeof(U) == 4) {
+            mpicomp_x16 w;
+            for (int k = 0; k < 4; ++k) w.w[k] = (u32)v[k];
+            *reinterpret_cast<mpicomp_x16*>(p + i) = w;
+        } else {
+            mpicomp_x16 a, b;
+            a.w[0] = (u32)v[0], a.w[1] = (u32)(v[0] >> 32), a.w[2] = (u32)v[1];
+            a.w[3] = (u32)(v[1] >> 32);
+            b.w[0] = (u32)v[2], b.w[1] = (u32)(v[2] >> 32), b.w[2] = (u32)v[3];
+            b.w[3] = (u32)(v[3] >> 32);
+            *reinterpret_cast<mpicomp_x16*>(p + i) = a;
+            *reinterpret_cast<mpicomp_x16*>(p + i + 2) = b;
+        }
+    } else {
+        for (int k = 0; k < 4; ++k)
+            if (i + k < n) p[i + k] = v[k];
+    }
+}
+
+// ---- float64 lane sums in the numba twins' order, loads coalesced -------------------------------
+// The twins add float64 terms in LANES sequential chains per piece: for piece p (elements
+// [lo, hi), m = hi - lo, full = m - m % LANES), lane l adds the terms of lo + l, lo + l + LANES,
+// ... below lo + full, in order, and lane 0 then those of [lo + full, hi). A chain's order fixes
+// the sum's bits, so one thread runs each chain; what the GPU needs besides is loads in flight,
+// which one strided load per chain thread does not give.
+//
+// So a block takes `group` consecutive pieces (group * LANES <= blockDim.x) and walks their
+// element range in tiles of MPICOMP_LANE_TILE(blockDim.x) elements (the first one starting at
+// the multiple of 4 at or below the range's start). Every thread loads MPICOMP_LANE_VECS groups
+// of 4 consecutive 32-bit words of the next tile into registers (one 16-byte load each where
+// the source allows it; a warp's loads are contiguous) *before* the chains of the current tile
+// run, so loads and chains overlap; after a barrier it stores them to the shared-memory tile
+// (and the source may use them: sign votes, flags). Thread t < LANES * group then adds, from the
+// tile, the terms of lane t % LANES of piece t / LANES that fall in it, main part then tail:
+// tiles go in element order and a lane's tail follows its main part, so each chain adds exactly
+// the twin's terms in the twin's order. Each input word is read from DRAM once.
+//
+// `Src` supplies: lo(p), hi(p) (piece bounds), fetch(i, end, v) (v[k] = the word of element
+// i + k for i + k < end, i a multiple of 4), use(i, lo, end, v) (side effects of the elements
+// lo <= i + k < end), and term(word) (the float64 term of an element). Every thread of the block
+// must call; `tile` is dynamic shared memory of MPICOMP_LANE_TILE(blockDim.x) u32.
+// MPICOMP_LANE_VECS comes from the DEFINES of the families that use this (their launchers size
+// the shared memory from the same constant).
+#ifdef MPICOMP_LANE_VECS
+#define MPICOMP_LANE_TILE(threads) (4 * MPICOMP_LANE_VECS * (i64)(threads))
+
+template <int LANES, class Src>
+__device__ void mpicomp_lane_sums(Src& src, i64 npieces, i64 group, double* lanes, u32* tile) {
+    const i64 span = MPICOMP_LANE_TILE(blockDim.x);
+    const int t = threadIdx.x, lane = t % LANES;
+    const i64 mine = t / LANES;
+    for (i64 p0 = (i64)blockIdx.x * group; p0 < npieces; p0 += (i64)gridDim.x * group) {
+        const i64 pend = p0 + group < npieces ? p0 + group : npieces;
+        const i64 lo = src.lo(p0), hi = src.hi(pend - 1);
+        const bool chain = p0 + mine < pend;
+        i64 next = 0, stop = 0, end = 0;  // my next main element, its end, the piece's end
+        if (chain) {
+            const i64 a = src.lo(p0 + mine);
+            end = src.hi(p0 + mine);
+            stop = end - (end - a) % LANES;
+            next = a + lane;
+        }
+        double acc = 0.0;
+        u32 v[MPICOMP_LANE_VECS][4];
+        i64 t0 = lo & ~(i64)3;
+        for (int r = 0; r < MPICOMP_LANE_VECS; ++r) {
+            const i64 i = t0 + 4 * ((i64)t + (i64)r * blockDim.x);
+            if (i < hi) src.fetch(i, hi, v[r]);
+        }
+        for (; t0 < hi; t0 += span) {
+            __syncthreads();  // the chains are done with the previous tile
+            for (int r = 0; r < MPICOMP_LANE_VECS; ++r) {
+                const i64 at = 4 * ((i64)t + (i64)r * blockDim.x), i = t0 + at;
+                if (i < hi) {
+                    mpicomp_x16 w;
+                    for (int k = 0; k < 4; ++k) w.w[k] = v[r][k];
+                    *reinterpret_cast<mpicomp_x16*>(tile + at) = w;
+                    src.use(i, lo, hi, v[r]);
+                }
+            }
+            __syncthreads();
+            for (int r = 0; r < MPICOMP_LANE_VECS; ++r) {  // the next tile, while the chains run
+                const i64 i = t0 + span + 4 * ((i64)t + (i64)r * blockDim.x);
+                if (i < hi) src.fetch(i, hi, v[r]);
+            }
+            if (chain) {
+                const i64 last = t0 + span < stop ? t0 + span : stop;
+                for (; next < last; next += LANES) acc += src.term(tile[next - t0]);
+                if (lane == 0) {
+                    const i64 from = stop > t0 ? stop : t0, to = t0 + span < end ? t0 + span : end;
+                    for (i64 j = from; j < to; ++j) acc += src.term(tile[j - t0]);
+                }
+            }
+        }
+        if (chain) lanes[(p0 + mine) * LANES + lane] = acc;
+    }
+}
+#endif  // MPICOMP_LANE_VECS

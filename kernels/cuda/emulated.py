@@ -9,8 +9,9 @@ Launch geometry is checked against a GPU's limits; a barrier that cannot complet
 ``EmulatedLaunchError`` naming the kernel and the line.
 
 Built libraries are cached under ``MPICOMP_EMULATED_CACHE`` (default
-``~/.cache/mpicomp/cuda-emulated``), keyed by a hash of the source, the header and the
-flags, so each module compiles once per machine. ``MPICOMP_EMULATED_SANITIZE`` set to
+``~/.cache/mpicomp/cuda-emulated``), keyed by a hash of the source, the header, the
+``.cuh`` headers of its include path and the flags, so each module compiles once per
+machine and again when any of them changes. ``MPICOMP_EMULATED_SANITIZE`` set to
 ``thread``, ``address`` or ``undefined`` builds with that sanitizer (``make
 test-sanitize``; the process must preload the sanitizer's runtime).
 
@@ -75,6 +76,12 @@ class EmulatedLaunchError(RuntimeError):
 
 class CompileError(RuntimeError):
     """g++ refused a source; the message holds its diagnostics."""
+
+
+def _headers(flags) -> list[Path]:
+    """Return the ``.cuh`` headers of the ``-I`` folders in ``flags``, in a fixed order."""
+    dirs = [Path(f[2:]) for f in flags if f.startswith("-I")]
+    return sorted(h for d in dirs for h in d.glob("*.cuh"))
 
 
 def cache_dir() -> Path:
@@ -201,8 +208,12 @@ class RawModule:
         # Diagnostics and barrier errors cite the .cu file's own lines.
         source = f'#line 1 "{name}.cu"\n{source}\n{exports}'
         flags = _flags(options)
+        # The headers the source may include (common.cuh) are part of what it builds from.
+        included = [h.read_text() for h in _headers(flags)]
         key = hashlib.sha256(
-            "\0".join([source, HEADER.read_text(), *flags, shutil.which("g++") or ""]).encode()
+            "\0".join(
+                [source, HEADER.read_text(), *included, *flags, shutil.which("g++") or ""]
+            ).encode()
         ).hexdigest()[:20]
         self.path = cache_dir() / f"{name}-{key}.so"
         if not self.path.exists():

@@ -7,7 +7,18 @@
 // elements, or a block's cut), lanes ((0+1)+(2+3))+((4+5)+(6+7)), pieces in order.
 // Error results are bit masks OR-ed into one u32 (integer atomics: order-free).
 // Constants come from kernels/qsgd.py as -D macros (kernels/cuda/qsgd.py: DEFINES).
+//
+// Memory access (docs/kernels.md, "Memory-bound kernels"): the sum of squares loads its pieces
+// through shared-memory tiles (common.cuh: mpicomp_lane_sums), so its 8 chains per piece run the
+// twin's order while the loads stay coalesced; the element kernels give a thread 4 consecutive
+// elements (vector loads and stores, the block of an element found once per group), and the
+// packed decode reads the stream as aligned 32-bit words. Only access patterns differ from the
+// twin: every element's arithmetic is its own.
 #include "common.cuh"
+
+#ifndef MPICOMP_QSGD_LANE_THREADS
+#error "MPICOMP_QSGD_LANE_THREADS comes from kernels/cuda/qsgd.py (DEFINES)"
+#endif
 
 #define QSGD_CHUNK ((i64)MPICOMP_QSGD_CHUNK)
 #define QSGD_TILE ((i64)MPICOMP_QSGD_TILE)
@@ -59,17 +70,51 @@ __device__ __forceinline__ float qsgd_scale_at(const float* scales, i64 ns, i64 
     return scales[*inside ? k : 0];
 }
 
-// Code i of a stream of `width`-bit codes (1..32), LSB-first (kernels/cpu/bits.py's layout):
-// bits [i*width, (i+1)*width), bit b in byte b / 8 at b % 8. Reads only this code's bytes.
-__device__ __forceinline__ u32 qsgd_code_at(const u8* stream, i64 i, int width) {
-    const u64 bit = (u64)i * (u64)width;
-    const u64 p = bit >> 3;
-    const int off = (int)(bit & 7);
-    const int nbytes = (off + width + 7) >> 3;  // 1..5
-    u64 acc = 0;
-    for (int t = 0; t < nbytes; ++t) acc |= (u64)stream[p + t] << (8 * t);  // shift <= 32
-    return (u32)((acc >> off) & ((1ull << width) - 1ull));                  // width <= 32
-}
+// A stream of `width`-bit codes (1..32), LSB-first (kernels/cpu/bits.py's layout): code i is
+// bits [i*width, (i+1)*width), bit b in byte b / 8 at b % 8. It is read as the little-endian
+// 32-bit words of the aligned addresses (the stream's start rounded down to 4 bytes): a word
+// wholly inside the stream's `nbytes` bytes in one load, one at its ends byte by byte (bytes
+// outside read as 0), so no load leaves the buffer.
+struct qsgd_stream {
+    const u8* p;
+    i64 nbytes;
+    int mis;  // the stream's start past its aligned address, in bytes
+    int width;
+    u32 mask;
+
+    __device__ __forceinline__ qsgd_stream(const u8* stream, i64 size, int w)
+        : p(stream), nbytes(size), mis((int)((unsigned long long)stream & 3)), width(w),
+          mask(w == 32 ? 0xffffffffu : (1u << w) - 1u) {}
+
+    // Word k from the aligned address: stream bytes [4k - mis, 4k - mis + 4).
+    __device__ __forceinline__ u32 word(i64 k) const {
+        const i64 at = 4 * k - mis;
+        if (at >= 0 && at + 4 <= nbytes) return *reinterpret_cast<const u32*>(p + at);
+        u32 w = 0;
+        for (int t = 0; t < 4; ++t)
+            if (at + t >= 0 && at + t < nbytes) w |= (u32)p[at + t] << (8 * t);
+        return w;
+    }
+
+    // c[j] = code i0 + j for j < cnt (cnt <= 4): 4 codes span at most 5 words, each loaded
+    // once (only those the codes touch); then a 64-bit window slides over them, code by code.
+    __device__ __forceinline__ void codes4(i64 i0, int cnt, u32 c[4]) const {
+        const i64 bit = 8 * (i64)mis + i0 * width;
+        const i64 k = bit >> 5;
+        const int last = (int)(((bit + (i64)cnt * width - 1) >> 5) - k);  // 0..4
+        u32 w0 = word(k), w1 = last >= 1 ? word(k + 1) : 0u, w2 = last >= 2 ? word(k + 2) : 0u;
+        u32 w3 = last >= 3 ? word(k + 3) : 0u, w4 = last >= 4 ? word(k + 4) : 0u;
+        int s = (int)(bit & 31);  // code j starts at bit s of w1:w0, s < 32
+        for (int j = 0; j < 4; ++j) {
+            c[j] = __funnelshift_r(w0, w1, (unsigned)s) & mask;
+            s += width;
+            if (s >= 32) {
+                w0 = w1, w1 = w2, w2 = w3, w3 = w4;
+                s -= 32;
+            }
+        }
+    }
+};
 
 // ---- block norms ---------------------------------------------------------------------------------
 
@@ -78,9 +123,15 @@ __device__ __forceinline__ u32 qsgd_code_at(const u8* stream, i64 i, int width) 
 #define QSGD_BLOCKS const float *norms, const i64 *starts, i64 nb, i64 regular
 #define QSGD_BLOCKS_ARGS norms, starts, nb, regular
 
+// i / d for i, d >= 0: a 32-bit division where both fit (a 64-bit one is a long subroutine).
+__device__ __forceinline__ i64 qsgd_div(i64 i, i64 d) {
+    if (((u64)i | (u64)d) >> 32 == 0) return (i64)((u32)i / (u32)d);
+    return i / d;
+}
+
 // The block of element i (mpicomp_qsgd_block_at): i / regular, or a binary search of starts.
 __device__ __forceinline__ i64 qsgd_block_at(const i64* starts, i64 nb, i64 regular, i64 i) {
-    if (regular > 0) return i / regular;
+    if (regular > 0) return qsgd_div(i, regular);
     i64 lo = 0, hi = nb;  // starts[lo] <= i < starts[hi]
     while (hi - lo > 1) {
         const i64 mid = lo + (hi - lo) / 2;
@@ -89,41 +140,88 @@ __device__ __forceinline__ i64 qsgd_block_at(const i64* starts, i64 nb, i64 regu
     return lo;
 }
 
-// The norm of element i's block; ERR_NORM into *bad unless it is a finite float32 >= 0.
-__device__ __forceinline__ float qsgd_norm_of(i64 i, QSGD_BLOCKS, u32* bad) {
-    const float norm = norms[qsgd_block_at(starts, nb, regular, i)];
-    *bad |= (norm >= 0.0f && norm <= MPICOMP_QSGD_F32_MAX) ? 0u : (u32)MPICOMP_QSGD_ERR_NORM;
-    return norm;
+// ERR_NORM unless `norm` is a finite float32 >= 0.
+__device__ __forceinline__ u32 qsgd_norm_bad(float norm) {
+    return (norm >= 0.0f && norm <= MPICOMP_QSGD_F32_MAX) ? 0u : (u32)MPICOMP_QSGD_ERR_NORM;
 }
+
+// The norm of element i's block for increasing i: a thread finds the block of the first
+// element of its group of 4 once (a division or a binary search) and steps to the next block
+// where an element passes the block's end, checking the norm of each block it uses (as the
+// twin checks the norm of every block holding an element).
+struct qsgd_cursor {
+    i64 b, end;
+    float norm;
+
+    __device__ __forceinline__ i64 end_of(const i64* starts, i64 regular) const {
+        return regular > 0 ? (b + 1) * regular : starts[b + 1];
+    }
+    __device__ __forceinline__ qsgd_cursor(i64 i, QSGD_BLOCKS, u32* bad) {
+        b = qsgd_block_at(starts, nb, regular, i);
+        end = end_of(starts, regular);
+        norm = norms[b];
+        *bad |= qsgd_norm_bad(norm);
+    }
+    __device__ __forceinline__ float at(i64 i, QSGD_BLOCKS, u32* bad) {
+        if (i >= end) {
+            do {  // past empty blocks (a search lands on the block holding i)
+                ++b;
+                end = end_of(starts, regular);
+            } while (i >= end);
+            norm = norms[b];
+            *bad |= qsgd_norm_bad(norm);
+        }
+        return norm;
+    }
+};
 
 // ---- squared norm -------------------------------------------------------------------------------
 
+// The pieces of the coded vector (x when DENSE, else x[idx]) as mpicomp_lane_sums (common.cuh)
+// reads them: the float64 square of each value is its term, as mpicomp_qsgd_sumsq adds them.
+template <bool DENSE> struct qsgd_pieces {
+    const u32* x;  // the bits of x
+    const i64* idx;
+    const i64* pieces;
+    bool vec;  // x 16-aligned (DENSE)
+
+    __device__ i64 lo(i64 p) const { return pieces[p]; }
+    __device__ i64 hi(i64 p) const { return pieces[p + 1]; }
+    __device__ void fetch(i64 i, i64 end, u32 v[4]) const {
+        for (int k = 0; k < 4; ++k) v[k] = 0u;
+        if constexpr (DENSE) {
+            mpicomp_load4(x, i, end, vec, v);
+        } else {
+            for (int k = 0; k < 4; ++k)
+                if (i + k < end) v[k] = x[idx[i + k]];
+        }
+    }
+    __device__ void use(i64, i64, i64, const u32*) const {}
+    __device__ double term(u32 b) const {
+        const float v = __uint_as_float(b);
+        return (double)v * (double)v;
+    }
+};
+
 // lanes[8p + l] = lane l of piece p (elements pieces[p] <= i < pieces[p + 1]): elements j = l,
 // l+8, ... of the piece's whole octets in order, then (lane 0) the tail of fewer than 8, as
-// mpicomp_qsgd_sumsq adds them.
-extern "C" __global__ void mpicomp_qsgd_sumsq_lanes(const float* x, const i64* idx, int dense,
-                                                     const i64* pieces, i64 npieces,
-                                                     double* lanes) {
-    MPICOMP_FOR(q, npieces * 8) {
-        const i64 lo = pieces[q >> 3], hi = pieces[(q >> 3) + 1];
-        const i64 lane = q & 7, m = hi - lo, full = m - m % 8;
-        double acc = 0.0;
-        if (dense) {
-            for (i64 j = lane; j < full; j += 8) acc += (double)x[lo + j] * (double)x[lo + j];
-            if (lane == 0)
-                for (i64 j = full; j < m; ++j) acc += (double)x[lo + j] * (double)x[lo + j];
-        } else {
-            for (i64 j = lane; j < full; j += 8) {
-                const float v = x[idx[lo + j]];
-                acc += (double)v * (double)v;
-            }
-            if (lane == 0)
-                for (i64 j = full; j < m; ++j) {
-                    const float v = x[idx[lo + j]];
-                    acc += (double)v * (double)v;
-                }
-        }
-        lanes[q] = acc;
+// mpicomp_qsgd_sumsq adds them. A block takes `group` pieces at a time (group * 8 <=
+// blockDim.x; the launcher makes a group's elements about one tile), loads their elements
+// in coalesced tiles into shared memory (MPICOMP_LANE_TILE(blockDim.x) u32, dynamic), and
+// thread 8q + l runs lane l of piece q of the group from there: each chain the twin's. Pieces
+// of a CHUNK (the tensor's norm) make one piece per block: blocks of at most
+// MPICOMP_QSGD_LANE_THREADS threads, 12 of them per SM, so that all run at once.
+extern "C" __global__ __launch_bounds__(MPICOMP_QSGD_LANE_THREADS, 12) void
+mpicomp_qsgd_sumsq_lanes(const float* x, const i64* idx, int dense, const i64* pieces,
+                         i64 npieces, i64 group, double* lanes) {
+    extern __shared__ __align__(16) u32 qsgd_tile[];
+    const u32* bits = reinterpret_cast<const u32*>(x);
+    if (dense) {
+        qsgd_pieces<true> src{bits, idx, pieces, mpicomp_aligned(x, 16)};
+        mpicomp_lane_sums<8>(src, npieces, group, lanes, qsgd_tile);
+    } else {
+        qsgd_pieces<false> src{bits, idx, pieces, false};
+        mpicomp_lane_sums<8>(src, npieces, group, lanes, qsgd_tile);
     }
 }
 
@@ -163,20 +261,57 @@ extern "C" __global__ void mpicomp_qsgd_block_norms(const double* lanes, const i
     if (bad) atomicOr(err, bad);
 }
 
+// ---- groups of 4 elements -----------------------------------------------------------------------
+// The element kernels below give each thread 4 consecutive elements at a time (grid-stride over
+// groups, so a warp's accesses are contiguous): one 16-byte load of x (4-byte loads of 4
+// codes or indices, 16-byte stores of 4 floats, one store of 4 codes) where aligned, the
+// element's block found once per group (qsgd_cursor), and each element's arithmetic exactly
+// the twin's. Nothing but the access pattern changes: the bytes are the twin's.
+
+// The values of x (dense: x[i]; else x[idx[i]]) of elements i0 .. i0 + 3 below n, and the
+// indices in x their uniforms are drawn at.
+__device__ __forceinline__ void qsgd_values4(const float* x, const i64* idx, int dense, bool vec,
+                                             i64 i0, i64 n, float v[4], i64 at[4]) {
+    u32 b[4] = {0u, 0u, 0u, 0u};
+    if (dense) {
+        mpicomp_load4(reinterpret_cast<const u32*>(x), i0, n, vec, b);
+        for (int k = 0; k < 4; ++k) at[k] = i0 + k;
+    } else {
+        u64 ix[4] = {0ull, 0ull, 0ull, 0ull};
+        mpicomp_load4(reinterpret_cast<const u64*>(idx), i0, n, mpicomp_aligned(idx, 16), ix);
+        for (int k = 0; k < 4; ++k) {
+            at[k] = (i64)ix[k];
+            if (i0 + k < n) b[k] = reinterpret_cast<const u32*>(x)[at[k]];
+        }
+    }
+    for (int k = 0; k < 4; ++k) v[k] = __uint_as_float(b[k]);
+}
+
 // ---- codes ---------------------------------------------------------------------------------------
 
 template <class T>
 __device__ void qsgd_quantize(const float* x, const i64* idx, int dense, QSGD_BLOCKS, i64 levels,
                               u64 key, T* out, i64 n, u32* err) {
+    typedef typename mpicomp_uint_of<sizeof(T)>::type U;
     const float s = (float)levels;
+    const bool vx = dense && mpicomp_aligned(x, 16);
+    const bool vo = mpicomp_aligned(out, mpicomp_vec_align(sizeof(T)));
     u32 bad = 0;
-    MPICOMP_FOR(i, n) {
-        const i64 at = dense ? i : idx[i];  // the uniform is drawn at the index in x
-        const float v = x[at], norm = qsgd_norm_of(i, QSGD_BLOCKS_ARGS, &bad);
-        bool ok;
-        const float a = qsgd_unit(v, norm, &ok);
-        bad |= (u32)!ok;
-        out[i] = (T)qsgd_round(v, a, s, mpicomp_uniform(key, (u64)at));
+    MPICOMP_FOR(g, (n + 3) >> 2) {
+        const i64 i0 = 4 * g;
+        float v[4];
+        i64 at[4];
+        qsgd_values4(x, idx, dense, vx, i0, n, v, at);
+        qsgd_cursor cur(i0, QSGD_BLOCKS_ARGS, &bad);
+        U c[4] = {0, 0, 0, 0};
+        for (int k = 0; k < 4; ++k) {
+            if (i0 + k >= n) break;
+            bool ok;
+            const float a = qsgd_unit(v[k], cur.at(i0 + k, QSGD_BLOCKS_ARGS, &bad), &ok);
+            bad |= (u32)!ok;
+            c[k] = (U)(T)qsgd_round(v[k], a, s, mpicomp_uniform(key, (u64)at[k]));
+        }
+        mpicomp_store4(reinterpret_cast<U*>(out), i0, n, vo, c);
     }
     if (bad) atomicOr(err, bad);
 }
@@ -206,13 +341,23 @@ extern "C" __global__ void mpicomp_qsgd_multiscale_index(const float* x, const i
                                                           int dense, QSGD_BLOCKS,
                                                           const float* scales, i64 ns, u8* out,
                                                           i64 n, u32* err) {
+    const bool vx = dense && mpicomp_aligned(x, 16), vo = mpicomp_aligned(out, 4);
     u32 bad = 0;
-    MPICOMP_FOR(i, n) {
-        const float norm = qsgd_norm_of(i, QSGD_BLOCKS_ARGS, &bad);
-        bool ok;
-        const float a = qsgd_unit(x[dense ? i : idx[i]], norm, &ok);
-        bad |= (u32)!ok;
-        out[i] = qsgd_pick_scale(a, scales, ns);
+    MPICOMP_FOR(g, (n + 3) >> 2) {
+        const i64 i0 = 4 * g;
+        float v[4];
+        i64 at[4];
+        qsgd_values4(x, idx, dense, vx, i0, n, v, at);
+        qsgd_cursor cur(i0, QSGD_BLOCKS_ARGS, &bad);
+        u8 k4[4] = {0, 0, 0, 0};
+        for (int k = 0; k < 4; ++k) {
+            if (i0 + k >= n) break;
+            bool ok;
+            const float a = qsgd_unit(v[k], cur.at(i0 + k, QSGD_BLOCKS_ARGS, &bad), &ok);
+            bad |= (u32)!ok;
+            k4[k] = qsgd_pick_scale(a, scales, ns);
+        }
+        mpicomp_store4(out, i0, n, vo, k4);
     }
     if (bad) atomicOr(err, bad);
 }
@@ -222,17 +367,32 @@ template <class T, class K>
 __device__ void qsgd_ms_quantize(const float* x, const i64* idx, int dense, QSGD_BLOCKS,
                                  const float* scales, i64 ns, const K* sidx, u64 key, T* out,
                                  i64 n, u32* err) {
+    typedef typename mpicomp_uint_of<sizeof(T)>::type U;
+    typedef typename mpicomp_uint_of<sizeof(K)>::type KU;
     const float smin = scales[0];
+    const bool vx = dense && mpicomp_aligned(x, 16);
+    const bool vk = mpicomp_aligned(sidx, mpicomp_vec_align(sizeof(K)));
+    const bool vo = mpicomp_aligned(out, mpicomp_vec_align(sizeof(T)));
     u32 bad = 0;
-    MPICOMP_FOR(i, n) {
-        const i64 at = dense ? i : idx[i];
-        const float v = x[at], norm = qsgd_norm_of(i, QSGD_BLOCKS_ARGS, &bad);
-        bool inside, ok;
-        const float s = qsgd_scale_at(scales, ns, (i64)sidx[i], &inside);
-        const float a = qsgd_unit(v, norm, &ok);
-        const bool safe = a * s <= smin;
-        bad |= (u32)!ok | ((u32)!inside << 1) | ((u32)!safe << 2);
-        out[i] = (T)qsgd_round(v, safe ? a : 0.0f, s, mpicomp_uniform(key, (u64)at));
+    MPICOMP_FOR(g, (n + 3) >> 2) {
+        const i64 i0 = 4 * g;
+        float v[4];
+        i64 at[4];
+        qsgd_values4(x, idx, dense, vx, i0, n, v, at);
+        KU k4[4] = {0, 0, 0, 0};
+        mpicomp_load4(reinterpret_cast<const KU*>(sidx), i0, n, vk, k4);
+        qsgd_cursor cur(i0, QSGD_BLOCKS_ARGS, &bad);
+        U c[4] = {0, 0, 0, 0};
+        for (int k = 0; k < 4; ++k) {
+            if (i0 + k >= n) break;
+            bool inside, ok;
+            const float s = qsgd_scale_at(scales, ns, (i64)(K)k4[k], &inside);
+            const float a = qsgd_unit(v[k], cur.at(i0 + k, QSGD_BLOCKS_ARGS, &bad), &ok);
+            const bool safe = a * s <= smin;
+            bad |= (u32)!ok | ((u32)!inside << 1) | ((u32)!safe << 2);
+            c[k] = (U)(T)qsgd_round(v[k], safe ? a : 0.0f, s, mpicomp_uniform(key, (u64)at[k]));
+        }
+        mpicomp_store4(reinterpret_cast<U*>(out), i0, n, vo, c);
     }
     if (bad) atomicOr(err, bad);
 }
@@ -281,42 +441,95 @@ extern "C" __global__ void mpicomp_qsgd_multiscale_quantize_i64_i64(
 }
 
 // ---- reconstruction ------------------------------------------------------------------------------
+// Groups of 4 as the codes above: 4 codes (or 4 from the packed stream, or 4 scale indices) in
+// one load, 4 floats in one 16-byte store where aligned.
 
-// Code i of an array of signed codes of `bytes` bytes each (1, 2, 4 or 8), as int64.
-__device__ __forceinline__ i64 qsgd_code(const void* codes, int bytes, i64 i) {
-    switch (bytes) {
-        case 1: return ((const signed char*)codes)[i];
-        case 2: return ((const short*)codes)[i];
-        case 4: return ((const int*)codes)[i];
-        default: return ((const i64*)codes)[i];
-    }
+// int64 code -> float32 as the twin's np.float32(np.int64(c)): int32 codes convert from int32
+// (the same correctly rounded value, without the 64-bit conversion).
+template <class C> __device__ __forceinline__ float qsgd_float_of(C c) {
+    if constexpr (sizeof(C) <= 4) return (float)(i32)c;
+    return (float)c;
 }
 
-// out[i] = ((codes[i] * norm) / levels) / nranks, codes of `bytes` bytes each.
-extern "C" __global__ void mpicomp_qsgd_dequantize(const void* codes, int bytes, QSGD_BLOCKS,
-                                                    i64 levels, i64 nranks, i64 limit,
-                                                    float* out, i64 n, u32* err) {
+// ((c * norm) / s) / nr in float32 for a code c of type C.
+template <class C>
+__device__ __forceinline__ float qsgd_value_of(C c, float norm, float s, float nr) {
+    return ((qsgd_float_of(c) * norm) / s) / nr;
+}
+
+// out[i] = ((codes[i] * norm) / levels) / nranks for codes of type C.
+template <class C>
+__device__ void qsgd_dequantize(const C* codes, QSGD_BLOCKS, i64 levels, i64 nranks, i64 limit,
+                                float* out, i64 n, u32* err) {
+    typedef typename mpicomp_uint_of<sizeof(C)>::type U;
     const float s = (float)levels, nr = (float)nranks;
+    const bool vc = mpicomp_aligned(codes, mpicomp_vec_align(sizeof(C)));
+    const bool vo = mpicomp_aligned(out, 16);
     u32 bad = 0;
-    MPICOMP_FOR(i, n) {
-        const i64 c = qsgd_code(codes, bytes, i);
-        out[i] = qsgd_value(c, qsgd_norm_of(i, QSGD_BLOCKS_ARGS, &bad), s, nr);
-        bad |= qsgd_far(c, limit) ? (u32)MPICOMP_QSGD_ERR_RANGE : 0u;
+    MPICOMP_FOR(g, (n + 3) >> 2) {
+        const i64 i0 = 4 * g;
+        U c4[4] = {0, 0, 0, 0};
+        mpicomp_load4(reinterpret_cast<const U*>(codes), i0, n, vc, c4);
+        qsgd_cursor cur(i0, QSGD_BLOCKS_ARGS, &bad);
+        u32 o[4] = {0u, 0u, 0u, 0u};
+        for (int k = 0; k < 4; ++k) {
+            if (i0 + k >= n) break;
+            const C c = (C)c4[k];
+            o[k] = __float_as_uint(
+                qsgd_value_of(c, cur.at(i0 + k, QSGD_BLOCKS_ARGS, &bad), s, nr));
+            bad |= qsgd_far((i64)c, limit) ? (u32)MPICOMP_QSGD_ERR_RANGE : 0u;
+        }
+        mpicomp_store4(reinterpret_cast<u32*>(out), i0, n, vo, o);
     }
     if (bad) atomicOr(err, bad);
 }
 
-// Code sums straight from the ring's packed result: sum i = (code i of stream) - shift.
-extern "C" __global__ void mpicomp_qsgd_dequantize_packed(const u8* stream, int width, i64 shift,
-                                                           QSGD_BLOCKS, i64 levels, i64 nranks,
-                                                           i64 limit, float* out, i64 n,
-                                                           u32* err) {
+// Codes of `bytes` bytes each (1, 2, 4 or 8).
+extern "C" __global__ void mpicomp_qsgd_dequantize(const void* codes, int bytes, QSGD_BLOCKS,
+                                                    i64 levels, i64 nranks, i64 limit,
+                                                    float* out, i64 n, u32* err) {
+    switch (bytes) {
+        case 1:
+            qsgd_dequantize((const signed char*)codes, QSGD_BLOCKS_ARGS, levels, nranks, limit,
+                            out, n, err);
+            break;
+        case 2:
+            qsgd_dequantize((const short*)codes, QSGD_BLOCKS_ARGS, levels, nranks, limit, out, n,
+                            err);
+            break;
+        case 4:
+            qsgd_dequantize((const int*)codes, QSGD_BLOCKS_ARGS, levels, nranks, limit, out, n,
+                            err);
+            break;
+        default:
+            qsgd_dequantize((const i64*)codes, QSGD_BLOCKS_ARGS, levels, nranks, limit, out, n,
+                            err);
+    }
+}
+
+// Code sums straight from the ring's packed result: sum i = (code i of stream) - shift; the
+// stream holds `nbytes` bytes (qsgd_stream reads none past them).
+extern "C" __global__ void mpicomp_qsgd_dequantize_packed(const u8* stream, i64 nbytes, int width,
+                                                           i64 shift, QSGD_BLOCKS, i64 levels,
+                                                           i64 nranks, i64 limit, float* out,
+                                                           i64 n, u32* err) {
     const float s = (float)levels, nr = (float)nranks;
+    const qsgd_stream codes(stream, nbytes, width);
+    const bool vo = mpicomp_aligned(out, 16);
     u32 bad = 0;
-    MPICOMP_FOR(i, n) {
-        const i64 c = (i64)qsgd_code_at(stream, i, width) - shift;
-        out[i] = qsgd_value(c, qsgd_norm_of(i, QSGD_BLOCKS_ARGS, &bad), s, nr);
-        bad |= qsgd_far(c, limit) ? (u32)MPICOMP_QSGD_ERR_RANGE : 0u;
+    MPICOMP_FOR(g, (n + 3) >> 2) {
+        const i64 i0 = 4 * g;
+        const int cnt = n - i0 < 4 ? (int)(n - i0) : 4;
+        u32 c4[4];
+        codes.codes4(i0, cnt, c4);
+        qsgd_cursor cur(i0, QSGD_BLOCKS_ARGS, &bad);
+        u32 o[4] = {0u, 0u, 0u, 0u};
+        for (int k = 0; k < cnt; ++k) {
+            const i64 c = (i64)c4[k] - shift;
+            o[k] = __float_as_uint(qsgd_value(c, cur.at(i0 + k, QSGD_BLOCKS_ARGS, &bad), s, nr));
+            bad |= qsgd_far(c, limit) ? (u32)MPICOMP_QSGD_ERR_RANGE : 0u;
+        }
+        mpicomp_store4(reinterpret_cast<u32*>(out), i0, n, vo, o);
     }
     if (bad) atomicOr(err, bad);
 }
@@ -334,11 +547,28 @@ template <class C, class K>
 __device__ void qsgd_ms_dequantize(const C* codes, const K* sidx, QSGD_BLOCKS,
                                    const float* scales, i64 ns, i64 nranks, i64 limit, float* out,
                                    i64 n, u32* err) {
+    typedef typename mpicomp_uint_of<sizeof(C)>::type CU;
+    typedef typename mpicomp_uint_of<sizeof(K)>::type KU;
     const float nr = (float)nranks;
+    const bool vc = mpicomp_aligned(codes, mpicomp_vec_align(sizeof(C)));
+    const bool vk = mpicomp_aligned(sidx, mpicomp_vec_align(sizeof(K)));
+    const bool vo = mpicomp_aligned(out, 16);
     u32 bad = 0;
-    MPICOMP_FOR(i, n) {
-        const float norm = qsgd_norm_of(i, QSGD_BLOCKS_ARGS, &bad);
-        out[i] = qsgd_ms_value((i64)codes[i], (i64)sidx[i], scales, ns, norm, nr, limit, &bad);
+    MPICOMP_FOR(g, (n + 3) >> 2) {
+        const i64 i0 = 4 * g;
+        CU c4[4] = {0, 0, 0, 0};
+        KU k4[4] = {0, 0, 0, 0};
+        mpicomp_load4(reinterpret_cast<const CU*>(codes), i0, n, vc, c4);
+        mpicomp_load4(reinterpret_cast<const KU*>(sidx), i0, n, vk, k4);
+        qsgd_cursor cur(i0, QSGD_BLOCKS_ARGS, &bad);
+        u32 o[4] = {0u, 0u, 0u, 0u};
+        for (int k = 0; k < 4; ++k) {
+            if (i0 + k >= n) break;
+            const float norm = cur.at(i0 + k, QSGD_BLOCKS_ARGS, &bad);
+            o[k] = __float_as_uint(qsgd_ms_value((i64)(C)c4[k], (i64)(K)k4[k], scales, ns, norm,
+                                                 nr, limit, &bad));
+        }
+        mpicomp_store4(reinterpret_cast<u32*>(out), i0, n, vo, o);
     }
     if (bad) atomicOr(err, bad);
 }
@@ -385,30 +615,46 @@ extern "C" __global__ void mpicomp_qsgd_multiscale_dequantize_i64_i64(
 }
 
 template <class K>
-__device__ void qsgd_ms_dequantize_packed(const u8* stream, int width, i64 shift, const K* sidx,
-                                          QSGD_BLOCKS, const float* scales, i64 ns, i64 nranks,
-                                          i64 limit, float* out, i64 n, u32* err) {
+__device__ void qsgd_ms_dequantize_packed(const u8* stream, i64 nbytes, int width, i64 shift,
+                                          const K* sidx, QSGD_BLOCKS, const float* scales, i64 ns,
+                                          i64 nranks, i64 limit, float* out, i64 n, u32* err) {
+    typedef typename mpicomp_uint_of<sizeof(K)>::type KU;
     const float nr = (float)nranks;
+    const qsgd_stream codes(stream, nbytes, width);
+    const bool vk = mpicomp_aligned(sidx, mpicomp_vec_align(sizeof(K)));
+    const bool vo = mpicomp_aligned(out, 16);
     u32 bad = 0;
-    MPICOMP_FOR(i, n) {
-        const i64 c = (i64)qsgd_code_at(stream, i, width) - shift;
-        const float norm = qsgd_norm_of(i, QSGD_BLOCKS_ARGS, &bad);
-        out[i] = qsgd_ms_value(c, (i64)sidx[i], scales, ns, norm, nr, limit, &bad);
+    MPICOMP_FOR(g, (n + 3) >> 2) {
+        const i64 i0 = 4 * g;
+        const int cnt = n - i0 < 4 ? (int)(n - i0) : 4;
+        u32 c4[4];
+        codes.codes4(i0, cnt, c4);
+        KU k4[4] = {0, 0, 0, 0};
+        mpicomp_load4(reinterpret_cast<const KU*>(sidx), i0, n, vk, k4);
+        qsgd_cursor cur(i0, QSGD_BLOCKS_ARGS, &bad);
+        u32 o[4] = {0u, 0u, 0u, 0u};
+        for (int k = 0; k < cnt; ++k) {
+            const i64 c = (i64)c4[k] - shift;
+            const float norm = cur.at(i0 + k, QSGD_BLOCKS_ARGS, &bad);
+            o[k] = __float_as_uint(
+                qsgd_ms_value(c, (i64)(K)k4[k], scales, ns, norm, nr, limit, &bad));
+        }
+        mpicomp_store4(reinterpret_cast<u32*>(out), i0, n, vo, o);
     }
     if (bad) atomicOr(err, bad);
 }
 
 extern "C" __global__ void mpicomp_qsgd_multiscale_dequantize_packed_u8(
-    const u8* stream, int width, i64 shift, const u8* sidx, QSGD_BLOCKS, const float* scales,
-    i64 ns, i64 nranks, i64 limit, float* out, i64 n, u32* err) {
-    qsgd_ms_dequantize_packed(stream, width, shift, sidx, QSGD_BLOCKS_ARGS, scales, ns, nranks,
-                              limit, out, n, err);
+    const u8* stream, i64 nbytes, int width, i64 shift, const u8* sidx, QSGD_BLOCKS,
+    const float* scales, i64 ns, i64 nranks, i64 limit, float* out, i64 n, u32* err) {
+    qsgd_ms_dequantize_packed(stream, nbytes, width, shift, sidx, QSGD_BLOCKS_ARGS, scales, ns,
+                              nranks, limit, out, n, err);
 }
 extern "C" __global__ void mpicomp_qsgd_multiscale_dequantize_packed_i64(
-    const u8* stream, int width, i64 shift, const i64* sidx, QSGD_BLOCKS, const float* scales,
-    i64 ns, i64 nranks, i64 limit, float* out, i64 n, u32* err) {
-    qsgd_ms_dequantize_packed(stream, width, shift, sidx, QSGD_BLOCKS_ARGS, scales, ns, nranks,
-                              limit, out, n, err);
+    const u8* stream, i64 nbytes, int width, i64 shift, const i64* sidx, QSGD_BLOCKS,
+    const float* scales, i64 ns, i64 nranks, i64 limit, float* out, i64 n, u32* err) {
+    qsgd_ms_dequantize_packed(stream, nbytes, width, shift, sidx, QSGD_BLOCKS_ARGS, scales, ns,
+                              nranks, limit, out, n, err);
 }
 
 // ---- GlobalRandK coordinates ---------------------------------------------------------------------

@@ -27,8 +27,18 @@ from mpicomp.kernels.readback import read
 #: Mask bytes per tile of ``grandk_compact`` (one block counts, then writes, one tile).
 TILE = 4096
 
+#: Threads per block of ``sumsq_lanes`` (at most): a block runs the 8 chains of each piece of
+#: its group; pieces of a CHUNK (the tensor's norm) give one piece per block, and small blocks
+#: let all of them be resident at once (12 blocks of 128 threads per SM).
+LANE_THREADS = 128
+
+#: 16-byte loads per thread and tile of ``sumsq_lanes`` (common.cuh: MPICOMP_LANE_VECS).
+LANE_VECS = 2
+
 DEFINES = {
     "MPICOMP_QSGD_CHUNK": str(kq.CHUNK),
+    "MPICOMP_QSGD_LANE_THREADS": str(LANE_THREADS),
+    "MPICOMP_LANE_VECS": str(LANE_VECS),
     "MPICOMP_QSGD_TILE": str(TILE),
     "MPICOMP_QSGD_LIMIT": f"{float(kq.LIMIT).hex()}f",  # exact: a float32 in hex
     "MPICOMP_QSGD_ERR_VALUE": f"{kq.ERR_VALUE}u",
@@ -102,6 +112,27 @@ def _width_of(width) -> np.int32:
     return np.int32(width)
 
 
+def _group_shape(dev, n: int) -> tuple[tuple[int], tuple[int]]:
+    """Return the (grid, block) of the element kernels over ``n`` elements: a thread per group
+    of 4, up to twice the device's grid-stride blocks (on a GPU, 8 blocks of 256 threads per
+    SM: every thread it can hold)."""
+    groups = -(-n // 4)
+    blocks = -(-groups // dev.threads)
+    return (int(max(1, min(blocks, 2 * dev.max_blocks))),), (dev.threads,)
+
+
+def _lane_shape(dev, n: int, npieces: int) -> tuple[tuple[int], tuple[int], int, np.int64]:
+    """Return the (grid, block, shared_mem, group) of ``sumsq_lanes`` over ``npieces`` pieces of
+    ``n`` elements in all: pieces per block group so that a group holds about one tile (pieces
+    of 128 elements: 8 a group; a CHUNK: 1), 8 threads (chains) per piece."""
+    threads = min(dev.threads, LANE_THREADS)
+    span = 4 * LANE_VECS * threads  # elements per tile
+    group = max(1, min(threads // 8, span // max(1, -(-n // npieces))))
+    most = 2 * dev.max_blocks * max(1, dev.threads // threads)
+    grid = int(max(1, min(-(-npieces // group), most)))
+    return (grid,), (threads,), 16 * LANE_VECS * threads, np.int64(group)
+
+
 class Qsgd:
     """The ``qsgd`` launchers on ``dev`` (a ``device.Device``)."""
 
@@ -111,6 +142,10 @@ class Qsgd:
 
     def _launch(self, name: str, n: int, *args) -> None:
         _kernel(self._dev, name)(*self._dev.launch_shape(n), args)
+
+    def _launch_groups(self, name: str, n: int, *args) -> None:
+        """Launch element kernel ``name`` over ``n`` elements, a thread per group of 4."""
+        _kernel(self._dev, name)(*_group_shape(self._dev, n), args)
 
     def _index(self, idx, dense):
         if dense:
@@ -207,8 +242,10 @@ class Qsgd:
         npieces = pieces.size - 1
         lanes = self._dev.xp.empty(8 * npieces, dtype=np.float64)
         index = self._index(idx, dense)
-        args = (_floats(x), index, np.int32(bool(dense)), pieces, np.int64(npieces), lanes)
-        self._launch("sumsq_lanes", 8 * npieces, *args)
+        n = x.size if dense else idx.size
+        grid, block, smem, group = _lane_shape(self._dev, n, npieces)
+        args = (_floats(x), index, np.int32(bool(dense)), pieces, np.int64(npieces), group, lanes)
+        _kernel(self._dev, "sumsq_lanes")(grid, block, args, shared_mem=smem)
         return lanes
 
     def sumsq(self, x, idx, dense) -> float:
@@ -246,7 +283,7 @@ class Qsgd:
         if n == 0:
             return 0
         err = self._flags()
-        self._launch(
+        self._launch_groups(
             name,
             n,
             _floats(x),
@@ -269,7 +306,7 @@ class Qsgd:
         if n == 0:
             return 0
         scales, err = _scale_set(scales), self._flags()
-        self._launch(
+        self._launch_groups(
             "multiscale_index",
             n,
             _floats(x),
@@ -294,7 +331,7 @@ class Qsgd:
             return 0
         sidx, kind = _index_of(sidx)
         scales, err = _scale_set(scales), self._flags()
-        self._launch(
+        self._launch_groups(
             f"{name}_{kind}",
             n,
             _floats(x),
@@ -318,7 +355,7 @@ class Qsgd:
             return 0
         codes, _ = _codes_of(codes)
         err = self._flags()
-        self._launch(
+        self._launch_groups(
             "dequantize",
             n,
             codes,
@@ -342,10 +379,11 @@ class Qsgd:
         if n == 0:
             return 0
         err = self._flags()
-        self._launch(
+        self._launch_groups(
             "dequantize_packed",
             n,
             stream,
+            np.int64(stream.nbytes),
             width,
             np.int64(shift),
             *_blocks(norms, starts, regular),
@@ -368,7 +406,7 @@ class Qsgd:
         codes, ckind = _codes_of(codes)
         sidx, kind = _index_of(sidx)
         scales, err = _scale_set(scales), self._flags()
-        self._launch(
+        self._launch_groups(
             f"multiscale_dequantize_{ckind}_{kind}",
             n,
             codes,
@@ -394,10 +432,11 @@ class Qsgd:
             return 0
         sidx, kind = _index_of(sidx)
         scales, err = _scale_set(scales), self._flags()
-        self._launch(
+        self._launch_groups(
             f"multiscale_dequantize_packed_{kind}",
             n,
             stream,
+            np.int64(stream.nbytes),
             width,
             np.int64(shift),
             sidx,

@@ -18,8 +18,18 @@ from mpicomp.kernels.cuda.device import int_kind
 from mpicomp.kernels.readback import read
 from mpicomp.kernels.signsgd import CHUNK, TIE_POSITIVE, TIE_RANDOM
 
+#: Threads per block of the lane-sum kernels (at most): a block holds one chunk at a time and
+#: its four chains run the length of the chunk, so small blocks let all chunks be resident at
+#: once (12 blocks of 128 threads per SM: 1,584 chunks on an H100, 100M elements).
+LANE_THREADS = 128
+
+#: 16-byte loads per thread and tile of the lane-sum kernels (common.cuh: MPICOMP_LANE_VECS).
+LANE_VECS = 2
+
 DEFINES = {
     "MPICOMP_SIGNSGD_CHUNK": str(CHUNK),
+    "MPICOMP_SIGNSGD_LANE_THREADS": str(LANE_THREADS),
+    "MPICOMP_LANE_VECS": str(LANE_VECS),
     "MPICOMP_SIGNSGD_TIE_POSITIVE": str(TIE_POSITIVE),
     "MPICOMP_SIGNSGD_TIE_RANDOM": str(TIE_RANDOM),
 }
@@ -34,6 +44,15 @@ def _bits_of(dev, x, what: str):
     return x.view(np.uint32)  # the kernels read bit patterns (denormals survive -ftz)
 
 
+def _lane_shape(dev, ngroups: int) -> tuple[tuple[int], tuple[int], int]:
+    """Return the (grid, block, shared_mem) of ``common.cuh``'s ``mpicomp_lane_sums`` over
+    ``ngroups`` groups of pieces: up to twice the device's grid-stride blocks' threads, in
+    blocks of at most ``LANE_THREADS``, and a tile of 16 * LANE_VECS bytes per thread."""
+    threads = min(dev.threads, LANE_THREADS)
+    most = 2 * dev.max_blocks * max(1, dev.threads // threads)
+    return (int(max(1, min(ngroups, most))),), (threads,), 16 * LANE_VECS * threads
+
+
 def _sum_abs(dev, x, out):
     """Return (no NaN/Inf, sum |x|) of the bits ``x``; write the votes too when ``out`` is given."""
     n = x.size
@@ -42,11 +61,12 @@ def _sum_abs(dev, x, out):
     nchunks = (n + CHUNK - 1) // CHUNK
     lanes = dev.xp.empty(4 * nchunks, np.float64)
     res = dev.xp.zeros(2, np.uint64)  # the bits of the sum, the NaN/Inf flag
+    grid, block, smem = _lane_shape(dev, nchunks)
     if out is None:
-        _kernel(dev, "abs_lanes")(*dev.launch_shape(4 * nchunks), (x, np.int64(n), lanes, res))
+        _kernel(dev, "abs_lanes")(grid, block, (x, np.int64(n), lanes, res), shared_mem=smem)
     else:
         args = (x, np.int64(n), out, lanes, res)
-        _kernel(dev, "votes_lanes")(*dev.launch_shape(4 * nchunks), args)
+        _kernel(dev, "votes_lanes")(grid, block, args, shared_mem=smem)
     _kernel(dev, "total")((1,), (32,), (lanes, np.int64(nchunks), res))
     res = dev.to_host(res, why="signsgd.sum_abs: sum and non-finite flag")
     return not res[1], float(res[:1].view(np.float64)[0])
@@ -73,7 +93,8 @@ def pack(dev, x, out):
     out = contiguous(out, "signsgd pack", size=nbytes, dtype=np.uint8)
     if x.size == 0:
         return True
-    return _flagged(dev, "pack", nbytes, x, np.int64(x.size), out)
+    warps = -(-x.size // 256)  # a warp packs 256 elements at a time
+    return _flagged(dev, "pack", 32 * warps, x, np.int64(x.size), out)
 
 
 def votes_scale(dev, x, out):
@@ -122,7 +143,7 @@ def expand(dev, bits, scale, out):
         raise ValueError(f"signsgd expand: {bits.size} bytes cannot hold {n} bits")
     if n:
         args = (bits, np.float32(scale), out.view(np.uint32), np.int64(n))
-        _kernel(dev, "expand")(*dev.launch_shape(n), args)
+        _kernel(dev, "expand")(*dev.launch_shape(-(-n // 4)), args)  # 4 elements a thread
 
 
 def abs_sum(dev, x):
