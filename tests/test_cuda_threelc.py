@@ -38,6 +38,17 @@ def check_max(k, x, r, use_r, s):
     assert type(got[0]) is type(want[0]) and type(got[1]) is type(want[1])
     assert got[1] == want[1]
     assert np.float32(got[0]).tobytes() == np.float32(want[0]).tobytes()
+    # M's 4 bytes where a payload holds them (here at an odd offset): the same on both.
+    want_b, got_b = np.full(9, 7, np.uint8), np.full(9, 7, np.uint8)
+    assert cpu.mpicomp_threelc_max(x, r, use_r, s, want_b[3:7]) == want
+    assert k.max(x, r, use_r, s, got_b[3:7]) == got
+    same(got_b, want_b)
+    m = want_b[3:7].view("<f4")[0]
+    if want[1]:
+        assert m.tobytes() == np.float32(want[0]).tobytes()
+    else:
+        assert np.isnan(m)  # the mark quartic_encode writes nothing on
+    return want_b[3:7]
 
 
 @pytest.mark.parametrize("n", SIZES)
@@ -80,6 +91,20 @@ def test_max_edges(k, use_r, special):
     check_max(k, x, r, use_r, 1.0)  # a Python float, as numba takes it
 
 
+@pytest.mark.parametrize("s", [1.0, 1.5, 1.0000001, 1.9999999, 1.3333334])
+def test_max_rounds_m_as_float32_denormals_and_overflow_included(k, s):
+    # M = max * s is computed on the device in integers: each pattern's product must round
+    # (to nearest even) as the twin's float32 product, from denormals to the FLT_MAX clamp.
+    rng = np.random.default_rng(int(s * 1e7))
+    tops = [1, 2, 3, 0x7FFFFF, 0x800000, 0x800001, 0x7F7FFFFF, 0x7F000000, 0x7F400000]
+    tops += [0x00400000, 0x00555555, 0x3F800000, 0x3FFFFFFF]
+    tops += rng.integers(1, 0x7F800000, 40).tolist() + rng.integers(1, 0x800000, 20).tolist()
+    for top in tops:
+        x = np.array([top], np.uint32).view(np.float32)
+        x = np.concatenate([x, x * np.float32(0.5), -x])  # the max is top, whatever its sign
+        check_max(k, x, x[:0], False, np.float32(s))
+
+
 # ---- quartic encode ------------------------------------------------------------------------------
 
 
@@ -118,6 +143,31 @@ def test_quartic_encode_ties_and_zero_scale(k, use_r):
     check_encode(k, x, r, use_r, np.float32(3.4028235e38))
     z = np.zeros(1023, np.float32)
     check_encode(k, z, np.zeros_like(z) if use_r else z[:0], use_r, np.float32(0))
+
+
+@pytest.mark.parametrize("use_r", [False, True])
+def test_quartic_encode_reads_m_from_the_bytes_max_wrote(k, use_r):
+    n = 1029
+    x = gradient(n, 21, zeros=0.2)
+    r = gradient(n, 22) if use_r else x[:0]
+    m = check_max(k, x, r, use_r, np.float32(1.5))
+    want = check_encode(k, x, r, use_r, np.float32(m.view("<f4")[0]))
+    assert check_encode(k, x, r, use_r, m).tobytes() == want.tobytes()
+
+
+@pytest.mark.parametrize("use_r", [False, True])
+def test_quartic_encode_writes_nothing_on_the_not_encodable_mark(k, use_r):
+    # What max writes for NaN/Inf: on a device the encode runs before the host knows, and
+    # must leave the residual (and out) as they were.
+    x = gradient(1037, 23)
+    x[500] = np.inf
+    r = np.zeros_like(x) if use_r else x[:0]
+    mark = check_max(k, x, r, use_r, np.float32(1.5))
+    out = check_encode(k, x, r, use_r, mark)
+    assert (out == 7).all()
+    r2 = r.copy()
+    assert k.quartic_encode(x, r2, use_r, mark, np.full(208, 7, np.uint8)) is None
+    same(r2, r)
 
 
 def test_quartic_encode_odd_lengths(k):
@@ -178,12 +228,13 @@ def test_zero_run_round_trip(k, name):
         assert type(got_n) is type(want_n) and got_n == want_n, limit
     for size in {L, max(L - 1, 0), max(L - 5, 0), 0, L + 3}:
         want_out, got_out = np.full(size, 9, np.uint8), np.full(size, 9, np.uint8)
-        want_ok = cpu.mpicomp_threelc_zero_run_decode(enc, want_out)
-        got_ok = k.zero_run_decode(enc, got_out)
-        assert type(got_ok) is type(want_ok) and got_ok == want_ok, size
+        want_total = cpu.mpicomp_threelc_zero_run_decode(enc, want_out)
+        got_total = k.zero_run_decode(enc, got_out)
+        # The whole expansion's length, whatever dst holds of it.
+        assert type(got_total) is type(want_total) and got_total == want_total == L, size
         same(got_out, want_out)
         if size == L:
-            assert got_ok and got_out.tobytes() == src.tobytes()
+            assert got_out.tobytes() == src.tobytes()
 
 
 @pytest.mark.parametrize("n", [0, 1, 5, 33, 257, 1029, 3001])
@@ -199,7 +250,8 @@ def test_zero_run_decode_arbitrary_bytes(k, n, seed):
         assert k.zero_run_length(src, limit) == cpu.mpicomp_threelc_zero_run_length(src, limit)
     for size in {total, max(total - 1, 0), total // 2, total + 2}:
         want_out, got_out = np.full(size, 9, np.uint8), np.full(size, 9, np.uint8)
-        assert k.zero_run_decode(src, got_out) == cpu.mpicomp_threelc_zero_run_decode(src, want_out)
+        assert k.zero_run_decode(src, got_out) == total
+        assert cpu.mpicomp_threelc_zero_run_decode(src, want_out) == total
         same(got_out, want_out)
 
 
@@ -212,6 +264,13 @@ def check_decode(k, src, scale, n):
     got = k.quartic_decode(src, scale, got_out)
     assert type(got) is type(want) and got == want
     same(got_out, want_out)
+    # M as the 4 bytes of a payload's body (at an odd offset): the same code and floats.
+    held = np.zeros(7, np.uint8)
+    held[1:5] = np.array([scale], "<f4").view(np.uint8)
+    for twin in (cpu.mpicomp_threelc_quartic_decode, k.quartic_decode):
+        out = np.full(n, 5.0, np.float32)
+        assert twin(src, held[1:5], out) == want
+        same(out, want_out)
     return got
 
 
@@ -262,3 +321,41 @@ def test_quartic_decode_sizes(k, L, n):
                 digit = src[j] // 3 ** (4 - d) % 3
                 src[j] -= digit * 3 ** (4 - d)
     check_decode(k, src, np.float32(2), n)
+
+
+# ---- reads -----------------------------------------------------------------------------------------
+
+
+def test_reads_wait_for_the_callers_batch():
+    """Inside ``readback.batch`` every value the launchers bring back is a ``Later``, read
+    in one transfer when the batch closes; M itself stays on the device."""
+    from _devices import GEOMETRIES
+
+    from mpicomp.kernels.readback import Later, batch, value_of
+
+    dev = device(GEOMETRIES[0])
+    k = cuda_threelc.launchers(dev)
+    n = 1029
+    x = gradient(n, 31, zeros=0.9)
+    L = k3.quartic_length(n)
+    scale, quartic, stream = np.empty(4, np.uint8), np.empty(L, np.uint8), np.empty(L, np.uint8)
+    before = dev.syncs
+    with batch("encode"):
+        m, ok = k.max(x, x[:0], False, np.float32(1.0), scale)
+        k.quartic_encode(x, x[:0], False, scale, quartic)
+        used = k.zero_run_encode(quartic, stream)
+        assert all(isinstance(v, Later) for v in (m, ok, used))
+    assert dev.syncs - before == 1
+    assert value_of(ok) and value_of(m) == np.abs(x).max()
+    with batch("decode"):
+        back, out = np.empty(L, np.uint8), np.empty(n, np.float32)
+        total = k.zero_run_decode(stream[: value_of(used)], back)
+        code = k.quartic_decode(back, scale, out)
+        length = k.zero_run_length(stream[: value_of(used)], L)
+        assert all(isinstance(v, Later) for v in (total, code, length))
+    assert dev.syncs - before == 2
+    assert value_of(total) == value_of(length) == L and value_of(code) == k3.OK
+    want_q, want = np.empty(L, np.uint8), np.empty(n, np.float32)
+    cpu.mpicomp_threelc_quartic_encode(x, x[:0], False, value_of(m), want_q)
+    assert cpu.mpicomp_threelc_quartic_decode(want_q, value_of(m), want) == k3.OK
+    same(out, want)

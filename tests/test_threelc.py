@@ -475,3 +475,202 @@ def test_feedback_state_dict_is_a_snapshot_and_names_cannot_change_shape():
     np.testing.assert_array_equal(saved["w"], before)  # not aliased to the live buffer
     with pytest.raises(ValueError, match="'w' had shape"):
         fb.encode(x[:50], "w")
+
+
+# --- on a device (the CUDA sources, emulated): what comes back to the host, and when ---------
+
+
+def emulated(monkeypatch, **params):
+    """Return (a ThreeLC of ``params`` on ``cuda-emulated``, its device, which counts reads)."""
+    monkeypatch.setenv(mpicomp.kernels.ENV, "cuda-emulated")
+    codec = ThreeLC(**params)
+    assert codec.kernels.name == "cuda-emulated"
+    return codec, mpicomp.kernels.backend("cuda-emulated").device
+
+
+@pytest.mark.parametrize("zero_run", [True, False])
+@pytest.mark.parametrize("shape", [(), (0,), (7,), (3, 4, 5), (4099,)])
+def test_a_device_encode_reads_once_and_gives_the_numba_bytes(monkeypatch, zero_run, shape):
+    n = int(np.prod(shape))
+    x = gradient_like(n, seed=n).reshape(shape)
+    r = gradient_like(n, seed=n + 1).reshape(shape)
+    want = ThreeLC(sparsity=1.5, zero_run=zero_run)
+    want_r = r.copy()
+    want_payloads = [want.encode(x), want.encode(x, residual=want_r)]
+    codec, dev = emulated(monkeypatch, sparsity=1.5, zero_run=zero_run)
+    got_r = r.copy()
+    before = dev.syncs
+    got = [codec.encode(x), codec.encode(x, residual=got_r)]
+    # M stays on the device; the NaN/Inf check and the zero-run length come back together.
+    assert dev.syncs - before == 2
+    reads = {"threelc encode: threelc.max: M"}  # and the length, of a zero-run body
+    reads.add("threelc encode: threelc.max: M, threelc.zero_run_encode: length")
+    assert set(dev.sync_reasons) <= reads
+    for a, b in zip(want_payloads, got, strict=True):
+        assert a.tobytes() == b.tobytes()
+    assert want_r.tobytes() == got_r.tobytes()
+
+
+def test_a_device_encode_refuses_nan_and_keeps_the_residual(monkeypatch):
+    codec, _ = emulated(monkeypatch)
+    x = np.full(10, FLT_MAX, dtype=np.float32)
+    r = np.ones(10, dtype=np.float32)
+    r[3] = FLT_MAX
+    before = r.copy()
+    # The encode runs on before the check is read: the quartic kernel writes nothing on
+    # the NaN mark max leaves for M.
+    with pytest.raises(ValueError, match="x \\+ residual: it contains NaN or Inf"):
+        codec.encode(x, residual=r)
+    np.testing.assert_array_equal(r, before)
+    x = gradient_like(1000, seed=5)
+    x[777] = np.nan
+    with pytest.raises(ValueError, match="cannot encode x: it contains NaN or Inf"):
+        codec.encode(x)
+
+
+@pytest.mark.parametrize("zero_run", [True, False])
+def test_gathered_payloads_decode_with_the_callers_one_read(monkeypatch, zero_run):
+    from mpicomp.kernels.readback import batch
+
+    numba = ThreeLC(sparsity=1.3, zero_run=zero_run)
+    xs = [gradient_like(1003, seed=s) for s in range(3)]
+    payloads = [numba.encode(x) for x in xs]
+    want = numba.decode_sum(payloads, 1003)
+    codec, dev = emulated(monkeypatch, sparsity=1.3, zero_run=zero_run)
+    before = dev.syncs
+    with batch("end"):
+        total = codec.decode_gathered(payloads, 1003)
+    assert dev.syncs - before == 1
+    np.testing.assert_array_equal(total, want)
+    # decode reads the header and the checksum at once, the body's checks with the batch.
+    before = dev.syncs
+    with batch("end"):
+        one = codec.decode(payloads[0], numel=1003)
+    assert dev.syncs - before == 3
+    np.testing.assert_array_equal(one, numba.decode(payloads[0]))
+    # Not a flat array's payload (its length fits one): decode says what is wrong.
+    if zero_run:
+        square = numba.encode(xs[0][:1000].reshape(10, 100))
+        with pytest.raises(PayloadError, match=r"of shape \(10, 100\) is not what the colle"):
+            codec.decode_gathered([square], 1000)
+
+
+def _set_scale(body, m):
+    body[:4] = scale_bytes(m)
+
+
+def _first_literal(body, value):
+    """Set the first stream byte that is not a zero-run code to ``value``."""
+    at = 4 + int(np.flatnonzero(body[4:] < 243)[0])
+    body[at] = value
+
+
+def _first_run_to(body, value):
+    """Set the first zero-run code other than ``value`` to ``value``."""
+    at = 4 + int(np.flatnonzero((body[4:] >= 243) & (body[4:] != value))[0])
+    body[at] = value
+
+
+# (what to do to the body, resealed?, zero_run, what the message says). n = 1003: the last
+# quartic byte has pad positions.
+CORRUPTIONS = {
+    "flipped body byte": (lambda b: b.__setitem__(9, b[9] ^ 0x10), False, True, "checksum"),
+    "nan scale": (lambda b: _set_scale(b, np.nan), True, True, "scale"),
+    "inf scale": (lambda b: _set_scale(b, np.inf), True, False, "scale"),
+    "negative scale": (lambda b: _set_scale(b, -0.5), True, True, "scale"),
+    "-0 scale": (lambda b: _set_scale(b, -0.0), True, False, "scale"),
+    "zero scale": (lambda b: _set_scale(b, 0.0), True, False, "M = 0"),
+    "longer run": (lambda b: _first_run_to(b, 255), True, True, "expands to more than 201"),
+    "shorter run": (lambda b: _first_run_to(b, 121), True, True, r"expands to 1\d\d bytes"),
+    "code for a byte": (lambda b: _first_literal(b, 250), True, True, "expands to more"),
+    "byte above 242": (lambda b: b.__setitem__(6, 250), True, False, "above 242"),
+    "pad digit": (lambda b: b.__setitem__(-1, b[-1] + 1 - b[-1] % 3), True, False, "pad"),
+    "scale and run": (
+        lambda b: [_set_scale(b, np.nan), _first_run_to(b, 255)],
+        True,
+        True,
+        "scale",
+    ),
+}
+
+
+@pytest.mark.parametrize("name", list(CORRUPTIONS))
+def test_a_corrupt_gathered_payload_raises_decodes_error_when_the_batch_is_read(monkeypatch, name):
+    from mpicomp.kernels.readback import batch
+
+    edit, reseal, zero_run, match = CORRUPTIONS[name]
+    numba = ThreeLC(zero_run=zero_run)
+    x = gradient_like(1003, seed=9)
+    x[100:900] = 0  # runs of zero bytes
+    good = numba.encode(x)
+    bad = good.copy()
+    edit(bad[_wire.header_size(1) :])
+    if reseal:
+        _wire.reseal(bad)
+    with pytest.raises(PayloadError, match=match) as numba_error:
+        numba.decode_gathered([good, bad], 1003)
+    codec, dev = emulated(monkeypatch, zero_run=zero_run)
+    before, reached = dev.syncs, False
+    with pytest.raises(PayloadError) as error:
+        with batch("end"):
+            codec.decode_gathered([good, bad], 1003)
+            reached = True  # nothing was read yet: the checks raise when the batch is
+    assert reached and dev.syncs - before == 1
+    assert str(error.value) == str(numba_error.value)  # decode's own message
+
+
+@pytest.mark.parametrize(
+    "edit, match",
+    [
+        (lambda p: p.__setitem__(5, 0), "is not what the collectives send"),  # flags, resealed
+        (lambda p: p.__setitem__(5, 3), "flags=0x3"),
+        (lambda p: p.__setitem__(3, 10), "made by codec 'topk'"),
+        (lambda p: p.__setitem__(16, 0xEC), "describes 1004 elements, expected 1003"),
+    ],
+)
+def test_a_gathered_payloads_header_is_checked_with_unpacks_messages(monkeypatch, edit, match):
+    from mpicomp.kernels.readback import batch
+
+    x = gradient_like(1003, seed=10)
+    bad = ThreeLC().encode(x)
+    edit(bad)
+    _wire.reseal(bad)
+    codec, _ = emulated(monkeypatch)
+    with pytest.raises(PayloadError, match=match):
+        with batch("end"):
+            codec.decode_gathered([bad], 1003)
+
+
+def test_a_tiny_body_of_a_huge_shape_is_refused_before_allocating_on_a_device(monkeypatch):
+    from mpicomp.kernels.readback import batch
+
+    codec, dev = emulated(monkeypatch)
+    numel = 1 << 39
+    for flags, match in [(1, "expands to 14 bytes"), (0, "quartic bytes")]:
+        before = dev.syncs
+        # Even inside a batch: the length is read at once, nothing of the shape's size
+        # is allocated (the payload header's numel is not the collective's own).
+        with pytest.raises(PayloadError, match=match), batch("end"):
+            codec.decode(forge(scale_bytes(1.0) + [255], shape=(numel,), flags=flags))
+        assert dev.syncs - before == 3  # header, checksum; then M (and the length)
+    with pytest.raises(PayloadError, match="scale"), batch("end"):
+        codec.decode(forge(scale_bytes(-1.0) + [255], shape=(numel,)))  # M's error first
+
+
+@pytest.mark.parametrize("schedule", ["allgather", "sharded"])
+def test_a_device_call_with_feedback_gives_the_numba_result(monkeypatch, schedule):
+    from mpi4py import MPI
+
+    xs = [gradient_like(4099, seed=s) for s in range(3)]
+
+    def calls():
+        with mpicomp.CompressedComm(MPI.COMM_SELF, "threelc", min_numel=1, schedule=schedule) as cc:
+            return [cc.allreduce(x, name="w") for x in xs]
+
+    want = calls()
+    _, dev = emulated(monkeypatch)
+    before = dev.syncs
+    got = calls()
+    for a, b in zip(want, got, strict=True):
+        np.testing.assert_array_equal(a, b)
+    assert dev.syncs > before  # the device path ran

@@ -31,9 +31,33 @@ _HALF = np.float32(0.5)
 _SIGN = np.uint32(0x80000000)
 
 
+#: M's 4 bytes when ``max`` met NaN/Inf: a quiet NaN, on which ``quartic_encode`` writes nothing.
+_NOT_ENCODABLE = np.array([0x7FC00000], "<u4").view(np.uint8)
+
+
+def _scale_of(scale):
+    """Return M as np.float32: ``scale`` itself, or the float32 of its 4 (little-endian)
+    bytes, as ``max`` writes them and a payload holds them."""
+    if isinstance(scale, np.ndarray) and scale.ndim == 1:
+        if scale.dtype != np.uint8 or scale.size != 4:
+            raise ValueError("threelc: scale must be a float or its 4 uint8 bytes")
+        return np.frombuffer(scale.tobytes(), "<f4")[0]
+    return np.float32(scale)
+
+
+def mpicomp_threelc_max(x, r, use_r, s, scale=None):
+    """Return (M, ok): M = max|x + r| * s in float32 (clamped to FLT_MAX); ok False on NaN/Inf
+    (M then 0). ``scale``, 4 uint8, receives M's bytes (little-endian; a quiet NaN when not ok)."""
+    m, ok = _max(x, r, use_r, s)
+    if scale is not None:
+        if scale.dtype != np.uint8 or scale.size != 4:
+            raise ValueError("threelc: scale must be 4 uint8 bytes")
+        scale[:] = np.array([m], "<f4").view(np.uint8) if ok else _NOT_ENCODABLE
+    return m, ok
+
+
 @nb.njit(cache=True)
-def mpicomp_threelc_max(x, r, use_r, s):
-    """Return (M, ok): M = max|x + r| * s in float32 (clamped to FLT_MAX); ok False on NaN/Inf."""
+def _max(x, r, use_r, s):
     # |v| is ordered as the uint32 pattern of v with the sign cleared: an integer max
     # that vectorizes, and NaN/Inf are exactly the patterns >= 0x7F800000 (whichever NaN
     # x + r makes, it only fails the check: the codec then refuses x).
@@ -50,13 +74,21 @@ def mpicomp_threelc_max(x, r, use_r, s):
     return scale, True
 
 
-@nb.njit(cache=True)
 def mpicomp_threelc_quartic_encode(x, r, use_r, scale, out):
-    """Write byte j = sum_k (trit[k*L + j] + 1) * 3^(4-k) to out[j]; set r = (x + r) - trit*M."""
-    # Called only once mpicomp_threelc_max found x + r finite: no NaN reaches r or out.
+    """Write byte j = sum_k (trit[k*L + j] + 1) * 3^(4-k) to out[j]; set r = (x + r) - trit*M.
+    M: a float or its 4 bytes (``max``'s); a NaN M (x + r not finite) writes nothing."""
+    _quartic_encode(x, r, use_r, _scale_of(scale), out)
+
+
+@nb.njit(cache=True)
+def _quartic_encode(x, r, use_r, scale, out):
+    # mpicomp_threelc_max's NaN mark: x + r is not finite, nothing is written (no NaN
+    # reaches r or out). Otherwise x + r is finite.
+    scale = np.float32(scale)
+    if scale != scale:
+        return
     n = x.size
     L = out.size
-    scale = np.float32(scale)
     for j in range(L):
         byte = 0
         for k in range(5):
@@ -119,7 +151,8 @@ def mpicomp_threelc_zero_run_length(src, limit):
 
 @nb.njit(nogil=True, cache=True)
 def mpicomp_threelc_zero_run_decode(src, dst):
-    """Expand codes 243..255 of src into 2..14 bytes 121 in dst; return False if dst is too short."""
+    """Expand codes 243..255 of src into 2..14 bytes 121 in dst (what falls past dst is
+    dropped, the rest of dst is 121); return the length of the whole expansion."""
     L = dst.size
     # Runs are most of a sparse tensor's bytes: fill with 121 first (a vectorized
     # memset), then the loop only skips over them and writes the other bytes.
@@ -130,11 +163,10 @@ def mpicomp_threelc_zero_run_decode(src, dst):
         if b >= RUN_BASE:
             k += b - (RUN_BASE - 2)
         else:
-            if k >= L:
-                return False
-            dst[k] = np.uint8(b)
+            if k < L:
+                dst[k] = np.uint8(b)
             k += 1
-    return k == L
+    return k
 
 
 @nb.njit(inline="always", cache=True)
@@ -205,9 +237,11 @@ def _decode_full(src, scale, out, L, full):
 
 
 def mpicomp_threelc_quartic_decode(src, scale, out):
-    """Write out[k*L + j] = (digit k of src[j] - 1) * M; return an error code (0 if valid)."""
+    """Write out[k*L + j] = (digit k of src[j] - 1) * M; return an error code (0 if valid).
+    M: a float or its 4 bytes (a payload's). Nothing is written on error."""
     # Plain Python around two kernels: a cached njit function must not call the parallel
     # _decode_full (see bits.py).
+    scale = _scale_of(scale)
     code, full = _quartic_decode_serial(src, scale, out)
     if full:
         _decode_full(src, np.float32(scale), out, src.size, full)

@@ -20,7 +20,7 @@ __device__ __forceinline__ i64 tlc_min64(i64 a, i64 b) { return a < b ? a : b; }
 // top = max over i of the uint32 pattern of (x[i] + r[i]) with the sign cleared (an integer max:
 // exact in any order; NaN/Inf are exactly the patterns >= 0x7F800000, as in the numba twin).
 // Without r the pattern is read as bits, never through float arithmetic (nothing flushed).
-// `top` must hold 0 before the launch; the host finishes M = top * s (see threelc.py).
+// `top` must hold 0 before the launch; mpicomp_threelc_scale finishes M = top * s.
 extern "C" __global__ void mpicomp_threelc_max(const float* x, const float* r, int use_r, i64 n,
                                                u32* top) {
     __shared__ u32 scratch[32];
@@ -40,11 +40,62 @@ extern "C" __global__ void mpicomp_threelc_max(const float* x, const float* r, i
     }
 }
 
+// ---- scale ------------------------------------------------------------------------------------
+// The 4 bytes of M (float32, little-endian, as a payload holds them) at `p`, which may be
+// unaligned: read and written a byte at a time.
+__device__ __forceinline__ u32 tlc_load_scale(const u8* p) {
+    return (u32)p[0] | ((u32)p[1] << 8) | ((u32)p[2] << 16) | ((u32)p[3] << 24);
+}
+
+__device__ __forceinline__ bool tlc_is_nan(u32 bits) { return (bits & 0x7fffffffu) > 0x7f800000u; }
+
+// One thread: scale = M = top * s rounded to nearest even and clamped to FLT_MAX, as the twin's
+// float32 product (s in [1, 2), its bits `s_bits`), in integers: a GPU's float multiply would
+// flush a denormal top or M to zero. top >= 0x7F800000 (NaN/Inf met) writes a quiet NaN, the
+// "not encodable" mark mpicomp_threelc_quartic_encode does nothing on.
+extern "C" __global__ void mpicomp_threelc_scale(const u32* top, u32 s_bits, u8* scale) {
+    if (blockIdx.x != 0 || threadIdx.x != 0) return;
+    const u32 t = top[0];
+    u32 bits = 0;
+    if (t >= 0x7f800000u) {
+        bits = 0x7fc00000u;
+    } else if (t != 0) {
+        const u64 ms = (s_bits & 0x7fffffu) | 0x800000u;
+        const bool normal = t >= 0x800000u;
+        const u64 mt = normal ? (u64)((t & 0x7fffffu) | 0x800000u) : (u64)t;
+        const int e = (normal ? (int)(t >> 23) - 150 : -149) - 23;  // top * s = p * 2^e
+        const u64 p = mt * ms;
+        const int width = 64 - __clzll((long long)p);
+        int q = e + width - 24;  // M = m * 2^q, m of 24 bits (fewer when denormal)
+        if (q < -149) q = -149;
+        const int shift = q - e;  // >= 23: every product has its low bits to round off
+        u64 m = p >> shift;
+        const u64 rem = p & ((1ull << shift) - 1), half = 1ull << (shift - 1);
+        if (rem > half || (rem == half && (m & 1))) ++m;
+        if (m == (1ull << 24)) {
+            m >>= 1;
+            ++q;
+        }
+        if (m < (1ull << 23))
+            bits = (u32)m;  // denormal (q == -149)
+        else if (q + 150 >= 255)
+            bits = 0x7f7fffffu;  // FLT_MAX
+        else
+            bits = ((u32)(q + 150) << 23) | ((u32)m & 0x7fffffu);
+    }
+    for (int b = 0; b < 4; ++b) scale[b] = (u8)(bits >> (8 * b));
+}
+
 // ---- quartic encode ---------------------------------------------------------------------------
 // Byte j = sum_k digit(k*L + j) * 3^(4-k), digit = trit + 1 (0 in pad positions); with use_r,
 // r = (x + r) - trit * M in the same pass. Same float operations as the twin, in the same order.
+// M is read from the 4 bytes `scale_bytes`; a NaN M (x + r was not finite) writes nothing.
 extern "C" __global__ void mpicomp_threelc_quartic_encode(const float* x, float* r, int use_r,
-                                                          float scale, i64 n, i64 L, u8* out) {
+                                                          const u8* scale_bytes, i64 n, i64 L,
+                                                          u8* out) {
+    const u32 scale_bits = tlc_load_scale(scale_bytes);
+    if (tlc_is_nan(scale_bits)) return;
+    const float scale = __uint_as_float(scale_bits);
     MPICOMP_FOR(j, L) {
         u32 byte = 0;
         for (int k = 0; k < 5; ++k) {
@@ -265,10 +316,12 @@ __device__ __forceinline__ u32 tlc_digit(u32 b, int k) {
 }
 
 // flags |= BAD_BYTE (a byte above MAX_QUARTIC), BAD_PAD (a non-zero digit in a pad position),
-// BAD_ZERO (zero_scale and a real position's digit != 1). `flags` must hold 0 before the launch;
-// the host picks the twin's error code by the twin's order of checks.
+// BAD_ZERO (M = +-0, from the 4 bytes `scale`, and a real position's digit != 1). `flags` must
+// hold 0 before the launch; the host picks the twin's error code by the twin's order of checks.
 extern "C" __global__ void mpicomp_threelc_quartic_check(const u8* src, i64 L, i64 n,
-                                                         int zero_scale, u32* flags) {
+                                                         const u8* scale, u32* flags) {
+    // M == 0 as IEEE decides it, on the bits: a GPU comparison would take a denormal M for zero.
+    const int zero_scale = (tlc_load_scale(scale) & 0x7fffffffu) == 0;
     u32 bad = 0;
     MPICOMP_FOR(j, L) {
         const u32 b = src[j];
@@ -289,9 +342,12 @@ extern "C" __global__ void mpicomp_threelc_quartic_check(const u8* src, i64 L, i
 }
 
 // out[k*L + j] = (digit k of src[j] - 1) * M for k*L + j < n, written as bit patterns: M, M with
-// the sign flipped, or +0 (what the twin's scale / -scale / 0 are; no float op to flush).
-extern "C" __global__ void mpicomp_threelc_quartic_decode(const u8* src, u32 scale_bits, i64 L,
-                                                          i64 n, u32* out) {
+// the sign flipped, or +0 (what the twin's scale / -scale / 0 are; no float op to flush). M is
+// the 4 bytes `scale`. Nothing is written when the check set a flag (as the twin writes nothing).
+extern "C" __global__ void mpicomp_threelc_quartic_decode(const u8* src, const u8* scale, i64 L,
+                                                          i64 n, const u32* flags, u32* out) {
+    if (flags[0]) return;
+    const u32 scale_bits = tlc_load_scale(scale);
     MPICOMP_FOR(j, L) {
         const u32 b = src[j];
         for (int k = 0; k < 5; ++k) {

@@ -2,10 +2,12 @@
 
 The launchers are the numba twin's, in its order, each taking the device it launches on
 before the twin's arguments (``launchers(dev)`` binds them; ``max`` is ``max_`` here, so
-as not to hide the builtin). What comes back to the host (one counted sync each): the max
-pattern in ``max``, the length in ``zero_run_encode`` / ``zero_run_length`` /
-``zero_run_decode``, the error flags in ``quartic_decode``. ``quartic_encode`` syncs
-nothing.
+as not to hide the builtin). M stays on the device: ``max`` writes its 4 bytes (the
+payload's) into ``scale`` when given, and ``quartic_encode`` / ``quartic_decode`` take
+them there (or a float). What comes back to the host (one counted read each, through
+``readback.read``: later, with its batch, inside one): M with its NaN/Inf mark in
+``max``, the length in ``zero_run_encode`` / ``zero_run_length`` / ``zero_run_decode``,
+the error flags in ``quartic_decode``. ``quartic_encode`` reads nothing.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import numpy as np
 
 from mpicomp.kernels import threelc as k3
 from mpicomp.kernels.cuda import bind, family_kernel
+from mpicomp.kernels.readback import read
 
 #: Bytes per thread of a zero-run tile (a tile is threads * ITEMS bytes of one span).
 ITEMS = 8
@@ -32,10 +35,6 @@ DEFINES = {
     "MPICOMP_THREELC_BAD_PAD": f"{_BAD_PAD}u",
     "MPICOMP_THREELC_BAD_ZERO": f"{_BAD_ZERO}u",
 }
-
-_EXP_MASK = 0x7F800000
-_FLT_MAX = np.float32(3.4028235e38)
-
 
 _kernel = family_kernel("threelc", DEFINES)
 
@@ -58,24 +57,45 @@ def _decoded_length(dev, src):
     return total, offs, geo
 
 
-def max_(dev, x, r, use_r, s):
-    """Return (M, ok): M = max|x + r| * s in float32 (clamped to FLT_MAX); ok False on NaN/Inf."""
+def _scale_value(host) -> float:
+    """Return M of its 4 bytes as ``max`` returns it: 0.0 for the NaN mark of NaN/Inf."""
+    m = host.view("<f4")[0]
+    return 0.0 if np.isnan(m) else float(m)
+
+
+def _finite(host) -> bool:
+    return not np.isnan(host.view("<f4")[0])
+
+
+def _scale_bytes(dev, scale):
+    """Return M's 4 bytes on the device: ``scale`` itself, or those of a float."""
+    if hasattr(scale, "dtype") and getattr(scale, "ndim", 0) == 1:
+        if scale.dtype != np.uint8 or scale.size != 4:
+            raise ValueError("threelc: scale must be a float or its 4 uint8 bytes")
+        return scale
+    return dev.xp.asarray(np.asarray(np.float32(scale)).reshape(1).view(np.uint8))
+
+
+def max_(dev, x, r, use_r, s, scale=None):
+    """Return (M, ok): M = max|x + r| * s in float32 (clamped to FLT_MAX); ok False on NaN/Inf
+    (M then 0.0). ``scale``, 4 uint8 on the device, receives M's bytes (a quiet NaN when not
+    ok): M is computed there, rounded as the twin's float32 product (denormals kept)."""
     n = x.size
     top = dev.xp.zeros(1, dtype=np.uint32)
+    scale = dev.xp.empty(4, dtype=np.uint8) if scale is None else _scale_bytes(dev, scale)
     _kernel(dev, "max")(*dev.launch_shape(n), (x, r, np.int32(bool(use_r)), np.int64(n), top))
-    top = np.uint32(dev.to_host(top, why="threelc.max: largest magnitude")[0])
-    if top >= _EXP_MASK:
-        return 0.0, False
-    # The product on the host, in NumPy float32: a GPU would flush a denormal max to zero.
-    with np.errstate(over="ignore"):
-        scale = top.view(np.float32) * np.float32(s)
-    return float(min(scale, _FLT_MAX)), True
+    s_bits = np.float32(s).view(np.uint32)
+    _kernel(dev, "scale")((1,), (32,), (top, s_bits, scale))
+    why = "threelc.max: M"
+    return read(dev, scale, why, _scale_value), read(dev, scale, why, _finite)
 
 
 def quartic_encode(dev, x, r, use_r, scale, out):
-    """Write byte j = sum_k (trit[k*L + j] + 1) * 3^(4-k) to out[j]; set r = (x + r) - trit*M."""
+    """Write byte j = sum_k (trit[k*L + j] + 1) * 3^(4-k) to out[j]; set r = (x + r) - trit*M.
+    M: a float or its 4 bytes (``max``'s); a NaN M writes nothing."""
     n, L = x.size, out.size
-    args = (x, r, np.int32(bool(use_r)), np.float32(scale), np.int64(n), np.int64(L), out)
+    scale = _scale_bytes(dev, scale)
+    args = (x, r, np.int32(bool(use_r)), scale, np.int64(n), np.int64(L), out)
     _kernel(dev, "quartic_encode")(*dev.launch_shape(L), args)
 
 
@@ -93,20 +113,31 @@ def zero_run_encode(dev, src, dst):
         (1,), (32,), (last, lead, rest, np.int64(nspans), *geo[:2], pin, offs, total)
     )
     _kernel(dev, "zero_run_write")((nspans,), (dev.threads,), (src, *geo, pin, offs, dst))
-    return int(dev.to_host(total, why="threelc.zero_run_encode: length")[0])
+    return read(dev, total, "threelc.zero_run_encode: length", _first_int)
+
+
+def _first_int(host) -> int:
+    return int(host[0])
 
 
 def zero_run_length(dev, src, limit):
     """Return the zero-run-decoded length of src, or -1 as soon as it exceeds ``limit``."""
     if src.size == 0:
         return 0  # the twin compares with limit only after a byte
-    total = int(dev.to_host(_decoded_length(dev, src)[0], why="threelc.zero_run_length: length")[0])
-    # Every byte adds >= 1: the running total exceeds limit at some point iff at the end.
-    return -1 if total > int(limit) else total
+    limit = int(limit)
+
+    def length(host) -> int:
+        # Every byte adds >= 1: the running total exceeds limit at some point iff at the end.
+        total = int(host[0])
+        return -1 if total > limit else total
+
+    total = _decoded_length(dev, src)[0]
+    return read(dev, total, "threelc.zero_run_length: length", length)
 
 
 def zero_run_decode(dev, src, dst):
-    """Expand codes 243..255 of src into 2..14 bytes 121 in dst; return False if dst is too short."""
+    """Expand codes 243..255 of src into 2..14 bytes 121 in dst (what falls past dst is
+    dropped, the rest of dst is 121); return the length of the whole expansion."""
     total, offs, geo = _decoded_length(dev, src)
     Ld = dst.size
     _kernel(dev, "zero_run_expand")(
@@ -114,23 +145,11 @@ def zero_run_decode(dev, src, dst):
         (dev.threads,),
         (src, *geo, offs, total, dst, np.int64(Ld)),
     )
-    # A byte past dst makes the total exceed it: False exactly when the twin's is.
-    return int(dev.to_host(total, why="threelc.zero_run_decode: length")[0]) == Ld
+    return read(dev, total, "threelc.zero_run_decode: length", _first_int)
 
 
-def quartic_decode(dev, src, scale, out):
-    """Write out[k*L + j] = (digit k of src[j] - 1) * M; return an error code (0 if valid)."""
-    L, n = src.size, out.size
-    if L == 0:
-        return k3.OK
-    scale = np.float32(scale)
-    flags = dev.xp.zeros(1, dtype=np.uint32)
-    # M == 0 decided here, in IEEE: a GPU comparison would take a denormal M for zero.
-    zero = np.int32(scale == np.float32(0))
-    _kernel(dev, "quartic_check")(
-        *dev.launch_shape(L), (src, np.int64(L), np.int64(n), zero, flags)
-    )
-    bad = int(dev.to_host(flags, why="threelc.quartic_decode: bad-code flag")[0])
+def _code(host) -> int:
+    bad = int(host[0])
     for flag, code in (
         (_BAD_BYTE, k3.ERR_BYTE),
         (_BAD_PAD, k3.ERR_PAD),
@@ -138,9 +157,23 @@ def quartic_decode(dev, src, scale, out):
     ):
         if bad & flag:
             return code
-    args = (src, scale.view(np.uint32), np.int64(L), np.int64(n), out.view(np.uint32))
-    _kernel(dev, "quartic_decode")(*dev.launch_shape(L), args)
     return k3.OK
+
+
+def quartic_decode(dev, src, scale, out):
+    """Write out[k*L + j] = (digit k of src[j] - 1) * M; return an error code (0 if valid).
+    M: a float or its 4 bytes (a payload's, on the device). Nothing is written on error."""
+    L, n = src.size, out.size
+    if L == 0:
+        return k3.OK
+    scale = _scale_bytes(dev, scale)
+    flags = dev.xp.zeros(1, dtype=np.uint32)
+    _kernel(dev, "quartic_check")(
+        *dev.launch_shape(L), (src, np.int64(L), np.int64(n), scale, flags)
+    )
+    args = (src, scale, np.int64(L), np.int64(n), flags, out.view(np.uint32))
+    _kernel(dev, "quartic_decode")(*dev.launch_shape(L), args)
+    return read(dev, flags, "threelc.quartic_decode: bad-code flag", _code)
 
 
 def launchers(dev) -> SimpleNamespace:
