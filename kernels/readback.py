@@ -40,6 +40,12 @@ class Later:
         self.why = why
 
     @property
+    def array(self):
+        """The device array it reads: a launcher may pass it on to the next kernel,
+        which reads the value where it lies."""
+        return self._array
+
+    @property
     def value(self):
         """The converted value, once the batch was read."""
         if not self._done:

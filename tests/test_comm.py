@@ -160,8 +160,8 @@ SYNCS = {
     "qsgd_maxnorm_multiscale": (2, 4),
     "grandk_maxnorm": (2, 3),
     "grandk_maxnorm_multiscale": (2, 4),
-    "fft": (13, 14),
     "threelc": (2, 3),
+    "fft": (2, 3),  # its encode's flags and steps' values; the end of call
     "fastsgd": (3, 4),
 }
 

@@ -13,6 +13,7 @@ from mpicomp.kernels import fft as K
 from mpicomp.kernels.cpu import record
 from mpicomp.kernels.cpu import rfft as cpu_rfft
 from mpicomp.kernels.cuda import fft as cuda_fft
+from mpicomp.kernels.readback import Later, batch
 
 
 @pytest.fixture(scope="module", params=params())
@@ -307,6 +308,63 @@ def test_quantize_and_unpack_match_the_twin(cu, nb, bits, n):
             want, pb, shift, bits, wout
         )
         assert gout.tobytes() == wout.tobytes()
+
+
+def test_the_encoders_steps_keep_their_values_on_the_device_in_a_batch(cu, nb):
+    # In a readback.batch kth_largest, select_pack and choose_range return Laters; the
+    # next launcher reads their values on the device: one read at the end, the twin's bytes.
+    nbins, k, bits = 2 * 4096 + 13, 1234, 10
+    parts, mag2 = spectrum(nbins, 3)
+    size = (2 * k * bits + 7) // 8
+    out = []
+    for fk in (nb, cu):
+        bitmap, dense = np.zeros((nbins + 7) // 8, np.uint8), np.zeros(2 * k, np.uint32)
+        hist, codes = np.zeros(256, np.int64), np.zeros(size, np.uint8)
+        with batch("steps"):
+            thresh = fk.kth_largest(mag2, k)
+            thresh = thresh if isinstance(thresh, Later) else np.float32(thresh)
+            vmax = fk.select_pack(bits_of(parts), mag2, thresh, k, bitmap, dense, hist)
+            rng = fk.choose_range(hist, vmax, bits)
+            m, pbase = (rng.array[0:1], rng.array[1:2]) if fk is cu else rng
+            fk.quantize_pack(dense, vmax, pbase, K.MAX_MANTISSA - m, bits, codes)
+        if fk is cu:
+            assert all(isinstance(v, Later) for v in (thresh, vmax, rng))
+            thresh, vmax, rng = thresh.value, vmax.value, rng.value
+        out.append((float(thresh), int(vmax), tuple(map(int, rng)), bitmap, dense, codes))
+    want, got = out
+    assert got[:3] == want[:3]
+    for g, w in zip(got[3:], want[3:], strict=True):
+        assert g.tobytes() == w.tobytes()
+
+
+def test_unpack_and_scatter_take_their_parameters_from_the_device(cu, nb):
+    # A decoder that leaves a payload's fields on the device: pbase, shift, bits, k and
+    # the code count as 1-element arrays, the output sized for every bin.
+    nbins, k, bits, pbase, shift = 100, 7, 6, 3, 20
+    rng = np.random.default_rng(5)
+    stream = rng.integers(0, 256, (2 * k * bits + 7) // 8, dtype=np.uint8)
+    stream[-1] &= (1 << ((2 * k * bits) % 8 or 8)) - 1
+    want = np.zeros(2 * k, np.uint32)
+    code = nb.unpack_dequantize(stream, pbase, shift, bits, want)
+    got = np.full(2 * nbins, 0xDEADBEEF, np.uint32)
+    one = [np.array([v], np.int64) for v in (pbase, shift, bits, 2 * k)]
+    assert cu.unpack_dequantize(stream, *one[:3], got, count=one[3]) == code
+    assert got[: 2 * k].tobytes() == want.tobytes()
+    host = np.full(2 * nbins, 0xDEADBEEF, np.uint32)  # the twin takes the count too
+    assert nb.unpack_dequantize(stream, pbase, shift, bits, host, count=one[3]) == code
+    assert host.tobytes() == got.tobytes()  # the codes, and nothing past them
+    bitmap = np.packbits(np.arange(nbins) % 13 < 1, bitorder="little")
+    kk = int(np.unpackbits(bitmap, bitorder="little")[:nbins].sum())
+    dense = rng.standard_normal(2 * nbins).astype(np.float32)
+    wspec, gspec = np.zeros(2 * nbins, np.float32), np.zeros(2 * nbins, np.float32)
+    packed = np.concatenate([dense[:kk], dense[nbins : nbins + kk]])
+    assert nb.scatter(bitmap, packed, kk, wspec) == K.DECODE_OK
+    dense[kk : 2 * kk] = dense[nbins : nbins + kk]
+    assert cu.scatter(bitmap, dense, np.array([kk], np.int64), gspec) == K.DECODE_OK
+    assert gspec.tobytes() == wspec.tobytes()
+    # k beyond the bins is a count error, not a read past them.
+    big = np.array([1 << 40], np.int64)
+    assert cu.scatter(bitmap, dense, big, np.zeros(2 * nbins, np.float32)) == K.DECODE_COUNT
 
 
 @pytest.mark.parametrize("bits", [4, 5, 10, 16])

@@ -12,6 +12,7 @@ import mpicomp
 from conftest import gradient_like
 from mpicomp.codecs import _wire
 from mpicomp.codecs.feedback import ErrorFeedback
+from mpicomp.kernels.readback import batch
 
 # ---------------------------------------------------------------- reference
 
@@ -482,48 +483,141 @@ def test_a_forged_valid_payload_decodes():
     assert y.shape == (16,) and np.all(np.isfinite(y)) and np.any(y != 0)
 
 
-@pytest.mark.parametrize(
-    "what,kwargs",
-    [
-        ("k beyond the bins", dict(k=10, bitmap=b"\xff\x01", codes=bytes(20))),
-        ("codes short", dict(k=2, codes=bytes(3))),
-        ("codes long", dict(k=2, codes=bytes(5))),
-        ("bitmap short", dict(k=2, bitmap=b"\x03", codes=bytes(4))),
-        ("popcount below k", dict(k=2, bitmap=b"\x01\x00", codes=bytes(4))),
-        ("popcount above k", dict(k=2, bitmap=b"\x07\x00", codes=bytes(4))),
-        ("bitmap padding", dict(k=2, bitmap=b"\x03\x02", codes=bytes(4))),
-        ("code padding", dict(k=1, bits=5, codes=b"\x00\x04")),
-        ("negative zero code", dict(k=1, bits=8, codes=b"\x80\x00")),
-        (
-            "code beyond float32",
-            dict(k=1, bits=16, m=0, eps_bits=0x7F000000, codes=b"\xff\x00\0\0"),
+INCONSISTENT = [
+    ("k beyond the bins", dict(k=10, bitmap=b"\xff\x01", codes=bytes(20))),
+    ("codes short", dict(k=2, codes=bytes(3))),
+    ("codes long", dict(k=2, codes=bytes(5))),
+    ("bitmap short", dict(k=2, bitmap=b"\x03", codes=bytes(4))),
+    ("popcount below k", dict(k=2, bitmap=b"\x01\x00", codes=bytes(4))),
+    ("popcount above k", dict(k=2, bitmap=b"\x07\x00", codes=bytes(4))),
+    ("bitmap padding", dict(k=2, bitmap=b"\x03\x02", codes=bytes(4))),
+    ("code padding", dict(k=1, bits=5, codes=b"\x00\x04")),
+    ("negative zero code", dict(k=1, bits=8, codes=b"\x80\x00")),
+    (
+        "code beyond float32",
+        dict(k=1, bits=16, m=0, eps_bits=0x7F000000, codes=b"\xff\x00\0\0"),
+    ),
+    (
+        "spectrum sums past float32",
+        dict(
+            k=9,
+            bits=16,
+            m=0,
+            eps_bits=0x7F000000,
+            bitmap=b"\xff\x01",
+            codes=b"\x01\x00" * 9 + bytes(18),
         ),
-        (
-            "spectrum sums past float32",
-            dict(
-                k=9,
-                bits=16,
-                m=0,
-                eps_bits=0x7F000000,
-                bitmap=b"\xff\x01",
-                codes=b"\x01\x00" * 9 + bytes(18),
-            ),
-        ),
-        ("eps is inf", dict(eps_bits=0x7F800000, k=1, codes=bytes(2))),
-        ("eps is NaN", dict(eps_bits=0x7FC00000, k=1, codes=bytes(2))),
-        ("eps is zero", dict(eps_bits=0, k=1, codes=bytes(2))),
-        ("eps is negative", dict(eps_bits=0xBF800000, k=1, codes=bytes(2))),
-        ("eps off the m grid", dict(eps_bits=0x3F800001, k=1, codes=bytes(2))),
-        ("m too large", dict(m=24, k=1, codes=bytes(2))),
-        ("bits too small", dict(bits=3, k=2, codes=bytes(2))),
-        ("bits too large", dict(bits=17, k=1, codes=bytes(5))),
-        ("reserved", dict(reserved=1, k=1, codes=bytes(2))),
-        ("flags", dict(flags=1, k=1, codes=bytes(2))),
-    ],
-)
+    ),
+    ("eps is inf", dict(eps_bits=0x7F800000, k=1, codes=bytes(2))),
+    ("eps is NaN", dict(eps_bits=0x7FC00000, k=1, codes=bytes(2))),
+    ("eps is zero", dict(eps_bits=0, k=1, codes=bytes(2))),
+    ("eps is negative", dict(eps_bits=0xBF800000, k=1, codes=bytes(2))),
+    ("eps off the m grid", dict(eps_bits=0x3F800001, k=1, codes=bytes(2))),
+    ("m too large", dict(m=24, k=1, codes=bytes(2))),
+    ("bits too small", dict(bits=3, k=2, codes=bytes(2))),
+    ("bits too large", dict(bits=17, k=1, codes=bytes(5))),
+    ("reserved", dict(reserved=1, k=1, codes=bytes(2))),
+    ("flags", dict(flags=1, k=1, codes=bytes(2))),
+]
+
+
+@pytest.mark.parametrize("what,kwargs", INCONSISTENT)
 def test_inconsistent_bodies_raise_payload_error(what, kwargs):
     with pytest.raises(mpicomp.PayloadError):
         mpicomp.codec("fft").decode(forge(16, **kwargs))
+
+
+@pytest.fixture
+def emulated(monkeypatch):
+    """(an fft codec on the numba backend, one on cuda-emulated, the emulated device)."""
+    host = mpicomp.codec("fft", theta=0.5, bits=7)
+    monkeypatch.setenv(mpicomp.kernels.ENV, "cuda-emulated")
+    device = mpicomp.kernels.backend("cuda-emulated").device
+    return host, mpicomp.codec("fft", theta=0.5, bits=7), device
+
+
+def _gathered(codec, payloads, numel):
+    with batch("end of call"):
+        return codec.decode_gathered(payloads, numel)
+
+
+def _message(fn) -> str:
+    with pytest.raises(mpicomp.PayloadError) as caught:
+        fn()
+    return str(caught.value)
+
+
+@pytest.mark.parametrize("what,kwargs", INCONSISTENT)
+def test_gathered_bodies_are_checked_in_the_batch_with_decodes_messages(what, kwargs, emulated):
+    # On a device a gathered payload's fields stay there: every check is read at the end
+    # of the caller's batch, in one read, and raises decode's PayloadError, same message.
+    host, codec, dev = emulated
+    p = forge(16, **kwargs)
+    want = _message(lambda: host.decode(p, numel=16))
+    good = forge(16, k=2, bits=8, codes=bytes([1, 0x81, 0, 0]))
+    for payloads in ([p], [good, p]):
+        before = dev.syncs
+        assert _message(lambda payloads=payloads: _gathered(codec, payloads, 16)) == want
+        # (A header unlike a flat array's is read once more, to say what is wrong.)
+        assert dev.syncs - before == (2 if what == "flags" else 1)
+
+
+def test_gathered_payloads_of_no_body_of_their_size_are_refused_by_decodes_path(emulated):
+    host, codec, _ = emulated
+    for p in (_wire.pack("fft", (16,), np.zeros(15, np.uint8)), forge(16, k=2, codes=bytes(80))):
+        want = _message(lambda p=p: host.decode(p))
+        assert _message(lambda p=p: _gathered(codec, [p], 16)) == want
+
+
+@pytest.mark.parametrize("n", [1, 2, 3001, 1 << 18])
+def test_gathered_payloads_decode_with_one_read_as_decode_sum(n, emulated):
+    host, codec, dev = emulated
+    xs = [gradient_like(n, seed=s) for s in range(3)]
+    payloads = [codec.encode(x) for x in xs]
+    if n < 1 << 18:  # below the blocked transform, the same spectrum: the same bytes
+        for p, x in zip(payloads, xs, strict=True):
+            np.testing.assert_array_equal(p, host.encode(x))
+    before = dev.syncs
+    total = _gathered(codec, payloads, n)
+    assert dev.syncs - before == 1
+    np.testing.assert_array_equal(total, codec.decode_sum(payloads, n))
+    np.testing.assert_allclose(total, host.decode_sum(payloads, n), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("at", [3, 12, 16, 9, 30, 60])
+def test_gathered_corruption_raises_when_the_batch_is_read(at, emulated):
+    host, codec, dev = emulated
+    good = codec.encode(gradient_like(3001, seed=4))
+    bad = good.copy()
+    bad[at] ^= 1
+    with pytest.raises(mpicomp.PayloadError):
+        with batch("end of call"):
+            total = codec.decode_gathered([good, bad], 3001)
+            assert total.shape == (3001,)  # nothing raised yet: the checks wait for the read
+    with pytest.raises(mpicomp.PayloadError):
+        host.decode_sum([good, bad], 3001)
+
+
+def test_device_encode_reads_once_and_a_refused_one_keeps_the_residual(emulated):
+    host, codec, dev = emulated
+    x = gradient_like(3001, seed=5)
+    r = (gradient_like(3001, seed=6) * 1e-3).astype(np.float32)
+    want_r = r.copy()
+    want = host.encode(x, residual=want_r)
+    before = dev.syncs
+    got = codec.encode(x, residual=r)
+    assert dev.syncs - before == 1
+    np.testing.assert_array_equal(got, want)
+    np.testing.assert_array_equal(r, want_r)
+    for bad_x, bad_r, match in (
+        (x, np.where(np.arange(3001) == 5, np.inf, r).astype(np.float32), "residual"),
+        (np.where(np.arange(3001) == 7, np.nan, x).astype(np.float32), r, "NaN or Inf"),
+        (np.where(np.arange(3001) == 9, 1e6, x).astype(np.float32), r, "overflows float16"),
+    ):
+        kept = bad_r.copy()
+        with pytest.raises(ValueError, match=match):
+            codec.encode(bad_x, residual=bad_r)
+        np.testing.assert_array_equal(bad_r, kept)  # a refused call leaves it alone
 
 
 def test_body_shorter_than_its_fixed_part():

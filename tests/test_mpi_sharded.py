@@ -130,6 +130,35 @@ def test_sharded_average_matches_push_pull_reference(name):
     np.testing.assert_array_equal(gather_all(comm, y)[0], y)
 
 
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("name", ["threelc", "topk", "fft", "fastsgd"])
+def test_a_corrupt_push_on_a_device_raises_on_every_rank(name, monkeypatch):
+    """On cuda-emulated, where the decodes' checks wait for a batch, a push that fails its
+    checksum still reaches its owner's refusal before the pull: every rank raises."""
+    from mpicomp.errors import PayloadError
+
+    comm = world()
+    monkeypatch.setenv(mpicomp.kernels.ENV, "cuda-emulated")
+    x = gradient_like(4099, seed=70 + comm.rank)
+    with mpicomp.CompressedComm(comm, name, sharded=True, error_feedback=False, min_numel=0) as cc:
+        encode = cc.codec.encode
+        pushes = []
+
+        def corrupt_first_push(v):
+            payload = encode(v)
+            pushes.append(payload.size)
+            if comm.rank == 1 and len(pushes) == 1:  # rank 1's push to rank 0
+                payload = payload.copy()
+                payload[-1] ^= 0x10
+            return payload
+
+        monkeypatch.setattr(cc.codec, "encode", corrupt_first_push)
+        with pytest.raises((RankError, PayloadError)) as caught:
+            cc.allreduce(x)
+    if comm.rank == 0:  # the owner says what it found
+        assert "checksum" in str(caught.value) or "shard" in str(caught.value)
+
+
 @pytest.mark.mpi(min_size=4)
 def test_sharded_receives_fewer_bytes_than_allgather():
     comm = world()

@@ -85,7 +85,7 @@ def record() -> SimpleNamespace:
             choose_range=fft.mpicomp_fft_choose_range,
             quantize_pack=fft.mpicomp_fft_quantize_pack,
             residual=fft.mpicomp_fft_residual,
-            unpack_dequantize=fft.mpicomp_fft_unpack_dequantize,
+            unpack_dequantize=fft.unpack_dequantize,
             scatter=fft.mpicomp_fft_scatter,
             all_finite=checks.mpicomp_all_finite,
         ),

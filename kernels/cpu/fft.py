@@ -519,6 +519,16 @@ def mpicomp_fft_unpack_dequantize(stream, pbase, shift, bits, out):
     return DECODE_OK
 
 
+def unpack_dequantize(stream, pbase, shift, bits, out, *, count=None):
+    """``mpicomp_fft_unpack_dequantize`` of the first ``count`` codes (default
+    ``out.size``; clamped to it) into ``out[:count]``: the CUDA twin's keyword, where the
+    count is a payload's field read on the device (a number or a 1-element array here)."""
+    n = out.size
+    if count is not None:
+        n = min(max(int(np.asarray(count).reshape(-1)[0]), 0), out.size)
+    return mpicomp_fft_unpack_dequantize(stream, pbase, shift, bits, out[:n])
+
+
 @nb.njit(cache=True, nogil=True)
 def _scatter_span(bitmap, re, im, spec):
     """Add re[j] and im[j] to the j-th bin set in ``bitmap`` (one chunk, from bin 0)."""

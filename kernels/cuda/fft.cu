@@ -185,9 +185,11 @@ extern "C" __global__ void mpicomp_fft_kth_select(const u64* hist, i64 level, i6
 
 // ---- selection and prefix-sum packing --------------------------------------------------------------
 // Per tile: bins above the threshold (tile_g) and at it (tile_e).
-extern "C" __global__ void mpicomp_fft_select_count(const u32* mag2, i64 nbins, u32 thresh,
-                                                    i64* tile_g, i64* tile_e) {
+extern "C" __global__ void mpicomp_fft_select_count(const u32* mag2, i64 nbins,
+                                                    const u32* thresh_p, i64* tile_g,
+                                                    i64* tile_e) {
     __shared__ i64 scratch[32];
+    const u32 thresh = *thresh_p;
     const i64 ntiles = (nbins + MPICOMP_FFT_TILE - 1) / MPICOMP_FFT_TILE;
     for (i64 t = blockIdx.x; t < ntiles; t += gridDim.x) {
         const i64 lo = t * MPICOMP_FFT_TILE;
@@ -240,12 +242,14 @@ extern "C" __global__ void mpicomp_fft_select_scan(const i64* tile_g, const i64*
 // prefix-sum slots (real in dense[0:k], imaginary in dense[k:2k]), count the float32
 // exponents of the nonzero kept parts into hist and their largest |bits| into *vmax.
 extern "C" __global__ void mpicomp_fft_select_pack(const u32* spec, const u32* mag2, i64 nbins,
-                                                   u32 thresh, i64 k, const i64* tile_first,
-                                                   const i64* tile_ebefore, const i64* state,
-                                                   u8* bitmap, u32* dense, i64* hist, u32* vmax) {
+                                                   const u32* thresh_p, i64 k,
+                                                   const i64* tile_first, const i64* tile_ebefore,
+                                                   const i64* state, u8* bitmap, u32* dense,
+                                                   i64* hist, u32* vmax) {
     __shared__ i64 scratch[32];
     __shared__ u32 block_hist[256];
     __shared__ u32 block_vmax;
+    const u32 thresh = *thresh_p;
     const i64 ties = state[0];
     const i64 ntiles = (nbins + MPICOMP_FFT_TILE - 1) / MPICOMP_FFT_TILE;
     const i64 nbytes = (nbins + 7) >> 3;
@@ -316,9 +320,11 @@ __device__ __forceinline__ double mpicomp_fft_eps_squared(i64 eps_bits) {
 
 // One block: thread per m computes the twin's error bound (float64, exponents in ascending
 // order: each term is exact, the sum rounds as the twin's), thread 0 picks the smallest, ties
-// to the larger m. out[0] = m, out[1] = pbase.
-extern "C" __global__ void mpicomp_fft_choose_range(const i64* hist, i64 vmax, i64 bits,
+// to the larger m. out[0] = m, out[1] = pbase. vmax: the largest kept |part|'s bits, read
+// from the device (select_pack's result).
+extern "C" __global__ void mpicomp_fft_choose_range(const i64* hist, const u32* vmax_p, i64 bits,
                                                     i64* out) {
+    const i64 vmax = (i64)*vmax_p;
     __shared__ double errs[MPICOMP_FFT_MAX_MANTISSA + 1];
     __shared__ i64 pbases[MPICOMP_FFT_MAX_MANTISSA + 1];
     const i64 q = (1ll << (bits - 1)) - 1;
@@ -356,6 +362,14 @@ extern "C" __global__ void mpicomp_fft_choose_range(const i64* hist, i64 vmax, i
     }
 }
 
+// Range parameters read from the device (chosen by choose_range, or a payload's fields) are
+// clamped to what the shifts below can take: a corrupt payload's are refused by its caller
+// when read, and meanwhile must not make a shift undefined.
+__device__ __forceinline__ i64 mpicomp_fft_shift(i64 s) {
+    return s < 0 ? 0 : s > MPICOMP_FFT_MAX_MANTISSA ? MPICOMP_FFT_MAX_MANTISSA : s;
+}
+__device__ __forceinline__ i64 mpicomp_fft_bits(i64 b) { return b < 1 ? 1 : b > 32 ? 32 : b; }
+
 // The N-bit code of float32 bits v (sign bit on top; 0 below eps).
 __device__ __forceinline__ i64 mpicomp_fft_encode(i64 v, i64 vmax, i64 pbase, int shift, int bits) {
     i64 a = v & MPICOMP_FFT_ABS;
@@ -376,9 +390,11 @@ __device__ __forceinline__ i64 mpicomp_fft_decode(i64 code, i64 pbase, int shift
 }
 
 // One thread per group of eight codes (exactly `bits` bytes of out), LSB-first.
-extern "C" __global__ void mpicomp_fft_quantize_pack(const u32* values, i64 n, i64 vmax,
-                                                     i64 pbase, i64 shift, i64 bits, u8* out) {
+extern "C" __global__ void mpicomp_fft_quantize_pack(const u32* values, i64 n, const u32* vmax_p,
+                                                     const i64* pbase_p, const i64* shift_p,
+                                                     i64 bits, u8* out) {
     const i64 ngroups = (n + 7) / 8;
+    const i64 vmax = (i64)*vmax_p, pbase = *pbase_p, shift = mpicomp_fft_shift(*shift_p);
     MPICOMP_FOR(g, ngroups) {
         u64 acc = 0;
         int nacc = 0;
@@ -400,9 +416,15 @@ extern "C" __global__ void mpicomp_fft_quantize_pack(const u32* values, i64 n, i
 
 // One thread per group of eight codes; out gets max(decoded, 0); *err_key the lowest
 // (i << 8 | error) of the bad codes.
-extern "C" __global__ void mpicomp_fft_unpack_dequantize(const u8* stream, i64 nstream, i64 pbase,
-                                                         i64 shift, i64 bits, u32* out, i64 n,
-                                                         u64* err_key) {
+// pbase, shift, bits and the code count n are read from the device (a payload's fields);
+// nmax (out's size) bounds n.
+extern "C" __global__ void mpicomp_fft_unpack_dequantize(const u8* stream, i64 nstream,
+                                                         const i64* pbase_p, const i64* shift_p,
+                                                         const i64* bits_p, u32* out, i64 nmax,
+                                                         const i64* n_p, u64* err_key) {
+    const i64 pbase = *pbase_p, shift = mpicomp_fft_shift(*shift_p);
+    const i64 bits = mpicomp_fft_bits(*bits_p);
+    const i64 n = mpicomp_fft_max(0, mpicomp_fft_min(*n_p, nmax));
     const i64 ngroups = (n + 7) / 8;
     const u64 mask = (1ull << bits) - 1ull;
     MPICOMP_FOR(g, ngroups) {
@@ -429,9 +451,12 @@ extern "C" __global__ void mpicomp_fft_unpack_dequantize(const u8* stream, i64 n
 }
 
 // The first bad code's error, else DECODE_PADDING for nonzero bits after the last code.
-extern "C" __global__ void mpicomp_fft_unpack_result(const u8* stream, i64 nstream, i64 bits,
-                                                     i64 n, const u64* err_key, i64* result) {
+extern "C" __global__ void mpicomp_fft_unpack_result(const u8* stream, i64 nstream,
+                                                     const i64* bits_p, i64 nmax, const i64* n_p,
+                                                     const u64* err_key, i64* result) {
     if (blockIdx.x == 0 && threadIdx.x == 0) {
+        const i64 bits = mpicomp_fft_bits(*bits_p);
+        const i64 n = mpicomp_fft_max(0, mpicomp_fft_min(*n_p, nmax));
         const u64 e = *err_key;
         const i64 used = (n * bits) & 7;
         if (e != MPICOMP_FFT_NONE)
@@ -469,8 +494,10 @@ extern "C" __global__ void mpicomp_fft_scatter_count(const u8* bitmap, i64 nbins
 // One block: tile_first = exclusive prefix of tile_n; state[0] = DECODE_OK, DECODE_COUNT (not
 // k bits) or DECODE_PADDING (bits past the last bin), checked in that order.
 extern "C" __global__ void mpicomp_fft_scatter_scan(const u8* bitmap, i64 nbins, const i64* tile_n,
-                                                    i64 ntiles, i64 k, i64* tile_first, i64* state) {
+                                                    i64 ntiles, const i64* k_p, i64* tile_first,
+                                                    i64* state) {
     __shared__ i64 scratch[32];
+    const i64 k = *k_p;
     i64 carry = 0;
     for (i64 base = 0; base < ntiles; base += blockDim.x) {
         const i64 t = base + threadIdx.x;
@@ -492,11 +519,12 @@ extern "C" __global__ void mpicomp_fft_scatter_scan(const u8* bitmap, i64 nbins,
 
 // When state[0] is DECODE_OK: add dense[slot] (real) and dense[k + slot] (imaginary) to the
 // bin of the slot-th set bit. One thread per bitmap byte, slots from a block scan.
-extern "C" __global__ void mpicomp_fft_scatter_add(const u8* bitmap, const float* dense, i64 k,
-                                                   const i64* tile_first, const i64* state,
-                                                   float* spec, i64 nbins) {
+extern "C" __global__ void mpicomp_fft_scatter_add(const u8* bitmap, const float* dense,
+                                                   const i64* k_p, const i64* tile_first,
+                                                   const i64* state, float* spec, i64 nbins) {
     __shared__ i64 scratch[32];
     if (state[0] != MPICOMP_FFT_DECODE_OK) return;  // uniform: before any barrier
+    const i64 k = *k_p;  // the count of set bits (state[0] says so): slots stay below it
     const i64 ntiles = (nbins + MPICOMP_FFT_TILE - 1) / MPICOMP_FFT_TILE;
     const i64 nbytes = (nbins + 7) >> 3;
     for (i64 t = blockIdx.x; t < ntiles; t += gridDim.x) {
@@ -531,9 +559,11 @@ __device__ __forceinline__ u32 mpicomp_fft_qerr(u32 v, i64 vmax, i64 pbase, int 
 
 // Thread per bin: a bin not in the bitmap keeps its parts, a kept one their quantization
 // errors; written into r in the packed layout (bin 0 and the even-n Nyquist bin: real only).
-extern "C" __global__ void mpicomp_fft_residual(const u32* spec, const u8* bitmap, i64 vmax,
-                                                i64 pbase, i64 shift, i64 bits, u32* r, i64 n) {
+extern "C" __global__ void mpicomp_fft_residual(const u32* spec, const u8* bitmap,
+                                                const u32* vmax_p, const i64* pbase_p,
+                                                const i64* shift_p, i64 bits, u32* r, i64 n) {
     const i64 nbins = n / 2 + 1;
+    const i64 vmax = (i64)*vmax_p, pbase = *pbase_p, shift = mpicomp_fft_shift(*shift_p);
     MPICOMP_FOR(j, nbins) {
         u32 re = spec[2 * j], im = spec[2 * j + 1];
         if ((bitmap[j >> 3] >> (j & 7)) & 1) {

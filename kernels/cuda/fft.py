@@ -7,7 +7,17 @@ The launchers are the twins' in their order (those of ``fft.py``, then of ``rfft
 ``irfft``) are the device's FFT library (``dev.xp.fft``: cuFFT through CuPy, NumPy's
 pocketfft on the emulated device), so their bytes may differ from the numba twin's by
 float32 rounding; every other launcher gives the twin's bytes for the same arrays. A
-launcher that returns a value brings it to the host with one counted ``dev.to_host``.
+launcher that returns a value brings it to the host through ``readback.read``: one counted
+``dev.to_host`` on its own, a ``readback.Later`` inside a ``readback.batch``.
+
+The values one step of the encoder hands the next (``kth_largest``'s threshold,
+``select_pack``'s largest kept value, ``choose_range``'s (m, pbase)) stay on the device
+for it: where the twin takes a number, a launcher also takes a 1-element device array or a
+``Later`` of one (what these launchers return in a batch), and its kernel reads the value
+from memory, so an encode waits for none of them. ``unpack_dequantize`` and ``scatter``
+take their parameters (pbase, shift, bits, k) the same way, for a decoder that leaves a
+payload's fields on the device; ``unpack_dequantize``'s keyword ``count`` (CUDA only) is
+then the code count, read from the device, with ``out.size`` its bound.
 """
 
 from __future__ import annotations
@@ -20,6 +30,7 @@ import numpy as np
 
 from mpicomp.kernels import fft as _k
 from mpicomp.kernels.cuda import bind, family_kernel
+from mpicomp.kernels.readback import Later, read
 
 #: Elements per chunk of the float16 rounding's error rule: must equal kernels/cpu/fft.py's
 #: ``_CHUNK`` (its error is that of the first chunk holding a rounding beyond 65504).
@@ -60,14 +71,40 @@ def _sum_spectra(n: int) -> bool:
     return any(m % d == 0 for d in range(math.isqrt(m), _MIN_SIDE - 1, -1))
 
 
-def _check_width(bits, shift, what: str) -> tuple[np.int64, np.int64]:
+def _check_width(bits, shift, what: str):
     # The kernels shift by these: out of range they would be undefined, not just wrong.
-    if not 1 <= int(bits) <= 32 or not 0 <= int(shift) <= _k.MAX_MANTISSA:
+    # A shift on the device (choose_range's) is not read: the kernels clamp it.
+    on_device = not _is_number(shift)
+    if not 1 <= int(bits) <= 32 or not (on_device or 0 <= int(shift) <= _k.MAX_MANTISSA):
         raise ValueError(
             f"fft {what}: bits must lie in [1, 32] and shift in [0, {_k.MAX_MANTISSA}], "
             f"got {bits!r} and {shift!r}"
         )
-    return np.int64(bits), np.int64(shift)
+    return np.int64(bits), shift if on_device else np.int64(shift)
+
+
+def _on_device(dev, value, dtype):
+    """Return ``value`` as a 1-element device array of ``dtype`` that a kernel reads: a
+    number is copied there; a device array (or a ``readback.Later`` of one) stays where it
+    is (a float32 one is taken as its bits, for a uint32 ``dtype``)."""
+    if isinstance(value, Later):
+        value = value.array
+    if isinstance(value, (int, float, np.generic)):
+        if dtype == np.uint32 and isinstance(value, (float, np.floating)):
+            value = np.float32(value).view(np.uint32)
+        return dev.xp.asarray(np.array([value], dtype=dtype))
+    a = value.reshape(-1)[:1]
+    if a.dtype == np.float32 and dtype == np.uint32:
+        return a.view(np.uint32)
+    return a.astype(dtype, copy=False)
+
+
+def _is_number(value) -> bool:
+    return isinstance(value, (int, float, np.generic))
+
+
+def _first(host) -> int:
+    return int(host[0])
 
 
 def _tiles(dev, nbins: int):
@@ -92,7 +129,7 @@ def round_fp16(dev, x, out):
     result = dev.xp.zeros(1, dtype=np.int64)
     _kernel(dev, "round_fp16")(*dev.launch_shape(n), (x, out, np.int64(n), chunk_err, bad))
     _kernel(dev, "round_fp16_result")((1,), (32,), (chunk_err, bad, result))
-    return int(dev.to_host(result, why="fft.tiles: tile count")[0])
+    return read(dev, result, "fft.round_fp16: error", _first)
 
 
 def _magnitude_ok(dev, spec, mag2):
@@ -102,7 +139,7 @@ def _magnitude_ok(dev, spec, mag2):
     if mag2.size:
         args = (spec, mag2, np.int64(mag2.size), flag)
         _kernel(dev, "magnitude")(*dev.launch_shape(mag2.size), args)
-    return bool(dev.to_host(flag, why="fft.magnitude_ok: overflow flag")[0] == 0)
+    return read(dev, flag, "fft.magnitude_ok: overflow flag", _flag_clear)
 
 
 def kth_largest(dev, mag2, k):
@@ -119,8 +156,7 @@ def kth_largest(dev, mag2, k):
         _kernel(dev, "kth_histogram")(*dev.launch_shape(n), args)
         args = (hist[level], np.int64(level), np.int64(k), state)
         _kernel(dev, "kth_select")(*_one(dev), args)
-    bits = np.uint32(dev.to_host(state, why="fft.kth_largest: threshold bits")[2])
-    return float(bits.view(np.float32))
+    return read(dev, state[2:3], "fft.kth_largest: threshold bits", _float_of_bits)
 
 
 def select_pack(dev, spec, mag2, thresh, k, bitmap, dense, hist):
@@ -135,7 +171,7 @@ def select_pack(dev, spec, mag2, thresh, k, bitmap, dense, hist):
     nbins = mag2.size
     if nbins == 0:
         return 0
-    t = np.float32(thresh).view(np.uint32)
+    t = _on_device(dev, thresh, np.uint32)
     ntiles, launch = _tiles(dev, nbins)
     tile_g = dev.xp.empty(ntiles, dtype=np.int64)
     tile_e = dev.xp.empty(ntiles, dtype=np.int64)
@@ -149,7 +185,7 @@ def select_pack(dev, spec, mag2, thresh, k, bitmap, dense, hist):
     _kernel(dev, "select_scan")(*_one(dev), args)
     args = (spec, u, np.int64(nbins), t, np.int64(k), tile_first, tile_ebefore, state)
     _kernel(dev, "select_pack")(*launch, (*args, bitmap, dense, hist, vmax))
-    return int(dev.to_host(vmax, why="fft.select_pack: largest kept value")[0])
+    return read(dev, vmax, "fft.select_pack: largest kept value", _first)
 
 
 def choose_range(dev, hist, vmax, bits):
@@ -158,9 +194,9 @@ def choose_range(dev, hist, vmax, bits):
     if not 1 <= int(bits) <= 32:
         raise ValueError(f"fft choose_range: bits must lie in [1, 32], got {bits!r}")
     out = dev.xp.zeros(2, dtype=np.int64)
-    _kernel(dev, "choose_range")((1,), (32,), (hist, np.int64(vmax), np.int64(bits), out))
-    m, pbase = dev.to_host(out, why="fft.choose_range: range and base")
-    return int(m), int(pbase)
+    args = (hist, _on_device(dev, vmax, np.uint32), np.int64(bits), out)
+    _kernel(dev, "choose_range")((1,), (32,), args)
+    return read(dev, out, "fft.choose_range: range and base", _pair)
 
 
 def quantize_pack(dev, values, vmax, pbase, shift, bits, out):
@@ -171,46 +207,68 @@ def quantize_pack(dev, values, vmax, pbase, shift, bits, out):
     if out.size < (n * int(b) + 7) // 8:
         raise ValueError(f"fft quantize_pack: out has {out.size} bytes, codes need more")
     if n:
-        args = (values, np.int64(n), np.int64(vmax), np.int64(pbase), s, b, out)
+        args = (values, np.int64(n), _on_device(dev, vmax, np.uint32))
+        args += (_on_device(dev, pbase, np.int64), _on_device(dev, s, np.int64), b, out)
         _kernel(dev, "quantize_pack")(*dev.launch_shape(-(-n // 8)), args)
 
 
-def unpack_dequantize(dev, stream, pbase, shift, bits, out):
+def unpack_dequantize(dev, stream, pbase, shift, bits, out, *, count=None):
     """As ``kernels.cpu.fft.mpicomp_fft_unpack_dequantize``: ``out.size`` N-bit codes of ``stream``
-    into the uint32 view ``out``; DECODE_OK or the first bad code's error."""
-    b, s = _check_width(bits, shift, "unpack_dequantize")
+    into the uint32 view ``out``; DECODE_OK or the first bad code's error.
+
+    ``pbase``, ``shift`` and ``bits`` may be 1-element device arrays (a payload's fields,
+    clamped by the kernel to widths it can shift by), and ``count`` one holding the code
+    count (at most ``out.size``; default ``out.size``): nothing is read from the device
+    before the kernels run.
+    """
+    if _is_number(bits) and _is_number(shift):
+        bits, shift = _check_width(bits, shift, "unpack_dequantize")
     n = out.size
+    count = np.int64(n) if count is None else count
+    args = [_on_device(dev, v, np.int64) for v in (pbase, shift, bits, count)]
+    pbase, shift, bits, count = args
     err = dev.xp.full(1, _NONE, dtype=np.uint64)
     result = dev.xp.zeros(1, dtype=np.int64)
     ns = np.int64(stream.size)
     if n:
-        args = (stream, ns, np.int64(pbase), s, b, out, np.int64(n), err)
+        args = (stream, ns, pbase, shift, bits, out, np.int64(n), count, err)
         _kernel(dev, "unpack_dequantize")(*dev.launch_shape(-(-n // 8)), args)
-    _kernel(dev, "unpack_result")((1,), (32,), (stream, ns, b, np.int64(n), err, result))
-    return int(dev.to_host(result, why="fft.unpack_dequantize: error count")[0])
+    args = (stream, ns, bits, np.int64(n), count, err, result)
+    _kernel(dev, "unpack_result")((1,), (32,), args)
+    return read(dev, result, "fft.unpack_dequantize: error count", _first)
 
 
 def scatter(dev, bitmap, dense, k, spec):
     """As ``kernels.cpu.fft.mpicomp_fft_scatter``: add ``dense``'s k kept bins to ``spec`` where
-    ``bitmap`` is set; DECODE_OK (else ``spec`` untouched), DECODE_COUNT or DECODE_PADDING."""
+    ``bitmap`` is set; DECODE_OK (else ``spec`` untouched), DECODE_COUNT or DECODE_PADDING.
+
+    ``k`` may be a 1-element device array (a payload's field): ``dense`` must then hold
+    ``2 * nbins`` values, and a k beyond nbins is a DECODE_COUNT.
+    """
     nbins = spec.size // 2
-    if bitmap.size != (nbins + 7) // 8 or dense.size < 2 * int(k):
+    on_device = not _is_number(k)
+    need = 2 * nbins if on_device else 2 * int(k)
+    if bitmap.size != (nbins + 7) // 8 or dense.size < need:
         raise ValueError(
             f"fft scatter: a bitmap of {bitmap.size} bytes and {dense.size} dense values "
             f"for {nbins} bins and k={k}; need {(nbins + 7) // 8} bytes and >= {2 * int(k)}"
         )
-    if nbins == 0:
+    if nbins == 0 and not on_device:
         return _k.DECODE_OK if int(k) == 0 else _k.DECODE_COUNT
+    k = _on_device(dev, k, np.int64)
+    state = dev.xp.zeros(1, dtype=np.int64)
+    if nbins == 0:  # no bins: only k = 0 is whole
+        state[...] = (k != 0).astype(np.int64) * _k.DECODE_COUNT
+        return read(dev, state, "fft.scatter: bad-bitmap count", _first)
     ntiles, launch = _tiles(dev, nbins)
     tile_n = dev.xp.empty(ntiles, dtype=np.int64)
     tile_first = dev.xp.empty(ntiles, dtype=np.int64)
-    state = dev.xp.zeros(1, dtype=np.int64)
     _kernel(dev, "scatter_count")(*launch, (bitmap, np.int64(nbins), tile_n))
-    args = (bitmap, np.int64(nbins), tile_n, np.int64(ntiles), np.int64(k), tile_first, state)
+    args = (bitmap, np.int64(nbins), tile_n, np.int64(ntiles), k, tile_first, state)
     _kernel(dev, "scatter_scan")(*_one(dev), args)
-    args = (bitmap, dense, np.int64(k), tile_first, state, spec, np.int64(nbins))
+    args = (bitmap, dense, k, tile_first, state, spec, np.int64(nbins))
     _kernel(dev, "scatter_add")(*launch, args)
-    return int(dev.to_host(state, why="fft.scatter: bad-bitmap count")[0])
+    return read(dev, state, "fft.scatter: bad-bitmap count", _first)
 
 
 # Error feedback in the frequency domain: the residual of an n-value gradient is its half
@@ -226,7 +284,7 @@ def add_residual(dev, spec, r, mag2):
     if n:
         args = (spec, r, mag2, np.int64(n), flag)
         _kernel(dev, "add_residual")(*dev.launch_shape(n // 2 + 1), args)
-    return bool(dev.to_host(flag, why="fft.add_residual: non-finite flag")[0] == 0)
+    return read(dev, flag, "fft.add_residual: non-finite flag", _flag_clear)
 
 
 def residual(dev, spec, bitmap, vmax, pbase, shift, bits, r):
@@ -235,7 +293,8 @@ def residual(dev, spec, bitmap, vmax, pbase, shift, bits, r):
     b, s = _check_width(bits, shift, "residual")
     n = r.size
     if n:
-        args = (spec.view(np.uint32), bitmap, np.int64(vmax), np.int64(pbase), s, b)
+        args = (spec.view(np.uint32), bitmap, _on_device(dev, vmax, np.uint32))
+        args += (_on_device(dev, pbase, np.int64), _on_device(dev, s, np.int64), b)
         args += (r.view(np.uint32), np.int64(n))
         _kernel(dev, "residual")(*dev.launch_shape(n // 2 + 1), args)
 
@@ -274,7 +333,19 @@ def all_finite(dev, x):
     if x.size:
         u = x.reshape(-1).view(np.uint32)
         _kernel(dev, "all_finite")(*dev.launch_shape(u.size), (u, np.int64(u.size), flag))
-    return bool(dev.to_host(flag, why="fft.all_finite: flag")[0] == 0)
+    return read(dev, flag, "fft.all_finite: flag", _flag_clear)
+
+
+def _flag_clear(host) -> bool:
+    return bool(host[0] == 0)
+
+
+def _float_of_bits(host) -> float:
+    return float(np.uint32(host[0]).view(np.float32))
+
+
+def _pair(host) -> tuple[int, int]:
+    return int(host[0]), int(host[1])
 
 
 def launchers(dev) -> SimpleNamespace:

@@ -21,6 +21,7 @@ from mpicomp.codecs._base import GatherCodecBase, check_number, register
 from mpicomp.errors import PayloadError
 from mpicomp.kernels import backend_of
 from mpicomp.kernels import fft as _k
+from mpicomp.kernels.readback import Later, batch, read, when
 
 # eps (float32 bit pattern), m, N, reserved, k: the fixed part of the body.
 _BODY = struct.Struct("<IBBHQ")
@@ -95,45 +96,66 @@ class FFTCodec(GatherCodecBase):
         """
         x = as_gradient(x)
         kernels = backend_of(x, self.kernels)
-        xp, fk = kernels.xp, kernels.fft
+        xp = kernels.xp
         flat = x.reshape(-1)
         r = None if residual is None else residual_view(residual, x, "fft")
         n, bits = flat.size, self.params["bits"]
         nbins, kept = num_bins(n), self.kept(n)
-        body = xp.empty(body_size(n, kept, bits), dtype=np.uint8)
-        m, pbase = _k.MAX_MANTISSA, 1
-        if n:
-            own = False
-            if self.params["fp16"]:
-                rounded = xp.empty(n, dtype=np.float32)
-                err = fk.round_fp16(flat.view(np.uint32), rounded.view(np.uint32))
-                if err == _k.FP16_NONFINITE:
-                    raise ValueError("fft: input holds NaN or Inf")
-                if err == _k.FP16_OVERFLOW:
-                    raise ValueError("fft: a value overflows float16 (|x| > 65504); use fp16=False")
-                flat, own = rounded, True
-            spec, mag2, ok = fk.rfft(flat, own)
-            if not ok:
-                raise ValueError("fft: input holds NaN or Inf (or its spectrum overflows float32)")
-            if r is not None and not fk.add_residual(spec, r, mag2):
-                raise ValueError("fft: the spectrum of x + residual holds NaN or Inf")
-            # Bins strictly above the k-th largest magnitude are kept; ties at it go
-            # to the lowest frequency index (inside the kernel), so the set is deterministic.
-            thresh = np.float32(-np.inf) if kept == nbins else fk.kth_largest(mag2, kept)
-            dense = xp.empty(2 * kept, dtype=np.uint32)
-            hist = xp.zeros(256, dtype=np.int64)
-            bitmap = body[BODY_FIXED : BODY_FIXED + (nbins + 7) // 8]
-            vmax = fk.select_pack(
-                spec.view(np.uint32), mag2, np.float32(thresh), kept, bitmap, dense, hist
-            )
-            m, pbase = fk.choose_range(hist, vmax, bits)
-            codes = body[BODY_FIXED + (nbins + 7) // 8 :]
-            fk.quantize_pack(dense, vmax, pbase, _k.MAX_MANTISSA - m, bits, codes)
-            if r is not None:
-                fk.residual(spec, bitmap, vmax, pbase, _k.MAX_MANTISSA - m, bits, r)
-        fixed = _BODY.pack(pbase << (_k.MAX_MANTISSA - m), m, bits, 0, kept)
-        body[:BODY_FIXED] = xp.asarray(np.frombuffer(fixed, dtype=np.uint8))
-        return _wire.pack(self.name, x.shape, body, kernels=self.kernels)
+        payload, body = _wire.empty(x.shape, body_size(n, kept, bits), xp)
+        # On a device every flag and the values each step hands the next (which stay
+        # there) come back in one read at the end of this block (the checksum is written
+        # on the device): the checks run then, in the order below, and the residual is
+        # written only if they pass. On the host each runs where it is registered.
+        with batch("fft encode"):
+            if n:
+                self._encode_body(kernels, flat, r, nbins, kept, bits, body)
+            else:
+                body[:BODY_FIXED] = xp.asarray(_fixed_bytes(1, _k.MAX_MANTISSA, bits, kept))
+            _wire.seal(self.name, payload, x.shape, kernels=self.kernels)
+        return payload
+
+    def _encode_body(self, kernels, flat, r, nbins, kept, bits, body) -> None:
+        """Write the body of a non-empty ``flat`` (and the new residual ``r``), registering
+        the refusals of its input with the caller's batch."""
+        xp, fk = kernels.xp, kernels.fft
+        n, own = flat.size, False
+        if self.params["fp16"]:
+            rounded = xp.empty(n, dtype=np.float32)
+            when(fk.round_fp16(flat.view(np.uint32), rounded.view(np.uint32)), _refuse_fp16)
+            flat, own = rounded, True
+        spec, mag2, ok = fk.rfft(flat, own)
+        when(ok, _refuse_spectrum)
+        if r is not None:
+            ok = fk.add_residual(spec, r, mag2)
+            when(ok, _refuse_residual_sum)
+        # Bins strictly above the k-th largest magnitude are kept; ties at it go
+        # to the lowest frequency index (inside the kernel), so the set is deterministic.
+        thresh = np.float32(-np.inf) if kept == nbins else fk.kth_largest(mag2, kept)
+        if not isinstance(thresh, Later):
+            thresh = np.float32(thresh)
+        dense = xp.empty(2 * kept, dtype=np.uint32)
+        hist = xp.zeros(256, dtype=np.int64)
+        bitmap = body[BODY_FIXED : BODY_FIXED + (nbins + 7) // 8]
+        vmax = fk.select_pack(spec.view(np.uint32), mag2, thresh, kept, bitmap, dense, hist)
+        rng = fk.choose_range(hist, vmax, bits)
+        on_device = isinstance(rng, Later)
+        if on_device:  # (m, pbase) stay on the device: the kernels read them there
+            m, pbase = rng.array[0:1], rng.array[1:2]
+        else:
+            m, pbase = rng
+        shift = _k.MAX_MANTISSA - m
+        codes = body[BODY_FIXED + (nbins + 7) // 8 :]
+        fk.quantize_pack(dense, vmax, pbase, shift, bits, codes)
+        if r is not None:
+            # After the checks: a refused input leaves the residual as it was.
+            when(ok, lambda _: fk.residual(spec, bitmap, vmax, pbase, shift, bits, r))
+        if not on_device:
+            body[:BODY_FIXED] = xp.asarray(_fixed_bytes(pbase << shift, m, bits, kept))
+        else:  # the range's fields written where they are
+            fixed = xp.asarray(_fixed_bytes(0, 0, bits, kept))
+            fixed[0:4] = (pbase << shift).astype("<u4").view(np.uint8)
+            fixed[4:5] = m.astype(np.uint8)
+            body[:BODY_FIXED] = fixed
 
     def decode(self, payload, numel: int | None = None) -> np.ndarray:
         """Return the float32 gradient of ``payload``, in its original shape.
@@ -184,20 +206,8 @@ class FFTCodec(GatherCodecBase):
             raise PayloadError(f"fft payload has unknown flags {flags:#x}")
         if body.size < BODY_FIXED:
             raise PayloadError(f"fft payload body truncated: {body.size} < {BODY_FIXED} bytes")
-        eps_bits, m, bits, reserved, kept = _BODY.unpack_from(
-            k.to_host(body[:BODY_FIXED], why="fft decode: body fields"), 0
-        )
-        if not 4 <= bits <= 16 or m > _k.MAX_MANTISSA or reserved != 0:
-            raise PayloadError(f"fft payload holds bits={bits}, m={m}, reserved={reserved}")
-        if kept > nbins or body.size != body_size(n, kept, bits):
-            raise PayloadError(
-                f"fft payload holds k={kept} of {nbins} frequencies with N={bits} in a "
-                f"{body.size}-byte body; expected {body_size(n, min(kept, nbins), bits)} bytes"
-            )
-        shift = _k.MAX_MANTISSA - m
-        pbase = eps_bits >> shift
-        if eps_bits >= 0x7F800000 or pbase == 0 or (pbase << shift) != eps_bits:
-            raise PayloadError(f"fft payload range eps={eps_bits:#010x} is invalid for m={m}")
+        fixed = k.to_host(body[:BODY_FIXED], why="fft decode: body fields")
+        pbase, shift, bits, kept = _check_fields(fixed, n, body.size)
         if spec is None:
             spec = k.xp.zeros(2 * nbins, dtype=np.float32)
         if n == 0:
@@ -207,12 +217,67 @@ class FFTCodec(GatherCodecBase):
         err = k.fft.unpack_dequantize(
             body[BODY_FIXED + bitmap.size :], pbase, shift, bits, dense.view(np.uint32)
         )
-        if err != _k.DECODE_OK:
-            raise PayloadError(f"fft payload codes are invalid: {_DECODE_ERRORS[err]}")
-        err = k.fft.scatter(bitmap, dense, kept, spec)
-        if err != _k.DECODE_OK:
-            raise PayloadError(f"fft payload bitmap is invalid: {_DECODE_ERRORS[err]}")
+        when(err, _refuse_codes)
+        when(k.fft.scatter(bitmap, dense, kept, spec), _refuse_bitmap)
         return shape, n, spec
+
+    def decode_gathered(self, payloads, numel: int) -> np.ndarray:
+        """Return ``decode_sum(payloads, numel)`` of payloads the collectives gathered, each
+        of a flat array of ``numel`` elements.
+
+        On a device nothing is read before the result: a payload's header is known from
+        its length and checked there (``_wire.unpack_flat``), its fixed fields are read by
+        the kernels from the payload (clamped to what ``numel`` allows), and every check
+        (header, checksum, fields, codes, bitmap, the inverse's range) is read with the
+        caller's ``readback.batch`` and raises then, in ``decode_sum``'s order, with its
+        messages. A payload too short or too long for any body of ``numel`` elements is
+        decoded by ``decode_sum``'s path, which says what is wrong.
+
+        Raises:
+            PayloadError: a payload is corrupt, or of an array of another shape.
+        """
+        kernels = self.kernels if not payloads else backend_of(payloads[0], self.kernels)
+        if getattr(kernels, "device", None) is None or not payloads or numel == 0:
+            return self.decode_sum(payloads, numel)
+        xp = kernels.xp
+        nbins = num_bins(numel)
+        summed = kernels.fft.sum_spectra(numel)
+        total = spec = None
+        for p in payloads:
+            if spec is None or not summed:
+                spec = xp.zeros(2 * nbins, dtype=np.float32)
+            self._add_flat(kernels, p, numel, spec)
+            if not summed:
+                out = self._inverse(kernels, spec, numel)
+                total = out if total is None else total + out
+        return self._inverse(kernels, spec, numel) if summed else total
+
+    def _add_flat(self, kernels, payload, n: int, spec) -> None:
+        """Add the kept frequencies of ``payload``, of a flat array of ``n`` elements, to
+        ``spec`` on its device, its checks registered with the caller's batch."""
+        nbins = num_bins(n)
+        nmap = (nbins + 7) // 8
+        ncodes = payload.size - _wire.header_size(1) - BODY_FIXED - nmap
+        if not 0 <= ncodes <= (2 * nbins * 16 + 7) // 8:  # no body of n elements
+            self._spectrum(payload, n, spec)
+            return
+        body = _wire.unpack_flat(self.name, payload, n, kernels=self.kernels)
+        xp, fk = kernels.xp, kernels.fft
+        fixed = body[:BODY_FIXED]
+        got = read(kernels.device, fixed, "fft payload: body fields")
+        when(got, lambda host: _check_fields(host, n, body.size))
+        fixed = fixed.copy()  # aligned for the views below
+        m = fixed[4:5].astype(np.int64)
+        shift = xp.clip(_k.MAX_MANTISSA - m, 0, _k.MAX_MANTISSA)
+        pbase = fixed[0:4].view("<u4").astype(np.int64) >> shift
+        bits = fixed[5:6].astype(np.int64)
+        kept = xp.minimum(fixed[8:16].view("<u8"), np.uint64(nbins)).astype(np.int64)
+        dense = xp.empty(2 * nbins, dtype=np.float32)
+        bitmap = body[BODY_FIXED : BODY_FIXED + nmap]
+        codes = body[BODY_FIXED + nmap :]
+        err = fk.unpack_dequantize(codes, pbase, shift, bits, dense.view(np.uint32), count=2 * kept)
+        when(err, _refuse_codes)
+        when(fk.scatter(bitmap, dense, kept, spec), _refuse_bitmap)
 
     @staticmethod
     def _inverse(kernels, spec: np.ndarray, n: int) -> np.ndarray:
@@ -223,9 +288,68 @@ class FFTCodec(GatherCodecBase):
         out = kernels.fft.irfft(spec, n)
         # Finite codes can still sum past float32's range in the inverse transform;
         # no encoder makes such a payload, so it is refused rather than returned as Inf.
-        if not kernels.fft.all_finite(out):
-            raise PayloadError("fft payload decodes to values beyond float32's range")
+        when(kernels.fft.all_finite(out), _refuse_overflow)
         return out
+
+
+def _fixed_bytes(eps_bits: int, m: int, bits: int, kept: int) -> np.ndarray:
+    """Return the body's fixed part (eps's bits, m, N, reserved 0, k) on the host."""
+    return np.frombuffer(_BODY.pack(eps_bits, m, bits, 0, kept), dtype=np.uint8).copy()
+
+
+def _check_fields(fixed, n: int, size: int) -> tuple[int, int, int, int]:
+    """Return (pbase, shift, bits, k) of a body's fixed part ``fixed`` (on the host), for a
+    body of ``size`` bytes of ``n`` elements.
+
+    Raises:
+        PayloadError: the fields are invalid or do not match the body's size.
+    """
+    eps_bits, m, bits, reserved, kept = _BODY.unpack_from(np.asarray(fixed, np.uint8), 0)
+    nbins = num_bins(n)
+    if not 4 <= bits <= 16 or m > _k.MAX_MANTISSA or reserved != 0:
+        raise PayloadError(f"fft payload holds bits={bits}, m={m}, reserved={reserved}")
+    if kept > nbins or size != body_size(n, kept, bits):
+        raise PayloadError(
+            f"fft payload holds k={kept} of {nbins} frequencies with N={bits} in a "
+            f"{size}-byte body; expected {body_size(n, min(kept, nbins), bits)} bytes"
+        )
+    shift = _k.MAX_MANTISSA - m
+    pbase = eps_bits >> shift
+    if eps_bits >= 0x7F800000 or pbase == 0 or (pbase << shift) != eps_bits:
+        raise PayloadError(f"fft payload range eps={eps_bits:#010x} is invalid for m={m}")
+    return pbase, shift, bits, kept
+
+
+def _refuse_codes(err: int) -> None:
+    if err != _k.DECODE_OK:
+        raise PayloadError(f"fft payload codes are invalid: {_DECODE_ERRORS[err]}")
+
+
+def _refuse_bitmap(err: int) -> None:
+    if err != _k.DECODE_OK:
+        raise PayloadError(f"fft payload bitmap is invalid: {_DECODE_ERRORS[err]}")
+
+
+def _refuse_overflow(finite: bool) -> None:
+    if not finite:
+        raise PayloadError("fft payload decodes to values beyond float32's range")
+
+
+def _refuse_fp16(err: int) -> None:
+    if err == _k.FP16_NONFINITE:
+        raise ValueError("fft: input holds NaN or Inf")
+    if err == _k.FP16_OVERFLOW:
+        raise ValueError("fft: a value overflows float16 (|x| > 65504); use fp16=False")
+
+
+def _refuse_spectrum(ok: bool) -> None:
+    if not ok:
+        raise ValueError("fft: input holds NaN or Inf (or its spectrum overflows float32)")
+
+
+def _refuse_residual_sum(ok: bool) -> None:
+    if not ok:
+        raise ValueError("fft: the spectrum of x + residual holds NaN or Inf")
 
 
 _DECODE_ERRORS = {

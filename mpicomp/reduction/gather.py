@@ -13,6 +13,7 @@ from mpicomp._residuals import Encoding, Residuals, Stateless
 from mpicomp.collectives.allgather import allgather_bytes
 from mpicomp.collectives.sharded import push_pull, shard_bounds
 from mpicomp.errors import RankError
+from mpicomp.kernels.readback import batch
 from mpicomp.reduction._cost import Cost, gathered
 from mpicomp.reduction._kind import Kind, Schedule
 from mpicomp.reduction.agreement import (
@@ -87,7 +88,9 @@ def sharded(call: Call, codec, flat):
         a, b = bounds[comm.rank]
         # Its average can still be refused (a corrupt push, a float32 sum that
         # overflowed): it then takes part in the pull with None, and every rank raises.
-        mine, err = attempt(_decode_mean, codec, received, b - a)
+        # The pushes' checks are read here, not with the call's end: the refusal must
+        # reach the pull.
+        mine, err = attempt(_checked_mean, codec, received, b - a)
         if err is None and not all_finite(mine, call.kernels):
             overflowed[0] = True
             err = RankError("this rank's shard's average overflows float32")
@@ -152,6 +155,12 @@ def _decode_mean(codec, payloads, n: int):
     gathered = getattr(codec, "decode_gathered", codec.decode_sum)
     with np.errstate(over="ignore", invalid="ignore"):
         return gathered(payloads, n) / np.float32(len(payloads))
+
+
+def _checked_mean(codec, payloads, n: int):
+    """``_decode_mean``, its deferred checks read before it returns (one read)."""
+    with batch("shard owner's decode"):
+        return _decode_mean(codec, payloads, n)
 
 
 def _decode_sum_seconds(codec, speed, numel: int, count: int) -> float:
