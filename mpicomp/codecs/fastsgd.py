@@ -203,18 +203,9 @@ class FastSGD(GatherCodecBase):
         """``_scan`` of a body whose prefix holds this codec's parameters."""
         p = self.params
         bucket = self._bucket_length(p["bucket"], n)
-        nbuckets = -(-n // bucket) if n else 0
-        if nbuckets * _k.BUCKET_HEAD_BYTES > body.size - _k.PREFIX_BYTES:
-            raise PayloadError(
-                f"fastsgd payload body of {body.size} bytes cannot hold {nbuckets} buckets"
-            )
-        offsets = kernels.xp.empty(nbuckets + 1, np.int64)
-        sums = kernels.xp.empty(nbuckets, np.uint32)
-        err = kernels.fastsgd.scan(body, n, bucket, p["flag_bits"], offsets, sums)
-        if checked:
-            when(err, _refuse_stream)
-        powers = self._powers_on(kernels, p["base"], p["tau"])
-        return kernels, body, n, bucket, powers, p["flag_bits"], offsets, sums
+        return self._scan_body(
+            kernels, body, n, bucket, p["flag_bits"], p["base"], p["tau"], checked
+        )
 
     def _scan(self, payload, numel):
         """Check ``payload``'s header, prefix and bucket headers (no allocation beyond a
@@ -241,6 +232,12 @@ class FastSGD(GatherCodecBase):
         bucket = self._bucket_length(param, n) if param <= _k.MAX_BUCKET else None
         if bucket is None:
             raise PayloadError(f"fastsgd payload bucket {param} is impossible for shape {shape}")
+        with batch("fastsgd scan"):  # its error, before anything is decoded
+            return shape, n, self._scan_body(kernels, body, n, bucket, flag_bits, base, tau)
+
+    def _scan_body(self, kernels, body, n, bucket, flag_bits, base, tau, checked=True):
+        """Scan the bucket headers of ``body`` (its error checked with ``when`` unless not
+        ``checked``); return what ``_scatter`` needs."""
         nbuckets = -(-n // bucket) if n else 0
         # Every bucket takes at least its header: bound the per-bucket arrays by the body.
         if nbuckets * _k.BUCKET_HEAD_BYTES > body.size - _k.PREFIX_BYTES:
@@ -249,14 +246,15 @@ class FastSGD(GatherCodecBase):
             )
         offsets = kernels.xp.empty(nbuckets + 1, np.int64)
         sums = kernels.xp.empty(nbuckets, np.uint32)
-        with batch("fastsgd scan"):  # its error, before anything is decoded
-            when(kernels.fastsgd.scan(body, n, bucket, flag_bits, offsets, sums), _refuse_stream)
+        err = kernels.fastsgd.scan(body, n, bucket, flag_bits, offsets, sums)
+        if checked:
+            when(err, _refuse_stream)
         powers = (
             self._powers_on(kernels, base, tau)
             if (base, tau) == (self.params["base"], self.params["tau"])
             else kernels.fastsgd.powers(base, tau)
         )
-        return shape, n, (kernels, body, n, bucket, powers, flag_bits, offsets, sums)
+        return kernels, body, n, bucket, powers, flag_bits, offsets, sums
 
     @staticmethod
     def _scatter(scan, out, accumulate: bool, checked: bool = True) -> None:
