@@ -130,3 +130,13 @@ def _root(a: np.ndarray) -> np.ndarray:
     while isinstance(a.base, np.ndarray) and a.base.flags.c_contiguous:
         a = a.base
     return a
+
+
+def placed(a, shift):
+    """Return a copy of ``a`` that starts ``shift`` elements past a 16-byte boundary (how
+    the kernel tests reach every alignment of a vectorized access)."""
+    buf = np.empty(a.nbytes + 64, np.uint8)
+    start = (-buf.ctypes.data) % 16 + shift * a.itemsize
+    view = buf[start : start + a.nbytes].view(a.dtype)
+    view[...] = a
+    return view

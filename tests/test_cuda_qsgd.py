@@ -6,7 +6,7 @@ import os
 
 import numpy as np
 import pytest
-from _devices import device, params
+from _devices import device, params, placed
 
 from mpicomp.kernels import qsgd as kq
 from mpicomp.kernels.bits import packed_size
@@ -644,15 +644,6 @@ def gpu_like():
     """The launchers at a GPU's geometry (256 threads a block; sumsq_lanes in blocks of 128),
     on the emulation."""
     return cuda_qsgd.launchers(Device.emulated(256, 8))
-
-
-def placed(a, shift):
-    """Return a copy of ``a`` that starts ``shift`` elements past a 16-byte boundary."""
-    buf = np.empty(a.nbytes + 64, np.uint8)
-    start = (-buf.ctypes.data) % 16 + shift * a.itemsize
-    view = buf[start : start + a.nbytes].view(a.dtype)
-    view[...] = a
-    return view
 
 
 # (elements, block): pieces of 128 in groups of up to 16 per block, pieces around a tile,

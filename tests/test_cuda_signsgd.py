@@ -6,7 +6,7 @@ import math
 
 import numpy as np
 import pytest
-from _devices import device, params
+from _devices import device, params, placed
 
 from mpicomp.kernels.cpu import record
 from mpicomp.kernels.cuda import signsgd as cuda_signsgd
@@ -170,15 +170,6 @@ def gpu_like():
     """The launchers at a GPU's geometry (256 threads a block: lane sums in blocks of 128, tiles
     of 1,024 elements), on the emulation."""
     return cuda_signsgd.launchers(Device.emulated(256, 8))
-
-
-def placed(a, shift):
-    """Return a copy of ``a`` that starts ``shift`` elements past a 16-byte boundary."""
-    buf = np.empty(a.nbytes + 64, np.uint8)
-    start = (-buf.ctypes.data) % 16 + shift * a.itemsize
-    view = buf[start : start + a.nbytes].view(a.dtype)
-    view[...] = a
-    return view
 
 
 def check_placed(k, n, shift, kind="special"):
