@@ -8,6 +8,7 @@ from _devices import device, params
 
 from mpicomp.kernels.cpu import record
 from mpicomp.kernels.cuda import fp16 as cuda_fp16
+from mpicomp.kernels.cuda.device import Device
 
 REF = record().fp16
 SIZES = [0, 1, 7, 33, 1001, 4099]
@@ -179,3 +180,97 @@ def test_rejects(cuda):
         cuda.decode(np.zeros(3, np.uint16), np.zeros(2, np.float32))
     with pytest.raises(ValueError, match="sizes"):
         cuda.add(np.zeros(3, np.uint16), np.zeros(2, np.uint16))
+
+
+# The element kernels move groups of 4 in rows of 4 * threads elements, ROWS rows a round, and
+# fall back to one element at a time for the last n % 4 and for misaligned pointers: sizes
+# around those edges at both emulated geometries (rows of 256 and 128 elements) and at a GPU's.
+EDGE_SIZES = [3, 4, 5, 127, 128, 129, 255, 256, 257, 511, 512, 513, 1023, 1024, 1025, 2047, 2053]
+
+
+def _views(x, h, off_x, off_h):
+    """Return x and h placed off_x / off_h elements past a 16-byte boundary."""
+    bx = np.empty(x.size + 8, np.float32)[off_x : off_x + x.size]
+    bx[...] = x
+    bh = np.empty(h.size + 8, h.dtype)[off_h : off_h + h.size]
+    bh[...] = h
+    return bx, bh
+
+
+@pytest.mark.parametrize("n", EDGE_SIZES)
+def test_encode_decode_at_group_and_row_edges(dev, cuda, n):
+    x = floats(n, 100 + n)
+    for with_sum in (False, True):
+        (ok_w, sum_w), h_w = run_encode(REF, x, with_sum)
+        (ok_g, sum_g), h_g = run_encode(cuda, x, with_sum)
+        assert (ok_g, sum_g) == (ok_w, sum_w)
+        same(h_g, h_w)
+    for scale in (1.0, 3.0):
+        want, got = np.zeros(n, np.float32), np.ones(n, np.float32)
+        assert cuda.decode(h_w, got, scale) is bool(REF.decode(h_w, want, scale))
+        same(got, want)
+    a = floats(n, 7 + n).astype(np.float16).view(np.uint16)
+    want, got = h_w.copy(), h_w.copy()
+    REF.add(a, want)
+    cuda.add(a, got)
+    same(got, want)
+
+
+@pytest.mark.parametrize("off_x", [0, 1, 2, 3])
+@pytest.mark.parametrize("off_h", [0, 1, 2, 3, 4])
+def test_misaligned_views(cuda, off_x, off_h):
+    """Inputs and outputs 1-3 elements past a 16-byte boundary (4 halves: 8-byte aligned, as a
+    1-D payload's body): the vector loops step aside for the scalar one, same bytes."""
+    n = 1029
+    x, h = _views(floats(n, 11), np.full(n, 0xA5A5, np.uint16), off_x, off_h)
+    (ok_w, sum_w), h_w = run_encode(REF, x, True)
+    assert cuda.encode(x, h, h.view(np.uint8)) == (ok_w, sum_w)
+    same(h, h_w)
+    out, hh = _views(np.zeros(n, np.float32), h_w, off_x, off_h)
+    for scale in (1.0, 5.0):
+        want = np.zeros(n, np.float32)
+        assert cuda.decode(hh, out, scale) is bool(REF.decode(h_w, want, scale))
+        same(out, want)
+    b = h_w.copy()
+    a = np.empty(n + 8, np.uint16)[off_x : off_x + n]
+    a[...] = floats(n, 12).astype(np.float16).view(np.uint16)
+    want = b.copy()
+    REF.add(a, want)
+    cuda.add(a, hh)
+    same(hh, want)
+    assert cuda.all_finite(hh) is bool(REF.all_finite(want))
+
+
+@pytest.mark.parametrize("special", [0x7C00, 0xFE01])
+def test_flags_in_every_lane_of_a_group(cuda, special):
+    """A NaN/Inf in each position of a group of 4, in the vector part and in the tail."""
+    n = 1027
+    h = floats(n, 13).astype(np.float16).view(np.uint16)
+    for at in (0, 1, 2, 3, 517, 1022, 1023, 1024, 1026):
+        g = h.copy()
+        g[at] = special
+        assert cuda.all_finite(g) is False
+        want, got = np.zeros(n, np.float32), np.zeros(n, np.float32)
+        assert cuda.decode(g, got) is bool(REF.decode(g, want)) is False
+        same(got, want)
+        x = g.view(np.float16).astype(np.float32)
+        assert run_encode(cuda, x, True)[0] == run_encode(REF, x, True)[0]
+
+
+@pytest.fixture(scope="module")
+def gpu_geometry():
+    """Launches at a GPU's geometry (256 threads, 2 SMs' worth of blocks)."""
+    return cuda_fp16.launchers(Device.emulated(256, 8))
+
+
+@pytest.mark.parametrize("n", [1, 4099, 2 * 2 * 1024 * 5 + 3, 70001])
+def test_gpu_geometry(gpu_geometry, n):
+    x = floats(n, 21)
+    (ok_w, sum_w), h_w = run_encode(REF, x, True)
+    (ok_g, sum_g), h_g = run_encode(gpu_geometry, x, True)
+    assert (ok_g, sum_g) == (ok_w, sum_w)
+    same(h_g, h_w)
+    for scale in (1.0, 3.0):
+        want, got = np.zeros(n, np.float32), np.ones(n, np.float32)
+        assert gpu_geometry.decode(h_w, got, scale) is bool(REF.decode(h_w, want, scale))
+        same(got, want)

@@ -172,3 +172,90 @@ def test_all_finite_matches_numba(cuda, n):
             cases.append(y)
     for y in cases:
         assert cuda.all_finite(y) is bool(REF.all_finite(y))
+
+
+# The select keeps the threshold's top-digit bin as candidates when it fits a buffer of
+# cuda_topk._room(n), else takes the last digit and the counts from x: both paths, forced.
+ROOMS = {"fits": (1 << 40, 1), "spills": (1, 1 << 40)}
+
+
+@pytest.fixture(params=sorted(ROOMS))
+def room(request, monkeypatch):
+    least, share = ROOMS[request.param]
+    monkeypatch.setattr(cuda_topk, "CAND_MIN", least)
+    monkeypatch.setattr(cuda_topk, "CAND_SHARE", share)
+    return request.param
+
+
+def check_select(k_launchers, x, k, dtype=np.int64):
+    ref_idx, ref_val = np.full(k + 2, 7, dtype), np.full(k + 2, 7, np.float32)
+    got_idx, got_val = ref_idx.copy(), ref_val.copy()
+    assert REF.select(x, k, ref_idx[:k], ref_val[:k]) is True
+    assert k_launchers.select(x, k, got_idx[:k], got_val[:k]) is True
+    assert ref_idx.tobytes() == got_idx.tobytes(), k
+    assert ref_val.tobytes() == got_val.tobytes(), k
+
+
+# Around tiles (8 * threads: 256 and 512 elements) and pass-1 rounds (2 * 4 * threads).
+EDGE_SIZES = [255, 256, 257, 511, 512, 513, 1535, 1536, 1537]
+
+
+@pytest.mark.parametrize("n", EDGE_SIZES)
+@pytest.mark.parametrize("kind", ["normal", "ties", "equal"])
+def test_select_both_paths_at_tile_edges(cuda, room, n, kind):
+    x = gradient(n, kind, seed=1)
+    for k in (1, 2, n // 2, n - 1, n):
+        check_select(cuda, x, k)
+
+
+@pytest.mark.parametrize("k", [1, 100, 1000, 2999, 3000, 3001, 5000, 8999, 9000])
+def test_select_ties_across_tiles(cuda, room, k):
+    """3000 elements of one magnitude, spread over many tiles, at the threshold: the lowest
+    indices of them are kept, wherever the tile boundary falls; signs mixed."""
+    rng = np.random.default_rng(k)
+    x = (rng.standard_normal(9000) * 0.1).astype(np.float32)
+    x[rng.choice(9000, 3000, replace=False)] = np.float32(2.5) * rng.choice([-1, 1], 3000)
+    x[rng.choice(9000, 1000, replace=False)] = 7.0  # above the ties
+    check_select(cuda, x, k)
+
+
+@pytest.mark.parametrize("value", [0.0, -0.0, 1.5, 3e38, 1e-45])
+def test_select_all_equal(cuda, room, value):
+    x = np.full(1027, value, np.float32)
+    x[::3] *= -1
+    for k in (1, 513, 1026, 1027):
+        check_select(cuda, x, k)
+
+
+@pytest.mark.parametrize("offset", [1, 2, 3])
+def test_select_from_misaligned_input(cuda, room, offset):
+    """x 1-3 elements past a 16-byte boundary: the vector loads step aside."""
+    buf = np.zeros(1027 + 4, np.float32)
+    x = buf[offset : offset + 1027]
+    x[...] = gradient(1027, "ties", seed=2)
+    for k in (1, 300, 1027):
+        check_select(cuda, x, k)
+
+
+@pytest.mark.parametrize("low_bits", [10, 20])
+def test_select_digits_that_differ_only_low(cuda, room, low_bits):
+    """Magnitudes sharing their top 21 (or 11) bits: every element is a candidate, and the
+    threshold is found in the last digit (or the last two)."""
+    base = np.uint32(0x3F800000)
+    u = base + np.random.default_rng(5).integers(0, 1 << low_bits, 4099, dtype=np.uint32)
+    x = u.view(np.float32) * np.where(np.arange(4099) % 2, -1, 1).astype(np.float32)
+    for k in (1, 7, 2048, 4098):
+        check_select(cuda, x, k)
+
+
+@pytest.fixture(scope="module")
+def gpu_geometry():
+    """Launches at a GPU's geometry (256 threads, 2 SMs' worth of blocks)."""
+    return cuda_topk.launchers(Device.emulated(256, 8))
+
+
+@pytest.mark.parametrize("kind", ["normal", "ties"])
+def test_select_gpu_geometry(gpu_geometry, room, kind):
+    x = gradient(20011, kind, seed=3)
+    for k in (1, 200, 10005, 20011):
+        check_select(gpu_geometry, x, k)

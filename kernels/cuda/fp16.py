@@ -5,7 +5,8 @@ its order, each taking the device it launches on before the twin's arguments
 (``launchers(dev)`` binds them). ``encode``, ``decode`` and ``all_finite`` bring one small
 array of per-block partials to the host (one counted synchronization each; ``decode``'s
 through ``readback.read``: later in a batch, never inside ``readback.ignored()``); ``add``
-none.
+none. The kernels move groups of 4 elements per vector access, ``ROWS`` groups per thread
+and round, on a grid that fills the GPU (``_shape``; fp16.cu explains the scheme).
 
 NaN results follow x86's rule as the numba twin's (see fp16.cu). Where ``decode`` divides
 and the quotient falls below 2^-126, the kernel rounds it onto the denormal grid from the
@@ -24,9 +25,28 @@ from mpicomp.kernels.checksum import BASE, combine
 from mpicomp.kernels.cuda import bind, contiguous, family_kernel
 from mpicomp.kernels.readback import read
 
-DEFINES = {"MPICOMP_ADLER_BASE": f"{BASE}ull"}
+#: Threads per block of the element kernels at most (their __launch_bounds__).
+THREADS = 256
+#: Groups of 4 elements a thread moves per round, by kernel (fp16.cu: ROWS).
+ROWS = {"encode": 2, "decode": 4, "decode_scaled": 2, "add": 2, "all_finite": 4}
+#: Blocks of THREADS per SM each kernel is compiled to fit (__launch_bounds__: at most
+#: 65536 / (256 * b) registers a thread; ptxas fits these without spills).
+BLOCKS = {"encode": 5, "decode": 6, "decode_scaled": 4, "add": 7, "all_finite": 6}
+DEFINES = {"MPICOMP_ADLER_BASE": f"{BASE}ull", "MPICOMP_FP16_THREADS": str(THREADS)}
+DEFINES.update({f"MPICOMP_FP16_BLOCKS_{k.upper()}": str(b) for k, b in BLOCKS.items()})
 
 _kernel = family_kernel("fp16", DEFINES)
+
+
+def _shape(dev, name: str, n: int) -> tuple[tuple[int], tuple[int]]:
+    """Return the (grid, block) of kernel ``name`` over ``n`` elements: a thread per ROWS groups
+    of 4 per round, and one wave of blocks: ``Device.cuda``'s ``max_blocks`` is 4 blocks of 256
+    threads per SM, the kernel fits BLOCKS[name] (its grid-stride rounds give every block the
+    same work, so a second, partial wave would leave SMs idle at the end)."""
+    threads = min(dev.threads, THREADS)
+    most = max(1, dev.max_blocks * BLOCKS[name] // 4) * max(1, dev.threads // threads)
+    per_block = 4 * ROWS[name] * threads
+    return (int(max(1, min(-(-n // per_block), most))),), (threads,)
 
 
 def _same_size(what: str, a, b) -> None:
@@ -45,7 +65,7 @@ def add(dev, a, b) -> None:
     _same_size("fp16 add", a, b)
     _contiguous("fp16 add", a=a, b=b)
     if b.size:
-        _kernel(dev, "add")(*dev.launch_shape(b.size), (a, b, np.int64(b.size)))
+        _kernel(dev, "add")(*_shape(dev, "add", b.size), (a, b, np.int64(b.size)))
 
 
 def all_finite(dev, h):
@@ -53,8 +73,9 @@ def all_finite(dev, h):
     h = dev.flat(h)
     if h.size == 0:
         return True
-    flags = dev.xp.empty(dev.grid(h.size), np.uint32)
-    _kernel(dev, "all_finite")(*dev.launch_shape(h.size), (h, np.int64(h.size), flags))
+    shape = _shape(dev, "all_finite", h.size)
+    flags = dev.xp.empty(shape[0][0], np.uint32)
+    _kernel(dev, "all_finite")(*shape, (h, np.int64(h.size), flags))
     return not dev.to_host(flags, why="fp16.all_finite: flags").any()
 
 
@@ -69,11 +90,12 @@ def encode(dev, x, h16, h8=None):
     n = x.size
     if n == 0:
         return True, 0
-    blocks = dev.grid(n)
+    shape = _shape(dev, "encode", n)
+    blocks = shape[0][0]
     partials = dev.xp.empty(3 * blocks, np.uint64)
     want = np.int32(h8 is not None)
     args = (x.view(np.uint32), h16, np.int64(n), want, partials)
-    _kernel(dev, "encode")(*dev.launch_shape(n), args)
+    _kernel(dev, "encode")(*shape, args)
     p = dev.to_host(partials, why="fp16.encode: block flags and sums").reshape(blocks, 3)
     if not want:
         return not p[:, 0].any(), 0
@@ -95,9 +117,11 @@ def decode(dev, h16, out, scale=1.0) -> bool:
     divide = by != np.float32(1)
     if divide and by == 0:
         raise ZeroDivisionError("division by zero")  # as the numba twin raises
-    flags = dev.xp.empty(dev.grid(n), np.uint32)
-    args = (h16, out.view(np.uint32), np.int64(n), by, np.int32(divide), flags)
-    _kernel(dev, "decode")(*dev.launch_shape(n), args)
+    name = "decode_scaled" if divide else "decode"
+    shape = _shape(dev, name, n)
+    flags = dev.xp.empty(shape[0][0], np.uint32)
+    args = (h16, out.view(np.uint32), np.int64(n)) + ((by,) if divide else ()) + (flags,)
+    _kernel(dev, name)(*shape, args)
     return read(dev, flags, "fp16.decode: non-finite flags", _none_set)
 
 
