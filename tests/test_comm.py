@@ -148,9 +148,11 @@ def test_a_snapshot_restores_residuals_and_reuses_its_buffers():
 # headers, scalars, error flags, staging copies), per codec: (on ``cuda-emulated`` and on a
 # device whose MPI is CUDA-aware, staged through host memory). They are part of a codec's
 # contract: a change that adds one shows here. Staging adds its downloads and checks the
-# MPI results it downloaded on the host instead of on the device.
-# Every codec but none and fp16 ends with one read of its average's finiteness (issue 34:
-# no Inf from finite inputs; none and fp16 check their sums instead).
+# MPI results it downloaded on the host instead of on the device. A call reads what MPI
+# needs first (norms, a payload's length, with the encode's flags) in one transfer, and
+# everything else it checks (kernels' flags, gathered payloads, the average's finiteness)
+# in one more at its end (kernels/readback.py); FastSGD reads its gathered payloads'
+# scans before it decodes them.
 SYNCS = {
     "none": (1, 1),
     "fp16": (2, 2),
