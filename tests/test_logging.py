@@ -22,6 +22,8 @@ PRINTERS = {
     "mpicomp/bench/_countdown.py",  # progress lines, likewise
     "mpicomp/bench/report.py",
     "kernels/cuda/compile_check.py",  # python -m mpicomp.kernels.cuda.compile_check
+    "mpicomp/bench/profile.py",  # python -m mpicomp.bench.profile (the GPU lane's ncu step)
+    "mpicomp/bench/lane.py",  # python -m mpicomp.bench.lane: the GPU lane's table
 }
 
 
