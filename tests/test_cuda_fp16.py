@@ -197,18 +197,25 @@ def _views(x, h, off_x, off_h):
     return bx, bh
 
 
-@pytest.mark.parametrize("n", EDGE_SIZES)
-def test_encode_decode_at_group_and_row_edges(dev, cuda, n):
-    x = floats(n, 100 + n)
+def same_round_trip(launchers, x):
+    """Encode ``x`` (with and without the checksum) and decode it (by 1 and by 3) with
+    ``launchers`` and with the twin: the same bytes and flags; return the float16 bits."""
     for with_sum in (False, True):
         (ok_w, sum_w), h_w = run_encode(REF, x, with_sum)
-        (ok_g, sum_g), h_g = run_encode(cuda, x, with_sum)
+        (ok_g, sum_g), h_g = run_encode(launchers, x, with_sum)
         assert (ok_g, sum_g) == (ok_w, sum_w)
         same(h_g, h_w)
     for scale in (1.0, 3.0):
-        want, got = np.zeros(n, np.float32), np.ones(n, np.float32)
-        assert cuda.decode(h_w, got, scale) is bool(REF.decode(h_w, want, scale))
+        want, got = np.zeros(x.size, np.float32), np.ones(x.size, np.float32)
+        assert launchers.decode(h_w, got, scale) is bool(REF.decode(h_w, want, scale))
         same(got, want)
+    return h_w
+
+
+@pytest.mark.parametrize("n", EDGE_SIZES)
+def test_encode_decode_at_group_and_row_edges(dev, cuda, n):
+    x = floats(n, 100 + n)
+    h_w = same_round_trip(cuda, x)
     a = floats(n, 7 + n).astype(np.float16).view(np.uint16)
     want, got = h_w.copy(), h_w.copy()
     REF.add(a, want)
@@ -265,12 +272,4 @@ def gpu_geometry():
 
 @pytest.mark.parametrize("n", [1, 4099, 2 * 2 * 1024 * 5 + 3, 70001])
 def test_gpu_geometry(gpu_geometry, n):
-    x = floats(n, 21)
-    (ok_w, sum_w), h_w = run_encode(REF, x, True)
-    (ok_g, sum_g), h_g = run_encode(gpu_geometry, x, True)
-    assert (ok_g, sum_g) == (ok_w, sum_w)
-    same(h_g, h_w)
-    for scale in (1.0, 3.0):
-        want, got = np.zeros(n, np.float32), np.ones(n, np.float32)
-        assert gpu_geometry.decode(h_w, got, scale) is bool(REF.decode(h_w, want, scale))
-        same(got, want)
+    same_round_trip(gpu_geometry, floats(n, 21))
