@@ -49,14 +49,19 @@ def test_staged_chunks_give_the_bytes_of_one_mpi_allreduce(deferred, monkeypatch
 
     world = MPI.COMM_WORLD
     x = _gradient(world.rank)
+    host = _average(world, x, timeout=timeout)  # NumPy: the same MPI_Allreduce per chunk
     whole = _average(world, x, chunk=0, timeout=timeout)  # NumPy, one MPI_Allreduce
     _transport_is(monkeypatch, "staged")
     got = _average(world, D.to_device(x), timeout=timeout)
     assert isinstance(got, D.DeviceArray)
-    assert D.to_host(got).tobytes() == whole.tobytes()
+    assert D.to_host(got).tobytes() == host.tobytes()
     ref = np.sum(world.allgather(x), axis=0, dtype=np.float32) / np.float32(world.size)
     if world.size <= 2:  # one addition per element: MPI's order cannot change it
-        assert whole.tobytes() == ref.tobytes()
+        assert whole.tobytes() == host.tobytes() == ref.tobytes()
+    # From 3 ranks an MPI whose algorithm depends on the message size (Open MPI) may add
+    # a chunk in another order than the whole: a few float32 roundings of the magnitudes.
+    scale = np.sum(np.abs(world.allgather(x)), axis=0, dtype=np.float64) / world.size
+    assert np.all(np.abs(host.astype(np.float64) - whole) <= 4 * 2.0**-23 * scale)
     _transport.cuda_aware.cache_clear()
 
 
