@@ -22,6 +22,8 @@ setup(
     description="Compressed gradient all-reduce over MPI: codecs with numba CPU kernels, mpi4py collectives",
     long_description=Path("README.md").read_text(),
     long_description_content_type="text/markdown",
+    license="BSD-3-Clause",
+    license_files=["LICENSE"],
     python_requires=">=3.10",
     packages=[
         "mpicomp",
