@@ -76,8 +76,7 @@ class Planner:
 
     def __init__(self, codec, schedule: str, placement: Placement, config: Config):
         self._codec = codec
-        # A codec that does not compress has its own schedule only.
-        self._schedule = schedule if codec.compresses else kind_of(codec).default
+        self._schedule = schedule
         self._placement = placement
         self._config = config
         self._plans: dict[tuple[int, bool], Planned] = {}

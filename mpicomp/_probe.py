@@ -4,7 +4,8 @@ and the codecs' compute, into a ``mpicomp.model.Model``.
 - the hosts: :func:`host_comm` splits a communicator by shared memory, :func:`topology`
   counts hosts and ranks per host;
 - the network: :func:`measure_network` times ring-neighbour ``Sendrecv`` s of 8 bytes and
-  of 1 MiB or more (latency, then bandwidth);
+  of 1 MiB or more (latency, then bandwidth), :func:`measure_mpi_allreduce` the MPI
+  library's all-reduce against what that network predicts for it;
 - the compute: :func:`measure_speed` times one rank's encode and decode of a synthetic
   gradient (:func:`gradient`), the closures of :func:`one_rank_round_trip`, by
   :func:`median_seconds`;
@@ -43,6 +44,11 @@ SPEED_NUMEL = 1 << 22
 PROBE_BYTES = 1 << 20
 PROBE_SECONDS = 5e-3
 PROBE_MAX_BYTES = 1 << 25
+#: MPI_Allreduce's efficiency is timed on a message of about this many seconds of the
+#: measured link (between 1 and 32 MiB).
+ALLREDUCE_SECONDS = 20e-3
+#: MPI_Allreduce's time over its prediction is taken as 1 up to this ratio.
+MPI_ALLREDUCE_SLACK = 1.25
 
 # Elements per output channel of a ResNet-50 3x3 conv with 512 input channels.
 _CHANNEL = 512 * 3 * 3
@@ -109,6 +115,36 @@ def measure_network(comm, reps: int = 5, nbytes: int = PROBE_BYTES) -> Network |
     # then n / t_n, a bandwidth the link reaches at least, instead of a slope near 0.
     spread = t_large - t_small if t_large > 2 * t_small else t_large
     return Network(t_small, (nbytes - 8) / max(spread, 1e-9))
+
+
+def measure_mpi_allreduce(comm, network: Network | None, reps: int = 3) -> float:
+    """Return MPI_Allreduce's time over its prediction on ``network`` (Hockney's model of
+    ``mpicomp.schedules``): float32 sums of about ALLREDUCE_SECONDS of the link's bytes
+    (1 to 32 MiB), the slowest rank's median of ``reps`` after a warm-up. Above 1: the
+    library reaches less of the link than a ring of ``Sendrecv`` s (what
+    ``measure_network`` timed). Collective; 1.0 on one rank."""
+    from mpi4py import MPI
+
+    from mpicomp.reduction._cost import mpi_allreduce
+
+    size = comm.Get_size()
+    if size == 1 or network is None:
+        return 1.0
+    nbytes = int(min(PROBE_MAX_BYTES, max(PROBE_BYTES, network.beta * ALLREDUCE_SECONDS)))
+    nbytes = comm.bcast(nbytes - nbytes % 4, root=0)  # one size on every rank
+    send, recv = np.ones(nbytes // 4, np.float32), np.empty(nbytes // 4, np.float32)
+    times = []
+    for i in range(reps + 1):
+        comm.Barrier()
+        t0 = time.perf_counter()
+        comm.Allreduce(send, recv, op=MPI.SUM)
+        if i:  # the first is a warm-up
+            times.append(time.perf_counter() - t0)
+    measured = comm.allreduce(statistics.median(times), op=MPI.MAX)
+    ratio = max(measured, 1e-9) / max(network.time(mpi_allreduce(nbytes, size)), 1e-9)
+    # Within the model's noise, keep the library's own all-reduce (its fewer messages,
+    # no copies in Python): only a clear loss makes the ring look cheaper.
+    return ratio if ratio > MPI_ALLREDUCE_SLACK else 1.0
 
 
 # -- the compute -----------------------------------------------------------------------
@@ -236,8 +272,9 @@ def measured_speeds(comm, codecs, numel: int = SPEED_NUMEL) -> dict[str, Speed]:
 
 def measure(comm, node, codecs=(), numel: int = SPEED_NUMEL) -> Model:
     """Return the model of ``comm`` measured now (collective): the network within a host
-    on ``node`` (all hosts at once), between hosts on one rank per host, and the speed
-    of every codec of ``codecs`` (the slowest rank's).
+    on ``node`` (all hosts at once), between hosts on one rank per host (with
+    MPI_Allreduce's efficiency there), and the speed of every codec of ``codecs`` (the
+    slowest rank's).
 
     One host: ``inter`` is ``intra``. One rank per host: ``intra`` is ``inter``."""
     from mpi4py import MPI
@@ -245,15 +282,18 @@ def measure(comm, node, codecs=(), numel: int = SPEED_NUMEL) -> Model:
     topo = topology(comm, node)
     if topo.hosts == 1:
         intra = inter = measure_network(comm) or Network(0.0, 1e12)
+        factor = measure_mpi_allreduce(comm, inter)
     else:
         leaders = comm.Split(0 if node.Get_rank() == 0 else MPI.UNDEFINED, comm.Get_rank())
-        inter = measure_network(leaders) if leaders != MPI.COMM_NULL else None
+        inter, factor = None, None
         if leaders != MPI.COMM_NULL:
+            inter = measure_network(leaders)
+            factor = measure_mpi_allreduce(leaders, inter)
             leaders.Free()
-        inter = comm.bcast(inter, root=0)  # rank 0 leads its host
+        inter, factor = comm.bcast((inter, factor), root=0)  # rank 0 leads its host
         intra = measure_network(node) if topo.per_host > 1 else None
         intra = comm.bcast(intra, root=0) or inter
-    model = Model(intra, inter, source="measured")
+    model = Model(intra, inter, source="measured", mpi_allreduce=factor)
     return model.with_speeds(measured_speeds(comm, codecs, numel))
 
 

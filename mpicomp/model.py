@@ -2,7 +2,10 @@
 
 A :class:`Model` holds two ``mpicomp.schedules.Network`` s, ``intra`` (between ranks of one
 host, shared memory for MPI) and ``inter`` (between hosts), and one :class:`Speed` per
-codec and parameters (encode and decode seconds per element, payload bits per element).
+codec and parameters (encode and decode seconds per element, payload bits per element),
+and ``mpi_allreduce``: the MPI library's all-reduce time over its latency-bandwidth
+prediction between hosts (1 where it reaches the links as the model says; above 1
+where its algorithm does worse than mpicomp's ring, which the chooser then prefers).
 ``mpicomp.schedules.predict`` turns them into seconds per call. A model is
 
 - **measured**: by ``mpicomp._probe`` when a ``CompressedComm(schedule="auto")`` is made
@@ -72,12 +75,15 @@ class Model:
             hosts); default ``intra``.
         speeds: ``codec_key(codec)`` to its ``Speed``.
         source: where the figures came from (a file, ``"measured"``, ``"given"``).
+        mpi_allreduce: MPI_Allreduce's measured time over its prediction on ``inter``
+            (``mpicomp._probe.measure_mpi_allreduce``); 1 if not measured.
     """
 
     intra: Network
     inter: Network | None = None
     speeds: dict = field(default_factory=dict)
     source: str = "given"
+    mpi_allreduce: float = 1.0
 
     def __post_init__(self):
         if not isinstance(self.intra, Network):
@@ -86,6 +92,10 @@ class Model:
             object.__setattr__(self, "inter", self.intra)
         elif not isinstance(self.inter, Network):
             raise TypeError(f"inter must be a mpicomp.schedules.Network, got {self.inter!r}")
+        if not (np.isfinite(self.mpi_allreduce) and self.mpi_allreduce > 0):
+            raise ValueError(
+                f"mpi_allreduce must be a finite ratio > 0, got {self.mpi_allreduce!r}"
+            )
         for key, s in self.speeds.items():
             if not isinstance(s, Speed):
                 raise TypeError(f"speeds[{key!r}] must be a Speed, got {s!r}")
@@ -109,7 +119,9 @@ class Model:
 
     def with_speeds(self, speeds: dict) -> Model:
         """Return this model with ``speeds`` added (replacing those of the same key)."""
-        return Model(self.intra, self.inter, {**self.speeds, **speeds}, self.source)
+        return Model(
+            self.intra, self.inter, {**self.speeds, **speeds}, self.source, self.mpi_allreduce
+        )
 
     def to_json(self) -> dict:
         """Return the model as the JSON object ``save`` writes."""
@@ -117,6 +129,7 @@ class Model:
             "format": FORMAT,
             "intra": {"alpha": self.intra.alpha, "beta": self.intra.beta},
             "inter": {"alpha": self.inter.alpha, "beta": self.inter.beta},
+            "mpi_allreduce": self.mpi_allreduce,
             "speeds": {k: vars(s) for k, s in sorted(self.speeds.items())},
         }
 
@@ -137,9 +150,10 @@ class Model:
                 str(k): Speed(float(v["encode"]), float(v["decode"]), float(v["bits"]))
                 for k, v in obj.get("speeds", {}).items()
             }
+            factor = float(obj.get("mpi_allreduce", 1.0))  # files saved before it: 1
         except (KeyError, TypeError, AttributeError) as e:
             raise ValueError(f"a malformed mpicomp model: missing or wrong {e}") from None
-        return cls(nets[0], nets[1], speeds, source)
+        return cls(nets[0], nets[1], speeds, source, factor)
 
     def save(self, path) -> None:
         """Write the model to ``path`` as JSON."""

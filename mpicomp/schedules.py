@@ -35,6 +35,7 @@ from mpicomp.reduction._cost import (
     gathered,
     mpi_allreduce,
 )
+from mpicomp.reduction.float_sum import by_mpi_allreduce
 
 __all__ = [
     "AGREEMENT_BYTES",
@@ -182,6 +183,9 @@ def predict(schedule: str, codec, numel: int, topology: Topology, model) -> floa
     broadcast within. A hierarchical schedule: the agreement over all ranks, a float32
     reduce-scatter within the host, the flat schedule between hosts on each local
     rank's 1/R shard (the R shards share the host's link), an allgather within the host.
+    MPI_Allreduce's bytes between hosts take ``model.mpi_allreduce`` times their
+    predicted time (its measured efficiency against the link; mpicomp's rings run at
+    the measured link).
 
     Raises:
         ValueError: a schedule the codec or the topology does not have; a codec ``model``
@@ -203,14 +207,14 @@ def predict(schedule: str, codec, numel: int, topology: Topology, model) -> floa
             + 2 * model.intra.time(within)
             + compute_seconds(inner, codec, speed, shard, H)
         )
-    if (schedule == FLOAT32 or not codec.compresses) and H > 1 and R > 1:
-        nbytes = 4 * numel
-        head = agreement(N)
-        return (
-            model.inter.time(head + mpi_allreduce(nbytes, H))
-            + model.intra.time(mpi_allreduce(nbytes, R))
-            + compute_seconds(schedule, codec, speed, numel, N)
-        )
+    if by_mpi_allreduce(schedule, codec):
+        # The MPI library's all-reduce at its measured efficiency; on several hosts of
+        # several ranks as MPI libraries run it there: reduce within the host,
+        # all-reduce between hosts, broadcast within.
+        nbytes, nested = 4 * numel, H > 1 and R > 1
+        within = model.intra.time(mpi_allreduce(nbytes, R)) if nested else 0.0
+        between = wide.time(mpi_allreduce(nbytes, H if nested else N))
+        return wide.time(agreement(N)) + model.mpi_allreduce * between + within
     payload = payload_bytes(speed, numel) if kind_of(codec).payload else None
     c = cost(schedule, codec, numel, N, payload)
     shared = (R - 1) * _alltoall_bytes(schedule, codec, numel, N, payload) if H > 1 else 0

@@ -389,3 +389,46 @@ def test_hierarchical_error_feedback_keeps_a_residual_per_local_shard(inner, pai
     assert not np.array_equal(first, second)
     every = gather_all(comm, second)
     assert (every == every[0]).all()
+
+
+def _ring_order_sum(every: np.ndarray) -> np.ndarray:
+    """The float32 sum collectives.float_ring makes: chunk c of ceil(n/N) elements summed
+    in the rank order c+1, c+2, ..., c, one float32 addition at a time."""
+    N, n = every.shape
+    C, out = -(-n // N), np.empty(n, np.float32)
+    for c in range(N):
+        lo, hi = c * C, min(n, (c + 1) * C)
+        acc = every[(c + 1) % N, lo:hi].copy()
+        for k in range(2, N + 1):
+            acc = acc + every[(c + k) % N, lo:hi]
+        out[lo:hi] = acc
+    return out
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("n", [0, 1, 7, N_ELEMS])
+def test_none_on_mpicomps_float32_ring_is_the_ring_order_sum_on_every_rank(n):
+    comm = world()
+    x = _grad(comm, n)
+    keep = x.copy()
+    with mpicomp.CompressedComm(comm, "none", schedule="ring", min_numel=0) as cc:
+        y = cc.allreduce(x, name="w")
+    np.testing.assert_array_equal(x, keep)  # summed in a buffer of its own, not the input
+    expected = _ring_order_sum(gather_all(comm, x)) / np.float32(comm.size)
+    np.testing.assert_array_equal(y, expected)
+    np.testing.assert_array_equal(gather_all(comm, y)[0], y)
+
+
+@pytest.mark.mpi
+def test_auto_picks_the_float32_ring_where_mpi_allreduce_measured_slow():
+    comm = world()
+    none = mpicomp.codec("none")
+    slow = _model(Speed(0.0, 0.0), none)
+    slow = Model(slow.intra, slow.inter, source="given", mpi_allreduce=2.0)
+    with mpicomp.CompressedComm(comm, none, schedule="auto", model=slow, min_numel=0) as cc:
+        y = cc.allreduce(_grad(comm), name="w")
+        chosen, _ = cc.schedule_for(N_ELEMS)
+    if comm.size > 1:
+        assert chosen == "ring"
+        expected = _ring_order_sum(gather_all(comm, _grad(comm))) / np.float32(comm.size)
+        np.testing.assert_array_equal(y, expected)

@@ -164,8 +164,9 @@ def test_the_candidates_are_the_codecs_own_schedules_the_hierarchy_and_float32()
     assert schedules_of(mpicomp.codec("fft"), hosts)[:4] == (
         "allgather", "sharded", "hier:allgather", "hier:sharded"
     )  # fmt: skip
-    assert schedules_of(fp16, hosts) == ("allreduce", FLOAT32)  # MPI runs its sum by host
-    assert schedules_of(none, hosts) == ("allreduce",)
+    # MPI_Allreduce or mpicomp's ring; fp16 runs the same float16 ring by both names
+    assert schedules_of(fp16, hosts) == ("allreduce", "ring", FLOAT32)
+    assert schedules_of(none, hosts) == ("allreduce", "ring")
     assert not Topology(3, 2, even=False).hierarchical and not Topology(1, 8).hierarchical
 
 
@@ -260,7 +261,7 @@ def test_schedule_names_beyond_the_codecs_own():
         ("threelc", ["hier:sharded", "auto", "float32"], ["hier:ring", "ring"]),
         ("signsgd", ["hier:direct", "auto"], ["hier:allgather", "hier:"]),
         ("fp16", ["float32", "auto"], ["hier:allreduce"]),
-        ("none", ["auto", "allreduce"], ["ring", "hier:allreduce"]),
+        ("none", ["auto", "allreduce", "ring"], ["direct", "hier:allreduce"]),
     ):
         c = mpicomp.codec(codec)
         for name in ok:
@@ -292,3 +293,25 @@ def test_the_verdicts_read_autos_choice_against_the_fastest_measured():
     assert (second["fastest"], second["right"]) == ("float32", False)
     assert second["regret"] == pytest.approx(0.9 / 0.5)
     assert second["auto_over_fastest"] == pytest.approx(0.5 / 0.5)
+
+
+def test_auto_takes_mpicomps_float32_ring_only_where_mpi_allreduce_measured_slower():
+    none = mpicomp.codec("none")
+    link = Network(50e-6, 1.25e8)  # 1 Gbit/s per host
+    numel, topo = 8_546_314, Topology(4, 1)
+    as_modelled = Model(link, link, source="given")
+    assert choose(none, numel, topo, as_modelled)[0] == "allreduce"  # fewer messages
+    # gloo-like: MPICH's all-reduce over TCP reached 0.7 of what the link gives a ring
+    slow = Model(link, link, source="given", mpi_allreduce=1.4)
+    chosen, times = choose(none, numel, topo, slow)
+    assert chosen == "ring"
+    assert times["allreduce"] == pytest.approx(1.4 * times["ring"], rel=0.01)
+    # small tensors: latency, where the library's 2 log2 N messages win whatever its bandwidth
+    assert choose(none, 1000, topo, slow)[0] == "allreduce"
+    # the factor travels in a saved model, and files from before it read as 1
+    assert Model.from_json(slow.to_json()).mpi_allreduce == 1.4
+    old = slow.to_json()
+    del old["mpi_allreduce"]
+    assert Model.from_json(old).mpi_allreduce == 1.0
+    with pytest.raises(ValueError, match="mpi_allreduce must be"):
+        Model(link, mpi_allreduce=0.0)

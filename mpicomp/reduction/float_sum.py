@@ -1,6 +1,11 @@
-"""The ``"sum"`` kind: MPI sums the float arrays a codec puts on the wire (``none``'s
-float32, ``fp16``'s float16 on mpicomp's own ring), and the uncompressed float32 sum
-every codec falls back to (``schedule="float32"``, below ``min_numel``)."""
+"""The ``"sum"`` kind: the float arrays a codec puts on the wire are summed over ranks
+(``none``'s float32, ``fp16``'s float16), and the uncompressed float32 sum every codec
+falls back to (``schedule="float32"``, below ``min_numel``).
+
+Two schedules: ``"allreduce"`` (float32: the MPI library's MPI_Allreduce; float16:
+mpicomp's ring, as MPI has no float16 sum) and ``"ring"`` (mpicomp's ring at the wire's
+width, ``collectives.float_ring``), which ``schedule="auto"`` picks where it measures
+faster than the MPI library's all-reduce."""
 
 from __future__ import annotations
 
@@ -13,7 +18,7 @@ from mpi4py import MPI
 from mpicomp._arrays import all_finite, zero_nonfinite
 from mpicomp._transport import CHUNK_BYTES, chunk_bounds
 from mpicomp.collectives import plain
-from mpicomp.collectives.float16 import allreduce_float16
+from mpicomp.collectives.float_ring import allreduce_float16, allreduce_float32
 from mpicomp.errors import RankError
 from mpicomp.kernels import backend_of
 from mpicomp.reduction._cost import Cost, mpi_allreduce
@@ -45,8 +50,9 @@ class SumCodec(Protocol):
     def from_wire(self, total, nranks: int = 1, shape=None, reuse: bool = False) -> Any: ...
 
 
-def run(call: Call, codec, flat):
-    """Average by MPI sum of ``codec.to_wire`` (float32 as it is, or float16).
+def run(call: Call, codec, flat, ring: bool = False):
+    """Average by the sum over ranks of ``codec.to_wire`` (float32 as it is, or float16):
+    MPI_Allreduce for float32, unless ``ring``; mpicomp's ring for float16.
 
     ``none`` sends its input unchecked: a NaN/Inf on any rank reaches every rank's
     sum, so one pass over the sum tells every rank the same; only then does each
@@ -70,6 +76,12 @@ def run(call: Call, codec, flat):
             # MPI has no float16 sum: mpicomp's ring, in place (this call's own buffer).
             total = down(call, dev, wire, "wire")
             allreduce_float16(call.comm, total, kernels=call.kernels, **call.io)
+            finite = _finite(call, total)
+        elif ring:
+            total = down(call, dev, wire, "wire")
+            if total is wire:  # the ring sums in place: never into the caller's array
+                total = total.copy()
+            allreduce_float32(call.comm, total, kernels=call.kernels, **call.io)
             finite = _finite(call, total)
         elif len(bounds) > 1 and dev is not None and not call.transport.direct:
             # Each chunk's host sum is checked as it arrives: the same values, the same
@@ -128,9 +140,26 @@ def _finite(call: Call, total) -> bool:
 def _cost(codec, numel: int, nranks: int, payload=None) -> Cost:
     if codec.wire_dtype == np.float32:
         return mpi_allreduce(4 * numel, nranks)
-    # fp16: collectives.float16's ring (MPI has no float16 sum), 2(N-1) chunks of n/N.
+    return _ring_cost(codec, numel, nranks)
+
+
+def _ring_cost(codec, numel: int, nranks: int, payload=None) -> Cost:
+    # collectives.float_ring: 2(N-1) chunks of n/N at the wire's width.
     N, C = nranks, -(-numel // nranks) if numel else 0
     return Cost(2 * (N - 1), 2 * (N - 1) * codec.wire_dtype.itemsize * C)
+
+
+def by_mpi_allreduce(schedule: str, codec) -> bool:
+    """Return whether ``schedule`` of ``codec`` is the MPI library's MPI_Allreduce (whose
+    measured efficiency the chooser applies, ``mpicomp.model.Model.mpi_allreduce``)."""
+    if schedule == "float32":
+        return True
+    wire = getattr(codec, "wire_dtype", None)
+    return (
+        getattr(codec, "aggregation", None) == KIND.name
+        and schedule == "allreduce"
+        and wire == np.float32
+    )
 
 
 def _compute(codec, speed, numel: int, nranks: int) -> float:
@@ -149,4 +178,12 @@ def _no_compute(codec, speed, numel: int, nranks: int) -> float:
 FLOAT32 = Schedule(run, _float32_cost, _no_compute)
 
 # fp16's float16 sum is a whole-tensor ring of its own: no hierarchy was built for it.
-KIND = Kind("sum", SumCodec, {"allreduce": Schedule(run, _cost, _compute)}, hierarchical=False)
+KIND = Kind(
+    "sum",
+    SumCodec,
+    {
+        "allreduce": Schedule(run, _cost, _compute),
+        "ring": Schedule(partial(run, ring=True), _ring_cost, _compute),
+    },
+    hierarchical=False,
+)
