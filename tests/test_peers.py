@@ -1,9 +1,11 @@
 """jobs.peers: DDP's hooks against mpicomp, one launch per configuration (jobs/peers/)."""
 
+import io
 import json
 import os
 import subprocess
 import sys
+import types
 
 import pytest
 
@@ -56,6 +58,36 @@ def test_time_to_target_is_the_first_evaluation_at_ddp_float32s_final_accuracy()
     rows[0]["status"] = "timed out after 1 s"  # no reference: no target for anyone
     driver.add_targets(rows)
     assert all(r["target_accuracy"] is None and r["seconds_to_target"] is None for r in rows)
+
+
+def test_times_to_accuracy_count_only_where_ddp_float32_plateaued_and_say_what_came_after():
+    climbing = [(0, 0.1), (10, 0.5), (20, 0.7), (30, 0.8), (40, 0.9)]
+    flat = [(0, 0.1), (10, 0.95), (20, 0.95), (30, 0.951), (40, 0.952)]
+    assert driver.plateau(climbing) == (False, pytest.approx(0.4))  # 0.9 over 0.5
+    assert driver.plateau(flat)[0] and not driver.plateau(flat[:3])[0]
+    rows = [
+        {"config": "ddp", "status": "ok", "ms_step": 10.0, "final_accuracy": 0.952,
+         "accuracy": flat},
+        {"config": "kept", "status": "ok", "ms_step": 5.0,
+         "accuracy": [(0, 0.1), (10, 0.96), (20, 0.955), (40, 0.951)]},
+        {"config": "lost", "status": "ok", "ms_step": 5.0,
+         "accuracy": [(0, 0.1), (10, 0.96), (20, 0.9), (40, 0.8)]},
+        {"config": "blew", "status": "diverged at step 35", "ms_step": 2.0, "diverged": 35,
+         "accuracy": [(0, 0.1), (10, 0.953), (20, 0.9), (30, 0.7)]},
+    ]  # fmt: skip
+    driver.add_targets(rows)
+    assert all(r["plateaued"] for r in rows)
+    assert [r["fell_to"] for r in rows] == [None, None, 0.8, 0.7]
+    reach = [driver._reach(r, 0.952, 40) for r in rows]
+    assert reach[1] == "0.05 s (step 10)"
+    assert reach[2] == "0.05 s (step 10), then fell to 0.800"
+    assert reach[3] == "0.02 s (step 10), then diverged at step 35"
+    rows[0]["accuracy"] = climbing  # the reference still rising: the table says so
+    driver.add_targets(rows)
+    out = io.StringIO()
+    args = types.SimpleNamespace(eval_every=10, steps=40)
+    driver.table(rows, args, out=out)
+    assert "DDP float32 was still rising at step 40" in out.getvalue()
 
 
 def test_a_failure_is_named_by_its_last_error_line():

@@ -24,7 +24,9 @@ Per configuration: ms/step (the slowest rank's, median after ``--warmup`` steps)
 per step (tc's counters on the emulated networks; unshaped, what mpicomp's calls report,
 "n/a" for DDP), test accuracy every ``--eval-every`` steps, and the time to reach the
 final accuracy of DDP float32 on the same network and model (steps x ms/step, or
-"never" within ``--steps``). Output: a table per network and model on stdout,
+"never" within ``--steps``; a run that reaches it and then diverges or ends below it
+says so), judged only where DDP float32 has plateaued (the table says when it has
+not). Output: a table per network and model on stdout,
 ``OUT/peers.json``, ``OUT/accuracy.png`` (accuracy against steps x ms/step, log) and each
 launch's log under ``OUT/logs/``.
 """
@@ -74,7 +76,7 @@ class Preset:
 PRESETS = {
     # a few minutes on 2 cores: one small model, few steps
     "small": Preset("mlp", 30, 2, "qsgd_maxnorm_bits4", models.SMALL),
-    # issue 28's comparison: the 8.55M-parameter MLP, a ResNet, a transformer block
+    # the full comparison: the 8.55M-parameter MLP, a ResNet, a transformer block
     "full": Preset("mlp,resnet,transformer", 150, 4, "all", models.FULL),
 }
 
@@ -304,19 +306,61 @@ def _kill(proc: subprocess.Popen) -> None:
     proc.wait()
 
 
+#: DDP float32 has plateaued when the best accuracy of the last half of its evaluations
+#: is at most this much above the best of the first half.
+PLATEAU = 0.005
+
+
+def plateau(accuracy: list) -> tuple[bool, float]:
+    """Return whether a run's evaluations (``[(step, accuracy), ...]``) have plateaued,
+    and how much the last half's best rose over the first half's (``PLATEAU``); fewer
+    than 4 evaluations never have."""
+    acc = [a for _, a in accuracy]
+    if len(acc) < 4:
+        return False, float("nan")
+    half = len(acc) // 2
+    rise = max(acc[half:]) - max(acc[:half])
+    return rise <= PLATEAU, rise
+
+
 def add_targets(rows: list[dict]) -> None:
-    """Give every row of one network and model its time to the reference's final accuracy."""
+    """Give every row of one network and model its time to the reference's final accuracy,
+    whether the reference had plateaued (``plateaued``, ``rise``: a time to the accuracy
+    of a run still rising is an early-training figure, not a time to accuracy), and, for
+    a row that reached the target, its final accuracy when it ended more than
+    ``PLATEAU`` below it (``fell_to``: it reached the target and lost it)."""
     ref = next((r for r in rows if r["config"] == REFERENCE and r["status"] == "ok"), None)
     target = ref["final_accuracy"] if ref else None
+    flat, rise = plateau(ref["accuracy"]) if ref else (False, float("nan"))
     for r in rows:
         r["target_accuracy"] = target
-        r["steps_to_target"] = r["seconds_to_target"] = None
-        if target is None or r["status"] not in ("ok",) or not r.get("ms_step"):
+        r["plateaued"], r["rise"] = flat, rise
+        r["steps_to_target"] = r["seconds_to_target"] = r["fell_to"] = None
+        if target is None or not r.get("ms_step") or not r.get("accuracy"):
+            continue
+        if r["status"] != "ok" and not r["status"].startswith("diverged"):
             continue
         hit = next((step for step, acc in r["accuracy"] if acc >= target), None)
         r["steps_to_target"] = hit
         if hit is not None:
             r["seconds_to_target"] = hit * r["ms_step"] / 1e3
+            last = r["accuracy"][-1][1]
+            if r["status"] != "ok" or last < target - PLATEAU:
+                r["fell_to"] = last
+
+
+def _reach(r: dict, target, steps: int) -> str:
+    """The table's last column: the time to the target, and what came after."""
+    if r["seconds_to_target"] is not None:
+        reach = f"{r['seconds_to_target']:.2f} s (step {r['steps_to_target']})"
+        if r["status"] != "ok":
+            return f"{reach}, then {r['status']}"
+        if r["fell_to"] is not None:
+            return f"{reach}, then fell to {r['fell_to']:.3f}"
+        return reach
+    if r["status"] != "ok":
+        return r["status"]
+    return "-" if target is None else f"never in {steps} steps"
 
 
 def _fmt_bytes(r: dict) -> str:
@@ -349,12 +393,7 @@ def table(rows: list[dict], args, out=sys.stdout) -> None:
             continue
         ms = r["ms_step"]
         speed = f"{ref['ms_step'] / ms:.2f}" if ref and ms else "-"
-        if r["status"] != "ok":
-            reach = r["status"]
-        elif r["seconds_to_target"] is not None:
-            reach = f"{r['seconds_to_target']:.2f} s (step {r['steps_to_target']})"
-        else:
-            reach = "-" if target is None else f"never in {args.steps} steps"
+        reach = _reach(r, target, args.steps)
         print(
             f"{r['config']:<40}{ms:>9.1f}{speed:>7}{_fmt_bytes(r):>9}"
             f"{_acc_at(r, mid):>9}{_acc_at(r, args.steps):>9}  {reach}",
@@ -370,6 +409,13 @@ def table(rows: list[dict], args, out=sys.stdout) -> None:
         ),
         file=out,
     )
+    if target is not None and not rows[0].get("plateaued"):
+        print(
+            f"DDP float32 was still rising at step {args.steps} (its last half's best "
+            f"{rows[0]['rise']:+.3f} over its first half's): times to its accuracy are "
+            "early-training figures; run more --steps for a time to accuracy",
+            file=out,
+        )
 
 
 def plot(path: str, groups: dict, title: str) -> None:
@@ -423,7 +469,7 @@ def _parse(argv):
         choices=sorted(PRESETS),
         default="small",
         help="defaults of --models, --steps, --ranks and the sizes: small (the MLP "
-        "64-256-256-10, 30 steps, 2 ranks: minutes on 2 cores) or full (issue 28's: "
+        "64-256-256-10, 30 steps, 2 ranks: minutes on 2 cores) or full (the full comparison: "
         "MLP 64-2048-2048-2048-10, ResNet width 64 on 32x32, transformer width 256, 150 "
         "steps, 4 ranks)",
     )
