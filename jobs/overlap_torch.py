@@ -2,9 +2,10 @@
 
 Launch with ``mpiexec -n N python -m mpi4py -m jobs.overlap_torch [--params 10M]
 [--layers 8] [--batch 64] [--codecs none,qsgd_maxnorm_bits4,threelc_sparsity1.0]
-[--reps 5] [--json]``. The model is an MLP of ``--layers`` square ``Linear`` layers
-(width chosen to give about ``--params`` parameters) and a 10-class head, on the CPU
-with ``torch.set_num_threads(1)``; each rank trains on a fixed batch of its own. For
+[--reps 5] [--torch-threads 1] [--json]``. The model is an MLP of ``--layers`` square
+``Linear`` layers (width chosen to give about ``--params`` parameters) and a 10-class
+head, on the CPU with ``torch.set_num_threads(--torch-threads)`` (0: torch's default, a
+thread per core in every rank); each rank trains on a fixed batch of its own. For
 each codec, in the same run, five timings of one step:
 
 - ``forward``: the forward pass and loss alone (no communication);
@@ -42,6 +43,7 @@ import math
 import sys
 from time import perf_counter
 
+import numba
 import numpy as np
 import torch
 from mpi4py import MPI
@@ -271,6 +273,12 @@ def main(argv=None) -> int:
         f"name:key=value entries, as jobs.train ({DEFAULT_CODECS})",
     )
     ap.add_argument("--reps", type=int, default=5, help="timed steps per measurement (5)")
+    ap.add_argument(
+        "--torch-threads",
+        type=int,
+        default=1,
+        help="torch's intra-op threads per rank; 0: torch's default, one per core (1)",
+    )
     ap.add_argument("--json", action="store_true", help="print a JSON list of rows on stdout")
     args = ap.parse_args(argv)
     try:
@@ -283,10 +291,13 @@ def main(argv=None) -> int:
         ap.error(str(e))
     if n_params < 1 or args.layers < 1 or args.batch < 1 or args.reps < 1:
         ap.error("--params, --layers, --batch and --reps must be >= 1")
+    if args.torch_threads < 0:
+        ap.error("--torch-threads must be >= 0 (0: torch's default)")
     if bucket_numel is not None and bucket_numel < 1:
         ap.error("--bucket-numel must be >= 1")
 
-    torch.set_num_threads(1)  # the ranks share the cores
+    if args.torch_threads:
+        torch.set_num_threads(args.torch_threads)  # 1 by default: the ranks share the cores
     comm = MPI.COMM_WORLD
     model = make_model(n_params, args.layers)
     rows = []
@@ -302,7 +313,8 @@ def main(argv=None) -> int:
     r0 = rows[0]
     print(
         f"{title('overlap_torch bench')}: {comm.size} ranks, {mpi_library()}, "
-        f"thread level {MPI.Query_thread()}\n"
+        f"thread level {MPI.Query_thread()}, torch threads {torch.get_num_threads()}, "
+        f"numba threads {numba.get_num_threads()}\n"
         f"MLP of {r0['model_params']:,} parameters ({args.layers} Linear layers), batch "
         f"{args.batch} per rank, {r0['buckets']} buckets; ms per step, the slowest rank's, "
         f"median of {args.reps} rounds after a warm-up\n"

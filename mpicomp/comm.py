@@ -21,7 +21,7 @@ from typing import NamedTuple
 import numpy as np
 from mpi4py import MPI
 
-from mpicomp import _worker
+from mpicomp import _threads, _worker
 from mpicomp._arguments import resolve as resolve_arguments
 from mpicomp._arguments import trace_attrs
 from mpicomp._config import check_same
@@ -77,6 +77,7 @@ def _one_thread(method):
             )
         self._inside = threading.current_thread().name
         try:
+            _threads.apply()  # numba's thread count is per thread: cap this one's
             return method(self, *args, **kwargs)
         finally:
             self._inside = None
@@ -258,6 +259,9 @@ class CompressedComm:
         self._closed = False
         self._peer_closed = None  # why, once another rank closed this CompressedComm
         try:
+            #: The kernel threads (``mpicomp._threads.Decision``): CPUs / ranks on the host
+            #: unless NUMBA_NUM_THREADS is set; before ``place``, which may time the kernels.
+            self.threads = _threads.limit(self._comm)
             self._placement = place(self._comm, local_comm, model, codec, opts.schedule)
         except BaseException:
             self._comm.Free()

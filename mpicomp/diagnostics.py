@@ -49,13 +49,15 @@ COLUMNS = (
 def info() -> dict[str, str | int]:
     """Return what ``mpicomp info`` prints, as an ordered {field: text or number} dict.
 
-    Initializes MPI (through ``mpi4py.MPI``) if it is not initialized yet.
+    Initializes MPI (through ``mpi4py.MPI``) if it is not initialized yet. Collective
+    over ``MPI.COMM_WORLD`` (the kernel threads depend on the ranks of this host): under
+    ``mpiexec`` every rank calls it.
     """
     import numba
     import numpy
     from mpi4py import MPI
 
-    from mpicomp import _transport, codecs
+    from mpicomp import _threads, _transport, codecs
     from mpicomp._version import __version__
 
     out = {"mpicomp": __version__, "python": platform.python_version()}
@@ -80,8 +82,10 @@ def info() -> dict[str, str | int]:
         decided = f"unknown ({e})"
     out["CUDA-aware MPI"] = decided
     out["GPUs"] = _gpus()
-    out["backends"] = _backends(numba.config.NUMBA_NUM_THREADS)
-    out["numba threads"] = numba.config.NUMBA_NUM_THREADS
+    threads = _threads.decide(MPI.COMM_WORLD)
+    out["backends"] = _backends(threads.threads)
+    out["numba threads"] = threads.threads
+    out["numba threads from"] = threads.why
     out["codecs"] = ", ".join(codecs.available())
     return out
 
@@ -160,12 +164,14 @@ def rank_facts(comm) -> dict[str, object]:
     ``MPI CUDA support`` (the library's own answer: True, False or None for unknown),
     ``CUDA-aware MPI`` ("yes (how)", "no (how)" or "unknown (error)": mpicomp's
     decision), ``cuda aware`` (that decision: True, False or None), ``backend`` (the
-    kernel backend NumPy arrays get, or its error), ``numba threads`` and ``BLAS threads``
+    kernel backend NumPy arrays get, or its error), ``numba threads`` (what a
+    CompressedComm's kernels run on: ``mpicomp._threads.decide``), ``numba threads from``
+    (why: CPUs / ranks on the host, or ``NUMBA_NUM_THREADS``) and ``BLAS threads``
     (NumPy's BLAS, through threadpoolctl; None when unknown).
     """
     from mpi4py import MPI
 
-    from mpicomp import _transport
+    from mpicomp import _threads, _transport
 
     local = comm.Split_type(MPI.COMM_TYPE_SHARED, key=comm.rank)
     try:
@@ -188,6 +194,7 @@ def rank_facts(comm) -> dict[str, object]:
     except ValueError as e:  # a bad MPICOMP_CUDA_AWARE: report it, go on
         decided, decided_text = None, f"unknown ({e})"
     gpus, gpu = _cupy_gpus()
+    threads = _threads.decide(comm)  # collective, as the split above
     return {
         "rank": comm.rank,
         "host": platform.node(),
@@ -206,7 +213,8 @@ def rank_facts(comm) -> dict[str, object]:
         "CUDA-aware MPI": decided_text,
         "cuda aware": decided,
         "backend": _backend(),
-        "numba threads": _numba_threads(),
+        "numba threads": threads.threads,
+        "numba threads from": threads.why,
         "BLAS threads": _blas_threads(),
     }
 
@@ -294,14 +302,6 @@ def _backend() -> str:
         return f"unknown ({e})"
 
 
-def _numba_threads() -> int | None:
-    try:
-        import numba
-    except ImportError:
-        return None
-    return int(numba.config.NUMBA_NUM_THREADS)
-
-
 def _blas_threads() -> int | None:
     try:
         from threadpoolctl import threadpool_info
@@ -350,7 +350,13 @@ def _threads_per_host(ranks, hosts: dict, key: str, setting: str, what: str) -> 
         cpus = [r.get("host cpus") for r in rs if r.get("host cpus")]
         if cpus and all(isinstance(t, int) for t in threads):
             total, ncpu = sum(threads), max(cpus)
-            if total > ncpu:
+            if total > ncpu and max(threads) == 1:  # no setting of threads can help
+                out.append(
+                    f"host {host}: {ranks_text(r['rank'] for r in rs)} are {len(rs)} ranks "
+                    f"on {ncpu} CPUs, each with one of {key} ({what}); start at most {ncpu} "
+                    "ranks on it."
+                )
+            elif total > ncpu:
                 per = f"{threads[0]}" if len(set(threads)) == 1 else "up to " + str(max(threads))
                 out.append(
                     f"host {host}: {ranks_text(r['rank'] for r in rs)} run {len(rs)} x "
@@ -425,7 +431,10 @@ def warnings(ranks: list[dict]) -> list[str]:
 
 
 def table(ranks: list[dict]) -> list[str]:
-    """Return the text table of ``mpicomp info --all-ranks``: a header, a row per rank."""
+    """Return the text of ``mpicomp info --all-ranks``, at most 120 columns: what every
+    rank has alike, wrapped, then a table of a row per rank with the columns that differ
+    (rank, host, local rank and CPUs always)."""
+    from mpicomp._table import lines, listing
 
     def cell(r: dict, key: str) -> str:
         value = r.get(key)
@@ -435,9 +444,12 @@ def table(ranks: list[dict]) -> list[str]:
             return str(value).split(" (")[0]  # yes / no / unknown: the reason is in --json
         return "unknown" if value is None else str(value)
 
-    cells = [[cell(r, k) for k in COLUMNS] for r in ranks]
-    widths = [max(len(k), *(len(c[i]) for c in cells)) for i, k in enumerate(COLUMNS)]
-    lines = ["  ".join(k.ljust(w) for k, w in zip(COLUMNS, widths, strict=True)).rstrip()]
-    for c in cells:
-        lines.append("  ".join(v.ljust(w) for v, w in zip(c, widths, strict=True)).rstrip())
-    return lines
+    identity = COLUMNS[:4]
+    alike = [k for k in COLUMNS[4:] if len({cell(r, k) for r in ranks}) == 1]
+    shown = [k for k in COLUMNS if k not in alike]
+    same = [f"{k}: {cell(ranks[0], k)}" for k in alike]
+    out = listing("on every rank:", same) if alike else []
+    rows = [[cell(r, k) for k in shown] for r in ranks]
+    right = [i for i, k in enumerate(shown) if k in ("rank", "local rank", "numba threads")]
+    squeeze = [(shown.index(k), 16) for k in shown if k not in identity]
+    return [*out, *lines(shown, rows, right=right, squeeze=squeeze)]

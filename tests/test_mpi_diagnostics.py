@@ -45,6 +45,8 @@ def test_info_all_ranks_table_on_rank_zero_only(capsys):
         return
     lines = out.splitlines()
     head = next(i for i, line in enumerate(lines) if line.startswith("rank  host"))
-    rows = lines[head + 1 : head + 1 + world.size]
+    assert set(lines[head + 1]) == {"-", " "}  # the rule under the head
+    rows = lines[head + 2 : head + 2 + world.size]
+    assert max(map(len, lines)) <= 120
     assert [int(r.split()[0]) for r in rows] == list(range(world.size))
     assert any(line.startswith("warnings") for line in lines[head:])
