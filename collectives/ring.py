@@ -1,4 +1,5 @@
-"""Bit-width-growing ring all-reduce of bounded integer codes (paper 003 §3, generalized).
+"""Bit-width-growing ring all-reduce of bounded integer codes (the all-reducible signSGD
+paper §3, generalized).
 
 A ring reduce-scatter followed by a ring allgather, over N chunks of the vector. A
 partial sum over i ranks of codes bounded by ``bound`` needs only
@@ -297,7 +298,8 @@ def unpacked(result, n: int, p: Plan, size: int, packed: bool, be):
 
 
 def _paper_majority(xp, nranks: int):
-    """Return paper 003's rule: bit = 1 where more than half of ``nranks`` voted +1."""
+    """Return the all-reducible signSGD paper's rule: bit = 1 where more than half of
+    ``nranks`` voted +1."""
 
     def decide(counts, offset):
         return xp.packbits(2 * counts > nranks, bitorder="little")

@@ -1,4 +1,4 @@
-"""Push/pull through shard owners (3LC's parameter-server design, paper 001 §2-3, on MPI).
+"""Push/pull through shard owners (3LC's parameter-server design, the 3LC paper §2-3, on MPI).
 
 Rank s serves shard s of the flat tensor. *Push*: every rank sends its compressed
 shard s to rank s (one Alltoallv of variable-length byte payloads). The owner

@@ -1,5 +1,5 @@
 """What the FastSGD family's twins share: the body layout, parameter limits and error codes
-(paper 004 §3).
+(the FastSGD paper §3).
 
 Body layout (little-endian; see docs/codecs.md)::
 

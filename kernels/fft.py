@@ -1,5 +1,5 @@
 """What the FFT family's twins share: the range-based float's widths and the error codes
-(paper 002 §3.2.1)."""
+(the FFT sparsification paper §3.2.1)."""
 
 #: Mantissa bits of float32: a code keeps the top m of them (shift = MAX_MANTISSA - m).
 MAX_MANTISSA = 23

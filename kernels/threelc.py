@@ -1,5 +1,5 @@
 """What the 3LC family's twins share: the quartic and zero-run byte codes, error codes and
-the quartic length (paper 001 §3.2-3.3)."""
+the quartic length (the 3LC paper §3.2-3.3)."""
 
 #: Quartic byte of five zero trits (digits 1, 1, 1, 1, 1): the byte zero-run encoding shortens.
 ZERO_BYTE = 121

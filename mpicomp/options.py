@@ -8,12 +8,14 @@ from functools import partial
 
 import numpy as np
 
+from mpicomp._env import env_flag
 from mpicomp.codecs._base import check_number
 from mpicomp.collectives._wait import resolve_timeout
 from mpicomp.reduction import AUTO, all_schedule_names, kind_of, schedule_names
 from mpicomp.reduction.agreement import POLICIES
 
-#: Set and not ``0``: every CompressedComm checks that all ranks make the same call.
+#: On (1, true...: ``mpicomp._env.env_flag``): every CompressedComm checks that all
+#: ranks make the same call.
 DEBUG_ENV = "MPICOMP_DEBUG"
 
 __all__ = ["AUTO", "DEBUG_ENV", "Options"]
@@ -96,7 +98,8 @@ class Options:
 
         Raises:
             ValueError: ``error_feedback`` or ``sharded`` asked of a codec that does not
-                gather payloads; a schedule the codec has not; any field out of range.
+                gather payloads; a schedule the codec has not; any field out of range;
+                ``MPICOMP_DEBUG`` neither on nor off.
             TypeError: a field of the wrong type.
         """
         sharded = _checked_bool("sharded", sharded)
@@ -114,7 +117,7 @@ class Options:
                 raise ValueError(f"{what} applies to {to}; {codec.name!r} is {kind.name!r}")
         schedule = _schedule(codec, schedule, sharded)
         if debug is None:
-            debug = os.environ.get(DEBUG_ENV, "") not in ("", "0")
+            debug = env_flag(DEBUG_ENV)
         # MPICOMP_TIMEOUT is read here, once: a rank whose environment changed later
         # would otherwise mix blocking and nonblocking calls with the others and hang.
         timeout = resolve_timeout(timeout) or 0

@@ -12,19 +12,19 @@ host. Slow, and only for tests: the codecs' device path is tested with real devi
 
 from __future__ import annotations
 
-import os
 from functools import cache
 
 import numpy as np
 import pytest
 
+from mpicomp._env import env_flag
 from mpicomp.kernels.cuda.device import Device, source
 
 #: (threads per block, blocks) of the emulated launches; "gpu" is the GPU's own geometry.
 GEOMETRIES = [(64, 4), (32, 3)]
 
 #: Set by `make test-gpu`: a GPU must be found (its tests then fail instead of skipping).
-REQUIRE_GPU = os.environ.get("MPICOMP_TEST_GPU") == "1"
+REQUIRE_GPU = env_flag("MPICOMP_TEST_GPU")
 
 
 @cache

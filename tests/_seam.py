@@ -77,7 +77,7 @@ def round_trip(codec, x):
     return [payload, codec.decode(payload), codec.decode_sum([payload, p1, p2], x.size), p2]
 
 
-#: The one exception to byte identity (DESIGN.md): the fft codec on a GPU transforms with
+#: The one exception to byte identity (docs/codecs.md, the fft codec's transforms): the fft codec on a GPU transforms with
 #: cuFFT where numba uses pocketfft. Spectra differ in the last bits, so a code at a
 #: rounding edge or a bin at the edge of the kept set can differ; decodes stay within this
 #: norm-wise relative distance of numba's.

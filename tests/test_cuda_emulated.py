@@ -71,6 +71,35 @@ def test_float32_denormals_flush_to_zero_as_under_cupy(module):
     assert y[0] == 0 and y[1] == 0 and y[2] == 0.5  # 5e-39 and 1.5e-39 are denormal
 
 
+@pytest.mark.parametrize("value, kept", [("1", True), (" Yes ", True), ("0", False), ("", False)])
+def test_no_ftz_follows_the_boolean_rule(module, monkeypatch, value, kept):
+    monkeypatch.setenv(emulated.NO_FTZ_ENV, value)
+    x = np.zeros(32, np.float32)
+    x[0] = 1e-38
+    y = np.ones_like(x)
+    module.get_function("halve")((1,), (32,), (x, y))
+    denormal = x[0] * np.float32(0.5)  # NumPy keeps denormals
+    assert denormal != 0 and y[0] == (denormal if kept else 0)
+
+
+def test_bad_emulation_settings_are_refused_naming_the_variable(module, monkeypatch):
+    halve = module.get_function("halve")
+    x, y = np.zeros(32, np.float32), np.zeros(32, np.float32)
+    monkeypatch.setenv(emulated.NO_FTZ_ENV, "keep")
+    with pytest.raises(ValueError, match="MPICOMP_EMULATED_NO_FTZ='keep' is not a boolean"):
+        halve((1,), (32,), (x, y))
+    monkeypatch.delenv(emulated.NO_FTZ_ENV)
+    monkeypatch.delenv(emulated.TIMEOUT_ENV, raising=False)
+    assert emulated.barrier_timeout() == emulated.TIMEOUT_S == 10
+    for bad in ("0", "-1", "2.5", "ten"):
+        monkeypatch.setenv(emulated.TIMEOUT_ENV, bad)
+        with pytest.raises(ValueError, match=f"MPICOMP_EMULATED_TIMEOUT must be .* got '{bad}'"):
+            halve((1,), (32,), (x, y))
+    monkeypatch.setenv(emulated.TIMEOUT_ENV, " 3 ")
+    assert emulated.barrier_timeout() == 3
+    halve((1,), (32,), (x, y))
+
+
 @pytest.mark.parametrize(
     "kernel, message",
     [

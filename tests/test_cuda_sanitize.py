@@ -12,7 +12,9 @@ from pathlib import Path
 
 import pytest
 
-if not os.environ.get("MPICOMP_TEST_SANITIZERS"):
+from mpicomp._env import env_flag
+
+if not env_flag("MPICOMP_TEST_SANITIZERS"):
     pytest.skip(
         "make test-sanitize runs these (MPICOMP_TEST_SANITIZERS=1)", allow_module_level=True
     )

@@ -1,4 +1,4 @@
-"""FastSGD kernels (paper 004 §3): exact per-bucket sum of |v|, threshold filter, logarithm
+"""FastSGD kernels (the FastSGD paper §3): exact per-bucket sum of |v|, threshold filter, logarithm
 quantization against a table of thresholds, adaptive delta-key bit stream, and the
 validating decoders.
 

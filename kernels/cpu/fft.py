@@ -1,5 +1,5 @@
-"""FFT sparsification kernels (paper 002): float16 rounding, the passes of a blocked real
-FFT, spectrum magnitudes, top-k selection, bitmap with prefix-sum packing, the range-based
+"""FFT sparsification kernels (the FFT sparsification paper): float16 rounding, the passes
+of a blocked real FFT, spectrum magnitudes, top-k selection, bitmap with prefix-sum packing, the range-based
 N-bit float and its bit stream.
 
 Floats are handled as their IEEE-754 bit patterns (uint32 views, int64 arithmetic),
@@ -431,7 +431,8 @@ def mpicomp_fft_choose_range(hist, vmax, bits):
 
 @nb.njit(inline="always", cache=True)
 def mpicomp_fft_nbit_encode(v, vmax, pbase, shift, bits):
-    """Return the N-bit code of float32 bit pattern ``v`` (paper 002 Alg. 1, sign bit on top)."""
+    """Return the N-bit code of float32 bit pattern ``v`` (the FFT sparsification paper,
+    Alg. 1; sign bit on top)."""
     a = v & _ABS
     if a > vmax:  # Alg. 1 lines 2-3: clamp to max
         a = vmax

@@ -1,5 +1,5 @@
-"""QSGD-MaxNorm kernels (paper 000 §3.1-3.4): norms, stochastic codes, scale indices,
-reconstruction and the shared GlobalRandK coordinates.
+"""QSGD-MaxNorm kernels (the unbiased quantizers paper §3.1-3.4): norms, stochastic codes,
+scale indices, reconstruction and the shared GlobalRandK coordinates.
 
 All arithmetic on values is float32 in a fixed order (no fastmath), so the CUDA twin built
 with --fmad=false gives the same codes: a = |v| / norm; y = a * s; l = floor(y); the

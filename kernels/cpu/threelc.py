@@ -1,4 +1,4 @@
-"""3LC kernels (paper 001 §3): max pass, 3-value quantization + quartic encoding with
+"""3LC kernels (the 3LC paper §3): max pass, 3-value quantization + quartic encoding with
 fused error feedback, zero-run encoding and the validating decoders.
 
 Every kernel is a plain per-element or per-byte loop in float32 without fastmath, so

@@ -292,14 +292,14 @@ template <class... A> void run_one(void* p, unsigned t) {
   }
 }
 
-// Launch f over grid x block, blocks one after another. Returns 0, or writes why the launch
-// failed into `error` (size `cap`) and returns 1.
+// Launch f over grid x block, blocks one after another: float32 denormals flushed when
+// `ftz`, a barrier failed after `timeout_s` seconds (the loader reads both from the
+// environment). Returns 0, or writes why the launch failed into `error` (size `cap`) and
+// returns 1.
 template <class... A>
 int launch(const char* name, void (*f)(A...), dim3 grid, dim3 block, size_t smem, void** args,
-           char* error, size_t cap) {
+           bool ftz, int timeout_s, char* error, size_t cap) {
   const unsigned nt = block.x * block.y * block.z, nw = (nt + 31) / 32;
-  const char* to = std::getenv("MPICOMP_EMULATED_TIMEOUT");
-  const bool ftz = std::getenv("MPICOMP_EMULATED_NO_FTZ") == nullptr;
   for (unsigned bz = 0; bz < grid.z; ++bz)
     for (unsigned by = 0; by < grid.y; ++by)
       for (unsigned bx = 0; bx < grid.x; ++bx) {
@@ -309,7 +309,7 @@ int launch(const char* name, void (*f)(A...), dim3 grid, dim3 block, size_t smem
         B.slot.resize(nw);
         B.dyn_smem.assign(smem ? smem : 1, 0xA5);  // poisoned: a GPU's is uninitialized
         B.live_threads = B.nthreads = nt;
-        B.timeout_s = to ? std::atoi(to) : 10;
+        B.timeout_s = timeout_s;
         for (unsigned t = 0; t < nt; ++t) B.live[t / 32] |= 1u << (t % 32);
         B.lanes = B.live;
         LaunchState<A...> state{f, args, &B, grid, block, {bx, by, bz}, ftz};
@@ -339,8 +339,10 @@ template <class... A> constexpr char argkind(void (*)(A...), int i) {
 // What the loader appends for each kernel: a launch entry and its parameter list.
 #define MPICOMP_EMULATED_EXPORT(k)                                                              \
   extern "C" int emu_launch_##k(unsigned gx, unsigned gy, unsigned gz, unsigned bx, unsigned by, \
-                                unsigned bz, size_t smem, void** args, char* err, size_t cap) {   \
-    return emu::launch(#k, &k, {gx, gy, gz}, {bx, by, bz}, smem, args, err, cap);               \
+                                unsigned bz, size_t smem, void** args, int ftz, int timeout_s,   \
+                                char* err, size_t cap) {                                         \
+    return emu::launch(#k, &k, {gx, gy, gz}, {bx, by, bz}, smem, args, ftz != 0, timeout_s, err, \
+                       cap);                                                                    \
   }                                                                                             \
   extern "C" int emu_nargs_##k() { return emu::nargs(&k); }                                     \
   extern "C" size_t emu_argsize_##k(int i) { return emu::argsize(&k, i); }                      \

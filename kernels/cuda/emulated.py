@@ -13,7 +13,9 @@ Built libraries are cached under ``MPICOMP_EMULATED_CACHE`` (default
 ``.cuh`` headers of its include path and the flags, so each module compiles once per
 machine and again when any of them changes. ``MPICOMP_EMULATED_SANITIZE`` set to
 ``thread``, ``address`` or ``undefined`` builds with that sanitizer (``make
-test-sanitize``; the process must preload the sanitizer's runtime).
+test-sanitize``; the process must preload the sanitizer's runtime). Each launch reads
+``MPICOMP_EMULATED_NO_FTZ`` (on: keep float32 denormals) and ``MPICOMP_EMULATED_TIMEOUT``
+(seconds a barrier waits, default 10) and hands them to the library.
 
 Why by hand: no library runs CUDA C++ on a CPU with real threads per CUDA thread and
 barrier checks (the CUDA toolkit's own emulation left years ago); this is about 300 lines.
@@ -32,6 +34,8 @@ import threading
 from pathlib import Path
 
 import numpy as np
+
+from mpicomp._env import env_flag
 
 HEADER = Path(__file__).with_name("emulated.h")
 
@@ -53,6 +57,11 @@ CXXFLAGS = (
 SANITIZE_ENV = "MPICOMP_EMULATED_SANITIZE"
 SANITIZERS = ("thread", "address", "undefined")
 CACHE_ENV = "MPICOMP_EMULATED_CACHE"
+#: On: float32 denormals are kept (a GPU under CuPy flushes them, and so does the default).
+NO_FTZ_ENV = "MPICOMP_EMULATED_NO_FTZ"
+#: Seconds a barrier of an emulated launch waits before the launch fails (default 10).
+TIMEOUT_ENV = "MPICOMP_EMULATED_TIMEOUT"
+TIMEOUT_S = 10
 
 # GPU limits a launch must respect (compute capability 8.0 and later).
 MAX_THREADS = 1024
@@ -118,6 +127,8 @@ class RawKernel:
         self._launch.argtypes = [ctypes.c_uint] * 6 + [
             ctypes.c_size_t,
             ctypes.POINTER(ctypes.c_void_p),
+            ctypes.c_int,
+            ctypes.c_int,
             ctypes.c_char_p,
             ctypes.c_size_t,
         ]
@@ -161,9 +172,12 @@ class RawKernel:
                 buf = ctypes.create_string_buffer(a.tobytes(), a.itemsize)
             keep.append(buf)
             pointers[i] = ctypes.addressof(buf)
+        ftz, timeout_s = not env_flag(NO_FTZ_ENV), barrier_timeout()
         error = ctypes.create_string_buffer(1024)
         with _LAUNCH:
-            failed = self._launch(*grid, *block, shared_mem, pointers, error, len(error))
+            failed = self._launch(
+                *grid, *block, shared_mem, pointers, ftz, timeout_s, error, len(error)
+            )
         if failed:
             raise EmulatedLaunchError(error.value.decode(errors="replace"))
 
@@ -185,6 +199,20 @@ class RawKernel:
             raise EmulatedLaunchError(
                 f"{self.name}: {shared_mem} bytes of dynamic shared memory (at most {MAX_SHARED})"
             )
+
+
+def barrier_timeout() -> int:
+    """Return the seconds a barrier waits: ``MPICOMP_EMULATED_TIMEOUT``, else ``TIMEOUT_S``.
+
+    Raises:
+        ValueError: the variable is not a whole number of seconds >= 1.
+    """
+    raw = os.environ.get(TIMEOUT_ENV, "").strip()
+    if not raw:
+        return TIMEOUT_S
+    if not raw.isdigit() or not 1 <= int(raw) < 2**31:
+        raise ValueError(f"{TIMEOUT_ENV} must be a whole number of seconds >= 1, got {raw!r}")
+    return int(raw)
 
 
 def _dims(value, what: str) -> tuple[int, int, int]:

@@ -1,4 +1,4 @@
-// FastSGD kernels (paper 004 §3), the CUDA twin of kernels/cpu/fastsgd.py: same bytes.
+// FastSGD kernels (the FastSGD paper §3), the CUDA twin of kernels/cpu/fastsgd.py: same bytes.
 //
 // Exact arithmetic as in the numba twin (docs/codecs.md, "fastsgd"): the bucket sum of |v| is
 // an exact integer (limbs of 32 bits, integer atomics only) rounded once to float32; every

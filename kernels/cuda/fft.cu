@@ -1,5 +1,5 @@
-// FFT sparsification (paper 002): CUDA twin of kernels/cpu/fft.py, same bytes for the same
-// arrays. The transforms themselves are the device FFT library's (kernels/cuda/fft.py).
+// FFT sparsification (the FFT sparsification paper): CUDA twin of kernels/cpu/fft.py, same
+// bytes for the same arrays. The transforms themselves are the device FFT library's (kernels/cuda/fft.py).
 //
 // Floats are handled as their IEEE-754 bit patterns wherever the twin does so (rounding,
 // selection, the range-based N-bit float), so -ftz=true cannot touch them: comparisons of
@@ -309,7 +309,7 @@ extern "C" __global__ void mpicomp_fft_select_pack(const u32* spec, const u32* m
     if (threadIdx.x == 0 && block_vmax) atomicMax(vmax, block_vmax);
 }
 
-// ---- the range-based N-bit float (paper 002 Alg. 1) ---------------------------------------------
+// ---- the range-based N-bit float (the FFT sparsification paper, Alg. 1) -------------------------
 __device__ __forceinline__ double mpicomp_fft_eps_squared(i64 eps_bits) {
     const i64 e = eps_bits >> 23;
     const i64 mant = eps_bits & 0x7FFFFF;

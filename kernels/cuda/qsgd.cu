@@ -1,5 +1,5 @@
-// QSGD-MaxNorm kernels (paper 000 §3.1-3.4), CUDA twins of kernels/cpu/qsgd.py: norms,
-// stochastic codes, scale indices, reconstruction, GlobalRandK coordinates.
+// QSGD-MaxNorm kernels (the unbiased quantizers paper §3.1-3.4), CUDA twins of
+// kernels/cpu/qsgd.py: norms, stochastic codes, scale indices, reconstruction, GlobalRandK coordinates.
 //
 // Float arithmetic is the numba twin's, operation for operation (built with --fmad=false):
 // a = |v| / norm, y = a * s, l = floor(y), code l + 1 iff u < y - l, norm the element's

@@ -1,4 +1,4 @@
-// 3LC (paper 001 §3): max pass, ternarize + quartic encoding with fused error feedback,
+// 3LC (the 3LC paper §3): max pass, ternarize + quartic encoding with fused error feedback,
 // zero-run encoding by scans, and the validating decoders. Twins of kernels/cpu/threelc.py,
 // byte for byte. Constants come from kernels/threelc.py (kernels/cuda/threelc.py: DEFINES):
 //   MPICOMP_THREELC_ZERO_BYTE, _RUN_BASE, _MAX_RUN, _MAX_QUARTIC, _ITEMS (bytes per thread of

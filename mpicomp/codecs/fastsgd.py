@@ -1,5 +1,5 @@
-"""FastSGD (paper 004 §3): reciprocal mapper, logarithm quantization and threshold filter for
-the values, adaptive delta-key binary encoding for the keys, applied per bucket.
+"""FastSGD (the FastSGD paper §3): reciprocal mapper, logarithm quantization and threshold
+filter for the values, adaptive delta-key binary encoding for the keys, applied per bucket.
 
 Body after the common header (see docs/codecs.md, "fastsgd")::
 
@@ -53,12 +53,12 @@ class FastSGD(GatherCodecBase):
     ``ErrorFeedback``.
 
     Args:
-        base: the logarithm base b in (1, 16]; paper 004 §4.2 recommends about 1.1.
+        base: the logarithm base b in (1, 16]; the FastSGD paper §4.2 recommends about 1.1.
         tau: the threshold tau, an integer in [1, 127]: values below sum / b^tau are
             dropped and L <= tau fits 7 bits beside the sign. The paper's 128 does
             not fit its own byte; 127 is the nearest that does.
         flag_bits: the length-flag size l, an integer in [1, 5]; 2^l delta widths
-            (paper 004 Table VI recommends 2).
+            (the FastSGD paper Table VI recommends 2).
         bucket: elements per bucket, an integer in [0, 2**29]; each bucket has its
             own sum and key stream. 0 is one bucket for the whole tensor (the paper's
             exact algorithm), which keeps almost nothing of a large dense gradient,

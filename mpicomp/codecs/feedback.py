@@ -1,5 +1,5 @@
 """Error feedback: residual memory per tensor, so a biased codec's error is sent later
-instead of lost (paper 001 §3.1)."""
+instead of lost (the 3LC paper §3.1)."""
 
 from __future__ import annotations
 

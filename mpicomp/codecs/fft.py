@@ -1,4 +1,4 @@
-"""FFT-based gradient sparsification with a range-based N-bit float (paper 002).
+"""FFT-based gradient sparsification with a range-based N-bit float (the FFT sparsification paper).
 
 The gradient, flattened and optionally rounded to float16, goes through a real FFT
 (the kernel backend's: on the CPU NumPy's, or a blocked transform for large tensors);

@@ -1,4 +1,4 @@
-"""QSGD-MaxNorm and its relatives (paper 000 §3.1-3.4): summable integer codes.
+"""QSGD-MaxNorm and its relatives (the unbiased quantizers paper §3.1-3.4): summable integer codes.
 
 Every rank quantizes its gradient against shared norms into integer codes in
 [-bound, bound]; a ring reduce sums the codes exactly and ``dequantize`` turns the sum
@@ -368,7 +368,7 @@ class _Dense:
 
 
 class _Multiscale:
-    """The scale set of the multi-scale codecs (paper 000 §3.2)."""
+    """The scale set of the multi-scale codecs (the unbiased quantizers paper §3.2)."""
 
     multiscale = True
 
@@ -443,7 +443,8 @@ class _Multiscale:
 
 
 class _GlobalRandK:
-    """K coordinates per (seed, step), the same on every rank (paper 000 §3.3-3.4)."""
+    """K coordinates per (seed, step), the same on every rank (the unbiased quantizers
+    paper §3.3-3.4)."""
 
     sparse = True
 
@@ -560,8 +561,8 @@ def _scatter(kernels, vals, shape: tuple[int, ...], idx):
 
 @register
 class QSGDMaxNorm(_Dense, _MaxNorm):
-    """QSGD-MaxNorm (paper 000 §3.1): r-bit stochastic codes against block norms, the max
-    over ranks.
+    """QSGD-MaxNorm (the unbiased quantizers paper §3.1): r-bit stochastic codes against
+    block norms, the max over ranks.
 
     Args:
         bits: r in [2, 16]; codes lie in [-s, s] with s = 2^(r-1) - 1 levels.
@@ -624,7 +625,8 @@ class QSGDMaxNorm(_Dense, _MaxNorm):
 
 @register
 class QSGDMaxNormMultiscale(_Dense, _Multiscale, _MaxNorm):
-    """QSGD-MaxNorm with several scales (paper 000 §3.2), shared by an elementwise MIN.
+    """QSGD-MaxNorm with several scales (the unbiased quantizers paper §3.2), shared by an
+    elementwise MIN.
 
     Per coordinate the finest scale s_k in the set with |v| / norm * s_k <= s_min, so
     every code still fits in ``bits``. Index 0 is the coarsest scale (s_min) and
@@ -688,7 +690,8 @@ class QSGDMaxNormMultiscale(_Dense, _Multiscale, _MaxNorm):
 
 @register
 class GRandKMaxNorm(_GlobalRandK, _MaxNorm):
-    """GlobalRandK-MaxNorm (paper 000 §3.3): QSGD-MaxNorm on K shared random coordinates.
+    """GlobalRandK-MaxNorm (the unbiased quantizers paper §3.3): QSGD-MaxNorm on K shared
+    random coordinates.
 
     The quantized vector is the selected sub-vector, so the shared norms are the max over
     ranks of the norms of its blocks; ``dequantize`` scales by n / K, so the result is
@@ -744,7 +747,8 @@ class GRandKMaxNorm(_GlobalRandK, _MaxNorm):
 
 @register
 class GRandKMaxNormMultiscale(_GlobalRandK, _Multiscale, _MaxNorm):
-    """GlobalRandK-MaxNorm multi-scale (paper 000 §3.4): §3.2's scales on K shared coordinates.
+    """GlobalRandK-MaxNorm multi-scale (the unbiased quantizers paper §3.4): §3.2's scales on
+    K shared coordinates.
 
     Args:
         bits: r in [2, 16] of the coarsest scale (the code width).

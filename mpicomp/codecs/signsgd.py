@@ -1,4 +1,4 @@
-"""signSGD with majority vote (paper 003): one bit per element on the wire.
+"""signSGD with majority vote (the all-reducible signSGD paper): one bit per element on the wire.
 
 Ranks vote bit = (x > 0); a ring reduce sums the votes (bit widths growing with
 the step) and the chunk owner decides the majority, which then travels as 1 bit

@@ -1,4 +1,4 @@
-"""3LC (paper 001 §3): 3-value quantization with a sparsity multiplier, quartic encoding
+"""3LC (the 3LC paper §3): 3-value quantization with a sparsity multiplier, quartic encoding
 (five trits per byte) and zero-run encoding, with error feedback fused into the encode pass.
 
 Body after the common header (see docs/codecs.md, "threelc")::
@@ -33,9 +33,9 @@ class ThreeLC(GatherCodecBase):
 
     Args:
         sparsity: the sparsity multiplier s in [1, 2); M = max|x| * s, and a
-            larger s maps more values to 0 (paper 001 §3.1). 1.0 keeps the
+            larger s maps more values to 0 (the 3LC paper §3.1). 1.0 keeps the
             largest magnitude exactly.
-        zero_run: shorten runs of all-zero bytes (paper 001 §3.3); False leaves
+        zero_run: shorten runs of all-zero bytes (the 3LC paper §3.3); False leaves
             the fixed 1.6 bits per value of quartic encoding alone.
 
     Raises:
