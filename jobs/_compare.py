@@ -8,7 +8,6 @@ and average gradients; the codec list, measuring and reporting are here.
 from __future__ import annotations
 
 import argparse
-import ast
 import inspect
 import json
 import math
@@ -18,6 +17,7 @@ from dataclasses import asdict, dataclass, field
 
 import numpy as np
 
+from mpicomp.bench.workload import parse_codec, split_codecs
 from mpicomp.collectives.traffic import Traffic
 
 
@@ -59,13 +59,6 @@ RUNS = [
 ]
 
 
-def _value(text: str):
-    try:
-        return ast.literal_eval(text)
-    except (ValueError, SyntaxError):
-        return text  # a plain word, e.g. tie=negative
-
-
 def parse_runs(text: str | None) -> list[Run]:
     """Return the runs named by a comma list (None: the default comparison).
 
@@ -80,18 +73,9 @@ def parse_runs(text: str | None) -> list[Run]:
     if text is None:
         return list(RUNS)
     runs: list[Run] = []
-    # commas inside parentheses belong to a value: scales=(2,8)
-    for entry in (e.strip() for e in re.split(r",(?![^()]*\))", text)):
-        if not entry:
-            continue
+    for entry in split_codecs(text):  # the spelling mpicomp's --codecs reads too
         if ":" in entry:
-            name, *pairs = entry.split(":")
-            params = {}
-            for pair in pairs:
-                key, sep, val = pair.partition("=")
-                if not sep or not key:
-                    raise ValueError(f"codec parameters are key=value, got {pair!r} in {entry!r}")
-                params[key] = _value(val)
+            name, params = parse_codec(entry)
             runs.append(_run(name, **params))
             continue
         hits = [r for r in RUNS if r.label == entry] or [r for r in RUNS if r.codec == entry]

@@ -1,8 +1,8 @@
-"""When does compression pay? Paper 002's Eq. 4 with measured kernel throughput.
+"""When does compression pay? Eq. 4 of the FFT sparsification paper with measured kernels.
 
-Paper 002 (§3.3) compresses a message of M bytes at a cost M/T per primitive and saves
-M/T_comm (1 - 1/k) of communication at compression ratio k; compressing and
-decompressing pay off when
+The FFT sparsification paper (§3.3, docs/bibliography.md) compresses a message of M
+bytes at a cost M/T per primitive and saves M/T_comm (1 - 1/k) of communication at
+compression ratio k; compressing and decompressing pay off when
 
     k > 1 / (1 - T_comm (1/T_enc + 1/T_dec))                              (Eq. 4)
 
@@ -71,9 +71,11 @@ def predict(row: dict, link_bps: float, nranks: int) -> dict:
         nranks: ranks of the all-reduce (>= 2).
 
     Returns:
-        ``ratio`` (32 / bits per element), ``min_ratio`` (Eq. 4), ``pays`` (Eq. 4),
-        ``speedup`` (float32 ring time over compressed time, N ranks),
-        ``break_even_gbit`` (the link rate below which compression is faster; 0: never).
+        ``ratio`` (32 / bits per element), ``min_ratio`` (Eq. 4; None where no ratio
+        pays), ``pays`` (Eq. 4), ``speedup`` (float32 ring time over compressed time, N
+        ranks), ``break_even_gbit`` (the link rate below which compression is faster; 0:
+        never) and ``rel_error`` (the row's: ``||decode(encode(g)) - g|| / ||g||`` of one
+        call, None when the row has none).
     """
     codec = make_codec(row["codec"], **row["params"])
     k = 32 / row["bits_per_element"]
@@ -96,10 +98,11 @@ def predict(row: dict, link_bps: float, nranks: int) -> dict:
         "codec": row["codec"],
         "params": row["params"],
         "ratio": k,
-        "min_ratio": need,
+        "min_ratio": None if math.isinf(need) else need,  # JSON has no infinity
         "pays": codec.compresses and k > need,
         "speedup": plain_t / comp_t if comp_t > 0 else 1.0,
         "break_even_gbit": (8 * saved / compute / 1e9) if compute > 0 and saved > 0 else 0.0,
+        "rel_error": row.get("rel_error"),
     }
 
 
@@ -112,28 +115,48 @@ def advise(rows: list[dict], link_bps: float, nranks: int) -> list[dict]:
     return [predict(r, link_bps, nranks) for r in rows if r.get("encode_gbps")]
 
 
+#: What the tables say of accuracy, which they do not measure.
+ACCURACY_NOTE = (
+    "rel.err = ||decode(encode(g)) - g|| / ||g|| for one call on a gradient-like tensor "
+    "(mpicomp bench's): what one step loses, before error feedback carries the rest to "
+    "later steps; above 1 is expected of the sparse codecs (grandk, topk, threelc), which "
+    "send a few coordinates scaled up. Speed is not accuracy: which codecs train to "
+    "float32's accuracy, and with which settings, is in docs/choosing.md."
+)
+
+
 def format_table(advice: list[dict], link_bps: float, nranks: int, out) -> None:
-    """Print ``advice`` as a table."""
-    from mpicomp.bench import label
+    """Print ``advice`` as a table of at most 120 columns, with what its columns mean and
+    a note on accuracy (``ACCURACY_NOTE``)."""
+    from mpicomp._table import lines, note
+    from mpicomp.bench.workload import codec_label
 
     print(
-        f"link {link_bps / 1e9:g} Gbit/s per rank, {nranks} ranks. k: compression ratio "
-        "(32 / bits per element); Eq. 4 k_min: the ratio compression must exceed with these "
-        "kernels (paper 002 §3.3);\nspeedup: the all-reduce model's float32 ring time over "
-        "the compressed time; break-even: compression is faster on links slower than this.",
+        note(
+            f"link {link_bps / 1e9:g} Gbit/s per rank, {nranks} ranks. k: compression ratio "
+            "(32 / bits per element); Eq.4 k_min: the ratio compression must exceed with "
+            "these kernels (§3.3 of the FFT sparsification paper, docs/bibliography.md; "
+            "'none': no ratio is enough); speedup: the all-reduce model's float32 ring time "
+            "over the compressed time; break-even: compression is faster on links slower "
+            "than this."
+        ),
         file=out,
     )
-    head = f"{'codec':<28}{'params':<14}{'k':>8}{'Eq.4 k_min':>11}{'pays':>6}{'speedup':>9}"
-    head += f"{'break-even Gbit/s':>19}"
-    print(head, file=out)
-    print("-" * len(head), file=out)
-    for a in advice:
-        need = "none" if math.isinf(a["min_ratio"]) else f"{a['min_ratio']:.2f}"
-        print(
-            f"{a['codec']:<28}{label(a['params']):<14}{a['ratio']:>8.1f}{need:>11}"
-            f"{'yes' if a['pays'] else 'no':>6}{a['speedup']:>9.2f}{a['break_even_gbit']:>19.2f}",
-            file=out,
-        )
+    head = ["codec", "k", "Eq.4 k_min", "pays", "speedup", "break-even Gbit/s", "rel.err"]
+    rows = [
+        [
+            codec_label(a["codec"], a["params"]),
+            f"{a['ratio']:.1f}",
+            "none" if a["min_ratio"] is None else f"{a['min_ratio']:.2f}",
+            "yes" if a["pays"] else "no",
+            f"{a['speedup']:.2f}",
+            f"{a['break_even_gbit']:.2f}",
+            "-" if a.get("rel_error") is None else f"{a['rel_error']:.3g}",
+        ]
+        for a in advice
+    ]
+    print("\n".join(lines(head, rows, right=range(1, 7), squeeze=((0, 16),))), file=out)
+    print(note(ACCURACY_NOTE), file=out)
 
 
 # -- the schedule table: what schedule="auto" picks per tensor size ---------------------
@@ -256,14 +279,6 @@ def _columns(rows: list[dict]) -> list[str]:
     return [s for s in (*flat, *(HIER + s for s in flat), FLOAT32) if s in seen]
 
 
-def _count(n: int) -> str:
-    """``n`` as the command line spells it: 4K, 25.6M (``parse_count`` reads it back)."""
-    for scale, suffix in ((10**9, "G"), (10**6, "M"), (10**3, "K")):
-        if n >= scale:
-            return f"{n / scale:g}{suffix}"
-    return str(n)
-
-
 def _given_params(name: str, params: dict) -> dict:
     """The parameters of ``params`` that differ from codec ``name``'s defaults."""
     defaults = make_codec(name).params
@@ -271,35 +286,39 @@ def _given_params(name: str, params: dict) -> dict:
 
 
 def format_schedule_table(rows: list[dict], model, topology, out) -> None:
-    """Print ``schedule_table`` rows as a table, under a header naming ``model``'s
-    networks and ``topology``."""
-    from mpicomp.bench import label
+    """Print ``schedule_table`` rows as tables of at most 120 columns, under a header
+    naming ``model``'s networks and ``topology``: one table per set of candidate
+    schedules (the ring codecs', the gather codecs', ...), so no column is empty."""
+    from mpicomp._table import lines, note, plural
+    from mpicomp.bench.workload import codec_label, format_count
 
     def net(n) -> str:
         return f"alpha {n.alpha * 1e6:.4g} us, {n.beta * 8 / 1e9:.4g} Gbit/s"
 
     print(
-        f"{topology.hosts} host(s) x {topology.per_host} rank(s); within a host: "
-        f"{net(model.intra)}; between hosts: {net(model.inter)}; speeds: {model.source}.\n"
-        "Predicted ms per call of each schedule ('-': not a candidate); choice: what "
-        "schedule='auto' runs; speedup: float32's time over the choice's.",
+        note(
+            f"{plural(topology.hosts, 'host')} x {plural(topology.per_host, 'rank')}; "
+            f"within a host: {net(model.intra)}; between hosts: {net(model.inter)}; "
+            f"speeds: {model.source}.\nPredicted ms per call of each candidate schedule; "
+            "choice: what schedule='auto' runs; speedup: float32's time over the choice's."
+        ),
         file=out,
     )
-    columns = _columns(rows)
-    widths = [max(len(s), 9) + 2 for s in columns]
-    head = f"{'codec':<28}{'params':<14}{'size':>8}"
-    head += "".join(f"{s:>{w}}" for s, w in zip(columns, widths, strict=True))
-    head += f"  {'choice':<16}{'speedup':>8}"
-    print(head, file=out)
-    print("-" * len(head), file=out)
+    groups: dict[tuple, list[dict]] = {}
     for r in rows:
-        times = "".join(
-            f"{1e3 * r['seconds'][s]:>{w}.3f}" if s in r["seconds"] else f"{'-':>{w}}"
-            for s, w in zip(columns, widths, strict=True)
-        )
-        params = label(_given_params(r["codec"], r["params"]))
-        print(
-            f"{r['codec']:<28}{params:<14}{_count(r['numel']):>8}{times}"
-            f"  {r['choice']:<16}{r['speedup']:>8.2f}",
-            file=out,
-        )
+        groups.setdefault(tuple(_columns([r])), []).append(r)
+    for columns, members in groups.items():
+        head = ["codec", "size", *columns, "choice", "speedup"]
+        body = [
+            [
+                codec_label(r["codec"], _given_params(r["codec"], r["params"])),
+                format_count(r["numel"]),
+                *(f"{1e3 * r['seconds'][s]:.3f}" for s in columns),
+                r["choice"],
+                f"{r['speedup']:.2f}",
+            ]
+            for r in members
+        ]
+        right = [i for i in range(len(head)) if head[i] not in ("codec", "choice")]
+        print(file=out)
+        print("\n".join(lines(head, body, right=right, squeeze=((0, 16),))), file=out)

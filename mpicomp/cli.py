@@ -7,19 +7,25 @@ import json
 import os
 import signal
 import sys
+import textwrap
 
 from mpicomp import bench, diagnostics
+from mpicomp._table import WIDTH, plural
 from mpicomp._version import __version__
 from mpicomp.codecs import available as available_codecs
 from mpicomp.diagnostics import info
+
+#: How the docs launch the all-reduce part of ``mpicomp bench`` (it needs several ranks).
+ALLREDUCE_LAUNCH = "mpiexec -n N python -m mpi4py -m mpicomp bench"
 
 EXAMPLES = """\
 examples:
   mpicomp info                          what this machine and MPI library offer
   mpiexec -n 4 mpicomp info --all-ranks one line per rank, and warnings
   mpicomp compile                       fill the numba kernel cache ahead of a job
-  mpicomp bench --numel 4M              codec GB/s beside memcpy, then the all-reduce
-  mpiexec -n 4 mpicomp bench --no-kernels --sizes 1M
+  mpicomp bench --numel 4M              codec GB/s beside memcpy, on one process
+  mpiexec -n 4 python -m mpi4py -m mpicomp bench --no-kernels --sizes 1M
+                                        compressed all-reduce against MPI_Allreduce
   mpicomp advise 1gbit                  which codecs pay on a 1 Gbit/s link
   mpicomp trace summary run.h5          a trace written by CompressedComm(trace=...)
 
@@ -88,7 +94,7 @@ def _parser() -> argparse.ArgumentParser:
         "(docs/install.md).",
     )
     p.add_argument(
-        "--codecs", type=_codec_list, default=None, metavar="NAMES", help="codecs (default: all)"
+        "--codecs", type=_codec_names, default=None, metavar="NAMES", help="codecs (default: all)"
     )
     p.set_defaults(run=_cmd_compile, sub_parser=p)
 
@@ -98,16 +104,18 @@ def _parser() -> argparse.ArgumentParser:
         description="Encode and decode throughput (GB/s of float32 input) of each codec on "
         "one gradient-shaped tensor beside np.copyto of the same buffer, the bits per element "
         "one rank sends, then CompressedComm.allreduce against MPI_Allreduce of float32 on "
-        "MPI.COMM_WORLD (launch with mpiexec/srun for more than one rank), with its "
-        "encode/exchange/decode split; both on --backend's arrays. Medians of --reps "
-        "after a warm-up; the kernels are timed on rank 0 alone.",
+        "MPI.COMM_WORLD, with its encode/exchange/decode split; both on --backend's arrays. "
+        "Medians of --reps after a warm-up; the kernels are timed on rank 0 alone. The "
+        f"all-reduce needs several ranks (`{ALLREDUCE_LAUNCH}`): on one it is skipped.",
     )
     p.add_argument(
         "--codecs",
         type=_codec_list,
         default=None,
         metavar="NAMES",
-        help="comma-separated codec names (default: all; see `mpicomp info`)",
+        help="comma-separated codec names, or name:key=value[:key=value] for other "
+        "parameters, e.g. qsgd_maxnorm:bits=4 (default: all, at the parameters of "
+        "docs/running.md; see `mpicomp info`)",
     )
     p.add_argument(
         "--numel",
@@ -195,8 +203,10 @@ def _parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser(
         "advise",
-        help="for a link bandwidth, which codecs pay (paper 002 Eq. 4, measured kernels)",
-        description="Paper 002's Eq. 4 with measured encode/decode throughput: the smallest "
+        help="for a link bandwidth, which codecs pay (measured kernels in Eq. 4 of the FFT "
+        "sparsification paper, docs/bibliography.md)",
+        description="Eq. 4 of the FFT sparsification paper (Wang et al., HPDC '20; "
+        "docs/bibliography.md) with measured encode/decode throughput: the smallest "
         "compression ratio that pays on a link, whether each codec reaches it, the modelled "
         "all-reduce speedup at --ranks, and the link rate below which each codec is faster. "
         "Kernel figures come from --bench (a `mpicomp bench --json` file) or are measured now. "
@@ -211,7 +221,13 @@ def _parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--ranks", type=_positive_count, default=None, metavar="N", help="ranks (4)")
     p.add_argument("--bench", metavar="FILE", default=None, help="`mpicomp bench --json` output")
-    p.add_argument("--codecs", type=_codec_list, default=None, metavar="NAMES", help="codecs (all)")
+    p.add_argument(
+        "--codecs",
+        type=_codec_list,
+        default=None,
+        metavar="NAMES",
+        help="codecs, as bench's --codecs: names or name:key=value[:key=value] (all)",
+    )
     p.add_argument(
         "--numel",
         type=_positive_count,
@@ -266,12 +282,25 @@ def _parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("trace", help="read an HDF5 trace written by CompressedComm(trace=...)")
     tsub = p.add_subparsers(dest="trace_command", required=True, metavar="ACTION")
-    t = tsub.add_parser("summary", help="print a table of a trace", description="Print a table.")
-    t.add_argument("file", metavar="FILE", help="an HDF5 trace file")
+    t = tsub.add_parser(
+        "summary",
+        help="print a table of a trace, or of every trace in a directory",
+        description="Print the run's attributes and a table: per codec, tensor and schedule, "
+        "bytes, ratio, latency and phases. The first call of each row (it compiles "
+        "kernels and allocates buffers) is left out of the latencies and phases unless "
+        "--all-calls. A directory (e.g. `mpicomp bench --trace DIR`'s) is read file by file.",
+    )
+    t.add_argument(
+        "file", metavar="FILE|DIR", help="an HDF5 trace file, or a directory of them (*.h5)"
+    )
+    t.add_argument(
+        "--all-calls", action="store_true", help="count each row's first (warm-up) call too"
+    )
     t.add_argument(
         "--json",
         action="store_true",
-        help='print one JSON object ({"run": attributes, "rows": one per codec and tensor})',
+        help='print one JSON object ({"file", "run": attributes, "rows": one per codec, '
+        'tensor and schedule, then "all"}); for a directory a list of them',
     )
     t.set_defaults(run=_cmd_trace_summary, sub_parser=t)
     t = tsub.add_parser("plot", help="draw a trace to an image", description="Draw a trace.")
@@ -343,7 +372,8 @@ def _rate(text: str) -> int:
         raise argparse.ArgumentTypeError(str(e)) from None
 
 
-def _codec_list(text: str) -> list[str]:
+def _codec_names(text: str) -> list[str]:
+    """``--codecs`` of ``compile``: codec names alone (kernels do not depend on parameters)."""
     names = [n.strip() for n in text.split(",") if n.strip()]
     if not names:
         raise argparse.ArgumentTypeError(f"no codec names in {text!r}")
@@ -354,6 +384,19 @@ def _codec_list(text: str) -> list[str]:
                 f"unknown codec {name!r}; available: {', '.join(known)}"
             )
     return names
+
+
+def _codec_list(text: str) -> list[str]:
+    """``--codecs`` of ``bench`` and ``advise``: names or ``name:key=value[:key=value]``
+    entries (``mpicomp.bench.codec_set``), checked here so a typo is a usage error."""
+    entries = bench.split_codecs(text)
+    if not entries:
+        raise argparse.ArgumentTypeError(f"no codec names in {text!r}")
+    try:
+        bench.codec_set(entries)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return entries
 
 
 def _schedule_list(text: str):
@@ -387,16 +430,23 @@ def _cmd_info(args, parser) -> int:
         print(json.dumps({**fields, **extra}, indent=1))
         return 0
     width = max(map(len, fields)) + 2
-    for key, value in fields.items():
-        print(f"{key + ':':<{width}}{value}")
+    for key, value in fields.items():  # long values (the codecs) go on below, indented
+        print(_wrapped(f"{key + ':':<{width}}{value}", " " * width))
     if ranks is not None:
         print()
         print("\n".join(diagnostics.table(ranks)))
         print()
         print("warnings:" if warnings else "warnings: none")
         for w in warnings:
-            print(f"  - {w}")
+            print(_wrapped(f"  - {w}", "    "))
     return 0
+
+
+def _wrapped(text: str, indent: str) -> str:
+    """``text`` wrapped to the tables' width, its later lines indented by ``indent``."""
+    return textwrap.fill(
+        text, WIDTH, subsequent_indent=indent, break_on_hyphens=False, break_long_words=False
+    )
 
 
 def _cmd_compile(args, parser) -> int:
@@ -409,7 +459,8 @@ def _cmd_compile(args, parser) -> int:
     names = args.codecs or available_codecs()
     if rank0:
         where = _numba_cache.cache_root() or "numba's choice (NUMBA_CACHE_DIR)"
-        print(f"compiling (or loading) the kernels of {len(names)} codecs: {where}", flush=True)
+        told = plural(len(names), "codec")
+        print(f"compiling (or loading) the kernels of {told}: {where}", flush=True)
 
     def done(name, seconds):
         if rank0:
@@ -438,6 +489,25 @@ def _cmd_bench(args, parser) -> int:
     from mpi4py import MPI
 
     comm = MPI.COMM_WORLD
+    # One rank has nothing to all-reduce with: its "speedup" and bytes would be noise and 0.
+    alone = comm.size == 1 and not args.no_allreduce
+    unused = [
+        flag
+        for flag, value in (
+            ("--sizes", args.sizes),
+            ("--schedules", args.schedules),
+            ("--trace", args.trace),
+            ("--tc-dev", args.tc_dev),
+        )
+        if value and alone
+    ]
+    if alone and args.no_kernels and not args.save_model:
+        parser.error(
+            "--no-kernels on one rank leaves nothing to measure: the all-reduce needs "
+            f"several ranks; launch with `{ALLREDUCE_LAUNCH} ...`"
+        )
+    if alone:
+        sizes = []
     if args.save_model:
         # Before the run, not after it: a mistyped directory should not cost a whole bench.
         where = os.path.dirname(os.path.abspath(args.save_model))
@@ -475,6 +545,13 @@ def _cmd_bench(args, parser) -> int:
         bench.print_json(report.rows)
     else:
         report.print(args.reps, args.allreduce_reps)
+    if alone and not (args.json and args.quiet):
+        print(
+            f"\nall-reduce: skipped on one rank; `{ALLREDUCE_LAUNCH}` measures it "
+            "against MPI_Allreduce"
+            + (f" ({', '.join(unused)}: for the all-reduce, unused)" if unused else ""),
+            file=sys.stderr if args.json else sys.stdout,
+        )
     return _save_model(report.model, args.save_model) if args.save_model else 0
 
 
@@ -491,7 +568,7 @@ def _save_model(model, path: str) -> int:
 
     print(
         f"mpicomp bench: wrote the model to {path}: within a host {net(model.intra)}; "
-        f"between hosts {net(model.inter)}; {len(model.speeds)} codec speed(s)",
+        f"between hosts {net(model.inter)}; {plural(len(model.speeds), 'codec speed')}",
         file=sys.stderr,
     )
     return 0
@@ -619,7 +696,24 @@ def _bench_rows(args) -> list[dict]:
         rows = json.load(f)
     if not isinstance(rows, list) or not all(isinstance(r, dict) for r in rows):
         raise ValueError("expected a JSON list of rows, as `mpicomp bench --json` prints")
-    return [r for r in rows if r.get("codec") in args.codecs] if args.codecs else rows
+    if not args.codecs:
+        return rows
+    picked = []
+    for entry in args.codecs:
+        name, params = bench.parse_codec(entry)
+        hits = [
+            r
+            for r in rows
+            if r.get("codec") == name
+            and all((r.get("params") or {}).get(k) == v for k, v in (params or {}).items())
+        ]
+        if not hits:
+            raise ValueError(
+                f"no row of {name}{'' if params is None else ' with ' + entry.partition(':')[2]}; "
+                f"`mpicomp bench --json --codecs {entry}` measures it"
+            )
+        picked += [r for r in hits if not any(r is p for p in picked)]
+    return picked
 
 
 def _where(args) -> str:
@@ -630,8 +724,15 @@ def _where(args) -> str:
 # -- trace ---------------------------------------------------------------------------
 
 
-def _trace_module(args):
-    if not os.path.isfile(args.file):
+def _trace_module(args, directory: bool = False):
+    """Return ``mpicomp.trace_report`` once ``args.file`` is a file (or, with
+    ``directory``, a directory); otherwise a usage error saying what is expected."""
+    if os.path.isdir(args.file) and not directory:
+        args.sub_parser.error(
+            f"{args.file!r} is a directory: trace {args.trace_command} takes one trace file "
+            "(trace summary reads a directory)"
+        )
+    if not (os.path.isfile(args.file) or (directory and os.path.isdir(args.file))):
         args.sub_parser.error(f"no such file: {args.file!r}")
     try:
         from mpicomp import trace_report
@@ -647,32 +748,17 @@ def _trace_error(args, e: Exception) -> int:
 
 def _cmd_trace_summary(args, parser) -> int:
     try:
-        module = _trace_module(args)
+        module = _trace_module(args, directory=True)
         if args.json:
-            text = json.dumps(_trace_summary_json(module, args.file), indent=1)
+            docs = [module.summary(f, args.all_calls) for f in module.trace_files(args.file)]
+            one = not os.path.isdir(args.file)
+            text = json.dumps(docs[0] if one else docs, indent=1)
         else:
-            text = module.summarize(args.file)
+            text = module.summarize(args.file, all_calls=args.all_calls)
     except (ValueError, RuntimeError, OSError, KeyError) as e:
         return _trace_error(args, e)
     print(text)
     return 0
-
-
-def _trace_summary_json(trace_report, path) -> dict:
-    """Return the data of `mpicomp trace summary`'s table: the run's attributes and one
-    row per (codec, tensor) plus an "all" row, keyed by the table's column names."""
-    events, steps, attrs = trace_report.read(path)
-    rows = []
-    if events.size:
-        nranks = max(int(attrs.get("world_size", 0)), len({int(r) for r in events["rank"]}))
-        groups = [(c, n or "(unnamed)", events[m]) for c, n, m in trace_report._groups(events)]
-        for codec, name, ev in [*groups, ("all", "", events)]:
-            row = trace_report._summary_row(codec, name, ev, nranks)
-            rows.append(dict(zip(trace_report.SUMMARY_COLUMNS, row, strict=True)))
-    run = {k: v for k, v in attrs.items() if isinstance(v, (str, int, float, bool))}
-    run["events"] = int(events.size)
-    run["steps"] = None if steps is None else int(steps.size)
-    return {"file": os.fspath(path), "run": run, "rows": rows}
 
 
 def _cmd_trace_export(args, parser) -> int:

@@ -2,7 +2,8 @@
 chrome://tracing open, one process per rank.
 
 Each call is one span on the rank's first row (``op name``, with its codec, sizes and
-bytes as arguments); the second row holds its phases, encode, exchange and decode,
+bytes as arguments, and ``warmup``: whether it is the first call of its tensor, which
+``mpicomp trace summary`` leaves out); the second row holds its phases, encode, exchange and decode,
 drawn back to back in that order with their total durations (within a call the
 phases interleave, e.g. a gather codec decodes as payloads arrive: the trace keeps
 their totals, not each slice); at trace level 2 the third row holds the exchange
@@ -16,7 +17,7 @@ import os
 
 import numpy as np
 
-from mpicomp.trace_report import read
+from mpicomp.trace_report import read, warmup_mask
 
 __all__ = ["FORMATS", "chrome", "export"]
 
@@ -43,7 +44,8 @@ def chrome(path) -> dict:
         for tid, label in enumerate(("calls", "phases", "exchange steps")):
             out.append(_meta(rank, "thread_name", label, tid))
     by_call = {}
-    for ev in events:
+    warm = warmup_mask(events) if events.size else np.zeros(0, dtype=bool)
+    for ev, first in zip(events, warm, strict=True):
         rank, start = int(ev["rank"]), float(ev["t_start"])
         op, name = ev["op"].decode(), ev["name"].decode()
         by_call[(int(ev["call"]), rank)] = start
@@ -57,6 +59,7 @@ def chrome(path) -> dict:
             "bytes_sent": int(ev["bytes_sent"]),
             "bytes_recv": int(ev["bytes_recv"]),
             "schedule": ev["schedule"].decode(),
+            "warmup": bool(first),  # a tensor's first call: compiles, allocates
         }
         if np.isfinite(ev["t_predicted"]):
             args["predicted_ms"] = float(ev["t_predicted"]) * 1e3

@@ -1,4 +1,5 @@
-"""mpicomp advise: paper 002 Eq. 4 and the all-reduce model, against hand-computed values."""
+"""mpicomp advise: Eq. 4 of the FFT sparsification paper and the all-reduce model, against
+hand-computed values."""
 
 import json
 import math
@@ -93,3 +94,40 @@ def test_fp16_is_modelled_as_a_ring():
     plain = 1.5 * 4 / 125e6
     comp = 0.8e-9 + 1.5 * 2 / 125e6  # encode + decode at 10 GB/s, half the ring's bytes
     assert a["speedup"] == pytest.approx(plain / comp)
+
+
+def test_codecs_take_parameters_as_the_codec_guide_writes_them(tmp_path, capsys):
+    rows = [
+        _row("qsgd_maxnorm", 8.25, 4.0, 4.0, bits=8),
+        _row("qsgd_maxnorm", 4.25, 4.0, 4.0, bits=4),
+    ]
+    rows += [_row("signsgd", 1.0, 4.0, 4.0)]
+    path = tmp_path / "bench.json"
+    path.write_text(json.dumps(rows))
+    argv = ["advise", "1gbit", "--bench", str(path), "--json", "--codecs"]
+    assert main([*argv, "qsgd_maxnorm:bits=4,signsgd"]) == 0
+    picked = [(a["codec"], a["params"]) for a in json.loads(capsys.readouterr().out)]
+    assert picked == [("qsgd_maxnorm", {"bits": 4}), ("signsgd", {})]
+    assert main([*argv, "qsgd_maxnorm"]) == 0  # a bare name: every row of the codec
+    assert len(json.loads(capsys.readouterr().out)) == 2
+    for bad, says in (
+        ("qsgd_maxnorm:bits=99", "bits must be an integer in [2, 16], got 99"),
+        ("qsgd_maxnorm:4", "codec parameters are key=value, got '4'"),
+        ("qsgd_maxnorm:bitz=4", "takes no parameter 'bitz'"),
+    ):
+        assert main([*argv, bad]) == 2, bad
+        err = capsys.readouterr().err
+        assert "usage: mpicomp advise" in err and says in err, err
+    assert main([*argv, "qsgd_maxnorm:bits=2"]) == 2  # valid, but not measured in the file
+    err = capsys.readouterr().err
+    assert "no row of qsgd_maxnorm with bits=2" in err
+    assert "`mpicomp bench --json --codecs qsgd_maxnorm:bits=2` measures it" in err
+
+
+def test_advice_is_plain_json_with_the_error_each_codec_adds():
+    fft = dict(_row("fft", 2.0, 0.1, 0.1), rel_error=0.75)
+    (a,) = advise.advise([fft], 100e9, 4)  # kernels slower than the link: no ratio pays
+    assert a["min_ratio"] is None and not a["pays"] and a["rel_error"] == 0.75
+    json.dumps(a, allow_nan=False)  # no Infinity, which JSON does not have
+    (b,) = advise.advise([_row("signsgd", 1.0, 4.0, 4.0)], 1e9, 4)
+    assert b["rel_error"] is None  # a bench file without the column

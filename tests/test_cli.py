@@ -28,6 +28,9 @@ def test_info_names_the_mpi_library(capsys):
 
     assert cli.main(["info"]) == 0
     out = capsys.readouterr().out
+    assert max(map(len, out.splitlines())) <= 120
+    # A long value (the codecs) goes on in indented lines below its key.
+    out = out.replace("\n" + " " * 20, " ")
     fields = dict(line.split(":", 1) for line in out.splitlines())
     fields = {k: v.strip() for k, v in fields.items()}
     vendor = MPI.get_vendor()[0]
@@ -75,7 +78,7 @@ def test_mpicomp_cuda_aware_overrides_the_detection(monkeypatch):
         assert text.endswith("handed to MPI directly" if value == "1" else "host memory")
     monkeypatch.setenv("MPICOMP_CUDA_AWARE", "maybe")
     _transport.cuda_aware.cache_clear()
-    assert "MPICOMP_CUDA_AWARE must be 0 or 1" in cli.info()["CUDA-aware MPI"]
+    assert "MPICOMP_CUDA_AWARE='maybe' is not a boolean" in cli.info()["CUDA-aware MPI"]
     monkeypatch.delenv("MPICOMP_CUDA_AWARE")
     _transport.cuda_aware.cache_clear()
 
@@ -235,7 +238,9 @@ def test_trace_errors_from_the_reader_become_exit_code_2(tmp_path, capsys, monke
         raise RuntimeError("plot needs matplotlib")
 
     monkeypatch.setattr(mpicomp.trace_report, "plot", fail)
-    monkeypatch.setattr(mpicomp.trace_report, "summarize", lambda path: f"table of {path}")
+    monkeypatch.setattr(
+        mpicomp.trace_report, "summarize", lambda path, all_calls: f"table of {path}"
+    )
     assert cli.main(["trace", "plot", str(f)]) == 2
     assert "plot needs matplotlib" in capsys.readouterr().err
     assert cli.main(["trace", "summary", str(f)]) == 0
@@ -281,7 +286,7 @@ def test_bench_table(capsys):
     assert captured.err == ""
     assert "memcpy (np.copyto)" in captured.out
     (line,) = [ln for ln in captured.out.splitlines() if ln.startswith("fp16 ")]
-    assert line.split()[2] == "16.096"  # 2000 float16 + the 24-byte header: 16 + 192/2000
+    assert line.split()[1] == "16.096"  # 2000 float16 + the 24-byte header: 16 + 192/2000
 
 
 @pytest.mark.parametrize(
@@ -315,24 +320,36 @@ def test_gradient_is_the_conv_gradient_flattened():
     assert (g == full[:5000]).all()
 
 
-def test_bench_reports_a_bad_tc_device_instead_of_hanging(capsys):
-    argv = ["bench", "--numel", "1K", "--codecs", "none", "--reps", "1"]
-    argv += ["--allreduce-reps", "1", "--tc-dev", "mpicomp-no-such-dev", "-q"]
-    assert cli.main(argv) == 1
-    assert "mpicomp bench: error: " in capsys.readouterr().err
+def test_bench_on_one_rank_times_the_kernels_and_says_how_to_run_the_allreduce(capsys):
+    """Without a launcher there is nothing to all-reduce with: no table of speedups and
+    bytes of one rank, but a line saying how to launch it."""
+    argv = ["bench", "--numel", "2K", "--reps", "1", "--codecs", "fp16"]
+    assert cli.main(argv) == 0
+    captured = capsys.readouterr()
+    assert "MPI_Allreduce float32" not in captured.out and "speedup" not in captured.out
+    assert captured.out.rstrip().splitlines()[-1] == (
+        "all-reduce: skipped on one rank; `mpiexec -n N python -m mpi4py -m mpicomp bench` "
+        "measures it against MPI_Allreduce"
+    )
+    assert "all-reduces of" not in captured.err  # nor announced
+    # --json: the note goes to stderr, stdout holds the JSON alone
+    assert cli.main([*argv, "--json"]) == 0
+    captured = capsys.readouterr()
+    (row,) = json.loads(captured.out)
+    assert row["allreduce"] == [] and "all-reduce: skipped on one rank" in captured.err
+    # Options of the all-reduce alone have nothing to do there, and the note says so.
+    assert cli.main([*argv, "--sizes", "1M", "--tc-dev", "no-such-dev"]) == 0
+    note = capsys.readouterr().out.rstrip()
+    assert note.endswith("MPI_Allreduce (--sizes, --tc-dev: for the all-reduce, unused)")
+    assert cli.main([*argv, "--no-kernels"]) == 2  # nothing left to measure
+    err = capsys.readouterr().err
+    assert "--no-kernels on one rank leaves nothing to measure" in err
+    assert "launch with `mpiexec -n N python -m mpi4py -m mpicomp bench ...`" in err
+    assert cli.main([*argv, "--no-allreduce"]) == 0  # asked for: no note
+    assert "skipped" not in capsys.readouterr().out
 
 
-def test_bench_backend_applies_to_the_allreduce_too(capsys):
-    argv = ["bench", "--json", "--no-kernels", "--sizes", "2K", "--codecs", "signsgd", "-q"]
-    argv += ["--allreduce-reps", "1"]
-    assert cli.main([*argv, "--backend", "cuda-emulated"]) == 0
-    (row,) = json.loads(capsys.readouterr().out)
-    (a,) = row["allreduce"]
-    assert a["backend"] == "cuda-emulated" and "transport" not in a  # host arrays
-    assert all(a[k] >= 0 for k in ("encode_s", "exchange_s", "decode_s"))
-    if not gpu_present():  # the all-reduce alone fails the same way the kernels do
-        assert cli.main([*argv, "--backend", "cuda"]) == 1
-        assert "kernel backend 'cuda' is not available here" in capsys.readouterr().err
+def test_bench_help_says_the_backend_applies_to_the_allreduce_too(capsys):
     assert cli.main(["bench", "--help"]) == 0
     help_text = " ".join(capsys.readouterr().out.split())
     assert "of the encode/decode timings and of the all-reduces" in help_text
@@ -364,37 +381,74 @@ def _allreduce_row(codec, **extra):
     return row
 
 
-def test_allreduce_table_columns():
+def _table_of(rows) -> list[str]:
     import io
 
     from mpicomp.bench.report import format_allreduce_table
 
     out = io.StringIO()
-    format_allreduce_table([_allreduce_row("signsgd")], out)
-    head, _, ref, row = out.getvalue().splitlines()
-    assert head.split()[-3:] == ["ring", "enc/xchg/dec", "ms"] and "path" not in head
-    assert ref.split()[1:3] == ["MPI_Allreduce", "float32"] and ref.split()[-1] == "1.00"
-    assert row.split()[1] == "signsgd" and row.split()[-1] == "1.00/2.00/0.50"
+    format_allreduce_table(rows, out)
+    return out.getvalue().splitlines()
+
+
+def test_allreduce_table_columns():
+    head, _, ref, row = _table_of([_allreduce_row("signsgd")])
+    columns = ["size", "codec", "schedule", "time", "ms", "speedup", "sent", "B", "x", "ring"]
+    assert head.split() == [*columns, "recv", "B", "x", "ring", "enc/xchg/dec", "ms"]
+    # no "pred ms" column without a model, no path columns on the host
+    assert ref.split()[:3] == ["4,096", "MPI_Allreduce", "float32"]
+    assert ref.split()[3:] == ["1.00", "1.00", "16.4K", "1.00", "16.4K", "1.00"]
+    assert row.split() == ["4,096", "signsgd", "4.00", "0.25", "712", "0.043"] + [
+        "712",
+        "0.043",
+        "1/2/0.5",
+    ]
+    params = {"params": {"bits": 2}, "predicted_s": 0.003, "allreduce_predicted_s": 0.002}
+    head, _, ref, row = _table_of([_allreduce_row("qsgd_maxnorm", **params)])
+    assert head.split()[5:7] == ["pred", "ms"] and ref.split()[4] == "2.00"
+    assert row.split()[:5] == ["4,096", "qsgd_maxnorm:bits=2", "4.00", "3.00", "0.25"]
     device = {"backend": "cuda", "transport": "direct", "allreduce_staged_s": 0.002}
     device |= {"allreduce_direct_s": 0.001, "time_ratio_staged": 2.0, "time_ratio_direct": 4.0}
-    out = io.StringIO()
-    format_allreduce_table([_allreduce_row("signsgd", **device)], out)
-    head, _, staged, direct, row = out.getvalue().splitlines()
-    assert head.split()[-6:] == ["ring", "path", "/staged", "/direct", "enc/xchg/dec", "ms"]
-    # the reference lines: time ms, predicted ms (no model: -), speedup (over the row's
-    # own path: direct), path, ratios
-    assert staged.split()[3:7] == ["staged", "2.00", "-", "0.50"]
+    lines = _table_of([_allreduce_row("signsgd", **device)])
+    head, _, staged, direct, row = lines[:5]
+    # the reference lines: time ms, speedup (over the row's own path: direct)
+    assert staged.split()[1:6] == ["MPI_Allreduce", "float32", "staged", "2.00", "0.50"]
+    assert direct.split()[1:6] == ["MPI_Allreduce", "float32", "direct", "1.00", "1.00"]
+    # then the paths, in a table of their own below the note that explains them
+    second = lines.index(next(ln for ln in lines if ln.startswith("size") and "path" in ln))
+    assert lines[second].split() == ["size", "codec", "schedule", "path", "/staged", "/direct"]
+    staged, direct, row = lines[second + 2 :]
     assert staged.split()[-3:] == ["staged", "1.00", "2.00"]
-    assert direct.split()[3:7] == ["direct", "1.00", "-", "1.00"]
     assert direct.split()[-3:] == ["direct", "0.50", "1.00"]
-    assert row.split()[-4:] == ["direct", "2.00", "4.00", "1.00/2.00/0.50"]
+    assert row.split()[1:] == ["signsgd", "direct", "2.00", "4.00"]
     # staged only (MPI not CUDA-aware): one reference line, '-' for direct
     device |= {"transport": "staged", "allreduce_direct_s": None, "time_ratio_direct": None}
-    out = io.StringIO()
-    format_allreduce_table([_allreduce_row("signsgd", **device)], out)
-    head, _, staged, row = out.getvalue().splitlines()
-    assert staged.split()[-3:] == ["staged", "1.00", "-"]
-    assert row.split()[-4:] == ["staged", "2.00", "-", "1.00/2.00/0.50"]
+    lines = _table_of([_allreduce_row("signsgd", **device)])
+    assert lines[-2].split()[-3:] == ["staged", "1.00", "-"]
+    assert lines[-1].split()[-3:] == ["staged", "2.00", "-"]
+
+
+def test_every_table_of_the_bench_fits_120_columns():
+    from mpicomp.bench.report import Report
+
+    long = {"params": {"bits": 2, "scales": (2, 4, 8)}, "predicted_s": 0.003}
+    host = [
+        _allreduce_row("signsgd", allreduce_predicted_s=0.002),
+        _allreduce_row("grandk_maxnorm_multiscale", **long),
+        _allreduce_row("grandk_maxnorm_multiscale", schedule="auto", chosen="hier:allgather"),
+        _allreduce_row("grandk_maxnorm_multiscale", schedule="hier:allgather"),
+    ]
+    tc = {"device_bytes": 10**9, "device_over_recv": 1.0, "allreduce_device_bytes": 10**9}
+    device = {"backend": "cuda", "transport": "direct", "allreduce_staged_s": 0.002}
+    device |= {"allreduce_direct_s": 0.001, "time_ratio_staged": 2.0, "time_ratio_direct": 4.0}
+    for rows in (host, [dict(r, **tc, **device) for r in host]):
+        import io
+
+        out = io.StringIO()
+        Report([], rows, 4, None).print(5, 3, out)
+        lines = out.getvalue().splitlines()
+        assert "schedule='auto' chose the fastest" in out.getvalue()  # the verdicts too
+        assert max(map(len, lines)) <= 120, max(lines, key=len)
 
 
 # -- advise's schedule table --------------------------------------------------------------
@@ -461,23 +515,25 @@ def test_advise_sizes_with_ranks_per_host_adds_the_hierarchical_columns(capsys, 
     argv = ["advise", "10gbit", "--sizes", "25.6M", "--hosts", "4", "--ranks-per-host", "2"]
     argv += ["--codecs", "signsgd,threelc", "--bench", str(bench_file)]
     assert cli.main(argv) == 0
-    lines = capsys.readouterr().out.splitlines()
-    assert lines[0].startswith("4 host(s) x 2 rank(s); within a host: alpha 50 us, 100 Gbit/s;")
-    assert "between hosts: alpha 50 us, 10 Gbit/s;" in lines[0]
-    head, rule, signsgd, threelc = lines[2:]
-    flat, hier = ["ring", "direct", "allgather", "sharded"], ["hier:ring", "hier:direct"]
-    hier += ["hier:allgather", "hier:sharded"]
-    columns = ["codec", "params", "size", *flat, *hier, "float32", "choice", "speedup"]
-    assert head.split() == columns and set(rule) == {"-"}
-    cells = dict(zip(columns[2:], signsgd.split()[1:], strict=True))  # no params: blank
-    assert cells["size"] == "25.6M"
-    gathers = ("allgather", "sharded", "hier:allgather", "hier:sharded")
-    assert [cells[s] for s in gathers] == ["-"] * 4
+    out = capsys.readouterr().out
+    assert max(map(len, out.splitlines())) <= 120
+    header, ring_codecs, gather_codecs = out.split("\n\n")
+    assert header.startswith("4 hosts x 2 ranks; within a host: alpha 50 us, 100 Gbit/s;")
+    assert "between hosts: alpha 50 us, 10 Gbit/s;" in " ".join(header.split())
+    # One table per set of candidates: every column of each is a candidate of its rows.
+    head, rule, signsgd = ring_codecs.splitlines()
+    columns = ["codec", "size", "ring", "direct", "hier:ring", "hier:direct", "float32"]
+    assert head.split() == [*columns, "choice", "speedup"] and set(rule) == {"-", " "}
+    cells = dict(zip([*columns, "choice", "speedup"], signsgd.split(), strict=True))
+    assert cells["codec"] == "signsgd" and cells["size"] == "25.6M"
     assert cells["choice"] in ("ring", "direct", "hier:ring", "hier:direct")
+    head, rule, threelc = gather_codecs.splitlines()
+    columns = ["codec", "size", "allgather", "sharded", "hier:allgather", "hier:sharded"]
+    columns += ["float32", "choice", "speedup"]
+    assert head.split() == columns
     cells = dict(zip(columns, threelc.split(), strict=True))
-    assert cells["params"] == "sparsity=1.5"  # the parameters that differ from the defaults
-    assert [cells[s] for s in ("ring", "direct", "hier:ring", "hier:direct")] == ["-"] * 4
-    times = {s: float(cells[s]) for s in (*gathers, "float32")}
+    assert cells["codec"] == "threelc:sparsity=1.5"  # the parameters unlike the defaults
+    times = {s: float(cells[s]) for s in columns[2:7]}
     assert cells["choice"] == min(times, key=times.get)
 
 
@@ -529,7 +585,7 @@ def test_advise_without_sizes_or_model_keeps_the_eq4_table(capsys, bench_file):
         (["1gbit", "--sizes", "4K", "--hosts", "1"], "needs >= 2 ranks"),
         (["1gbit", "--sizes", "4K", "--ranks", "6", "--hosts", "2"], "--ranks 6 is not --hosts x"),
         (["1gbit", "--sizes", "4K", "--ranks", "5", "--ranks-per-host", "2"], "not a multiple"),
-        (["1gbit", "--sizes", "4K", "--codecs", "topk"], "no codec has kernel figures"),
+        (["1gbit", "--sizes", "4K", "--codecs", "topk"], "no row of topk; `mpicomp bench"),
     ],
 )
 def test_advise_schedule_table_rejects_bad_input(argv, expect, capsys, bench_file, tmp_path):
@@ -641,8 +697,11 @@ def test_bench_progress_says_the_time_left_from_what_is_done():
 
 
 def test_bench_announces_what_it_will_measure(capsys):
-    argv = ["bench", "--numel", "3000", "--sizes", "2000", "--reps", "1", "--codecs", "fp16"]
-    assert cli.main([*argv, "--allreduce-reps", "1"]) == 0
+    argv = ["bench", "--numel", "3000", "--reps", "1", "--codecs", "fp16,signsgd"]
+    assert cli.main(argv) == 0
     first = capsys.readouterr().err.splitlines()[0]
-    assert first.startswith("bench: encode/decode of 1 codec settings on 3,000 elements, then")
-    assert "all-reduces of 2,000 elements on 1 rank(s)" in first
+    assert first == (
+        "bench: encode/decode of 2 codec settings on 3,000 elements; the time left follows"
+    )
+    assert cli.main(["bench", "--numel", "3000", "--reps", "1", "--codecs", "fp16"]) == 0
+    assert "of 1 codec setting on" in capsys.readouterr().err  # "1 codec setting", not "settings"

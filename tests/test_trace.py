@@ -64,22 +64,75 @@ def _synthetic(path, version=1):
         f.create_dataset("events", data=np.array(rows, dtype=V1_EVENT_DTYPE), maxshape=(None,))
 
 
+def _table(text: str) -> dict[str, list[str]]:
+    """The summary's rows by tensor name, split into cells."""
+    return {line.split()[1]: line.split() for line in text.splitlines() if "fc1." in line}
+
+
 def test_summarize_reports_codecs_bytes_ratio_latency_and_phases(tmp_path):
     path = tmp_path / "synthetic.h5"
     _synthetic(path)
     text = trace_report.summarize(path)
     assert "MPICH Version: 9.9" in text and "qsgd_maxnorm" in text and '"bits": 4' in text
-    lines = {line.split()[1]: line.split() for line in text.splitlines() if "fc1." in line}
-    weight, bias = lines["fc1.weight"], lines["fc1.bias"]
-    # codec, tensor, schedule (- before format 3), calls, sent/call, recv/call, ratio,
-    # p50, p90, p99, pred (- without a model), encode, comm, decode
+    rows = _table(text)
+    weight, bias = rows["fc1.weight"], rows["fc1.bias"]
+    # codec, tensor, schedule (- before format 3), calls, sent B, recv B, ratio,
+    # p50/p90/p99 ms, enc/comm/dec % (no pred column: no prediction in the trace)
     assert weight[0] == "qsgd_maxnorm" and bias[0] == "none"
-    assert weight[2:7] == ["-", "10", "500", "600", "8.0x"]
-    assert float(weight[7]) == pytest.approx(5.5)  # median of 1..10 ms, each on 2 ranks
-    assert float(weight[8]) == pytest.approx(9.1)
-    assert weight[10:] == ["-", "25%", "50%", "20%"]
-    assert bias[2:7] == ["-", "10", "232", "232", "0.2x"]
-    assert float(bias[7]) == pytest.approx(0.1)
+    # The first call of each tensor (1 ms of 1..10 ms) is left out: 9 calls of 2..10 ms.
+    assert weight[2:7] == ["-", "9", "500", "600", "8.0x"]
+    p50, p90, p99 = map(float, weight[7].split("/"))
+    assert (p50, p90, p99) == pytest.approx((6.0, 9.3, 10.0), abs=0.01)
+    assert weight[8] == "25/50/20"
+    assert bias[2:8] == ["-", "9", "232", "232", "0.2x", "0.1/0.1/0.1"]
+    assert "the first call of each row is left out: 2 calls" in text
+    # With --all-calls every call counts: the median of 1..10 ms, each on 2 ranks.
+    weight = _table(trace_report.summarize(path, all_calls=True))["fc1.weight"]
+    assert weight[3] == "10" and weight[7].split("/")[:2] == ["5.5", "9.1"]
+
+
+def test_warm_up_is_the_first_call_of_each_group_with_more_than_one(tmp_path):
+    path = tmp_path / "synthetic.h5"
+    _synthetic(path)
+    events, _, _ = trace_report.read(path)
+    warm = trace_report.warmup_mask(events)
+    # call 0 (fc1.weight) and call 1 (fc1.bias), on both ranks
+    assert sorted(set(events["call"][warm].tolist())) == [0, 1] and warm.sum() == 4
+    one = events[events["call"] == 0]  # a group of one call keeps it: nothing else to show
+    assert not trace_report.warmup_mask(one).any()
+
+
+def test_summary_data_are_numbers_and_every_row_fits_120_columns(tmp_path):
+    path = tmp_path / "synthetic.h5"
+    _synthetic(path)
+    doc = trace_report.summary(path)
+    weight = doc["rows"][0]
+    assert weight["tensor"] == "fc1.weight" and weight["calls"] == 9
+    assert weight["warmup_calls"] == 1 and weight["ratio"] == pytest.approx(8.0)
+    assert weight["encode_share"] == pytest.approx(0.25) and weight["pred_ms"] is None
+    assert doc["rows"][-1]["codec"] == "all" and doc["rows"][-1]["calls"] == 18
+    # Long names are cut in the middle to keep the table within 120 columns.
+    with h5py.File(path, "a") as f:
+        ev = f["events"][()]
+        ev["name"][ev["name"] == b"fc1.weight"] = b"encoder.layers.11.attention.fc1.weight" * 3
+        ev["codec"][ev["codec"] == b"none"] = b"grandk_maxnorm_multiscale"
+        f["events"][...] = ev
+    lines = trace_report.summarize(path).splitlines()
+    assert max(map(len, lines)) <= 120, max(lines, key=len)
+    assert any("~" in line and line.startswith("qsgd_maxnorm") for line in lines)
+
+
+def test_summarize_a_directory_reads_every_trace_in_it(tmp_path):
+    for name in ("a.h5", "b.h5"):
+        _synthetic(tmp_path / name)
+    (tmp_path / "notes.txt").write_text("not a trace, not read")
+    text = trace_report.summarize(tmp_path)
+    assert text.count("mpicomp trace ") == 2
+    assert f"mpicomp trace {tmp_path / 'a.h5'}" in text and str(tmp_path / "b.h5") in text
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    with pytest.raises(ValueError, match="no trace files"):
+        trace_report.summarize(empty)
 
 
 def test_plot_writes_a_png(tmp_path):
@@ -90,6 +143,27 @@ def test_plot_writes_a_png(tmp_path):
     with open(out, "rb") as f:
         assert f.read(8) == b"\x89PNG\r\n\x1a\n"
     assert os.path.getsize(out) > 10_000
+
+
+def test_plot_bytes_from_zero_beside_float32_and_whole_call_ticks(tmp_path):
+    pytest.importorskip("matplotlib")
+    path = tmp_path / "synthetic.h5"
+    _synthetic(path)
+    fig = trace_report.figure(path)
+    ax_bytes, ax_time, ax_phase = fig.axes[:3]
+    # A constant 500 bytes is drawn from 0, not as variation around 500.
+    assert ax_bytes.get_ylim()[0] == 0
+    dashed = [ln for ln in ax_bytes.get_lines() if ln.get_linestyle() == "--"]
+    # fc1.weight's float32 ring at 2 ranks: 2(N-1)/N x 4000 bytes = 4000 per call.
+    assert any((ln.get_ydata() == 4000).all() for ln in dashed)
+    for ax in (ax_bytes, ax_time):
+        lo, hi = ax.get_xlim()
+        ticks = [t for t in ax.get_xticks() if lo <= t <= hi]
+        assert ticks and all(float(t).is_integer() for t in ticks), ticks
+    # The warm-up calls are marks of their own; the lines start at each tensor's second.
+    marks = [ln for ln in ax_time.get_lines() if ln.get_marker() == "x"]
+    assert [list(ln.get_xdata()) for ln in marks] == [[0, 1]]
+    assert min(min(ln.get_xdata()) for ln in ax_time.get_lines() if ln not in marks) == 2
 
 
 def test_plot_without_matplotlib_names_the_extra(tmp_path, monkeypatch):
@@ -112,7 +186,6 @@ def test_paths_that_are_not_traces_raise_value_error(tmp_path):
     _synthetic(future, version=trace_format.FORMAT_VERSION + 1)
     cases = [
         (tmp_path / "missing.h5", "no such file"),
-        (tmp_path, "no such file"),
         (text, "not an HDF5 file"),
         (other, "not an mpicomp trace"),
         (future, f"version {trace_format.FORMAT_VERSION + 1}"),
@@ -123,6 +196,9 @@ def test_paths_that_are_not_traces_raise_value_error(tmp_path):
                 fn(path)
         with pytest.raises(ValueError, match=message):
             trace_report.plot(path, tmp_path / "x.png")
+    for fn in (trace_report.read, lambda p: trace_report.plot(p, tmp_path / "x.png")):
+        with pytest.raises(ValueError, match="is a directory, not a trace file"):
+            fn(tmp_path)
 
 
 def test_tracer_rows_names_and_growth_past_the_first_buffer(tmp_path):

@@ -79,6 +79,9 @@ def test_chrome_export_places_every_row_of_the_trace(tmp_path):
         assert [p["name"] for p in phases] == ["encode", "exchange", "decode"]
         assert phases[0]["ts"] == e["ts"]
         assert phases[-1]["ts"] + phases[-1]["dur"] <= e["ts"] + e["dur"] + 1e-3
+    # w and b (3 calls each) have a warm-up; x and y (one call each) none.
+    warm = [(e["args"]["name"], e["args"]["call"]) for e in calls if e["args"]["warmup"]]
+    assert warm == [("w", 0), ("b", 1)]
     step_spans = [e for e in spans if e["cat"] == "step"]
     assert len(step_spans) == steps.size > 0
     assert sum(s["args"]["sent"] for s in step_spans) == int(events["bytes_sent"].sum())
@@ -111,5 +114,8 @@ def test_cli_export_writes_json(tmp_path, capsys):
     doc = json.loads((tmp_path / "r.json").read_text())
     assert sum(e["ph"] == "X" and e["cat"] == "call" for e in doc["traceEvents"]) == 7
     assert "wrote" in capsys.readouterr().err
+    # plot and export draw one file; a directory is a usage error saying so
+    assert cli.main(["trace", "export", str(tmp_path)]) == 2
+    assert "is a directory: trace export takes one trace file" in capsys.readouterr().err
     with h5py.File(path) as f:
         assert f["events"].dtype.names[-3:] == ("t_start", "schedule", "t_predicted")

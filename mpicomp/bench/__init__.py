@@ -23,9 +23,17 @@ from collections.abc import Sequence
 import mpicomp.kernels as K
 from mpicomp import _probe
 from mpicomp._probe import conv_gradient, gradient, median_seconds, one_rank_round_trip
+from mpicomp._table import plural
 from mpicomp.bench.kernels import run
 from mpicomp.bench.report import Report, format_table, print_json
-from mpicomp.bench.workload import BENCH_SET, codec_set, label, parse_count
+from mpicomp.bench.workload import (
+    BENCH_SET,
+    codec_set,
+    label,
+    parse_codec,
+    parse_count,
+    split_codecs,
+)
 from mpicomp.codecs import codec as make_codec
 from mpicomp.model import speeds_from_bench
 
@@ -41,9 +49,11 @@ __all__ = [
     "measure_model",
     "median_seconds",
     "one_rank_round_trip",
+    "parse_codec",
     "parse_count",
     "print_json",
     "run",
+    "split_codecs",
 ]
 
 
@@ -108,11 +118,12 @@ def full_run(
     if quiet is not None:  # what will be measured, before minutes of it
         plan = []
         if numel is not None:
-            plan.append(f"encode/decode of {len(todo)} codec settings on {numel:,} elements")
+            codecs_told = plural(len(todo), "codec setting")
+            plan.append(f"encode/decode of {codecs_told} on {numel:,} elements")
         if sizes:
             plan.append(
                 f"all-reduces of {', '.join(f'{n:,}' for n in sizes)} elements on "
-                f"{comm.size} rank(s)"
+                f"{plural(comm.size, 'rank')}"
             )
         print(f"bench: {', then '.join(plan)}; the time left follows", file=quiet, flush=True)
     kernel_rows = error = None
@@ -158,8 +169,13 @@ def full_run(
                 "params": dict(params),
                 "backend": backend or K.backend().name,
                 "numel": numel,
+                "threads": None,
                 "encode_gbps": None,
+                "encode_gbps_min": None,
+                "encode_gbps_max": None,
                 "decode_gbps": None,
+                "decode_gbps_min": None,
+                "decode_gbps_max": None,
                 "memcpy_gbps": None,
                 "bits_per_element": None,
                 "rel_error": None,

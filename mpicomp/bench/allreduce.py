@@ -134,7 +134,7 @@ def schedules_of(name: str, params: dict, asked, topology: Topology | None = Non
     if asked is None:
         return [default]
     candidates = candidate_schedules(codec, topology or Topology())
-    if codec.compresses:
+    if len(candidates) > 1:  # something to choose among
         candidates += (AUTO,)
     if asked == "all":  # float32 is every row's reference already
         return [s for s in candidates if s != FLOAT32]
@@ -248,7 +248,8 @@ def _host_kernels(name: str | None):
 def phase_split(path: str) -> dict:
     """Return the per-call phase seconds of a bench trace and the transport it recorded.
 
-    The first call (the warm-up) is left out. For each later call the slowest rank's
+    The first call (the warm-up, as ``mpicomp trace summary`` takes it:
+    ``mpicomp.trace_report.warmup_mask``) is left out. For each later call the slowest rank's
     event (largest ``t_total``) is kept; ``encode_s``, ``exchange_s`` (the trace's
     ``t_comm``: every message, waiting for other ranks included) and ``decode_s`` are the
     medians over calls of its ``t_encode``, ``t_comm`` and ``t_decode``; ``transport`` is
@@ -257,10 +258,11 @@ def phase_split(path: str) -> dict:
     Raises:
         ValueError: ``path`` is not a readable mpicomp trace, or holds no timed call.
     """
-    from mpicomp.trace_report import read
+    from mpicomp.trace_report import read, warmup_mask
 
     events, _, attrs = read(path)
-    timed = events[events["call"] > 0]
+    warm = warmup_mask(events)
+    timed = events[~warm] if warm.any() else events[:0]  # one call: the warm-up alone
     if timed.size == 0:
         raise ValueError(f"{path}: no call after the warm-up")
     _, first = np.unique(timed["call"], return_index=True)  # rows: by call, then rank

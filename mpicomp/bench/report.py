@@ -7,8 +7,10 @@ import sys
 
 import numba
 
+from mpicomp._table import lines as table_lines
+from mpicomp._table import note, plural
 from mpicomp._version import __version__
-from mpicomp.bench.workload import label
+from mpicomp.bench.workload import codec_label, format_count
 
 
 def title(what: str) -> str:
@@ -31,26 +33,39 @@ def print_json(rows: list[dict], out=None) -> None:
     print(json.dumps(rows, indent=1), file=sys.stdout if out is None else out)
 
 
+def _gbps(v: float) -> str:
+    """Return GB/s to three significant digits, no exponent: 806, 12.4, 6.19, 0.0412."""
+    if v >= 10:
+        return f"{v:.0f}" if v >= 100 else f"{v:.1f}"
+    return f"{v:.2f}" if v >= 1 else f"{v:.3g}"
+
+
+def _spread(r: dict, key: str) -> str:
+    """Return a row's slowest and fastest repetition of ``key`` as ``min-max``."""
+    low, high = r.get(f"{key}_min"), r.get(f"{key}_max")
+    return "-" if low is None or high is None else f"{_gbps(low)}-{_gbps(high)}"
+
+
 def format_table(rows: list[dict], out=None) -> None:
-    """Print kernel rows (``mpicomp.bench.run``) as a table (to stdout by default)."""
+    """Print kernel rows (``mpicomp.bench.run``) as a table (to stdout by default): median
+    GB/s, the repetitions' min-max, and x/memcpy of the median; the backend is the
+    report's header's."""
     out = sys.stdout if out is None else out
     if not rows:
         return
-    head = (
-        f"{'codec':<28}{'params':<14}{'backend':<14}{'bits/elem':>10}{'rel.err':>9}"
-        f"{'enc GB/s':>10}{'x/memcpy':>9}{'dec GB/s':>10}{'x/memcpy':>9}"
-    )
-    print(head, file=out)
-    print("-" * len(head), file=out)
+    head = ["codec", "bits/elem", "rel.err", "enc GB/s", "min-max", "x/memcpy"]
+    head += ["dec GB/s", "min-max", "x/memcpy"]
+    cells = []
     for r in rows:
         m = r["memcpy_gbps"]
-        print(
-            f"{r['codec']:<28}{label(r['params']):<14}{r['backend']:<14}"
-            f"{r['bits_per_element']:>10.3f}{r['rel_error']:>9.4f}"
-            f"{r['encode_gbps']:>10.2f}{r['encode_gbps'] / m:>9.2f}"
-            f"{r['decode_gbps']:>10.2f}{r['decode_gbps'] / m:>9.2f}",
-            file=out,
-        )
+        cells.append([
+            codec_label(r["codec"], r["params"]),
+            f"{r['bits_per_element']:.3f}", f"{r['rel_error']:.4f}",
+            _gbps(r["encode_gbps"]), _spread(r, "encode_gbps"), f"{r['encode_gbps'] / m:.2f}",
+            _gbps(r["decode_gbps"]), _spread(r, "decode_gbps"), f"{r['decode_gbps'] / m:.2f}",
+        ])  # fmt: skip
+    right = range(1, len(head))
+    print("\n".join(table_lines(head, cells, right=right, squeeze=((0, 16),))), file=out)
 
 
 def _ratio(v) -> str:
@@ -59,14 +74,6 @@ def _ratio(v) -> str:
 
 def _times(v) -> str:
     return "-" if v is None else f"{v:.2f}"
-
-
-def _phases(r: dict) -> str:
-    """Return a row's encode/exchange/decode milliseconds as ``e/x/d`` ("-" without them)."""
-    split = [r.get(k) for k in ("encode_s", "exchange_s", "decode_s")]
-    if any(v is None for v in split):
-        return "-"
-    return "/".join(f"{1e3 * v:.2f}" for v in split)
 
 
 def _ms(seconds) -> str:
@@ -121,99 +128,148 @@ def format_verdicts(verdicts: list[dict], out=None) -> None:
         return
     right = sum(v["right"] for v in verdicts)
     print(
-        "\nschedule='auto' chose the fastest of its candidates (float32: MPI_Allreduce) "
-        f"{right} of {len(verdicts)} times; regret = the chosen schedule's time over the "
-        "fastest's, same run; auto/fastest: the auto row's own time over the fastest's",
+        "\n"
+        + note(
+            "schedule='auto' chose the fastest of its candidates (float32: MPI_Allreduce) "
+            f"{right} of {len(verdicts)} times; regret = the chosen schedule's time over the "
+            "fastest's, same run; auto/fastest: the auto row's own time over the fastest's"
+        ),
         file=out,
     )
-    for v in verdicts:
-        print(
-            f"{v['numel']:>12,}  {v['codec']:<27}{label(v['params']):<13}chose {v['chosen']:<16}"
-            f"fastest {v['fastest']:<16}regret {v['regret']:.2f}  "
-            f"auto/fastest {v['auto_over_fastest']:.2f}",
-            file=out,
-        )
+    head = ["elements", "codec", "chose", "fastest", "regret", "auto/fastest"]
+    rows = [
+        [
+            format_count(v["numel"]),
+            codec_label(v["codec"], v["params"]),
+            v["chosen"],
+            v["fastest"],
+            f"{v['regret']:.2f}",
+            f"{v['auto_over_fastest']:.2f}",
+        ]
+        for v in verdicts
+    ]
+    print("\n".join(table_lines(head, rows, right=(0, 4, 5), squeeze=((1, 16),))), file=out)
+
+
+def _sig(ms: float) -> str:
+    """Milliseconds to three significant digits, no exponent: 503, 24.6, 0.312."""
+    if ms >= 100:
+        return f"{ms:.0f}"
+    return f"{ms:.3g}" if ms >= 0.001 else f"{ms:.4f}"
+
+
+def _phases(r: dict) -> str:
+    """Return a row's encode/exchange/decode milliseconds as ``e/x/d`` ("-" without them)."""
+    split = [r.get(k) for k in ("encode_s", "exchange_s", "decode_s")]
+    if any(v is None for v in split):
+        return "-"
+    return "/".join(_sig(1e3 * v) for v in split)
+
+
+def _bytes(n: float) -> str:
+    """Bytes to three significant digits, decimal units: 712, 16.4K, 154M."""
+    for scale, suffix in ((1e9, "G"), (1e6, "M"), (1e3, "K")):
+        if n >= scale:
+            v = n / scale
+            return f"{v:.0f}{suffix}" if v >= 100 else f"{v:.3g}{suffix}"
+    return f"{n:.0f}"
 
 
 def format_allreduce_table(rows: list[dict], out=None) -> None:
-    """Print all-reduce rows (``mpicomp.bench.allreduce.measure``) as a table (to stdout
-    by default).
+    """Print all-reduce rows (``mpicomp.bench.allreduce.measure``) as tables of at most 120
+    columns (to stdout by default).
 
-    Rows of a device backend (with ``transport``) add the path their device buffers
-    took and their time over each MPI_Allreduce reference (staged, direct), with one
-    reference line each; every row ends with its encode/exchange/decode split.
+    Per size, the MPI_Allreduce reference line(s) first, then one row per codec and
+    schedule: time, ``pred ms`` (only where some row has a model's prediction), speedup,
+    bytes per rank (three digits: the JSON has them exact) and their ratio to a float32
+    ring, and the encode/exchange/decode split. With ``--tc-dev`` (``device_bytes``) or
+    on a device backend (``transport``: one reference line each for staged and direct) a
+    second table follows: the bytes the devices counted, and the path the device buffers
+    took with the time over each MPI_Allreduce reference.
     """
     out = sys.stdout if out is None else out
     tc = any("device_bytes" in r for r in rows)
     device = any("transport" in r for r in rows)
-    phases = "enc/xchg/dec ms"
-    head = (
-        f"{'elements':>12}  {'codec':<27}{'params':<13}{'schedule':<22}{'time ms':>10}"
-        f"{'pred ms':>9}{'speedup':>9}"
-        f"{'sent B/rank':>14}{'x ring':>8}{'recv B/rank':>14}{'x ring':>8}"
-        + (f"{'device B':>15}{'/recv':>7}" if tc else "")
-        + (f"{'path':>8}{'/staged':>9}{'/direct':>9}" if device else "")
-        + f"{phases:>22}"
-    )
-    print(head, file=out)
-    print("-" * len(head), file=out)
+    pred = any(r.get(k) is not None for r in rows for k in ("predicted_s", "allreduce_predicted_s"))
+    head = ["size", "codec", "schedule", "time ms"] + (["pred ms"] if pred else [])
+    head += ["speedup", "sent B", "x ring", "recv B", "x ring", "enc/xchg/dec ms"]
+    extra_head = ["size", "codec", "schedule"] + (["device B", "/recv"] if tc else [])
+    extra_head += ["path", "/staged", "/direct"] if device else []
+    body, extra = [], []
     last = None
     for r in rows:
         if r["numel"] != last:
             last = r["numel"]
-            _reference_lines(r, tc, device, out)
-        dev = ""
+            refs, ref_extra = _reference_rows(r, tc, device, pred)
+            body += refs
+            extra += ref_extra
+        key = [format_count(r["numel"]), codec_label(r["codec"], r["params"]), schedule_label(r)]
+        cells = [*key, f"{1e3 * r['time_s']:.2f}"] + ([_ms(r.get("predicted_s"))] if pred else [])
+        cells += [f"{r['speedup']:.2f}", _bytes(r["bytes_sent"]), _ratio(r["sent_ratio"])]
+        cells += [_bytes(r["bytes_recv"]), _ratio(r["recv_ratio"]), _phases(r)]
+        body.append(cells)
+        more = list(key)
         if tc:
-            dev = (
-                f"{r['device_bytes']:>15,}{_ratio(r['device_over_recv']):>7}"
+            more += (
+                [f"{r['device_bytes']:,}", _ratio(r["device_over_recv"])]
                 if "device_bytes" in r
-                else f"{'':>22}"
+                else ["", ""]
             )
-        path = ""
         if device:
-            path = (
-                f"{r['transport']:>8}{_times(r['time_ratio_staged']):>9}"
-                f"{_times(r['time_ratio_direct']):>9}"
+            more += (
+                [r["transport"], _times(r["time_ratio_staged"]), _times(r["time_ratio_direct"])]
                 if "transport" in r
-                else f"{'':>26}"
+                else ["", "", ""]
             )
-        print(
-            f"{r['numel']:>12,}  {r['codec']:<27}{label(r['params']):<13}"
-            f"{schedule_label(r):<22}{1e3 * r['time_s']:>10.2f}{_ms(r.get('predicted_s')):>9}"
-            f"{r['speedup']:>9.2f}"
-            f"{r['bytes_sent']:>14,}{_ratio(r['sent_ratio']):>8}"
-            f"{r['bytes_recv']:>14,}{_ratio(r['recv_ratio']):>8}{dev}{path}"
-            f"{_phases(r):>22}",
-            file=out,
-        )
+        extra.append(more)
+    squeeze = ((2, 14), (1, 24), (2, 10), (1, 12))
+    right = [i for i in range(len(head)) if i not in (1, 2)]
+    print("\n".join(table_lines(head, body, right=right, squeeze=squeeze)), file=out)
+    if tc or device:
+        what = []
+        if tc:
+            what.append(
+                "device B: the bytes per call the devices' qdiscs counted (tc -s qdisc), "
+                "summed; /recv: over the bytes the ranks received"
+            )
+        if device:
+            what.append(
+                "path: how CompressedComm's device buffers reached MPI (staged through "
+                "pinned host buffers, or direct to a CUDA-aware MPI); /staged, /direct: "
+                "compressed time over MPI_Allreduce of the same device buffer staged or "
+                "direct (only when MPI is CUDA-aware)"
+            )
+        print("\n" + note("; ".join(what) + "."), file=out)
+        right = [i for i, h in enumerate(extra_head) if i > 2 and h != "path"]
+        print("\n".join(table_lines(extra_head, extra, right=right, squeeze=squeeze)), file=out)
 
 
-def _reference_lines(r: dict, tc: bool, device: bool, out) -> None:
-    """Print the MPI_Allreduce line(s) of ``r``'s size: one on the host; staged, and
-    direct when measured, on a device."""
+def _reference_rows(r: dict, tc: bool, device: bool, pred: bool) -> tuple[list, list]:
+    """Return the MPI_Allreduce row(s) of ``r``'s size, of the main table and of the
+    second one: one on the host; staged, and direct when measured, on a device."""
     ref = r["allreduce_bytes"]
     one = "1.00" if ref else "-"
-    dev = ""
-    if tc:
-        dev = f"{r['allreduce_device_bytes']:>15,}{'':>7}" if "device_bytes" in r else f"{'':>22}"
     if "transport" in r:
         staged, direct = r["allreduce_staged_s"], r["allreduce_direct_s"]
-        lines = [("staged", staged)] + ([("direct", direct)] if direct is not None else [])
+        refs = [("staged", staged)] + ([("direct", direct)] if direct is not None else [])
     else:
-        lines = [("", r["allreduce_s"])]
-    for path, t in lines:
-        what = f"MPI_Allreduce float32{' ' + path if path else ''}"
-        extra = ""
+        refs = [("", r["allreduce_s"])]
+    main, extra = [], []
+    for path, t in refs:
+        key = [format_count(r["numel"]), f"MPI_Allreduce float32{' ' + path if path else ''}", ""]
+        cells = [*key, f"{1e3 * t:.2f}"] + ([_ms(r.get("allreduce_predicted_s"))] if pred else [])
+        cells += [f"{r['allreduce_s'] / t:.2f}", _bytes(ref), one, _bytes(ref), one, ""]
+        main.append(cells)
+        more = list(key)
+        if tc:
+            more += [f"{r['allreduce_device_bytes']:,}", ""] if "device_bytes" in r else ["", ""]
         if device:
-            extra = f"{'':>26}"
+            more += ["", "", ""]
             if path:
                 over_direct = None if direct is None else t / direct
-                extra = f"{path:>8}{_times(t / staged):>9}{_times(over_direct):>9}"
-        print(
-            f"{r['numel']:>12,}  {what:<62}{1e3 * t:>10.2f}{_ms(r.get('allreduce_predicted_s')):>9}"
-            f"{r['allreduce_s'] / t:>9.2f}{ref:>14,}{one:>8}{ref:>14,}{one:>8}{dev}{extra}",
-            file=out,
-        )
+                more[-3:] = [path, _times(t / staged), _times(over_direct)]
+        extra.append(more)
+    return main, extra
 
 
 class Report:
@@ -234,47 +290,47 @@ class Report:
         if kernels:
             backend = kernels[0]["backend"]
             if backend == "numba":
-                backend += f" backend ({numba.config.NUMBA_NUM_THREADS} threads)"
+                threads = kernels[0].get("threads") or numba.get_num_threads()
+                backend += f" backend ({plural(threads, 'thread')})"
             else:
                 backend += " backend"
             gpu = backend.startswith("cuda ")
             copy = "device-to-device copy (cupy.copyto)" if gpu else "memcpy (np.copyto)"
-            print(
+            text = (
                 f"{title('bench')}: {self.numel:,} float32 elements "
-                f"({self.numel * 4 / 2**20:.1f} MiB), one process, {backend}, median of "
-                f"{reps} after a warm-up\n{copy} of the same buffer, same run: "
-                f"{kernels[0]['memcpy_gbps']:.2f} GB/s (the x/memcpy columns divide by it)",
-                file=out,
+                f"({self.numel * 4 / 2**20:.1f} MiB), one process, {backend}; median and "
+                f"min-max of {reps} after a warm-up, BLAS, OpenMP and torch threads held to "
+                f"one meanwhile.\n{copy} of the same buffer, same run: "
+                f"{kernels[0]['memcpy_gbps']:.2f} GB/s (x/memcpy: a median over it)."
             )
+            print(note(text), file=out)
             format_table(kernels, out)
-            print(
+            text = (
                 "GB/s: float32 input bytes / time (1 GB = 1e9 B); bits/elem: one rank's wire "
                 "(payload with header, or ring codes at the first step's width);\n"
-                "rel.err: ||decode(encode(g)) - g|| / ||g||, one rank, no error feedback.",
-                file=out,
+                "rel.err: ||decode(encode(g)) - g|| / ||g||, one rank, no error feedback."
             )
+            print(note(text), file=out)
         if self.allreduce:
             first = self.allreduce[0]
             device = "transport" in first
             where = "device arrays" if device else "host arrays"
-            print(
-                f"\nall-reduce on {self.nranks} rank(s), {where}, {first['backend']} kernels: "
+            text = (
+                f"all-reduce on {plural(self.nranks, 'rank')}, {where}, {first['backend']} kernels: "
                 "CompressedComm.allreduce against MPI_Allreduce of float32, the slowest "
-                f"rank's time, median of {allreduce_reps} after a warm-up;\nspeedup = "
-                "MPI_Allreduce time / compressed time; bytes per rank per call, 'x ring' "
-                "over a float32 ring's 2(N-1)/N*4n;\nenc/xchg/dec ms: per call, the slowest "
+                f"rank's time, median of {allreduce_reps} after a warm-up.\nspeedup = "
+                "MPI_Allreduce time / compressed time; sent B, recv B: bytes per rank per "
+                "call (K = 1e3, M = 1e6; --json has them exact), 'x ring' over a float32 "
+                "ring's 2(N-1)/N*4n.\nenc/xchg/dec ms: per call, the slowest "
                 "rank's encode / exchange (every message, waiting included) / decode, "
-                "median (from a trace of the timed calls)",
-                file=out,
+                "median (from a trace of the timed calls)."
             )
             if device:
-                print(
-                    "path: how CompressedComm's device buffers reached MPI (staged through "
-                    "pinned host buffers, or direct to a CUDA-aware MPI); /staged, /direct: "
-                    "compressed time over\nMPI_Allreduce of the same device buffer staged "
-                    "(device to pinned host, MPI_Allreduce, host to device) or direct (only "
-                    "when MPI is CUDA-aware); speedup: over the reference of the row's path",
-                    file=out,
+                text += (
+                    "\nOn the device, speedup is over the MPI_Allreduce reference of the "
+                    "row's own path: staged (device to pinned host, MPI_Allreduce, host to "
+                    "device) or direct (device buffers to a CUDA-aware MPI)."
                 )
+            print("\n" + note(text), file=out)
             format_allreduce_table(self.allreduce, out)
             format_verdicts(chooser_verdicts(self.allreduce), out)
