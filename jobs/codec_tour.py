@@ -2,7 +2,7 @@
 
 Prints, per codec: bits per element on the wire, relative L2 error of what one rank
 would get back, and encode / decode throughput in GB/s of float32 input (median of
-repetitions after a warm-up). Run: ``python -m jobs.codec_tour [--numel N] [--reps R]``.
+repetitions after a warm-up). Run: ``python -m jobs.codec_tour [--reps R] [--seed S]``.
 """
 
 from __future__ import annotations
@@ -16,6 +16,8 @@ import mpicomp
 from mpicomp.bench import conv_gradient, label, median_seconds, one_rank_round_trip
 from mpicomp.bench.report import title
 
+# Every codec of mpicomp.codecs.available() (tests/test_jobs.py checks it), some at
+# several settings.
 TOUR = [
     ("none", {}),
     ("fp16", {}),
@@ -31,7 +33,19 @@ TOUR = [
     ("threelc", {"sparsity": 1.5}),
     ("fft", {}),
     ("fastsgd", {}),
+    ("powersgd", {"rank": 1}),
+    ("powersgd", {"rank": 4}),
 ]
+
+NOTES = """\
+bits/elem: what one rank sends per element: its payload (header included), its ring codes,
+  or PowerSGD's factors P and Q (float32)
+rel.err: ||decode(encode(g)) - g|| / ||g||, one rank, no error feedback. QSGD and GRandK are
+  unbiased: their error averages down over ranks and steps, and one rank's can exceed 1
+  (QSGD at 2 bits has one level each side of 0; GRandK keeps K of the n coordinates, each
+  scaled by n/K). 3LC, top-k, FFT, FastSGD and PowerSGD carry theirs
+  to the next step by error feedback; PowerSGD's is near 1 here, as the tensor's entries
+  are independent draws, which no low-rank matrix approximates."""
 
 
 def main(argv=None) -> int:
@@ -64,10 +78,7 @@ def main(argv=None) -> int:
         print(f"{name:<28}{label(params):<16}{bits:>10.3f}{32 / bits:>8.1f}x{err:>10.4f}"
               f"{gb / t_enc:>10.2f}{gb / t_enc / memcpy:>9.2f}{gb / t_dec:>10.2f}{gb / t_dec / memcpy:>9.2f}",
               flush=True)  # fmt: skip
-    print("bits/elem: payload (header included) or ring codes of one rank, per element; "
-          "rel.err: ||decode(encode(g)) - g|| / ||g||, one rank, no error feedback\n"
-          "(QSGD/GRandK are unbiased: their error averages down over ranks and steps; "
-          "3LC, top-k, FFT and FastSGD carry theirs to the next step by error feedback).")  # fmt: skip
+    print(NOTES)
     return 0
 
 

@@ -4,8 +4,8 @@ Launch with ``mpiexec -n N python -m mpi4py -m jobs.signsgd_compare [--numel 25.
 [--reps 5] [--json]``. Every rank draws a float32 gradient; each scheme turns it into the
 majority of the ranks' signs, as packed bits (LSB-first, ceil(n/8) bytes) on every rank:
 
-- ``ring``: paper 003, ``ring_allreduce_bounded(majority=True)``: votes summed around a
-  ring at ceil(log2(i+1)) bits per element in reduce-scatter step i, the owner decides its
+- ``ring``: the all-reducible signSGD paper, ``ring_allreduce_bounded(majority=True)``:
+  votes summed around a ring at ceil(log2(i+1)) bits per element in reduce-scatter step i, the owner decides its
   chunk, the decisions travel back at 1 bit per element.
 - ``allgather``: every rank's packed signs to every rank (``allgather_bytes_ring``), then
   every rank counts the N sign vectors and decides the whole vector itself.
@@ -174,7 +174,7 @@ def _joined(views: list[np.ndarray]) -> np.ndarray:
 
 
 def by_ring(comm, x: np.ndarray, recorder=None) -> np.ndarray:
-    """Majority through paper 003's width-growing ring."""
+    """Majority through the all-reducible signSGD paper's width-growing ring."""
     return ring_allreduce_bounded(comm, votes(x), 1, majority=True, signed=False, recorder=recorder)
 
 

@@ -1,5 +1,5 @@
-"""Plain NumPy references of the QSGD-MaxNorm family (paper 000 §3.1-3.4, docs/codecs.md):
-the counter-based RNG, norms, codes, scale indices, GlobalRandK coordinates, the blocks
+"""Plain NumPy references of the QSGD-MaxNorm family (the unbiased quantizers paper
+§3.1-3.4, docs/codecs.md): the counter-based RNG, norms, codes, scale indices, GlobalRandK coordinates, the blocks
 that share a norm and a whole averaged call. None of them calls the library's kernels."""
 
 import math

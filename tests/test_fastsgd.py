@@ -1,4 +1,4 @@
-"""FastSGD: bytes against a plain NumPy/Python reference of paper 004 §3 and
+"""FastSGD: bytes against a plain NumPy/Python reference of the FastSGD paper §3 and
 docs/codecs.md ("fastsgd"), the paper's properties, and decoding of hostile payloads."""
 
 import math

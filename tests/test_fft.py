@@ -1,4 +1,5 @@
-"""fft codec (paper 002) against a plain NumPy reference written from the paper and the docs."""
+"""fft codec (the FFT sparsification paper) against a plain NumPy reference written from
+the paper and the docs."""
 
 import math
 import struct

@@ -139,6 +139,39 @@ class TestPieces:
         with pytest.raises(ValueError, match="no codec"):
             _compare.parse_runs(" , ")
 
+    def test_demo_and_tour_cover_every_codec(self):
+        import mpicomp
+        from jobs import codec_tour, train
+
+        available = set(mpicomp.codecs.available())
+        demo = _compare.parse_runs(train.CODECS)
+        assert {r.codec for r in demo} == available
+        assert [r.label for r in demo[: len(_compare.RUNS)]] == [r.label for r in _compare.RUNS]
+        for r in demo:  # what the job builds before any rank trains
+            mpicomp.codec(r.codec, **r.params)
+        assert {name for name, _ in codec_tour.TOUR} == available
+
+    def test_tour_prints_a_row_per_entry(self, capsys):
+        from jobs import codec_tour
+
+        assert codec_tour.main(["--reps", "1"]) == 0
+        lines = capsys.readouterr().out.splitlines()
+        start = next(i for i, line in enumerate(lines) if line.startswith("---")) + 1
+        rows = lines[start : start + len(codec_tour.TOUR)]
+        n, m = 512, 512 * 3 * 3  # the tour's gradient as a matrix of shape[0] rows
+        for (name, params), row in zip(codec_tour.TOUR, rows, strict=True):
+            cells = row.split()
+            assert cells[0] == name
+            bits, err = float(cells[-7]), float(cells[-5])
+            assert np.isfinite(err) and err >= 0
+            if name == "none":
+                assert (bits, err) == (32.0, 0.0)
+            elif name == "powersgd":  # its float32 factors P (n x r) and Q (m x r)
+                assert bits == pytest.approx(32 * (n + m) * params["rank"] / (n * m), abs=1e-3)
+            else:
+                assert bits < 32
+        assert lines[start + len(codec_tour.TOUR)].startswith("bits/elem:")
+
     @pytest.mark.parametrize("size", [1, 2, 3, 5])
     def test_shards_split_the_training_set_and_the_batch(self, size):
         batch, n = 37, 101

@@ -159,7 +159,8 @@ def test_qsgd_average_is_within_the_variance_bound(bits):
     mean = gather_all(comm, x).astype(np.float64).mean(axis=0)
     norm = max(np.linalg.norm(v) for v in gather_all(comm, x).astype(np.float64))
     s = 2 ** (bits - 1) - 1
-    # Paper 000 Lemma 1 per rank, independent noise across ranks: the mean's variance is 1/N of it.
+    # Lemma 1 of the unbiased quantizers paper per rank, independent noise across ranks:
+    # the mean's variance is 1/N of it.
     bound = min(N / s**2, math.sqrt(N) / s) * norm**2 / comm.size
     errors = []
     with mpicomp.CompressedComm(comm, "qsgd_maxnorm", bits=bits, min_numel=0) as cc:

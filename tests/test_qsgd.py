@@ -1,4 +1,4 @@
-"""QSGD-MaxNorm family (paper 000 §3.1-3.4) against plain NumPy references.
+"""QSGD-MaxNorm family (the unbiased quantizers paper §3.1-3.4) against plain NumPy references.
 
 The references (tests/_qsgd_ref.py) re-derive everything from the paper, docs/codecs.md
 and the RNG's published schedule (splitmix64 of seed, step, stream, index); none calls our

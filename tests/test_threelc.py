@@ -1,4 +1,4 @@
-"""3LC codec (paper 001 §3): bytes against a plain NumPy reference, paper properties,
+"""3LC codec (the 3LC paper §3): bytes against a plain NumPy reference, paper properties,
 error feedback and payload validation."""
 
 import itertools

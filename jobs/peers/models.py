@@ -1,6 +1,6 @@
 """The models and data of ``jobs.peers``: layer shapes as real networks have them.
 
-- ``mlp``: the digits MLP of issue 28 (64-2048-2048-2048-10 at full size) on the digits
+- ``mlp``: the digits MLP of the full comparison (64-2048-2048-2048-10 at full size) on the digits
   data of the training jobs (``jobs._data.load_digits``: scikit-learn's copy, nothing
   downloaded).
 - ``resnet``: a small ResNet (a stem convolution, three stages of one basic block each,

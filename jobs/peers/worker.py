@@ -100,7 +100,7 @@ class DDPPeer:
         if hook == "powersgd":
             # One bucket for the whole model: with DDP's default 25 MB buckets (two for
             # the 8.55M-parameter MLP) PowerSGD hung on gloo inside
-            # unpack_uncompressed_tensors_and_allreduce_ps (issue 28); with one it runs.
+            # unpack_uncompressed_tensors_and_allreduce_ps; with one it runs.
             numel = sum(p.numel() for p in model.parameters())
             options["bucket_cap_mb"] = 4 * numel / 2**20 + 1
         elif config.get("bucket_mb"):
