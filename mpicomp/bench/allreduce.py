@@ -40,6 +40,7 @@ from mpicomp.collectives.traffic import Traffic
 from mpicomp.comm import CompressedComm
 from mpicomp.model import codec_key
 from mpicomp.reduction import AUTO, kind_of
+from mpicomp.reduction.low_rank import matrix_view
 from mpicomp.schedules import FLOAT32, Topology, predict
 from mpicomp.schedules import schedules_of as candidate_schedules
 
@@ -421,11 +422,13 @@ def measure(
                     model=model,
                     **params,
                 )
+            # A low-rank codec factors matrices: the flat gradient stands for one.
+            g = matrix_view(x) if kind_of(cc.codec).shaped else x
             with cc:
                 traffic = Traffic()
 
-                def call(cc=cc):
-                    cc.allreduce(x, name="grad")
+                def call(cc=cc, g=g):
+                    cc.allreduce(g, name="grad")
                     sync()  # a device result is done when the clock stops
 
                 cc.recorder = traffic

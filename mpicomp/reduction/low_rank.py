@@ -190,8 +190,7 @@ def alone(codec, x):
     (viewed as ``shape[0]`` rows, a 1-D one as a near-square matrix): its factors and
     their rebuild, for timings and the bits per element."""
     numel = x.size
-    shape = x.shape if x.ndim > 1 else (_divisor_near_sqrt(numel), -1)
-    matrix = x.reshape(shape[0], -1)
+    matrix = matrix_view(x)
     layout = codec.layout([matrix.shape])
     xp = array_module(x)
     state = {}
@@ -209,6 +208,13 @@ def alone(codec, x):
         return (state["p"] @ state["q"].T).reshape(x.shape)
 
     return enc, dec, lambda: 4 * (state["p"].size + state["q"].size)
+
+
+def matrix_view(x):
+    """Return ``x`` as this kind factors it: ``shape[0]`` rows, a 1-D one as a near-square
+    matrix (what a flat benchmark gradient stands for)."""
+    rows = x.shape[0] if x.ndim > 1 else _divisor_near_sqrt(x.size)
+    return x.reshape(rows, -1)
 
 
 def _divisor_near_sqrt(n: int) -> int:
