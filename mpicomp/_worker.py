@@ -220,7 +220,7 @@ class Runner:
                 warnings.warn(
                     f"{why}: iallreduce runs each call at once in the caller's thread (no overlap)",
                     RuntimeWarning,
-                    stacklevel=4,  # this frame, the CompressedComm method, its thread guard, its caller
+                    stacklevel=4,  # this frame, the CompressedComm method, its thread guard, the user's line
                 )
             handle = Handle(deliver)
             handle._run(job)

@@ -352,7 +352,7 @@ class CompressedComm:
                 are raised by ``wait()``).
         """
         self._check_open()
-        return self._start(partial(self._average, self._take(x, name)), _deliver)
+        return self._runner.start(partial(self._average, self._take(x, name)), _deliver)
 
     @_one_thread
     def allreduce_many(self, arrays, names=None) -> list:
@@ -379,7 +379,7 @@ class CompressedComm:
             RuntimeError: the CompressedComm is closed.
         """
         self._check_open()
-        return self._start(partial(self._many, *self._take_many(arrays, names)), _deliver)
+        return self._runner.start(partial(self._many, *self._take_many(arrays, names)), _deliver)
 
     def schedule_for(self, numel: int) -> tuple[str, float]:
         """Return the schedule a call of ``numel`` elements runs by, and the seconds the
@@ -490,7 +490,7 @@ class CompressedComm:
                 error = TypeError(f"layout must be an integer or None, got {layout!r}")
                 t = Tensor.refused(x, name, error)  # every rank hears of it in the call
         job = partial(self._average, t, "allreduce", layout, snapshots, compress)
-        return self._start(job, Outcome._make)
+        return self._runner.start(job, Outcome._make)
 
     def rollback(self, snapshots: list) -> None:
         """Restore the residuals and the step of ``snapshots`` (filled by ``start``): a
@@ -785,9 +785,6 @@ class CompressedComm:
             raise
 
     # -- threads and lifetime ---------------------------------------------------
-
-    def _start(self, job, deliver) -> Handle:
-        return self._runner.start(job, deliver)
 
     def _drain(self) -> None:
         """Wait until every started ``iallreduce`` has finished (errors stay in handles)."""

@@ -368,8 +368,9 @@ def test_below_thread_multiple_iallreduce_runs_at_once_and_says_so(monkeypatch):
     x = np.ones(2000, np.float32)
     with mpicomp.CompressedComm(MPI.COMM_SELF, "none") as cc:
         assert not cc.background
-        with pytest.warns(RuntimeWarning, match="not MPI_THREAD_MULTIPLE"):
+        with pytest.warns(RuntimeWarning, match="not MPI_THREAD_MULTIPLE") as warned:
             handle = cc.iallreduce(x, name="w")
+        assert warned[0].filename == __file__  # the user's line, not mpicomp's
         assert handle.done and cc._runner._worker is None
         np.testing.assert_array_equal(handle.wait(), x)
         assert cc.iallreduce(x, name="w").done  # warned once per communicator
