@@ -127,6 +127,22 @@ def ring_chunks(n, size, align):
     return [(min(n, c * C), min(n, (c + 1) * C)) for c in range(size)]
 
 
+def ring_order_sum(every, add=np.add):
+    """The sum of every rank's row as mpicomp's float rings make it: chunk c of ceil(n/N)
+    elements summed in the rank order c+1, c+2, ..., N-1, 0, ..., c by ``add(partial,
+    next)``, one addition at a time (float32: ``np.add``; fp16's ring: in float32,
+    rounded to float16)."""
+    nranks, n = every.shape
+    width, out = -(-n // nranks), np.empty(n, every.dtype)
+    for c in range(nranks):
+        lo, hi = min(n, c * width), min(n, (c + 1) * width)
+        acc = every[(c + 1) % nranks, lo:hi].copy()
+        for r in range(2, nranks + 1):
+            acc = add(acc, every[(c + r) % nranks, lo:hi])
+        out[lo:hi] = acc
+    return out
+
+
 def ring_traffic(n, size, rank, align, rs_width, ag_width):
     """Bytes sent/received by ``rank`` in one width-growing ring call, and the world totals.
 

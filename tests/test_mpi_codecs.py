@@ -17,7 +17,7 @@ from _qsgd_ref import (
 )
 
 import mpicomp
-from conftest import gather_all, gradient_like, world
+from conftest import gather_all, gradient_like, ring_order_sum, world
 
 GATHER = ["none", "fp16", "topk", "signsgd", "threelc", "fft", "fastsgd"]
 N = 10_007  # not divisible by 2, 3, 4, 5 or 8
@@ -117,21 +117,14 @@ def test_signsgd_majority_of_summed_votes_matches_reference():
 
 
 def _fp16_ring_reference(inputs):
-    """The float16 sum of every rank's row, as the fp16 ring makes it: chunk c of
-    ceil(n/N) elements summed in rank order c+1, ..., N-1, 0, ..., c, each addition in
+    """The float16 sum of every rank's row as the fp16 ring makes it: each addition in
     float32 rounded to float16."""
-    nranks, n = inputs.shape
-    width = -(-n // nranks)
-    halves = inputs.astype(np.float16)
-    total = np.empty(n, np.float16)
-    for c in range(nranks):
-        lo, hi = min(n, c * width), min(n, (c + 1) * width)
-        acc = halves[(c + 1) % nranks, lo:hi]
-        for r in range(2, nranks + 1):
-            with np.errstate(over="ignore"):
-                acc = (acc.astype(np.float32) + halves[(c + r) % nranks, lo:hi]).astype(np.float16)
-        total[lo:hi] = acc
-    return total
+
+    def add(acc, nxt):
+        with np.errstate(over="ignore"):
+            return (acc.astype(np.float32) + nxt).astype(np.float16)
+
+    return ring_order_sum(inputs.astype(np.float16), add)
 
 
 @pytest.mark.mpi

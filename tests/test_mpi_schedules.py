@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 import mpicomp
-from conftest import gather_all, ring_traffic, world
+from conftest import gather_all, ring_order_sum, ring_traffic, world
 from mpicomp.collectives import ring
 from mpicomp.collectives.sharded import shard_bounds
 from mpicomp.collectives.traffic import Traffic
@@ -391,20 +391,6 @@ def test_hierarchical_error_feedback_keeps_a_residual_per_local_shard(inner, pai
     assert (every == every[0]).all()
 
 
-def _ring_order_sum(every: np.ndarray) -> np.ndarray:
-    """The float32 sum collectives.float_ring makes: chunk c of ceil(n/N) elements summed
-    in the rank order c+1, c+2, ..., c, one float32 addition at a time."""
-    N, n = every.shape
-    C, out = -(-n // N), np.empty(n, np.float32)
-    for c in range(N):
-        lo, hi = c * C, min(n, (c + 1) * C)
-        acc = every[(c + 1) % N, lo:hi].copy()
-        for k in range(2, N + 1):
-            acc = acc + every[(c + k) % N, lo:hi]
-        out[lo:hi] = acc
-    return out
-
-
 @pytest.mark.mpi
 @pytest.mark.parametrize("n", [0, 1, 7, N_ELEMS])
 def test_none_on_mpicomps_float32_ring_is_the_ring_order_sum_on_every_rank(n):
@@ -414,7 +400,7 @@ def test_none_on_mpicomps_float32_ring_is_the_ring_order_sum_on_every_rank(n):
     with mpicomp.CompressedComm(comm, "none", schedule="ring", min_numel=0) as cc:
         y = cc.allreduce(x, name="w")
     np.testing.assert_array_equal(x, keep)  # summed in a buffer of its own, not the input
-    expected = _ring_order_sum(gather_all(comm, x)) / np.float32(comm.size)
+    expected = ring_order_sum(gather_all(comm, x)) / np.float32(comm.size)
     np.testing.assert_array_equal(y, expected)
     np.testing.assert_array_equal(gather_all(comm, y)[0], y)
 
@@ -430,5 +416,5 @@ def test_auto_picks_the_float32_ring_where_mpi_allreduce_measured_slow():
         chosen, _ = cc.schedule_for(N_ELEMS)
     if comm.size > 1:
         assert chosen == "ring"
-        expected = _ring_order_sum(gather_all(comm, _grad(comm))) / np.float32(comm.size)
+        expected = ring_order_sum(gather_all(comm, _grad(comm))) / np.float32(comm.size)
         np.testing.assert_array_equal(y, expected)
