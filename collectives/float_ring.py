@@ -56,6 +56,15 @@ class _InPlace:
             self.add(stream.view(self.values.dtype), self.values[lo:hi])
 
 
+def _flat(buf, dtype, fname: str):
+    """Return ``buf`` as a 1-D view (the sum happens in it), or raise what is wrong."""
+    if buf.dtype != dtype:
+        raise TypeError(f"{fname}: buf must be {np.dtype(dtype).name}, got {buf.dtype}")
+    if not buf.flags.c_contiguous:  # reshape would copy, and the sum land in the copy
+        raise ValueError(f"{fname}: buf must be C-contiguous (it is summed in place)")
+    return buf.reshape(-1)
+
+
 def _ring(comm, values: _InPlace, name: str, op: str, recorder, timeout) -> None:
     exchange = Exchange(comm, resolve_timeout(timeout), op, _TAG)
     n = values.values.size
@@ -76,7 +85,7 @@ def allreduce_float16(comm, buf, *, recorder=None, timeout=None, kernels=None) -
         kernels: the kernel backend record for NumPy arrays (default
             ``mpicomp.kernels.backend()``).
     """
-    halves = buf.reshape(-1).view(np.uint16)
+    halves = _flat(buf, np.float16, "allreduce_float16").view(np.uint16)
     values = _InPlace(halves, backend_of(buf, kernels).fp16.add)
     _ring(comm, values, "fp16", "fp16 sum", recorder, timeout)
 
@@ -89,6 +98,6 @@ def allreduce_float32(comm, buf, *, recorder=None, timeout=None, kernels=None) -
     ``add``); the sum is the same bits on every rank.
     """
     xp = backend_of(buf, kernels).xp
-    flat = buf.reshape(-1)
+    flat = _flat(buf, np.float32, "allreduce_float32")
     values = _InPlace(flat, lambda stream, partial: xp.add(partial, stream, out=partial))
     _ring(comm, values, "f32", "float32 sum", recorder, timeout)

@@ -38,7 +38,7 @@ def place(comm, local_comm, model, codec, schedule: str) -> Placement:
     # Whether to split at all must not hang on one rank's argument: model= given on
     # some ranks only still makes every rank take part (rank 0's model is used).
     given = comm.allreduce(model is not None, op=MPI.LOR)
-    if not (given or hier or schedule == AUTO and codec.compresses):
+    if not (given or hier or schedule == AUTO):
         return Placement(Topology(1, comm.size))  # nothing to choose, no model to predict with
     node = host_comm(comm, local_comm)
     try:

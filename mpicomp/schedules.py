@@ -97,7 +97,7 @@ def cost(schedule: str, codec, numel: int, nranks: int, payload: int | None = No
     if schedule == FLOAT32:
         return head + mpi_allreduce(4 * numel, nranks)
     kind = kind_of(codec)
-    if schedule not in kind.schedules:
+    if schedule not in kind.schedules_of(codec):
         raise ValueError(f"codec {codec.name!r} ({kind.name}) has no schedule {schedule!r}")
     if kind.payload and payload is None:
         raise ValueError(f"{codec.name}: the cost of a {kind.name} schedule needs payload bytes")
@@ -144,7 +144,8 @@ class Topology:
 def schedules_of(codec, topology: Topology) -> tuple[str, ...]:
     """Return the schedules ``schedule="auto"`` chooses among for ``codec``: its own
     (``mpicomp.reduction``), the hierarchical ones where ``topology`` allows (not for
-    fp16's sum), and the float32 MPI_Allreduce (``none``: only its allreduce)."""
+    fp16's sum), and the float32 MPI_Allreduce (``none``: MPI_Allreduce or mpicomp's
+    float32 ring)."""
     return candidates(codec, topology.hierarchical)
 
 

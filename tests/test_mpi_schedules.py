@@ -418,3 +418,29 @@ def test_auto_picks_the_float32_ring_where_mpi_allreduce_measured_slow():
         assert chosen == "ring"
         expected = ring_order_sum(gather_all(comm, _grad(comm))) / np.float32(comm.size)
         np.testing.assert_array_equal(y, expected)
+
+
+@pytest.mark.mpi
+def test_none_under_auto_measures_a_model_and_averages(monkeypatch):
+    comm = world()
+    monkeypatch.delenv("MPICOMP_MODEL", raising=False)
+    x = _grad(comm)
+    with mpicomp.CompressedComm(comm, "none", schedule="auto") as cc:
+        y = cc.allreduce(x, name="w")
+        assert cc.model.source == "measured"
+        assert cc.schedule_for(N_ELEMS)[0] in ("allreduce", "ring")
+    expected = gather_all(comm, x).astype(np.float64).mean(axis=0)
+    np.testing.assert_allclose(y, expected, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.mpi
+def test_the_float_rings_refuse_a_buffer_they_cannot_sum_in_place():
+    from mpicomp.collectives.float_ring import allreduce_float16, allreduce_float32
+
+    comm = world()
+    with pytest.raises(TypeError, match="buf must be float32, got float64"):
+        allreduce_float32(comm, np.zeros(8))
+    with pytest.raises(ValueError, match="C-contiguous"):
+        allreduce_float32(comm, np.zeros((4, 4), np.float32)[:, 1])
+    with pytest.raises(TypeError, match="buf must be float16"):
+        allreduce_float16(comm, np.zeros(8, np.float32))

@@ -30,10 +30,16 @@ def test_ranks_on_a_host_divide_its_cpus(monkeypatch):
     monkeypatch.setattr(_threads, "cpus", lambda: set(range(8 * local)))  # 8 each, shared
     got = _threads.decide(world)
     assert got.threads == min(8, pool), got
-    assert got.why.endswith(f"{8 * local} CPUs / {local} ranks on this host"), got
+    ranks = _threads._count(local, "rank")
+    assert got.why.endswith(f"{8 * local} CPUs / {ranks} on this host"), got
     # Bound to a core of its own, a rank shares it with no one.
     monkeypatch.setattr(_threads, "cpus", lambda: {world.rank})
-    assert _threads.decide(world) == (1, f"1 CPU / 1 rank of {local} on this host using them")
+    alone = (
+        "1 CPU / 1 rank on this host"
+        if local == 1
+        else f"1 CPU / 1 rank of {local} on this host using them"
+    )
+    assert _threads.decide(world) == (1, alone)
 
 
 @pytest.mark.mpi
@@ -50,7 +56,7 @@ def test_numba_num_threads_set_on_one_rank_only_still_decides_on_every_rank(monk
     if world.rank == 0:
         assert got == (pool, f"NUMBA_NUM_THREADS={pool}")
     else:
-        assert "ranks on this host" in got.why and "NUMBA_NUM_THREADS" not in got.why
+        assert "on this host" in got.why and "NUMBA_NUM_THREADS" not in got.why
     world.Barrier()
 
 
@@ -71,7 +77,8 @@ def test_a_compressed_comm_keeps_the_decision_of_its_ranks(monkeypatch):
     try:
         x = np.ones(5000, np.float32)
         with mpicomp.CompressedComm(world, "qsgd_maxnorm") as cc:
-            assert cc.threads == (1, f"{local} CPU{'s' * (local > 1)} / {local} ranks on this host")
+            cpus, ranks = _threads._count(local, "CPU"), _threads._count(local, "rank")
+            assert cc.threads == (1, f"{cpus} / {ranks} on this host")
             assert _threads.kept() == cc.threads and numba.get_num_threads() == 1
             cc.allreduce(x, name="w")
     finally:

@@ -164,8 +164,8 @@ def test_the_candidates_are_the_codecs_own_schedules_the_hierarchy_and_float32()
     assert schedules_of(mpicomp.codec("fft"), hosts)[:4] == (
         "allgather", "sharded", "hier:allgather", "hier:sharded"
     )  # fmt: skip
-    # MPI_Allreduce or mpicomp's ring; fp16 runs the same float16 ring by both names
-    assert schedules_of(fp16, hosts) == ("allreduce", "ring", FLOAT32)
+    # none: MPI_Allreduce or mpicomp's float32 ring; fp16's allreduce is its float16 ring
+    assert schedules_of(fp16, hosts) == ("allreduce", FLOAT32)
     assert schedules_of(none, hosts) == ("allreduce", "ring")
     assert not Topology(3, 2, even=False).hierarchical and not Topology(1, 8).hierarchical
 
@@ -260,7 +260,7 @@ def test_schedule_names_beyond_the_codecs_own():
     for codec, ok, bad in (
         ("threelc", ["hier:sharded", "auto", "float32"], ["hier:ring", "ring"]),
         ("signsgd", ["hier:direct", "auto"], ["hier:allgather", "hier:"]),
-        ("fp16", ["float32", "auto"], ["hier:allreduce"]),
+        ("fp16", ["float32", "auto"], ["hier:allreduce", "ring"]),
         ("none", ["auto", "allreduce", "ring"], ["direct", "hier:allreduce"]),
     ):
         c = mpicomp.codec(codec)

@@ -25,8 +25,8 @@ per step (tc's counters on the emulated networks; unshaped, what mpicomp's calls
 "n/a" for DDP), test accuracy every ``--eval-every`` steps, and the time to reach the
 final accuracy of DDP float32 on the same network and model (steps x ms/step, or
 "never" within ``--steps``; a run that reaches it and then diverges or ends below it
-says so), judged only where DDP float32 has plateaued (the table says when it has
-not). Output: a table per network and model on stdout,
+says so); where DDP float32 had not plateaued the table says so under it, since a time
+to the accuracy of a run still rising is an early-training figure. Output: a table per network and model on stdout,
 ``OUT/peers.json``, ``OUT/accuracy.png`` (accuracy against steps x ms/step, log) and each
 launch's log under ``OUT/logs/``.
 """
@@ -410,10 +410,15 @@ def table(rows: list[dict], args, out=sys.stdout) -> None:
         file=out,
     )
     if target is not None and not rows[0].get("plateaued"):
+        rise = rows[0]["rise"]
+        why = (
+            "too few evaluations to tell"
+            if rise != rise  # NaN: fewer than 4
+            else f"its last half's best {rise:+.3f} over its first half's"
+        )
         print(
-            f"DDP float32 was still rising at step {args.steps} (its last half's best "
-            f"{rows[0]['rise']:+.3f} over its first half's): times to its accuracy are "
-            "early-training figures; run more --steps for a time to accuracy",
+            f"DDP float32 was still rising at step {args.steps} ({why}): times to its "
+            "accuracy are early-training figures; run more --steps for a time to accuracy",
             file=out,
         )
 

@@ -51,7 +51,7 @@ def kind_of(codec) -> Kind:
 def schedule_names(codec) -> tuple[str, ...]:
     """Return every ``schedule=`` a codec takes, its default first."""
     kind = kind_of(codec)
-    flat = tuple(kind.schedules)
+    flat = tuple(kind.schedules_of(codec))
     hier = tuple(HIER + s for s in flat) if kind.hierarchical else ()
     return (*flat, *hier, FLOAT32, AUTO)
 
@@ -71,7 +71,7 @@ def candidates(codec, hierarchical: bool) -> tuple[str, ...]:
     hierarchical ones where the ranks allow (``hierarchical``) and the kind has them, and
     the float32 MPI_Allreduce (a codec that does not compress: only its own)."""
     kind = kind_of(codec)
-    flat = tuple(kind.schedules)
+    flat = tuple(kind.schedules_of(codec))
     if not codec.compresses:
         return flat
     hier = tuple(HIER + s for s in flat) if hierarchical and kind.hierarchical else ()
@@ -108,7 +108,7 @@ def plan(codec, name: str) -> Plan:
     kind = kind_of(codec)
     flat = name.removeprefix(HIER)
     hierarchical = flat != name
-    schedule = kind.schedules.get(flat)
+    schedule = kind.schedules_of(codec).get(flat)
     if schedule is None or (hierarchical and not kind.hierarchical):
         raise ValueError(f"codec {codec.name!r} ({kind.name}) has no schedule {name!r}")
     return Plan(name, flat, schedule, hierarchical)

@@ -24,6 +24,10 @@ def _stateless(codec, options) -> Stateless:
     return Stateless()
 
 
+def _any(codec) -> bool:
+    return True
+
+
 class Schedule(NamedTuple):
     """One way to move a kind's bytes.
 
@@ -31,13 +35,15 @@ class Schedule(NamedTuple):
     ``cost(codec, numel, nranks, payload)`` is its critical path after the agreement
     (``Cost``); ``compute(codec, speed, numel, nranks)`` one rank's encode and decode
     seconds at ``speed`` (``mpicomp.model.Speed``); ``alltoall(...)`` the bytes every rank
-    sends to every other at once (they share a host's link; 0 for a ring).
+    sends to every other at once (they share a host's link; 0 for a ring); ``fits(codec)``
+    whether a codec of the kind has it (all, unless the schedule says otherwise).
     """
 
     run: Callable
     cost: Callable
     compute: Callable = _encode_and_decode
     alltoall: Callable = _none
+    fits: Callable = _any
 
 
 @dataclass(frozen=True)
@@ -65,6 +71,10 @@ class Kind:
     @property
     def default(self) -> str:
         return next(iter(self.schedules))
+
+    def schedules_of(self, codec) -> dict[str, Schedule]:
+        """Return the schedules ``codec`` has (those that fit it), the default first."""
+        return {name: s for name, s in self.schedules.items() if s.fits(codec)}
 
 
 def bounded_schedules(run, cost, alltoall) -> dict[str, Schedule]:

@@ -149,6 +149,10 @@ def _ring_cost(codec, numel: int, nranks: int, payload=None) -> Cost:
     return Cost(2 * (N - 1), 2 * (N - 1) * codec.wire_dtype.itemsize * C)
 
 
+def _float32_wire(codec) -> bool:
+    return getattr(codec, "wire_dtype", None) == np.float32
+
+
 def by_mpi_allreduce(schedule: str, codec) -> bool:
     """Return whether ``schedule`` of ``codec`` is the MPI library's MPI_Allreduce (whose
     measured efficiency the chooser applies, ``mpicomp.model.Model.mpi_allreduce``)."""
@@ -183,7 +187,8 @@ KIND = Kind(
     SumCodec,
     {
         "allreduce": Schedule(run, _cost, _compute),
-        "ring": Schedule(partial(run, ring=True), _ring_cost, _compute),
+        # float16 goes by the ring under "allreduce" already
+        "ring": Schedule(partial(run, ring=True), _ring_cost, _compute, fits=_float32_wire),
     },
     hierarchical=False,
 )
