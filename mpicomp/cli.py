@@ -24,8 +24,7 @@ examples:
   mpiexec -n 4 mpicomp info --all-ranks one line per rank, and warnings
   mpicomp compile                       fill the numba kernel cache ahead of a job
   mpicomp bench --numel 4M              codec GB/s beside memcpy, on one process
-  mpiexec -n 4 python -m mpi4py -m mpicomp bench --no-kernels --sizes 1M
-                                        compressed all-reduce against MPI_Allreduce
+  mpiexec -n 4 python -m mpi4py -m mpicomp bench --no-kernels --sizes 1M    (the all-reduce)
   mpicomp advise 1gbit                  which codecs pay on a 1 Gbit/s link
   mpicomp trace summary run.h5          a trace written by CompressedComm(trace=...)
 
@@ -291,7 +290,7 @@ def _parser() -> argparse.ArgumentParser:
         "--all-calls. A directory (e.g. `mpicomp bench --trace DIR`'s) is read file by file.",
     )
     t.add_argument(
-        "file", metavar="FILE|DIR", help="an HDF5 trace file, or a directory of them (*.h5)"
+        "file", metavar="FILE|DIR", help="an HDF5 trace file, or a directory of them (.h5 files)"
     )
     t.add_argument(
         "--all-calls", action="store_true", help="count each row's first (warm-up) call too"
