@@ -74,12 +74,19 @@ def plural(n: int, noun: str, nouns: str | None = None) -> str:
 
 
 def listing(head: str, items: Sequence[str], sep: str = "; ", width: int = WIDTH) -> list[str]:
-    """Return ``head`` and ``items`` joined by ``sep``, wrapped between items (an item
-    is never split) to ``width`` columns; later lines indented by two spaces."""
+    """Return ``head`` and ``items`` joined by ``sep``, wrapped between items to ``width``
+    columns (an item longer than a line, alone: within it); later lines indented by two
+    spaces."""
     out, line = [], head
     for i, item in enumerate(items):
         piece = item + (sep.rstrip() if i < len(items) - 1 else "")
-        if line.strip() and len(line) + 1 + len(piece) > width:
+        if len(piece) + 2 > width:  # e.g. Open MPI's version string
+            out.append(line)
+            *whole, line = textwrap.wrap(
+                piece, width, initial_indent="  ", subsequent_indent="    "
+            )
+            out.extend(whole)
+        elif line.strip() and len(line) + 1 + len(piece) > width:
             out.append(line)
             line = "  " + piece
         else:

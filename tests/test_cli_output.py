@@ -128,3 +128,13 @@ def test_advise_shows_the_error_each_codec_adds_and_points_to_the_codec_guide(ou
     flat = " ".join(text.split())
     assert "rel.err = ||decode(encode(g)) - g|| / ||g|| for one call" in flat
     assert "above 1 is expected of the sparse codecs" in flat and "docs/choosing.md" in flat
+
+
+def test_a_listing_wraps_an_item_longer_than_a_line_within_it():
+    from mpicomp._table import listing
+
+    version = "MPI version: Open MPI v5.0.11, package: Open MPI user@localhost Distribution, " * 2
+    out = listing("on every rank:", ["a: 1", version.strip(), "b: 2"], width=120)
+    assert max(len(line) for line in out) <= 120
+    assert " ".join(" ".join(out).split()).count("Open MPI v5.0.11") == 2
+    assert out[0] == "on every rank: a: 1;" and out[-1].endswith("b: 2")
