@@ -64,7 +64,7 @@ docs: $(VENV)/.installed
 	$(BIN)/python -m sphinx -b html -W --keep-going -q docs docs/_build/html
 
 # The numba cache of every lane: one directory for all processes, each kernel compiled by
-# one of them under a lock and loaded by the others (mpicomp/_numba_cache.py).
+# one of them under a lock and loaded by the others (kernels/numba_cache.py).
 NUMBA_CACHE := $(CURDIR)/.numba-cache
 export MPICOMP_NUMBA_CACHE := $(NUMBA_CACHE)
 # The CUDA sources built by g++ for the cuda-emulated backend (kernels/cuda/emulated.py).

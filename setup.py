@@ -27,7 +27,7 @@ setup(
     python_requires=">=3.10",
     packages=[
         "mpicomp",
-        "mpicomp.bench",
+        "mpicomp.tools.bench",
         "mpicomp.codecs",
         "mpicomp.reduction",
         "mpicomp.kernels",
@@ -86,5 +86,5 @@ setup(
         # Compiles the CUDA sources as CuPy does, without a GPU (tests/test_cuda_build.py).
         "cuda-compile": _CUDA_COMPILE,
     },
-    entry_points={"console_scripts": ["mpicomp = mpicomp.cli:main"]},
+    entry_points={"console_scripts": ["mpicomp = mpicomp.tools.cli:main"]},
 )

@@ -5,7 +5,7 @@ MPICH reduces a user-defined op by recursive doubling: the whole vector log2(N) 
 through a Python callback, so float16 needs a ring of its own. For float32, MPI_Allreduce
 sends the same 2(N-1)/N of the bytes in fewer messages, but on some networks (TCP with a
 link per host, measured in docs/performance.md) its algorithm reaches less of the links
-than a ring does; ``schedule="auto"`` measures both (``mpicomp._probe``).
+than a ring does; ``schedule="auto"`` measures both (``mpicomp.model.probe``).
 
 Both are a reduce-scatter then an allgather. Chunk c = [c*C, (c+1)*C), C = ceil(n/N), is
 summed in the rank order c+1, c+2, ..., N-1, 0, ..., c, each addition one IEEE addition

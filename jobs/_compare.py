@@ -17,8 +17,8 @@ from dataclasses import asdict, dataclass, field
 
 import numpy as np
 
-from mpicomp.bench.workload import parse_codec, split_codecs
 from mpicomp.collectives.traffic import Traffic
+from mpicomp.tools.bench.workload import parse_codec, split_codecs
 
 
 @dataclass(frozen=True)

@@ -234,7 +234,7 @@ def run_main(
 def _compile(on, comm, runs: list[cmp.Run], say) -> None:
     """Compile (or load) every run's kernels before training by all-reduces on ``on``
     (``comm``, or each rank alone: MPI.COMM_SELF), saying what takes long: one process
-    of the host compiles each kernel, the others load it (mpicomp/_numba_cache.py)."""
+    of the host compiles each kernel, the others load it (kernels/numba_cache.py)."""
     from mpi4py import MPI
 
     from mpicomp import warmup

@@ -17,9 +17,9 @@ import sys
 
 from mpi4py import MPI
 
-from mpicomp.bench import codec_set, parse_count
-from mpicomp.bench.allreduce import measure
-from mpicomp.bench.report import format_allreduce_table, mpi_library, print_json, title
+from mpicomp.tools.bench import codec_set, parse_count
+from mpicomp.tools.bench.allreduce import measure
+from mpicomp.tools.bench.report import format_allreduce_table, mpi_library, print_json, title
 
 
 def main(argv=None) -> int:

@@ -13,8 +13,8 @@ import sys
 import numpy as np
 
 import mpicomp
-from mpicomp.bench import conv_gradient, label, median_seconds, one_rank_round_trip
-from mpicomp.bench.report import title
+from mpicomp.tools.bench import conv_gradient, label, median_seconds, one_rank_round_trip
+from mpicomp.tools.bench.report import title
 
 # Every codec of mpicomp.codecs.available() (tests/test_jobs.py checks it), some at
 # several settings.

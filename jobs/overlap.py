@@ -28,9 +28,9 @@ import numpy as np
 from mpi4py import MPI
 
 import mpicomp
-from mpicomp.bench import codec_set, gradient, label, parse_count
-from mpicomp.bench.allreduce import slowest_median
-from mpicomp.bench.report import mpi_library, print_json, title
+from mpicomp.tools.bench import codec_set, gradient, label, parse_count
+from mpicomp.tools.bench.allreduce import slowest_median
+from mpicomp.tools.bench.report import mpi_library, print_json, title
 
 _MIN_SIDE, _MAX_SIDE = 16, 8192  # the matmul's side: from a few us to about a second
 

@@ -51,8 +51,8 @@ from mpi4py import MPI
 import mpicomp
 import mpicomp.torch as mt
 from jobs._compare import parse_runs
-from mpicomp.bench import label, parse_count
-from mpicomp.bench.report import mpi_library, print_json, title
+from mpicomp.tools.bench import label, parse_count
+from mpicomp.tools.bench.report import mpi_library, print_json, title
 
 CLASSES = 10
 DEFAULT_CODECS = "none,qsgd_maxnorm_bits4,threelc_sparsity1.0"

@@ -38,16 +38,16 @@ import numba as nb
 import numpy as np
 from mpi4py import MPI
 
-from mpicomp._numba_cache import guard
-from mpicomp.bench import gradient, parse_count
-from mpicomp.bench.allreduce import slowest_median
-from mpicomp.bench.report import mpi_library, print_json
 from mpicomp.collectives.allgather import allgather_bytes, allgather_bytes_ring
 from mpicomp.collectives.ring import ring_allreduce_bounded
 from mpicomp.collectives.sharded import alltoall_bytes
 from mpicomp.collectives.traffic import Traffic
 from mpicomp.kernels import backend
+from mpicomp.kernels.numba_cache import guard
 from mpicomp.kernels.signsgd import TIE_NEGATIVE
+from mpicomp.tools.bench import gradient, parse_count
+from mpicomp.tools.bench.allreduce import slowest_median
+from mpicomp.tools.bench.report import mpi_library, print_json
 
 #: The schemes, in the order the table prints them.
 SCHEMES = ("ring", "allgather", "allgatherv", "alltoall_allgather")
@@ -254,7 +254,7 @@ def measure(comm, numel: int, reps: int, progress=None) -> list[dict]:
 
     Args:
         comm: the communicator (every rank calls this); the schemes run on a ``Dup()``.
-        numel: elements of each rank's gradient (``mpicomp.bench.gradient``, seeded by rank).
+        numel: elements of each rank's gradient (``mpicomp.tools.bench.gradient``, seeded by rank).
         reps: timed calls per scheme, after one traced warm-up call.
         progress: a stream for one line per scheme on rank 0 (None: silent).
 
@@ -388,7 +388,7 @@ def main(argv=None) -> int:
     return 0 if ok else 1
 
 
-guard(globals())  # compiled one process at a time (mpicomp/_numba_cache.py)
+guard(globals())  # compiled one process at a time (kernels/numba_cache.py)
 
 
 if __name__ == "__main__":

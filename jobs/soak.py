@@ -24,7 +24,7 @@ import numpy as np
 from mpi4py import MPI
 
 import mpicomp
-from mpicomp.bench import parse_count
+from mpicomp.tools.bench import parse_count
 
 # Growth allowed between warm-up and end: allocator slack, not a leak per call.
 RSS_SLACK = 32 << 20

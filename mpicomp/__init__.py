@@ -4,10 +4,10 @@
 lists their names.
 """
 
-from mpicomp import _numba_cache
 from mpicomp._version import __version__
+from mpicomp.kernels import numba_cache
 
-_numba_cache.configure()  # before the codecs define their numba kernels
+numba_cache.configure()  # before the codecs define their numba kernels
 
 from mpicomp import codecs  # noqa: E402
 from mpicomp.codecs import codec  # noqa: E402

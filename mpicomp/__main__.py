@@ -2,6 +2,6 @@
 
 import sys
 
-from mpicomp.cli import main
+from mpicomp.tools.cli import main
 
 sys.exit(main())

@@ -1,9 +1,9 @@
 """CompressedComm: the one call a training loop makes instead of its all-reduce.
 
 This module is the façade: lifetime and the call itself. What the arguments resolve to
-is ``mpicomp._arguments``; where started calls run, ``mpicomp._worker``; what a call
-takes in, ``mpicomp._intake``; where the ranks are and what a call runs,
-``mpicomp._placement``; what is kept per tensor across calls, ``mpicomp._residuals``;
+is ``mpicomp.call.arguments``; where started calls run, ``mpicomp.call.worker``; what a call
+takes in, ``mpicomp.call.intake``; where the ranks are and what a call runs,
+``mpicomp.call.placement``; what is kept per tensor across calls, ``mpicomp.reduction.residuals``;
 how the bytes move, ``mpicomp.reduction`` (docs/architecture.md).
 """
 
@@ -21,21 +21,21 @@ from typing import NamedTuple
 import numpy as np
 from mpi4py import MPI
 
-from mpicomp import _threads, _worker
-from mpicomp._arguments import resolve as resolve_arguments
-from mpicomp._arguments import trace_attrs
-from mpicomp._config import check_same
-from mpicomp._intake import Gpu, Tensor, buckets, take, take_many
 from mpicomp._log import log
-from mpicomp._placement import Planner, place
-from mpicomp._residuals import NO_RESIDUALS, Encoding, check_state, rollback
-from mpicomp._same_call import CLOSING, check_same_call
-from mpicomp._worker import Handle, Runner
+from mpicomp.call import threads, worker
+from mpicomp.call.arguments import resolve as resolve_arguments
+from mpicomp.call.arguments import trace_attrs
+from mpicomp.call.config import check_same
+from mpicomp.call.intake import Gpu, Tensor, buckets, take, take_many
+from mpicomp.call.options import Options
+from mpicomp.call.placement import Planner, place
+from mpicomp.call.same_call import CLOSING, check_same_call
+from mpicomp.call.worker import Handle, Runner
 from mpicomp.codecs import Codec
 from mpicomp.codecs._base import make as make_codec
 from mpicomp.errors import NonFiniteWarning, PeerClosed, RankError
 from mpicomp.kernels.readback import batch
-from mpicomp.options import Options
+from mpicomp.model.cost import Topology
 from mpicomp.reduction import kind_of
 from mpicomp.reduction.agreement import (
     Call,
@@ -47,7 +47,7 @@ from mpicomp.reduction.agreement import (
     describe,
     fail,
 )
-from mpicomp.schedules import Topology
+from mpicomp.reduction.residuals import NO_RESIDUALS, Encoding, check_state, rollback
 
 __all__ = ["CompressedComm", "Handle", "NonFiniteWarning", "Options", "Outcome", "RankError"]
 
@@ -77,7 +77,7 @@ def _one_thread(method):
             )
         self._inside = threading.current_thread().name
         try:
-            _threads.apply()  # numba's thread count is per thread: cap this one's
+            threads.apply()  # numba's thread count is per thread: cap this one's
             return method(self, *args, **kwargs)
         finally:
             self._inside = None
@@ -242,7 +242,7 @@ class CompressedComm:
         config, timeout = (args.config, args.options.timeout) if args else (None, None)
         check_same(comm, config, error, "this CompressedComm", timeout)
         self.codec = codec = args.codec
-        #: The checked options (``mpicomp.options.Options``), frozen.
+        #: The checked options (``mpicomp.call.options.Options``), frozen.
         self.options = opts = args.options
         self.kernels = codec.kernels  # the backend of NumPy arrays, read when made
         self._transport = args.transport
@@ -259,9 +259,9 @@ class CompressedComm:
         self._closed = False
         self._peer_closed = None  # why, once another rank closed this CompressedComm
         try:
-            #: The kernel threads (``mpicomp._threads.Decision``): CPUs / ranks on the host
+            #: The kernel threads (``mpicomp.call.threads.Decision``): CPUs / ranks on the host
             #: unless NUMBA_NUM_THREADS is set; before ``place``, which may time the kernels.
-            self.threads = _threads.limit(self._comm)
+            self.threads = threads.limit(self._comm)
             self._placement = place(self._comm, local_comm, model, codec, opts.schedule)
         except BaseException:
             self._comm.Free()
@@ -300,7 +300,7 @@ class CompressedComm:
 
     @property
     def topology(self) -> Topology:
-        """Where the ranks are (``mpicomp.schedules.Topology``; one host unless a
+        """Where the ranks are (``mpicomp.model.cost.Topology``; one host unless a
         hierarchical or ``"auto"`` schedule asked, or a model was given)."""
         return self._placement.topology
 
@@ -867,4 +867,4 @@ def _warn(messages: list[str]) -> None:
     warnings.warn(text, NonFiniteWarning, stacklevel=level)
 
 
-_OWN_FILES = (__file__, _worker.__file__)
+_OWN_FILES = (__file__, worker.__file__)

@@ -6,8 +6,8 @@ import math
 
 import pytest
 
-from mpicomp import advise
-from mpicomp.cli import main
+from mpicomp.tools import advise
+from mpicomp.tools.cli import main
 
 
 def _row(codec, bpe, enc, dec, **params):

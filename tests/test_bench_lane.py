@@ -1,10 +1,10 @@
-"""The GPU lane's one table (``mpicomp.bench.lane``) from the files its steps leave."""
+"""The GPU lane's one table (``mpicomp.tools.bench.lane``) from the files its steps leave."""
 
 import json
 
 from test_bench_profile import _csv, _kernel, _mark
 
-from mpicomp.bench import lane, profile
+from mpicomp.tools.bench import lane, profile
 
 
 def _kernels_row(codec, params, enc, dec, **more):

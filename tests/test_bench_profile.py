@@ -1,11 +1,11 @@
-"""The Nsight Compute table of the GPU lane (``mpicomp.bench.profile``): its phases'
+"""The Nsight Compute table of the GPU lane (``mpicomp.tools.bench.profile``): its phases'
 bookkeeping on the CPU, and its arithmetic on an ncu CSV of known values."""
 
 import json
 
 import pytest
 
-from mpicomp.bench import profile as P
+from mpicomp.tools.bench import profile as P
 
 
 def _csv(kernels) -> str:

@@ -8,7 +8,7 @@ import sys
 import pytest
 from _devices import gpu_present
 
-from mpicomp import bench, cli
+from mpicomp.tools import bench, cli
 
 
 def _run(*args, timeout=120):
@@ -68,38 +68,38 @@ def test_info_json_matches_the_library(capsys):
 
 
 def test_mpicomp_cuda_aware_overrides_the_detection(monkeypatch):
-    from mpicomp import _transport
+    from mpicomp.reduction import transport
 
     for value, word in (("1", "yes"), ("0", "no")):
         monkeypatch.setenv("MPICOMP_CUDA_AWARE", value)
-        _transport.cuda_aware.cache_clear()
+        transport.cuda_aware.cache_clear()
         text = cli.info()["CUDA-aware MPI"]
         assert text.startswith(f"{word} (MPICOMP_CUDA_AWARE={value})")
         assert text.endswith("handed to MPI directly" if value == "1" else "host memory")
     monkeypatch.setenv("MPICOMP_CUDA_AWARE", "maybe")
-    _transport.cuda_aware.cache_clear()
+    transport.cuda_aware.cache_clear()
     assert "MPICOMP_CUDA_AWARE='maybe' is not a boolean" in cli.info()["CUDA-aware MPI"]
     monkeypatch.delenv("MPICOMP_CUDA_AWARE")
-    _transport.cuda_aware.cache_clear()
+    transport.cuda_aware.cache_clear()
 
 
 def test_intel_mpi_offload_is_a_hint_when_the_library_cannot_be_asked(monkeypatch):
-    from mpicomp import _transport
+    from mpicomp.reduction import transport
 
-    for var in (_transport.ENV, *_transport._HINTS):
+    for var in (transport.ENV, *transport._HINTS):
         monkeypatch.delenv(var, raising=False)
     unasked = (None, "the library has no MPIX_Query_cuda_support")
-    monkeypatch.setattr(_transport, "library_cuda_support", lambda path, vendor: unasked)
+    monkeypatch.setattr(transport, "library_cuda_support", lambda path, vendor: unasked)
     try:
         for value, expect in (
             ("1", (True, "I_MPI_OFFLOAD=1 (Intel MPI)")),
             ("0", (False, f"{unasked[1]}; no environment hint")),
         ):
             monkeypatch.setenv("I_MPI_OFFLOAD", value)
-            _transport.cuda_aware.cache_clear()
-            assert _transport.cuda_aware() == expect
+            transport.cuda_aware.cache_clear()
+            assert transport.cuda_aware() == expect
     finally:
-        _transport.cuda_aware.cache_clear()
+        transport.cuda_aware.cache_clear()
 
 
 @pytest.mark.parametrize(
@@ -108,12 +108,12 @@ def test_intel_mpi_offload_is_a_hint_when_the_library_cannot_be_asked(monkeypatc
 def test_gpu_support_switched_off_for_the_run_wins_over_the_build(vendor, var, monkeypatch):
     """Open MPI 4.1 answers MPIX_Query_cuda_support with how it was built: a run that
     switched CUDA off must not get device pointers."""
-    from mpicomp import _transport
+    from mpicomp.reduction import transport
 
     monkeypatch.setenv(var, "0")
-    assert _transport.library_cuda_support("/no/such/libmpi.so", vendor) == (False, f"{var}=0")
+    assert transport.library_cuda_support("/no/such/libmpi.so", vendor) == (False, f"{var}=0")
     other = "Open MPI" if vendor == "MPICH" else "MPICH"
-    assert _transport.library_cuda_support(None, other)[0] is None  # another vendor's knob
+    assert transport.library_cuda_support(None, other)[0] is None  # another vendor's knob
 
 
 def test_info_names_the_backend_mpicomp_kernels_selects(monkeypatch):
@@ -205,7 +205,7 @@ def test_info_says_none_visible_without_a_gpu(monkeypatch):
     pytest.importorskip("cupy")
     if gpu_present():
         pytest.skip("a GPU is present")
-    from mpicomp import diagnostics
+    from mpicomp.tools import diagnostics
 
     assert diagnostics._gpus() == "none visible"
 
@@ -229,7 +229,7 @@ def test_trace_of_a_file_that_is_not_a_trace(tmp_path, capsys):
 
 
 def test_trace_errors_from_the_reader_become_exit_code_2(tmp_path, capsys, monkeypatch):
-    import mpicomp.trace_report
+    import mpicomp.trace.report
 
     f = tmp_path / "run.h5"
     f.write_bytes(b"")
@@ -237,9 +237,9 @@ def test_trace_errors_from_the_reader_become_exit_code_2(tmp_path, capsys, monke
     def fail(*args):
         raise RuntimeError("plot needs matplotlib")
 
-    monkeypatch.setattr(mpicomp.trace_report, "plot", fail)
+    monkeypatch.setattr(mpicomp.trace.report, "plot", fail)
     monkeypatch.setattr(
-        mpicomp.trace_report, "summarize", lambda path, all_calls: f"table of {path}"
+        mpicomp.trace.report, "summarize", lambda path, all_calls: f"table of {path}"
     )
     assert cli.main(["trace", "plot", str(f)]) == 2
     assert "plot needs matplotlib" in capsys.readouterr().err
@@ -384,7 +384,7 @@ def _allreduce_row(codec, **extra):
 def _table_of(rows) -> list[str]:
     import io
 
-    from mpicomp.bench.report import format_allreduce_table
+    from mpicomp.tools.bench.report import format_allreduce_table
 
     out = io.StringIO()
     format_allreduce_table(rows, out)
@@ -429,7 +429,7 @@ def test_allreduce_table_columns():
 
 
 def test_every_table_of_the_bench_fits_120_columns():
-    from mpicomp.bench.report import Report
+    from mpicomp.tools.bench.report import Report
 
     long = {"params": {"bits": 2, "scales": (2, 4, 8)}, "predicted_s": 0.003}
     host = [
@@ -488,7 +488,7 @@ def _advise_json(capsys, *argv):
 
 def test_advise_sizes_chooses_per_size_by_the_model(capsys, bench_file):
     import mpicomp
-    from mpicomp.schedules import Topology, schedules_of
+    from mpicomp.model.cost import Topology, schedules_of
 
     argv = ["1gbit", "--sizes", "4K,25.6M", "--hosts", "4", "--alpha", "1ms"]
     rows = _advise_json(capsys, *argv, "--bench", str(bench_file))
@@ -538,9 +538,9 @@ def test_advise_sizes_with_ranks_per_host_adds_the_hierarchical_columns(capsys, 
 
 
 def test_advise_model_file_gives_the_networks_and_speeds(capsys, bench_file, tmp_path):
-    from mpicomp import advise
-    from mpicomp.model import Model, speeds_from_bench
-    from mpicomp.schedules import Network
+    from mpicomp.model.cost import Network
+    from mpicomp.model.measured import Model, speeds_from_bench
+    from mpicomp.tools import advise
 
     speeds = speeds_from_bench(json.loads(bench_file.read_text()))
     path = tmp_path / "model.json"
@@ -601,7 +601,7 @@ def test_advise_schedule_table_rejects_bad_input(argv, expect, capsys, bench_fil
 
 
 def test_parse_seconds():
-    from mpicomp.advise import parse_seconds
+    from mpicomp.tools.advise import parse_seconds
 
     for text, value in (
         ("50us", 5e-5),
@@ -635,9 +635,9 @@ from mpi4py import MPI
 
 import mpicomp
 import mpicomp.warmup
-from mpicomp import _numba_cache
+from mpicomp.kernels import numba_cache
 
-_numba_cache.ANNOUNCE_AFTER_S = 0.0
+numba_cache.ANNOUNCE_AFTER_S = 0.0
 mpicomp.warmup.log_compiles()
 with mpicomp.CompressedComm(MPI.COMM_SELF, "topk", ratio=0.05, min_numel=1) as cc:
     cc.allreduce(np.ones(1000, np.float32), name="w")
@@ -676,7 +676,7 @@ def test_compile_refuses_an_unknown_codec():
 def test_bench_progress_says_the_time_left_from_what_is_done():
     import io
 
-    from mpicomp.bench._countdown import Countdown
+    from mpicomp.tools.bench._countdown import Countdown
 
     now = [0.0]
     out = io.StringIO()

@@ -8,7 +8,7 @@ import re
 import numpy as np
 import pytest
 
-from mpicomp import cli
+from mpicomp.tools import cli
 
 # A number written as text, with or without a unit: "45.8x", "13%", "3.3 ms", "1,384".
 NUMBER_AS_TEXT = re.compile(
@@ -131,7 +131,7 @@ def test_advise_shows_the_error_each_codec_adds_and_points_to_the_codec_guide(ou
 
 
 def test_a_listing_wraps_an_item_longer_than_a_line_within_it():
-    from mpicomp._table import listing
+    from mpicomp.tools.table import listing
 
     version = "MPI version: Open MPI v5.0.11, package: Open MPI user@localhost Distribution, " * 2
     out = listing("on every rank:", ["a: 1", version.strip(), "b: 2"], width=120)

@@ -6,7 +6,7 @@ from _devices import REQUIRE_GPU
 from _devices import gpu_present as _gpu_present
 
 import mpicomp
-from mpicomp._intake import buckets as _buckets
+from mpicomp.call.intake import buckets as _buckets
 
 
 @pytest.mark.parametrize(
@@ -63,7 +63,7 @@ def test_options_are_one_frozen_record_with_resolved_defaults(monkeypatch, tmp_p
 
     import numpy as np
 
-    from mpicomp.options import Options
+    from mpicomp.call.options import Options
 
     monkeypatch.setenv("MPICOMP_DEBUG", "1")
     opts = Options.resolve(mpicomp.codec("topk"), min_numel=np.int64(8), background=np.True_)
@@ -86,7 +86,7 @@ def test_options_are_one_frozen_record_with_resolved_defaults(monkeypatch, tmp_p
 
 
 def test_each_codec_takes_the_schedules_of_its_aggregation():
-    from mpicomp.options import Options
+    from mpicomp.call.options import Options
 
     def schedule(name, **kw):
         return Options.resolve(mpicomp.codec(name), **kw).schedule
@@ -175,15 +175,15 @@ def _syncs_of_a_call(name: str, place: str, monkeypatch):
     from _devices import place as placed
     from mpi4py import MPI
 
-    from mpicomp import _transport
+    from mpicomp.reduction import transport
 
     host = (np.random.default_rng(0).standard_normal(5000) * 1e-3).astype(np.float32)
     with mpicomp.CompressedComm(MPI.COMM_SELF, name, min_numel=1) as cc:
         cc.allreduce(host, name="w")
         ref = cc.allreduce(host, name="w")  # the second call: residuals in play
-    where, transport = place.split("/")
-    monkeypatch.setenv(_transport.ENV, "1" if transport == "direct" else "0")
-    _transport.cuda_aware.cache_clear()
+    where, path = place.split("/")
+    monkeypatch.setenv(transport.ENV, "1" if path == "direct" else "0")
+    transport.cuda_aware.cache_clear()
     if where == "emulated":
         monkeypatch.setenv(mpicomp.kernels.ENV, "cuda-emulated")
         backend = "cuda-emulated"
@@ -197,14 +197,14 @@ def _syncs_of_a_call(name: str, place: str, monkeypatch):
         D.reset_syncs()
         before = dev.sync_reasons.copy()
         out = cc.allreduce(to_place(host), name="w")
-    _transport.cuda_aware.cache_clear()
+    transport.cuda_aware.cache_clear()
     return dev.sync_reasons - before, to_host(out), ref, dict(D.SYNCS)
 
 
 def _sync_places() -> list:
     places = ["emulated/staged", "host-backed/direct", "host-backed/staged"]
     if _gpu_present() or REQUIRE_GPU:
-        from mpicomp._transport import cuda_aware
+        from mpicomp.reduction.transport import cuda_aware
 
         places.append("gpu/" + ("direct" if cuda_aware()[0] else "staged"))
     return places
@@ -261,7 +261,7 @@ def test_a_cuda_dlpack_tensor_without_cuda_is_refused_on_every_rank_by_name():
 def test_float64_beyond_float32_is_refused_not_made_inf():
     import numpy as np
 
-    from mpicomp._arrays import as_gradient, to_float32
+    from mpicomp.codecs.arrays import as_gradient, to_float32
 
     x = np.array([1.0, -1e39, 2.0])
     with pytest.raises(ValueError, match="gradient 'w' holds float64 values beyond float32"):
@@ -394,7 +394,7 @@ def test_workqueue_threading_layer_runs_iallreduce_at_once(monkeypatch):
 
 
 def test_ctrl_c_in_an_eager_call_interrupts_the_caller():
-    from mpicomp._worker import Handle
+    from mpicomp.call.worker import Handle
 
     def interrupted():
         raise KeyboardInterrupt
@@ -519,7 +519,7 @@ def test_a_stalled_rank_aborts_a_background_call_instead_of_hanging(tmp_path, mo
 def test_cuda_array_interface_input_is_read_as_the_emulated_devices_memory(monkeypatch):
     from test_mpi_device import CaiArray
 
-    from mpicomp._arrays import to_float32
+    from mpicomp.codecs.arrays import to_float32
 
     x = np.arange(12, dtype=np.float64).reshape(3, 4)
     if not _gpu_present():

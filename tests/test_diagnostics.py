@@ -1,4 +1,4 @@
-"""``mpicomp.diagnostics``: the warnings of ``mpicomp info --all-ranks`` from hand-made
+"""``mpicomp.tools.diagnostics``: the warnings of ``mpicomp info --all-ranks`` from hand-made
 rank dicts, the table, and the ``--json`` of every CLI command that prints a table."""
 
 import json
@@ -6,7 +6,7 @@ import json
 import numpy as np
 import pytest
 
-from mpicomp import cli, diagnostics
+from mpicomp.tools import cli, diagnostics
 
 WHEEL = "/home/u/proj/.venv/lib/libmpi.so.12"
 SITE = "/opt/mpich/lib/libmpi.so.12"

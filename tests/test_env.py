@@ -4,8 +4,8 @@ import pytest
 from mpi4py import MPI
 
 import mpicomp
-from mpicomp import _transport
 from mpicomp._env import env_flag
+from mpicomp.reduction import transport
 
 
 @pytest.mark.parametrize(
@@ -54,13 +54,13 @@ def test_mpicomp_debug_follows_the_rule(monkeypatch):
 
 @pytest.mark.parametrize("raw, want", [("yes", True), ("Off", False), ("", False)])
 def test_mpicomp_cuda_aware_follows_the_rule(monkeypatch, raw, want):
-    monkeypatch.setenv(_transport.ENV, raw)
-    _transport.cuda_aware.cache_clear()
+    monkeypatch.setenv(transport.ENV, raw)
+    transport.cuda_aware.cache_clear()
     try:
-        assert _transport.cuda_aware() == (want, f"MPICOMP_CUDA_AWARE={raw}")
-        monkeypatch.setenv(_transport.ENV, "enable")  # an MPI library's word, not ours
-        _transport.cuda_aware.cache_clear()
+        assert transport.cuda_aware() == (want, f"MPICOMP_CUDA_AWARE={raw}")
+        monkeypatch.setenv(transport.ENV, "enable")  # an MPI library's word, not ours
+        transport.cuda_aware.cache_clear()
         with pytest.raises(ValueError, match="MPICOMP_CUDA_AWARE='enable' is not a boolean"):
-            _transport.cuda_aware()
+            transport.cuda_aware()
     finally:
-        _transport.cuda_aware.cache_clear()
+        transport.cuda_aware.cache_clear()

@@ -17,8 +17,8 @@ import pytest
 ROOTS = ("mpicomp", "mpicomp.kernels", "mpicomp.collectives", "jobs")
 
 # Where an import hidden in a function would still be a cycle in the design: the trace
-# writer and its reader share only mpicomp.trace_format, and mpicomp.bench imports one way.
-ONE_WAY = ("mpicomp.trace", "mpicomp.trace_report", "mpicomp.trace_format", "mpicomp.bench")
+# writer and its reader share only mpicomp.trace.format, and mpicomp.tools.bench imports one way.
+ONE_WAY = ("mpicomp.trace", "mpicomp.trace.report", "mpicomp.trace.format", "mpicomp.tools.bench")
 
 
 def _walk(root: str) -> list[str]:
@@ -151,12 +151,12 @@ def test_find_cycle_finds_one():
 
 def test_the_graph_covers_every_package():
     graph = import_graph(OWN)
-    for name in ("mpicomp.comm", "mpicomp.trace", "mpicomp.bench.allreduce"):
+    for name in ("mpicomp.comm", "mpicomp.trace", "mpicomp.tools.bench.allreduce"):
         assert name in graph
     assert any(m.startswith("mpicomp.kernels.") for m in graph)
     assert any(m.startswith("mpicomp.collectives.") for m in graph)
     assert any(m.startswith("mpicomp.codecs.") for m in graph)
-    assert "mpicomp.trace_format" in graph["mpicomp.trace_writer"]  # edges are found
+    assert "mpicomp.trace.format" in graph["mpicomp.trace.writer"]  # edges are found
 
 
 @pytest.mark.parametrize("lazy", [False, True], ids=["at import", "in functions too"])
@@ -171,8 +171,8 @@ def test_trace_and_bench_import_one_way_even_in_functions():
     cycle = find_cycle(graph)
     assert cycle is None, "import cycle (function-level imports included): " + " -> ".join(cycle)
     # The writer and the reader share the format module, not each other.
-    assert "mpicomp.trace_report" not in graph["mpicomp.trace"]
-    assert "mpicomp.trace" not in graph["mpicomp.trace_report"]
+    assert "mpicomp.trace.report" not in graph["mpicomp.trace"]
+    assert "mpicomp.trace" not in graph["mpicomp.trace.report"]
 
 
 def test_installing_mpicomp_brings_no_mpi_library():
@@ -191,12 +191,12 @@ def test_installing_mpicomp_brings_no_mpi_library():
 # What a training job never needs: the command line and its tools, the bench, the trace
 # readers. The runtime imports none of them, not even inside a function.
 TOOLS = (
-    "mpicomp.cli",
-    "mpicomp.bench",
-    "mpicomp.advise",
-    "mpicomp.trace_report",
-    "mpicomp.trace_export",
-    "mpicomp.diagnostics",
+    "mpicomp.tools.cli",
+    "mpicomp.tools.bench",
+    "mpicomp.tools.advise",
+    "mpicomp.trace.report",
+    "mpicomp.trace.export",
+    "mpicomp.tools.diagnostics",
 )
 
 

@@ -13,7 +13,7 @@ from conftest import gradient_like
 jax = pytest.importorskip("jax", reason="JAX is optional: pip install jax")
 jnp = jax.numpy
 
-from mpicomp._intake import _like  # noqa: E402
+from mpicomp.call.intake import _like  # noqa: E402
 from mpicomp.jax import allreduce_tree  # noqa: E402
 
 CODECS = [

@@ -140,11 +140,11 @@ def test_nothing_outside_kernels_imports_a_backend_or_looks_at_array_types():
             if isinstance(node, ast.Import):
                 for alias in node.names:
                     assert not alias.name.startswith("mpicomp.kernels.cpu"), path
-                    # `mpicomp info` (its facts: mpicomp/diagnostics.py) may list the GPUs
+                    # `mpicomp info` (its facts: mpicomp/tools/diagnostics.py) may list the GPUs
                     # CuPy sees; nothing else touches CuPy.
                     if path.relative_to(ROOT).as_posix() not in (
-                        "mpicomp/cli.py",
-                        "mpicomp/diagnostics.py",
+                        "mpicomp/tools/cli.py",
+                        "mpicomp/tools/diagnostics.py",
                     ):
                         assert alias.name != "cupy", f"{path.relative_to(ROOT)} imports cupy"
     # The one function that looks at array types: mpicomp.kernels.backend_of.

@@ -16,14 +16,14 @@ ROOT = Path(__file__).resolve().parents[1]
 # Modules whose job is to print: the CLI and the reports it renders into a stream it
 # passes, the scripts run from a shell.
 PRINTERS = {
-    "mpicomp/cli.py",
-    "mpicomp/advise.py",  # render(out): the table of `mpicomp advise`
-    "mpicomp/bench/__init__.py",  # what bench will measure, into the CLI's stream
-    "mpicomp/bench/_countdown.py",  # progress lines, likewise
-    "mpicomp/bench/report.py",
+    "mpicomp/tools/cli.py",
+    "mpicomp/tools/advise.py",  # render(out): the table of `mpicomp advise`
+    "mpicomp/tools/bench/__init__.py",  # what bench will measure, into the CLI's stream
+    "mpicomp/tools/bench/_countdown.py",  # progress lines, likewise
+    "mpicomp/tools/bench/report.py",
     "kernels/cuda/compile_check.py",  # python -m mpicomp.kernels.cuda.compile_check
-    "mpicomp/bench/profile.py",  # python -m mpicomp.bench.profile (the GPU lane's ncu step)
-    "mpicomp/bench/lane.py",  # python -m mpicomp.bench.lane: the GPU lane's table
+    "mpicomp/tools/bench/profile.py",  # python -m mpicomp.tools.bench.profile (the GPU lane's ncu step)
+    "mpicomp/tools/bench/lane.py",  # python -m mpicomp.tools.bench.lane: the GPU lane's table
 }
 
 

@@ -15,7 +15,7 @@ N = 2000
 @pytest.mark.mpi
 class TestAllreduceBench:
     def test_rows_and_the_exact_bytes_of_none(self):
-        from mpicomp.bench.allreduce import measure
+        from mpicomp.tools.bench.allreduce import measure
 
         comm = world()
         codecs = [("none", {}), ("qsgd_maxnorm", {"bits": 2}), ("threelc", {})]
@@ -57,7 +57,7 @@ class TestAllreduceBench:
 
     def test_every_schedule_gets_a_row_with_its_exact_bytes(self):
         from conftest import direct_traffic
-        from mpicomp.bench.allreduce import measure
+        from mpicomp.tools.bench.allreduce import measure
 
         comm = world()
         codecs = [("signsgd", {}), ("threelc", {}), ("none", {})]
@@ -120,7 +120,7 @@ class TestAllreduceBench:
         assert "usage: jobs.bench" in capsys.readouterr().err
 
     def test_mpicomp_bench_json_rows_carry_their_allreduce(self, capsys, shared_dir):
-        from mpicomp.cli import main
+        from mpicomp.tools.cli import main
 
         comm = world()
         trace_dir = str(shared_dir / "traces")
@@ -147,7 +147,7 @@ class TestAllreduceBench:
             assert a["numel"] == 2000 and a["nranks"] == comm.size
             assert a["speedup"] == pytest.approx(a["allreduce_s"] / a["time_s"])
             # the trace of that codec's calls says what Traffic counted (warm-up + 1 call)
-            from mpicomp.trace_report import read
+            from mpicomp.trace.report import read
 
             events, _, attrs = read(a["trace"])
             assert len(events) == 2 * comm.size
@@ -160,10 +160,10 @@ class TestAllreduceBench:
 
 @pytest.mark.mpi
 def test_every_rank_shares_one_numba_cache():
-    # One directory, each kernel compiled by one rank under its lock (mpicomp/_numba_cache.py).
+    # One directory, each kernel compiled by one rank under its lock (kernels/numba_cache.py).
     import numba
 
-    from mpicomp._numba_cache import cache_root
+    from mpicomp.kernels.numba_cache import cache_root
 
     comm = world()
     if "NUMBA_CACHE_DIR" in __import__("os").environ:
@@ -184,12 +184,12 @@ PHASES = ("encode_s", "exchange_s", "decode_s")
 def transport(request, monkeypatch):
     """Both ways device buffers reach MPI (MPICOMP_CUDA_AWARE=1: any MPI reads the
     host-backed arrays of tests/_device_arrays.py, whose memory is host memory)."""
-    from mpicomp import _transport
+    from mpicomp.reduction import transport
 
-    monkeypatch.setenv(_transport.ENV, "1" if request.param == "direct" else "0")
-    _transport.cuda_aware.cache_clear()
+    monkeypatch.setenv(transport.ENV, "1" if request.param == "direct" else "0")
+    transport.cuda_aware.cache_clear()
     yield request.param
-    _transport.cuda_aware.cache_clear()
+    transport.cuda_aware.cache_clear()
 
 
 def _check_phases(r):
@@ -205,8 +205,8 @@ def _check_phases(r):
 def test_device_rows_carry_both_references_and_the_phase_split(transport):
     import _device_arrays as D
 
-    from mpicomp.bench import codec_set, full_run
-    from mpicomp.bench.allreduce import measure
+    from mpicomp.tools.bench import codec_set, full_run
+    from mpicomp.tools.bench.allreduce import measure
 
     comm = world()
     D.install()
@@ -239,8 +239,8 @@ def test_device_rows_carry_both_references_and_the_phase_split(transport):
 def test_host_backend_given_runs_the_allreduce_rows(monkeypatch):
     import os
 
-    from mpicomp.bench import full_run
     from mpicomp.kernels import ENV
+    from mpicomp.tools.bench import full_run
 
     comm = world()
     monkeypatch.delenv(ENV, raising=False)
@@ -258,7 +258,7 @@ def test_host_backend_given_runs_the_allreduce_rows(monkeypatch):
 
 @pytest.mark.mpi
 def test_a_backend_missing_on_one_rank_raises_on_every_rank(monkeypatch):
-    import mpicomp.bench.allreduce as A
+    import mpicomp.tools.bench.allreduce as A
 
     comm = world()
     with pytest.raises(RuntimeError, match="unknown kernel backend 'nope'"):
@@ -282,7 +282,7 @@ def test_a_backend_missing_on_one_rank_raises_on_every_rank(monkeypatch):
 
 @pytest.mark.mpi
 def test_a_trace_dir_rank_0_cannot_make_raises_on_every_rank(shared_dir):
-    from mpicomp.bench.allreduce import measure
+    from mpicomp.tools.bench.allreduce import measure
 
     comm = world()
     blocker = shared_dir / "a-file"
@@ -296,9 +296,9 @@ def test_a_trace_dir_rank_0_cannot_make_raises_on_every_rank(shared_dir):
 @pytest.mark.mpi
 def test_save_model_writes_the_networks_and_the_speeds_of_the_codecs_timed(capsys, shared_dir):
     import mpicomp
-    from mpicomp.cli import main
-    from mpicomp.model import Model, codec_key
-    from mpicomp.schedules import Network
+    from mpicomp.model.cost import Network
+    from mpicomp.model.measured import Model, codec_key
+    from mpicomp.tools.cli import main
 
     comm = world()
     kernels, measured = shared_dir / "kernels.json", shared_dir / "measured.json"

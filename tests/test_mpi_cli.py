@@ -14,7 +14,7 @@ LAUNCH = "mpiexec -n N python -m mpi4py -m mpicomp bench"
 
 @pytest.mark.mpi
 def test_bench_backend_applies_to_the_allreduce_too(capsys):
-    from mpicomp.cli import main
+    from mpicomp.tools.cli import main
 
     comm = world()
     argv = ["bench", "--json", "--no-kernels", "--sizes", "2K", "--codecs", "signsgd", "-q"]
@@ -38,7 +38,7 @@ def test_bench_backend_applies_to_the_allreduce_too(capsys):
 
 @pytest.mark.mpi
 def test_a_bad_device_counter_fails_on_every_rank_instead_of_hanging(capsys):
-    from mpicomp.cli import main
+    from mpicomp.tools.cli import main
 
     comm = world()
     argv = ["bench", "--no-kernels", "--sizes", "1K", "--codecs", "none", "--allreduce-reps"]
@@ -51,7 +51,7 @@ def test_a_bad_device_counter_fails_on_every_rank_instead_of_hanging(capsys):
 
 @pytest.mark.mpi
 def test_the_allreduce_table_fits_120_columns(capsys):
-    from mpicomp.cli import main
+    from mpicomp.tools.cli import main
 
     comm = world()
     argv = ["bench", "--numel", "4K", "--reps", "1", "--allreduce-reps", "1", "-q"]

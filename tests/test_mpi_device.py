@@ -29,20 +29,20 @@ def transport(request, monkeypatch):
     """Both ways device bytes reach MPI: staged through host buffers, or handed to a
     CUDA-aware MPI (MPICOMP_CUDA_AWARE=1: any MPI reads these arrays, whose memory is
     host memory, through __cuda_array_interface__)."""
-    from mpicomp import _transport
+    from mpicomp.reduction import transport
 
-    monkeypatch.setenv(_transport.ENV, "1" if request.param == "direct" else "0")
-    _transport.cuda_aware.cache_clear()
+    monkeypatch.setenv(transport.ENV, "1" if request.param == "direct" else "0")
+    transport.cuda_aware.cache_clear()
     yield request.param
-    _transport.cuda_aware.cache_clear()
+    transport.cuda_aware.cache_clear()
 
 
 def _library_takes_gpu_buffers() -> bool:
     from mpi4py import MPI
 
-    from mpicomp import _transport
+    from mpicomp.reduction import transport
 
-    answer, _ = _transport.library_cuda_support(_transport.libmpi_path(), MPI.get_vendor()[0])
+    answer, _ = transport.library_cuda_support(transport.libmpi_path(), MPI.get_vendor()[0])
     return bool(answer)
 
 
@@ -89,10 +89,10 @@ def test_device_arrays_give_the_numpy_results(name, sharded, transport, where):
 def test_staging_buffers_are_reused_call_after_call(monkeypatch):
     from mpi4py import MPI
 
-    from mpicomp import _transport
+    from mpicomp.reduction import transport
 
-    monkeypatch.setenv(_transport.ENV, "0")
-    _transport.cuda_aware.cache_clear()
+    monkeypatch.setenv(transport.ENV, "0")
+    transport.cuda_aware.cache_clear()
 
     world = MPI.COMM_WORLD
     D.install()
@@ -185,7 +185,7 @@ def test_info_all_ranks_reports_every_rank(capsys):
 
     from mpi4py import MPI
 
-    from mpicomp import cli
+    from mpicomp.tools import cli
 
     world = MPI.COMM_WORLD
     assert cli.main(["info", "--all-ranks", "--json"]) == 0

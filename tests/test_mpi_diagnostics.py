@@ -10,7 +10,7 @@ import pytest
 def test_info_all_ranks_json_has_every_rank(capsys):
     from mpi4py import MPI
 
-    from mpicomp import cli
+    from mpicomp.tools import cli
 
     world = MPI.COMM_WORLD
     assert cli.main(["info", "--all-ranks", "--json"]) == 0
@@ -35,7 +35,7 @@ def test_info_all_ranks_json_has_every_rank(capsys):
 def test_info_all_ranks_table_on_rank_zero_only(capsys):
     from mpi4py import MPI
 
-    from mpicomp import cli
+    from mpicomp.tools import cli
 
     world = MPI.COMM_WORLD
     assert cli.main(["info", "--all-ranks"]) == 0

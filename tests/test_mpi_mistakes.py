@@ -281,11 +281,11 @@ def test_the_timeout_is_read_once_when_made(monkeypatch):
 def test_a_local_failure_after_the_call_keeps_the_steps_in_step(monkeypatch):
     # Converting the result fails on one rank after every rank's call succeeded: only
     # that rank raises, and its step must stay counted (else every later call disagrees).
-    from mpicomp import _intake
+    from mpicomp.call import intake
 
     comm = world()
     odd = comm.rank == comm.size - 1
-    result = _intake.Tensor.result
+    result = intake.Tensor.result
     failures = []
 
     def fails_once(self, avg):
@@ -293,7 +293,7 @@ def test_a_local_failure_after_the_call_keeps_the_steps_in_step(monkeypatch):
             raise failures.pop()
         return result(self, avg)
 
-    monkeypatch.setattr(_intake.Tensor, "result", fails_once)
+    monkeypatch.setattr(intake.Tensor, "result", fails_once)
     with _make(CODECS["topk"]) as cc:
         for many in (False, True):
             x = _inputs(cc.rank)["c"]

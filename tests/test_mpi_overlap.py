@@ -214,7 +214,7 @@ def test_float64_input_is_copied_at_start_and_comes_back_float64():
 
 @pytest.mark.mpi
 def test_trace_records_background_calls_in_start_order(shared_dir):
-    from mpicomp.trace_report import read
+    from mpicomp.trace.report import read
 
     comm = world()
     path = shared_dir / "overlap.h5"

@@ -16,8 +16,8 @@ from mpicomp.collectives import ring
 from mpicomp.collectives.sharded import shard_bounds
 from mpicomp.collectives.traffic import Traffic
 from mpicomp.errors import RankError
-from mpicomp.model import Model, Speed, codec_key
-from mpicomp.schedules import Network, Topology, choose
+from mpicomp.model.cost import Network, Topology, choose
+from mpicomp.model.measured import Model, Speed, codec_key
 
 N_ELEMS = 20_011  # odd: shards and chunks of unequal lengths
 

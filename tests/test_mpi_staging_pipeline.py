@@ -9,8 +9,9 @@ import pytest
 from _devices import REQUIRE_GPU, gpu_present
 
 import mpicomp
-from mpicomp import RankError, _transport
-from mpicomp._transport import CHUNK_BYTES, CHUNK_ENV
+from mpicomp import RankError
+from mpicomp.reduction import transport
+from mpicomp.reduction.transport import CHUNK_BYTES, CHUNK_ENV
 
 CHUNK = 4096  # bytes: 1024 float32 values
 N = 5000  # 5 chunks
@@ -25,8 +26,8 @@ def deferred(monkeypatch):
 
 
 def _transport_is(monkeypatch, path: str) -> None:
-    monkeypatch.setenv(_transport.ENV, "1" if path == "direct" else "0")
-    _transport.cuda_aware.cache_clear()
+    monkeypatch.setenv(transport.ENV, "1" if path == "direct" else "0")
+    transport.cuda_aware.cache_clear()
 
 
 def _gradient(rank: int, n: int = N) -> np.ndarray:
@@ -62,7 +63,7 @@ def test_staged_chunks_give_the_bytes_of_one_mpi_allreduce(deferred, monkeypatch
     # a chunk in another order than the whole: a few float32 roundings of the magnitudes.
     scale = np.sum(np.abs(world.allgather(x)), axis=0, dtype=np.float64) / world.size
     assert np.all(np.abs(host.astype(np.float64) - whole) <= 4 * 2.0**-23 * scale)
-    _transport.cuda_aware.cache_clear()
+    transport.cuda_aware.cache_clear()
 
 
 @pytest.mark.mpi
@@ -80,7 +81,7 @@ def test_ranks_on_different_paths_send_the_same_messages(deferred, monkeypatch, 
     got = _average(world, mine)
     got = D.to_host(got) if isinstance(got, D.DeviceArray) else got
     assert got.tobytes() == want.tobytes()
-    _transport.cuda_aware.cache_clear()
+    transport.cuda_aware.cache_clear()
 
 
 @pytest.mark.mpi
@@ -116,7 +117,7 @@ def test_nonfinite_values_in_a_later_chunk_meet_the_policy_on_every_rank(
         # Every rank is still in step: the next call works.
         ok = D.to_device(_gradient(world.rank))
         assert cc.allreduce(ok, name="w").shape == (N,)
-    _transport.cuda_aware.cache_clear()
+    transport.cuda_aware.cache_clear()
 
 
 @pytest.mark.mpi
@@ -133,7 +134,7 @@ def test_a_sum_beyond_float32_in_a_later_chunk_is_refused_on_every_rank(deferred
         cc._transport.chunk_bytes = CHUNK
         with pytest.raises(RankError, match="the sum over ranks overflows float32"):
             cc.allreduce(D.to_device(x), name="w")
-    _transport.cuda_aware.cache_clear()
+    transport.cuda_aware.cache_clear()
 
 
 @pytest.mark.mpi
@@ -150,7 +151,7 @@ def test_gpu_gradients_staged_in_default_chunks_give_the_numpy_bytes(monkeypatch
     got = _average(world, cupy.asarray(x), chunk=CHUNK_BYTES)
     assert isinstance(got, cupy.ndarray)
     assert got.get().tobytes() == want.tobytes()
-    _transport.cuda_aware.cache_clear()
+    transport.cuda_aware.cache_clear()
 
 
 @pytest.mark.mpi(min_size=2)

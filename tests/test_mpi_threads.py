@@ -6,7 +6,7 @@ import threading
 import numba
 import pytest
 
-from mpicomp import _threads
+from mpicomp.call import threads
 
 
 def _on_this_host(world) -> int:
@@ -27,19 +27,19 @@ def test_ranks_on_a_host_divide_its_cpus(monkeypatch):
     local = _on_this_host(world)
     pool = numba.config.NUMBA_NUM_THREADS
     monkeypatch.delenv("NUMBA_NUM_THREADS", raising=False)
-    monkeypatch.setattr(_threads, "cpus", lambda: set(range(8 * local)))  # 8 each, shared
-    got = _threads.decide(world)
+    monkeypatch.setattr(threads, "cpus", lambda: set(range(8 * local)))  # 8 each, shared
+    got = threads.decide(world)
     assert got.threads == min(8, pool), got
-    ranks = _threads._count(local, "rank")
+    ranks = threads._count(local, "rank")
     assert got.why.endswith(f"{8 * local} CPUs / {ranks} on this host"), got
     # Bound to a core of its own, a rank shares it with no one.
-    monkeypatch.setattr(_threads, "cpus", lambda: {world.rank})
+    monkeypatch.setattr(threads, "cpus", lambda: {world.rank})
     alone = (
         "1 CPU / 1 rank on this host"
         if local == 1
         else f"1 CPU / 1 rank of {local} on this host using them"
     )
-    assert _threads.decide(world) == (1, alone)
+    assert threads.decide(world) == (1, alone)
 
 
 @pytest.mark.mpi
@@ -52,7 +52,7 @@ def test_numba_num_threads_set_on_one_rank_only_still_decides_on_every_rank(monk
         monkeypatch.setenv("NUMBA_NUM_THREADS", str(pool))
     else:
         monkeypatch.delenv("NUMBA_NUM_THREADS", raising=False)
-    got = _threads.decide(world)  # a rank skipping the split would leave the others waiting
+    got = threads.decide(world)  # a rank skipping the split would leave the others waiting
     if world.rank == 0:
         assert got == (pool, f"NUMBA_NUM_THREADS={pool}")
     else:
@@ -70,16 +70,16 @@ def test_a_compressed_comm_keeps_the_decision_of_its_ranks(monkeypatch):
     world = MPI.COMM_WORLD
     local = _on_this_host(world)
     monkeypatch.delenv("NUMBA_NUM_THREADS", raising=False)
-    monkeypatch.setattr(_threads, "cpus", lambda: set(range(local)))  # one CPU each
-    monkeypatch.setattr(_threads, "_decided", None)
-    monkeypatch.setattr(_threads, "_applied", threading.local())
+    monkeypatch.setattr(threads, "cpus", lambda: set(range(local)))  # one CPU each
+    monkeypatch.setattr(threads, "_decided", None)
+    monkeypatch.setattr(threads, "_applied", threading.local())
     before = numba.get_num_threads()
     try:
         x = np.ones(5000, np.float32)
         with mpicomp.CompressedComm(world, "qsgd_maxnorm") as cc:
-            cpus, ranks = _threads._count(local, "CPU"), _threads._count(local, "rank")
+            cpus, ranks = threads._count(local, "CPU"), threads._count(local, "rank")
             assert cc.threads == (1, f"{cpus} / {ranks} on this host")
-            assert _threads.kept() == cc.threads and numba.get_num_threads() == 1
+            assert threads.kept() == cc.threads and numba.get_num_threads() == 1
             cc.allreduce(x, name="w")
     finally:
         numba.set_num_threads(before)

@@ -10,8 +10,9 @@ import pytest
 
 import mpicomp
 from conftest import direct_traffic, gather_all, gradient_like, ring_traffic, world
-from mpicomp import trace, trace_report
+from mpicomp import trace
 from mpicomp.collectives.traffic import Traffic
+from mpicomp.trace import report
 
 BIG, SMALL = 5003, 10  # SMALL is below min_numel: averaged as plain float32
 HEAD = 192  # one MaxAllReduce head (the agreement), sent and received
@@ -88,7 +89,7 @@ def test_events_hold_one_row_per_call_per_rank_with_the_exact_bytes(name, schedu
         expected = [(0, 0)] * len(expected)  # one rank: nothing crosses the wire
     mine = np.array(expected, dtype=np.int64)
     every = gather_all(comm, mine)  # before any assert: a failing rank must not desync
-    events, steps, attrs = trace_report.read(path)
+    events, steps, attrs = report.read(path)
     size, calls = comm.size, 2 * len(inputs)
     assert steps is None  # level 1
     assert events.size == calls * size
@@ -138,7 +139,7 @@ def test_level_2_steps_sum_to_the_event_bytes(name, shared_dir):
             cc.allreduce(big, name="w")
             cc.allreduce(small, name="b")
         cc.allreduce_many([inputs[0][0], inputs[0][1], inputs[1][1]], names=["w", "b1", "b2"])
-    events, steps, attrs = trace_report.read(path)
+    events, steps, attrs = report.read(path)
     assert attrs["trace_level"] == 2 and steps is not None
     mine = events[events["rank"] == comm.rank]
     assert mine["op"].tolist()[-2:] == [b"allreduce_many", b"allreduce_many bucket below min_numel"]
@@ -174,7 +175,7 @@ def test_flushed_rows_are_in_the_file_before_close(shared_dir):
         cc.allreduce(gradient_like(BIG, seed=c + comm.rank), name="w")
     comm.Barrier()  # rank 0 wrote the 2nd flush before it reached the barrier
     if comm.rank == 0:
-        events, _, attrs = trace_report.read(path)
+        events, _, attrs = report.read(path)
         flushed = events["call"].tolist()
         closed_before = "end_time" in attrs
     comm.Barrier()  # rank 0 has closed the file again before the next flush opens it
@@ -182,7 +183,7 @@ def test_flushed_rows_are_in_the_file_before_close(shared_dir):
     if comm.rank == 0:
         assert flushed == [c for c in range(4) for _ in range(comm.size)]
         assert not closed_before
-        events, _, attrs = trace_report.read(path)
+        events, _, attrs = report.read(path)
         assert events["call"].tolist() == [c for c in range(5) for _ in range(comm.size)]
         assert "end_time" in attrs
 
@@ -201,7 +202,7 @@ def test_a_tracer_never_closed_leaves_its_flushed_rows(shared_dir):
     del tracer  # the job dies here: one call never flushed, no close
     comm.Barrier()
     if comm.rank == 0:
-        events, _, attrs = trace_report.read(path)
+        events, _, attrs = report.read(path)
     comm.Barrier()
     sub.Free()
     if comm.rank == 0:
@@ -223,7 +224,7 @@ def test_a_call_that_fails_on_every_rank_is_not_recorded(shared_dir):
             cc.allreduce(gradient_like(100 + comm.rank, seed=1), name="bad")
         cc.allreduce(gradient_like(100, seed=2), name="ok")
         cc.allreduce(gradient_like(100, seed=3), name="ok")
-    events, steps, _ = trace_report.read(path)
+    events, steps, _ = report.read(path)
     assert events.size == 3 * comm.size
     assert set(events["name"].tolist()) == {b"ok"}
     assert events["call"].tolist() == [c for c in range(3) for _ in range(comm.size)]

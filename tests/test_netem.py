@@ -12,7 +12,7 @@ import pytest
 
 from jobs.netem import job
 from jobs.netem.namespace import NIC, SUBNET, SWITCH_ADDRESS, Hosts, Namespace, NeedsRoot
-from mpicomp.advise import parse_rate
+from mpicomp.tools.advise import parse_rate
 
 
 def test_parse_rate_units():

@@ -1,4 +1,4 @@
-"""One numba cache for every process, compiled into under a lock (mpicomp/_numba_cache.py):
+"""One numba cache for every process, compiled into under a lock (mpicomp/numba_cache.py):
 where it is, that processes starting together compile a kernel once and load it
 otherwise, and that a slow compile is announced."""
 
@@ -7,7 +7,7 @@ import subprocess
 import sys
 import time
 
-from mpicomp._numba_cache import cache_root
+from mpicomp.kernels.numba_cache import cache_root
 
 # A kernel of its own (a fresh cache entry), compiled by several processes started at once.
 JOB = """
@@ -17,9 +17,9 @@ logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s")
 import numba as nb
 import numpy as np
 
-from mpicomp import _numba_cache
+from mpicomp.kernels import numba_cache
 
-_numba_cache.ANNOUNCE_AFTER_S = float(sys.argv[2])
+numba_cache.ANNOUNCE_AFTER_S = float(sys.argv[2])
 
 
 @nb.njit(cache=True)
@@ -30,7 +30,7 @@ def fresh_kernel(x):
     return total
 
 
-_numba_cache.guard(globals())
+numba_cache.guard(globals())
 while not os.path.exists(sys.argv[1]):  # start together
     time.sleep(0.005)
 fresh_kernel(np.arange(10.0))

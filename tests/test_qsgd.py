@@ -648,7 +648,7 @@ def test_blocks_cut_the_error_of_one_norm():
 def test_the_bench_error_drops_at_4m_elements(monkeypatch):
     """`mpicomp bench`'s rel.err column (one rank, no error feedback) at 4M elements: the
     paper's one norm against the default blocks (an error, not a timing)."""
-    from mpicomp.bench import kernels, workload
+    from mpicomp.tools.bench import kernels, workload
 
     rows = [("qsgd_maxnorm", {"bits": b, "block": d}) for b in (8, 2) for d in (0, 128)]
     monkeypatch.setattr(workload, "BENCH_SET", rows)

@@ -1,4 +1,4 @@
-"""The cost model of the schedules (mpicomp.schedules): its byte counts against the
+"""The cost model of the schedules (mpicomp.model.cost): its byte counts against the
 documented per-rank formulas (tests/conftest.py's references, checked against traces in
 test_mpi_ring.py and test_mpi_direct.py), its messages, and the times it predicts."""
 
@@ -9,7 +9,7 @@ import pytest
 import mpicomp
 from conftest import direct_traffic, ring_traffic
 from mpicomp.kernels.bits import packed_size
-from mpicomp.schedules import AGREEMENT_BYTES, Cost, Network, bounded, cost, gathered
+from mpicomp.model.cost import AGREEMENT_BYTES, Cost, Network, bounded, cost, gathered
 
 
 def _log2(n):
@@ -132,10 +132,9 @@ def test_the_network_predicts_latency_plus_bytes_over_bandwidth():
     assert net.time(cost("ring", signsgd, large, 8)) < net.time(cost("float32", signsgd, large, 8))
 
 
-# -- topology, compute and the choice (mpicomp.schedules.predict / choose) --------------
+# -- topology, compute and the choice (mpicomp.model.cost.predict / choose) --------------
 
-from mpicomp.model import Model, Speed, codec_key  # noqa: E402
-from mpicomp.schedules import (  # noqa: E402
+from mpicomp.model.cost import (  # noqa: E402
     FLOAT32,
     Topology,
     choose,
@@ -143,6 +142,7 @@ from mpicomp.schedules import (  # noqa: E402
     predict,
     schedules_of,
 )
+from mpicomp.model.measured import Model, Speed, codec_key  # noqa: E402
 
 GBIT = 1e9 / 8  # bytes per second
 
@@ -255,7 +255,7 @@ def test_a_model_survives_its_json_file(tmp_path):
 
 
 def test_schedule_names_beyond_the_codecs_own():
-    from mpicomp.options import Options
+    from mpicomp.call.options import Options
 
     for codec, ok, bad in (
         ("threelc", ["hier:sharded", "auto", "float32"], ["hier:ring", "ring"]),
@@ -272,7 +272,7 @@ def test_schedule_names_beyond_the_codecs_own():
 
 
 def test_the_verdicts_read_autos_choice_against_the_fastest_measured():
-    from mpicomp.bench.report import chooser_verdicts
+    from mpicomp.tools.bench.report import chooser_verdicts
 
     def row(schedule, t, chosen=None, numel=1000):
         return {

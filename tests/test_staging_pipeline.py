@@ -11,10 +11,16 @@ from mpi4py import MPI
 
 import mpicomp
 from conftest import to_numpy
-from mpicomp import _transport
-from mpicomp._transport import CHUNK_BYTES, CHUNK_ENV, Transport, chunk_bounds, staging_chunk
 from mpicomp.collectives import plain
 from mpicomp.kernels.cuda.device import Device, HostStreams
+from mpicomp.reduction import transport
+from mpicomp.reduction.transport import (
+    CHUNK_BYTES,
+    CHUNK_ENV,
+    Transport,
+    chunk_bounds,
+    staging_chunk,
+)
 
 CHUNK = 4096  # bytes: 1024 float32 values
 N = 5000  # 5 chunks, the last one short
@@ -24,14 +30,14 @@ N = 5000  # 5 chunks, the last one short
 def staged(monkeypatch):
     """The host-backed device, staged through host memory in chunks of ``CHUNK`` bytes,
     its copies deferred; returns its ``DeferredStreams``."""
-    monkeypatch.setenv(_transport.ENV, "0")
+    monkeypatch.setenv(transport.ENV, "0")
     monkeypatch.setenv(CHUNK_ENV, str(CHUNK))
-    _transport.cuda_aware.cache_clear()
+    transport.cuda_aware.cache_clear()
     D.install()
     streams = D.DeferredStreams()
     monkeypatch.setattr(_device(), "streams", streams)
     yield streams
-    _transport.cuda_aware.cache_clear()
+    transport.cuda_aware.cache_clear()
 
 
 def _device() -> Device:
@@ -157,7 +163,7 @@ def test_a_forgotten_wait_leaves_other_bytes(staged, monkeypatch):
         got = D.to_host(cc.allreduce(D.to_device(x), name="w"))
     assert not np.array_equal(got, x)
     monkeypatch.undo()
-    monkeypatch.setenv(_transport.ENV, "0")
+    monkeypatch.setenv(transport.ENV, "0")
     monkeypatch.setenv(CHUNK_ENV, str(CHUNK))
     monkeypatch.setattr(_device(), "streams", D.DeferredStreams())
     monkeypatch.setattr(Device, "wait", lambda self, event, why="": None)
@@ -221,9 +227,9 @@ def test_a_sum_beyond_float32_is_refused_in_a_later_chunk(monkeypatch):
     rank whose MPI sum doubles) is refused on the rank, every chunk having been sent."""
     from mpicomp import RankError
 
-    monkeypatch.setenv(_transport.ENV, "0")
+    monkeypatch.setenv(transport.ENV, "0")
     monkeypatch.setenv(CHUNK_ENV, str(CHUNK))
-    _transport.cuda_aware.cache_clear()
+    transport.cuda_aware.cache_clear()
     D.install()
     x = _gradient()
     seen = []
@@ -240,7 +246,7 @@ def test_a_sum_beyond_float32_is_refused_in_a_later_chunk(monkeypatch):
         with pytest.raises(RankError, match="the sum over ranks overflows float32"):
             cc.allreduce(D.to_device(x), name="w")
     assert seen == [1, 2, 3, 4, 5]  # every chunk summed, then checked: no rank's input was bad
-    _transport.cuda_aware.cache_clear()
+    transport.cuda_aware.cache_clear()
 
 
 def test_host_streams_copy_when_issued():
@@ -267,9 +273,9 @@ def test_gpu_streams_pipeline_a_cupy_gradient_to_the_numpy_bytes(monkeypatch):
     default stream and from another current stream."""
     import cupy
 
-    monkeypatch.setenv(_transport.ENV, "0")
+    monkeypatch.setenv(transport.ENV, "0")
     monkeypatch.delenv(CHUNK_ENV, raising=False)
-    _transport.cuda_aware.cache_clear()
+    transport.cuda_aware.cache_clear()
     x = _gradient(3 * (CHUNK_BYTES // 4) + 5)  # 4 chunks, the last one short
     want = _numpy_result(x, chunk=CHUNK_BYTES)
     dev = mpicomp.kernels.backend("cuda").device
@@ -287,7 +293,7 @@ def test_gpu_streams_pipeline_a_cupy_gradient_to_the_numpy_bytes(monkeypatch):
     for g in got:
         assert isinstance(g, cupy.ndarray)
         assert g.get().tobytes() == want.tobytes()
-    _transport.cuda_aware.cache_clear()
+    transport.cuda_aware.cache_clear()
 
 
 @pytest.mark.skipif(not (gpu_present() or REQUIRE_GPU), reason="needs a GPU (CuPy)")

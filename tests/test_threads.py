@@ -11,22 +11,23 @@ import pytest
 
 import mpicomp
 import mpicomp.kernels as K
-from mpicomp import _threads, diagnostics
+from mpicomp.call import threads
+from mpicomp.tools import diagnostics
 
 
 def test_ranks_sharing_the_cpus_divide_them():
     host = [{0, 1}, {0, 1}]
-    assert _threads.share({0, 1}, host) == (1, "2 CPUs / 2 ranks on this host")
+    assert threads.share({0, 1}, host) == (1, "2 CPUs / 2 ranks on this host")
     three = [set(range(8))] * 3
-    assert _threads.share(set(range(8)), three) == (2, "8 CPUs / 3 ranks on this host")
-    assert _threads.share({0}, [{0}] * 4).threads == 1  # never 0
+    assert threads.share(set(range(8)), three) == (2, "8 CPUs / 3 ranks on this host")
+    assert threads.share({0}, [{0}] * 4).threads == 1  # never 0
 
 
 def test_ranks_bound_to_cores_of_their_own_keep_them():
     bound = [{0, 1}, {2, 3}, {4, 5}, {6, 7}]
-    assert _threads.share({2, 3}, bound) == (2, "2 CPUs / 1 rank of 4 on this host using them")
+    assert threads.share({2, 3}, bound) == (2, "2 CPUs / 1 rank of 4 on this host using them")
     overlapping = [{0, 1, 2, 3}, {2, 3, 4, 5}, {6, 7}]  # the third shares with neither
-    assert _threads.share({0, 1, 2, 3}, overlapping).threads == 2
+    assert threads.share({0, 1, 2, 3}, overlapping).threads == 2
 
 
 def test_the_default_leaves_no_host_oversubscribed_for_info_to_warn_about():
@@ -38,7 +39,7 @@ def test_the_default_leaves_no_host_oversubscribed_for_info_to_warn_about():
                 "host": "n0",
                 "host cpus": len(cpus),
                 "cpu count": len(cpus),
-                "numba threads": _threads.share(cpus, [cpus] * ranks).threads,
+                "numba threads": threads.share(cpus, [cpus] * ranks).threads,
                 "BLAS threads": 1,
             }
             for r in range(ranks)
@@ -54,12 +55,12 @@ def test_the_default_leaves_no_host_oversubscribed_for_info_to_warn_about():
 def test_numba_num_threads_in_the_environment_wins(monkeypatch):
     from mpi4py import MPI
 
-    monkeypatch.setattr(_threads, "cpus", lambda: {0})
+    monkeypatch.setattr(threads, "cpus", lambda: {0})
     pool = numba.config.NUMBA_NUM_THREADS
     monkeypatch.setenv("NUMBA_NUM_THREADS", str(pool))
-    assert _threads.decide(MPI.COMM_SELF) == (pool, f"NUMBA_NUM_THREADS={pool}")
+    assert threads.decide(MPI.COMM_SELF) == (pool, f"NUMBA_NUM_THREADS={pool}")
     monkeypatch.delenv("NUMBA_NUM_THREADS")
-    assert _threads.decide(MPI.COMM_SELF) == (1, "1 CPU / 1 rank on this host")
+    assert threads.decide(MPI.COMM_SELF) == (1, "1 CPU / 1 rank on this host")
 
 
 @pytest.fixture
@@ -69,9 +70,9 @@ def one_cpu(monkeypatch):
     if numba.config.NUMBA_NUM_THREADS < 2:
         pytest.skip("numba's pool has one thread: a cap of one cannot be told apart")
     monkeypatch.delenv("NUMBA_NUM_THREADS", raising=False)
-    monkeypatch.setattr(_threads, "cpus", lambda: {0})
-    monkeypatch.setattr(_threads, "_decided", None)
-    monkeypatch.setattr(_threads, "_applied", threading.local())
+    monkeypatch.setattr(threads, "cpus", lambda: {0})
+    monkeypatch.setattr(threads, "_decided", None)
+    monkeypatch.setattr(threads, "_applied", threading.local())
     before = numba.get_num_threads()
     yield
     numba.set_num_threads(before)
@@ -124,7 +125,7 @@ def test_kernels_run_capped_in_the_callers_thread_and_the_workers(one_cpu, monke
 def test_a_lower_count_the_user_set_stands(one_cpu, monkeypatch):
     from mpi4py import MPI
 
-    monkeypatch.setattr(_threads, "cpus", lambda: set(range(numba.config.NUMBA_NUM_THREADS)))
+    monkeypatch.setattr(threads, "cpus", lambda: set(range(numba.config.NUMBA_NUM_THREADS)))
     numba.set_num_threads(1)
     with mpicomp.CompressedComm(MPI.COMM_SELF, "fp16") as cc:
         assert cc.threads.threads == numba.config.NUMBA_NUM_THREADS
@@ -166,7 +167,7 @@ def test_numba_num_threads_set_leaves_every_count_as_it_is(one_cpu, monkeypatch)
     torch.set_num_threads(2)
     try:
         with mpicomp.CompressedComm(MPI.COMM_SELF, "fp16") as cc:
-            assert cc.threads == (pool, f"NUMBA_NUM_THREADS={pool}") and _threads.kept() is None
+            assert cc.threads == (pool, f"NUMBA_NUM_THREADS={pool}") and threads.kept() is None
             assert numba.get_num_threads() == pool and torch.get_num_threads() == 2
     finally:
         torch.set_num_threads(before)

@@ -301,7 +301,7 @@ def test_a_rank_that_skips_or_stalls_aborts_the_job_with_a_clear_message(
 
 
 def test_an_aborted_traced_job_leaves_each_ranks_unflushed_events(tmp_path):
-    from mpicomp.trace_report import read
+    from mpicomp.trace.report import read
 
     trace = tmp_path / "run.h5"
     code, out, err = run_job(tmp_path, "skip_traced", "2", str(trace))

@@ -17,7 +17,7 @@ torch = pytest.importorskip("torch", reason="mpicomp.torch needs PyTorch")
 
 import mpicomp  # noqa: E402
 import mpicomp.torch as mt  # noqa: E402
-from mpicomp._worker import Handle, Worker  # noqa: E402
+from mpicomp.call.worker import Handle, Worker  # noqa: E402
 
 
 def _self():

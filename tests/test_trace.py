@@ -12,7 +12,8 @@ import pytest
 
 import mpicomp
 from conftest import gradient_like
-from mpicomp import trace, trace_format, trace_recorder, trace_report
+from mpicomp import trace
+from mpicomp.trace import format, recorder, report
 
 
 def _self():
@@ -24,11 +25,7 @@ def _self():
 # Version 1's events: version 2's without t_start (readers must still take them).
 # Version 1 had neither t_start (version 2) nor schedule and t_predicted (version 3).
 V1_EVENT_DTYPE = np.dtype(
-    [
-        f
-        for f in trace_format.EVENT_DTYPE.descr
-        if f[0] not in ("t_start", "schedule", "t_predicted")
-    ]
+    [f for f in format.EVENT_DTYPE.descr if f[0] not in ("t_start", "schedule", "t_predicted")]
 )
 
 
@@ -72,7 +69,7 @@ def _table(text: str) -> dict[str, list[str]]:
 def test_summarize_reports_codecs_bytes_ratio_latency_and_phases(tmp_path):
     path = tmp_path / "synthetic.h5"
     _synthetic(path)
-    text = trace_report.summarize(path)
+    text = report.summarize(path)
     assert "MPICH Version: 9.9" in text and "qsgd_maxnorm" in text and '"bits": 4' in text
     rows = _table(text)
     weight, bias = rows["fc1.weight"], rows["fc1.bias"]
@@ -87,25 +84,25 @@ def test_summarize_reports_codecs_bytes_ratio_latency_and_phases(tmp_path):
     assert bias[2:8] == ["-", "9", "232", "232", "0.2x", "0.1/0.1/0.1"]
     assert "the first call of each row is left out: 2 calls" in text
     # With --all-calls every call counts: the median of 1..10 ms, each on 2 ranks.
-    weight = _table(trace_report.summarize(path, all_calls=True))["fc1.weight"]
+    weight = _table(report.summarize(path, all_calls=True))["fc1.weight"]
     assert weight[3] == "10" and weight[7].split("/")[:2] == ["5.5", "9.1"]
 
 
 def test_warm_up_is_the_first_call_of_each_group_with_more_than_one(tmp_path):
     path = tmp_path / "synthetic.h5"
     _synthetic(path)
-    events, _, _ = trace_report.read(path)
-    warm = trace_report.warmup_mask(events)
+    events, _, _ = report.read(path)
+    warm = report.warmup_mask(events)
     # call 0 (fc1.weight) and call 1 (fc1.bias), on both ranks
     assert sorted(set(events["call"][warm].tolist())) == [0, 1] and warm.sum() == 4
     one = events[events["call"] == 0]  # a group of one call keeps it: nothing else to show
-    assert not trace_report.warmup_mask(one).any()
+    assert not report.warmup_mask(one).any()
 
 
 def test_summary_data_are_numbers_and_every_row_fits_120_columns(tmp_path):
     path = tmp_path / "synthetic.h5"
     _synthetic(path)
-    doc = trace_report.summary(path)
+    doc = report.summary(path)
     weight = doc["rows"][0]
     assert weight["tensor"] == "fc1.weight" and weight["calls"] == 9
     assert weight["warmup_calls"] == 1 and weight["ratio"] == pytest.approx(8.0)
@@ -117,7 +114,7 @@ def test_summary_data_are_numbers_and_every_row_fits_120_columns(tmp_path):
         ev["name"][ev["name"] == b"fc1.weight"] = b"encoder.layers.11.attention.fc1.weight" * 3
         ev["codec"][ev["codec"] == b"none"] = b"grandk_maxnorm_multiscale"
         f["events"][...] = ev
-    lines = trace_report.summarize(path).splitlines()
+    lines = report.summarize(path).splitlines()
     assert max(map(len, lines)) <= 120, max(lines, key=len)
     assert any("~" in line and line.startswith("qsgd_maxnorm") for line in lines)
 
@@ -126,20 +123,20 @@ def test_summarize_a_directory_reads_every_trace_in_it(tmp_path):
     for name in ("a.h5", "b.h5"):
         _synthetic(tmp_path / name)
     (tmp_path / "notes.txt").write_text("not a trace, not read")
-    text = trace_report.summarize(tmp_path)
+    text = report.summarize(tmp_path)
     assert text.count("mpicomp trace ") == 2
     assert f"mpicomp trace {tmp_path / 'a.h5'}" in text and str(tmp_path / "b.h5") in text
     empty = tmp_path / "empty"
     empty.mkdir()
     with pytest.raises(ValueError, match="no trace files"):
-        trace_report.summarize(empty)
+        report.summarize(empty)
 
 
 def test_plot_writes_a_png(tmp_path):
     pytest.importorskip("matplotlib")
     path, out = tmp_path / "synthetic.h5", tmp_path / "trace.png"
     _synthetic(path)
-    trace_report.plot(path, out)
+    report.plot(path, out)
     with open(out, "rb") as f:
         assert f.read(8) == b"\x89PNG\r\n\x1a\n"
     assert os.path.getsize(out) > 10_000
@@ -149,7 +146,7 @@ def test_plot_bytes_from_zero_beside_float32_and_whole_call_ticks(tmp_path):
     pytest.importorskip("matplotlib")
     path = tmp_path / "synthetic.h5"
     _synthetic(path)
-    fig = trace_report.figure(path)
+    fig = report.figure(path)
     ax_bytes, ax_time, ax_phase = fig.axes[:3]
     # A constant 500 bytes is drawn from 0, not as variation around 500.
     assert ax_bytes.get_ylim()[0] == 0
@@ -173,7 +170,7 @@ def test_plot_without_matplotlib_names_the_extra(tmp_path, monkeypatch):
         monkeypatch.setitem(sys.modules, name, None)
     monkeypatch.setitem(sys.modules, "matplotlib", None)
     with pytest.raises(RuntimeError, match=r"pip install mpicomp\[plot\]"):
-        trace_report.plot(path, tmp_path / "x.png")
+        report.plot(path, tmp_path / "x.png")
 
 
 def test_paths_that_are_not_traces_raise_value_error(tmp_path):
@@ -183,20 +180,20 @@ def test_paths_that_are_not_traces_raise_value_error(tmp_path):
     with h5py.File(other, "w") as f:
         f["x"] = np.arange(3)
     future = tmp_path / "future.h5"
-    _synthetic(future, version=trace_format.FORMAT_VERSION + 1)
+    _synthetic(future, version=format.FORMAT_VERSION + 1)
     cases = [
         (tmp_path / "missing.h5", "no such file"),
         (text, "not an HDF5 file"),
         (other, "not an mpicomp trace"),
-        (future, f"version {trace_format.FORMAT_VERSION + 1}"),
+        (future, f"version {format.FORMAT_VERSION + 1}"),
     ]
     for path, message in cases:
-        for fn in (trace_report.read, trace_report.summarize):
+        for fn in (report.read, report.summarize):
             with pytest.raises(ValueError, match=message):
                 fn(path)
         with pytest.raises(ValueError, match=message):
-            trace_report.plot(path, tmp_path / "x.png")
-    for fn in (trace_report.read, lambda p: trace_report.plot(p, tmp_path / "x.png")):
+            report.plot(path, tmp_path / "x.png")
+    for fn in (report.read, lambda p: report.plot(p, tmp_path / "x.png")):
         with pytest.raises(ValueError, match="is a directory, not a trace file"):
             fn(tmp_path)
 
@@ -210,7 +207,7 @@ def test_tracer_rows_names_and_growth_past_the_first_buffer(tmp_path):
             for s in range(1, 9):
                 t.record("ring.step", s, c, 2 * c, s)
             t.end()
-    events, steps, attrs = trace_report.read(path)
+    events, steps, attrs = report.read(path)
     assert events["call"].tolist() == list(range(300))
     assert events["step"].tolist() == list(range(1000, 1300))
     assert events["name"][0].decode() == "é" * 64
@@ -246,7 +243,7 @@ def test_compressed_comm_trace_records_phases_and_run_attributes(tmp_path):
     with mpicomp.CompressedComm(_self(), "threelc", sparsity=1.5, trace=path) as cc:
         for _ in range(3):
             y = cc.allreduce(x, name="fc1.weight")
-    events, steps, attrs = trace_report.read(path)
+    events, steps, attrs = report.read(path)
     assert steps is None and events.size == 3
     assert y.shape == x.shape
     assert (events["t_encode"] > 0).all() and (events["t_decode"] > 0).all()
@@ -262,7 +259,7 @@ def test_untraced_calls_never_read_the_clock(monkeypatch):
     def boom():
         raise AssertionError("perf_counter called without a trace")
 
-    monkeypatch.setattr(trace_recorder, "perf_counter", boom)
+    monkeypatch.setattr(recorder, "perf_counter", boom)
     x = gradient_like(2000, seed=1)
     for name in ("none", "qsgd_maxnorm", "signsgd", "threelc"):
         with mpicomp.CompressedComm(_self(), name) as cc:
@@ -286,5 +283,5 @@ def test_a_process_that_dies_keeps_the_flushed_rows(tmp_path):
     )
     done = subprocess.run([sys.executable, "-c", script], timeout=60, capture_output=True)
     assert done.returncode == 3, done.stderr.decode()
-    events, _, attrs = trace_report.read(path)
+    events, _, attrs = report.read(path)
     assert events["call"].tolist() == list(range(8)) and "end_time" not in attrs

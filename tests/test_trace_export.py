@@ -11,8 +11,9 @@ from test_trace import _synthetic
 
 import mpicomp
 from conftest import gradient_like
-from mpicomp import cli, trace_report
-from mpicomp.trace_export import chrome
+from mpicomp.tools import cli
+from mpicomp.trace import report
+from mpicomp.trace.export import chrome
 
 US = 1e6
 
@@ -37,7 +38,7 @@ def _run(path=None, on_call=None, level=2):
 def test_on_call_gets_every_event_the_file_holds(tmp_path):
     seen = []
     _run(tmp_path / "t.h5", seen.append)
-    events, _, attrs = trace_report.read(tmp_path / "t.h5")
+    events, _, attrs = report.read(tmp_path / "t.h5")
     assert attrs["mpicomp_trace_version"] == 3 and "epoch_unix" in attrs
     assert len(seen) == events.size == 7  # 6 calls, then one fused bucket
     for ev, row in zip(seen, events, strict=True):
@@ -66,7 +67,7 @@ def test_on_call_without_a_trace_file_and_a_raising_callback(tmp_path, caplog, m
 def test_chrome_export_places_every_row_of_the_trace(tmp_path):
     path = tmp_path / "t.h5"
     _run(path)
-    events, steps, _ = trace_report.read(path)
+    events, steps, _ = report.read(path)
     doc = json.loads(json.dumps(chrome(path)))  # plain JSON all the way
     spans = [e for e in doc["traceEvents"] if e["ph"] == "X"]
     calls = [e for e in spans if e["cat"] == "call"]
@@ -93,7 +94,7 @@ def test_chrome_export_places_every_row_of_the_trace(tmp_path):
 def test_a_version_1_trace_reads_without_times_and_does_not_export(tmp_path, capsys):
     old = tmp_path / "v1.h5"
     _synthetic(old)
-    events, _, _ = trace_report.read(old)
+    events, _, _ = report.read(old)
     assert events.size == 40 and np.isnan(events["t_start"]).all()
     assert (events["bytes_sent"] > 0).all()  # the columns it has are intact
     with pytest.raises(ValueError, match="format-1 trace"):

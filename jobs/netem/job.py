@@ -35,10 +35,10 @@ import time
 
 from jobs.netem import namespace
 from jobs.netem.namespace import Hosts, Namespace, NeedsRoot
-from mpicomp.advise import parse_rate
-from mpicomp.bench import codec_set, label, parse_count
-from mpicomp.bench.report import chooser_verdicts, format_verdicts, schedule_label
-from mpicomp.trace_report import read
+from mpicomp.tools.advise import parse_rate
+from mpicomp.tools.bench import codec_set, label, parse_count
+from mpicomp.tools.bench.report import chooser_verdicts, format_verdicts, schedule_label
+from mpicomp.trace.report import read
 
 # --rates entry for the loopback without a shaper (a byte-counting fifo).
 UNSHAPED = "unshaped"

@@ -124,7 +124,7 @@ class _Namespaces:
     @staticmethod
     def sent_bytes(dev: str) -> int:
         """Bytes the root qdisc of ``dev`` (``NETNS/DEV``) sent since it was last shaped."""
-        from mpicomp.bench.allreduce import tc_sent_bytes
+        from mpicomp.tools.bench.allreduce import tc_sent_bytes
 
         return tc_sent_bytes(dev)
 

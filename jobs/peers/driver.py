@@ -50,7 +50,7 @@ from jobs._compare import parse_runs
 from jobs.netem import namespace
 from jobs.netem.job import host_launch, mpi_env, mpi_vendor, mpiexec, uncounted
 from jobs.peers import models
-from mpicomp.advise import parse_rate
+from mpicomp.tools.advise import parse_rate
 
 NETWORKS = ("unshaped", "shared", "hosts")
 REFERENCE = "ddp"  # the float32 baseline: its final accuracy is every row's target

@@ -193,7 +193,7 @@ def _finite(model) -> bool:
 
 
 def _tc(devs: list[str]) -> int | None:
-    from mpicomp.bench.allreduce import tc_sent_bytes
+    from mpicomp.tools.bench.allreduce import tc_sent_bytes
 
     return sum(tc_sent_bytes(d) for d in devs) if devs else None
 

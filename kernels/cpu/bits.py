@@ -19,7 +19,7 @@ start makes numba wrap negative indices, which turns vector loads into gathers.
 import numba as nb
 import numpy as np
 
-from mpicomp._numba_cache import guard
+from mpicomp.kernels.numba_cache import guard
 
 BLOCK = 2048  # elements per staging block: a multiple of 32, 8 KiB of uint32 (L1)
 TASK = 1 << 16  # elements per parallel task: a multiple of BLOCK
@@ -307,5 +307,5 @@ def mpicomp_bits_min_repack(stream, width, mine, out):
             mpicomp_bits_pack_block(tmp, src.size, width, out, (b * width) >> 3)
 
 
-# Compiled under the cache directory's lock, one process at a time (mpicomp/_numba_cache.py).
+# Compiled under the cache directory's lock, one process at a time (kernels/numba_cache.py).
 guard(globals())

@@ -3,7 +3,7 @@
 import numba as nb
 import numpy as np
 
-from mpicomp._numba_cache import guard
+from mpicomp.kernels.numba_cache import guard
 
 
 @nb.njit(cache=True)
@@ -24,5 +24,5 @@ def mpicomp_parallel_probe(n):
     return total
 
 
-# Compiled under the cache directory's lock, one process at a time (mpicomp/_numba_cache.py).
+# Compiled under the cache directory's lock, one process at a time (kernels/numba_cache.py).
 guard(globals())

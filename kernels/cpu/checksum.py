@@ -14,8 +14,8 @@ import zlib
 import numba as nb
 import numpy as np
 
-from mpicomp._numba_cache import guard
 from mpicomp.kernels.checksum import BASE
+from mpicomp.kernels.numba_cache import guard
 
 # Bytes per inner block: sum_i i * b_i <= 255 * BLOCK^2 / 2 stays below 2^32.
 BLOCK = 4096
@@ -140,5 +140,5 @@ def adler32_into(src, value: int, out, dst=None) -> None:
     out[:] = np.frombuffer(adler32(src, value, dst).to_bytes(4, "little"), np.uint8)
 
 
-# Compiled under the cache directory's lock, one process at a time (mpicomp/_numba_cache.py).
+# Compiled under the cache directory's lock, one process at a time (kernels/numba_cache.py).
 guard(globals())

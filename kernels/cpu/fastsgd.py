@@ -22,7 +22,6 @@ from llvmlite import ir
 from numba.core import types
 from numba.extending import intrinsic
 
-from mpicomp._numba_cache import guard
 from mpicomp.kernels.fastsgd import (
     BUCKET_HEAD_BYTES,
     ERR_CODE,
@@ -39,6 +38,7 @@ from mpicomp.kernels.fastsgd import (
     PREFIX_BYTES,
     SIGN_BIT,
 )
+from mpicomp.kernels.numba_cache import guard
 
 from .floatbits import bits_float, float_bits
 
@@ -657,5 +657,5 @@ def encode(x, bucket, powers, flag_bits, scratch, cap, sizes) -> bool:
     )
 
 
-# Compiled under the cache directory's lock, one process at a time (mpicomp/_numba_cache.py).
+# Compiled under the cache directory's lock, one process at a time (kernels/numba_cache.py).
 guard(globals())

@@ -24,7 +24,6 @@ import math
 import numba as nb
 import numpy as np
 
-from mpicomp._numba_cache import guard
 from mpicomp.kernels.fft import (
     DECODE_COUNT,
     DECODE_NEGATIVE_ZERO,
@@ -36,6 +35,7 @@ from mpicomp.kernels.fft import (
     FP16_OVERFLOW,
     MAX_MANTISSA,
 )
+from mpicomp.kernels.numba_cache import guard
 
 from .floatbits import bits_float, float_bits
 
@@ -674,5 +674,5 @@ def mpicomp_fft_residual(spec, bitmap, vmax, pbase, shift, bits, r):
         r[n - 1] = ends[0]
 
 
-# Compiled under the cache directory's lock, one process at a time (mpicomp/_numba_cache.py).
+# Compiled under the cache directory's lock, one process at a time (kernels/numba_cache.py).
 guard(globals())

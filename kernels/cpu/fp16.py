@@ -17,8 +17,8 @@ a NaN is just a pattern above Inf's.
 import numba as nb
 import numpy as np
 
-from mpicomp._numba_cache import guard
 from mpicomp.kernels.cpu.checksum import BLOCK, add_block, block_sums, extend
+from mpicomp.kernels.numba_cache import guard
 
 # float32 bit patterns (sign cleared).
 F16_MAX_BITS = np.uint32(0x477FE000)  # 65504, the largest finite float16
@@ -257,5 +257,5 @@ def decode(h16, out, scale=1.0) -> bool:
     return bool(run(h16, np.float32(scale), out))
 
 
-# Compiled under the cache directory's lock, one process at a time (mpicomp/_numba_cache.py).
+# Compiled under the cache directory's lock, one process at a time (kernels/numba_cache.py).
 guard(globals())

@@ -22,7 +22,7 @@ per element would keep the divisions from vectorizing.
 import numba as nb
 import numpy as np
 
-from mpicomp._numba_cache import guard
+from mpicomp.kernels.numba_cache import guard
 from mpicomp.kernels.qsgd import CHUNK, ERR_NORM, ERR_OVERFLOW, ERR_RANGE, ERR_VALUE
 from mpicomp.kernels.qsgd import F32_MAX as _F32_MAX
 from mpicomp.kernels.qsgd import LIMIT as _LIMIT
@@ -728,5 +728,5 @@ def multiscale_dequantize_packed(
     )
 
 
-# Compiled under the cache directory's lock, one process at a time (mpicomp/_numba_cache.py).
+# Compiled under the cache directory's lock, one process at a time (kernels/numba_cache.py).
 guard(globals())

@@ -4,8 +4,8 @@ rank, backend and re-run; no generator state to carry."""
 import numba as nb
 import numpy as np
 
-from mpicomp._numba_cache import guard
 from mpicomp.kernels import rng as _shared
+from mpicomp.kernels.numba_cache import guard
 
 _GOLDEN = np.uint64(_shared.GOLDEN)
 _M1 = np.uint64(_shared.M1)
@@ -52,5 +52,5 @@ def uniform_array(seed, step, stream, n):
     return out
 
 
-# Compiled under the cache directory's lock, one process at a time (mpicomp/_numba_cache.py).
+# Compiled under the cache directory's lock, one process at a time (kernels/numba_cache.py).
 guard(globals())

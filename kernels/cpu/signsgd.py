@@ -10,7 +10,7 @@ x; which NaN a sum of |x| returns is left to the compiler (nothing sends it).
 import numba as nb
 import numpy as np
 
-from mpicomp._numba_cache import guard
+from mpicomp.kernels.numba_cache import guard
 from mpicomp.kernels.signsgd import CHUNK, TIE_POSITIVE, TIE_RANDOM
 
 from . import bits as _bits
@@ -158,5 +158,5 @@ def mpicomp_signsgd_abs_sum(x):
     return total
 
 
-# Compiled under the cache directory's lock, one process at a time (mpicomp/_numba_cache.py).
+# Compiled under the cache directory's lock, one process at a time (kernels/numba_cache.py).
 guard(globals())

@@ -11,8 +11,8 @@ per core already, where extra threads only oversubscribe.
 import numba as nb
 import numpy as np
 
-from mpicomp._numba_cache import guard
 from mpicomp.kernels.cpu.floatbits import bits_float, float_bits
+from mpicomp.kernels.numba_cache import guard
 from mpicomp.kernels.threelc import (
     ERR_BYTE,
     ERR_PAD,
@@ -286,5 +286,5 @@ def _quartic_decode_serial(src, scale, out):
     return OK, full if full > DECODE_CHUNK else 0
 
 
-# Compiled under the cache directory's lock, one process at a time (mpicomp/_numba_cache.py).
+# Compiled under the cache directory's lock, one process at a time (kernels/numba_cache.py).
 guard(globals())

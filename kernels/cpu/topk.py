@@ -17,7 +17,7 @@ import math
 import numba as nb
 import numpy as np
 
-from mpicomp._numba_cache import guard
+from mpicomp.kernels.numba_cache import guard
 
 _ABS = np.uint32(0x7FFFFFFF)
 # Histogram bin of a magnitude: its bit pattern >> SHIFT (8 exponent + 3 mantissa bits).
@@ -336,5 +336,5 @@ def select(x, k, out_idx, out_val):
     return True
 
 
-# Compiled under the cache directory's lock, one process at a time (mpicomp/_numba_cache.py).
+# Compiled under the cache directory's lock, one process at a time (kernels/numba_cache.py).
 guard(globals())

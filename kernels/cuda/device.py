@@ -11,7 +11,7 @@ through a pointer, and ``dev.to_host(a, why=...)`` brings a device array to the 
 counted in ``dev.syncs`` and, under its name, in ``dev.sync_reasons`` (the host
 synchronizations a launcher makes are part of its contract).
 
-Copies that overlap other work (the staging pipeline of ``mpicomp/_transport.py``) go
+Copies that overlap other work (the staging pipeline of ``mpicomp/reduction/transport.py``) go
 through ``dev.stream()``, ``dev.event()``, ``dev.download``/``dev.upload`` (asynchronous,
 on a stream) and ``dev.wait(event, why=...)`` (the host waits: counted as ``to_host`` is).
 On a GPU they are CUDA streams, events and ``cudaMemcpyAsync``; a device that computes on

@@ -1,4 +1,4 @@
-"""Marks in an Nsight Compute profile of the CUDA kernels (``mpicomp.bench.profile``).
+"""Marks in an Nsight Compute profile of the CUDA kernels (``mpicomp.tools.bench.profile``).
 
 ``marker(dev)`` returns ``mark(number)``, which launches an empty kernel,
 ``mpicomp_profile_mark``, on ``number`` blocks: ncu lists it among the kernels it

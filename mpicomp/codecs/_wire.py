@@ -24,7 +24,7 @@ import zlib
 
 import numpy as np
 
-from mpicomp._arrays import is_array
+from mpicomp.codecs.arrays import is_array
 from mpicomp.errors import PayloadError
 from mpicomp.kernels import backend_of
 from mpicomp.kernels.checksum import combine

@@ -6,9 +6,9 @@ import math
 
 import numpy as np
 
-from mpicomp._arrays import array_module, as_gradient
 from mpicomp.codecs import _wire
 from mpicomp.codecs._base import Codec, GatherCodecBase, check_number, register
+from mpicomp.codecs.arrays import array_module, as_gradient
 from mpicomp.errors import PayloadError
 from mpicomp.kernels import backend_of
 from mpicomp.kernels.readback import batch, ignored, when

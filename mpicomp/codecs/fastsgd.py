@@ -13,9 +13,9 @@ import math
 
 import numpy as np
 
-from mpicomp._arrays import as_gradient
 from mpicomp.codecs import _wire
 from mpicomp.codecs._base import GatherCodecBase, check_number, register
+from mpicomp.codecs.arrays import as_gradient
 from mpicomp.errors import PayloadError
 from mpicomp.kernels import backend_of, place
 from mpicomp.kernels import fastsgd as _k

@@ -3,7 +3,7 @@ instead of lost (the 3LC paper §3.1)."""
 
 from __future__ import annotations
 
-from mpicomp._arrays import as_gradient
+from mpicomp.codecs.arrays import as_gradient
 from mpicomp.kernels import backend_of
 
 

@@ -21,8 +21,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from mpicomp._arrays import array_module
 from mpicomp.codecs._base import Codec, check_number, register
+from mpicomp.codecs.arrays import array_module
 
 
 @dataclass(frozen=True)

@@ -20,9 +20,9 @@ from typing import NamedTuple
 
 import numpy as np
 
-from mpicomp._arrays import all_finite, array_module, as_gradient, is_array
 from mpicomp.codecs._base import Codec, check_number, register
 from mpicomp.codecs._qsgd_blocks import Blocks, Cuts, member_sizes
+from mpicomp.codecs.arrays import all_finite, array_module, as_gradient, is_array
 from mpicomp.kernels import backend_of, place
 from mpicomp.kernels import qsgd as _k
 from mpicomp.kernels.readback import when

@@ -11,9 +11,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from mpicomp._arrays import as_gradient
 from mpicomp.codecs import _wire
 from mpicomp.codecs._base import Codec, check_number, register
+from mpicomp.codecs.arrays import as_gradient
 from mpicomp.errors import PayloadError
 from mpicomp.kernels import backend_of
 from mpicomp.kernels import signsgd as _k

@@ -13,9 +13,9 @@ from functools import partial
 
 import numpy as np
 
-from mpicomp._arrays import as_gradient, residual_view
 from mpicomp.codecs import _wire
 from mpicomp.codecs._base import GatherCodecBase, check_number, register
+from mpicomp.codecs.arrays import as_gradient, residual_view
 from mpicomp.errors import PayloadError
 from mpicomp.kernels import backend_of
 from mpicomp.kernels import threelc as _k

@@ -1,7 +1,7 @@
 """What a schedule's messages cost: the critical path of one call as messages and bytes.
 
 Each aggregation kind prices its own schedules with these pieces (``Schedule.cost``);
-``mpicomp.schedules`` turns a cost into seconds (docs/collectives.md, "Choosing a
+``mpicomp.model.cost`` turns a cost into seconds (docs/collectives.md, "Choosing a
 schedule"). Counts follow MPICH for MPI's own collectives on large messages.
 """
 

@@ -7,9 +7,9 @@ from dataclasses import dataclass, field
 from functools import partial
 from typing import NamedTuple
 
-from mpicomp._residuals import Stateless
 from mpicomp.collectives.direct import direct_allreduce_bounded
 from mpicomp.collectives.ring import ring_allreduce_bounded
+from mpicomp.reduction.residuals import Stateless
 
 
 def _encode_and_decode(codec, speed, numel: int, nranks: int) -> float:
@@ -54,7 +54,7 @@ class Kind:
     its bytes depend on the tensors' shapes (not only their sizes), ``payload`` whether
     their cost needs a payload's bytes, ``feedback`` whether error feedback applies;
     ``state(codec, options)`` makes what a CompressedComm keeps per tensor across calls
-    (``mpicomp._residuals``: ``Stateless``, ``Residuals``, ``Memory``); ``alone(codec,
+    (``mpicomp.reduction.residuals``: ``Stateless``, ``Residuals``, ``Memory``); ``alone(codec,
     x)``, where a kind's codecs have neither ``encode`` nor integer codes, returns the
     (encode, decode, wire bytes) closures of one rank's share (timings, bits per element)."""
 

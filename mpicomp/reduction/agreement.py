@@ -28,16 +28,16 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from mpicomp._arrays import all_finite, all_finite_later, is_device_array, zero_nonfinite
-from mpicomp._config import Config, disagreement, ranks_text, world_ranks
-from mpicomp._residuals import NO_RESIDUALS
-from mpicomp._transport import Transport
+from mpicomp.call.config import Config, disagreement, ranks_text, world_ranks
+from mpicomp.codecs.arrays import all_finite, all_finite_later, is_device_array, zero_nonfinite
 from mpicomp.collectives import plain
 from mpicomp.collectives._wait import resolve_timeout
 from mpicomp.collectives.maxallreduce import max_allreduce
 from mpicomp.errors import PeerClosed, RankError
 from mpicomp.kernels import backend_of
 from mpicomp.kernels.readback import when
+from mpicomp.reduction.residuals import NO_RESIDUALS
+from mpicomp.reduction.transport import Transport
 from mpicomp.trace import NO_CLOCK
 
 POLICIES = ("raise", "skip_step", "zero")
@@ -86,9 +86,9 @@ class Call:
     step; ``describe``), ``digest`` its 64-bit hash the agreement compares; ``guard`` the NaN/Inf
     policy; ``timeout`` each wait's limit in seconds (None: ``MPICOMP_TIMEOUT``);
     ``kernels`` the kernel backend of NumPy arrays (None: ``mpicomp.kernels.backend()``);
-    ``transport`` how device bytes reach MPI (``mpicomp._transport``; needed for device
+    ``transport`` how device bytes reach MPI (``mpicomp.reduction.transport``; needed for device
     input); ``residuals`` what of the CompressedComm's per-tensor state the call may
-    update (``mpicomp._residuals``; a gather codec encodes through them); ``shapes``
+    update (``mpicomp.reduction.residuals``; a gather codec encodes through them); ``shapes``
     the shapes of the tensors the flat input holds end to end; ``stream`` is added to the rank to number this rank's
     random draws (a hierarchical call's local ranks draw apart on their shards);
     ``config`` what every rank's configuration must match (its digest joins the

@@ -15,8 +15,7 @@ from typing import Any, Protocol, runtime_checkable
 import numpy as np
 from mpi4py import MPI
 
-from mpicomp._arrays import all_finite, zero_nonfinite
-from mpicomp._transport import CHUNK_BYTES, chunk_bounds
+from mpicomp.codecs.arrays import all_finite, zero_nonfinite
 from mpicomp.collectives import plain
 from mpicomp.collectives.float_ring import allreduce_float16, allreduce_float32
 from mpicomp.errors import RankError
@@ -34,6 +33,7 @@ from mpicomp.reduction.agreement import (
     raise_nonfinite,
     up,
 )
+from mpicomp.reduction.transport import CHUNK_BYTES, chunk_bounds
 
 
 @runtime_checkable
@@ -58,7 +58,7 @@ def run(call: Call, codec, flat, ring: bool = False):
     sum, so one pass over the sum tells every rank the same; only then does each
     rank look at its own input (and, under ``"zero"``, the sum is made again).
 
-    A float32 sum of more than one staging chunk (``mpicomp._transport.chunk_bounds``)
+    A float32 sum of more than one staging chunk (``mpicomp.reduction.transport.chunk_bounds``)
     is one MPI_Allreduce per chunk, in order, on every path, so that ranks staging
     through host memory and ranks that are not send the same messages; staged, its
     copies overlap the chunks' MPI (``Transport.exchange_in_chunks``).

@@ -8,8 +8,7 @@ from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 
-from mpicomp._arrays import all_finite, array_module
-from mpicomp._residuals import Encoding, Residuals, Stateless
+from mpicomp.codecs.arrays import all_finite, array_module
 from mpicomp.collectives.allgather import allgather_bytes
 from mpicomp.collectives.sharded import push_pull, shard_bounds
 from mpicomp.errors import RankError
@@ -27,6 +26,7 @@ from mpicomp.reduction.agreement import (
     raise_overflow,
 )
 from mpicomp.reduction.hierarchy import PREFIX
+from mpicomp.reduction.residuals import Encoding, Residuals, Stateless
 
 
 @runtime_checkable

@@ -10,7 +10,7 @@ from dataclasses import dataclass, replace
 import numpy as np
 from mpi4py import MPI
 
-from mpicomp._arrays import all_finite, array_module, zero_nonfinite
+from mpicomp.codecs.arrays import all_finite, array_module, zero_nonfinite
 from mpicomp.collectives import plain
 from mpicomp.collectives.sharded import shard_bounds
 from mpicomp.errors import RankError

@@ -10,8 +10,7 @@ from typing import Any, Protocol, runtime_checkable
 import numpy as np
 from mpi4py import MPI
 
-from mpicomp._arrays import all_finite, array_module
-from mpicomp._residuals import Memory
+from mpicomp.codecs.arrays import all_finite, array_module
 from mpicomp.collectives import plain
 from mpicomp.kernels import backend_of
 from mpicomp.reduction._cost import Cost, mpi_allreduce
@@ -25,6 +24,7 @@ from mpicomp.reduction.agreement import (
     raise_overflow,
     up,
 )
+from mpicomp.reduction.residuals import Memory
 
 
 @runtime_checkable

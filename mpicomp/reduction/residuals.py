@@ -14,8 +14,8 @@ from __future__ import annotations
 
 import operator
 
-from mpicomp._arrays import all_finite, as_gradient
 from mpicomp.codecs import ErrorFeedback
+from mpicomp.codecs.arrays import all_finite, as_gradient
 
 
 class Encoding:

@@ -1,10 +1,10 @@
 """HDF5 traces: one event per collective call per rank, written by rank 0.
 
-A ``Tracer`` is two parts: a recorder (``mpicomp.trace_recorder``) keeps each rank's
+A ``Tracer`` is two parts: a recorder (``mpicomp.trace.recorder``) keeps each rank's
 events in preallocated NumPy structured arrays (no Python object per event) and times
-each call's phases; a writer (``mpicomp.trace_writer``) gathers them to rank 0 every
+each call's phases; a writer (``mpicomp.trace.writer``) gathers them to rank 0 every
 ``flush_every`` calls and at ``close()``, and rank 0 appends them to resizable datasets.
-Reading is ``mpicomp.trace_report``; the format both follow is ``mpicomp.trace_format``
+Reading is ``mpicomp.trace.report``; the format both follow is ``mpicomp.trace.format``
 (described in docs/trace-format.md).
 """
 
@@ -13,8 +13,8 @@ from __future__ import annotations
 import os
 
 from mpicomp.collectives import _wait
-from mpicomp.trace_recorder import NO_CLOCK, Recorder
-from mpicomp.trace_writer import Writer
+from mpicomp.trace.recorder import NO_CLOCK, Recorder
+from mpicomp.trace.writer import Writer
 
 
 def check_options(path, level: int, flush_every: int | None) -> None:
@@ -36,7 +36,7 @@ class Tracer(Recorder):
     """Record one event per collective call per rank; rank 0 writes them to HDF5.
 
     A ``Recorder`` (``begin``, ``record``, the phase marks, ``end``) that hands what it
-    recorded to a ``Writer`` (``mpicomp.trace_writer``).
+    recorded to a ``Writer`` (``mpicomp.trace.writer``).
 
     Every method but ``record`` and the phase marks is collective over ``comm``: all
     ranks create, end calls, flush and close in the same order (``CompressedComm``

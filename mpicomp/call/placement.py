@@ -10,12 +10,12 @@ from typing import NamedTuple
 
 from mpi4py import MPI
 
-from mpicomp._config import Config
-from mpicomp._probe import host_comm, resolve, topology
+from mpicomp.call.config import Config
+from mpicomp.model.cost import Topology, choose, predict
+from mpicomp.model.probe import host_comm, resolve, topology
 from mpicomp.reduction import AUTO, FLOAT32, HIER, Plan, kind_of, plan
 from mpicomp.reduction.hierarchy import Hosts
 from mpicomp.reduction.hierarchy import run as run_by_host
-from mpicomp.schedules import Topology, choose, predict
 
 
 class Placement(NamedTuple):

@@ -17,7 +17,7 @@ import os
 
 import numpy as np
 
-from mpicomp.trace_report import read, warmup_mask
+from mpicomp.trace.report import read, warmup_mask
 
 __all__ = ["FORMATS", "chrome", "export"]
 
@@ -29,7 +29,7 @@ def chrome(path) -> dict:
     """Return the trace at ``path`` as a Chrome trace-event document (a dict).
 
     Raises:
-        ValueError: not a trace (as ``mpicomp.trace_report.read``), or a format-1 trace,
+        ValueError: not a trace (as ``mpicomp.trace.report.read``), or a format-1 trace,
             which has no start times.
     """
     events, steps, attrs = read(path)

@@ -10,7 +10,7 @@ advise`` runs :func:`run`. The modules, each importing only those before it:
 - ``report``: headers, tables and JSON.
 
 The gradient, one rank's encode/decode/wire closures and the clock are the runtime's
-(``mpicomp._probe``: ``CompressedComm(schedule="auto")`` times codecs with them too);
+(``mpicomp.model.probe``: ``CompressedComm(schedule="auto")`` times codecs with them too);
 this package imports them, never the reverse. This module re-exports what needs no MPI;
 the jobs import ``allreduce`` themselves.
 """
@@ -21,12 +21,13 @@ import time
 from collections.abc import Sequence
 
 import mpicomp.kernels as K
-from mpicomp import _probe
-from mpicomp._probe import conv_gradient, gradient, median_seconds, one_rank_round_trip
-from mpicomp._table import plural
-from mpicomp.bench.kernels import run
-from mpicomp.bench.report import Report, format_table, print_json
-from mpicomp.bench.workload import (
+from mpicomp.codecs import codec as make_codec
+from mpicomp.model import probe
+from mpicomp.model.measured import speeds_from_bench
+from mpicomp.model.probe import conv_gradient, gradient, median_seconds, one_rank_round_trip
+from mpicomp.tools.bench.kernels import run
+from mpicomp.tools.bench.report import Report, format_table, print_json
+from mpicomp.tools.bench.workload import (
     BENCH_SET,
     codec_set,
     label,
@@ -34,8 +35,7 @@ from mpicomp.bench.workload import (
     parse_count,
     split_codecs,
 )
-from mpicomp.codecs import codec as make_codec
-from mpicomp.model import speeds_from_bench
+from mpicomp.tools.table import plural
 
 __all__ = [
     "BENCH_SET",
@@ -94,21 +94,21 @@ def full_run(
         reps, allreduce_reps: timed repetitions of a kernel / of an all-reduce.
         seed: seed of the kernel gradient (each rank's all-reduce gradient is seeded
             by its rank).
-        trace_dir, tc_dev, schedules, model: see ``mpicomp.bench.allreduce.measure``.
+        trace_dir, tc_dev, schedules, model: see ``mpicomp.tools.bench.allreduce.measure``.
         progress: a text stream for progress lines on rank 0 (None: silent).
         backend: the kernel backend of the kernel timings (see :func:`run`) and of the
             all-reduces (None: what ``MPICOMP_KERNELS`` selects); on a device backend
             (``cuda``) the all-reduces take device arrays (see
-            ``mpicomp.bench.allreduce.measure``).
+            ``mpicomp.tools.bench.allreduce.measure``).
         with_model: also measure the model ``mpicomp bench --save-model`` writes
             (:func:`measure_model`): the network now, the codecs' speeds from the kernel
             rows, or measured on every rank on ``model_numel`` elements (None:
-            ``mpicomp._probe.SPEED_NUMEL``) when ``numel`` is None.
+            ``mpicomp.model.probe.SPEED_NUMEL``) when ``numel`` is None.
 
     Returns:
         A :class:`Report` whose ``rows`` hold one dict per codec and backend: the keys
         of :func:`run` (kernel figures None when skipped) and ``allreduce``, the list of
-        that codec's all-reduce rows (``mpicomp.bench.allreduce.measure``), one per size
+        that codec's all-reduce rows (``mpicomp.tools.bench.allreduce.measure``), one per size
         and schedule.
         On ranks other than 0 the kernel figures are None. ``model``: the model of
         ``with_model`` (the same on every rank), else None.
@@ -140,8 +140,8 @@ def full_run(
         raise RuntimeError(f"rank 0's kernel timings failed: {failed}")
     allreduce = []
     if sizes:
-        # Here, not at the top: importing mpicomp.bench must not initialize MPI.
-        from mpicomp.bench.allreduce import measure, run_model
+        # Here, not at the top: importing mpicomp.tools.bench must not initialize MPI.
+        from mpicomp.tools.bench.allreduce import measure, run_model
 
         if schedules is not None or model is not None:
             model = run_model(comm, todo, model, max(sizes))  # once: every size alike
@@ -188,7 +188,7 @@ def full_run(
     measured = None
     if with_model:  # speeds from the kernel rows; without them, measured on every rank
         kernels = rows if numel is not None else None
-        measured = measure_model(comm, kernels, codecs, model_numel or _probe.SPEED_NUMEL)
+        measured = measure_model(comm, kernels, codecs, model_numel or probe.SPEED_NUMEL)
     return Report(rows, allreduce, comm.size, numel, measured)
 
 
@@ -207,14 +207,14 @@ def measure_model(comm, rows: list[dict] | None, codecs: Sequence[str] | None, n
     Returns:
         A ``mpicomp.model.Model`` (``source`` ``"measured"``).
     """
-    node = _probe.host_comm(comm)  # what CompressedComm measures "intra" on
+    node = probe.host_comm(comm)  # what CompressedComm measures "intra" on
     try:
-        model = _probe.measure(comm, node, codecs=[])
+        model = probe.measure(comm, node, codecs=[])
     finally:
         node.Free()
     if rows is None:
         made = [make_codec(name, **params) for name, params in codec_set(codecs)]
-        return model.with_speeds(_probe.measured_speeds(comm, made, numel))
+        return model.with_speeds(probe.measured_speeds(comm, made, numel))
     # Only rank 0 timed the kernels.
     speeds = comm.bcast(speeds_from_bench(rows) if comm.rank == 0 else None, root=0)
     return model.with_speeds(speeds)

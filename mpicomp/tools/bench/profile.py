@@ -1,4 +1,4 @@
-"""Nsight Compute's view of the codecs' kernels: ``python -m mpicomp.bench.profile``.
+"""Nsight Compute's view of the codecs' kernels: ``python -m mpicomp.tools.bench.profile``.
 
 ``run`` launches one encode and one decode of each codec of the bench set on a
 gradient on the GPU, after a warm-up, between ``cudaProfilerStart`` and
@@ -13,9 +13,9 @@ of its kernels and what limits its longest one.
 Usage on a GPU machine::
 
     ncu --csv --log-file ncu.csv --profile-from-start off --metrics $(python -m \\
-        mpicomp.bench.profile --metrics) python -m mpicomp.bench.profile --numel 100M \\
+        mpicomp.tools.bench.profile --metrics) python -m mpicomp.tools.bench.profile --numel 100M \\
         --rows rows.json
-    python -m mpicomp.bench.profile --table ncu.csv rows.json
+    python -m mpicomp.tools.bench.profile --table ncu.csv rows.json
 
 Without ncu, ``run`` works on any backend (the profiler calls do nothing off a GPU), so
 the tests check the phases' bookkeeping and ``table``'s arithmetic on the CPU.
@@ -32,11 +32,11 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from mpicomp._probe import gradient, one_rank_round_trip
-from mpicomp.bench.kernels import kernel_backend
-from mpicomp.bench.workload import codec_set, label, parse_count
 from mpicomp.codecs import codec as make_codec
 from mpicomp.kernels.cuda import profiling
+from mpicomp.model.probe import gradient, one_rank_round_trip
+from mpicomp.tools.bench.kernels import kernel_backend
+from mpicomp.tools.bench.workload import codec_set, label, parse_count
 
 DURATION = "gpu__time_duration.sum"  # ns
 READ = "dram__bytes_read.sum"  # bytes
@@ -176,7 +176,9 @@ def markdown(measured: list[dict]) -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m mpicomp.bench.profile", description=__doc__)
+    parser = argparse.ArgumentParser(
+        prog="python -m mpicomp.tools.bench.profile", description=__doc__
+    )
     parser.add_argument("--metrics", action="store_true", help="print ncu's --metrics list")
     parser.add_argument("--numel", type=parse_count, default=100_000_000)
     parser.add_argument("--codecs", help="comma-separated codec names (default: the bench set)")

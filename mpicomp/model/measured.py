@@ -1,14 +1,14 @@
 """What the schedule chooser predicts with: the networks, and each codec's compute.
 
-A :class:`Model` holds two ``mpicomp.schedules.Network`` s, ``intra`` (between ranks of one
+A :class:`Model` holds two ``mpicomp.model.cost.Network`` s, ``intra`` (between ranks of one
 host, shared memory for MPI) and ``inter`` (between hosts), and one :class:`Speed` per
 codec and parameters (encode and decode seconds per element, payload bits per element),
 and ``mpi_allreduce``: the MPI library's all-reduce time over its latency-bandwidth
 prediction between hosts (1 where it reaches the links as the model says; above 1
 where its algorithm does worse than mpicomp's ring, which the chooser then prefers).
-``mpicomp.schedules.predict`` turns them into seconds per call. A model is
+``mpicomp.model.cost.predict`` turns them into seconds per call. A model is
 
-- **measured**: by ``mpicomp._probe`` when a ``CompressedComm(schedule="auto")`` is made
+- **measured**: by ``mpicomp.model.probe`` when a ``CompressedComm(schedule="auto")`` is made
   and has none (the network's latency and bandwidth, one rank's encode and decode of a
   synthetic gradient);
 - **stored**: ``mpicomp bench --save-model FILE`` writes both as JSON, :meth:`Model.load`
@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from mpicomp.codecs import codec as make_codec
-from mpicomp.schedules import Network
+from mpicomp.model.cost import Network
 
 #: A file a model is read from when ``CompressedComm(schedule="auto")`` is given none.
 MODEL_ENV = "MPICOMP_MODEL"
@@ -76,7 +76,7 @@ class Model:
         speeds: ``codec_key(codec)`` to its ``Speed``.
         source: where the figures came from (a file, ``"measured"``, ``"given"``).
         mpi_allreduce: MPI_Allreduce's measured time over its prediction on ``inter``
-            (``mpicomp._probe.measure_mpi_allreduce``); 1 if not measured.
+            (``mpicomp.model.probe.measure_mpi_allreduce``); 1 if not measured.
     """
 
     intra: Network
@@ -87,11 +87,11 @@ class Model:
 
     def __post_init__(self):
         if not isinstance(self.intra, Network):
-            raise TypeError(f"intra must be a mpicomp.schedules.Network, got {self.intra!r}")
+            raise TypeError(f"intra must be a mpicomp.model.cost.Network, got {self.intra!r}")
         if self.inter is None:
             object.__setattr__(self, "inter", self.intra)
         elif not isinstance(self.inter, Network):
-            raise TypeError(f"inter must be a mpicomp.schedules.Network, got {self.inter!r}")
+            raise TypeError(f"inter must be a mpicomp.model.cost.Network, got {self.inter!r}")
         if not (np.isfinite(self.mpi_allreduce) and self.mpi_allreduce > 0):
             raise ValueError(
                 f"mpi_allreduce must be a finite ratio > 0, got {self.mpi_allreduce!r}"

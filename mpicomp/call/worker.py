@@ -15,8 +15,8 @@ import warnings
 import weakref
 from collections.abc import Callable
 
-from mpicomp import _threads
 from mpicomp._log import log
+from mpicomp.call import threads
 
 __all__ = ["Handle", "Runner", "Worker", "overlap_blocker"]
 
@@ -249,6 +249,6 @@ def _serve(jobs: queue.SimpleQueue) -> None:
         if item is _STOP:
             return
         handle, job = item
-        _threads.apply()  # numba's thread count is per thread: this one's starts at the pool's
+        threads.apply()  # numba's thread count is per thread: this one's starts at the pool's
         handle._run(job)
         del item, handle, job  # keep nothing alive while idle

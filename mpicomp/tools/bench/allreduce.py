@@ -10,9 +10,9 @@ all-reduce sends and receives per rank. On a device backend (``cuda``: CuPy arra
 gradient lives on the device and the reference is ``MPI_Allreduce`` of that device
 buffer, staged through pinned host buffers and, where the MPI library is CUDA-aware,
 handed to MPI directly. ``mpicomp bench`` and ``jobs/bench.py`` run :func:`measure`;
-``mpicomp.bench.report`` prints its rows.
+``mpicomp.tools.bench.report`` prints its rows.
 
-The one module of ``mpicomp.bench`` that imports ``mpi4py.MPI`` at import time, so the
+The one module of ``mpicomp.tools.bench`` that imports ``mpi4py.MPI`` at import time, so the
 package's ``__init__`` imports it only when an all-reduce is measured.
 """
 
@@ -30,19 +30,19 @@ import numpy as np
 from mpi4py import MPI
 
 import mpicomp.kernels as K
-from mpicomp import _probe
-from mpicomp._transport import cuda_aware
-from mpicomp.bench._countdown import Countdown
-from mpicomp.bench.kernels import kernel_backend
-from mpicomp.bench.workload import label
 from mpicomp.codecs import codec as make_codec
 from mpicomp.collectives.traffic import Traffic
 from mpicomp.comm import CompressedComm
-from mpicomp.model import codec_key
+from mpicomp.model import probe
+from mpicomp.model.cost import FLOAT32, Topology, predict
+from mpicomp.model.cost import schedules_of as candidate_schedules
+from mpicomp.model.measured import codec_key
 from mpicomp.reduction import AUTO, kind_of
 from mpicomp.reduction.low_rank import matrix_view
-from mpicomp.schedules import FLOAT32, Topology, predict
-from mpicomp.schedules import schedules_of as candidate_schedules
+from mpicomp.reduction.transport import cuda_aware
+from mpicomp.tools.bench._countdown import Countdown
+from mpicomp.tools.bench.kernels import kernel_backend
+from mpicomp.tools.bench.workload import label
 
 
 def slowest_median(comm, fn, reps: int, warmup: bool = True) -> float:
@@ -145,27 +145,27 @@ def schedules_of(name: str, params: dict, asked, topology: Topology | None = Non
 def run_model(comm, codecs, given=None, numel: int = 0):
     """Return the model every CompressedComm of a run predicts with (collective): ``given``
     (a Model or a file) with the speeds it lacks for ``codecs`` measured now, else one
-    measured now (``mpicomp._probe.measure``), so that none measures again. Speeds are
-    measured on ``numel`` elements (0: ``mpicomp._probe.SPEED_NUMEL``): the run's largest
+    measured now (``mpicomp.model.probe.measure``), so that none measures again. Speeds are
+    measured on ``numel`` elements (0: ``mpicomp.model.probe.SPEED_NUMEL``): the run's largest
     size, since compute per element grows with size past the caches (FFT, top-k)."""
     made = [make_codec(name, **params) for name, params in codecs]
     made = [c for c in made if c.compresses]
-    numel = numel or _probe.SPEED_NUMEL
-    node = _probe.host_comm(comm)
+    numel = numel or probe.SPEED_NUMEL
+    node = probe.host_comm(comm)
     try:
         if given is None:
-            return _probe.measure(comm, node, made, numel)
-        model = _probe.resolve(comm, node, make_codec("none"), given)
+            return probe.measure(comm, node, made, numel)
+        model = probe.resolve(comm, node, make_codec("none"), given)
         missing = [c for c in made if codec_key(c) not in model.speeds]
-        return model.with_speeds(_probe.measured_speeds(comm, missing, numel))
+        return model.with_speeds(probe.measured_speeds(comm, missing, numel))
     finally:
         node.Free()
 
 
 def _topology(comm) -> Topology:
-    node = _probe.host_comm(comm)
+    node = probe.host_comm(comm)
     try:
-        return _probe.topology(comm, node)
+        return probe.topology(comm, node)
     finally:
         node.Free()
 
@@ -250,7 +250,7 @@ def phase_split(path: str) -> dict:
     """Return the per-call phase seconds of a bench trace and the transport it recorded.
 
     The first call (the warm-up, as ``mpicomp trace summary`` takes it:
-    ``mpicomp.trace_report.warmup_mask``) is left out. For each later call the slowest rank's
+    ``mpicomp.trace.report.warmup_mask``) is left out. For each later call the slowest rank's
     event (largest ``t_total``) is kept; ``encode_s``, ``exchange_s`` (the trace's
     ``t_comm``: every message, waiting for other ranks included) and ``decode_s`` are the
     medians over calls of its ``t_encode``, ``t_comm`` and ``t_decode``; ``transport`` is
@@ -259,7 +259,7 @@ def phase_split(path: str) -> dict:
     Raises:
         ValueError: ``path`` is not a readable mpicomp trace, or holds no timed call.
     """
-    from mpicomp.trace_report import read, warmup_mask
+    from mpicomp.trace.report import read, warmup_mask
 
     events, _, attrs = read(path)
     warm = warmup_mask(events)
@@ -333,7 +333,7 @@ def measure(
     Args:
         comm: the communicator to benchmark on (every rank calls this).
         numel: elements of the gradient (each rank draws its own).
-        codecs: (name, params) pairs, as ``mpicomp.bench.codec_set`` returns.
+        codecs: (name, params) pairs, as ``mpicomp.tools.bench.codec_set`` returns.
         reps: timed repetitions per measurement, after one warm-up.
         progress: a stream for one line per codec on rank 0 (None: silent).
         trace_dir: a directory (made on rank 0 if missing): each codec's calls are
@@ -388,7 +388,7 @@ def measure(
     device = rec.xp is not np
     sync = (getattr(rec, "synchronize", None) or (lambda: None)) if device else (lambda: None)
     n, size = numel, comm.size
-    host = _probe.gradient(n, seed=comm.rank)
+    host = probe.gradient(n, seed=comm.rank)
     x = rec.xp.asarray(host) if device else host
     counter = _Counter(comm, [tc_dev] if isinstance(tc_dev, str) else tc_dev)
     before = counter.read()

@@ -1,10 +1,10 @@
 """Writing a trace: every rank's rows gathered to rank 0, which appends them to one HDF5 file.
 
 ``Writer`` creates the file (the run's attributes, resizable datasets in the columns of
-``mpicomp.trace_format``), appends the rows it is given at each ``write`` and stamps the
+``mpicomp.trace.format``), appends the rows it is given at each ``write`` and stamps the
 end time at ``close``; ``save_local`` is the rank-local side file of a job about to
 abort. h5py is imported when a file is first opened. What the rows are and when they are
-written is ``mpicomp.trace``'s (the ``Tracer``); reading them is ``mpicomp.trace_report``.
+written is ``mpicomp.trace``'s (the ``Tracer``); reading them is ``mpicomp.trace.report``.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from time import perf_counter
 import numpy as np
 
 from mpicomp._version import __version__
-from mpicomp.trace_format import (
+from mpicomp.trace.format import (
     EVENT_DTYPE,
     EVENTS,
     FORMAT_VERSION,

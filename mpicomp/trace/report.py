@@ -1,7 +1,7 @@
 """Reading HDF5 traces: ``read``, ``summarize`` (the CLI's table) and ``plot``.
 
 Needs only h5py and NumPy (matplotlib for ``plot``), no MPI: the format comes from
-``mpicomp.trace_format``, not from the writer (``mpicomp.trace``).
+``mpicomp.trace.format``, not from the writer (``mpicomp.trace``).
 """
 
 from __future__ import annotations
@@ -11,9 +11,9 @@ import textwrap
 
 import numpy as np
 
-from mpicomp._table import WIDTH, cut, plural
-from mpicomp._table import lines as table_lines
-from mpicomp.trace_format import (
+from mpicomp.tools.table import WIDTH, cut, plural
+from mpicomp.tools.table import lines as table_lines
+from mpicomp.trace.format import (
     EVENT_DTYPE,
     EVENTS,
     READABLE,

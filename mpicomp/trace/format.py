@@ -1,6 +1,6 @@
 """The HDF5 trace format, written once for its writer and its readers.
 
-``mpicomp.trace`` (the ``Tracer``, which writes) and ``mpicomp.trace_report`` (``read``,
+``mpicomp.trace`` (the ``Tracer``, which writes) and ``mpicomp.trace.report`` (``read``,
 ``summarize``, ``plot``) both import this module and never each other. What the
 columns and attributes mean is in docs/trace-format.md.
 """

@@ -28,9 +28,9 @@ import numpy as np
 
 from mpicomp.kernels import backend_of
 from mpicomp.kernels.bits import packed_size
-from mpicomp.model import MODEL_ENV, UNCOMPRESSED, Model, Speed, codec_key
+from mpicomp.model.cost import Network, Topology
+from mpicomp.model.measured import MODEL_ENV, UNCOMPRESSED, Model, Speed, codec_key
 from mpicomp.reduction import kind_of
-from mpicomp.schedules import Network, Topology
 
 #: Elements of the synthetic gradient a speed is measured on by default (16 MiB of
 #: float32: past the caches, where FFT and top-k cost more per element than on 4 MiB;
@@ -119,7 +119,7 @@ def measure_network(comm, reps: int = 5, nbytes: int = PROBE_BYTES) -> Network |
 
 def measure_mpi_allreduce(comm, network: Network | None, reps: int = 3) -> float:
     """Return MPI_Allreduce's time over its prediction on ``network`` (Hockney's model of
-    ``mpicomp.schedules``): float32 sums of about ALLREDUCE_SECONDS of the link's bytes
+    ``mpicomp.model.cost``): float32 sums of about ALLREDUCE_SECONDS of the link's bytes
     (1 to 32 MiB), the slowest rank's median of ``reps`` after a warm-up. Above 1: the
     library reaches less of the link than a ring of ``Sendrecv`` s (what
     ``measure_network`` timed). Collective; 1.0 on one rank."""

@@ -29,8 +29,8 @@ try:
 except ImportError as e:  # pragma: no cover - the test extras install torch
     raise ImportError("mpicomp.torch needs PyTorch: pip install 'mpicomp[torch]'") from e
 
-from mpicomp._config import Config, allgather_json, check_same, disagreement, ranks_text
 from mpicomp._log import log
+from mpicomp.call.config import Config, allgather_json, check_same, disagreement, ranks_text
 from mpicomp.collectives import plain
 from mpicomp.collectives._wait import issue, resolve_timeout
 from mpicomp.comm import CompressedComm

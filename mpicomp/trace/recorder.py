@@ -2,8 +2,8 @@
 exchange step) in memory, and each call's phase clock.
 
 ``Recorder`` keeps its rows in preallocated NumPy structured arrays (no Python object per
-event), in the columns of ``mpicomp.trace_format``, until its owner takes them
-(``mpicomp.trace.Tracer`` hands them to ``mpicomp.trace_writer``). It sends no message
+event), in the columns of ``mpicomp.trace.format``, until its owner takes them
+(``mpicomp.trace.Tracer`` hands them to ``mpicomp.trace.writer``). It sends no message
 after the barrier that fixes its epoch, and touches no file. ``NO_CLOCK`` is the phase
 clock of an untraced call.
 """
@@ -15,7 +15,7 @@ from time import perf_counter
 import numpy as np
 
 from mpicomp._log import log
-from mpicomp.trace_format import (
+from mpicomp.trace.format import (
     CODEC_LEN,
     EVENT_DTYPE,
     NAME_LEN,

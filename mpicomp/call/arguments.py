@@ -10,15 +10,15 @@ from dataclasses import dataclass, fields
 
 from mpi4py import MPI
 
-from mpicomp._config import Config
-from mpicomp._transport import Transport, cuda_aware
-from mpicomp._worker import overlap_blocker
+from mpicomp.call.config import Config
+from mpicomp.call.options import Options
+from mpicomp.call.worker import overlap_blocker
 from mpicomp.codecs import Codec
 from mpicomp.codecs._base import available as available_codecs
 from mpicomp.codecs._base import codec_parameters
 from mpicomp.codecs._base import make as make_codec
 from mpicomp.collectives._wait import resolve_timeout
-from mpicomp.options import Options
+from mpicomp.reduction.transport import Transport, cuda_aware
 
 
 @dataclass(frozen=True)

@@ -57,8 +57,10 @@ def info() -> dict[str, str | int]:
     import numpy
     from mpi4py import MPI
 
-    from mpicomp import _threads, _transport, codecs
+    from mpicomp import codecs
     from mpicomp._version import __version__
+    from mpicomp.call import threads
+    from mpicomp.reduction import transport
 
     out = {"mpicomp": __version__, "python": platform.python_version()}
     out["numpy"] = numpy.__version__
@@ -69,20 +71,20 @@ def info() -> dict[str, str | int]:
     out["MPI library"] = _library_version(MPI)
     out["MPI vendor"] = f"{vendor} {'.'.join(map(str, vversion))}"
     out["MPI standard"] = "{}.{}".format(*MPI.Get_version())
-    libpath = _transport.libmpi_path()
+    libpath = transport.libmpi_path()
     out["MPI library file"] = libpath or "unknown"
     out["mpi4py ABI"] = _mpi4py_abi(MPI)
     out["MPI world size"] = MPI.COMM_WORLD.size
-    out["MPI CUDA support"] = _transport.describe(_transport.library_cuda_support(libpath, vendor))
+    out["MPI CUDA support"] = transport.describe(transport.library_cuda_support(libpath, vendor))
     try:
-        aware, how = _transport.cuda_aware()
+        aware, how = transport.cuda_aware()
         path = "handed to MPI directly" if aware else "staged through host memory"
         decided = f"{'yes' if aware else 'no'} ({how}); device arrays are {path}"
     except ValueError as e:  # a bad MPICOMP_CUDA_AWARE: info still reports the rest
         decided = f"unknown ({e})"
     out["CUDA-aware MPI"] = decided
     out["GPUs"] = _gpus()
-    threads = _threads.decide(MPI.COMM_WORLD)
+    threads = threads.decide(MPI.COMM_WORLD)
     out["backends"] = _backends(threads.threads)
     out["numba threads"] = threads.threads
     out["numba threads from"] = threads.why
@@ -165,13 +167,14 @@ def rank_facts(comm) -> dict[str, object]:
     ``CUDA-aware MPI`` ("yes (how)", "no (how)" or "unknown (error)": mpicomp's
     decision), ``cuda aware`` (that decision: True, False or None), ``backend`` (the
     kernel backend NumPy arrays get, or its error), ``numba threads`` (what a
-    CompressedComm's kernels run on: ``mpicomp._threads.decide``), ``numba threads from``
+    CompressedComm's kernels run on: ``mpicomp.call.threads.decide``), ``numba threads from``
     (why: CPUs / ranks on the host, or ``NUMBA_NUM_THREADS``) and ``BLAS threads``
     (NumPy's BLAS, through threadpoolctl; None when unknown).
     """
     from mpi4py import MPI
 
-    from mpicomp import _threads, _transport
+    from mpicomp.call import threads
+    from mpicomp.reduction import transport
 
     local = comm.Split_type(MPI.COMM_TYPE_SHARED, key=comm.rank)
     try:
@@ -185,16 +188,16 @@ def rank_facts(comm) -> dict[str, object]:
                 local_rank, source = int(value), var
                 break
     cpus = _affinity()
-    libpath = _transport.libmpi_path()
+    libpath = transport.libmpi_path()
     vendor = MPI.get_vendor()[0]
-    support = _transport.library_cuda_support(libpath, vendor)[0]
+    support = transport.library_cuda_support(libpath, vendor)[0]
     try:
-        aware, how = _transport.cuda_aware()
+        aware, how = transport.cuda_aware()
         decided, decided_text = aware, f"{'yes' if aware else 'no'} ({how})"
     except ValueError as e:  # a bad MPICOMP_CUDA_AWARE: report it, go on
         decided, decided_text = None, f"unknown ({e})"
     gpus, gpu = _cupy_gpus()
-    threads = _threads.decide(comm)  # collective, as the split above
+    threads = threads.decide(comm)  # collective, as the split above
     return {
         "rank": comm.rank,
         "host": platform.node(),
@@ -434,7 +437,7 @@ def table(ranks: list[dict]) -> list[str]:
     """Return the text of ``mpicomp info --all-ranks``, at most 120 columns: what every
     rank has alike, wrapped, then a table of a row per rank with the columns that differ
     (rank, host, local rank and CPUs always)."""
-    from mpicomp._table import lines, listing
+    from mpicomp.tools.table import lines, listing
 
     def cell(r: dict, key: str) -> str:
         value = r.get(key)

@@ -9,11 +9,11 @@ import signal
 import sys
 import textwrap
 
-from mpicomp import bench, diagnostics
-from mpicomp._table import WIDTH, plural
 from mpicomp._version import __version__
 from mpicomp.codecs import available as available_codecs
-from mpicomp.diagnostics import info
+from mpicomp.tools import bench, diagnostics
+from mpicomp.tools.diagnostics import info
+from mpicomp.tools.table import WIDTH, plural
 
 #: How the docs launch the all-reduce part of ``mpicomp bench`` (it needs several ranks).
 ALLREDUCE_LAUNCH = "mpiexec -n N python -m mpi4py -m mpicomp bench"
@@ -354,7 +354,7 @@ def _count_list(text: str) -> list[int]:
 
 
 def _seconds(text: str) -> float:
-    from mpicomp.advise import parse_seconds
+    from mpicomp.tools.advise import parse_seconds
 
     try:
         return parse_seconds(text)
@@ -363,7 +363,7 @@ def _seconds(text: str) -> float:
 
 
 def _rate(text: str) -> int:
-    from mpicomp.advise import parse_rate
+    from mpicomp.tools.advise import parse_rate
 
     try:
         return parse_rate(text)
@@ -387,7 +387,7 @@ def _codec_names(text: str) -> list[str]:
 
 def _codec_list(text: str) -> list[str]:
     """``--codecs`` of ``bench`` and ``advise``: names or ``name:key=value[:key=value]``
-    entries (``mpicomp.bench.codec_set``), checked here so a typo is a usage error."""
+    entries (``mpicomp.tools.bench.codec_set``), checked here so a typo is a usage error."""
     entries = bench.split_codecs(text)
     if not entries:
         raise argparse.ArgumentTypeError(f"no codec names in {text!r}")
@@ -451,13 +451,14 @@ def _wrapped(text: str, indent: str) -> str:
 def _cmd_compile(args, parser) -> int:
     from mpi4py import MPI
 
-    from mpicomp import _numba_cache, warmup
+    from mpicomp.kernels import numba_cache
+    from mpicomp.tools import warmup
 
     warmup.log_compiles()
     rank0 = MPI.COMM_WORLD.rank == 0
     names = args.codecs or available_codecs()
     if rank0:
-        where = _numba_cache.cache_root() or "numba's choice (NUMBA_CACHE_DIR)"
+        where = numba_cache.cache_root() or "numba's choice (NUMBA_CACHE_DIR)"
         told = plural(len(names), "codec")
         print(f"compiling (or loading) the kernels of {told}: {where}", flush=True)
 
@@ -574,7 +575,7 @@ def _save_model(model, path: str) -> int:
 
 
 def _cmd_advise(args, parser) -> int:
-    from mpicomp import advise
+    from mpicomp.tools import advise
 
     if args.sizes is not None or args.model is not None:
         return _advise_schedules(args, parser)
@@ -604,8 +605,8 @@ def _cmd_advise(args, parser) -> int:
 
 def _advise_schedules(args, parser) -> int:
     """``mpicomp advise --sizes/--model``: the schedule table."""
-    from mpicomp import advise
-    from mpicomp.model import Model
+    from mpicomp.model.measured import Model
+    from mpicomp.tools import advise
 
     topology = _advise_topology(args, parser)
     if args.model is not None:
@@ -650,7 +651,7 @@ def _advise_schedules(args, parser) -> int:
 
 def _advise_link(args, parser) -> int:
     """Return the bits per second of advise's BANDWIDTH (a usage error when missing or bad)."""
-    from mpicomp import advise
+    from mpicomp.tools import advise
 
     if args.bandwidth is None:
         parser.error("give the link's bandwidth (e.g. 1gbit) or --model FILE")
@@ -662,7 +663,7 @@ def _advise_link(args, parser) -> int:
 
 def _advise_topology(args, parser):
     """Return the ``Topology`` of advise's --hosts, --ranks-per-host and --ranks."""
-    from mpicomp.schedules import Topology
+    from mpicomp.model.cost import Topology
 
     per_host = args.ranks_per_host or 1
     if args.hosts is None:
@@ -724,7 +725,7 @@ def _where(args) -> str:
 
 
 def _trace_module(args, directory: bool = False):
-    """Return ``mpicomp.trace_report`` once ``args.file`` is a file (or, with
+    """Return ``mpicomp.trace.report`` once ``args.file`` is a file (or, with
     ``directory``, a directory); otherwise a usage error saying what is expected."""
     if os.path.isdir(args.file) and not directory:
         args.sub_parser.error(
@@ -734,10 +735,10 @@ def _trace_module(args, directory: bool = False):
     if not (os.path.isfile(args.file) or (directory and os.path.isdir(args.file))):
         args.sub_parser.error(f"no such file: {args.file!r}")
     try:
-        from mpicomp import trace_report
+        from mpicomp.trace import report
     except ImportError as e:
-        raise RuntimeError(f"mpicomp.trace_report is not available ({e})") from e
-    return trace_report
+        raise RuntimeError(f"mpicomp.trace.report is not available ({e})") from e
+    return report
 
 
 def _trace_error(args, e: Exception) -> int:
@@ -764,7 +765,7 @@ def _cmd_trace_export(args, parser) -> int:
     out = args.output or os.path.splitext(args.file)[0] + ".json"
     try:
         _trace_module(args)  # checks the file exists
-        from mpicomp.trace_export import export
+        from mpicomp.trace.export import export
 
         n = export(args.file, out, args.format)
     except (ValueError, RuntimeError, OSError, KeyError) as e:

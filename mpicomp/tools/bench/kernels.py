@@ -3,7 +3,7 @@
 
 ``mpicomp bench`` times these on rank 0 alone, on the kernel backend it is given (the
 gradient lives where that backend computes: a CuPy array for ``cuda``), with the closures
-``CompressedComm(schedule="auto")`` measures codec speeds with (``mpicomp._probe``), and
+``CompressedComm(schedule="auto")`` measures codec speeds with (``mpicomp.model.probe``), and
 with the other thread pools of the process held to one thread (``other_pools_quiet``).
 """
 
@@ -21,10 +21,10 @@ import numpy as np
 from threadpoolctl import threadpool_limits
 
 import mpicomp.kernels as K
-from mpicomp._probe import gradient, one_rank_round_trip
-from mpicomp.bench._countdown import Countdown
-from mpicomp.bench.workload import codec_set, label
 from mpicomp.codecs import codec as make_codec
+from mpicomp.model.probe import gradient, one_rank_round_trip
+from mpicomp.tools.bench._countdown import Countdown
+from mpicomp.tools.bench.workload import codec_set, label
 
 
 def kernel_backend(name: str | None):

@@ -1,11 +1,11 @@
-"""The GPU lane's one table: ``python -m mpicomp.bench.lane OUT`` (``.ci/gpu summary``).
+"""The GPU lane's one table: ``python -m mpicomp.tools.bench.lane OUT`` (``.ci/gpu summary``).
 
 Reads what the lane's steps left in ``OUT`` and prints one row per codec:
 
 - ``kernels.json`` (``mpicomp bench --no-allreduce --json``): encode and decode
   throughput over the device copy measured in the same run (FFT's over a bare cuFFT
   ``rfft`` + ``irfft`` pair of the same size, the issue's yardstick for it);
-- ``ncu.csv`` and ``profile-rows.json`` (``mpicomp.bench.profile`` under ``ncu``): DRAM
+- ``ncu.csv`` and ``profile-rows.json`` (``mpicomp.tools.bench.profile`` under ``ncu``): DRAM
   bytes moved over the ideal (the input read once, the output written once), the
   achieved occupancy and what limits the slowest kernel, per phase;
 - ``allreduce-staged.json`` (``mpicomp bench --no-kernels --json``, staged): each size's
@@ -23,8 +23,8 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from mpicomp.bench import profile
-from mpicomp.bench.workload import label
+from mpicomp.tools.bench import profile
+from mpicomp.tools.bench.workload import label
 
 
 def _load(path: Path):
@@ -119,7 +119,10 @@ def summarize(out: Path) -> str:
 def main(argv: Sequence[str] | None = None) -> int:
     args = sys.argv[1:] if argv is None else list(argv)
     if len(args) != 1:
-        print("usage: python -m mpicomp.bench.lane OUT (the lane's output folder)", file=sys.stderr)
+        print(
+            "usage: python -m mpicomp.tools.bench.lane OUT (the lane's output folder)",
+            file=sys.stderr,
+        )
         return 2
     sys.stdout.write(summarize(Path(args[0])))
     return 0

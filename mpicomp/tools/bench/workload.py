@@ -1,5 +1,5 @@
 """What the benchmarks measure: the codecs with their parameters, and how the command
-lines spell counts and parameters. The gradient is ``mpicomp._probe.gradient``, the one
+lines spell counts and parameters. The gradient is ``mpicomp.model.probe.gradient``, the one
 ``CompressedComm(schedule="auto")`` times codecs on."""
 
 from __future__ import annotations

@@ -14,8 +14,8 @@ from functools import partial
 import numpy as np
 from mpi4py import MPI
 
-from mpicomp._arrays import array_module, check_numel, is_device_array, to_float32
 from mpicomp.codecs._wire import MAX_NUMEL
+from mpicomp.codecs.arrays import array_module, check_numel, is_device_array, to_float32
 from mpicomp.kernels import backend_of
 
 

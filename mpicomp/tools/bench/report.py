@@ -7,10 +7,10 @@ import sys
 
 import numba
 
-from mpicomp._table import lines as table_lines
-from mpicomp._table import note, plural
 from mpicomp._version import __version__
-from mpicomp.bench.workload import codec_label, format_count
+from mpicomp.tools.bench.workload import codec_label, format_count
+from mpicomp.tools.table import lines as table_lines
+from mpicomp.tools.table import note, plural
 
 
 def title(what: str) -> str:
@@ -20,7 +20,7 @@ def title(what: str) -> str:
 
 def mpi_library() -> str:
     """Return the MPI library in use as ``vendor version`` (``MPICH 5.0.2``)."""
-    # Imported here: importing mpicomp.bench must not initialize MPI (jobs.netem reads
+    # Imported here: importing mpicomp.tools.bench must not initialize MPI (jobs.netem reads
     # the vendor with mpi4py.rc.initialize off after importing it).
     from mpi4py import MPI
 
@@ -47,7 +47,7 @@ def _spread(r: dict, key: str) -> str:
 
 
 def format_table(rows: list[dict], out=None) -> None:
-    """Print kernel rows (``mpicomp.bench.run``) as a table (to stdout by default): median
+    """Print kernel rows (``mpicomp.tools.bench.run``) as a table (to stdout by default): median
     GB/s, the repetitions' min-max, and x/memcpy of the median; the backend is the
     report's header's."""
     out = sys.stdout if out is None else out
@@ -176,7 +176,7 @@ def _bytes(n: float) -> str:
 
 
 def format_allreduce_table(rows: list[dict], out=None) -> None:
-    """Print all-reduce rows (``mpicomp.bench.allreduce.measure``) as tables of at most 120
+    """Print all-reduce rows (``mpicomp.tools.bench.allreduce.measure``) as tables of at most 120
     columns (to stdout by default).
 
     Per size, the MPI_Allreduce reference line(s) first, then one row per codec and

@@ -17,7 +17,7 @@ rank; the ring codecs (QSGD, signSGD, fp16) move 2(N-1)/N M/k and decode once; t
 codecs receive (N-1) M/k and decode N payloads. From that, the break-even bandwidth:
 compression pays on any link slower than it.
 
-:func:`schedule_table` asks the schedule chooser instead (``mpicomp.schedules``): for
+:func:`schedule_table` asks the schedule chooser instead (``mpicomp.model.cost``): for
 each codec and tensor size, every candidate schedule's predicted time on a topology of
 hosts, with latency, and the one ``CompressedComm(schedule="auto")`` would run.
 """
@@ -128,8 +128,8 @@ ACCURACY_NOTE = (
 def format_table(advice: list[dict], link_bps: float, nranks: int, out) -> None:
     """Print ``advice`` as a table of at most 120 columns, with what its columns mean and
     a note on accuracy (``ACCURACY_NOTE``)."""
-    from mpicomp._table import lines, note
-    from mpicomp.bench.workload import codec_label
+    from mpicomp.tools.bench.workload import codec_label
+    from mpicomp.tools.table import lines, note
 
     print(
         note(
@@ -196,8 +196,8 @@ def rate_model(
     """Return the ``mpicomp.model.Model`` of a link rate: ``link_bps`` between hosts,
     ``intra_bps`` within one, ``alpha`` seconds per message on both, and the codec
     speeds of ``mpicomp bench --json`` rows that have kernel figures (from ``source``)."""
-    from mpicomp.model import Model, speeds_from_bench
-    from mpicomp.schedules import Network
+    from mpicomp.model.cost import Network
+    from mpicomp.model.measured import Model, speeds_from_bench
 
     return Model(
         intra=Network(alpha, intra_bps / 8),
@@ -230,7 +230,7 @@ def schedule_table(model, topology, codecs, sizes) -> list[dict]:
 
     Args:
         model: a ``mpicomp.model.Model`` with a speed for each codec.
-        topology: a ``mpicomp.schedules.Topology`` of at least two ranks.
+        topology: a ``mpicomp.model.cost.Topology`` of at least two ranks.
         codecs: made codecs (``mpicomp.codec(...)``).
         sizes: tensor sizes in elements.
 
@@ -244,7 +244,7 @@ def schedule_table(model, topology, codecs, sizes) -> list[dict]:
         ValueError: a topology of one rank (nothing to choose), or a codec the model
             has no speed for.
     """
-    from mpicomp.schedules import FLOAT32, choose, predict
+    from mpicomp.model.cost import FLOAT32, choose, predict
 
     if topology.nranks < 2:
         raise ValueError(f"the schedule table needs >= 2 ranks, got a topology of {topology}")
@@ -289,8 +289,8 @@ def format_schedule_table(rows: list[dict], model, topology, out) -> None:
     """Print ``schedule_table`` rows as tables of at most 120 columns, under a header
     naming ``model``'s networks and ``topology``: one table per set of candidate
     schedules (the ring codecs', the gather codecs', ...), so no column is empty."""
-    from mpicomp._table import lines, note, plural
-    from mpicomp.bench.workload import codec_label, format_count
+    from mpicomp.tools.bench.workload import codec_label, format_count
+    from mpicomp.tools.table import lines, note, plural
 
     def net(n) -> str:
         return f"alpha {n.alpha * 1e6:.4g} us, {n.beta * 8 / 1e9:.4g} Gbit/s"
