@@ -1,18 +1,27 @@
 """Timeouts for the collectives: nonblocking calls, one wait loop, abort on expiry.
 
-Without a timeout (the default) every collective makes blocking MPI calls. With one
-(``timeout=`` seconds, or the environment variable ``MPICOMP_TIMEOUT``), each message is
-a nonblocking call whose requests go to ``wait_all``. ``issue`` and ``Exchange`` make
-that choice for every collective, in one place: they are the frames that call MPI, so a
-collective reaches the library through them and nothing else. ``wait_all`` polls
-``MPI.Request.Testall``
+Every MPI call of mpicomp is made here (``tests/test_architecture.py`` fails on one made
+elsewhere). Without a timeout (the default) the collectives make blocking MPI calls.
+With one (``timeout=`` seconds, or the environment variable ``MPICOMP_TIMEOUT``), each
+message is a nonblocking call whose requests go to ``wait_all``. ``issue`` and
+``Exchange`` make that choice for every collective, in one place: they are the frames
+that call MPI, so a collective reaches the library through them and nothing else.
+Callers hand ``issue`` the MPI functions themselves, a blocking one and its nonblocking
+twin (``MPI.Comm.Allreduce, MPI.Comm.Iallreduce``), as ``mpi4py.util.pkl5`` does.
+``wait_all`` polls ``MPI.Request.Testall``
 with a sleep that backs off from 10 us to 1 ms, so a waiting rank does not burn a core,
 and when the timeout passes it writes to stderr what this rank was waiting for and
 calls ``comm.Abort``: the whole job stops with that message instead of hanging.
 
 The timeout bounds each wait (one message or one step of a ring), not a whole call.
 Every rank must have it on or every rank off (the values may differ): MPI does not
-match a blocking collective with a nonblocking one.
+match a blocking collective with a nonblocking one. ``issue_nonblocking`` is for the
+one check that runs before the ranks have agreed on that (a CompressedComm's
+configuration): nonblocking whatever the timeout.
+
+A frame here that moves buffers calls ``ready`` on them just before the MPI call (a
+device kernel may still be writing them); ``tests/test_mpi_architecture.py`` counts
+frames up to there.
 """
 
 from __future__ import annotations
@@ -25,8 +34,10 @@ from collections.abc import Callable
 
 import numpy as np
 
-from mpicomp._log import log
 from mpicomp.kernels import backend_of
+
+# By name: mpicomp/_log.py gives this logger its rank filter.
+log = logging.getLogger("mpicomp")
 
 #: The environment variable that sets the default timeout, in seconds (unset or 0: off).
 ENV = "MPICOMP_TIMEOUT"
@@ -115,13 +126,16 @@ def ready(*buffers) -> None:
             return  # one device per call: one synchronize covers every buffer
 
 
-def issue(comm, call: str, *args, timeout: float | None, name: str, detail, **kwargs) -> None:
-    """Make the MPI call ``call`` of ``comm`` blocking, or with a timeout its nonblocking
-    twin waited on by ``wait_all``.
+def issue(
+    comm, blocking, nonblocking, *args, timeout: float | None, name: str, detail, **kwargs
+) -> None:
+    """Call ``blocking(comm, *args, **kwargs)``, or with a timeout
+    ``nonblocking(comm, *args, **kwargs)`` waited on by ``wait_all``.
 
     Args:
         comm: the communicator.
-        call: a collective's name, e.g. ``"Allreduce"`` (its twin is ``"Iallreduce"``).
+        blocking, nonblocking: an MPI collective and its nonblocking twin, the functions
+            of ``mpi4py.MPI.Comm`` (e.g. ``MPI.Comm.Allreduce, MPI.Comm.Iallreduce``).
         *args, **kwargs: the call's arguments.
         timeout: seconds (already resolved), or None for the blocking call.
         name, detail: the collective and what it waits for, reported on timeout
@@ -129,10 +143,63 @@ def issue(comm, call: str, *args, timeout: float | None, name: str, detail, **kw
     """
     ready(*args)
     if timeout is None:
-        getattr(comm, call)(*args, **kwargs)
+        blocking(comm, *args, **kwargs)
         return
-    request = getattr(comm, "I" + call.lower())(*args, **kwargs)
-    wait_all(comm, [request], timeout, name, detail)
+    wait_all(comm, [nonblocking(comm, *args, **kwargs)], timeout, name, detail)
+
+
+def issue_nonblocking(
+    comm, nonblocking, *args, timeout: float | None, name: str, detail, **kwargs
+) -> None:
+    """Call ``nonblocking(comm, *args, **kwargs)`` and wait for it (``wait_all``: with
+    ``timeout`` if set), whatever the timeout: for a check whose ranks may differ in
+    their timeout (a blocking collective never matches a nonblocking one)."""
+    ready(*args)
+    wait_all(comm, [nonblocking(comm, *args, **kwargs)], timeout, name, detail)
+
+
+def send_receive(
+    comm, sends, dest: int, receives, source: int, tag: int, timeout: float | None, op: str, detail
+) -> None:
+    """Receive each buffer of ``receives`` from ``source`` while sending each of ``sends``
+    to ``dest``, in order, all with ``tag``: one Irecv or Isend per buffer, waited on
+    together (``wait_all``, with ``timeout`` if set). For a step whose message is split
+    into several (``allgather_bytes_ring``)."""
+    ready(*sends)
+    requests = [comm.Irecv(buf, source, tag) for buf in receives]
+    requests += [comm.Isend(buf, dest, tag) for buf in sends]
+    wait_all(comm, requests, timeout, op, detail)
+
+
+def dup(comm, *, timeout: float | None, name: str):
+    """Return a duplicate of ``comm`` (collective): ``Dup``, or with a timeout ``Idup``
+    waited on by ``wait_all``."""
+    if timeout is None:
+        return comm.Dup()
+    new, request = comm.Idup()
+    wait_all(comm, [request], timeout, name, f"duplicating a communicator of {comm.size} ranks")
+    return new
+
+
+def split(comm, color: int, key: int, *, timeout: float | None, name: str):
+    """Return ``comm.Split(color, key)`` (collective). MPI has no nonblocking split: with
+    a timeout, a barrier under it first, so a rank that never comes stops the job there."""
+    _arrived(comm, timeout, name, "splitting a communicator")
+    return comm.Split(color, key)
+
+
+def split_type(comm, kind: int, key: int, *, timeout: float | None, name: str):
+    """Return ``comm.Split_type(kind, key)`` (collective; ``kind`` e.g.
+    ``MPI.COMM_TYPE_SHARED``), after a barrier under the timeout as ``split``."""
+    _arrived(comm, timeout, name, "splitting a communicator by host")
+    return comm.Split_type(kind, key)
+
+
+def _arrived(comm, timeout: float | None, name: str, before: str) -> None:
+    """With a timeout: an Ibarrier waited on under it (every rank has come); else nothing."""
+    if timeout is not None:
+        detail = f"every rank, before {before} (an Ibarrier of {comm.size} ranks)"
+        wait_all(comm, [comm.Ibarrier()], timeout, name, detail)
 
 
 class Exchange:

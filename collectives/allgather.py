@@ -5,7 +5,8 @@ of an int64; -1 means "my input is not a 1-D uint8 array", so a bad input raises
 same ValueError on every rank instead of leaving the others waiting), then the bytes
 move into one receive buffer, rank after rank, and every rank gets one view per rank.
 Each public function makes its MPI calls itself, through ``_wait.issue`` (the ring
-through ``_by_ring``); the helpers around them only prepare and check.
+through ``_by_ring`` and ``_wait.send_receive``); the helpers around them only prepare
+and check.
 
 - ``allgather_bytes``: the bytes move in one ``Allgatherv``; the MPI library picks the
   algorithm. Traces record the logical bytes (what this rank contributes and what it
@@ -20,7 +21,7 @@ from __future__ import annotations
 import numpy as np
 from mpi4py import MPI
 
-from mpicomp.collectives._wait import issue, ready, resolve_timeout, wait_all
+from mpicomp.collectives._wait import issue, resolve_timeout, send_receive
 from mpicomp.kernels import backend_of
 
 # Bytes one message may carry: the 32-bit count of MPI before version 4 (mpi4py >= 4
@@ -88,20 +89,19 @@ def _by_ring(comm, payload, buf, sizes, displs, recorder, op: str, timeout) -> N
     right, left = (rank + 1) % size, (rank - 1) % size
     chunk = min(_RING_CHUNK, _COUNT_LIMIT)
     buf[displs[rank] : displs[rank] + sizes[rank]] = payload
-    ready(buf)  # the copy above may still run on a device
     for step in range(1, size):
         # Send what arrived in the step before (own payload first); receive the block
         # one rank further left. Sizes are known, so each side knows its message count.
         out, into = (rank - step + 1) % size, (rank - step) % size
         send = buf[displs[out] : displs[out] + sizes[out]]
         recv = buf[displs[into] : displs[into] + sizes[into]]
-        reqs = [comm.Irecv(recv[lo : lo + chunk], left, _TAG) for lo in range(0, recv.size, chunk)]
-        reqs += [
-            comm.Isend(send[lo : lo + chunk], right, _TAG) for lo in range(0, send.size, chunk)
-        ]
-        wait_all(
+        send_receive(
             comm,
-            reqs,
+            [send[lo : lo + chunk] for lo in range(0, send.size, chunk)],
+            right,
+            [recv[lo : lo + chunk] for lo in range(0, recv.size, chunk)],
+            left,
+            _TAG,
             timeout,
             op,
             lambda step=step, got=recv.size, put=send.size: (
@@ -137,7 +137,16 @@ def allgather_bytes(comm, payload, *, recorder=None, timeout=None) -> list[np.nd
     op = "allgather"
     timeout = resolve_timeout(timeout)
     mine, sizes, problem = _announced(comm, payload)
-    issue(comm, "Allgather", mine, sizes, timeout=timeout, name=op, detail=_sizes_detail(comm))
+    issue(
+        comm,
+        MPI.Comm.Allgather,
+        MPI.Comm.Iallgather,
+        mine,
+        sizes,
+        timeout=timeout,
+        name=op,
+        detail=_sizes_detail(comm),
+    )
     payload, buf, displs = _received(comm, payload, sizes, problem, recorder, op)
     total = buf.size
     if total > _COUNT_LIMIT:
@@ -150,7 +159,16 @@ def allgather_bytes(comm, payload, *, recorder=None, timeout=None) -> list[np.nd
         f"bytes from {comm.size} ranks)"
     )
     recvspec = [buf, sizes, displs, MPI.BYTE]
-    issue(comm, "Allgatherv", payload, recvspec, timeout=timeout, name=op, detail=detail)
+    issue(
+        comm,
+        MPI.Comm.Allgatherv,
+        MPI.Comm.Iallgatherv,
+        payload,
+        recvspec,
+        timeout=timeout,
+        name=op,
+        detail=detail,
+    )
     if recorder is not None:
         own = int(sizes[comm.rank])
         recorder.record(f"{op}.data", 1, own if comm.size > 1 else 0, total - own, 8)
@@ -169,7 +187,16 @@ def allgather_bytes_ring(comm, payload, *, recorder=None, timeout=None) -> list[
     op = "allgather_ring"
     timeout = resolve_timeout(timeout)
     mine, sizes, problem = _announced(comm, payload)
-    issue(comm, "Allgather", mine, sizes, timeout=timeout, name=op, detail=_sizes_detail(comm))
+    issue(
+        comm,
+        MPI.Comm.Allgather,
+        MPI.Comm.Iallgather,
+        mine,
+        sizes,
+        timeout=timeout,
+        name=op,
+        detail=_sizes_detail(comm),
+    )
     payload, buf, displs = _received(comm, payload, sizes, problem, recorder, op)
     _by_ring(comm, payload, buf, sizes, displs, recorder, op, timeout)
     return _views(buf, sizes, displs)

@@ -19,26 +19,38 @@ it talks to its two neighbours only (one slow link between two halves of a chain
 carries one message per step; here (N/2)^2 messages cross it), and every message of a
 step has one size.
 
-The layout is the ring's (chunks on multiples of ``ring.CHUNK_ALIGN`` elements, chunk c
-owned by rank c) and so is the result, byte for byte: the same packed stream of sums,
-the same decisions (``decide`` sees the same counts and offset). Exchange, step k =
-1..N-1: rank r sends its codes of chunk (r + k) mod N to rank (r + k) mod N and receives
-chunk r from rank (r - k) mod N (pairwise, one ``Sendrecv`` per step, as MPI libraries
-run a large ``Alltoall``); the owner adds each arrival to an int64 accumulator.
+The layout is the ring's (``bounded.Chunks``: chunks on multiples of
+``bounded.CHUNK_ALIGN`` elements, chunk c owned by rank c) and so is the result, byte for
+byte: the same packed stream of sums, the same decisions (``decide`` sees the same
+counts and offset). Exchange, step k = 1..N-1: rank r sends its codes of chunk
+(r + k) mod N to rank (r + k) mod N and receives chunk r from rank (r - k) mod N
+(pairwise, one ``Sendrecv`` per step, as MPI libraries run a large ``Alltoall``); the
+owner adds each arrival to an int64 accumulator. These steps are this module's; the
+arguments, their agreement, the allgather and the result are ``bounded``'s, which the
+ring shares.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import numpy as np
 
-from mpicomp.collectives import ring
 from mpicomp.collectives._wait import Exchange, resolve_timeout
-from mpicomp.kernels import backend_of
+from mpicomp.collectives.bounded import (
+    Chunks,
+    Plan,
+    bits_for,
+    decided,
+    prepared,
+    reduce_scatter_allgather,
+    unpacked,
+)
 from mpicomp.kernels.bits import packed_size
 
 _TAG = 0x3C4  # the direct schedule's messages, apart from the ring's
 
-_A2A, _AG = "alltoall", "allgather"
+_A2A = "alltoall"
 
 
 def direct_allreduce_bounded(
@@ -64,65 +76,39 @@ def direct_allreduce_bounded(
     """
     fname = "direct_allreduce_bounded"
     timeout = resolve_timeout(timeout)
-    size = comm.Get_size()
-    if checked:
-        claim = ring.bounded_claim(codes, bound, majority, signed, packed, size, fname)
-        codes, bound = ring.agree(comm, fname, claim, timeout)
-    be = backend_of(codes, kernels)
-    p = ring.plan(size, bound, majority, signed, be.xp)
-    out = _direct(comm, Exchange(comm, timeout, fname, _TAG), codes, p, be, recorder, fname)
-    return ring.unpacked(out, codes.size, p, size, packed, be)
+    codes, p, be = prepared(
+        comm, codes, bound, majority, signed, packed, timeout, checked, kernels, fname
+    )
+    chunks = Chunks.of(comm, codes.size)
+    out = be.xp.empty(packed_size(chunks.n, p.final_width), dtype=np.uint8)
+    exchange = Exchange(comm, timeout, fname, _TAG)
+    steps = _alltoall(codes, p, be, chunks, out, fname)
+    reduce_scatter_allgather(exchange, chunks, steps, out, p.final_width, recorder, "direct")
+    return unpacked(out, chunks.n, p, chunks.size, packed, be)
 
 
-def _direct(comm, exchange, x, p: ring.Plan, be, recorder, fname: str):
-    """Run the direct reduce-scatter and the ring allgather of the plan ``p`` over agreed
-    codes ``x``; return the packed result stream (``ring.unpacked`` reads it)."""
+def _alltoall(x, p: Plan, be, chunks: Chunks, out, fname: str) -> Iterator:
+    """Yield the direct reduce-scatter's steps of the plan ``p`` over agreed codes ``x``
+    (for ``bounded.reduce_scatter_allgather``); at the end this rank's chunk of ``out``
+    holds its sums (or decisions) at ``p.final_width`` bits."""
     xp, bits = be.xp, be.bits
-    size, rank = comm.Get_size(), comm.Get_rank()
-    n = x.size
-    C = ring.chunk_size(n, size)
-    w1 = ring.bits_for(p.span)  # one rank's shifted code
-
-    def span(c):
-        c %= size
-        return min(n, c * C), min(n, (c + 1) * C)
-
-    def region(c, width):
-        lo, hi = span(c)
-        start = lo * width // 8  # C is a multiple of 8: every chunk starts on a byte
-        return start, start + packed_size(hi - lo, width)
-
+    size, rank = chunks.size, chunks.rank
+    w1 = bits_for(p.span)  # one rank's shifted code
     # This rank's codes, packed once at w_1: chunk c's bytes are a slice of the stream.
-    mine = xp.empty(packed_size(n, w1), dtype=np.uint8)
+    mine = xp.empty(packed_size(chunks.n, w1), dtype=np.uint8)
     bits.pack_shifted(x, p.shift, w1, mine)
-    lo, hi = span(rank)
+    lo, hi = chunks.span(rank)
     # The owner's sums, in the unsigned domain: its own shifted codes first.
     counts = x[lo:hi].astype(np.int64)
     counts += p.shift
-    got = packed_size(hi - lo, w1)
-    arrived = xp.empty(got, dtype=np.uint8)
+    arrived = xp.empty(packed_size(hi - lo, w1), dtype=np.uint8)
     for k in range(1, size):
         dest, source = (rank + k) % size, (rank - k) % size
-        start, stop = region(dest, w1)
-        exchange(mine[start:stop], dest, arrived, source, _A2A, k)
-        if recorder is not None:
-            recorder.record(f"direct.{_A2A}", k, stop - start, got, w1)
+        start, stop = chunks.region(dest, w1)
+        yield mine[start:stop], dest, arrived, source, _A2A, k, w1
         bits.add_unpack(arrived, w1, counts, 0, counts)
-
-    wf = p.final_width
-    out = xp.empty(packed_size(n, wf), dtype=np.uint8)
-    start, stop = region(rank, wf)
+    start, stop = chunks.region(rank, p.final_width)
     if p.majority:
-        ring.decided(p, counts, lo, out[start:stop], fname)
+        decided(p, counts, lo, out[start:stop], fname)
     else:
-        bits.pack_shifted(counts, 0, wf, out[start:stop])
-    # The ring's allgather, step for step (ring.ring_allreduce's last loop), written out
-    # here so that the exchange is called from this frame.
-    right, left = (rank + 1) % size, (rank - 1) % size
-    for j in range(1, size):
-        s_start, s_stop = region(rank - j + 1, wf)
-        r_start, r_stop = region(rank - j, wf)
-        exchange(out[s_start:s_stop], right, out[r_start:r_stop], left, _AG, j)
-        if recorder is not None:
-            recorder.record(f"direct.{_AG}", j, s_stop - s_start, r_stop - r_start, wf)
-    return out
+        bits.pack_shifted(counts, 0, p.final_width, out[start:stop])

@@ -12,9 +12,10 @@ summed in the rank order c+1, c+2, ..., N-1, 0, ..., c, each addition one IEEE a
 (float16: in float32, rounded to float16, Inf on overflow), ending at rank c, which
 passes it on: every rank gets the same bits.
 
-It is ``ring.ring_allreduce``, the core of the integer rings, at 16 or 32 bits per element
-every step: the partial sums stay in ``buf`` (``_InPlace``), so messages go out of it and
-the allgather fills it in place.
+It is the integer rings' reduce-scatter (``ring.reduce_scatter``) and core
+(``bounded.reduce_scatter_allgather``), at 16 or 32 bits per element every step: the
+partial sums stay in ``buf`` (``_InPlace``), so messages go out of it and the allgather
+fills it in place.
 """
 
 from __future__ import annotations
@@ -22,7 +23,8 @@ from __future__ import annotations
 import numpy as np
 
 from mpicomp.collectives._wait import Exchange, resolve_timeout
-from mpicomp.collectives.ring import ring_allreduce
+from mpicomp.collectives.bounded import Chunks, reduce_scatter_allgather
+from mpicomp.collectives.ring import reduce_scatter
 from mpicomp.kernels import backend_of
 
 _TAG = 0x1F16  # run on a communicator of your own (comm.Dup())
@@ -65,9 +67,10 @@ def _flat(buf, dtype, fname: str):
     return buf.reshape(-1)
 
 
-def _chunk(comm, values: _InPlace) -> int:
-    # ceil(n/N): at 16 or 32 bits every chunk starts on a byte
-    return -(-values.values.size // comm.Get_size())
+def _chunks(comm, values: _InPlace) -> Chunks:
+    # ceil(n/N) elements a chunk: at 16 or 32 bits every chunk starts on a byte
+    n = values.values.size
+    return Chunks.of(comm, n, -(-n // comm.Get_size()))
 
 
 def allreduce_float16(comm, buf, *, recorder=None, timeout=None, kernels=None) -> None:
@@ -87,8 +90,10 @@ def allreduce_float16(comm, buf, *, recorder=None, timeout=None, kernels=None) -
     values = _InPlace(halves, backend_of(buf, kernels).fp16.add)
     # The core straight from here: a gradient reaches MPI in at most six frames.
     exchange = Exchange(comm, resolve_timeout(timeout), "fp16 sum", _TAG)
-    n = values.values.size
-    ring_allreduce(comm, exchange, values, n, _chunk(comm, values), values.raw, recorder, "fp16")
+    chunks = _chunks(comm, values)
+    steps = reduce_scatter(values, chunks, values.raw)
+    width = values.final_width
+    reduce_scatter_allgather(exchange, chunks, steps, values.raw, width, recorder, "fp16")
 
 
 def allreduce_float32(comm, buf, *, recorder=None, timeout=None, kernels=None) -> None:
@@ -102,5 +107,7 @@ def allreduce_float32(comm, buf, *, recorder=None, timeout=None, kernels=None) -
     flat = _flat(buf, np.float32, "allreduce_float32")
     values = _InPlace(flat, lambda stream, partial: xp.add(partial, stream, out=partial))
     exchange = Exchange(comm, resolve_timeout(timeout), "float32 sum", _TAG)
-    n = values.values.size
-    ring_allreduce(comm, exchange, values, n, _chunk(comm, values), values.raw, recorder, "f32")
+    chunks = _chunks(comm, values)
+    steps = reduce_scatter(values, chunks, values.raw)
+    width = values.final_width
+    reduce_scatter_allgather(exchange, chunks, steps, values.raw, width, recorder, "f32")

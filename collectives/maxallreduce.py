@@ -186,7 +186,8 @@ def _extreme_allreduce(comm, x, *, name: str, recorder=None, timeout=None):
         head[6:8] = comm.size - comm.rank, comm.rank + 1
     issue(
         comm,
-        "Allreduce",
+        MPI.Comm.Allreduce,
+        MPI.Comm.Iallreduce,
         MPI.IN_PLACE,
         head,
         op=MPI.MAX,
@@ -214,7 +215,8 @@ def _extreme_allreduce(comm, x, *, name: str, recorder=None, timeout=None):
             send, recv = rest, tail
         issue(
             comm,
-            "Allreduce",
+            MPI.Comm.Allreduce,
+            MPI.Comm.Iallreduce,
             send,
             recv,
             op=mpi_op,

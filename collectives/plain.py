@@ -1,12 +1,14 @@
 """The library's own MPI collectives (Allreduce, Allgather, Reduce_scatter, Allgatherv,
-Bcast, and the broadcast and allgather of Python objects) behind the same timeout.
+Bcast, Barrier, and the broadcast, allgather and gather of Python objects) behind the
+same timeout.
 
 ``CompressedComm`` makes these MPI calls outside the hand-written collectives: the
 float32/float16 ``MPI_Allreduce`` of ``none``/``fp16``, signSGD's ``MPI_Allgather`` of
 the per-rank scales, and the float32 reduce-scatter and allgather within a host of the
-hierarchical schedules; the framework adapters make their broadcasts and agreements
-through them. These wrappers make them with the blocking call when there is no
-timeout, or nonblocking and waited on by ``_wait.wait_all`` when there is one.
+hierarchical schedules; where the hosts are, the model's probe, a trace, the framework
+adapters and the tools make their messages through them too. These wrappers make them
+(through ``_wait.issue``) with the blocking call when there is no timeout, or
+nonblocking and waited on by ``_wait.wait_all`` when there is one.
 """
 
 from __future__ import annotations
@@ -42,7 +44,8 @@ def allreduce(
     nbytes = _array(recvbuf).nbytes
     issue(
         comm,
-        "Allreduce",
+        MPI.Comm.Allreduce,
+        MPI.Comm.Iallreduce,
         sendbuf,
         recvbuf,
         op=op,
@@ -68,7 +71,8 @@ def allgather(comm, sendbuf, recvbuf, *, timeout=None, recorder=None) -> None:
     nbytes = _array(sendbuf).nbytes
     issue(
         comm,
-        "Allgather",
+        MPI.Comm.Allgather,
+        MPI.Comm.Iallgather,
         sendbuf,
         recvbuf,
         timeout=resolve_timeout(timeout),
@@ -93,7 +97,8 @@ def reduce_scatter(comm, sendbuf, recvbuf, counts, *, timeout=None, recorder=Non
     total = _array(sendbuf).nbytes
     issue(
         comm,
-        "Reduce_scatter",
+        MPI.Comm.Reduce_scatter,
+        MPI.Comm.Ireduce_scatter,
         sendbuf,
         recvbuf,
         list(counts),
@@ -121,7 +126,8 @@ def allgatherv(comm, sendbuf, recvbuf, counts, *, timeout=None, recorder=None) -
     total = _array(recvbuf).nbytes
     issue(
         comm,
-        "Allgatherv",
+        MPI.Comm.Allgatherv,
+        MPI.Comm.Iallgatherv,
         sendbuf,
         [recvbuf, (counts, displs)],
         timeout=resolve_timeout(timeout),
@@ -142,12 +148,28 @@ def bcast(comm, buf, root: int = 0, *, timeout=None) -> None:
     nbytes = _array(buf).nbytes
     issue(
         comm,
-        "Bcast",
+        MPI.Comm.Bcast,
+        MPI.Comm.Ibcast,
         buf,
         root=root,
         timeout=resolve_timeout(timeout),
         name="bcast",
         detail=lambda: f"an Ibcast of {nbytes} bytes from rank {root}",
+    )
+
+
+def barrier(comm, *, timeout=None) -> None:
+    """Return when every rank of ``comm`` has called this (``MPI_Barrier``).
+
+    ``timeout``: as for ``allreduce``.
+    """
+    issue(
+        comm,
+        MPI.Comm.Barrier,
+        MPI.Comm.Ibarrier,
+        timeout=resolve_timeout(timeout),
+        name="barrier",
+        detail=lambda: f"an Ibarrier of {comm.size} ranks",
     )
 
 
@@ -171,6 +193,46 @@ def allgather_object(comm, obj, *, timeout=None) -> list:
     allgather(comm, np.array([mine.size], np.int64), sizes, timeout=timeout)
     blobs = np.empty(int(sizes.sum()), np.uint8)
     allgatherv(comm, mine, blobs, sizes.tolist(), timeout=timeout)
+    ends = np.cumsum(sizes).tolist()
+    return [
+        pickle.loads(blobs[e - n : e].tobytes()) for n, e in zip(sizes.tolist(), ends, strict=True)
+    ]
+
+
+def gather_object(comm, obj, root: int = 0, *, timeout=None) -> list | None:
+    """Return every rank's ``obj`` on rank ``root``, in rank order, and None elsewhere
+    (pickled: their sizes by ``MPI_Gather``, then their bytes by ``MPI_Gatherv``), as
+    ``comm.gather`` does, behind the same timeout."""
+    timeout = resolve_timeout(timeout)
+    mine = np.frombuffer(pickle.dumps(obj), np.uint8)
+    at_root = comm.rank == root
+    sizes = np.empty(comm.size, np.int64) if at_root else None
+    issue(
+        comm,
+        MPI.Comm.Gather,
+        MPI.Comm.Igather,
+        np.array([mine.size], np.int64),
+        sizes,
+        root=root,
+        timeout=timeout,
+        name="gather",
+        detail=lambda: f"the sizes (an Igather of 8 bytes from each of {comm.size} ranks)",
+    )
+    blobs = np.empty(int(sizes.sum()) if at_root else 0, np.uint8)
+    recvspec = [blobs, sizes.tolist(), MPI.BYTE] if at_root else None
+    issue(
+        comm,
+        MPI.Comm.Gatherv,
+        MPI.Comm.Igatherv,
+        [mine, MPI.BYTE],
+        recvspec,
+        root=root,
+        timeout=timeout,
+        name="gather",
+        detail=lambda: f"the objects (an Igatherv to rank {root} of {comm.size} ranks)",
+    )
+    if not at_root:
+        return None
     ends = np.cumsum(sizes).tolist()
     return [
         pickle.loads(blobs[e - n : e].tobytes()) for n, e in zip(sizes.tolist(), ends, strict=True)

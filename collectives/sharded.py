@@ -73,7 +73,16 @@ def alltoall_bytes(comm, payloads, *, recorder=None, timeout=None) -> list[np.nd
     send_sizes = np.array([p.size for p in payloads] if ok else [-1] * size, dtype=np.int64)
     recv_sizes = np.empty(size, dtype=np.int64)
     detail = f"sizes (an Ialltoall of int64 over all {size} ranks)"
-    issue(comm, "Alltoall", send_sizes, recv_sizes, timeout=timeout, name=_OP, detail=detail)
+    issue(
+        comm,
+        MPI.Comm.Alltoall,
+        MPI.Comm.Ialltoall,
+        send_sizes,
+        recv_sizes,
+        timeout=timeout,
+        name=_OP,
+        detail=detail,
+    )
     bad = [r for r in range(size) if recv_sizes[r] < 0]
     if bad:
         # The same message on every rank, the bad rank included.
@@ -84,7 +93,17 @@ def alltoall_bytes(comm, payloads, *, recorder=None, timeout=None) -> list[np.nd
     local = np.array([max(send_sizes.sum(), recv_sizes.sum())], dtype=np.int64)
     largest = np.empty(1, dtype=np.int64)
     detail = f"the count check (an Iallreduce of 8 bytes over all {size} ranks)"
-    issue(comm, "Allreduce", local, largest, op=MPI.MAX, timeout=timeout, name=_OP, detail=detail)
+    issue(
+        comm,
+        MPI.Comm.Allreduce,
+        MPI.Comm.Iallreduce,
+        local,
+        largest,
+        op=MPI.MAX,
+        timeout=timeout,
+        name=_OP,
+        detail=detail,
+    )
     if largest[0] > _COUNT_LIMIT:
         raise ValueError(
             f"alltoall_bytes: a rank moves {largest[0]} bytes, more than this MPI's "
@@ -101,7 +120,16 @@ def alltoall_bytes(comm, payloads, *, recorder=None, timeout=None) -> list[np.nd
         f"push (an Ialltoallv sending {send.nbytes} bytes, receiving {recv.nbytes}, "
         f"over all {size} ranks)"
     )
-    issue(comm, "Alltoallv", sendspec, recvspec, timeout=timeout, name=_OP, detail=detail)
+    issue(
+        comm,
+        MPI.Comm.Alltoallv,
+        MPI.Comm.Ialltoallv,
+        sendspec,
+        recvspec,
+        timeout=timeout,
+        name=_OP,
+        detail=detail,
+    )
     if recorder is not None:
         me = comm.rank
         recorder.record("sharded.sizes", 1, 8 * (size - 1), 8 * (size - 1), 64)

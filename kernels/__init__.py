@@ -4,10 +4,10 @@ A *backend* is a record: ``name``, ``xp`` (the array module its arrays belong to
 ``to_host`` (brings one of its arrays to the host as a NumPy array: on a GPU a counted
 synchronization, so callers use it for the few bytes they must read, such as a payload
 header) and one attribute per kernel family (``FAMILIES``) whose public callables are the
-family's host-side launchers. Launchers have the same signatures on every backend; callers
-allocate outputs through ``record.xp`` and pass them in. Codecs and collectives never
-import a backend's modules: they call the launchers of the record ``backend_of(x)``
-returns.
+family's host-side launchers (``LAUNCHERS``, named once in ``kernels/families.py``).
+Launchers have the same signatures on every backend; callers allocate outputs through
+``record.xp`` and pass them in. Codecs and collectives never import a backend's
+modules: they call the launchers of the record ``backend_of(x)`` returns.
 
 Backends present: ``numba`` (NumPy arrays on the CPU, ``kernels/cpu/``), ``cuda`` (CuPy
 arrays, the sources of ``kernels/cuda/`` through ``cupy.RawModule``) and ``cuda-emulated``
@@ -27,10 +27,13 @@ from types import SimpleNamespace
 
 import numpy as np
 
+from mpicomp.kernels.families import FAMILIES, LAUNCHERS
+
 __all__ = [
     "DEFAULT",
     "ENV",
     "FAMILIES",
+    "LAUNCHERS",
     "available",
     "backend",
     "backend_of",
@@ -38,9 +41,6 @@ __all__ = [
     "register_array_type",
     "register_backend",
 ]
-
-#: The kernel families every backend provides, one attribute of the record each.
-FAMILIES = ("bits", "checksum", "fastsgd", "fft", "fp16", "qsgd", "signsgd", "threelc", "topk")
 
 #: The environment variable naming the backend for NumPy arrays.
 ENV = "MPICOMP_KERNELS"

@@ -33,10 +33,8 @@ import threading
 import time
 from contextlib import contextmanager
 
-from mpicomp._log import rank_filter
-
+# By name: mpicomp/_log.py gives this logger its rank filter.
 log = logging.getLogger("mpicomp.compile")
-log.addFilter(rank_filter)
 
 #: Seconds a compile runs before it is announced, then between progress lines.
 ANNOUNCE_AFTER_S = 2.0

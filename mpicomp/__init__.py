@@ -4,6 +4,7 @@
 lists their names.
 """
 
+from mpicomp import _log  # noqa: F401  (the rank filter, on the loggers before any record)
 from mpicomp._version import __version__
 from mpicomp.kernels import numba_cache
 

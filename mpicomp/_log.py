@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import logging
 
-__all__ = ["log", "rank_filter"]
+__all__ = ["LOGGERS", "log", "rank_filter"]
 
 
 class _RankFilter(logging.Filter):
@@ -37,10 +37,16 @@ def _rank() -> int | str:
     return "-"
 
 
-#: The filter that sets ``record.rank``; child loggers (``mpicomp.compile``) add it too,
-#: since a parent's filters do not see records logged on its children.
+#: The filter that sets ``record.rank``.
 rank_filter = _RankFilter()
 
+#: The loggers the library writes to. Each gets the filter here, since a parent's filters
+#: do not see records logged on its children; ``kernels/`` and ``collectives/`` take
+#: theirs by name and import nothing of this module.
+LOGGERS = ("mpicomp", "mpicomp.compile")
+
+for _logger in map(logging.getLogger, LOGGERS):
+    if not any(isinstance(f, _RankFilter) for f in _logger.filters):
+        _logger.addFilter(rank_filter)
+
 log = logging.getLogger("mpicomp")
-if not any(isinstance(f, _RankFilter) for f in log.filters):
-    log.addFilter(rank_filter)

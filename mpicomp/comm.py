@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import math
 import operator
-import sys
 import threading
 import warnings
 from dataclasses import replace
@@ -22,17 +21,19 @@ import numpy as np
 from mpi4py import MPI
 
 from mpicomp._log import log
-from mpicomp.call import threads, worker
+from mpicomp.call import options, threads
 from mpicomp.call.arguments import resolve as resolve_arguments
+from mpicomp.call.arguments import split as split_keywords
 from mpicomp.call.arguments import trace_attrs
 from mpicomp.call.config import check_same
 from mpicomp.call.intake import Gpu, Tensor, buckets, take, take_many
 from mpicomp.call.options import Options
 from mpicomp.call.placement import Planner, place
 from mpicomp.call.same_call import CLOSING, check_same_call
-from mpicomp.call.worker import Handle, Runner
+from mpicomp.call.worker import Handle, Runner, user_stacklevel
 from mpicomp.codecs import Codec
 from mpicomp.codecs._base import make as make_codec
+from mpicomp.collectives._wait import dup, resolve_timeout
 from mpicomp.errors import NonFiniteWarning, PeerClosed, RankError
 from mpicomp.kernels.readback import batch
 from mpicomp.model.cost import Topology
@@ -100,75 +101,7 @@ class _Step:
 class CompressedComm:
     """Average gradients over the ranks of ``comm`` through a compressing codec.
 
-    Args:
-        comm: an ``mpi4py.MPI.Intracomm``; a duplicate is kept, so mpicomp's messages
-            never match the caller's.
-        codec: a codec name (with ``**codec_params``) or a made codec.
-        min_numel: tensors with fewer elements are averaged uncompressed (float32 MPI
-            sum): headers and extra messages would cost more than they save.
-        bucket_numel: ``allreduce_many`` fuses consecutive tensors smaller than this
-            into buckets of up to this many elements, one collective call each.
-        error_feedback: keep per-tensor residuals (default: on for the biased codecs
-            3LC, top-k, FFT, FastSGD and PowerSGD, off otherwise).
-        sharded: gather codecs only: reduce through shard owners (3LC's push/pull,
-            an alltoallv then an allgather) instead of allgathering whole payloads;
-            each rank receives O(1) compressed tensors instead of N - 1. With error
-            feedback, workers keep a residual per shard and owners one per tensor.
-            The same as ``schedule="sharded"``.
-        schedule: how a compressed call moves its bytes (docs/collectives.md, "Which
-            collective for which codec"): QSGD and signSGD ``"ring"`` (default, the
-            width-growing ring) or ``"direct"`` (a direct reduce-scatter: each code
-            sent once to its chunk's owner, fewer bytes from 3 ranks on, the same
-            results bit for bit); gather codecs ``"allgather"`` (default) or
-            ``"sharded"``; ``none`` and ``fp16`` ``"allreduce"``. Also ``"float32"``
-            (MPI_Allreduce of float32, uncompressed), ``"hier:NAME"`` for QSGD,
-            signSGD and the gather codecs (reduce within each host, NAME between
-            hosts; several hosts of as many ranks each; docs/collectives.md,
-            "Hierarchy") and
-            ``"auto"``: per call, the schedule ``model`` predicts to be cheapest for
-            the tensor's size (the same on every rank; docs/collectives.md,
-            "Choosing a schedule"). None: the codec's default.
-        model: what ``schedule="auto"`` predicts with (``mpicomp.model.Model``, or
-            a file from ``mpicomp bench --save-model``); None: the file
-            ``MPICOMP_MODEL`` names, else the network and the codec measured when
-            this CompressedComm is made (collective, a fraction of a second). With
-            another schedule, a given model only fills the trace's ``t_predicted``.
-        local_comm: the ranks of ``comm`` that share this rank's host, for the
-            hierarchical schedules and the model (default:
-            ``comm.Split_type(MPI.COMM_TYPE_SHARED)``; e.g. one per socket).
-        trace: a path (str or os.PathLike): record every collective call of every
-            rank (bytes, phase times) into this HDF5 file, written by rank 0 (see
-            docs/trace-format.md). The ``mpicomp.trace.Tracer`` is ``self.trace``.
-        trace_level: 1 records one event per call per rank; 2 also every exchange
-            step of the collectives.
-        trace_flush_every: rank 0 appends to the file every this many calls (None:
-            only at ``close``), so a job that dies keeps what was flushed.
-        nonfinite: what a NaN/Inf in some rank's gradient does (the same on every
-            rank): ``"raise"`` (ValueError there, RankError on the others),
-            ``"skip_step"`` (every rank returns zeros, residuals stay as they were,
-            and a ``NonFiniteWarning`` names the ranks) or ``"zero"`` (that rank
-            sends its NaN/Inf as 0). float64 values beyond float32's range count
-            as Inf.
-        debug: check on every call that all ranks make the same call (op, name,
-            numel, dtype, codec, policy), naming the ranks that differ; costs one
-            8-byte Allgather per call. Default: the ``MPICOMP_DEBUG`` environment
-            variable (set and not ``0``).
-        timeout: seconds any one message of this communicator may wait before the
-            rank reports what it waited for and aborts the job (docs/reliability.md).
-            Default: the ``MPICOMP_TIMEOUT`` environment variable (unset: no timeout);
-            0 turns it off. Every rank must have one, or none.
-        background: run ``iallreduce`` calls on a background thread, so they overlap
-            the caller's work. Default: when MPI provides ``MPI_THREAD_MULTIPLE``
-            (``MPI.Query_thread()``); False (or a lower thread level) runs them at
-            once in the caller's thread, their handles already complete.
-        on_call: called with every finished call's event on this rank, a dict of
-            the trace's columns (``op``, ``name``, ``numel``, ``bytes_sent``,
-            ``bytes_recv``, ``t_start``, ``t_encode``, ``t_comm``, ``t_decode``,
-            ``t_total``, ...; docs/trace-format.md), with or without ``trace``: for
-            TensorBoard, W&B or a log. It runs in the thread that ran the call (the
-            background thread for ``iallreduce``): keep it short; what it raises is
-            logged and ignored.
-        **codec_params: parameters of the codec when ``codec`` is a name.
+    {options}
 
     Every rank must make the same calls in the same order with tensors of the same
     sizes (as with any MPI collective); sizes that differ, or a NaN/Inf on one rank,
@@ -190,28 +123,9 @@ class CompressedComm:
             CompressedComm differently (on every rank, naming what differs).
     """
 
-    def __init__(
-        self,
-        comm,
-        codec: str | Codec = "none",
-        *,
-        min_numel: int = 1024,
-        bucket_numel: int = 1 << 22,
-        error_feedback: bool | None = None,
-        sharded: bool = False,
-        schedule: str | None = None,
-        model=None,
-        local_comm=None,
-        trace=None,
-        trace_level: int = 1,
-        trace_flush_every: int | None = 100,
-        nonfinite: str = "raise",
-        debug: bool | None = None,
-        timeout: float | None = None,
-        background: bool | None = None,
-        on_call=None,
-        **codec_params,
-    ):
+    def __init__(self, comm, codec: str | Codec = "none", **keywords):
+        # The keywords are the options' declarations (mpicomp.call.options.OPTIONS; the
+        # signature below says them) and the codec's parameters.
         _check_comm(comm)
         self._entry = threading.Lock()  # held by the one thread inside a call (_one_thread)
         self._inside = None
@@ -219,24 +133,8 @@ class CompressedComm:
         # small Allgather on ``comm``), before anything collective could wait for it.
         error, args = None, None
         try:
-            args = resolve_arguments(
-                codec,
-                codec_params,
-                on_call=on_call,
-                local_comm=local_comm,
-                min_numel=min_numel,
-                bucket_numel=bucket_numel,
-                error_feedback=error_feedback,
-                sharded=sharded,
-                schedule=schedule,
-                trace=trace,
-                trace_level=trace_level,
-                trace_flush_every=trace_flush_every,
-                nonfinite=nonfinite,
-                debug=debug,
-                timeout=timeout,
-                background=background,
-            )
+            given, codec_params = split_keywords(keywords)
+            args = resolve_arguments(codec, codec_params, given)
         except Exception as e:
             error = e
         config, timeout = (args.config, args.options.timeout) if args else (None, None)
@@ -247,7 +145,7 @@ class CompressedComm:
         self.kernels = codec.kernels  # the backend of NumPy arrays, read when made
         self._transport = args.transport
         self._gpu = Gpu()  # the GPU of this rank's device gradients, fixed at the first one
-        self._comm = comm.Dup()
+        self._comm = dup(comm, timeout=resolve_timeout(opts.timeout), name="CompressedComm")
         self.rank = self._comm.rank
         self.size = self._comm.size
         #: Whether ``iallreduce`` runs its calls on a background thread.
@@ -261,12 +159,14 @@ class CompressedComm:
         try:
             #: The kernel threads (``mpicomp.call.threads.Decision``): CPUs / ranks on the host
             #: unless NUMBA_NUM_THREADS is set; before ``place``, which may time the kernels.
-            self.threads = threads.limit(self._comm)
-            self._placement = place(self._comm, local_comm, model, codec, opts.schedule)
+            self.threads = threads.limit(self._comm, opts.timeout)
+            self._placement = place(
+                self._comm, opts.local_comm, opts.model, codec, args.schedule, timeout=opts.timeout
+            )
         except BaseException:
             self._comm.Free()
             raise
-        self._planner = Planner(codec, opts.schedule, self._placement, args.config)
+        self._planner = Planner(codec, args.schedule, self._placement, args.config)
         self._agrees_on_shapes = kind_of(codec).shaped  # not only on sizes
         self._last_whole = None, None  # the last allreduce_many's tensors and description
         self._calls = 0  # the step of the counter-based RNG: the same on every rank
@@ -276,15 +176,15 @@ class CompressedComm:
         #: The ``mpicomp.trace.Tracer`` of ``trace=`` and ``on_call=`` (without a file
         #: when only ``on_call`` is given), or None.
         self.trace = None
-        if trace is not None or on_call is not None:
+        if opts.trace is not None or opts.on_call is not None:
             from mpicomp.trace import Tracer
 
-            flush_every = trace_flush_every if trace is not None else None
+            flush_every = opts.trace_flush_every if opts.trace is not None else None
             attrs = trace_attrs(args)
             try:
                 self.trace = Tracer(
-                    self._comm, trace, level=trace_level, flush_every=flush_every,
-                    attrs=attrs, on_call=on_call,
+                    self._comm, opts.trace, level=opts.trace_level, flush_every=flush_every,
+                    attrs=attrs, on_call=opts.on_call, timeout=opts.timeout,
                 )  # fmt: skip
             except BaseException:
                 self._free_comms()
@@ -322,8 +222,8 @@ class CompressedComm:
                 name for the same tensor every step.
         """
         self._check_open()
-        self._drain()
-        t = self._take(x, name)
+        self._runner.drain()
+        t = take(x, name, self._gpu, named=self._residuals.named)
         # _reduce itself, not _average: a gradient reaches MPI in six frames from here.
         return _deliver(self._as_result(t, *self._reduce(t, "allreduce")))
 
@@ -352,7 +252,8 @@ class CompressedComm:
                 are raised by ``wait()``).
         """
         self._check_open()
-        return self._runner.start(partial(self._average, self._take(x, name)), _deliver)
+        t = take(x, name, self._gpu, named=self._residuals.named)
+        return self._runner.start(partial(self._average, t), _deliver)
 
     @_one_thread
     def allreduce_many(self, arrays, names=None) -> list:
@@ -367,8 +268,8 @@ class CompressedComm:
             names: their names (default ``"#0"``, ``"#1"``, ...), one per array.
         """
         self._check_open()
-        self._drain()
-        return _deliver(self._many(*self._take_many(arrays, names)))
+        self._runner.drain()
+        return _deliver(self._many(*take_many(arrays, names, self._gpu, self._residuals.named)))
 
     @_one_thread
     def iallreduce_many(self, arrays, names=None) -> Handle:
@@ -379,7 +280,8 @@ class CompressedComm:
             RuntimeError: the CompressedComm is closed.
         """
         self._check_open()
-        return self._runner.start(partial(self._many, *self._take_many(arrays, names)), _deliver)
+        taken = take_many(arrays, names, self._gpu, self._residuals.named)
+        return self._runner.start(partial(self._many, *taken), _deliver)
 
     def schedule_for(self, numel: int) -> tuple[str, float]:
         """Return the schedule a call of ``numel`` elements runs by, and the seconds the
@@ -394,7 +296,7 @@ class CompressedComm:
 
         Waits first for every started ``iallreduce``.
         """
-        self._drain()
+        self._runner.drain()
         residuals, server = self._residuals.state_dict()
         return {"step": self._calls, "residuals": residuals, "server_residuals": server}
 
@@ -410,7 +312,7 @@ class CompressedComm:
                 residual not an array.
             ValueError: the step is negative, or a residual holds NaN or Inf (naming it).
         """
-        self._drain()
+        self._runner.drain()
         step, workers, owners = check_state(state)
         self._residuals.load_state_dict(workers, owners)
         self._calls = step
@@ -496,14 +398,14 @@ class CompressedComm:
         """Restore the residuals and the step of ``snapshots`` (filled by ``start``): a
         step that is not taken moves no state. Waits first for every started call (a
         later one's step then depends on no thread's timing)."""
-        self._drain()
+        self._runner.drain()
         rollback(snapshots)
 
     @_one_thread
     def forget(self, name: str) -> None:
         """Drop the residuals of tensor ``name`` (its layout changed, e.g. DDP rebuilt
         its buckets): the next call starts it from zero. Waits for started calls."""
-        self._drain()
+        self._runner.drain()
         self._residuals.forget(name)
 
     @_one_thread
@@ -515,7 +417,7 @@ class CompressedComm:
             RuntimeError: the CompressedComm is closed.
         """
         self._check_open()
-        self._drain()
+        self._runner.drain()
 
     # -- the gradient path: allreduce -> _average -> a kind's schedule -> a collective
 
@@ -702,12 +604,6 @@ class CompressedComm:
             **more,
         )
 
-    def _take(self, x, name: str) -> Tensor:
-        return take(x, name, self._gpu, named=self._residuals.named)
-
-    def _take_many(self, arrays, names) -> tuple[list, Tensor | None]:
-        return take_many(arrays, names, self._gpu, named=self._residuals.named)
-
     def _many(self, tensors: list, refused: Tensor | None) -> tuple:
         """Average ``tensors`` in buckets, one call per bucket; return (averages, skip
         messages). A refused input makes one failing call.
@@ -786,10 +682,6 @@ class CompressedComm:
 
     # -- threads and lifetime ---------------------------------------------------
 
-    def _drain(self) -> None:
-        """Wait until every started ``iallreduce`` has finished (errors stay in handles)."""
-        self._runner.drain()
-
     def _check_open(self):
         if self._peer_closed is not None:
             self._close(flush_trace=False)  # another rank closed it: this rank follows
@@ -835,6 +727,10 @@ class CompressedComm:
             self._closed = True
 
 
+CompressedComm.__doc__ = CompressedComm.__doc__.replace("{options}", options.docstring_args())
+CompressedComm.__init__.__signature__ = options.signature()
+
+
 def _check_comm(comm) -> None:
     """Refuse what is not an mpi4py communicator (on this rank alone: without one, no
     other rank can be told)."""
@@ -859,12 +755,5 @@ def _deliver(outcome: tuple):
 def _warn(messages: list[str]) -> None:
     """Warn that a call was skipped on every rank, naming the ranks that held NaN/Inf."""
     text = "; ".join(messages) + " (every rank returned zeros; residuals unchanged)"
-    # At the caller's line: the first frame outside this module and the handles'
-    # (allreduce, its thread guard, Handle.wait).
-    level, frame = 2, sys._getframe(1)  # stacklevel 2: _warn's caller
-    while frame is not None and frame.f_code.co_filename in _OWN_FILES:
-        level, frame = level + 1, frame.f_back
-    warnings.warn(text, NonFiniteWarning, stacklevel=level)
-
-
-_OWN_FILES = (__file__, worker.__file__)
+    # At the caller's line (past allreduce, its thread guard, Handle.wait).
+    warnings.warn(text, NonFiniteWarning, stacklevel=user_stacklevel())

@@ -30,6 +30,7 @@ __all__ = [
     "BACKEND",
     "SYNCS",
     "DeviceArray",
+    "count_pinned",
     "current_gpu",
     "device_record",
     "gpu",
@@ -831,6 +832,19 @@ def device_record():
 
     dev = Device(BACKEND, xp, 64, 4, build, current=current_gpu, on=_Device)
     return record(dev, K.FAMILIES)
+
+
+def count_pinned(monkeypatch, device) -> list[int]:
+    """Return the list that gets the size of every host buffer ``device`` pins from now
+    on (the staging buffers a CompressedComm makes: ``device.pinned``), for the test."""
+    made, pin = [], device.pinned
+
+    def pinned(nbytes):
+        made.append(nbytes)
+        return pin(nbytes)
+
+    monkeypatch.setattr(device, "pinned", pinned)
+    return made
 
 
 def install() -> None:

@@ -17,7 +17,7 @@ from functools import cache
 import numpy as np
 import pytest
 
-from mpicomp._env import env_flag
+from mpicomp.env import env_flag
 from mpicomp.kernels.cuda.device import Device, source
 
 #: (threads per block, blocks) of the emulated launches; "gpu" is the GPU's own geometry.

@@ -1,12 +1,13 @@
 """The core stays one a newcomer can follow (docs/architecture.md): the aggregation kinds
-are named only inside ``mpicomp.reduction``, and no module outside ``mpicomp/comm.py``
-reaches into CompressedComm's private names (adapters use its public seam)."""
+are named only inside ``mpicomp.reduction``, no module outside ``mpicomp/comm.py``
+reaches into CompressedComm's private names (adapters use its public seam), and only
+``collectives/_wait.py`` calls MPI."""
 
 import ast
 from pathlib import Path
 
 from mpicomp.comm import CompressedComm
-from mpicomp.reduction import KINDS
+from mpicomp.reduction import AUTO, HIER, KINDS, all_schedule_names
 
 ROOT = Path(__file__).resolve().parents[1]
 SOURCES = ("mpicomp", "kernels", "collectives", "jobs")
@@ -103,10 +104,209 @@ def test_the_private_finder_sees_a_reach():
 
 def test_nothing_outside_comm_uses_compressed_comm_privates():
     private = _private_names()
-    assert {"_comm", "_average", "_drain", "_check_open"} <= private
+    assert {"_comm", "_average", "_runner", "_check_open"} <= private
     found = {
         rel: hits
         for rel, tree in _files(skip=("mpicomp/comm.py",))
         if (hits := _reaches_in(tree, private))
     }
     assert not found, f"CompressedComm's private names used outside comm.py: {found}"
+
+
+# A literal equal to a schedule's name outside mpicomp/reduction/ that names something
+# else: (file, literal) -> what it names. Everything else reads plans, not names.
+NOT_SCHEDULES = {
+    ("mpicomp/comm.py", "allreduce"): "the op of a call (the trace's op column)",
+    ("mpicomp/call/intake.py", "float32"): "a dtype",
+    ("mpicomp/codecs/arrays.py", "float32"): "a dtype",
+    ("mpicomp/call/options.py", "sharded"): "the keyword sharded= (its declaration, its field)",
+    ("mpicomp/trace/report.py", "sharded"): "the trace attribute of the keyword sharded=",
+    ("mpicomp/tools/bench/__init__.py", "allreduce"): "a benchmark row's key",
+    ("mpicomp/tools/bench/lane.py", "allreduce"): "a benchmark row's key",
+    ("mpicomp/tools/bench/allreduce.py", "direct"): "a device transport (direct or staged)",
+    ("mpicomp/tools/bench/report.py", "direct"): "a device transport (direct or staged)",
+}
+
+
+def _schedule_literals(tree) -> list[tuple[int, str]]:
+    """Return (line, literal) of the strings in ``tree`` that are a schedule's name or
+    begin with the hierarchical prefix (``"auto"`` is a choice, not a schedule)."""
+    names = set(all_schedule_names()) - {AUTO}
+    return sorted(
+        {
+            (node.lineno, node.value)
+            for node in ast.walk(tree)
+            if isinstance(node, ast.Constant)
+            and isinstance(node.value, str)
+            and (node.value in names or node.value.startswith(HIER))
+        }
+    )
+
+
+def test_the_schedule_finder_sees_a_name():
+    tree = ast.parse('if s == "ring": pass\nx = f"hier:{y}"\nz = "a ring"\nw = "auto"')
+    assert _schedule_literals(tree) == [(1, "ring"), (2, "hier:")]
+
+
+def test_schedules_are_named_only_in_the_reduction_package():
+    found, allowed = {}, set()
+    for rel, tree in _files(skip=("mpicomp/reduction/",)):
+        if not rel.startswith("mpicomp/"):
+            continue
+        for line, value in _schedule_literals(tree):
+            if (rel, value) in NOT_SCHEDULES:
+                allowed.add((rel, value))
+            else:
+                found.setdefault(rel, []).append(f"{line}: {value!r}")
+    assert not found, f"schedule names written outside mpicomp/reduction (read a Plan): {found}"
+    assert allowed == set(NOT_SCHEDULES), f"stale: {set(NOT_SCHEDULES) - allowed}"
+
+
+# --- MPI calls only in collectives/_wait.py ---------------------------------------------
+
+#: Methods of an mpi4py communicator that send no message or wait for no other rank.
+LOCAL_MPI_PREFIXES = ("Get_", "Set_", "Is_", "Call_errhandler", "Compare")
+NOT_MPI_CALLS = {
+    "Free": "freeing a communicator waits for no other rank (MPI marks it for deallocation)",
+    "free": "the same, mpi4py's spelling",
+    "py2f": "a handle conversion",
+    "f2py": "a handle conversion",
+    "toint": "a handle conversion",
+    "fromint": "a handle conversion",
+}
+#: Receivers (by their last name) whose methods share a name with an MPI method.
+NOT_COMMUNICATORS = {
+    "cc": "a CompressedComm: its allreduce is mpicomp's own",
+    "topk": "a kernel family: its scatter is array code",
+    "fastsgd": "a kernel family: its scan is array code",
+    "fft": "a kernel family: its scatter is array code",
+    "fk": "the FFT kernel family",
+    "schedule": "a reduction Schedule: its alltoall is the cost of its messages",
+}
+MPI_HOME = "collectives/_wait.py"
+
+
+def _mpi_methods() -> set[str]:
+    """The methods of ``mpi4py.MPI.Intracomm`` that message other ranks (buffer calls
+    and pickle-based ones)."""
+    from mpi4py import MPI
+
+    return {
+        n
+        for n in dir(MPI.Intracomm)
+        if not n.startswith("_")
+        and callable(getattr(MPI.Intracomm, n))
+        and not n.startswith(LOCAL_MPI_PREFIXES)
+        and n not in NOT_MPI_CALLS
+    }
+
+
+def _imported(tree) -> set[str]:
+    """Names an import binds in ``tree`` (modules, functions: never a communicator)."""
+    names = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import | ast.ImportFrom):
+            names.update((a.asname or a.name).split(".")[0] for a in node.names)
+    return names
+
+
+def _mpi_calls(tree, methods: set[str]) -> list[str]:
+    """Return ``line: call`` of the MPI calls in ``tree``: a method of ``methods`` called
+    on anything but an imported name or a ``NOT_COMMUNICATORS`` receiver, and
+    ``getattr(x, "<an MPI method>")``."""
+    imported, found = _imported(tree), []
+    for node in ast.walk(tree):
+        if not isinstance(node, ast.Call):
+            continue
+        f = node.func
+        if isinstance(f, ast.Attribute) and f.attr in methods:
+            receiver = ast.unparse(f.value)
+            root, last = receiver.split(".")[0], receiver.rsplit(".", 1)[-1]
+            if root in imported or last in NOT_COMMUNICATORS:
+                continue
+            found.append(f"{node.lineno}: {receiver}.{f.attr}(...)")
+        elif isinstance(f, ast.Name) and f.id == "getattr" and len(node.args) >= 2:
+            # A name given, or built from a piece of one ("Iallgather" + v).
+            pieces = [
+                c.value
+                for c in ast.walk(node.args[1])
+                if isinstance(c, ast.Constant) and isinstance(c.value, str)
+            ]
+            if any(p in methods or _begins_a_method(p, methods) for p in pieces):
+                found.append(f"{node.lineno}: {ast.unparse(node)}")
+    return found
+
+
+def _begins_a_method(piece: str, methods: set[str]) -> bool:
+    return len(piece) >= 3 and any(m.startswith(piece) for m in methods)
+
+
+def _twins(tree) -> list[str]:
+    """Return ``line: a, b`` where ``MPI.Comm.A, MPI.Comm.B`` are passed side by side
+    (to ``_wait.issue``) and B is not A's nonblocking twin ("I" + a)."""
+    bad = []
+    for node in ast.walk(tree):
+        if not isinstance(node, ast.Call):
+            continue
+        names = [
+            a.attr if isinstance(a, ast.Attribute) and ast.unparse(a.value) == "MPI.Comm" else None
+            for a in node.args
+        ]
+        for a, b in zip(names, names[1:], strict=False):
+            if a and b and b != "I" + a.lower():
+                bad.append(f"{node.lineno}: {a}, {b}")
+    return bad
+
+
+def test_the_mpi_call_finder_sees_calls_and_their_twins():
+    methods = _mpi_methods()
+    assert {"Allreduce", "Iallreduce", "Sendrecv", "Split", "Dup", "bcast"} <= methods
+    assert not {"Get_rank", "Free"} & methods
+    tree = ast.parse(
+        "from mpicomp.collectives import plain\n"
+        "comm.Allreduce(a, b)\n"
+        "plain.allreduce(comm, a, b)\n"
+        "self._comm.bcast(x)\n"
+        "cc.allreduce(g)\n"
+        'getattr(comm, "Iallgather")(a, b)\n'
+        "comm.Get_rank()\n"
+        'getattr(comm, "Iallgather" + v)(a, b)\n'
+        'getattr(record, "synchronize", None)\n'
+    )
+    assert _mpi_calls(tree, methods) == [
+        "2: comm.Allreduce(...)",
+        "4: self._comm.bcast(...)",
+        "6: getattr(comm, 'Iallgather')",
+        "8: getattr(comm, 'Iallgather' + v)",
+    ]
+    tree = ast.parse(
+        "issue(comm, MPI.Comm.Allgather, MPI.Comm.Iallgatherv, a, b)\n"
+        "issue(comm, MPI.Comm.Reduce_scatter, MPI.Comm.Ireduce_scatter, a, b)\n"
+    )
+    assert _twins(tree) == ["1: Allgather, Iallgatherv"]
+
+
+def test_only_wait_calls_mpi():
+    """Every message of the library goes through ``collectives/_wait.py``, where the
+    timeout applies; it is handed the MPI functions themselves, in matching twins."""
+    methods = _mpi_methods()
+    found, twins = {}, {}
+    for rel, tree in _files():
+        if not rel.startswith(("mpicomp/", "collectives/", "kernels/")):
+            continue  # jobs/ are programs that use the library, as a user's would
+        if rel != MPI_HOME and (hits := _mpi_calls(tree, methods)):
+            found[rel] = hits
+        if bad := _twins(tree):
+            twins[rel] = bad
+    assert not found, f"MPI called outside {MPI_HOME} (use collectives.plain or _wait): {found}"
+    assert not twins, f"blocking and nonblocking MPI functions that do not match: {twins}"
+    home = ast.parse((ROOT / MPI_HOME).read_text(encoding="utf-8"))
+    by_name = [
+        n.lineno
+        for n in ast.walk(home)
+        if isinstance(n, ast.Call)
+        and isinstance(n.func, ast.Name)
+        and n.func.id == "getattr"
+        and not isinstance(n.args[1], ast.Constant)
+    ]
+    assert not by_name, f"{MPI_HOME} looks functions up by a name it builds (lines {by_name})"

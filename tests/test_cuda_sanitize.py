@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from mpicomp._env import env_flag
+from mpicomp.env import env_flag
 
 if not env_flag("MPICOMP_TEST_SANITIZERS"):
     pytest.skip(

@@ -1,10 +1,10 @@
-"""One rule for every yes-or-no environment variable (mpicomp/_env.py, docs/environment.md)."""
+"""One rule for every yes-or-no environment variable (mpicomp/env.py, docs/environment.md)."""
 
 import pytest
 from mpi4py import MPI
 
 import mpicomp
-from mpicomp._env import env_flag
+from mpicomp.env import env_flag
 from mpicomp.reduction import transport
 
 

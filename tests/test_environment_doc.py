@@ -37,7 +37,7 @@ GETENV = re.compile(r"\bgetenv\s*\(\s*\"([^\"]+)\"")
 
 # Functions that read the variable named by their first argument: their calls are the
 # reads (their own body reads a parameter).
-READERS = {"env_flag": "mpicomp/_env.py"}
+READERS = {"env_flag": "mpicomp/env.py"}
 
 # Variables the library reads that the page leaves out, each with why.
 NOT_SETTINGS = {
@@ -290,7 +290,7 @@ def test_the_scan_finds_every_kind_of_read():
         textwrap.dedent(
             """
             import os
-            from mpicomp._env import env_flag
+            from mpicomp.env import env_flag
             ENV = "A_ONE"
             NAMES = ("B_ONE", "B_TWO")
             HINTS = {"C_ONE": "lib", "C_TWO": "lib"}

@@ -21,7 +21,7 @@ from hypothesis import strategies as st
 
 import mpicomp
 from conftest import gradient_like
-from mpicomp.codecs import _base, _wire
+from mpicomp.codecs import _wire
 
 SCALE = float(os.environ.get("MPICOMP_FUZZ_SCALE", "1"))
 # A decode that runs this long is a hang: dump every thread's stack and exit, so the
@@ -332,7 +332,7 @@ def test_fp16_refuses_inf_and_nan(bits):
 def test_every_decoder_is_fuzzed():
     # A codec added later with a decode joins the fuzzing by itself; its name must not be lost.
     assert set(DECODERS) >= {"none", "fp16", "topk", "signsgd", "threelc", "fft", "fastsgd"}
-    assert all(_base._REGISTRY[n].name == n for n in DECODERS)
+    assert all(mpicomp.codec(n).name == n for n in DECODERS)
 
 
 @pytest.mark.parametrize("name", sorted(_SPARSE_HUGE))

@@ -190,14 +190,7 @@ def test_installing_mpicomp_brings_no_mpi_library():
 
 # What a training job never needs: the command line and its tools, the bench, the trace
 # readers. The runtime imports none of them, not even inside a function.
-TOOLS = (
-    "mpicomp.tools.cli",
-    "mpicomp.tools.bench",
-    "mpicomp.tools.advise",
-    "mpicomp.trace.report",
-    "mpicomp.trace.export",
-    "mpicomp.tools.diagnostics",
-)
+TOOLS = ("mpicomp.tools", "mpicomp.warmup", "mpicomp.trace.report", "mpicomp.trace.export")
 
 
 def _is_tool(name: str) -> bool:
@@ -256,3 +249,60 @@ def test_training_loads_no_tool(tmp_path):
     assert loaded == [], f"training loaded {loaded}"
     assert not seen["h5py_untraced"], "h5py was imported without a trace file"
     assert (tmp_path / "run.h5").exists()
+
+
+# The layers of docs/architecture.md, lowest first: a module imports its own layer and
+# those below, never one above, not even inside a function. The package ``mpicomp``
+# itself (its __init__ makes the codecs and CompressedComm reachable) stands apart.
+LAYERS = (
+    ("mpicomp.errors", "mpicomp._version", "mpicomp.env", "mpicomp._log"),
+    ("mpicomp.kernels",),
+    ("mpicomp.collectives",),
+    ("mpicomp.codecs",),
+    ("mpicomp.reduction",),
+    ("mpicomp.model", "mpicomp.trace"),
+    ("mpicomp.call",),
+    ("mpicomp.comm",),
+    ("mpicomp.torch", "mpicomp.jax"),
+    TOOLS + ("mpicomp.__main__",),
+)
+
+
+def layer_of(module: str) -> int | None:
+    """Return the index in LAYERS of ``module`` (the longest prefix that names it)."""
+    best, found = -1, None
+    for i, names in enumerate(LAYERS):
+        for name in names:
+            if (module == name or module.startswith(name + ".")) and len(name) > best:
+                best, found = len(name), i
+    return found
+
+
+def upward_imports(graph: dict[str, set[str]]) -> dict[str, list[str]]:
+    """Return {module: the modules it imports from a higher layer}."""
+    wrong = {}
+    for module, targets in graph.items():
+        here = layer_of(module)
+        if here is None:
+            continue
+        up = sorted(t for t in targets if (layer_of(t) or -1) > here)
+        if up:
+            wrong[module] = up
+    return wrong
+
+
+def test_the_layer_check_sees_an_upward_import():
+    assert upward_imports({"mpicomp.reduction.gather": {"mpicomp.call.config"}}) == {
+        "mpicomp.reduction.gather": ["mpicomp.call.config"]
+    }
+    assert upward_imports({"mpicomp.call.intake": {"mpicomp.kernels"}}) == {}
+    assert layer_of("mpicomp.trace.report") > layer_of("mpicomp.trace")
+
+
+def test_every_module_has_a_layer():
+    assert [m for m in OWN if m != "mpicomp" and layer_of(m) is None] == []
+
+
+def test_layers_import_downward_only_even_in_functions():
+    wrong = upward_imports(import_graph(OWN, lazy=True))
+    assert wrong == {}, f"imports into a higher layer (docs/architecture.md, Layers): {wrong}"

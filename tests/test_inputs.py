@@ -7,7 +7,7 @@ import torch
 from mpi4py import MPI
 
 import mpicomp
-from mpicomp.codecs.arrays import check_numel
+from mpicomp.call.intake import check_numel
 
 
 @pytest.fixture

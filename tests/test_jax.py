@@ -13,7 +13,6 @@ from conftest import gradient_like
 jax = pytest.importorskip("jax", reason="JAX is optional: pip install jax")
 jnp = jax.numpy
 
-from mpicomp.call.intake import _like  # noqa: E402
 from mpicomp.jax import allreduce_tree  # noqa: E402
 
 CODECS = [
@@ -50,15 +49,6 @@ def test_allreduce_gives_a_jax_array_with_the_numpy_paths_bytes(codec, dtype):
             assert isinstance(y, jax.Array)
             assert y.sharding == x.sharding
             _same_bytes(y, expected)
-
-
-@pytest.mark.parametrize("dtype", DTYPES)
-def test_like_puts_the_float32_average_back_in_the_input_dtype_and_place(dtype):
-    x = jnp.zeros((3, 5), dtype=dtype)
-    avg = gradient_like(15, seed=1).reshape(3, 5)
-    y = _like(x, avg)
-    assert isinstance(y, jax.Array) and y.sharding == x.sharding
-    _same_bytes(y, avg.astype(np.asarray(x).dtype))
 
 
 def _tree(seed=0):

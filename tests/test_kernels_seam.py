@@ -32,9 +32,26 @@ def test_numba_record_has_every_family_and_launchers_of_the_same_name_as_documen
     for fam in K.FAMILIES:
         launchers = K.launchers(rec, fam)
         assert launchers, fam
+        assert sorted(launchers) == sorted(K.LAUNCHERS[fam]), fam
         for name, fn in launchers.items():
             inspect.signature(fn)  # every launcher has an inspectable signature
             assert not name.startswith("mpicomp_"), f"{fam}.{name}: launchers drop the prefix"
+
+
+def test_a_launcher_missing_from_a_backend_is_named():
+    from mpicomp.kernels.families import find_launchers
+
+    spellings = ("{name}", "mpicomp_{family}_{name}")
+    kernels = SimpleNamespace(mpicomp_checksum_adler32=len, adler32_into=abs)
+    with pytest.raises(
+        AttributeError,
+        match="no launcher checksum.adler32: none of adler32, mpicomp_checksum_adler32 in SimpleNamespace",
+    ):
+        find_launchers("checksum", (SimpleNamespace(),), spellings)
+    assert find_launchers("checksum", (kernels,), spellings) == {
+        "adler32": len,
+        "adler32_into": abs,
+    }
 
 
 def test_selection_by_environment_and_clear_errors(monkeypatch):
@@ -154,3 +171,56 @@ def test_nothing_outside_kernels_imports_a_backend_or_looks_at_array_types():
         if 'startswith("cupy")' in p.read_text() or "def get_array_module" in p.read_text()
     ]
     assert lookers == [], lookers
+
+
+def _is_private(name: str) -> bool:
+    """Return True for a private module of mpicomp outside kernels/ and collectives/."""
+    parts = name.split(".")
+    own = parts[:2] in (["mpicomp", "kernels"], ["mpicomp", "collectives"])
+    return parts[0] == "mpicomp" and not own and any(p.startswith("_") for p in parts[1:])
+
+
+def private_imports(source: str) -> list[str]:
+    """Return the private modules of mpicomp outside kernels/ and collectives/ that
+    ``source`` imports (``mpicomp._log``, ``from mpicomp import _log``), as ``line: name``."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+            whole = _is_private(node.module)
+            names = [node.module] if whole else [f"{node.module}.{a.name}" for a in node.names]
+        else:
+            continue  # a relative import stays in its own package
+        found += [f"{node.lineno}: {name}" for name in names if _is_private(name)]
+    return found
+
+
+def test_the_private_import_check_sees_each_spelling():
+    wrong = [
+        "import mpicomp._log",
+        "from mpicomp import _env, errors",
+        "from mpicomp._x.y import z",
+    ]
+    assert private_imports("\n".join(wrong)) == [
+        "1: mpicomp._log",
+        "2: mpicomp._env",
+        "3: mpicomp._x.y",
+    ]
+    fine = [
+        "from mpicomp.kernels import _k",
+        "from mpicomp.collectives import _wait",
+        "from . import _a",
+        "from mpicomp.errors import PayloadError",
+    ]
+    assert private_imports("\n".join(fine)) == []
+
+
+def test_kernels_and_collectives_import_nothing_private_of_mpicomp():
+    """They sit below mpicomp's own modules (loggers by name, the numba cache in kernels/)."""
+    found = {
+        path.relative_to(ROOT).as_posix(): hits
+        for path in _sources("kernels", "collectives")
+        if (hits := private_imports(path.read_text()))
+    }
+    assert found == {}, f"private modules of mpicomp imported: {found}"

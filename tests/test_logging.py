@@ -4,12 +4,13 @@ CompressedComm chose."""
 
 import ast
 import logging
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
 import mpicomp
-from mpicomp._log import log
 from mpicomp.collectives import _wait
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -63,13 +64,17 @@ def test_a_timeout_is_logged_critical_hooks_run_and_a_failing_hook_is_logged(cap
     def bad():
         raise OSError("disk full")
 
+    def good():
+        ran.append(True)
+
     _wait.on_abort(bad)
-    _wait.on_abort(lambda: ran.append(True))
+    _wait.on_abort(good)
     try:
         with caplog.at_level(logging.INFO, logger="mpicomp"):
             _wait.expire(comm, "allreduce", "the ring's step 2 from rank 0", 5.0, 5.2)
     finally:
-        _wait._ABORT_HOOKS.clear()
+        _wait.remove_abort_hook(bad)
+        _wait.remove_abort_hook(good)
     assert comm.aborted == _wait.ABORT_CODE and ran == [True]
     critical, failed = [r for r in caplog.records if r.name == "mpicomp"]
     assert critical.levelno == logging.CRITICAL
@@ -82,10 +87,32 @@ def test_without_logging_setup_warnings_reach_stderr(capsys):
     root = logging.getLogger()
     saved, root.handlers = root.handlers, []
     try:
-        log.critical("mpicomp: rank %s test report", 0)
+        logging.getLogger("mpicomp").critical("mpicomp: rank %s test report", 0)
     finally:
         root.handlers = saved
     assert "rank 0 test report" in capsys.readouterr().err
+
+
+# A process that imports only the kernels' and the collectives' modules, which take
+# their loggers by name: the rank reaches their records all the same.
+BY_NAME = """
+import logging, sys
+from mpicomp.collectives import _wait
+from mpicomp.kernels import numba_cache
+logging.basicConfig(stream=sys.stdout, format="rank %(rank)s %(name)s: %(message)s")
+numba_cache.log.warning("compiling")
+_wait.log.warning("timed out")
+"""
+
+
+def test_records_of_the_loggers_taken_by_name_carry_the_rank():
+    done = subprocess.run(
+        [sys.executable, "-c", BY_NAME], capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0 and "Logging error" not in done.stderr, done.stderr
+    # The rank is 0 where importing mpi4py started MPI, "-" where it did not.
+    lines = [line.replace("rank - ", "rank 0 ", 1) for line in done.stdout.splitlines()]
+    assert lines == ["rank 0 mpicomp.compile: compiling", "rank 0 mpicomp: timed out"]
 
 
 def _prints(path: Path) -> list[int]:

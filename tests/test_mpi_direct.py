@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from conftest import direct_traffic, gather_all, world
-from mpicomp.collectives import ring
+from mpicomp.collectives import bounded
 from mpicomp.collectives.direct import direct_allreduce_bounded
 from mpicomp.collectives.ring import ring_allreduce_bounded
 from mpicomp.collectives.traffic import Traffic
@@ -29,7 +29,7 @@ pytestmark = pytest.mark.usefixtures("one_numba_thread_per_rank")
 @pytest.fixture(params=[8, 24], ids=["align8", "align24"])
 def align(request, monkeypatch):
     """Move the chunk edges (the direct schedule takes the ring's layout)."""
-    monkeypatch.setattr(ring, "CHUNK_ALIGN", request.param)
+    monkeypatch.setattr(bounded, "CHUNK_ALIGN", request.param)
     return request.param
 
 

@@ -10,7 +10,6 @@ import mpicomp
 from conftest import gather_all, gradient_like, world
 from mpicomp.codecs import _wire
 from mpicomp.kernels.cpu.rfft import BLOCKED_MIN
-from mpicomp.reduction import gather
 
 # Small tensors take NumPy's FFT, large ones the blocked one; FastSGD: one bucket or several.
 CASES = [
@@ -36,6 +35,11 @@ def _payloads(comm, codec, n):
     return [buf[d : d + s] for d, s in zip(displs, sizes, strict=True)]
 
 
+def _mean(codec, payloads, n):
+    """The allgather path's average: the codec's sum of the gathered payloads over N."""
+    return codec.decode_gathered(payloads, n) / np.float32(len(payloads))
+
+
 def _reference_sum(name, payloads, n):
     """Sum of the payloads' values by NumPy, in rank order, in float32 as the path adds."""
     total = np.zeros(n, np.float32)
@@ -53,7 +57,7 @@ def test_mean_of_gathered_payloads_matches_numpy(name, params, n):
     comm = world()
     codec = mpicomp.codec(name, **params)
     payloads = _payloads(comm, codec, n)
-    mean = gather._decode_mean(codec, payloads, n)
+    mean = _mean(codec, payloads, n)
     assert mean.dtype == np.float32 and mean.shape == (n,)
     reference = _reference_sum(name, payloads, n) / np.float32(comm.size)
     if name == "fastsgd":
@@ -83,13 +87,13 @@ def test_a_corrupt_or_mis_sized_payload_raises_on_every_rank(name):
     # A payload describing 2^40 elements: refused by the numel check, before allocating.
     huge = _wire.pack(name, (1 << 40,), body_of(payloads[last]))
     with pytest.raises(mpicomp.PayloadError):
-        gather._decode_mean(codec, payloads[:last] + [huge], n)
+        _mean(codec, payloads[:last] + [huge], n)
     # A body corrupted behind a valid checksum.
     body = body_of(payloads[last]).copy()
     body[body.size // 2 :] ^= 0x5A
     forged = _wire.pack(name, (n,), body)
     with pytest.raises(mpicomp.PayloadError):
-        gather._decode_mean(codec, payloads[:last] + [forged], n)
+        _mean(codec, payloads[:last] + [forged], n)
 
 
 @pytest.mark.mpi

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from conftest import gather_all, ring_chunks, ring_traffic, world
-from mpicomp.collectives import ring
+from mpicomp.collectives import bounded
 from mpicomp.collectives.ring import ring_allreduce_bounded, ring_allreduce_min
 from mpicomp.collectives.traffic import Traffic
 
@@ -29,7 +29,7 @@ pytestmark = pytest.mark.usefixtures("one_numba_thread_per_rank")
 @pytest.fixture(params=[8, 24], ids=["align8", "align24"])
 def align(request, monkeypatch):
     """Move the chunk edges: boundaries on multiples of 8, then of 24 elements."""
-    monkeypatch.setattr(ring, "CHUNK_ALIGN", request.param)
+    monkeypatch.setattr(bounded, "CHUNK_ALIGN", request.param)
     return request.param
 
 
@@ -248,7 +248,7 @@ def test_packed_sums_are_the_exact_sums_as_the_ring_left_them(n, bound, dtype, s
     plain = ring_allreduce_bounded(comm, codes, bound, signed=signed)
     expected = gather_all(comm, codes).astype(np.int64).sum(axis=0)
     span = (2 if signed else 1) * bound
-    assert isinstance(total, ring.PackedSums)
+    assert isinstance(total, bounded.PackedSums)
     assert total.n == n and total.width == math.ceil(math.log2(comm.size * span + 1))
     assert total.offset == (comm.size * bound if signed else 0)
     assert total.data.dtype == np.uint8 and total.data.size == (n * total.width + 7) // 8

@@ -12,7 +12,7 @@ import pytest
 
 import mpicomp
 from conftest import gather_all, ring_order_sum, ring_traffic, world
-from mpicomp.collectives import ring
+from mpicomp.collectives import bounded
 from mpicomp.collectives.sharded import shard_bounds
 from mpicomp.collectives.traffic import Traffic
 from mpicomp.errors import RankError
@@ -229,7 +229,7 @@ def test_hierarchical_bytes_are_the_reduce_scatter_the_ring_between_hosts_and_th
     assert ops["mpi.allreduce"] == (2, 2)  # overflow flag over all, status within the host
     # Between hosts: the majority ring of the shard over H ranks (host h is rank h there).
     sent, recv, _ = ring_traffic(
-        shard, hosts, comm.rank // 2, ring.CHUNK_ALIGN, lambda i: math.ceil(math.log2(i + 1)), 1
+        shard, hosts, comm.rank // 2, bounded.CHUNK_ALIGN, lambda i: math.ceil(math.log2(i + 1)), 1
     )
     ring_ops = [v for k, v in ops.items() if k.startswith("ring.")]
     assert tuple(map(sum, zip(*ring_ops, strict=True))) == (sent, recv)

@@ -36,11 +36,15 @@ def _gradient(rank: int, n: int = N) -> np.ndarray:
 
 
 def _average(world, x, chunk: int = CHUNK, name: str = "w", **options):
-    with mpicomp.CompressedComm(world, "none", min_numel=1, **options) as cc:
-        cc._transport.chunk_bytes = chunk
-        out = [cc.allreduce(x, name=name) for _ in range(2)]
-        assert cc._transport.allocations <= 3  # the chunks' two buffers, the wire's
-        return out[-1]
+    """The second of two averages of ``x`` staged in chunks of ``chunk`` bytes (0: none)."""
+    D.install()
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv(CHUNK_ENV, str(chunk))  # read when the CompressedComm is made
+        made = D.count_pinned(mp, mpicomp.kernels.backend(D.BACKEND).device)
+        with mpicomp.CompressedComm(world, "none", min_numel=1, **options) as cc:
+            out = [cc.allreduce(x, name=name) for _ in range(2)]
+    assert len(made) <= 3  # the chunks' two buffers, the wire's
+    return out[-1]
 
 
 @pytest.mark.mpi
@@ -103,7 +107,6 @@ def test_nonfinite_values_in_a_later_chunk_meet_the_policy_on_every_rank(
         want = _average(world, x, nonfinite="zero")
     _transport_is(monkeypatch, "staged")
     with mpicomp.CompressedComm(world, "none", min_numel=1, nonfinite=policy) as cc:
-        cc._transport.chunk_bytes = CHUNK
         if policy == "raise":
             err = ValueError if world.rank == culprit else RankError
             with pytest.raises(err, match="NaN or Inf"):
@@ -131,7 +134,6 @@ def test_a_sum_beyond_float32_in_a_later_chunk_is_refused_on_every_rank(deferred
     x[4999] = np.float32(3e38)  # the last chunk: finite on each rank, not in the sum
     _transport_is(monkeypatch, "staged")
     with mpicomp.CompressedComm(world, "none", min_numel=1) as cc:
-        cc._transport.chunk_bytes = CHUNK
         with pytest.raises(RankError, match="the sum over ranks overflows float32"):
             cc.allreduce(D.to_device(x), name="w")
     transport.cuda_aware.cache_clear()

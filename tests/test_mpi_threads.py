@@ -9,6 +9,11 @@ import pytest
 from mpicomp.call import threads
 
 
+def _count(n: int, what: str) -> str:
+    """``n`` and ``what``, plural unless one, as the decision says them ("2 CPUs")."""
+    return f"{n} {what}" + ("" if n == 1 else "s")
+
+
 def _on_this_host(world) -> int:
     from mpi4py import MPI
 
@@ -30,7 +35,7 @@ def test_ranks_on_a_host_divide_its_cpus(monkeypatch):
     monkeypatch.setattr(threads, "cpus", lambda: set(range(8 * local)))  # 8 each, shared
     got = threads.decide(world)
     assert got.threads == min(8, pool), got
-    ranks = threads._count(local, "rank")
+    ranks = _count(local, "rank")
     assert got.why.endswith(f"{8 * local} CPUs / {ranks} on this host"), got
     # Bound to a core of its own, a rank shares it with no one.
     monkeypatch.setattr(threads, "cpus", lambda: {world.rank})
@@ -77,7 +82,7 @@ def test_a_compressed_comm_keeps_the_decision_of_its_ranks(monkeypatch):
     try:
         x = np.ones(5000, np.float32)
         with mpicomp.CompressedComm(world, "qsgd_maxnorm") as cc:
-            cpus, ranks = threads._count(local, "CPU"), threads._count(local, "rank")
+            cpus, ranks = _count(local, "CPU"), _count(local, "rank")
             assert cc.threads == (1, f"{cpus} / {ranks} on this host")
             assert threads.kept() == cc.threads and numba.get_num_threads() == 1
             cc.allreduce(x, name="w")

@@ -112,13 +112,13 @@ def test_compressed_steps_equal_the_same_buckets_through_compressedcomm(codec, p
         opt.step()
         ref_opt.zero_grad()
         _loss(ref, batch).backward()
-        for b in opt._buckets:
-            grads = [named[n].grad for n in b.names]
+        for index, names in enumerate(opt.buckets):
+            grads = [named[n].grad for n in names]
             flat = torch.cat([g.reshape(-1) for g in grads])
             shapes = [tuple(g.shape) for g in grads]
-            avg, _ = cc.start(flat, f"bucket{b.index}", layout=b.layout, shapes=shapes).wait()
-            for g, lo, hi in zip(grads, b.offsets, b.offsets[1:], strict=False):
-                g.copy_(avg[lo:hi].view_as(g))
+            avg, _ = cc.start(flat, f"bucket{index}", shapes=shapes).wait()
+            for g, part in zip(grads, avg.split([g.numel() for g in grads]), strict=True):
+                g.copy_(part.view_as(g))
         ref_opt.step()
     assert _weights(model).tobytes() == _weights(ref).tobytes()
     assert _same_on_every_rank(comm, _weights(model))
@@ -320,19 +320,30 @@ def test_broadcast_optimizer_state_to_another_optimizer_raises_on_every_rank():
 # -- the DDP communication hook ------------------------------------------------------------
 
 
-def _ddp_train(model, hook_state, steps):
+def _ddp_train(model, hook_state, steps, hook=mt.comm_hook):
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     comm = world()
     ddp = DDP(model, bucket_cap_mb=0.001)  # several small buckets
     if hook_state is not None:
-        ddp.register_comm_hook(hook_state, mt.comm_hook)
+        ddp.register_comm_hook(hook_state, hook)
     opt = torch.optim.SGD(ddp.parameters(), lr=0.1, momentum=0.9)
     for step in range(steps):
         opt.zero_grad()
         _loss(ddp, _batches(step, comm.size)[comm.rank]).backward()
         opt.step()
     return _weights(model)
+
+
+def _sizing(last: dict):
+    """Return a DDP hook that runs ``mt.comm_hook`` and keeps in ``last`` each bucket's
+    size by index, as last seen (DDP rebuilds its buckets after the first iteration)."""
+
+    def hook(state, bucket) -> torch.futures.Future[torch.Tensor]:
+        last[bucket.index()] = bucket.buffer().numel()
+        return mt.comm_hook(state, bucket)
+
+    return hook
 
 
 def test_the_ddp_hook_uncompressed_matches_ddps_own_allreduce(gloo):
@@ -360,10 +371,12 @@ def test_the_ddp_hook_compressed_keeps_every_rank_identical(gloo, codec, params)
 def test_the_ddp_hook_drops_a_residual_when_ddp_rebuilds_its_buckets(gloo):
     comm = world()
     state = mt.HookState(comm, "topk", ratio=0.1, min_numel=16)  # compressed from iteration 0
-    _ddp_train(_model(), state, 3)
+    last = {}
+    _ddp_train(_model(), state, 3, _sizing(last))
+    assert last  # the hook ran
     residuals = state.comm.state_dict()["residuals"]
     sizes = {name: r.size for name, r in residuals.items()}
-    assert sizes == {f"ddp_bucket{i}": n for i, n in state._sizes.items() if n >= 16}
+    assert sizes == {f"ddp_bucket{i}": n for i, n in last.items() if n >= 16}
 
 
 @pytest.mark.parametrize(
@@ -384,7 +397,8 @@ def test_a_nan_under_the_ddp_hook_raises_mpicomps_error_on_every_rank(gloo, ddp_
     model = _model()
     ddp = DDP(model, bucket_cap_mb=0.001, **ddp_options)
     state = mt.HookState(comm, "topk", ratio=0.1, min_numel=16)
-    ddp.register_comm_hook(state, mt.comm_hook)
+    last = {}
+    ddp.register_comm_hook(state, _sizing(last))
     opt = torch.optim.SGD(ddp.parameters(), lr=0.1, momentum=0.9)
 
     def backward(step, nan=False):
@@ -419,7 +433,7 @@ def test_a_nan_under_the_ddp_hook_raises_mpicomps_error_on_every_rank(gloo, ddp_
     assert _weights(model).tobytes() != before.tobytes()
     assert _same_on_every_rank(comm, _weights(model))
     assert state.iteration == nan_step + 3
-    assert len(state.comm.state_dict()["residuals"]) == len(state._sizes)
+    assert len(state.comm.state_dict()["residuals"]) == len(last)
 
 
 def test_plain_parameters_on_one_rank_raise_on_every_rank_at_construction():
@@ -491,14 +505,14 @@ def test_a_failure_making_the_buckets_on_one_rank_raises_on_every_rank(monkeypat
     if comm.size == 1:
         pytest.skip("needs two ranks")
     odd = comm.rank == comm.size - 1
-    if odd:
-
-        def out_of_memory(self, named):
-            raise RuntimeError("CUDA out of memory (stand-in)")
-
-        monkeypatch.setattr(mt.DistributedOptimizer, "_make_buckets", out_of_memory)
     model = _model()
     inner = torch.optim.SGD(model.parameters(), lr=0.1)
+    if odd:
+
+        def out_of_memory(*args, **kwargs):
+            raise RuntimeError("CUDA out of memory (stand-in)")
+
+        monkeypatch.setattr(torch, "empty", out_of_memory)  # the buckets' buffers
     with pytest.raises(RuntimeError, match="out of memory" if odd else r"rank\(s\) \[\d\]") as e:
         mt.DistributedOptimizer(inner, comm, model.named_parameters())
     assert isinstance(e.value, RankError) != odd

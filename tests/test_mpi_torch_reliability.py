@@ -137,7 +137,8 @@ def test_closing_after_backward_before_step_tells_the_ranks_that_step(who):
 
 def test_the_optimizers_own_exchange_names_itself_when_it_times_out(monkeypatch):
     """Every wait is made to report a timeout once its messages are in (so the job goes
-    on): the flag exchange's report says what it is, not only "an Iallreduce"."""
+    on): the flag exchange's report says what it is, not only "an Iallreduce"; the
+    control communicator is duplicated under the timeout too."""
     from mpi4py import MPI
 
     comm = world()
@@ -159,7 +160,9 @@ def test_the_optimizers_own_exchange_names_itself_when_it_times_out(monkeypatch)
         _backward(model, step)
         opt.step()
     opt.close()
-    ours = [r for r in reports if "DistributedOptimizer" in r]
+    made = [r for r in reports if "in DistributedOptimizer after" in r]
+    assert [("duplicating a communicator" in r) for r in made] == [True]  # under the timeout
+    ours = [r for r in reports if "DistributedOptimizer.synchronize" in r]
     assert ours == [
         f"mpicomp: rank {comm.rank} of {comm.size} timed out in DistributedOptimizer.synchronize "
         f"after 30 s (timeout 30 s): which parameters have gradients in step {step} "
@@ -192,9 +195,16 @@ def test_a_backward_pass_under_the_hook_after_another_rank_closed_raises_peer_cl
     comm = world()
     ddp = DDP(_model(), bucket_cap_mb_list=[0.0005] * 4)
     state = mt.HookState(comm, "topk", ratio=0.1, min_numel=16)
-    ddp.register_comm_hook(state, mt.comm_hook)
+    seen = []  # the buckets the hook is called with
+
+    def hook(state, bucket) -> torch.futures.Future[torch.Tensor]:
+        seen.append(bucket.index())
+        return mt.comm_hook(state, bucket)
+
+    ddp.register_comm_hook(state, hook)
     for step in range(before):
         _backward(ddp, step)
+    seen.clear()
     if comm.rank == CLOSER:
         state.comm.close()
     else:
@@ -205,7 +215,7 @@ def test_a_backward_pass_under_the_hook_after_another_rank_closed_raises_peer_cl
             _backward(ddp, before)
         assert time.monotonic() - start < SOON
         if before == 0:
-            assert len(state._sizes) == 2  # the second bucket started after the first failed
+            assert seen == [0, 1]  # the second bucket started after the first failed
         state.comm.close()
 
 

@@ -1,5 +1,5 @@
-"""Timeouts in the collectives: the wait loop with fake requests, and 2-rank jobs in
-which a rank skips or stalls in a call, run as subprocesses under mpiexec."""
+"""Timeouts in the collectives: 2-rank jobs in which a rank skips or stalls in a call, run
+as subprocesses under mpiexec (the wait loop itself: tests/test_wait.py)."""
 
 import os
 import re
@@ -9,139 +9,10 @@ import sys
 import textwrap
 from pathlib import Path
 
-import numpy as np
 import pytest
 
-from mpicomp.collectives import _wait
-
-
-class FakeClock:
-    """A clock that only moves when the wait loop sleeps; records every sleep."""
-
-    def __init__(self):
-        self.now = 100.0
-        self.sleeps = []
-
-    def __call__(self):
-        return self.now
-
-    def sleep(self, seconds):
-        self.sleeps.append(seconds)
-        self.now += seconds
-
-
-class FakeRequests:
-    """Requests that complete on the ``done_after``-th test (never when None)."""
-
-    def __init__(self, done_after):
-        self.done_after = done_after
-        self.tests = 0
-
-    def testall(self, requests):
-        assert requests is self
-        self.tests += 1
-        return self.done_after is not None and self.tests >= self.done_after
-
-
-def test_poll_completes_without_sleeping_when_ready():
-    clock, reqs = FakeClock(), FakeRequests(1)
-    assert _wait.poll(reqs, 2.0, reqs.testall, clock, clock.sleep) == (True, 0.0)
-    assert clock.sleeps == []
-
-
-def test_poll_backs_off_from_10us_to_1ms():
-    clock, reqs = FakeClock(), FakeRequests(12)
-    done, fake_clock_total = _wait.poll(reqs, 2.0, reqs.testall, clock, clock.sleep)
-    assert done and reqs.tests == 12
-    want = [1e-5 * 2**k for k in range(7)] + [1e-3] * 4  # 10 us doubling, capped at 1 ms
-    assert clock.sleeps == pytest.approx(want)
-    assert fake_clock_total == pytest.approx(sum(want))  # the fake clock's total, not real time
-
-
-def test_poll_gives_up_at_the_timeout_exactly():
-    clock, reqs = FakeClock(), FakeRequests(None)
-    done, fake_clock_total = _wait.poll(reqs, 0.01, reqs.testall, clock, clock.sleep)
-    assert not done
-    assert fake_clock_total == pytest.approx(0.01)
-    assert max(clock.sleeps) <= 1e-3
-    # The last sleep is cut to the time left: the loop never oversleeps its deadline.
-    assert sum(clock.sleeps) == pytest.approx(0.01)
-    assert reqs.tests == len(clock.sleeps) + 1
-
-
-def test_poll_tests_once_more_after_the_last_sleep():
-    # Completion that arrives during the last sleep is seen, not reported as a timeout.
-    clock = FakeClock()
-    reqs = FakeRequests(None)
-    _wait.poll(reqs, 0.01, reqs.testall, clock, clock.sleep)
-    late = FakeRequests(reqs.tests)
-    clock2 = FakeClock()
-    assert _wait.poll(late, 0.01, late.testall, clock2, clock2.sleep)[0]
-
-
-@pytest.mark.parametrize(
-    "env, arg, want",
-    [(None, None, None), ("", None, None), ("0", None, None), ("2.5", None, 2.5), ("7", 1, 1.0)],
-)
-def test_resolve_timeout(monkeypatch, env, arg, want):
-    if env is None:
-        monkeypatch.delenv(_wait.ENV, raising=False)
-    else:
-        monkeypatch.setenv(_wait.ENV, env)
-    assert _wait.resolve_timeout(arg) == want
-
-
-def test_resolve_timeout_explicit_zero_turns_the_environment_off(monkeypatch):
-    monkeypatch.setenv(_wait.ENV, "5")
-    assert _wait.resolve_timeout(0) is None
-    assert _wait.resolve_timeout(np.float32(0.5)) == 0.5
-
-
-@pytest.mark.parametrize("env", ["soon", "-1", "nan"])
-def test_resolve_timeout_rejects_a_bad_environment(monkeypatch, env):
-    monkeypatch.setenv(_wait.ENV, env)
-    with pytest.raises(ValueError, match=_wait.ENV):
-        _wait.resolve_timeout()
-
-
-@pytest.mark.parametrize(
-    "arg, exc", [(-1, ValueError), (float("nan"), ValueError), ("2", TypeError), (True, TypeError)]
-)
-def test_resolve_timeout_rejects_a_bad_argument(arg, exc):
-    with pytest.raises(exc, match="timeout"):
-        _wait.resolve_timeout(arg)
-
-
-class FakeComm:
-    """Rank 3 of 5; records the error code it is aborted with."""
-
-    aborted = None
-
-    def Get_rank(self):
-        return 3
-
-    def Get_size(self):
-        return 5
-
-    def Abort(self, code):
-        self.aborted = code
-
-
-def test_expire_reports_what_was_awaited_and_aborts(caplog, monkeypatch):
-    comm = FakeComm()
-    exits = []
-    # An MPI_Abort that returns (FakeComm's, as MPICH's may): the process ends anyway.
-    monkeypatch.setattr(_wait.os, "_exit", exits.append)
-    _wait.expire(comm, "allgather", lambda: "sizes from rank 2", 2.0, 2.0004)
-    err = caplog.text  # logged CRITICAL to "mpicomp" (stderr where logging is not set up)
-    assert comm.aborted == _wait.ABORT_CODE
-    assert exits == [_wait.ABORT_CODE]
-    assert "rank 3 of 5 timed out in allgather after 2 s (timeout 2 s): sizes from rank 2" in err
-
-
-# --- whole jobs: mpiexec -n 2 ------------------------------------------------------------
-
 MPIEXEC = Path(sys.executable).parent / "mpiexec"
+ABORT_CODE = 14  # the exit code of a job a timeout aborted (docs/reliability.md)
 
 JOB = textwrap.dedent(
     """
@@ -293,8 +164,8 @@ def test_a_rank_that_skips_or_stalls_aborts_the_job_with_a_clear_message(
     # MPI_Abort's code is what mpiexec returns, unless hydra sees first the other rank
     # killed by SIGKILL (9): seen under load with a rank asleep. The abort itself is
     # checked in what rank 0 printed.
-    assert code in (_wait.ABORT_CODE, 9), err
-    assert re.search(rf"MPI_Abort\(comm=\w+, {_wait.ABORT_CODE}\)", err), err
+    assert code in (ABORT_CODE, 9), err
+    assert re.search(rf"MPI_Abort\(comm=\w+, {ABORT_CODE}\)", err), err
     assert f"mpicomp: rank 0 of 2 timed out in {op} after " in err
     assert f"(timeout 2 s): {waited_for}" in err
     assert "aborting the job" in err
@@ -305,7 +176,7 @@ def test_an_aborted_traced_job_leaves_each_ranks_unflushed_events(tmp_path):
 
     trace = tmp_path / "run.h5"
     code, out, err = run_job(tmp_path, "skip_traced", "2", str(trace))
-    assert code == _wait.ABORT_CODE, err
+    assert code == ABORT_CODE, err
     side = tmp_path / "run.h5.rank0.h5"
     assert side.exists(), err
     events, _, attrs = read(side)
@@ -317,7 +188,7 @@ def test_an_aborted_traced_job_leaves_each_ranks_unflushed_events(tmp_path):
 
 def test_compressed_comm_timeout_argument_works_with_the_environment_off(tmp_path):
     code, out, err = run_job(tmp_path, "skip_explicit", "0")
-    assert code == _wait.ABORT_CODE, err
+    assert code == ABORT_CODE, err
     assert "mpicomp: rank 0 of 2 timed out in max_allreduce after " in err
     assert "(timeout 2 s)" in err
 

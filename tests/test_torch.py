@@ -1,5 +1,5 @@
 """mpicomp.torch on one rank: DistributedOptimizer's buckets, hooks, warm-up, gradient
-accumulation, unused parameters, NaN steps, checkpoints and schedulers; Handle callbacks.
+accumulation, unused parameters, NaN steps, checkpoints and schedulers.
 
 With one rank the average of a gradient is the gradient itself (float32 sums of one
 term are exact), so the wrapped optimizer must take exactly the steps of the plain
@@ -7,8 +7,6 @@ one; compressed codecs must not (that is how warm-up steps are told apart).
 """
 
 import io
-import logging
-import threading
 import warnings
 
 import pytest
@@ -17,7 +15,7 @@ torch = pytest.importorskip("torch", reason="mpicomp.torch needs PyTorch")
 
 import mpicomp  # noqa: E402
 import mpicomp.torch as mt  # noqa: E402
-from mpicomp.call.worker import Handle, Worker  # noqa: E402
+from mpicomp.torch.shared import Staging  # noqa: E402
 
 
 def _self():
@@ -61,34 +59,6 @@ def _same(a, b):
     return all(torch.equal(p, q) for p, q in zip(a.parameters(), b.parameters(), strict=True))
 
 
-# -- Handle.add_done_callback -------------------------------------------------------------
-
-
-def test_done_callback_runs_once_when_the_call_finishes_or_at_once_after():
-    worker = Worker("test-callbacks")
-    gate = threading.Event()
-    seen = []
-    h = worker.submit(lambda: gate.wait() and 7)  # wait() gives True
-    h.add_done_callback(lambda handle: seen.append(("before", handle.wait())))
-    assert seen == []  # still running: the callback waits for completion
-    gate.set()
-    worker.drain()
-    h.add_done_callback(lambda handle: seen.append(("after", handle.wait())))
-    assert seen == [("before", 7), ("after", 7)]
-    worker.stop()
-
-
-def test_a_raising_callback_is_logged_and_the_others_still_run(caplog):
-    h = Handle()
-    seen = []
-    h.add_done_callback(lambda _: 1 / 0)
-    h.add_done_callback(lambda handle: seen.append(handle.done))
-    with caplog.at_level(logging.ERROR, logger="mpicomp"):
-        h._run(lambda: None)
-    assert seen == [True]
-    assert "done-callback" in caplog.text and "ZeroDivisionError" in caplog.text
-
-
 # -- DistributedOptimizer -----------------------------------------------------------------
 
 
@@ -105,30 +75,48 @@ def test_one_rank_uncompressed_takes_exactly_the_plain_optimizers_steps():
 def test_buckets_take_parameters_in_reverse_order_up_to_bucket_numel():
     model = _model()
     opt = _wrap(model, bucket_numel=60)
-    names = [b.names for b in opt._buckets]
     # sizes: 0.weight 480, 0.bias 40, 2.weight 120, 2.bias 3; reversed, at most 60 each
     # unless a parameter alone is larger.
-    assert names == [["2.bias"], ["2.weight"], ["0.bias"], ["0.weight"]]
+    assert opt.buckets == (("2.bias",), ("2.weight",), ("0.bias",), ("0.weight",))
     opt = _wrap(_model(), bucket_numel=1000)
-    assert [b.names for b in opt._buckets] == [["2.bias", "2.weight", "0.bias", "0.weight"]]
+    assert opt.buckets == (("2.bias", "2.weight", "0.bias", "0.weight"),)
 
 
 def test_a_new_dtype_starts_a_new_bucket():
     model = _model()
     model[2].to(torch.bfloat16)
     opt = _wrap(model, bucket_numel=10_000)
-    assert [b.names for b in opt._buckets] == [["2.bias", "2.weight"], ["0.bias", "0.weight"]]
+    assert opt.buckets == (("2.bias", "2.weight"), ("0.bias", "0.weight"))
+
+
+def _recording_starts(monkeypatch, opt) -> list[str]:
+    """Return the list to which each call ``opt`` starts on its CompressedComm appends
+    its name (bucket0, bucket1, ...), as it starts."""
+    started = []
+    start = opt.comm.start
+
+    def recorded(x, name="", **kwargs):
+        started.append(name)
+        return start(x, name, **kwargs)
+
+    monkeypatch.setattr(opt.comm, "start", recorded)
+    return started
 
 
 @pytest.mark.parametrize("overlap", [True, False])
-def test_overlap_starts_every_bucket_during_backward(overlap):
+def test_overlap_starts_every_bucket_during_backward(overlap, monkeypatch):
     model = _model()
     opt = _wrap(model, bucket_numel=60, overlap=overlap)
-    _loss(model, 0).backward()
-    started = [b.handle is not None for b in opt._buckets]
-    assert started == [overlap] * len(opt._buckets)
-    opt.step()
-    assert all(b.handle is None for b in opt._buckets)
+    started = _recording_starts(monkeypatch, opt)
+    every = [f"bucket{i}" for i in range(len(opt.buckets))]
+    assert len(every) == 4
+    for step in range(2):  # the second step starts them afresh
+        opt.zero_grad()
+        _loss(model, step).backward()
+        assert started == (every if overlap else [])
+        opt.step()
+        assert started == every
+        started.clear()
 
 
 def test_bfloat16_gradients_come_back_as_bfloat16_averages():
@@ -141,19 +129,20 @@ def test_bfloat16_gradients_come_back_as_bfloat16_averages():
     assert _same(plain, wrapped)  # bf16 -> float32 -> bf16 is exact
 
 
-def test_gradients_accumulate_over_backward_passes_per_step():
+def test_gradients_accumulate_over_backward_passes_per_step(monkeypatch):
     plain, wrapped = _model(), _model()
     ref = torch.optim.SGD(plain.parameters(), lr=0.1, momentum=0.9)
     opt = _wrap(wrapped, backward_passes_per_step=2, bucket_numel=60)
+    started = _recording_starts(monkeypatch, opt)
     for model, o in ((plain, ref), (wrapped, opt)):
         for step in range(2):
             o.zero_grad()
             _loss(model, 2 * step).backward()
-            if o is opt:
-                assert all(b.handle is None for b in opt._buckets)  # one pass: nothing started
+            assert started == []  # one pass: nothing started
             _loss(model, 2 * step + 1).backward()
             if o is opt:
-                assert all(b.handle is not None for b in opt._buckets)
+                assert started == [f"bucket{i}" for i in range(len(opt.buckets))]
+                started.clear()
             o.step()
     assert _same(plain, wrapped)
 
@@ -332,7 +321,7 @@ def test_named_parameters_may_be_a_dict():
     model = _model()
     inner = torch.optim.SGD(model.parameters(), lr=0.1)
     opt = mt.DistributedOptimizer(inner, _self(), dict(model.named_parameters()))
-    assert sorted(n for b in opt._buckets for n in b.names) == sorted(
+    assert sorted(n for bucket in opt.buckets for n in bucket) == sorted(
         n for n, _ in model.named_parameters()
     )
     opt.close()
@@ -363,7 +352,7 @@ def test_a_comm_that_is_not_a_communicator_is_named():
 def test_default_names_cover_every_parameter():
     model = _model()
     opt = mt.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), _self())
-    names = sorted(n for b in opt._buckets for n in b.names)
+    names = sorted(n for bucket in opt.buckets for n in bucket)
     assert names == [f"group0.param{i}" for i in range(4)]
 
 
@@ -372,13 +361,14 @@ def test_cuda_staging_buffers_are_pinned_and_warn_once_per_owner(monkeypatch):
     monkeypatch.setattr(
         torch, "empty", lambda n, dtype, pin_memory=False: pinned.append(pin_memory)
     )
-    staging = mt._Staging("owner")
+    staging = Staging("owner")
     with warnings.catch_warnings(record=True) as seen:
         warnings.simplefilter("always")
         staging.buffer(10)
         staging.buffer(20)
     assert pinned == [True, True]
     assert [str(w.message).startswith("owner: CUDA tensors are staged") for w in seen] == [True]
+    assert seen[0].filename == __file__  # the caller's line, not mpicomp's
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA build of PyTorch and a GPU")

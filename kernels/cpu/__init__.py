@@ -7,9 +7,12 @@ reach these kernels only through that record.
 
 from __future__ import annotations
 
+import importlib
 from types import SimpleNamespace
 
 import numpy as np
+
+from mpicomp.kernels.families import FAMILIES, find_launchers
 
 
 def numba_threadsafe() -> bool:
@@ -35,100 +38,23 @@ def _on_host(a, out=None, *, why: str = ""):
     return out
 
 
-def record() -> SimpleNamespace:
-    """Return the numba backend's record: ``name``, ``xp`` and its launchers by family."""
-    from mpicomp.kernels.cpu import (
-        bits,
-        checks,
-        checksum,
-        fastsgd,
-        fft,
-        fp16,
-        qsgd,
-        rfft,
-        signsgd,
-        threelc,
-        topk,
-    )
+# The modules of a family's launchers, where not only kernels/cpu/<family>.py.
+_MODULES = {"fft": ("fft", "rfft", "checks"), "topk": ("topk", "checks")}
 
-    family = SimpleNamespace
+# How a numba launcher is spelled: a Python function of the launcher's name, else the
+# family's kernel itself, else a kernel shared by families (checks.py).
+_SPELLINGS = ("{name}", "mpicomp_{family}_{name}", "mpicomp_{name}")
+
+
+def record() -> SimpleNamespace:
+    """Return the numba backend's record: ``name``, ``xp`` and its launchers by family
+    (``mpicomp.kernels.LAUNCHERS``, found in the family's modules by ``_SPELLINGS``)."""
+    families = {}
+    for family in FAMILIES:
+        modules = [
+            importlib.import_module(f"{__name__}.{m}") for m in _MODULES.get(family, (family,))
+        ]
+        families[family] = SimpleNamespace(**find_launchers(family, modules, _SPELLINGS))
     return SimpleNamespace(
-        name="numba",
-        xp=np,
-        to_host=_on_host,
-        threadsafe=numba_threadsafe,
-        bits=family(
-            pack=bits.mpicomp_bits_pack,
-            unpack=bits.mpicomp_bits_unpack,
-            pack_shifted=bits.mpicomp_bits_pack_shifted,
-            unpack_shifted=bits.mpicomp_bits_unpack_shifted,
-            add_repack=bits.mpicomp_bits_add_repack,
-            add_unpack=bits.mpicomp_bits_add_unpack,
-            min_repack=bits.mpicomp_bits_min_repack,
-        ),
-        checksum=family(adler32=checksum.adler32, adler32_into=checksum.adler32_into),
-        fastsgd=family(
-            powers=fastsgd.mpicomp_fastsgd_powers,
-            encode=fastsgd.encode,
-            assemble=fastsgd.mpicomp_fastsgd_assemble,
-            scan=fastsgd.mpicomp_fastsgd_scan,
-            decode=fastsgd.mpicomp_fastsgd_decode,
-        ),
-        fft=family(
-            round_fp16=fft.mpicomp_fft_round_fp16,
-            rfft=rfft.rfft,
-            irfft=rfft.irfft,
-            sum_spectra=rfft.sum_spectra,
-            add_residual=fft.mpicomp_fft_add_residual,
-            kth_largest=fft.mpicomp_fft_kth_largest,
-            select_pack=fft.mpicomp_fft_select_pack,
-            choose_range=fft.mpicomp_fft_choose_range,
-            quantize_pack=fft.mpicomp_fft_quantize_pack,
-            residual=fft.mpicomp_fft_residual,
-            unpack_dequantize=fft.unpack_dequantize,
-            scatter=fft.mpicomp_fft_scatter,
-            all_finite=checks.mpicomp_all_finite,
-        ),
-        fp16=family(
-            encode=fp16.encode,
-            decode=fp16.decode,
-            add=fp16.add,
-            all_finite=fp16.mpicomp_fp16_all_finite,
-        ),
-        qsgd=family(
-            sumsq=qsgd.sumsq,
-            block_norms=qsgd.block_norms,
-            quantize=qsgd.quantize,
-            multiscale_index=qsgd.multiscale_index,
-            multiscale_quantize=qsgd.multiscale_quantize,
-            dequantize=qsgd.dequantize,
-            dequantize_packed=qsgd.dequantize_packed,
-            multiscale_dequantize=qsgd.multiscale_dequantize,
-            multiscale_dequantize_packed=qsgd.multiscale_dequantize_packed,
-            grandk_select=qsgd.mpicomp_qsgd_grandk_select,
-            grandk_sort=qsgd.mpicomp_qsgd_grandk_sort,
-            grandk_compact=qsgd.mpicomp_qsgd_grandk_compact,
-            grandk_scatter=qsgd.mpicomp_qsgd_grandk_scatter,
-        ),
-        signsgd=family(
-            votes=signsgd.mpicomp_signsgd_votes,
-            pack=signsgd.mpicomp_signsgd_pack,
-            votes_scale=signsgd.mpicomp_signsgd_votes_scale,
-            abs_sum=signsgd.mpicomp_signsgd_abs_sum,
-            majority=signsgd.mpicomp_signsgd_majority,
-            expand=signsgd.mpicomp_signsgd_expand,
-        ),
-        threelc=family(
-            max=threelc.mpicomp_threelc_max,
-            quartic_encode=threelc.mpicomp_threelc_quartic_encode,
-            zero_run_encode=threelc.mpicomp_threelc_zero_run_encode,
-            zero_run_length=threelc.mpicomp_threelc_zero_run_length,
-            zero_run_decode=threelc.mpicomp_threelc_zero_run_decode,
-            quartic_decode=threelc.mpicomp_threelc_quartic_decode,
-        ),
-        topk=family(
-            select=topk.select,
-            scatter=topk.mpicomp_topk_scatter,
-            all_finite=checks.mpicomp_all_finite,
-        ),
+        name="numba", xp=np, to_host=_on_host, threadsafe=numba_threadsafe, **families
     )

@@ -23,6 +23,8 @@ from types import MethodType, SimpleNamespace
 
 import numpy as np
 
+from mpicomp.kernels.families import find_launchers
+
 
 def family_kernel(family: str, defines: dict[str, str]):
     """Return ``kernel(dev, what)``: ``dev``'s kernel ``mpicomp_<family>_<what>``, from
@@ -61,11 +63,14 @@ def contiguous(a, what: str, name: str = "out", size: int = 0, dtype=None, view=
     return a
 
 
-def bind(dev, **launchers) -> SimpleNamespace:
-    """Return ``launchers`` (by record name: functions whose first argument is a
-    ``Device``) bound to ``dev``, with their names and docstrings."""
+def bind(dev, family: str) -> SimpleNamespace:
+    """Return ``family``'s launchers (``mpicomp.kernels.LAUNCHERS``), the functions of
+    ``kernels/cuda/<family>.py`` of those names (``name_`` where the name is a builtin's:
+    3LC's ``max_``), bound to ``dev`` with their names and docstrings."""
+    module = importlib.import_module(f"{__name__}.{family}")
+    found = find_launchers(family, (module,), ("{name}", "{name}_"))
     # A bound method, unlike a functools.partial, keeps the function's name and docstring.
-    return SimpleNamespace(**{name: MethodType(fn, dev) for name, fn in launchers.items()})
+    return SimpleNamespace(**{name: MethodType(fn, dev) for name, fn in found.items()})
 
 
 def record(dev, families) -> SimpleNamespace:

@@ -111,13 +111,4 @@ def min_repack(dev, stream, width, mine, out):
 
 def launchers(dev) -> SimpleNamespace:
     """Return the ``bits`` launchers bound to ``dev``."""
-    return bind(
-        dev,
-        pack=pack,
-        unpack=unpack,
-        pack_shifted=pack_shifted,
-        unpack_shifted=unpack_shifted,
-        add_repack=add_repack,
-        add_unpack=add_unpack,
-        min_repack=min_repack,
-    )
+    return bind(dev, "bits")

@@ -35,7 +35,7 @@ from pathlib import Path
 
 import numpy as np
 
-from mpicomp._env import env_flag
+from mpicomp.env import env_flag
 
 HEADER = Path(__file__).with_name("emulated.h")
 

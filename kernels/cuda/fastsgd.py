@@ -157,4 +157,4 @@ def _none_bad(host) -> bool:
 
 def launchers(dev) -> SimpleNamespace:
     """Return the ``fastsgd`` launchers bound to ``dev``."""
-    return bind(dev, powers=powers, encode=encode, assemble=assemble, scan=scan, decode=decode)
+    return bind(dev, "fastsgd")

@@ -350,19 +350,4 @@ def _pair(host) -> tuple[int, int]:
 
 def launchers(dev) -> SimpleNamespace:
     """Return the ``fft`` launchers bound to ``dev``."""
-    return bind(
-        dev,
-        round_fp16=round_fp16,
-        rfft=rfft,
-        irfft=irfft,
-        sum_spectra=sum_spectra,
-        add_residual=add_residual,
-        kth_largest=kth_largest,
-        select_pack=select_pack,
-        choose_range=choose_range,
-        quantize_pack=quantize_pack,
-        residual=residual,
-        unpack_dequantize=unpack_dequantize,
-        scatter=scatter,
-        all_finite=all_finite,
-    )
+    return bind(dev, "fft")

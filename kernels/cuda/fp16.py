@@ -131,4 +131,4 @@ def _none_set(flags) -> bool:
 
 def launchers(dev) -> SimpleNamespace:
     """Return the ``fp16`` launchers bound to ``dev``."""
-    return bind(dev, add=add, all_finite=all_finite, encode=encode, decode=decode)
+    return bind(dev, "fp16")

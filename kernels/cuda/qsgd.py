@@ -22,6 +22,7 @@ import numpy as np
 
 from mpicomp.kernels import qsgd as kq
 from mpicomp.kernels.cuda import family_kernel
+from mpicomp.kernels.families import find_launchers
 from mpicomp.kernels.readback import read
 
 #: Mask bytes per tile of ``grandk_compact`` (one block counts, then writes, one tile).
@@ -454,19 +455,4 @@ class Qsgd:
 
 def launchers(dev) -> SimpleNamespace:
     """Return the ``qsgd`` launchers bound to ``dev``: the methods of its ``Qsgd``."""
-    q = Qsgd(dev)
-    return SimpleNamespace(
-        sumsq=q.sumsq,
-        block_norms=q.block_norms,
-        quantize=q.quantize,
-        multiscale_index=q.multiscale_index,
-        multiscale_quantize=q.multiscale_quantize,
-        dequantize=q.dequantize,
-        dequantize_packed=q.dequantize_packed,
-        multiscale_dequantize=q.multiscale_dequantize,
-        multiscale_dequantize_packed=q.multiscale_dequantize_packed,
-        grandk_select=q.grandk_select,
-        grandk_sort=q.grandk_sort,
-        grandk_compact=q.grandk_compact,
-        grandk_scatter=q.grandk_scatter,
-    )
+    return SimpleNamespace(**find_launchers("qsgd", (Qsgd(dev),), ("{name}",)))

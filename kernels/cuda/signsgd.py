@@ -156,12 +156,4 @@ def abs_sum(dev, x):
 
 def launchers(dev) -> SimpleNamespace:
     """Return the ``signsgd`` launchers bound to ``dev``."""
-    return bind(
-        dev,
-        votes=votes,
-        pack=pack,
-        votes_scale=votes_scale,
-        abs_sum=abs_sum,
-        majority=majority,
-        expand=expand,
-    )
+    return bind(dev, "signsgd")

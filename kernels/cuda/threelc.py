@@ -178,12 +178,4 @@ def quartic_decode(dev, src, scale, out):
 
 def launchers(dev) -> SimpleNamespace:
     """Return the ``threelc`` launchers bound to ``dev``."""
-    return bind(
-        dev,
-        max=max_,
-        quartic_encode=quartic_encode,
-        zero_run_encode=zero_run_encode,
-        zero_run_length=zero_run_length,
-        zero_run_decode=zero_run_decode,
-        quartic_decode=quartic_decode,
-    )
+    return bind(dev, "threelc")

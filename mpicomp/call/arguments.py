@@ -1,79 +1,82 @@
 """What CompressedComm's arguments resolve to on this rank, before any message: the
-codec, the checked options, how device bytes reach MPI, whether started calls may run on
-a background thread, and the configuration every rank must share."""
+codec, the checked options, the schedule's plan, how device bytes reach MPI, whether
+started calls may run on a background thread, and the configuration every rank must
+share (from the options' declarations, ``mpicomp.call.options.OPTIONS``)."""
 
 from __future__ import annotations
 
 import difflib
 import json
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 
-from mpi4py import MPI
-
+from mpicomp.call import options
 from mpicomp.call.config import Config
-from mpicomp.call.options import Options
+from mpicomp.call.options import OPTIONS, Options
 from mpicomp.call.worker import overlap_blocker
 from mpicomp.codecs import Codec
 from mpicomp.codecs._base import available as available_codecs
 from mpicomp.codecs._base import codec_parameters
 from mpicomp.codecs._base import make as make_codec
-from mpicomp.collectives._wait import resolve_timeout
+from mpicomp.reduction import Auto, Plan
 from mpicomp.reduction.transport import Transport, cuda_aware
 
 
 @dataclass(frozen=True)
 class Arguments:
-    """A CompressedComm's arguments, checked: ``codec``, ``options``, ``transport``,
+    """A CompressedComm's arguments, checked: ``codec``, ``options``, ``schedule`` (what
+    ``options.schedule`` asks, parsed: a ``Plan``, or ``Auto``), ``transport``,
     ``background`` (whether ``iallreduce`` runs calls on a thread), ``eager_why`` (why
     not, to warn once when the default made it so; None otherwise) and ``config``."""
 
     codec: Codec
     options: Options
+    schedule: Plan | Auto
     transport: Transport
     background: bool
     eager_why: str | None
     config: Config
 
 
-def resolve(codec, codec_params: dict, *, on_call, local_comm, **given) -> Arguments:
-    """Return what ``CompressedComm(comm, codec, **given, **codec_params)`` asks for.
+def split(keywords: dict) -> tuple[dict, dict]:
+    """Return ``CompressedComm``'s keywords as (options, codec parameters)."""
+    given = {k: v for k, v in keywords.items() if k in OPTIONS}
+    return given, {k: v for k, v in keywords.items() if k not in OPTIONS}
+
+
+def resolve(codec, codec_params: dict, given: dict) -> Arguments:
+    """Return what ``CompressedComm(comm, codec, **given, **codec_params)`` asks for
+    (``given``: options only, ``split``).
 
     Raises:
         TypeError, ValueError: as ``CompressedComm`` documents (on this rank alone).
     """
     codec = _codec(codec, codec_params)
-    opts = Options.resolve(codec, **given)
+    opts, schedule = options.resolve(codec, **given)
     why = None if opts.background is False else overlap_blocker(codec.kernels)
     if opts.background and why:
         raise ValueError(f"background=True: {why} (see docs/usage.md, Overlapping communication)")
-    if on_call is not None and not callable(on_call):
-        raise TypeError(f"on_call must be callable or None, got {on_call!r}")
-    if local_comm is not None and not isinstance(local_comm, MPI.Intracomm):
-        raise TypeError(f"local_comm must be an mpi4py.MPI.Intracomm or None, got {local_comm!r}")
     # How device gradients' bytes reach MPI: directly when the library is CUDA-aware.
     transport = Transport(direct=cuda_aware()[0])
     background = why is None if opts.background is None else opts.background
     eager_why = why if opts.background is None else None
-    config = _config(codec, opts, on_call is not None, local_comm is not None, transport)
-    return Arguments(codec, opts, transport, background, eager_why, config)
+    config = _config(codec, opts, transport)
+    return Arguments(codec, opts, schedule, transport, background, eager_why, config)
 
 
 def trace_attrs(args: Arguments) -> dict:
-    """Return the run attributes a trace records about a CompressedComm."""
+    """Return the run attributes a trace records about a CompressedComm: the backend,
+    the transport, the codec, and the options declared ``traced``."""
     codec, opts = args.codec, args.options
-    return {
+    attrs = {
         "backend": codec.kernels.name,
         "cuda_aware": args.transport.direct,
         "device_transport": args.transport.path,
         "mpi_cuda_aware": _mpi_cuda_aware(),
         "codec": codec.name,
         "codec_params": json.dumps(codec.params, sort_keys=True, default=str),
-        "min_numel": opts.min_numel,
-        "bucket_numel": opts.bucket_numel,
-        "error_feedback": opts.error_feedback,
-        "sharded": opts.sharded,
-        "schedule": opts.schedule,
     }
+    attrs.update({o.name: getattr(opts, o.name) for o in OPTIONS.values() if o.traced})
+    return attrs
 
 
 def _codec(codec, params: dict) -> Codec:
@@ -97,8 +100,7 @@ def _codec(codec, params: dict) -> Codec:
 
 
 def _unknown_keywords(unknown: list[str], codec: str) -> str:
-    options = ["comm", "codec", *(f.name for f in fields(Options))]
-    options += ["model", "local_comm", "on_call"]
+    options = ["comm", "codec", *OPTIONS]
     own = codec_parameters(codec)
     parts = []
     for k in unknown:
@@ -111,33 +113,18 @@ def _unknown_keywords(unknown: list[str], codec: str) -> str:
     )
 
 
-def _config(
-    codec: Codec, opts: Options, on_call: bool, local_comm: bool, transport: Transport
-) -> Config:
-    """Return what every rank's CompressedComm must share: what changes the messages
-    (a tracer of a file or of ``on_call`` alike syncs its clock with the other ranks'
-    at start; one of a file also gathers its events at every flush; the staging chunk
-    cuts a float32 sum into as many MPI_Allreduce on every rank)."""
-    traced = opts.trace is not None
-    return Config(
-        {
-            "codec": {"name": codec.name, **codec.params},
-            "schedule": opts.schedule,
-            "sharded": opts.sharded,
-            "min_numel": opts.min_numel,
-            "bucket_numel": opts.bucket_numel,
-            "error_feedback": opts.error_feedback,
-            "nonfinite": opts.nonfinite,
-            "timeout": "off" if opts.timeout == 0 or not resolve_timeout(opts.timeout) else "set",
-            "debug": opts.debug,
-            "traced": traced or on_call,
-            "trace_file": traced,
-            "trace_level": opts.trace_level if traced else None,
-            "trace_flush_every": opts.trace_flush_every if traced else None,
-            "local_comm": local_comm,
-            "staging_chunk": transport.chunk_bytes,
-        }
-    )
+def _config(codec: Codec, opts: Options, transport: Transport) -> Config:
+    """Return what every rank's CompressedComm must share: the codec and its parameters,
+    what each option declares ``agreed`` (what changes the messages: e.g. a tracer of a
+    file or of ``on_call`` alike syncs its clock with the other ranks' at start; one of
+    a file also gathers its events at every flush), and the staging chunk (it cuts a
+    float32 sum into as many MPI_Allreduce on every rank)."""
+    fields = {"codec": {"name": codec.name, **codec.params}}
+    for o in OPTIONS.values():
+        if o.agreed is not None:
+            fields[o.agreed_as or o.name] = o.agreed(opts)
+    fields["staging_chunk"] = transport.chunk_bytes
+    return Config(fields)
 
 
 def _mpi_cuda_aware() -> str:

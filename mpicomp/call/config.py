@@ -16,7 +16,7 @@ from functools import cached_property
 
 import numpy as np
 
-from mpicomp.collectives._wait import resolve_timeout, wait_all
+from mpicomp.collectives._wait import issue_nonblocking, resolve_timeout
 from mpicomp.errors import RankError
 
 
@@ -125,7 +125,7 @@ def allgather_json(comm, mine, timeout: float | None) -> list:
     _gather(comm, [np.array([payload.size], np.int64), sizes], timeout, "sizes")
     ends = np.cumsum(sizes)
     whole = np.empty(int(ends[-1]), dtype=np.uint8)
-    _gather(comm, [payload, [whole, (sizes, ends - sizes)]], timeout, "descriptions", "v")
+    _gather(comm, [payload, [whole, (sizes, ends - sizes)]], timeout, "descriptions", v=True)
     return [
         json.loads(bytes(whole[e - n : e])) if n else None for n, e in zip(sizes, ends, strict=True)
     ]
@@ -169,13 +169,15 @@ def check_same(
         raise RankError(f"ranks configured {what} differently: {differs}")
 
 
-def _gather(comm, args: list, timeout, what: str, v: str = "") -> None:
-    """``MPI_Iallgather[v]`` waited on (with ``timeout`` if set): nonblocking whatever the
-    timeout, because a blocking collective never matches a nonblocking one, and ranks
-    may differ in their timeout here."""
-    request = getattr(comm, "Iallgather" + v)(*args)
-    detail = f"an Iallgather{v} of {what} from each of {comm.size} ranks"
-    wait_all(comm, [request], timeout, "check_same", detail)
+def _gather(comm, args: list, timeout, what: str, v: bool = False) -> None:
+    """``MPI_Iallgather`` (``MPI_Iallgatherv`` with ``v``) waited on (with ``timeout`` if
+    set): nonblocking whatever the timeout, because a blocking collective never matches
+    a nonblocking one, and ranks may differ in their timeout here."""
+    from mpi4py import MPI
+
+    call = MPI.Comm.Iallgatherv if v else MPI.Comm.Iallgather
+    detail = f"an {call.__name__} of {what} from each of {comm.size} ranks"
+    issue_nonblocking(comm, call, *args, timeout=timeout, name="check_same", detail=detail)
 
 
 def ranks_text(ranks: list[int]) -> str:

@@ -15,8 +15,24 @@ import numpy as np
 from mpi4py import MPI
 
 from mpicomp.codecs._wire import MAX_NUMEL
-from mpicomp.codecs.arrays import array_module, check_numel, is_device_array, to_float32
+from mpicomp.codecs.arrays import array_module, is_device_array, to_float32
 from mpicomp.kernels import backend_of
+
+
+def check_numel(x, limit: int, what: str = "x") -> None:
+    """Refuse ``x`` if it has more than ``limit`` elements, from its shape alone (before
+    anything is converted or allocated)."""
+    shape = getattr(x, "shape", None)
+    if shape is None and hasattr(x, "__cuda_array_interface__"):
+        shape = x.__cuda_array_interface__.get("shape")
+    try:
+        numel = math.prod(int(d) for d in shape) if shape is not None else 0
+    except TypeError:
+        return  # no integer shape: to_float32 names what is wrong
+    if numel > limit:
+        raise ValueError(
+            f"{what} has {numel} elements; one call carries at most {limit} (split the tensor)"
+        )
 
 
 @dataclass(frozen=True)

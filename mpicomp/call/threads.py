@@ -61,9 +61,10 @@ def _count(n: int, what: str) -> str:
     return f"{n} {what}{'' if n == 1 else 's'}"
 
 
-def decide(comm) -> Decision:
+def decide(comm, timeout=None) -> Decision:
     """Return this rank's kernel threads (collective over ``comm``: every rank takes part
-    whatever its environment, so none waits for one that skipped).
+    whatever its environment, so none waits for one that skipped; ``timeout``: seconds
+    each message may wait, None: ``MPICOMP_TIMEOUT``).
 
     ``NUMBA_NUM_THREADS`` set: numba's pool, as the user chose. Otherwise ``share`` among
     the ranks of ``comm`` that share this host's memory (``MPI_COMM_TYPE_SHARED``), at
@@ -72,10 +73,14 @@ def decide(comm) -> Decision:
     import numba
     from mpi4py import MPI
 
+    from mpicomp.collectives import plain
+    from mpicomp.collectives._wait import resolve_timeout, split_type
+
+    timeout = resolve_timeout(timeout)
     mine = cpus()
-    node = comm.Split_type(MPI.COMM_TYPE_SHARED, key=comm.Get_rank())
+    node = split_type(comm, MPI.COMM_TYPE_SHARED, comm.Get_rank(), timeout=timeout, name="threads")
     try:
-        host = [set(c) for c in node.allgather(sorted(mine))]
+        host = [set(c) for c in plain.allgather_object(node, sorted(mine), timeout=timeout)]
     finally:
         node.Free()
     pool = int(numba.config.NUMBA_NUM_THREADS)
@@ -89,12 +94,12 @@ _decided: Decision | None = None  # the latest CompressedComm's cap, for every t
 _applied = threading.local()  # .threads: the cap this thread got last
 
 
-def limit(comm) -> Decision:
+def limit(comm, timeout=None) -> Decision:
     """``decide`` (collective over ``comm``); unless the user chose (``NUMBA_NUM_THREADS``),
     keep the decision for every thread that launches kernels and ``apply`` it in this
     one. Return it."""
     global _decided
-    chosen = decide(comm)
+    chosen = decide(comm, timeout)
     _decided = None if chosen.why.startswith(ENV) else chosen
     apply()
     return chosen

@@ -9,7 +9,9 @@ caller gets a ``Handle`` at once. A job's result or exception lands in its handl
 
 from __future__ import annotations
 
+import os
 import queue
+import sys
 import threading
 import warnings
 import weakref
@@ -18,10 +20,21 @@ from collections.abc import Callable
 from mpicomp._log import log
 from mpicomp.call import threads
 
-__all__ = ["Handle", "Runner", "Worker", "overlap_blocker"]
+__all__ = ["Handle", "Runner", "Worker", "overlap_blocker", "user_stacklevel"]
 
 
 _STOP = object()  # the queue item that ends a worker's thread
+_PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep  # mpicomp/
+
+
+def user_stacklevel() -> int:
+    """Return the ``stacklevel`` at which a ``warnings.warn`` made by this function's
+    caller names the first frame outside mpicomp: the user's line, however many of
+    mpicomp's own frames (methods, thread guards, handles) lie between."""
+    level, frame = 2, sys._getframe(2)  # stacklevel 2: the warning function's caller
+    while frame is not None and frame.f_code.co_filename.startswith(_PACKAGE):
+        level, frame = level + 1, frame.f_back
+    return level
 
 
 def overlap_blocker(record) -> str | None:
@@ -220,7 +233,7 @@ class Runner:
                 warnings.warn(
                     f"{why}: iallreduce runs each call at once in the caller's thread (no overlap)",
                     RuntimeWarning,
-                    stacklevel=4,  # this frame, the CompressedComm method, its thread guard, the user's line
+                    stacklevel=user_stacklevel(),
                 )
             handle = Handle(deliver)
             handle._run(job)

@@ -35,22 +35,6 @@ def as_gradient(x, what: str = "x"):
     return out
 
 
-def check_numel(x, limit: int, what: str = "x") -> None:
-    """Refuse ``x`` if it has more than ``limit`` elements, from its shape alone (before
-    anything is converted or allocated)."""
-    shape = getattr(x, "shape", None)
-    if shape is None and hasattr(x, "__cuda_array_interface__"):
-        shape = x.__cuda_array_interface__.get("shape")
-    try:
-        numel = math.prod(int(d) for d in shape) if shape is not None else 0
-    except TypeError:
-        return  # no integer shape: to_float32 names what is wrong
-    if numel > limit:
-        raise ValueError(
-            f"{what} has {numel} elements; one call carries at most {limit} (split the tensor)"
-        )
-
-
 def to_float32(x, what: str = "x"):
     """Return ``(array, overflowed)``: ``x`` as ``as_gradient`` makes it, but a float64
     value beyond float32's range becomes Inf and sets ``overflowed`` instead of raising.

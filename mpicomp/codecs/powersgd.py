@@ -8,9 +8,12 @@ matrices whose factors would not be ``min_compression_rate`` times smaller, go
 uncompressed in the same messages. Error feedback keeps what the factors missed; the
 first ``start_iter`` calls of each tensor are plain float32 averages (no error kept).
 
-The codec is array code (the reduction lives in ``mpicomp.reduction.low_rank``); its
-matrix products run on the gradient's device (BLAS on the CPU, cuBLAS through CuPy), so,
-unlike the kernel codecs, its bits follow the BLAS library's summation order.
+The codec holds the algorithm, one method per step of the paper's Algorithms 1 and 2
+(``begin``, ``add_error``, ``compress``, ``project``, ``decompress``, ``memorize``);
+``mpicomp.reduction.low_rank`` runs them around the agreement and the two sums. It is
+array code: its matrix products run on the gradient's device (BLAS on the CPU, cuBLAS
+through CuPy), so, unlike the kernel codecs, its bits follow the BLAS library's
+summation order.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ from __future__ import annotations
 import math
 import zlib
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -54,6 +58,26 @@ class Layout:
     @property
     def uncompressed(self) -> tuple[Member, ...]:
         return tuple(k for k in self.members if not k.r)
+
+
+@dataclass
+class Work:
+    """One call of PowerSGD on a tensor or bucket, as its steps pass it on.
+
+    ``kept`` holds the tensor's arrays across calls (``"error"``, ``"q"``, ``"calls"``;
+    None: one rank's share alone, nothing kept); ``factored``: this call sends factors
+    (False: one of the first ``start_iter`` calls, a plain float32 average); ``x`` is Δ,
+    the gradient plus its kept error; ``q`` the averaged Q factors once decompressed.
+    """
+
+    kept: dict | None
+    layout: Layout
+    name: str
+    feedback: bool
+    done: int
+    factored: bool
+    x: Any = None
+    q: Any = None
 
 
 @register
@@ -155,6 +179,109 @@ class PowerSGD(Codec):
         floats): Gaussian draws seeded by ``seed`` and the name, alike on every rank."""
         rng = np.random.default_rng([self.seed, zlib.crc32(name.encode())])
         return xp.asarray(rng.standard_normal(layout.q_size, dtype=np.float32))
+
+    # -- The steps of one call, in the order mpicomp.reduction.low_rank runs them --------
+    # (Vogels et al., Algorithm 1: P = M Q, all-reduce P, P̂ = orthogonalize(P), Q = Mᵀ P̂,
+    # all-reduce Q, decompress P̂ Qᵀ; Algorithm 2: Δ = g + e, e = Δ - decompress.)
+
+    def begin(self, kept: dict | None, shapes, name: str, feedback: bool) -> Work:
+        """Return the work of one call of tensor ``name`` (the tensors of ``shapes`` end
+        to end) whose arrays kept across calls are ``kept`` (None: nothing kept, the
+        call factored; ``feedback``: error feedback)."""
+        done = int(kept["calls"][0]) if kept is not None and "calls" in kept else 0
+        factored = kept is None or done >= self.start_iter
+        return Work(kept, self.layout(shapes), name, feedback, done, factored)
+
+    def add_error(self, work: Work, gradient):
+        """Return Δ = ``gradient`` + its kept error (Algorithm 2: error feedback), or
+        ``gradient`` itself where nothing is kept (a plain call, the first one, no
+        error feedback); refuse kept arrays of another layout than this call's."""
+        if not work.factored or work.kept is None:
+            return gradient
+        error = work.kept.get("error") if work.feedback else None
+        q = work.kept.get("q")
+        if (error is not None and error.size != gradient.size) or (
+            q is not None and q.size != work.layout.q_size
+        ):
+            raise ValueError(
+                f"{self.name}: tensor {work.name!r} had another layout (sizes or shapes) "
+                "before; give each tensor its own name, or forget(name) after changing it"
+            )
+        return gradient + error if error is not None else gradient
+
+    def compress(self, work: Work, x):
+        """Return what ranks sum first of Δ = ``x``: P = Δ Q of every factored matrix
+        (its Q orthogonalized: the previous average under ``warm_start``, else first
+        draws), then the members sent as they are; a plain call's ``x`` itself."""
+        work.x = x
+        if not work.factored:
+            return x
+        layout, xp = work.layout, array_module(x)
+        q = work.kept.get("q") if work.kept is not None else None
+        q = q.copy() if q is not None and self.warm_start else self.first_q(work.name, layout, xp)
+        wire = xp.empty(layout.p_size + layout.u_size, np.float32)
+        p_at, q_at = 0, 0
+        for k in layout.compressed:
+            factor = q[q_at : q_at + k.m * k.r].reshape(k.m, k.r)
+            self.orthogonalize(factor)
+            matrix = x[k.start : k.stop].reshape(k.n, k.m)
+            wire[p_at : p_at + k.n * k.r] = (matrix @ factor).reshape(-1)
+            p_at, q_at = p_at + k.n * k.r, q_at + k.m * k.r
+        for k in layout.uncompressed:
+            wire[p_at : p_at + k.stop - k.start] = x[k.start : k.stop]
+            p_at += k.stop - k.start
+        return wire
+
+    def project(self, work: Work, p_sum):
+        """Orthogonalize each P of ``p_sum`` (the first sum over ranks) in place, as it is
+        (no division: the columns' scale goes), and return what ranks sum second:
+        Q = Δᵀ P̂ of every factored matrix."""
+        layout, x = work.layout, work.x
+        qs = array_module(p_sum).empty(layout.q_size, np.float32)
+        p_at, q_at = 0, 0
+        for k in layout.compressed:
+            p = p_sum[p_at : p_at + k.n * k.r].reshape(k.n, k.r)
+            self.orthogonalize(p)
+            matrix = x[k.start : k.stop].reshape(k.n, k.m)
+            qs[q_at : q_at + k.m * k.r] = (matrix.T @ p).reshape(-1)
+            p_at, q_at = p_at + k.n * k.r, q_at + k.m * k.r
+        return qs
+
+    def decompress(self, work: Work, p_sum, q_sum, nranks: int):
+        """Return the average over ``nranks``: P̂ Qᵀ of every factored matrix, Q the mean
+        of ``q_sum`` (kept for the warm start), and the mean of the members sent as they
+        are; a plain call's mean of ``p_sum``. Divides the sums in place."""
+        if not work.factored:
+            p_sum /= np.float32(nranks)
+            return p_sum
+        layout = work.layout
+        out = array_module(p_sum).empty(work.x.size, np.float32)
+        p_at = layout.p_size
+        for k in layout.uncompressed:
+            out[k.start : k.stop] = p_sum[p_at : p_at + k.stop - k.start] / np.float32(nranks)
+            p_at += k.stop - k.start
+        q_sum /= np.float32(nranks)
+        p_at, q_at = 0, 0
+        for k in layout.compressed:
+            p = p_sum[p_at : p_at + k.n * k.r].reshape(k.n, k.r)
+            factor = q_sum[q_at : q_at + k.m * k.r].reshape(k.m, k.r)
+            out[k.start : k.stop] = (p @ factor.T).reshape(-1)
+            p_at, q_at = p_at + k.n * k.r, q_at + k.m * k.r
+        work.q = q_sum
+        return out
+
+    def memorize(self, work: Work, out) -> None:
+        """Keep what the next call of the tensor needs: the error e = Δ - ``out``
+        (Algorithm 2, under error feedback), the averaged Q, the count of calls. New
+        arrays, never written into the kept ones: a rolled-back call puts those back."""
+        kept = work.kept
+        if kept is None:
+            return
+        if work.factored:
+            if work.feedback:
+                kept["error"] = work.x - out
+            kept["q"] = work.q
+        kept["calls"] = np.array([work.done + 1], np.float32)
 
 
 def _inverse_power_of_two(xp, matrix):

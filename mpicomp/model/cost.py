@@ -26,7 +26,7 @@ import math
 from dataclasses import dataclass
 
 from mpicomp.codecs._wire import header_size
-from mpicomp.reduction import FLOAT32, HIER, candidates, kind_of
+from mpicomp.reduction import AUTO, FLOAT32, Plan, kind_of, parse, plan
 from mpicomp.reduction._cost import (
     AGREEMENT_BYTES,
     Cost,
@@ -35,16 +35,15 @@ from mpicomp.reduction._cost import (
     gathered,
     mpi_allreduce,
 )
-from mpicomp.reduction.float_sum import by_mpi_allreduce
 
 __all__ = [
     "AGREEMENT_BYTES",
     "FLOAT32",
-    "HIER",
     "Cost",
     "Network",
     "Topology",
     "bounded",
+    "cheapest",
     "choose",
     "compute_seconds",
     "cost",
@@ -78,30 +77,38 @@ class Network:
         return cost.messages * self.alpha + cost.bytes / self.beta
 
 
-def cost(schedule: str, codec, numel: int, nranks: int, payload: int | None = None) -> Cost:
+def _plan(schedule: str | Plan, codec) -> Plan:
+    """Return ``schedule`` as a plan of ``codec`` (a name is parsed by ``mpicomp.reduction``)."""
+    return schedule if isinstance(schedule, Plan) else plan(codec, schedule)
+
+
+def cost(schedule: str | Plan, codec, numel: int, nranks: int, payload: int | None = None) -> Cost:
     """Return the critical path of one ``CompressedComm`` call of ``codec`` by ``schedule``.
 
     Args:
-        schedule: one of the codec's schedules (``mpicomp.reduction``), or
-            ``"float32"``: the uncompressed MPI_Allreduce of float32 any codec falls back
-            to (below ``min_numel``).
+        schedule: one of the codec's flat schedules (``mpicomp.reduction``; a name or its
+            ``Plan``), or ``"float32"``: the uncompressed MPI_Allreduce of float32 any
+            codec falls back to (below ``min_numel``).
         codec: a made codec (``mpicomp.codec(...)``).
         numel: elements of the tensor.
         nranks: ranks of the communicator.
         payload: gather codecs: the bytes of one rank's payload (required).
 
     Raises:
-        ValueError: a schedule the codec does not have, or a gather codec without payload.
+        ValueError: a schedule the codec does not have (a hierarchical one: ``predict``),
+            or a gather codec without payload.
     """
-    head = agreement(nranks)  # every call agrees first
-    if schedule == FLOAT32:
-        return head + mpi_allreduce(4 * numel, nranks)
+    chosen = _plan(schedule, codec)
     kind = kind_of(codec)
-    if schedule not in kind.schedules_of(codec):
-        raise ValueError(f"codec {codec.name!r} ({kind.name}) has no schedule {schedule!r}")
-    if kind.payload and payload is None:
+    if chosen.hierarchical:
+        raise ValueError(
+            f"codec {codec.name!r} ({kind.name}) has no schedule {chosen.name!r} between "
+            "ranks on one level (predict covers the hierarchical schedules)"
+        )
+    if chosen.compressed and kind.payload and payload is None:
         raise ValueError(f"{codec.name}: the cost of a {kind.name} schedule needs payload bytes")
-    return head + kind.schedules[schedule].cost(codec, numel, nranks, payload)
+    # Every call agrees first; then the schedule's own messages.
+    return agreement(nranks) + chosen.schedule.cost(codec, numel, nranks, payload)
 
 
 # -- where the ranks are, what each schedule then costs, and the cheapest ---------------
@@ -146,7 +153,7 @@ def schedules_of(codec, topology: Topology) -> tuple[str, ...]:
     (``mpicomp.reduction``), the hierarchical ones where ``topology`` allows (not for
     fp16's sum), and the float32 MPI_Allreduce (``none``: MPI_Allreduce or mpicomp's
     float32 ring)."""
-    return candidates(codec, topology.hierarchical)
+    return tuple(p.name for p in parse(codec, AUTO).candidates(topology.hierarchical))
 
 
 def payload_bytes(speed, numel: int) -> int:
@@ -155,26 +162,26 @@ def payload_bytes(speed, numel: int) -> int:
     return header_size(1) + math.ceil(speed.bits * numel / 8)
 
 
-def _alltoall_bytes(schedule: str, codec, numel: int, nranks: int, payload: int | None) -> int:
+def _alltoall_bytes(chosen: Plan, codec, numel: int, nranks: int, payload: int | None) -> int:
     """The bytes of ``cost`` that every rank sends to every other at once (the direct
     schedule's codes, the sharded push): with R ranks per host, R such streams share a
     host's link, where a ring's one neighbour does not."""
-    if nranks == 1 or schedule == FLOAT32:
+    if nranks == 1:
         return 0
-    return kind_of(codec).schedules[schedule].alltoall(codec, numel, nranks, payload)
+    return chosen.schedule.alltoall(codec, numel, nranks, payload)
 
 
-def compute_seconds(schedule: str, codec, speed, numel: int, nranks: int) -> float:
+def compute_seconds(schedule: str | Plan, codec, speed, numel: int, nranks: int) -> float:
     """Return one rank's encode and decode seconds in a call of ``schedule`` (a flat
-    one) over ``numel`` elements and ``nranks`` ranks, at ``speed``'s seconds per element."""
-    if schedule == FLOAT32:
-        return 0.0
-    return kind_of(codec).schedules[schedule].compute(codec, speed, numel, nranks)
+    one, a name or its ``Plan``) over ``numel`` elements and ``nranks`` ranks, at
+    ``speed``'s seconds per element (none for the float32 sum)."""
+    return _plan(schedule, codec).schedule.compute(codec, speed, numel, nranks)
 
 
-def predict(schedule: str, codec, numel: int, topology: Topology, model) -> float:
+def predict(schedule: str | Plan, codec, numel: int, topology: Topology, model) -> float:
     """Return the predicted seconds of one call of ``codec`` over ``numel`` elements by
-    ``schedule`` (flat, ``"hier:..."`` or ``"float32"``) on ``topology`` with ``model``'s
+    ``schedule`` (flat, ``"hier:..."`` or ``"float32"``; a name or its ``Plan``) on
+    ``topology`` with ``model``'s
     networks and speeds (``mpicomp.model.Model``).
 
     Flat schedules run over the network between hosts when there are several (the
@@ -192,13 +199,14 @@ def predict(schedule: str, codec, numel: int, topology: Topology, model) -> floa
         ValueError: a schedule the codec or the topology does not have; a codec ``model``
             has no speed for.
     """
+    chosen = _plan(schedule, codec)
     topo, N, R, H = topology, topology.nranks, topology.per_host, topology.hosts
     speed = model.speed(codec)
     wide = model.inter if H > 1 else model.intra
-    if schedule.startswith(HIER):
+    if chosen.hierarchical:
         if not topo.hierarchical:
-            raise ValueError(f"schedule {schedule!r} needs several hosts of as many ranks each")
-        inner, shard = schedule[len(HIER) :], -(-numel // R)
+            raise ValueError(f"schedule {chosen.name!r} needs several hosts of as many ranks each")
+        inner, shard = plan(codec, chosen.flat), -(-numel // R)
         payload = payload_bytes(speed, shard) if kind_of(codec).payload else None
         between = cost(inner, codec, shard, H, payload)
         between = Cost(between.messages, R * between.bytes)  # R shards over one link
@@ -208,7 +216,7 @@ def predict(schedule: str, codec, numel: int, topology: Topology, model) -> floa
             + 2 * model.intra.time(within)
             + compute_seconds(inner, codec, speed, shard, H)
         )
-    if by_mpi_allreduce(schedule, codec):
+    if chosen.mpi_allreduce:
         # The MPI library's all-reduce at its measured efficiency; on several hosts of
         # several ranks as MPI libraries run it there: reduce within the host,
         # all-reduce between hosts, broadcast within.
@@ -217,14 +225,26 @@ def predict(schedule: str, codec, numel: int, topology: Topology, model) -> floa
         between = wide.time(mpi_allreduce(nbytes, H if nested else N))
         return wide.time(agreement(N)) + model.mpi_allreduce * between + within
     payload = payload_bytes(speed, numel) if kind_of(codec).payload else None
-    c = cost(schedule, codec, numel, N, payload)
-    shared = (R - 1) * _alltoall_bytes(schedule, codec, numel, N, payload) if H > 1 else 0
-    return wide.time(c) + shared / wide.beta + compute_seconds(schedule, codec, speed, numel, N)
+    c = cost(chosen, codec, numel, N, payload)
+    shared = (R - 1) * _alltoall_bytes(chosen, codec, numel, N, payload) if H > 1 else 0
+    return wide.time(c) + shared / wide.beta + compute_seconds(chosen, codec, speed, numel, N)
+
+
+def cheapest(
+    plans: tuple[Plan, ...], codec, numel: int, topology: Topology, model
+) -> tuple[Plan, dict[Plan, float]]:
+    """Return the cheapest of ``plans`` for ``numel`` elements and every plan's predicted
+    seconds (ties go to the earlier plan). The same inputs give the same choice on
+    every rank."""
+    times = {p: predict(p, codec, numel, topology, model) for p in plans}
+    return min(times, key=times.__getitem__), times
 
 
 def choose(codec, numel: int, topology: Topology, model) -> tuple[str, dict[str, float]]:
-    """Return the cheapest of ``schedules_of(codec, topology)`` for ``numel`` elements,
-    and every candidate's predicted seconds (ties go to the earlier candidate: the
-    codec's default first). The same inputs give the same choice on every rank."""
-    times = {s: predict(s, codec, numel, topology, model) for s in schedules_of(codec, topology)}
-    return min(times, key=times.__getitem__), times
+    """Return the name of the cheapest of ``schedules_of(codec, topology)`` for ``numel``
+    elements, and every candidate's predicted seconds by name (ties go to the earlier
+    candidate: the codec's default first). The same inputs give the same choice on
+    every rank."""
+    plans = parse(codec, AUTO).candidates(topology.hierarchical)
+    chosen, times = cheapest(plans, codec, numel, topology, model)
+    return chosen.name, {p.name: t for p, t in times.items()}

@@ -26,6 +26,8 @@ from collections.abc import Callable
 
 import numpy as np
 
+from mpicomp.collectives import plain
+from mpicomp.collectives._wait import Exchange, resolve_timeout, split, split_type
 from mpicomp.kernels import backend_of
 from mpicomp.kernels.bits import packed_size
 from mpicomp.model.cost import Network, Topology
@@ -57,24 +59,33 @@ _CHANNEL = 512 * 3 * 3
 # -- the hosts -------------------------------------------------------------------------
 
 
-def host_comm(comm, local_comm=None):
+def host_comm(comm, local_comm=None, *, timeout=None):
     """Return the ranks of ``comm`` on this rank's host, as a new communicator split from
     ``comm`` (collective): those of ``local_comm`` (default
-    ``comm.Split_type(COMM_TYPE_SHARED)``: the ranks that share memory)."""
+    ``comm.Split_type(COMM_TYPE_SHARED)``: the ranks that share memory).
+
+    ``timeout``, here and below: seconds each message may wait (the collectives'
+    ``timeout``; None: ``MPICOMP_TIMEOUT``). Under one, the probe's messages are waited
+    on as every call's are, so what it times is the network as the calls use it.
+    """
     from mpi4py import MPI
 
-    local = comm.Split_type(MPI.COMM_TYPE_SHARED, comm.rank) if local_comm is None else local_comm
+    timeout = resolve_timeout(timeout)
+    local = local_comm
+    if local is None:
+        local = split_type(comm, MPI.COMM_TYPE_SHARED, comm.rank, timeout=timeout, name="hosts")
     try:
-        first = local.allreduce(comm.rank, op=MPI.MIN)  # the host's first rank names it
+        first = np.array([comm.rank], np.int64)  # the host's first rank names it
+        plain.allreduce(local, MPI.IN_PLACE, first, MPI.MIN, timeout=timeout)
     finally:
         if local_comm is None:
             local.Free()
-    return comm.Split(first, comm.rank)
+    return split(comm, int(first[0]), comm.rank, timeout=timeout, name="hosts")
 
 
-def topology(comm, node) -> Topology:
+def topology(comm, node, *, timeout=None) -> Topology:
     """Return the ``Topology`` of ``comm`` whose host communicator is ``node`` (collective)."""
-    counts = comm.allgather((node.Get_rank() == 0, node.Get_size()))
+    counts = plain.allgather_object(comm, (node.Get_rank() == 0, node.Get_size()), timeout=timeout)
     sizes = [n for leader, n in counts if leader]
     return Topology(len(sizes), max(sizes), len(set(sizes)) == 1, comm.Get_size())
 
@@ -82,30 +93,32 @@ def topology(comm, node) -> Topology:
 # -- the network -----------------------------------------------------------------------
 
 
-def measure_network(comm, reps: int = 5, nbytes: int = PROBE_BYTES) -> Network | None:
+def measure_network(
+    comm, reps: int = 5, nbytes: int = PROBE_BYTES, *, timeout=None
+) -> Network | None:
     """Return the latency-bandwidth model of ``comm`` as its ranks use it together: every
     rank ``Sendrecv`` s to its right neighbour from its left, 8 bytes then n bytes,
     ``reps`` times each after a warm-up; the slowest rank's median times t_8 and t_n give
     alpha = t_8 and beta = (n - 8) / (t_n - t_8) (n / t_n when t_n < 2 t_8: busy cores).
     n starts at ``nbytes`` and grows 8-fold while t_n < ``PROBE_SECONDS`` (up to
     ``PROBE_MAX_BYTES``). Collective; None on one rank."""
-    from mpi4py import MPI
-
     size, rank = comm.Get_size(), comm.Get_rank()
     if size == 1:
         return None
+    timeout = resolve_timeout(timeout)
     right, left = (rank + 1) % size, (rank - 1) % size
+    exchange = Exchange(comm, timeout, "network probe", 0x90D)
 
     def median_time(n: int) -> float:
         send, recv = np.zeros(n, np.uint8), np.empty(n, np.uint8)
         times = []
         for i in range(reps + 1):
-            comm.Barrier()
+            plain.barrier(comm, timeout=timeout)
             t0 = time.perf_counter()
-            comm.Sendrecv(send, right, 0x90D, recv, left, 0x90D)
+            exchange(send, right, recv, left, f"the {n}-byte probe", 1)
             if i:  # the first is a warm-up (connections, registration)
                 times.append(time.perf_counter() - t0)
-        return comm.allreduce(statistics.median(times), op=MPI.MAX)
+        return _slowest(comm, statistics.median(times), timeout)
 
     t_small, t_large = median_time(8), median_time(nbytes)
     while t_large < PROBE_SECONDS and nbytes < PROBE_MAX_BYTES:  # the same on every rank
@@ -117,7 +130,7 @@ def measure_network(comm, reps: int = 5, nbytes: int = PROBE_BYTES) -> Network |
     return Network(t_small, (nbytes - 8) / max(spread, 1e-9))
 
 
-def measure_mpi_allreduce(comm, network: Network | None, reps: int = 3) -> float:
+def measure_mpi_allreduce(comm, network: Network | None, reps: int = 3, *, timeout=None) -> float:
     """Return MPI_Allreduce's time over its prediction on ``network`` (Hockney's model of
     ``mpicomp.model.cost``): float32 sums of about ALLREDUCE_SECONDS of the link's bytes
     (1 to 32 MiB), the slowest rank's median of ``reps`` after a warm-up. Above 1: the
@@ -130,17 +143,20 @@ def measure_mpi_allreduce(comm, network: Network | None, reps: int = 3) -> float
     size = comm.Get_size()
     if size == 1 or network is None:
         return 1.0
+    timeout = resolve_timeout(timeout)
     nbytes = int(min(PROBE_MAX_BYTES, max(PROBE_BYTES, network.beta * ALLREDUCE_SECONDS)))
-    nbytes = comm.bcast(nbytes - nbytes % 4, root=0)  # one size on every rank
+    agreed = np.array([nbytes - nbytes % 4], np.int64)
+    plain.bcast(comm, agreed, 0, timeout=timeout)  # one size on every rank
+    nbytes = int(agreed[0])
     send, recv = np.ones(nbytes // 4, np.float32), np.empty(nbytes // 4, np.float32)
     times = []
     for i in range(reps + 1):
-        comm.Barrier()
+        plain.barrier(comm, timeout=timeout)
         t0 = time.perf_counter()
-        comm.Allreduce(send, recv, op=MPI.SUM)
+        plain.allreduce(comm, send, recv, MPI.SUM, timeout=timeout)
         if i:  # the first is a warm-up
             times.append(time.perf_counter() - t0)
-    measured = comm.allreduce(statistics.median(times), op=MPI.MAX)
+    measured = _slowest(comm, statistics.median(times), timeout)
     ratio = max(measured, 1e-9) / max(network.time(mpi_allreduce(nbytes, size)), 1e-9)
     # Within the model's noise, keep the library's own all-reduce (its fewer messages,
     # no copies in Python): only a clear loss makes the ring look cheaper.
@@ -253,7 +269,7 @@ def measure_speed(codec, numel: int = SPEED_NUMEL, reps: int = 3) -> Speed:
     return Speed(t_enc / numel, t_dec / numel, 8 * wire() / numel)
 
 
-def measured_speeds(comm, codecs, numel: int = SPEED_NUMEL) -> dict[str, Speed]:
+def measured_speeds(comm, codecs, numel: int = SPEED_NUMEL, *, timeout=None) -> dict[str, Speed]:
     """Return the speeds of ``codecs`` measured on every rank, the slowest rank's
     (collective: every rank passes the same codecs)."""
     from mpi4py import MPI
@@ -262,7 +278,7 @@ def measured_speeds(comm, codecs, numel: int = SPEED_NUMEL) -> dict[str, Speed]:
     for codec in codecs:
         s = measure_speed(codec, numel)
         worst = np.empty(2)
-        comm.Allreduce(np.array([s.encode, s.decode]), worst, op=MPI.MAX)
+        plain.allreduce(comm, np.array([s.encode, s.decode]), worst, MPI.MAX, timeout=timeout)
         out[codec_key(codec)] = Speed(float(worst[0]), float(worst[1]), s.bits)
     return out
 
@@ -270,7 +286,7 @@ def measured_speeds(comm, codecs, numel: int = SPEED_NUMEL) -> dict[str, Speed]:
 # -- the model -------------------------------------------------------------------------
 
 
-def measure(comm, node, codecs=(), numel: int = SPEED_NUMEL) -> Model:
+def measure(comm, node, codecs=(), numel: int = SPEED_NUMEL, *, timeout=None) -> Model:
     """Return the model of ``comm`` measured now (collective): the network within a host
     on ``node`` (all hosts at once), between hosts on one rank per host (with
     MPI_Allreduce's efficiency there), and the speed of every codec of ``codecs`` (the
@@ -279,25 +295,29 @@ def measure(comm, node, codecs=(), numel: int = SPEED_NUMEL) -> Model:
     One host: ``inter`` is ``intra``. One rank per host: ``intra`` is ``inter``."""
     from mpi4py import MPI
 
-    topo = topology(comm, node)
+    timeout = resolve_timeout(timeout)
+    within = {"timeout": timeout}
+    topo = topology(comm, node, **within)
     if topo.hosts == 1:
-        intra = inter = measure_network(comm) or Network(0.0, 1e12)
-        factor = measure_mpi_allreduce(comm, inter)
+        intra = inter = measure_network(comm, **within) or Network(0.0, 1e12)
+        factor = measure_mpi_allreduce(comm, inter, **within)
     else:
-        leaders = comm.Split(0 if node.Get_rank() == 0 else MPI.UNDEFINED, comm.Get_rank())
+        color = 0 if node.Get_rank() == 0 else MPI.UNDEFINED
+        leaders = split(comm, color, comm.Get_rank(), timeout=timeout, name="hosts")
         inter, factor = None, None
         if leaders != MPI.COMM_NULL:
-            inter = measure_network(leaders)
-            factor = measure_mpi_allreduce(leaders, inter)
+            inter = measure_network(leaders, **within)
+            factor = measure_mpi_allreduce(leaders, inter, **within)
             leaders.Free()
-        inter, factor = comm.bcast((inter, factor), root=0)  # rank 0 leads its host
-        intra = measure_network(node) if topo.per_host > 1 else None
-        intra = comm.bcast(intra, root=0) or inter
+        # Rank 0 leads its host.
+        inter, factor = plain.bcast_object(comm, (inter, factor), 0, **within)
+        intra = measure_network(node, **within) if topo.per_host > 1 else None
+        intra = plain.bcast_object(comm, intra, 0, **within) or inter
     model = Model(intra, inter, source="measured", mpi_allreduce=factor)
-    return model.with_speeds(measured_speeds(comm, codecs, numel))
+    return model.with_speeds(measured_speeds(comm, codecs, numel, **within))
 
 
-def resolve(comm, node, codec, given=None) -> Model:
+def resolve(comm, node, codec, given=None, *, timeout=None) -> Model:
     """Return the model a ``CompressedComm(schedule="auto")`` of ``codec`` predicts with
     (collective): ``given`` (a ``Model`` or a file), else the file ``MPICOMP_MODEL``
     names, else the networks measured now; a speed it lacks for ``codec`` is measured
@@ -307,20 +327,30 @@ def resolve(comm, node, codec, given=None) -> Model:
         ValueError, TypeError, OSError: ``given`` or the file is not a model (on every
             rank, with rank 0's reason).
     """
+    timeout = resolve_timeout(timeout)
     problem, model = None, None
     if comm.Get_rank() == 0:
         try:
             model = _given(given)
         except (ValueError, TypeError, OSError) as e:
             problem = e
-    model, problem = comm.bcast((model, problem), root=0)
+    model, problem = plain.bcast_object(comm, (model, problem), 0, timeout=timeout)
     if problem is not None:
         raise problem
     if model is None:
-        model = measure(comm, node)
+        model = measure(comm, node, timeout=timeout)
     if codec.compresses and codec_key(codec) not in model.speeds:
-        model = model.with_speeds(measured_speeds(comm, [codec]))
-    return comm.bcast(model, root=0)
+        model = model.with_speeds(measured_speeds(comm, [codec], timeout=timeout))
+    return plain.bcast_object(comm, model, 0, timeout=timeout)
+
+
+def _slowest(comm, seconds: float, timeout) -> float:
+    """Return the largest of every rank's ``seconds`` (collective)."""
+    from mpi4py import MPI
+
+    most = np.array([seconds])
+    plain.allreduce(comm, MPI.IN_PLACE, most, MPI.MAX, timeout=timeout)
+    return float(most[0])
 
 
 def _given(given) -> Model | None:

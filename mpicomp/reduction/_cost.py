@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from mpicomp.collectives.ring import chunk_size
+from mpicomp.collectives.bounded import chunk_size
 from mpicomp.kernels.bits import packed_size
 
 AGREEMENT_BYTES = 192  # the MaxAllReduce head every call sends first

@@ -9,7 +9,7 @@ from typing import NamedTuple
 
 from mpicomp.collectives.direct import direct_allreduce_bounded
 from mpicomp.collectives.ring import ring_allreduce_bounded
-from mpicomp.reduction.residuals import Stateless
+from mpicomp.reduction.residuals import Kept, Stateless
 
 
 def _encode_and_decode(codec, speed, numel: int, nranks: int) -> float:
@@ -20,7 +20,7 @@ def _none(codec, numel: int, nranks: int, payload: int | None) -> int:
     return 0
 
 
-def _stateless(codec, options) -> Stateless:
+def _stateless(codec, options) -> Kept:
     return Stateless()
 
 
@@ -65,7 +65,7 @@ class Kind:
     shaped: bool = False
     payload: bool = False
     feedback: bool = False
-    state: Callable = _stateless
+    state: Callable[..., Kept] = _stateless
     alone: Callable | None = None
 
     @property

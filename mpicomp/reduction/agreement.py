@@ -7,7 +7,7 @@ so a bad tensor on one rank never leaves the others waiting.
 
 A ``Call`` carries what every message of one call shares: the communicator, the step,
 the recorder, the NaN/Inf policy, the timeout, the residuals, and a phase clock
-(``mpicomp.trace.NO_CLOCK`` when untraced): ``clock.encoded()``,
+(``reduction.clock.NO_CLOCK`` when untraced): ``clock.encoded()``,
 ``clock.communicated()`` and ``clock.decoded()`` charge the time since the previous
 mark to local compression work, to messages (collectives with their own packing, and
 waiting for other ranks), and to decoding and averaging.
@@ -36,9 +36,9 @@ from mpicomp.collectives.maxallreduce import max_allreduce
 from mpicomp.errors import PeerClosed, RankError
 from mpicomp.kernels import backend_of
 from mpicomp.kernels.readback import when
-from mpicomp.reduction.residuals import NO_RESIDUALS
+from mpicomp.reduction.clock import NO_CLOCK, Clock
+from mpicomp.reduction.residuals import NO_RESIDUALS, CallState
 from mpicomp.reduction.transport import Transport
-from mpicomp.trace import NO_CLOCK
 
 POLICIES = ("raise", "skip_step", "zero")
 
@@ -98,14 +98,14 @@ class Call:
     comm: object
     step: int = 0
     recorder: object = None
-    clock: object = NO_CLOCK
+    clock: Clock = NO_CLOCK
     description: dict = field(default_factory=dict)
     digest: int = 0
     guard: Guard = RAISE
     timeout: float | None = None
     kernels: object = None
     transport: Transport | None = None
-    residuals: object = NO_RESIDUALS
+    residuals: CallState = NO_RESIDUALS
     shapes: tuple = ()
     stream: int = 0
     config: Config = Config()

@@ -26,7 +26,7 @@ from mpicomp.reduction.agreement import (
     raise_overflow,
 )
 from mpicomp.reduction.hierarchy import PREFIX
-from mpicomp.reduction.residuals import Encoding, Residuals, Stateless
+from mpicomp.reduction.residuals import Encoding, GatherState, Residuals, Stateless
 
 
 @runtime_checkable
@@ -53,7 +53,8 @@ def allgather(call: Call, codec, flat):
     """Allgather every rank's payload; every rank decodes all and averages in rank order."""
     clock = call.clock
     dev = device(flat)
-    payload, flat, err, bad = encode_here(call, call.residuals.encode, flat)
+    residuals: GatherState = call.residuals
+    payload, flat, err, bad = encode_here(call, residuals.encode, flat)
     clock.encoded()
     agree(call, flat.size, err, nonfinite=bad)
     try:
@@ -73,7 +74,7 @@ def sharded(call: Call, codec, flat):
     ``call.residuals.push(shard, s)`` compresses this rank's shard s (worker residual s);
     ``call.residuals.pull(avg_shard)`` the owner's average (owner residual).
     """
-    residuals = call.residuals
+    residuals: GatherState = call.residuals
     comm, clock = call.comm, call.clock
     dev = device(flat)
     bounds = shard_bounds(flat.size, comm.size)

@@ -7,10 +7,9 @@ from __future__ import annotations
 import math
 from typing import Any, Protocol, runtime_checkable
 
-import numpy as np
 from mpi4py import MPI
 
-from mpicomp.codecs.arrays import all_finite, array_module
+from mpicomp.codecs.arrays import all_finite
 from mpicomp.collectives import plain
 from mpicomp.kernels import backend_of
 from mpicomp.reduction._cost import Cost, mpi_allreduce
@@ -24,113 +23,83 @@ from mpicomp.reduction.agreement import (
     raise_overflow,
     up,
 )
-from mpicomp.reduction.residuals import Memory
+from mpicomp.reduction.residuals import LowRankState, Memory
 
 
 @runtime_checkable
 class LowRankCodec(Protocol):
-    """``aggregation = "low_rank"``: ``layout(shapes)`` says which tensors are factored
-    at which rank; ``orthogonalize`` and ``first_q`` are the algorithm's own steps;
-    ``start_iter`` plain calls come first, ``warm_start`` reuses Q."""
+    """``aggregation = "low_rank"``: each call sums two float32 wires over ranks, the
+    second computed from the first's sum (PowerSGD: P = Δ Q, then Q = Δᵀ P̂).
+
+    ``run`` calls, on every rank: ``begin(kept, shapes, name, feedback)`` for the call's
+    work (``kept``: the tensor's arrays kept across calls, a dict; ``work.factored``
+    False makes the call one plain float32 sum); ``add_error(work, gradient)`` for Δ
+    (``gradient`` itself where nothing is added); ``compress(work, x)`` for the first
+    wire; ``project(work, p_sum)`` for the second; ``decompress(work, p_sum, q_sum,
+    nranks)`` for the average (``q_sum`` None in a plain call); ``memorize(work, out)``
+    last, which puts new arrays into ``kept``, never writes into the old ones (a call
+    that fails puts those back). ``rank`` sizes the factors in the cost model.
+    """
 
     name: str
     aggregation: str
-    start_iter: int
-    warm_start: bool
+    rank: int
 
-    def layout(self, shapes) -> Any: ...
+    def begin(self, kept: dict | None, shapes, name: str, feedback: bool) -> Any: ...
 
-    def orthogonalize(self, matrix) -> None: ...
+    def add_error(self, work, gradient) -> Any: ...
 
-    def first_q(self, name: str, layout, xp) -> Any: ...
+    def compress(self, work, x) -> Any: ...
+
+    def project(self, work, p_sum) -> Any: ...
+
+    def decompress(self, work, p_sum, q_sum, nranks: int) -> Any: ...
+
+    def memorize(self, work, out) -> None: ...
+
+
+def _compress(call: Call, codec, work):
+    """Return ``compress(flat)``: this rank's first wire of ``flat``, its input refused
+    where Δ (``flat`` plus the kept error) holds NaN or Inf."""
+
+    def compress(flat):
+        x = codec.add_error(work, flat)
+        if not all_finite(x):
+            if x is flat or not all_finite(flat):
+                raise ValueError("NaN or Inf")
+            what = f"{call.label!r} plus its kept error"
+            raise ValueError(_overflow(call, codec, what, kept=True, factors=False))
+        return codec.compress(work, x)
+
+    return compress
 
 
 def run(call: Call, codec, flat):
-    """Average ``flat`` (the tensors of ``call.shapes``) by PowerSGD's two rounds."""
-    comm, clock, memory = call.comm, call.clock, call.residuals.arrays
-    done = int(memory["calls"][0]) if "calls" in memory else 0
-    # Plain float32 averages first, as the hook's start_powerSGD_iter (no error kept).
-    plain = done < codec.start_iter
+    """Average ``flat`` (the tensors of ``call.shapes``) by the codec's two rounds: the
+    sum of every rank's first wire, then of its second, made from that sum (one plain
+    sum where the call is not factored)."""
+    comm, clock = call.comm, call.clock
+    kept: LowRankState = call.residuals
     dev = device(flat)
-    xp = array_module(flat)
-    layout = codec.layout(call.shapes or ((flat.size,),))
-    kept = call.residuals.feedback
-
-    def first_round(f):
-        """This rank's P factors (and its uncompressed tensors) of ``f`` + its error."""
-        if plain:
-            if not all_finite(f):
-                raise ValueError("NaN or Inf")
-            return f, f
-        error, q = memory.get("error") if kept else None, memory.get("q")
-        _check_sizes(call.label, error, f.size, q, layout.q_size)
-        x = f + error if error is not None else f
-        if not all_finite(x):
-            if error is None or not all_finite(f):
-                raise ValueError("NaN or Inf")
-            what = f"{call.label!r} plus its kept error"
-            raise ValueError(_overflow(call, what, kept=True, factors=False))
-        q = (
-            q.copy()
-            if q is not None and codec.warm_start
-            else codec.first_q(call.label, layout, xp)
-        )
-        wire = xp.empty(layout.p_size + layout.u_size, np.float32)
-        p_at, q_at = 0, 0
-        for k in layout.compressed:
-            factor = q[q_at : q_at + k.m * k.r].reshape(k.m, k.r)
-            codec.orthogonalize(factor)
-            matrix = x[k.start : k.stop].reshape(k.n, k.m)
-            wire[p_at : p_at + k.n * k.r] = (matrix @ factor).reshape(-1)
-            p_at, q_at = p_at + k.n * k.r, q_at + k.m * k.r
-        for k in layout.uncompressed:
-            wire[p_at : p_at + k.stop - k.start] = x[k.start : k.stop]
-            p_at += k.stop - k.start
-        return wire, x
-
-    found, flat, err, bad = encode_here(call, first_round, flat)
+    work = codec.begin(kept.arrays, call.shapes or ((flat.size,),), call.label, kept.feedback)
+    wire, flat, err, bad = encode_here(call, _compress(call, codec, work), flat)
     clock.encoded()
     agree(call, flat.size, err, nonfinite=bad)
-    wire, x = found
-    total = _sum(call, dev, wire, "p", factors=not plain)
+    p_sum = _sum(call, codec, dev, wire, "p", factors=work.factored)
     clock.communicated()
-    if plain:
-        total /= np.float32(comm.size)
-        memory["calls"] = np.array([done + 1], np.float32)
-        clock.decoded()
-        return total
-    out = xp.empty(flat.size, np.float32)
-    qs = xp.empty(layout.q_size, np.float32)
-    p_at, q_at = 0, 0
-    for k in layout.compressed:
-        p = total[p_at : p_at + k.n * k.r].reshape(k.n, k.r)
-        codec.orthogonalize(p)  # the sum is orthogonalized as it is (no division)
-        matrix = x[k.start : k.stop].reshape(k.n, k.m)
-        qs[q_at : q_at + k.m * k.r] = (matrix.T @ p).reshape(-1)
-        p_at, q_at = p_at + k.n * k.r, q_at + k.m * k.r
-    for k in layout.uncompressed:
-        out[k.start : k.stop] = total[p_at : p_at + k.stop - k.start] / np.float32(comm.size)
-        p_at += k.stop - k.start
-    clock.encoded()
-    q = _sum(call, dev, qs, "q", factors=True)
-    q /= np.float32(comm.size)
-    clock.communicated()
-    p_at, q_at = 0, 0
-    for k in layout.compressed:
-        p = total[p_at : p_at + k.n * k.r].reshape(k.n, k.r)
-        factor = q[q_at : q_at + k.m * k.r].reshape(k.m, k.r)
-        out[k.start : k.stop] = (p @ factor.T).reshape(-1)
-        p_at, q_at = p_at + k.n * k.r, q_at + k.m * k.r
-    # New arrays, never written into the kept ones: a rolled-back call puts those back.
-    if kept:
-        memory["error"] = x - out
-    memory["q"] = q
-    memory["calls"] = np.array([done + 1], np.float32)
+    q_sum = None
+    if work.factored:
+        wire = codec.project(work, p_sum)
+        clock.encoded()
+        q_sum = _sum(call, codec, dev, wire, "q", factors=True)
+        clock.communicated()
+    out = codec.decompress(work, p_sum, q_sum, comm.size)
+    codec.memorize(work, out)
     clock.decoded()
     return out
 
 
-def _sum(call: Call, dev, wire, slot: str, factors: bool):
+def _sum(call: Call, codec, dev, wire, slot: str, factors: bool):
     """Return the float32 sum over ranks of ``wire`` (one MPI_Allreduce), on its device
     (``factors``: it holds factors, not a plain call's gradients; for the message)."""
     send = down(call, dev, wire, slot)
@@ -140,11 +109,11 @@ def _sum(call: Call, dev, wire, slot: str, factors: bool):
     if not all_finite(total):  # finite inputs can still sum past float32, alike everywhere
         kept = factors and call.residuals.feedback
         what = "the sum over ranks"
-        raise_overflow(call, None, what, _overflow(call, what, kept, factors))
+        raise_overflow(call, codec, what, _overflow(call, codec, what, kept, factors))
     return total
 
 
-def _overflow(call: Call, what: str, kept: bool, factors: bool = True) -> str:
+def _overflow(call: Call, codec, what: str, kept: bool, factors: bool = True) -> str:
     """Return the message for ``what`` overflowing float32 although every input was
     finite (``kept``: error feedback added its kept error to each rank's input;
     ``factors``: the factors overflowed, which sum a matrix's rows or columns)."""
@@ -157,16 +126,7 @@ def _overflow(call: Call, what: str, kept: bool, factors: bool = True) -> str:
             "; each rank's input includes the error kept from earlier calls (error "
             f"feedback): forget({call.label!r}) drops it"
         )
-    return f"powersgd: {what} overflows float32 although every input was finite ({why}): {hint}"
-
-
-def _check_sizes(name: str, error, numel: int, q, q_size: int) -> None:
-    """Refuse a tensor whose kept error or Q is of another layout than this call's."""
-    if (error is not None and error.size != numel) or (q is not None and q.size != q_size):
-        raise ValueError(
-            f"powersgd: tensor {name!r} had another layout (sizes or shapes) before; give "
-            "each tensor its own name, or forget(name) after changing it"
-        )
+    return f"{codec.name}: {what} overflows float32 although every input was finite ({why}): {hint}"
 
 
 def _side(numel: int) -> int:
@@ -186,26 +146,19 @@ def _state(codec, options) -> Memory:
 
 
 def alone(codec, x):
-    """Return (encode, decode, wire bytes) closures of one rank's share of a call on ``x``
-    (viewed as ``shape[0]`` rows, a 1-D one as a near-square matrix): its factors and
-    their rebuild, for timings and the bits per element."""
-    numel = x.size
+    """Return (encode, decode, wire bytes) closures of one rank's share of a factored
+    call on ``x`` (viewed as ``shape[0]`` rows, a 1-D one as a near-square matrix): its
+    two wires and the rebuild from them, for timings and the bits per element."""
     matrix = matrix_view(x)
-    layout = codec.layout([matrix.shape])
-    xp = array_module(x)
+    work = codec.begin(None, [matrix.shape], "alone", feedback=False)
     state = {}
-    if not layout.compressed:  # too small or too thin to factor: sent as it is
-        return (lambda: state.update(x=x.copy())), (lambda: state["x"]), (lambda: 4 * numel)
 
     def enc():
-        q = codec.first_q("alone", layout, xp).reshape(matrix.shape[1], -1)
-        codec.orthogonalize(q)
-        p = matrix @ q
-        codec.orthogonalize(p)
-        state.update(p=p, q=matrix.T @ p)
+        p = codec.compress(work, matrix.reshape(-1))
+        state.update(p=p, q=codec.project(work, p))
 
     def dec():
-        return (state["p"] @ state["q"].T).reshape(x.shape)
+        return codec.decompress(work, state["p"], state["q"], 1).reshape(x.shape)
 
     return enc, dec, lambda: 4 * (state["p"].size + state["q"].size)
 

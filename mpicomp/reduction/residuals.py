@@ -8,14 +8,61 @@ shard) on every rank and one per tensor on the shard's owner); a low-rank codec,
 by name (``Memory``: PowerSGD's error and its factor Q). What a call may move is
 snapshot when it starts: a call that fails or is skipped, or an optimizer step an
 adapter rolls back, restores it, so it moves nothing on any rank.
+
+Typed by protocols: what a CompressedComm keeps is a ``Kept``; what one call may move, a
+``CallState``, which a gather kind reads as a ``GatherState`` and a low-rank kind as a
+``LowRankState``.
 """
 
 from __future__ import annotations
 
 import operator
+from typing import Protocol
 
 from mpicomp.codecs import ErrorFeedback
 from mpicomp.codecs.arrays import all_finite, as_gradient
+
+
+class CallState(Protocol):
+    """What one call may move of its tensor's state (``reduction.agreement.Call.residuals``);
+    each kind reads it through its own protocol below."""
+
+    def restore(self) -> None:
+        """Put back what the call moved: it failed, was skipped or is rolled back."""
+
+
+class GatherState(CallState, Protocol):
+    """A gather codec's call: it encodes through these (``Encoding``), so error feedback,
+    when on, adds and keeps the residuals."""
+
+    def encode(self, flat): ...
+
+    def push(self, shard, s: int): ...
+
+    def pull(self, average): ...
+
+
+class LowRankState(CallState, Protocol):
+    """A low-rank codec's call: ``arrays`` it kept for the tensor (replaced, never written
+    into) and whether it keeps its error (``feedback``); ``Remembered``."""
+
+    arrays: dict
+    feedback: bool
+
+
+class Kept(Protocol):
+    """What a CompressedComm keeps per tensor across calls (``Kind.state`` makes it):
+    ``Stateless``, ``Residuals`` or ``Memory``."""
+
+    named: bool  # whether calls need a tensor name
+
+    def encoding(self, name: str, owners: int = 0, private: bool = False) -> CallState: ...
+
+    def forget(self, name: str) -> None: ...
+
+    def state_dict(self) -> tuple[dict, dict]: ...
+
+    def load_state_dict(self, workers: dict, owners: dict) -> None: ...
 
 
 class Encoding:

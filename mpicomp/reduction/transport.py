@@ -25,14 +25,14 @@ from functools import cache
 
 import numpy as np
 
-from mpicomp._env import env_flag
+from mpicomp.env import env_flag
 
 #: The environment variable that overrides the detection: 1 (aware) or 0 (not).
 ENV = "MPICOMP_CUDA_AWARE"
 
 _MIN_BYTES = 1 << 16  # the smallest staging buffer
 # The words the MPI libraries' own switches (the hints below) take; MPICOMP_CUDA_AWARE
-# follows mpicomp's one rule for booleans (mpicomp._env) instead.
+# follows mpicomp's one rule for booleans (mpicomp.env) instead.
 _TRUE = ("1", "yes", "true", "on", "enable")
 _FALSE = ("0", "no", "false", "off", "disable")
 # MPICH: MPIX_GPU_query_support(MPIX_GPU_SUPPORT_CUDA = 0, &flag) (MPICH >= 4.0);
@@ -106,7 +106,7 @@ def cuda_aware() -> tuple[bool, str]:
     """Return (whether the MPI library takes GPU buffers, how that was decided).
 
     Raises:
-        ValueError: ``MPICOMP_CUDA_AWARE`` is set to neither on nor off (``mpicomp._env``).
+        ValueError: ``MPICOMP_CUDA_AWARE`` is set to neither on nor off (``mpicomp.env``).
     """
     forced = env_flag(ENV, unset=None)
     if forced is not None:

@@ -272,11 +272,10 @@ def schedule_table(model, topology, codecs, sizes) -> list[dict]:
 
 def _columns(rows: list[dict]) -> list[str]:
     """The schedules of ``rows`` in ``schedules_of`` order: flat, hierarchical, float32."""
-    from mpicomp.reduction import FLOAT32, HIER, KINDS
+    from mpicomp.reduction import all_schedule_names
 
-    flat = list(dict.fromkeys(s for kind in KINDS.values() for s in kind.schedules))
     seen = {s for r in rows for s in r["seconds"]}
-    return [s for s in (*flat, *(HIER + s for s in flat), FLOAT32) if s in seen]
+    return [s for s in all_schedule_names() if s in seen]
 
 
 def _given_params(name: str, params: dict) -> dict:

@@ -11,6 +11,7 @@ import textwrap
 
 from mpicomp._version import __version__
 from mpicomp.codecs import available as available_codecs
+from mpicomp.collectives import plain
 from mpicomp.tools import bench, diagnostics
 from mpicomp.tools.diagnostics import info
 from mpicomp.tools.table import WIDTH, plural
@@ -511,7 +512,7 @@ def _cmd_bench(args, parser) -> int:
     if args.save_model:
         # Before the run, not after it: a mistyped directory should not cost a whole bench.
         where = os.path.dirname(os.path.abspath(args.save_model))
-        if not comm.bcast(os.path.isdir(where) if comm.rank == 0 else None, root=0):
+        if not plain.bcast_object(comm, os.path.isdir(where) if comm.rank == 0 else None):
             if comm.rank == 0:
                 print(
                     f"mpicomp bench: error: --save-model: no directory {where!r}", file=sys.stderr

@@ -174,9 +174,10 @@ def rank_facts(comm) -> dict[str, object]:
     from mpi4py import MPI
 
     from mpicomp.call import threads
+    from mpicomp.collectives._wait import split_type
     from mpicomp.reduction import transport
 
-    local = comm.Split_type(MPI.COMM_TYPE_SHARED, key=comm.rank)
+    local = split_type(comm, MPI.COMM_TYPE_SHARED, comm.rank, timeout=None, name="info")
     try:
         local_rank, source = local.rank, "COMM_TYPE_SHARED"
     finally:
@@ -197,7 +198,8 @@ def rank_facts(comm) -> dict[str, object]:
     except ValueError as e:  # a bad MPICOMP_CUDA_AWARE: report it, go on
         decided, decided_text = None, f"unknown ({e})"
     gpus, gpu = _cupy_gpus()
-    threads = threads.decide(comm)  # collective, as the split above
+    # Collective, as the split above; 0: no timeout, so a bad MPICOMP_TIMEOUT is no error here.
+    threads = threads.decide(comm, 0)
     return {
         "rank": comm.rank,
         "host": platform.node(),
@@ -224,7 +226,9 @@ def rank_facts(comm) -> dict[str, object]:
 
 def gather(comm, root: int = 0) -> list[dict[str, object]] | None:
     """Return every rank's ``rank_facts`` on ``root`` (in rank order), None elsewhere."""
-    return comm.gather(rank_facts(comm), root=root)
+    from mpicomp.collectives import plain
+
+    return plain.gather_object(comm, rank_facts(comm), root)
 
 
 def _affinity() -> list[int] | None:

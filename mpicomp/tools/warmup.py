@@ -31,7 +31,7 @@ def warm(codecs=None, comm=None, sizes=SIZES, on_codec=None) -> dict[str, float]
     from mpicomp.codecs import available
     from mpicomp.codecs import codec as make_codec
     from mpicomp.comm import CompressedComm
-    from mpicomp.reduction import kind_of
+    from mpicomp.reduction import sharded as sharded_plan
 
     comm = MPI.COMM_WORLD if comm is None else comm
     codecs = available() if codecs is None else list(codecs)
@@ -42,7 +42,7 @@ def warm(codecs=None, comm=None, sizes=SIZES, on_codec=None) -> dict[str, float]
         start = time.perf_counter()
         label = codec if isinstance(codec, str) else repr(codec)
         made = make_codec(codec) if isinstance(codec, str) else codec
-        shardable = "sharded" in kind_of(made).schedules
+        shardable = sharded_plan(made) is not None
         for sharded in (False, True) if shardable else (False,):
             with CompressedComm(comm, made, min_numel=1, sharded=sharded) as cc:
                 for g in grads:

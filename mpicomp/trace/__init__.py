@@ -13,7 +13,8 @@ from __future__ import annotations
 import os
 
 from mpicomp.collectives import _wait
-from mpicomp.trace.recorder import NO_CLOCK, Recorder
+from mpicomp.reduction.clock import NO_CLOCK
+from mpicomp.trace.recorder import Recorder
 from mpicomp.trace.writer import Writer
 
 
@@ -57,10 +58,16 @@ class Tracer(Recorder):
         on_call: called with each finished call's event as a dict (the columns of
             ``/events``, names as given, not cut), in the thread that ran the call; an
             exception it raises is logged to ``mpicomp`` and ignored.
+        timeout: seconds each of its messages (the barrier when made, each flush's
+            gather) may wait before this rank reports what it waits for and aborts the
+            job, as the collectives'; None: ``MPICOMP_TIMEOUT``, unset or 0: off.
+            ``CompressedComm`` passes its own.
 
     Raises:
         TypeError: ``path`` is not a str or os.PathLike, or ``flush_every`` not an int.
         ValueError: ``level`` not 1 or 2, or ``flush_every`` < 1.
+        TypeError, ValueError: ``timeout`` (or ``MPICOMP_TIMEOUT``) is not a number of
+            seconds >= 0.
         OSError: rank 0 could not create the file (on every rank).
     """
 
@@ -73,15 +80,17 @@ class Tracer(Recorder):
         flush_every: int | None = 100,
         attrs=None,
         on_call=None,
+        timeout=None,
     ):
         check_options(path, level, flush_every)
+        timeout = _wait.resolve_timeout(timeout)
         if on_call is not None and not callable(on_call):
             raise TypeError(f"on_call must be callable, got {on_call!r}")
         self.path = None if path is None else os.fspath(path)
         self.level = level
         self.flush_every = flush_every
         self._closed = False
-        super().__init__(comm, level, flush_every or 128, on_call)
+        super().__init__(comm, level, flush_every or 128, on_call, timeout)
         self._writer = None  # no file: events only go to on_call
         if self.path is None:
             return
@@ -92,6 +101,7 @@ class Tracer(Recorder):
             flush_every=flush_every,
             attrs=attrs or {},
             epoch=self.epoch,
+            timeout=timeout,
         )
         _wait.on_abort(self.save_local)
 

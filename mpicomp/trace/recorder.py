@@ -4,8 +4,7 @@ exchange step) in memory, and each call's phase clock.
 ``Recorder`` keeps its rows in preallocated NumPy structured arrays (no Python object per
 event), in the columns of ``mpicomp.trace.format``, until its owner takes them
 (``mpicomp.trace.Tracer`` hands them to ``mpicomp.trace.writer``). It sends no message
-after the barrier that fixes its epoch, and touches no file. ``NO_CLOCK`` is the phase
-clock of an untraced call.
+after the barrier that fixes its epoch, and touches no file.
 """
 
 from __future__ import annotations
@@ -23,25 +22,6 @@ from mpicomp.trace.format import (
     SCHEDULE_LEN,
     STEP_DTYPE,
 )
-
-
-class _NoClock:
-    """The phase clock of an untraced call: every mark does nothing."""
-
-    __slots__ = ()
-
-    def encoded(self) -> None:
-        pass
-
-    def communicated(self) -> None:
-        pass
-
-    def decoded(self) -> None:
-        pass
-
-
-# Shared by every untraced call: three empty method calls, no clock reads.
-NO_CLOCK = _NoClock()
 
 
 def _fixed(text: str, length: int) -> bytes:
@@ -73,9 +53,13 @@ class Recorder:
             doubling.
         on_call: called with each finished call's event as a dict, or None (see
             ``mpicomp.trace.Tracer``).
+        timeout: seconds the barrier may wait (the collectives' ``timeout``; None:
+            ``MPICOMP_TIMEOUT``).
     """
 
-    def __init__(self, comm, level: int, rows: int, on_call=None):
+    def __init__(self, comm, level: int, rows: int, on_call=None, timeout=None):
+        from mpicomp.collectives import plain  # MPI only once a recorder is made
+
         self.level = level
         self._rank = comm.Get_rank()
         self._on_call = on_call
@@ -89,7 +73,7 @@ class Recorder:
         self._call_steps = 0  # where the open call's steps start (dropped if it fails)
         self._also = None
         self._sent = self._recv = 0
-        comm.Barrier()  # the shared epoch of start times
+        plain.barrier(comm, timeout=timeout)  # the shared epoch of start times
         #: ``perf_counter()`` at the end of the barrier: the zero of the start times.
         self.epoch = perf_counter()
 

@@ -52,16 +52,20 @@ class Writer:
             and the ``flush_every`` attribute.
         attrs: attributes of the root group, beside the run's own.
         epoch: the ``perf_counter()`` that start times count from (``epoch_unix``).
+        timeout: seconds each message may wait (resolved: None is none).
 
     Raises:
         OSError: rank 0 could not create the file (on every rank).
     """
 
-    def __init__(self, comm, path: str, *, level: int, flush_every, attrs: dict, epoch: float):
+    def __init__(
+        self, comm, path: str, *, level: int, flush_every, attrs: dict, epoch: float, timeout
+    ):
         self.path = path
         self.level = level
         self.flush_every = flush_every
         self._comm = comm
+        self._timeout = timeout
         self._rank = comm.Get_rank()
         self._attrs = self._run_attrs(attrs, epoch)
         self._collective_error(self._create, path, self._attrs, what="create")
@@ -69,9 +73,11 @@ class Writer:
     def write(self, events: np.ndarray, steps: np.ndarray | None) -> None:
         """Gather every rank's ``events`` and ``steps`` (None at level 1) to rank 0 and
         append them to the file."""
+        from mpi4py import MPI
+
         counts = np.array([events.size, 0 if steps is None else steps.size], dtype=np.int64)
         every = np.empty((self._comm.Get_size(), 2), dtype=np.int64) if self._rank == 0 else None
-        self._comm.Gather(counts, every, root=0)
+        self._issue(MPI.Comm.Gather, MPI.Comm.Igather, counts, every, "row counts (an Igather)")
         events = self._gather(events, None if every is None else every[:, 0])
         if steps is not None:
             steps = self._gather(steps, None if every is None else every[:, 1])
@@ -93,23 +99,45 @@ class Writer:
 
     # -- internals ---------------------------------------------------------------
 
+    def _issue(self, blocking, nonblocking, sendbuf, recvbuf, what: str) -> None:
+        """Gather to rank 0 under the timeout: ``blocking`` or ``nonblocking``, the MPI
+        functions (``_wait.issue``)."""
+        from mpicomp.collectives._wait import issue
+
+        detail = f"{what} of the trace {self.path!r} to rank 0"
+        issue(
+            self._comm,
+            blocking,
+            nonblocking,
+            sendbuf,
+            recvbuf,
+            root=0,
+            timeout=self._timeout,
+            name="trace",
+            detail=detail,
+        )
+
     def _gather(self, rows: np.ndarray, counts):
         """Return every rank's ``rows`` on rank 0 in rank order (None elsewhere)."""
         from mpi4py import MPI
 
         send = [rows.view(np.uint8), MPI.BYTE]
+        rows_of = "rows (an Igatherv)"
         if self._rank != 0:
-            self._comm.Gatherv(send, None, root=0)
+            self._issue(MPI.Comm.Gatherv, MPI.Comm.Igatherv, send, None, rows_of)
             return None
         out = np.empty(int(counts.sum()), dtype=rows.dtype)
         sizes = counts * rows.dtype.itemsize
         displs = np.concatenate([[0], np.cumsum(sizes)[:-1]])
-        self._comm.Gatherv(send, [out.view(np.uint8), sizes, displs, MPI.BYTE], root=0)
+        recv = [out.view(np.uint8), sizes, displs, MPI.BYTE]
+        self._issue(MPI.Comm.Gatherv, MPI.Comm.Igatherv, send, recv, rows_of)
         # Rank order from Gatherv; a stable sort by call makes rows (call, rank) ordered.
         return out[np.argsort(out["call"], kind="stable")]
 
     def _collective_error(self, fn, *args, what: str) -> None:
         """Run ``fn`` on rank 0 and raise on every rank if it failed there."""
+        from mpicomp.collectives import plain
+
         error = None
         if self._rank == 0:
             try:
@@ -117,7 +145,7 @@ class Writer:
             except Exception as e:  # reported to every rank below, then re-raised here
                 error = e
         failed = np.array([error is not None], dtype=np.int8)
-        self._comm.Bcast(failed, root=0)
+        plain.bcast(self._comm, failed, 0, timeout=self._timeout)
         if error is not None:
             raise error
         if failed[0]:

@@ -17,11 +17,12 @@ the jobs import ``allreduce`` themselves.
 
 from __future__ import annotations
 
-import time
+import math
 from collections.abc import Sequence
 
 import mpicomp.kernels as K
 from mpicomp.codecs import codec as make_codec
+from mpicomp.collectives import plain
 from mpicomp.model import probe
 from mpicomp.model.measured import speeds_from_bench
 from mpicomp.model.probe import conv_gradient, gradient, median_seconds, one_rank_round_trip
@@ -59,10 +60,10 @@ __all__ = [
 
 def _idle_barrier(comm) -> None:
     """A barrier that sleeps instead of spinning: ranks waiting for rank 0's kernel timings
-    must not take its cores (MPI barriers busy-poll)."""
-    req = comm.Ibarrier()
-    while not req.Test():
-        time.sleep(0.005)
+    must not take its cores (MPI barriers busy-poll). An infinite timeout: the polling
+    wait of a timeout (sleeps of up to 1 ms), never expiring, for kernel timings take
+    minutes where a timeout is seconds."""
+    plain.barrier(comm, timeout=math.inf)
 
 
 def full_run(
@@ -133,7 +134,7 @@ def full_run(
         except Exception as e:  # raised on every rank below: none is left waiting
             error = e
     _idle_barrier(comm)
-    failed = comm.bcast(None if error is None else f"{type(error).__name__}: {error}", root=0)
+    failed = plain.bcast_object(comm, None if error is None else f"{type(error).__name__}: {error}")
     if error is not None:
         raise error
     if failed is not None:
@@ -216,5 +217,5 @@ def measure_model(comm, rows: list[dict] | None, codecs: Sequence[str] | None, n
         made = [make_codec(name, **params) for name, params in codec_set(codecs)]
         return model.with_speeds(probe.measured_speeds(comm, made, numel))
     # Only rank 0 timed the kernels.
-    speeds = comm.bcast(speeds_from_bench(rows) if comm.rank == 0 else None, root=0)
+    speeds = plain.bcast_object(comm, speeds_from_bench(rows) if comm.rank == 0 else None)
     return model.with_speeds(speeds)

@@ -31,6 +31,7 @@ from mpi4py import MPI
 
 import mpicomp.kernels as K
 from mpicomp.codecs import codec as make_codec
+from mpicomp.collectives import plain
 from mpicomp.collectives.traffic import Traffic
 from mpicomp.comm import CompressedComm
 from mpicomp.model import probe
@@ -55,12 +56,12 @@ def slowest_median(comm, fn, reps: int, warmup: bool = True) -> float:
         fn()
     times = np.empty(reps)
     for i in range(reps):
-        comm.Barrier()
+        plain.barrier(comm)
         t0 = perf_counter()
         fn()
         times[i] = perf_counter() - t0
     slowest = np.empty_like(times)
-    comm.Allreduce(times, slowest, op=MPI.MAX)
+    plain.allreduce(comm, times, slowest, MPI.MAX)
     return float(np.median(slowest))
 
 
@@ -109,7 +110,7 @@ class _Counter:
                 value = {dev: tc_sent_bytes(dev) for dev in self.devs}
             except RuntimeError as e:
                 error = str(e)
-        value, error = self.comm.bcast((value, error), root=0)
+        value, error = plain.bcast_object(self.comm, (value, error))
         if error is not None:  # on every rank, so none waits for the others
             raise RuntimeError(error)
         return value
@@ -184,7 +185,7 @@ def _on_rank_0(comm, fn):
         except Exception as e:  # raised on every rank below
             error = e
     why = None if error is None else f"rank 0: {type(error).__name__}: {error}"
-    value, why = comm.bcast((value, why), root=0)
+    value, why = plain.bcast_object(comm, (value, why))
     if why is not None:
         raise RuntimeError(why) from error
     return value
@@ -198,7 +199,7 @@ def _backend_on_every_rank(comm, name: str | None):
         rec = kernel_backend(name)
     except RuntimeError as e:
         mine = e
-    errors = comm.allgather(None if mine is None else str(mine))
+    errors = plain.allgather_object(comm, None if mine is None else str(mine))
     if mine is not None:
         raise mine
     for rank, why in enumerate(errors):
@@ -301,13 +302,13 @@ def device_references(comm, rec, x, reps: int) -> tuple[float, float | None]:
 
     def staged():
         rec.to_host(x, out=send, why="bench: staged MPI_Allreduce, device to host")
-        comm.Allreduce(send, recv, op=MPI.SUM)
+        plain.allreduce(comm, send, recv, MPI.SUM)
         out.set(recv)
         sync()
 
     def direct():
         sync()
-        comm.Allreduce(x, out, op=MPI.SUM)
+        plain.allreduce(comm, x, out, MPI.SUM)
 
     t_staged = slowest_median(comm, staged, reps)
     t_direct = slowest_median(comm, direct, reps) if cuda_aware()[0] else None
@@ -396,7 +397,7 @@ def measure(
         t_staged, t_direct = device_references(comm, rec, x, reps)
     else:
         out = np.empty_like(host)
-        t_staged = slowest_median(comm, lambda: comm.Allreduce(host, out, op=MPI.SUM), reps)
+        t_staged = slowest_median(comm, lambda: plain.allreduce(comm, host, out, MPI.SUM), reps)
         t_direct = None
     after = counter.read()
     ref_links = None if before is None else _per_call(before, after, reps + 1)
@@ -440,8 +441,10 @@ def measure(
             calls = reps + 1  # the warm-up call is traced too: bytes are a mean per call
             mine = np.array([traffic.sent, traffic.recv], dtype=np.float64) / calls
             most = np.empty_like(mine)
-            comm.Allreduce(mine, most, op=MPI.MAX)
-            total, total_recv = comm.allreduce(mine, op=MPI.SUM)
+            plain.allreduce(comm, mine, most, MPI.MAX)
+            totals = np.empty_like(mine)
+            plain.allreduce(comm, mine, totals, MPI.SUM)
+            total, total_recv = totals
             sent, recv = (int(round(v)) for v in most)
             direct = device and phases["transport"] == "direct" and t_direct is not None
             t_ref = t_direct if direct else t_staged

@@ -98,6 +98,8 @@ def chooser_verdicts(rows: list[dict]) -> list[dict]:
     row's: the same schedule timed twice differs by the run's noise, which this shows),
     ``times`` (schedule to seconds) and ``predicted`` (schedule to the model's seconds).
     """
+    from mpicomp.reduction import FLOAT32  # here: importing this module leaves MPI alone
+
     out = []
     for auto in (r for r in rows if r.get("schedule") == "auto"):
         key = (auto["codec"], auto["params"], auto["numel"])
@@ -106,9 +108,9 @@ def chooser_verdicts(rows: list[dict]) -> list[dict]:
             if (r["codec"], r["params"], r["numel"]) == key and r.get("schedule") != "auto"
         ]  # fmt: skip
         times = {r["schedule"]: r["time_s"] for r in peers}
-        times["float32"] = auto["allreduce_s"]
+        times[FLOAT32] = auto["allreduce_s"]
         predicted = {r["schedule"]: r.get("predicted_s") for r in peers}
-        predicted["float32"] = auto.get("allreduce_predicted_s")
+        predicted[FLOAT32] = auto.get("allreduce_predicted_s")
         fastest = min(times, key=times.__getitem__)
         chosen = auto["chosen"]
         out.append({

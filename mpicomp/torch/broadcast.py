@@ -1,0 +1,94 @@
+"""Broadcasts that start every rank from rank ``root``'s state:
+``broadcast_parameters`` (a model's parameters and buffers, in one message) and
+``broadcast_optimizer_state`` (an optimizer's state and hyperparameters).
+
+Each first checks that every rank can take ``root``'s values (``agree``: a rank that
+cannot raises, the others RankError), over the communicator's own timeout.
+"""
+
+from __future__ import annotations
+
+import io
+
+import torch
+
+from mpicomp.collectives import plain
+from mpicomp.torch.optimizer import DistributedOptimizer
+from mpicomp.torch.shared import agree, quiet, timeout_of
+
+__all__ = ["broadcast_optimizer_state", "broadcast_parameters"]
+
+
+def broadcast_parameters(params, comm, root: int = 0) -> None:
+    """Overwrite, in place, every rank's parameters and buffers with rank ``root``'s.
+
+    Args:
+        params: a ``torch.nn.Module`` (its ``state_dict()``: parameters and buffers),
+            a dict of tensors, or (name, tensor) pairs.
+        comm: an mpi4py communicator or a ``CompressedComm``.
+        root: the rank whose values everyone gets.
+
+    Raises:
+        ValueError: ranks hold different names, shapes or dtypes (on the ranks that
+            differ from ``root``; RankError on the others).
+    """
+    mpi = quiet(comm)
+    if isinstance(params, torch.nn.Module):
+        params = params.state_dict()
+    named = list(params.items() if isinstance(params, dict) else params)
+    mine = [(n, tuple(t.shape), str(t.dtype)) for n, t in named]
+    timeout = timeout_of(comm)
+    theirs = plain.bcast_object(mpi, mine, root, timeout=timeout)
+    differs = None if mine == theirs else _difference(mine, theirs, root)
+    agree(mpi, differs, "broadcast_parameters", timeout)
+    if not named:
+        return
+    # One message: every tensor's bytes end to end.
+    data = [t.detach().reshape(-1).contiguous().view(torch.uint8).cpu() for _, t in named]
+    sizes = [d.numel() for d in data]
+    payload = torch.cat(data) if mpi.rank == root else torch.empty(sum(sizes), dtype=torch.uint8)
+    plain.bcast(mpi, payload.numpy(), root, timeout=timeout)
+    if mpi.rank == root:
+        return
+    with torch.no_grad():
+        for (_, t), part in zip(named, torch.split(payload, sizes), strict=True):
+            # clone: a slice of the byte buffer may not be aligned for t's dtype
+            t.copy_(part.clone().view(t.dtype).view(t.shape))
+
+
+def broadcast_optimizer_state(optimizer, comm, root: int = 0) -> None:
+    """Give every rank's optimizer rank ``root``'s state (momentum, step counts, groups'
+    hyperparameters). For a ``DistributedOptimizer``, its wrapped optimizer's state:
+    error-feedback residuals are each rank's own and stay.
+
+    Raises:
+        ValueError: this rank's optimizer cannot take ``root``'s state (other parameter
+            groups or shapes); RankError on the other ranks.
+    """
+    mpi = quiet(comm)
+    inner = optimizer.optimizer if isinstance(optimizer, DistributedOptimizer) else optimizer
+    blob = None
+    if mpi.rank == root:
+        out = io.BytesIO()
+        torch.save(inner.state_dict(), out)
+        blob = out.getvalue()
+    timeout = timeout_of(comm)
+    blob = plain.bcast_object(mpi, blob, root, timeout=timeout)
+    error = None
+    if mpi.rank != root:
+        try:
+            state = torch.load(io.BytesIO(blob), map_location="cpu", weights_only=True)
+            inner.load_state_dict(state)  # moves each state tensor to its parameter's device
+        except (ValueError, KeyError, RuntimeError) as e:
+            error = ValueError(f"rank {mpi.rank}: cannot load rank {root}'s optimizer state: {e}")
+    agree(mpi, error, "broadcast_optimizer_state", timeout)
+
+
+def _difference(mine: list, theirs: list, root: int) -> str:
+    """Describe how this rank's (name, shape, dtype) list differs from ``root``'s."""
+    if len(mine) != len(theirs):
+        return f"{len(mine)} tensors here, {len(theirs)} on rank {root}"
+    for a, b in zip(mine, theirs, strict=True):
+        if a != b:
+            return f"tensor {a[0]!r} {a[1]} {a[2]} here, {b[0]!r} {b[1]} {b[2]} on rank {root}"
+    return "tensors differ"  # pragma: no cover

@@ -1,0 +1,224 @@
+"""What the distributed optimizer, the DDP hook and the broadcasts share.
+
+The checks of the arguments they take (a communicator, counts) and how a wrong value
+is described; the CompressedComm they reduce through and its mpi4py communicator;
+``agree``, by which every rank hears of what failed on one (their only message of
+their own besides the broadcasts and the optimizer's per-step exchange); pinned host
+staging for CUDA tensors without CuPy; the handle of a call refused because a peer
+closed; and where a warning should point (the user's line).
+"""
+
+from __future__ import annotations
+
+import numbers
+import os
+import sys
+import warnings
+from collections.abc import Iterator, Mapping
+
+import torch
+
+from mpicomp.collectives import plain
+from mpicomp.comm import CompressedComm
+from mpicomp.errors import PeerClosed, RankError
+
+__all__ = [
+    "Failed",
+    "Staging",
+    "agree",
+    "callers_level",
+    "check_comm",
+    "compressed",
+    "count",
+    "cuda_staging",
+    "kind",
+    "mpi_of",
+    "peer_closed_in",
+    "quiet",
+    "timeout_of",
+]
+
+
+# -- arguments ------------------------------------------------------------------------
+
+
+def check_comm(comm) -> None:
+    """Refuse a ``comm`` that is neither an mpi4py communicator nor a CompressedComm
+    (on this rank alone: without a communicator no other rank can be told)."""
+    from mpi4py import MPI
+
+    if isinstance(comm, CompressedComm | MPI.Intracomm):
+        return
+    hint = ""
+    if isinstance(comm, Iterator | Mapping | list | tuple):
+        hint = (
+            " (named_parameters comes after comm: "
+            "DistributedOptimizer(optimizer, MPI.COMM_WORLD, model.named_parameters()))"
+        )
+    raise TypeError(
+        "comm must be an mpi4py communicator such as MPI.COMM_WORLD or a "
+        f"mpicomp.CompressedComm, got {kind(comm)}{hint}"
+    )
+
+
+def count(what: str, value, least: int) -> int:
+    """Return ``value`` as an int >= ``least``; a TypeError or ValueError naming ``what``."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise TypeError(f"{what} must be an int >= {least}, got {kind(value)}")
+    if value < least:
+        raise ValueError(f"{what} must be >= {least}, got {value}")
+    return int(value)
+
+
+def kind(value) -> str:
+    """Describe ``value`` for a message: its type, and its repr when short."""
+    if isinstance(value, torch.nn.Parameter):
+        return f"a Parameter of shape {tuple(value.shape)}"
+    if isinstance(value, torch.Tensor):
+        return f"a tensor of shape {tuple(value.shape)}"
+    if isinstance(value, torch.nn.Module):
+        return f"a module ({type(value).__name__})"
+    name = type(value).__name__
+    a = "an" if name[:1].lower() in "aeiou" else "a"
+    if isinstance(value, tuple | list) and 0 < len(value) <= 3:
+        return f"{a} {name} of ({', '.join(type(v).__name__ for v in value)})"
+    text = repr(value)
+    return f"{name} {text}" if len(text) <= 60 and not text.startswith("<") else f"{a} {name}"
+
+
+# -- the communicators ----------------------------------------------------------------
+
+
+def compressed(comm, codec, options) -> CompressedComm:
+    """Return ``comm`` if it is a CompressedComm (then no codec or options), else a
+    CompressedComm over the mpi4py communicator ``comm``."""
+    if isinstance(comm, CompressedComm):
+        if codec is not None or options:
+            raise TypeError("a CompressedComm comes with its codec and options: pass neither")
+        return comm
+    return CompressedComm(comm, "none" if codec is None else codec, **options)
+
+
+def mpi_of(comm):
+    """Return the mpi4py communicator of ``comm`` (a CompressedComm's own duplicate)."""
+    return comm.comm if isinstance(comm, CompressedComm) else comm
+
+
+def quiet(comm):
+    """Return ``comm``'s mpi4py communicator once no started call of a CompressedComm
+    uses it (collectives of one communicator must not run on two threads at once)."""
+    if isinstance(comm, CompressedComm):
+        comm.wait_all()
+    return mpi_of(comm)
+
+
+def timeout_of(comm) -> float | None:
+    """Return the timeout of ``comm``'s messages: a CompressedComm's own, else None
+    (``MPICOMP_TIMEOUT`` decides)."""
+    return comm.options.timeout if isinstance(comm, CompressedComm) else None
+
+
+# -- every rank hears of it -----------------------------------------------------------
+
+
+def agree(mpi, error, what: str, timeout: float | None = None) -> None:
+    """Raise on every rank if any rank has an ``error`` (a message or an exception).
+
+    One ``allgather`` of each rank's message (None where nothing failed) over ``mpi``,
+    under ``timeout``; this rank's own error is raised as it is, RankError on the
+    others, naming the ranks that failed and the first one's message."""
+    errors = plain.allgather_object(mpi, None if error is None else str(error), timeout=timeout)
+    if error is not None:
+        raise error if isinstance(error, Exception) else ValueError(error)
+    bad = [r for r, e in enumerate(errors) if e is not None]
+    if bad:
+        raise RankError(f"{what} failed on rank(s) {bad}: {errors[bad[0]]}")
+
+
+# -- CUDA tensors without CuPy --------------------------------------------------------
+
+
+def cuda_staging(device: torch.device) -> bool:
+    """Return True if tensors on ``device`` must be staged through host memory: a CUDA
+    device without mpicomp's ``cuda`` kernel backend (CuPy and a GPU)."""
+    if device.type != "cuda":
+        return False
+    from mpicomp.kernels import backend
+
+    try:
+        backend("cuda")
+    except Exception:
+        return True
+    return False
+
+
+class Staging:
+    """Pinned host buffers for CUDA tensors when CuPy is missing; warns once per owner."""
+
+    def __init__(self, owner: str):
+        self.owner = owner
+        self.warned = False
+
+    def buffer(self, numel: int) -> torch.Tensor:
+        if not self.warned:
+            self.warned = True
+            warnings.warn(
+                f"{self.owner}: CUDA tensors are staged through pinned host memory and "
+                "compressed on the CPU (install CuPy, cupy-cuda12x or cupy-cuda13x, for the "
+                "GPU kernels)",
+                RuntimeWarning,
+                stacklevel=callers_level(),
+            )
+        return torch.empty(numel, dtype=torch.float32, pin_memory=True)
+
+
+# -- calls refused after a peer closed ------------------------------------------------
+
+
+class Failed:
+    """The handle of a call that could not start: ``wait()`` raises ``error``."""
+
+    done = True
+
+    def __init__(self, error: Exception):
+        self.error = error
+
+    def wait(self):
+        raise self.error
+
+    def add_done_callback(self, fn) -> None:
+        fn(self)
+
+
+def peer_closed_in(handles: list) -> PeerClosed | None:
+    """Return the PeerClosed that one of ``handles`` (calls started earlier in this step)
+    met, or None.
+
+    Once a call has met another rank's close, the CompressedComm refuses to start more
+    (RuntimeError): the calls of the same step started after that fail with its
+    PeerClosed instead, as those started before it do."""
+    for h in handles:
+        try:
+            h.wait()
+        except PeerClosed as e:
+            return e
+        except Exception:  # another call's own error: raised where it is waited for
+            pass
+    return None
+
+
+# -- warnings -------------------------------------------------------------------------
+
+
+def callers_level() -> int:
+    """Return the ``stacklevel`` of the first frame outside ``mpicomp.torch`` and torch
+    (which wraps ``Optimizer.step`` and runs the hooks) for a warning raised by the
+    function calling this one: the user's line."""
+    level, frame = 1, sys._getframe(1)  # stacklevel 1: the function calling warn()
+    while frame is not None and frame.f_code.co_filename.startswith((_HERE, _TORCH)):
+        level, frame = level + 1, frame.f_back
+    return level
+
+
+_HERE = os.path.dirname(__file__) + os.sep
+_TORCH = os.path.dirname(torch.__file__) + os.sep
