@@ -2,7 +2,8 @@
 
 Both variants take the same steps: every rank announces its payload size (one Allgather
 of an int64; -1 means "my input is not a 1-D uint8 array", so a bad input raises the
-same ValueError on every rank instead of leaving the others waiting), then the bytes
+same ValueError on every rank instead of leaving the others waiting: the sizes are the
+check's gathered rows, read by ``agreement.settle``), then the bytes
 move into one receive buffer, rank after rank, and every rank gets one view per rank.
 Each public function makes its MPI calls itself, through ``_wait.issue`` (the ring
 through ``_by_ring`` and ``_wait.send_receive``); the helpers around them only prepare
@@ -18,10 +19,13 @@ and check.
 
 from __future__ import annotations
 
+from functools import partial
+
 import numpy as np
 from mpi4py import MPI
 
 from mpicomp.collectives._wait import issue, resolve_timeout, send_receive
+from mpicomp.collectives.agreement import settle
 from mpicomp.kernels import backend_of
 
 # Bytes one message may carry: the 32-bit count of MPI before version 4 (mpi4py >= 4
@@ -65,17 +69,19 @@ def _received(comm, payload, sizes, problem, recorder, op: str):
     is bad."""
     if recorder is not None:
         recorder.record(f"{op}.sizes", 1, 8 if comm.size > 1 else 0, 8 * (comm.size - 1), 64)
-    bad = np.flatnonzero(sizes < 0).tolist()
-    if bad:
-        who = f"rank {bad[0]}" if len(bad) == 1 else f"ranks {', '.join(map(str, bad))}"
-        raise ValueError(f"{op}: {who} passed an invalid payload (not a 1-D uint8 array)") from (
-            problem
-        )
+    # The sizes are every rank's row of the check: -1 marks a rank at fault.
+    settle(np.flatnonzero(sizes < 0).tolist(), problem, partial(_invalid, op), own=False)
     xp = backend_of(payload).xp
     displs = np.zeros(comm.size, dtype=np.int64)
     np.cumsum(sizes[:-1], out=displs[1:])
     buf = xp.empty(int(sizes.sum()), dtype=np.uint8)
     return xp.ascontiguousarray(payload), buf, displs
+
+
+def _invalid(op: str, bad: list[int]) -> ValueError:
+    """The error of every rank when the ranks ``bad`` passed an invalid payload."""
+    who = f"rank {bad[0]}" if len(bad) == 1 else f"ranks {', '.join(map(str, bad))}"
+    return ValueError(f"{op}: {who} passed an invalid payload (not a 1-D uint8 array)")
 
 
 def _views(buf, sizes, displs) -> list[np.ndarray]:

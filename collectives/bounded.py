@@ -24,6 +24,7 @@ import numpy as np
 from mpi4py import MPI
 
 from mpicomp.collectives._wait import issue
+from mpicomp.collectives.agreement import RANK, SAME, SPAN, Form, settle
 from mpicomp.kernels import backend_of
 from mpicomp.kernels.bits import MAX_WIDTH
 from mpicomp.kernels.bits import packed_size as _packed
@@ -301,28 +302,34 @@ def min_claim(codes, width, fname: str) -> Claim:
     return Claim(x, w, "width", 0, lo, hi, (0, 2**w - 1), err)
 
 
+# What a checked call's ranks agree on: one Allreduce(MAX) of these 10 int64. A rank
+# whose arguments were rejected brings only ``failed``.
+_ARGUMENTS = Form(numel=SAME, param=SAME, mode=SAME, codes=SPAN, failed=RANK, outside=RANK)
+
+
 def agree(comm, fname: str, claim: Claim, timeout=None) -> tuple[Any, int]:
-    """Check, in one Allreduce(MAX) of 10 int64, what every rank must agree on; return
-    the agreed (codes, bound or width).
+    """Check, in one Allreduce(MAX) of 10 int64 (``_ARGUMENTS``), what every rank must
+    agree on; return the agreed (codes, bound or width).
 
     Agreed: no rank rejected its arguments, equal n, equal bound (width), equal mode,
     and every code of every rank inside ``claim.allowed``. A rank whose own arguments
     are invalid raises its error after taking part; the others raise ValueError, the
     same on every rank.
     """
-    rank = comm.Get_rank()
-    vec = np.zeros(10, dtype=np.int64)
+    rank, size = comm.Get_rank(), comm.Get_size()
     param, pname, allowed = claim.param, claim.pname, claim.allowed
     if claim.err is not None:
-        vec[8] = rank + 1  # MAX names the highest rank at fault
+        vec = _ARGUMENTS.reduced(rank, size, failed=True)
     else:
-        n, lo, hi = claim.codes.size, claim.lo, claim.hi
-        out_of_range = lo < allowed[0] or hi > allowed[1]
+        lo, hi = claim.lo, claim.hi
+        outside = lo < allowed[0] or hi > allowed[1]
         # Extremes may exceed int64 (uint64 codes): clip, they are only compared to allowed.
-        hi, lo = min(hi, int(_I64.max)), max(lo, -int(_I64.max))
-        vec[:8] = [n, -n, param, -param, claim.mode, -claim.mode, hi, -lo]
-        vec[9] = rank + 1 if out_of_range else 0
-    detail = f"agreement (an Iallreduce of {vec.nbytes} bytes over all {comm.Get_size()} ranks)"
+        span = (max(lo, -int(_I64.max)), min(hi, int(_I64.max)))
+        n = claim.codes.size
+        vec = _ARGUMENTS.reduced(
+            rank, size, numel=n, param=param, mode=claim.mode, codes=span, outside=outside
+        )
+    detail = f"agreement (an Iallreduce of {vec.nbytes} bytes over all {size} ranks)"
     issue(
         comm,
         MPI.Comm.Allreduce,
@@ -334,19 +341,24 @@ def agree(comm, fname: str, claim: Claim, timeout=None) -> tuple[Any, int]:
         name=fname,
         detail=detail,
     )
-    if claim.err is not None:
-        raise claim.err
-    if vec[8]:
-        raise ValueError(f"{fname}: rank {vec[8] - 1} rejected its arguments (see its error)")
-    if vec[0] != -vec[1]:
-        raise ValueError(f"{fname}: ranks disagree on the length of codes: {-vec[1]} vs {vec[0]}")
-    if vec[2] != -vec[3]:
-        raise ValueError(f"{fname}: ranks disagree on {pname}: {-vec[3]} vs {vec[2]}")
-    if vec[4] != -vec[5]:
+    tally = _ARGUMENTS.tally(vec, size)
+    settle(
+        tally.ranks("failed"),
+        claim.err,
+        lambda r: ValueError(f"{fname}: rank {r[-1]} rejected its arguments (see its error)"),
+    )
+    if not tally.agrees("numel"):
+        lo, hi = tally.span("numel")
+        raise ValueError(f"{fname}: ranks disagree on the length of codes: {lo} vs {hi}")
+    if not tally.agrees("param"):
+        lo, hi = tally.span("param")
+        raise ValueError(f"{fname}: ranks disagree on {pname}: {lo} vs {hi}")
+    if not tally.agrees("mode"):
         raise ValueError(f"{fname}: ranks disagree on signed/majority")
-    if vec[9]:
+    if outside := tally.ranks("outside"):
+        lo, hi = tally.span("codes")
         raise ValueError(
-            f"{fname}: codes lie in [{-vec[7]}, {vec[6]}] across ranks (rank {vec[9] - 1} "
+            f"{fname}: codes lie in [{lo}, {hi}] across ranks (rank {outside[-1]} "
             f"among them), outside the allowed [{allowed[0]}, {allowed[1]}] for {pname}={param}"
         )
     return claim.codes, param

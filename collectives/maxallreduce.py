@@ -4,11 +4,12 @@ Every call starts with one fixed-size int64 message, the *head*, reduced with MP
 
     [n, -n, dtype, -dtype, op, -op, bad_low, bad_high, key(x[0]), ..., key(x[K-1])]
 
-MAX of ``v`` and of ``-v`` is ``max v`` and ``-min v``: the two agree exactly when every
-rank sent the same ``v``. So one message checks that all ranks bring the same length,
-the same dtype and the same operation, names the ranks whose input is not a valid
-vector, and already carries the first ``K = _INLINE`` values (as order-preserving int64
-keys, every dtype alike). A vector of at most K values (a norm, a handful of scales)
+Its first eight values are the call's ballot (``agreement.Form``: ``_HEAD``): MAX of
+``v`` and of ``-v`` is ``max v`` and ``-min v``, the two agree exactly when every rank
+sent the same ``v``. So one message checks that all ranks bring the same length, the
+same dtype and the same operation, names the ranks whose input is not a valid vector,
+and already carries the first ``K = _INLINE`` values (as order-preserving int64 keys,
+every dtype alike). A vector of at most K values (a norm, a handful of scales)
 costs that one message. Longer vectors send the rest, ``x[K:]``, in a second Allreduce
 in their own width, once the head has shown that every rank agrees.
 
@@ -31,13 +32,16 @@ import numpy as np
 from mpi4py import MPI
 
 from mpicomp.collectives._wait import issue, resolve_timeout
+from mpicomp.collectives.agreement import RANKS, SAME, Form, settle
 from mpicomp.kernels import backend_of
 
 # Values carried by the head message: vectors this short cost one message. Tests shrink
 # it to sweep the head/tail edge; every rank must see the same value.
 _INLINE = 16
 
-_HEADER = 8  # n, -n, dtype, -dtype, op, -op, bad_low, bad_high
+# The ballot the head begins with; a rank whose x is invalid leaves n and dtype out.
+_HEAD = Form(n=SAME, dtype=SAME, op=SAME, bad=RANKS)
+_HEADER = _HEAD.size  # 8: n, -n, dtype, -dtype, op, -op, bad_low, bad_high
 _I64 = np.iinfo(np.int64)
 _DTYPES = tuple(
     np.dtype(name)
@@ -136,23 +140,27 @@ def _head_values(w, op_code: int, dtype):
 
 def _check_head(comm, head, name: str, problem: Exception | None) -> None:
     """Raise the same ValueError on every rank if the reduced head shows a disagreement."""
-    if head[7] > 0:
-        low, high = comm.size - int(head[6]), int(head[7]) - 1
-        who = f"rank {low}" if low == high else f"ranks {low} to {high} (at least two)"
-        raise ValueError(
-            f"{name}: {who} passed an invalid x (not a number or a 1-D numeric array)"
-        ) from problem
-    if head[4] != -head[5]:
+    tally = _HEAD.tally(head, comm.size)
+    settle(tally.ranks("bad"), problem, partial(_invalid, name), own=False)
+    if not tally.agrees("op"):
         raise ValueError(
             f"{name}: ranks disagree on the operation: some call max_allreduce, others min_allreduce"
         )
-    if head[0] != -head[1]:
-        raise ValueError(
-            f"{name}: ranks disagree on the length of x: from {-int(head[1])} to {int(head[0])}"
-        )
-    if head[2] != -head[3]:
-        lo, hi = _DTYPES[-int(head[3]) - 1], _DTYPES[int(head[2]) - 1]
+    if not tally.agrees("n"):
+        low, high = tally.span("n")
+        raise ValueError(f"{name}: ranks disagree on the length of x: from {low} to {high}")
+    if not tally.agrees("dtype"):
+        low, high = tally.span("dtype")
+        lo, hi = _DTYPES[low - 1], _DTYPES[high - 1]
         raise ValueError(f"{name}: ranks disagree on the dtype of x: {lo} and {hi} among them")
+
+
+def _invalid(name: str, ranks: list[int]) -> ValueError:
+    """The error of every rank when ``ranks`` (the lowest and the highest) passed a bad x."""
+    who = (
+        f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {ranks[0]} to {ranks[-1]} (at least two)"
+    )
+    return ValueError(f"{name}: {who} passed an invalid x (not a number or a 1-D numeric array)")
 
 
 def _waiting(comm, message: str, buf) -> str:
@@ -174,16 +182,13 @@ def _extreme_allreduce(comm, x, *, name: str, recorder=None, timeout=None):
     inline = _INLINE
     n = k = 0
     head = xp.full(_HEADER + inline, _I64.min, dtype=np.int64)
-    head[4:6] = op_code, -op_code
     if problem is None:
-        n, code = v.size, _CODE[v.dtype]
-        head[:4] = n, -n, code, -code
-        head[6:8] = 0
+        n = v.size
+        head[:_HEADER] = _HEAD.reduced(comm.rank, comm.size, n=n, dtype=_CODE[v.dtype], op=op_code)
         k = min(n, inline)
         head[_HEADER : _HEADER + k] = _head_keys(v[:k], op_code)
-    else:
-        # Neutral (int64 min) length and dtype: the report below names this rank.
-        head[6:8] = comm.size - comm.rank, comm.rank + 1
+    else:  # no length or dtype to compare: the report below names this rank
+        head[:_HEADER] = _HEAD.reduced(comm.rank, comm.size, op=op_code, bad=True)
     issue(
         comm,
         MPI.Comm.Allreduce,

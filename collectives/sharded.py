@@ -19,11 +19,14 @@ import numpy as np
 from mpi4py import MPI
 
 from mpicomp.collectives._wait import issue, resolve_timeout
+from mpicomp.collectives.agreement import TOP, Form, settle
 from mpicomp.collectives.allgather import _COUNT_LIMIT, allgather_bytes
 from mpicomp.errors import RankError
 from mpicomp.kernels import backend_of
 
 _OP = "alltoall_bytes"
+# The count check: the most bytes any rank sends or receives (one Allreduce(MAX)).
+_COUNTS = Form(moved=TOP)
 
 
 def shard_bounds(n: int, nshards: int) -> list[tuple[int, int]]:
@@ -83,15 +86,19 @@ def alltoall_bytes(comm, payloads, *, recorder=None, timeout=None) -> list[np.nd
         name=_OP,
         detail=detail,
     )
-    bad = [r for r in range(size) if recv_sizes[r] < 0]
-    if bad:
-        # The same message on every rank, the bad rank included.
-        raise ValueError(
+    # The sizes are every rank's row of the check: -1 marks a rank at fault. The same
+    # message on every rank, the bad rank included.
+    settle(
+        np.flatnonzero(recv_sizes < 0).tolist(),
+        None,
+        lambda bad: ValueError(
             f"alltoall_bytes: rank(s) {bad} did not pass {size} 1-D uint8 payloads (one per rank)"
-        )
+        ),
+    )
     # Decided on a value every rank shares, so all raise or none does.
-    local = np.array([max(send_sizes.sum(), recv_sizes.sum())], dtype=np.int64)
-    largest = np.empty(1, dtype=np.int64)
+    moved = int(max(send_sizes.sum(), recv_sizes.sum()))
+    local = _COUNTS.reduced(comm.rank, size, moved=moved)
+    largest = np.empty_like(local)
     detail = f"the count check (an Iallreduce of 8 bytes over all {size} ranks)"
     issue(
         comm,
@@ -104,9 +111,10 @@ def alltoall_bytes(comm, payloads, *, recorder=None, timeout=None) -> list[np.nd
         name=_OP,
         detail=detail,
     )
-    if largest[0] > _COUNT_LIMIT:
+    most = _COUNTS.tally(largest, size).top("moved")
+    if most > _COUNT_LIMIT:
         raise ValueError(
-            f"alltoall_bytes: a rank moves {largest[0]} bytes, more than this MPI's "
+            f"alltoall_bytes: a rank moves {most} bytes, more than this MPI's "
             f"count limit {_COUNT_LIMIT}; use smaller buckets"
         )
     xp = _module(payloads[0]) if size else np

@@ -1,7 +1,8 @@
 """The core stays one a newcomer can follow (docs/architecture.md): the aggregation kinds
 are named only inside ``mpicomp.reduction``, no module outside ``mpicomp/comm.py``
-reaches into CompressedComm's private names (adapters use its public seam), and only
-``collectives/_wait.py`` calls MPI."""
+reaches into CompressedComm's private names (adapters use its public seam), tests use
+no private name of the library without a reason listed here, every module of the call
+path has a test named after it, and only ``collectives/_wait.py`` calls MPI."""
 
 import ast
 from pathlib import Path
@@ -111,6 +112,273 @@ def test_nothing_outside_comm_uses_compressed_comm_privates():
         if (hits := _reaches_in(tree, private))
     }
     assert not found, f"CompressedComm's private names used outside comm.py: {found}"
+
+
+# --- tests reach the library through its public seams ------------------------------------
+
+TESTS = ROOT / "tests"
+
+# A private name of the library a test uses where no public seam exists: (test file,
+# name) -> why. A test may also import the private module it is named after
+# (tests/test_wire.py: mpicomp.codecs._wire).
+_FORGES = "forges the payloads a decoder must refuse: the wire format has no public builder"
+_TIMEOUT = "fakes a late request or an abort in the timeout, whose hooks have no public seam"
+_UNREGISTER = "removes the test's own backend: kernels has register_backend, no unregister"
+_SMALLER = "lowers a size threshold so that the larger messages' path runs at test sizes"
+_KEPT = "resets the process-wide kept thread cap, so no later test inherits a one-CPU cap"
+_DEVICE = "the stand-in devices build the CUDA sources as Device.cuda and Device.emulated do"
+_TWINS = "the CUDA twin's constant must equal the CPU kernel's"
+_JOB = "a job's own helper, tested without running the job (minutes, hosts, other libraries)"
+_HELPERS = "jobs/_*.py are the jobs' shared helpers (not jobs to run), tested as such"
+_FRAMES = "counts the frames at _wait.ready, the last one before MPI"
+_EXACT = "forces top-k's exact selection, which a sampled bracket rarely leaves to it"
+_PARSER = "the parser sphinx-argparse reads (docs/api/cli.rst): arguments parsed, not run"
+_BEHIND = "changes one rank's configuration behind its back (made alike, it must agree)"
+PRIVATE_IN_TESTS = {
+    **{
+        (f"tests/{f}", "_wire"): _FORGES
+        for f in (
+            "test_baselines.py",
+            "test_fastsgd.py",
+            "test_fft.py",
+            "test_fuzz.py",
+            "test_mpi_gather_sum.py",
+            "test_payloads.py",
+            "test_readback.py",
+            "test_signsgd.py",
+            "test_threelc.py",
+        )
+    },
+    ("tests/test_fuzz.py", "_PREFIX"): _FORGES + " (FastSGD's body prefix)",
+    ("tests/test_logging.py", "_wait"): _TIMEOUT,
+    ("tests/test_mpi_architecture.py", "_wait"): _FRAMES,
+    ("tests/test_mpi_torch_reliability.py", "_wait"): _TIMEOUT,
+    ("tests/test_baselines.py", "_bracket"): _EXACT,
+    ("tests/test_cli.py", "_parser"): _PARSER,
+    ("tests/test_cuda_fft.py", "_CHUNK"): _TWINS,
+    ("tests/test_cuda_fft.py", "_MIN_SIDE"): _TWINS,
+    ("tests/test_cuda_fft.py", "_SUM_SPECTRA_MIN"): _TWINS,
+    ("tests/test_kernels_seam.py", "_REGISTRY"): _UNREGISTER,
+    ("tests/test_kernels_seam.py", "_ARRAY_TYPES"): _UNREGISTER + " (nor unregister_array_type)",
+    ("tests/test_mpi_kernels_seam.py", "_REGISTRY"): _UNREGISTER,
+    ("tests/test_threads.py", "_REGISTRY"): _UNREGISTER,
+    ("tests/test_mpi_allgather.py", "_RING_CHUNK"): _SMALLER,
+    ("tests/test_mpi_allgather.py", "_COUNT_LIMIT"): _SMALLER,
+    ("tests/test_mpi_maxallreduce.py", "_INLINE"): _SMALLER,
+    ("tests/test_threads.py", "_decided"): _KEPT,
+    ("tests/test_threads.py", "_applied"): _KEPT,
+    ("tests/test_mpi_threads.py", "_decided"): _KEPT,
+    ("tests/test_mpi_threads.py", "_applied"): _KEPT,
+    ("tests/_devices.py", "_build"): _DEVICE,
+    ("tests/_device_arrays.py", "_emulated_build"): _DEVICE,
+    ("tests/test_jobs.py", "_compare"): _HELPERS,
+    ("tests/test_jobs.py", "_data"): _HELPERS,
+    ("tests/test_jobs.py", "_mlp"): _HELPERS,
+    ("tests/test_mpi_agreement.py", "_planner"): _BEHIND,
+    ("tests/test_mpi_agreement.py", "_config"): _BEHIND,
+    ("tests/test_mpi_agreement.py", "_plans"): _BEHIND,
+    ("tests/test_netem.py", "_parse"): _JOB,
+    ("tests/test_peers.py", "_parse"): _JOB,
+    ("tests/test_peers.py", "_reach"): _JOB,
+    ("tests/test_peers.py", "_failure"): _JOB,
+}
+
+
+def _private(name: str) -> bool:
+    return name.startswith("_") and not name.startswith("__")
+
+
+def _library_privates() -> set[str]:
+    """The private names the library and the jobs define: their private modules, and the
+    private functions, classes and attributes (set anywhere) of their modules."""
+    names = set()
+    for rel, tree in _files():
+        names.add(Path(rel).stem)
+        for node in ast.walk(tree):
+            if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef):
+                names.add(node.name)
+            elif isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store):
+                names.add(node.id)
+            elif isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store):
+                names.add(node.attr)
+    return {n for n in names if _private(n)}
+
+
+def _own_names(tree) -> set[str]:
+    """Names a test file defines itself (its helpers, their attributes, its arguments)."""
+    names = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef):
+            names.add(node.name)
+        elif isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store):
+            names.add(node.id)
+        elif isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store):
+            if isinstance(node.value, ast.Name) and node.value.id in ("self", "cls"):
+                names.add(node.attr)
+        elif isinstance(node, ast.arg):
+            names.add(node.arg)
+    return names
+
+
+def _subject(test: str) -> str:
+    """The module a test file is named after: ``test_mpi_wire.py`` -> ``wire``."""
+    return Path(test).stem.removeprefix("test_").removeprefix("mpi_")
+
+
+def _test_reaches(tree, privates: set[str], subject: str = "") -> list[str]:
+    """Return ``line: name`` of the library's private names a test uses: a private module
+    or name imported from ``SOURCES`` (the module ``subject`` names excepted), an
+    attribute among ``privates`` on anything but ``self``/``cls`` that the test does not
+    define itself, and such a name given to ``setattr``/``getattr``/``delattr`` (or to
+    ``monkeypatch``'s, also as ``"package.module._name"``)."""
+    own, found = _own_names(tree), []
+
+    def ours(module: str | None) -> bool:
+        return bool(module) and module.split(".")[0] in SOURCES
+
+    for node in ast.walk(tree):
+        names: list[str] = []
+        if isinstance(node, ast.ImportFrom) and node.level == 0 and ours(node.module):
+            names = node.module.split(".") + [a.name for a in node.names]
+            names = [n for n in names if n.lstrip("_") != subject]
+        elif isinstance(node, ast.Import):
+            names = [p for a in node.names if ours(a.name) for p in a.name.split(".")]
+            names = [n for n in names if n.lstrip("_") != subject]
+        elif isinstance(node, ast.Attribute):
+            on_self = isinstance(node.value, ast.Name) and node.value.id in ("self", "cls")
+            if node.attr in privates and node.attr not in own and not on_self:
+                names = [node.attr]
+        elif isinstance(node, ast.Call):
+            f = node.func
+            called = f.attr if isinstance(f, ast.Attribute) else getattr(f, "id", "")
+            strings = [
+                a.value
+                for a in node.args[:2]
+                if isinstance(a, ast.Constant) and isinstance(a.value, str)
+            ]
+            if called in ("setattr", "getattr", "delattr", "hasattr"):
+                for s in strings:
+                    parts = s.split(".") if "." in s and ours(s) else [s]
+                    names += [p for p in parts if p in privates and p not in own]
+        found += [(node.lineno, n) for n in names if _private(n)]
+    return [f"{line}: {name}" for line, name in sorted(found)]
+
+
+def test_the_test_finder_sees_a_private_name():
+    privates = {"_transport", "_wire", "_bracket", "_cost", "_helper"}  # the library's
+    tree = ast.parse(
+        "from mpicomp.codecs import _wire\n"
+        "import mpicomp.collectives._wait as w\n"
+        "x = cc._transport.path\n"
+        'monkeypatch.setattr(k, "_bracket", f)\n'
+        'monkeypatch.setattr("mpicomp.kernels._helper", f)\n'
+        "from mpicomp.reduction._cost import Cost\n"
+        "y = os._exit\n"
+        "from numpy import _core\n"
+        "os.getpid()\n"
+        "def _helper(): pass\n"
+        "_helper()\n"
+        "from mpicomp.call.intake import buckets as _buckets\n"
+    )
+    assert _test_reaches(tree, privates) == [
+        "1: _wire",
+        "2: _wait",
+        "3: _transport",
+        "4: _bracket",
+        "6: _cost",
+    ]
+    assert _test_reaches(tree, privates, subject="cost") == [
+        "1: _wire", "2: _wait", "3: _transport", "4: _bracket"
+    ]  # fmt: skip
+    own = ast.parse(
+        "class Fake:\n    def __init__(self):\n        self._transport = 0\nFake()._transport"
+    )
+    assert _test_reaches(own, privates) == []  # the test's own stand-in
+    assert _subject("tests/test_mpi_wire.py") == _subject("test_wire.py") == "wire"
+
+
+def test_tests_use_no_private_name_of_the_library_without_a_reason():
+    privates = _library_privates()
+    assert {"_transport", "_runner", "_plans", "_wire", "_REGISTRY", "_compare"} <= privates
+    found, used = {}, set()
+    for path in sorted(TESTS.rglob("*.py")):
+        rel = path.relative_to(ROOT).as_posix()
+        tree = ast.parse(path.read_text(encoding="utf-8"), rel)
+        for hit in _test_reaches(tree, privates, _subject(rel)):
+            name = hit.split(": ", 1)[1]
+            if (rel, name) in PRIVATE_IN_TESTS:
+                used.add((rel, name))
+            else:
+                found.setdefault(rel, []).append(hit)
+    assert not found, f"tests use private names of the library (use a public seam): {found}"
+    assert used == set(PRIVATE_IN_TESTS), f"stale: {set(PRIVATE_IN_TESTS) - used}"
+
+
+# --- each module of the call path has a test named after it ------------------------------
+
+#: The call path: each module has ``tests/test_<name>.py`` (or ``test_mpi_<name>.py``, for
+#: ranks; a leading ``_`` dropped from the name) that imports it.
+CALL_PATH = ("mpicomp/comm.py", "mpicomp/call", "mpicomp/reduction", "collectives")
+
+
+def _call_path_modules() -> list[str]:
+    out = []
+    for entry in CALL_PATH:
+        path = ROOT / entry
+        for f in [path] if path.is_file() else sorted(path.glob("*.py")):
+            if f.name != "__init__.py":
+                out.append(f.relative_to(ROOT).as_posix())
+    return out
+
+
+def _installed(rel: str) -> str:
+    """Return the module a file installs as: ``collectives/ring.py`` is
+    ``mpicomp.collectives.ring`` (setup.py's package_dir)."""
+    parts = list(Path(rel).with_suffix("").parts)
+    if parts[0] in ("kernels", "collectives"):
+        parts.insert(0, "mpicomp")
+    return ".".join(parts)
+
+
+def _modules_imported(tree) -> set[str]:
+    """The modules ``tree`` imports: ``a.b`` of ``import a.b`` and of ``from a.b import
+    c``, and ``a.b.c`` (c may be a module)."""
+    out = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            out.update(a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            out.add(node.module)
+            out.update(f"{node.module}.{a.name}" for a in node.names)
+    return out
+
+
+def test_the_import_finder_sees_a_module():
+    tree = ast.parse(
+        "import mpicomp.comm\n"
+        "from mpicomp.collectives import ring\n"
+        "from mpicomp.reduction._kind import Kind\n"
+        "import mpicomp\n"
+    )
+    found = _modules_imported(tree)
+    assert {"mpicomp.comm", "mpicomp.collectives.ring", "mpicomp.reduction._kind"} <= found
+    assert "mpicomp.call.intake" not in found
+    assert _installed("collectives/_wait.py") == "mpicomp.collectives._wait"
+    assert _installed("mpicomp/call/intake.py") == "mpicomp.call.intake"
+    assert "mpicomp/call/intake.py" in _call_path_modules()
+
+
+def test_every_module_of_the_call_path_has_a_test_named_after_it():
+    missing = []
+    for rel in _call_path_modules():
+        name, module = Path(rel).stem.lstrip("_"), _installed(rel)
+        named = [TESTS / f"test_{name}.py", TESTS / f"test_mpi_{name}.py"]
+        if not any(
+            t.exists() and module in _modules_imported(ast.parse(t.read_text(encoding="utf-8")))
+            for t in named
+        ):
+            missing.append(f"{rel}: tests/test_{name}.py importing {module}")
+    assert not missing, f"call-path modules without a test named after them: {missing}"
 
 
 # A literal equal to a schedule's name outside mpicomp/reduction/ that names something

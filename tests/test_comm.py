@@ -1,4 +1,6 @@
-"""CompressedComm pieces that need no peers: options, bucketing."""
+"""CompressedComm pieces that need no peers: options, snapshots, host reads, NaN/Inf
+policies, handles and warnings, started calls at exit, checkpoints (how inputs are
+taken and bucketed: tests/test_intake.py)."""
 
 import threading
 

@@ -1,12 +1,13 @@
 """mpicomp/call/config.py on one rank: what ranks must agree on (a ``Config`` and its
-digest, the same for values that mean the same), the check every rank takes part in,
-and how messages name ranks (several ranks: tests/test_mpi_config.py)."""
+digest, the same for values that mean the same) and the check every rank takes part in
+when an object is made (several ranks: tests/test_mpi_config.py; how messages name ranks
+and fields: tests/test_agreement.py)."""
 
 import numpy as np
 import pytest
 from mpi4py import MPI
 
-from mpicomp.call.config import Config, check_same, disagreement, ranks_text, world_ranks
+from mpicomp.call.config import Config, check_same
 
 
 def test_values_that_mean_the_same_have_one_digest():
@@ -32,29 +33,6 @@ def test_with_fields_adds_and_replaces_without_changing_the_original():
     assert more.digest != base.digest
 
 
-@pytest.mark.parametrize(
-    "ranks, text",
-    [
-        ([3], "rank 3"),
-        ([0, 1, 2], "ranks 0-2"),
-        ([0, 1, 2, 5], "ranks 0-2, 5"),
-        ([1, 3], "ranks 1, 3"),
-    ],
-)
-def test_ranks_are_named_in_runs(ranks, text):
-    assert ranks_text(ranks) == text
-
-
-def test_the_world_and_its_duplicates_need_no_translation():
-    assert world_ranks(MPI.COMM_WORLD) == ""
-    dup = MPI.COMM_WORLD.Dup()
-    try:
-        assert world_ranks(dup) == ""
-    finally:
-        dup.Free()
-    assert world_ranks(object()) == ""  # a stand-in communicator: nothing to translate
-
-
 def test_one_rank_agrees_with_itself_and_raises_its_own_error():
     config = Config({"codec": "none"})
     check_same(MPI.COMM_SELF, config, None, "this CompressedComm", None)  # no error
@@ -76,7 +54,3 @@ def test_fields_json_cannot_write_are_an_error_of_this_rank():
 
     with pytest.raises(RuntimeError, match="no text for this value"):
         check_same(MPI.COMM_SELF, Config({"x": Opaque()}), None, "this CompressedComm", None)
-
-
-def test_one_rank_finds_no_field_that_differs():
-    assert disagreement(MPI.COMM_SELF, {"codec": {"bits": 4}}, None) == "the configurations differ"

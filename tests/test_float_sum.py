@@ -9,8 +9,8 @@ from mpi4py import MPI
 
 import mpicomp
 from mpicomp.collectives.traffic import Traffic
+from mpicomp.model.cost import Cost, mpi_allreduce
 from mpicomp.reduction import float_sum
-from mpicomp.reduction._cost import Cost, mpi_allreduce
 from mpicomp.reduction.agreement import Call, Guard, Skipped
 from mpicomp.reduction.transport import Transport
 

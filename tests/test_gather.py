@@ -7,8 +7,8 @@ import pytest
 from mpi4py import MPI
 
 import mpicomp
+from mpicomp.model.cost import gathered
 from mpicomp.reduction import gather
-from mpicomp.reduction._cost import gathered
 from mpicomp.reduction.agreement import Call
 from mpicomp.reduction.residuals import Encoding, Residuals
 

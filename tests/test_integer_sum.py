@@ -9,8 +9,8 @@ from mpi4py import MPI
 import mpicomp
 from mpicomp.collectives.direct import direct_allreduce_bounded
 from mpicomp.collectives.ring import ring_allreduce_bounded
+from mpicomp.model.cost import Cost, agreement, bounded
 from mpicomp.reduction import integer_sum
-from mpicomp.reduction._cost import NOTHING, Cost, bounded, small
 from mpicomp.reduction.agreement import Call
 
 KIND = integer_sum.KIND
@@ -63,14 +63,13 @@ def test_what_the_schedules_cost():
     span = 2 * one_block.bound
     for s in ("ring", "direct"):
         assert KIND.schedules[s].cost(one_block, 1000, 4) == bounded(s, 1000, 4, span, False)
-        assert KIND.schedules[s].cost(one_block, 1000, 1) == NOTHING
+        assert KIND.schedules[s].cost(one_block, 1000, 1) == Cost(0, 0)  # one rank sends nothing
     # 8 blocks of 128: their norms go in one more MaxAllReduce of the head's size.
     blocks = mpicomp.codec("qsgd_maxnorm", bits=4, block=128)
-    extra = small(192, 4)
+    extra = agreement(4)  # a second MaxAllReduce head
     assert KIND.schedules["ring"].cost(blocks, 1000, 4) == extra + bounded(
         "ring", 1000, 4, span, False
     )
     assert (
         KIND.schedules["direct"].alltoall(blocks, 1000, 4) == 3 * 256 * 4 // 8
     )  # 3 chunks of 4-bit codes
-    assert isinstance(extra, Cost) and extra.messages == 2

@@ -7,8 +7,8 @@ import pytest
 from mpi4py import MPI
 
 import mpicomp
+from mpicomp.model.cost import Cost, bounded
 from mpicomp.reduction import majority
-from mpicomp.reduction._cost import bounded, direct_alltoall, small
 from mpicomp.reduction.agreement import Call
 
 KIND = majority.KIND
@@ -36,6 +36,7 @@ def test_a_refused_input_raises_its_error():
 def test_what_the_schedules_cost():
     codec = mpicomp.codec("signsgd")
     for s in ("ring", "direct"):
-        # The scales' Allgather (8 bytes a rank), then one-bit votes and decisions.
-        assert KIND.schedules[s].cost(codec, 1000, 4) == small(8, 4) + bounded(s, 1000, 4, 1, True)
-    assert KIND.schedules["direct"].alltoall(codec, 1000, 4) == direct_alltoall(1000, 4, 1) == 96
+        # The scales' Allgather (8 bytes a rank: 2 rounds of recursive doubling on 4
+        # ranks), then one-bit votes and decisions.
+        assert KIND.schedules[s].cost(codec, 1000, 4) == Cost(2, 16) + bounded(s, 1000, 4, 1, True)
+    assert KIND.schedules["direct"].alltoall(codec, 1000, 4) == 3 * 256 // 8  # 3 chunks of votes

@@ -4,7 +4,9 @@ One rank differs in the codec, in one codec parameter or in one option of Compre
 every rank raises RankError naming what differs, when the CompressedComm is made (no
 MPICOMP_DEBUG, no timeout: a hang fails through pytest-timeout). The same difference
 met by a call (the configuration digest in every call's agreement) raises there, and
-the next call of agreeing ranks works.
+the next call of agreeing ranks works. Last, the mechanism itself (collectives/agreement.py):
+a ballot reduced or gathered over the ranks reads the same on each, and ``settle`` raises
+on every rank.
 """
 
 import numpy as np
@@ -13,6 +15,7 @@ from mpi4py import MPI
 
 import mpicomp
 from conftest import world
+from mpicomp.collectives.agreement import RANK, RANKS, SAME, SPAN, TOP, Form, ranks_text, settle
 from mpicomp.errors import RankError
 
 # One value for the odd rank out, per codec parameter (every other rank: the default).
@@ -289,3 +292,65 @@ def test_a_refused_input_meeting_a_close_raises_peer_closed_from_it():
             cc.allreduce(np.ones(100, np.float32), name=None)
         assert isinstance(e.value.__cause__, TypeError)
         cc.close()
+
+
+# -- the mechanism itself (mpicomp.collectives.agreement) across ranks --------------------
+
+BALLOT = Form(n=SAME, codes=SPAN, norm=TOP, failed=RANK, bad=RANKS)
+
+
+@pytest.mark.mpi
+def test_a_ballot_reduced_by_max_reads_the_same_on_every_rank():
+    comm = world()
+    last = comm.size - 1
+    n = 13 if comm.rank == last and last > 0 else 10
+    vec = BALLOT.reduced(
+        comm.rank,
+        comm.size,
+        n=n,
+        codes=(-comm.rank, comm.rank),
+        norm=comm.rank,
+        failed=comm.rank % 2 == 0,
+        bad=comm.rank >= comm.size // 2,
+    )
+    comm.Allreduce(MPI.IN_PLACE, vec, op=MPI.MAX)
+    tally = BALLOT.tally(vec, comm.size)
+    assert tally.agrees("n") == (comm.size == 1)
+    assert tally.span("n") == ((10, 10) if comm.size == 1 else (10, 13))
+    assert tally.span("codes") == (-last, last)
+    assert tally.top("norm") == last
+    assert tally.ranks("failed") == [last - last % 2]  # the highest even rank
+    low = comm.size // 2
+    assert tally.ranks("bad") == ([low] if low == last else [low, last])
+    every = comm.allgather((tally.span("n"), tally.ranks("bad")))
+    assert all(seen == every[0] for seen in every)
+
+
+@pytest.mark.mpi
+def test_gathered_rows_name_every_rank_at_fault():
+    comm = world()
+    form = Form(failed=RANK, config=SAME)
+    failing = comm.rank % 2 == 1
+    row = form.gathered(failed=failing, config=None if failing else 42)
+    table = np.empty((comm.size, row.size), np.int64)
+    comm.Allgather(row, table)
+    tally = form.tally_rows(table)
+    assert tally.ranks("failed") == list(range(1, comm.size, 2))
+    assert tally.agrees("config") and tally.span("config") == (42, 42)
+
+
+@pytest.mark.mpi
+def test_settle_raises_on_every_rank_and_leaves_nothing_in_flight():
+    comm = world()
+    last = comm.size - 1
+    mine = TypeError("bits must be an int") if comm.rank == last else None
+    vec = BALLOT.reduced(comm.rank, comm.size, failed=mine is not None)
+    comm.Allreduce(MPI.IN_PLACE, vec, op=MPI.MAX)
+    failed = BALLOT.tally(vec, comm.size).ranks("failed")
+    with pytest.raises((TypeError, RankError)) as info:
+        settle(failed, mine, lambda r: RankError(f"{ranks_text(r)} failed"))
+    if comm.rank == last:
+        assert info.value is mine
+    else:
+        assert str(info.value) == f"rank {last} failed"
+    assert comm.allreduce(1) == comm.size  # every rank is in step after it

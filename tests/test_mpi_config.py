@@ -5,7 +5,8 @@ to the others."""
 import pytest
 
 from conftest import world
-from mpicomp.call.config import Config, check_same, disagreement
+from mpicomp.call.config import Config, check_same
+from mpicomp.collectives.agreement import disagreement
 from mpicomp.errors import RankError
 
 
@@ -38,3 +39,14 @@ def test_a_rank_that_failed_is_named_to_the_others():
             f"rank {last} failed making this CompressedComm: TypeError: bits must be an int"
             in str(e.value)
         )
+
+
+@pytest.mark.mpi
+def test_a_failure_is_said_in_the_callers_words():
+    comm = world()
+    last = comm.size - 1
+    error = ValueError("cannot load the state") if comm.rank == last else None
+    with pytest.raises(ValueError if comm.rank == last else RankError) as e:
+        check_same(comm, None, error, "load", 0, failure=lambda r: f"loading failed on {r}")
+    if comm.rank != last:
+        assert str(e.value) == f"loading failed on [{last}]: ValueError: cannot load the state"

@@ -19,14 +19,15 @@ def test_the_same_call_everywhere_passes():
 
 
 @pytest.mark.mpi
-def test_another_tensor_on_one_rank_is_named_on_every_rank():
+@pytest.mark.parametrize("timeout", [None, 0])  # 0 as the option gives it: off, not 0 s
+def test_another_tensor_on_one_rank_is_named_on_every_rank(timeout):
     comm = world()
     if comm.size < 2:
         pytest.skip("one rank makes the same call as itself")
     last = comm.size - 1
     name = "fc.bias" if comm.rank == last else "fc.weight"
     with pytest.raises(RankError) as e:
-        check_same_call(comm, f"allreduce({name!r}, 64 float32)", "codec=topk", None)
+        check_same_call(comm, f"allreduce({name!r}, 64 float32)", "codec=topk", timeout)
     assert str(e.value) == (
         f"rank {last} called allreduce('fc.bias', 64 float32) "
         "while rank 0 called allreduce('fc.weight', 64 float32)"

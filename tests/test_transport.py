@@ -8,7 +8,6 @@ import pytest
 
 from mpicomp.reduction import transport
 from mpicomp.reduction.transport import (
-    CHUNK_BYTES,
     CHUNK_ENV,
     Transport,
     chunk_bounds,
@@ -94,21 +93,32 @@ def test_what_mpicomp_info_says_of_an_answer():
 
 
 @pytest.mark.parametrize(
-    "raw, want",
-    [("", CHUNK_BYTES), ("4096", 4096), ("4K", 4096), ("2M", 2 << 20), ("1GiB", 1 << 30), ("0", 0)],
+    ("raw", "want"),
+    [
+        (None, 4 << 20),
+        ("", 4 << 20),
+        ("0", 0),
+        ("65536", 65536),
+        ("8M", 8 << 20),
+        ("512k", 512 << 10),
+        ("1GiB", 1 << 30),
+    ],
 )
-def test_the_staging_chunk_is_read_in_bytes(monkeypatch, raw, want):
-    monkeypatch.setenv(CHUNK_ENV, raw)
+def test_the_chunk_comes_from_the_environment(monkeypatch, raw, want):
+    if raw is None:
+        monkeypatch.delenv(CHUNK_ENV, raising=False)
+    else:
+        monkeypatch.setenv(CHUNK_ENV, raw)
     assert staging_chunk() == want
-    assert Transport().chunk_bytes == want  # read when made
+    assert Transport().chunk_bytes == want
 
 
-@pytest.mark.parametrize("raw", ["-1", "4T", "lots", "1.5M"])
-def test_a_bad_staging_chunk_is_named(monkeypatch, raw):
+@pytest.mark.parametrize("raw", ["-1", "4 MB please", "1.5M", "lots"])
+def test_a_bad_chunk_is_refused_by_name(monkeypatch, raw):
     monkeypatch.setenv(CHUNK_ENV, raw)
-    with pytest.raises(ValueError, match="MPICOMP_STAGING_CHUNK must be bytes >= 0"):
+    with pytest.raises(ValueError, match=CHUNK_ENV):
         staging_chunk()
-    with pytest.raises(ValueError, match="chunk_bytes must be >= 0, got -1"):
+    with pytest.raises(ValueError, match="chunk_bytes must be >= 0"):
         Transport(chunk_bytes=-1)
 
 

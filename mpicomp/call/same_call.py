@@ -3,7 +3,8 @@
 MPI matches collectives by order alone: a rank that averages ``"fc.weight"`` while
 another averages ``"fc.bias"`` of the same size mixes them silently, and the size
 agreement of the reduce paths cannot see it. With the check on, each call costs one
-more 8-byte Allgather of a hash of its description, and ranks that differ are named.
+more 8-byte Allgather of a hash of its description (each rank's row of ``_SAME_CALL``),
+and ranks that differ are named.
 """
 
 from __future__ import annotations
@@ -13,11 +14,16 @@ import hashlib
 import numpy as np
 
 from mpicomp.collectives import plain
-from mpicomp.collectives.allgather import allgather_bytes
+from mpicomp.collectives._wait import resolve_timeout
+from mpicomp.collectives.agreement import SAME, Form, allgather_json
 from mpicomp.errors import PeerClosed, RankError
 
 #: The description a rank closing its CompressedComm takes part with.
 CLOSING = "close()"
+
+# A hash of the call and configuration; a rank that refused its input brings none (0,
+# the identity of uint64): it is left out, the agreement that follows reports it.
+_SAME_CALL = Form(call=SAME)
 
 
 def check_same_call(comm, call: str | None, config: str, timeout: float | None) -> None:
@@ -33,34 +39,33 @@ def check_same_call(comm, call: str | None, config: str, timeout: float | None) 
         timeout: each wait's limit in seconds (None: ``MPICOMP_TIMEOUT``).
     """
     desc = None if call is None else f"{call}\n{config}"
-    h = 0
+    h = None
     if desc is not None:
         h = int.from_bytes(hashlib.blake2b(desc.encode(), digest_size=8).digest(), "little")
         h |= 1  # 0 means "refused"
     hashes = np.empty(comm.size, dtype=np.uint64)
-    plain.allgather(comm, np.array([h], dtype=np.uint64), hashes, timeout=timeout)
-    live = np.flatnonzero(hashes)
-    if live.size == 0 or (hashes[live] == hashes[live[0]]).all():
+    plain.allgather(comm, _SAME_CALL.gathered(np.uint64, call=h), hashes, timeout=timeout)
+    if _SAME_CALL.tally_rows(hashes).agrees("call"):
         return
-    mine = np.frombuffer((desc or "").encode(), dtype=np.uint8).copy()
-    descs = [bytes(p).decode() for p in allgather_bytes(comm, mine, timeout=timeout)]
-    closing = [r for r in live.tolist() if descs[r].split("\n", 1)[0] == CLOSING]
+    descs = allgather_json(comm, desc, resolve_timeout(timeout))
+    live = [r for r, d in enumerate(descs) if d is not None]
+    closing = [r for r in live if descs[r].split("\n", 1)[0] == CLOSING]
     if closing and call != CLOSING:
         raise PeerClosed(
             f"rank {closing[0]} closed this CompressedComm while this rank called {call}; "
             "it is closed on this rank too"
         )
-    ref = int(live[0])
+    ref = live[0]
     ref_call, ref_conf = descs[ref].split("\n", 1)
     parts = []
-    for r in live.tolist():
+    for r in live:
         if hashes[r] == hashes[ref]:
             continue
         r_call, r_conf = descs[r].split("\n", 1)
         parts.append(
             f"rank {r} called {r_call}" + (f" with {r_conf}" if r_conf != ref_conf else "")
         )
-    same_conf = all(d.split("\n", 1)[1] == ref_conf for d in descs if d)
+    same_conf = all(descs[r].split("\n", 1)[1] == ref_conf for r in live)
     raise RankError(
         f"{'; '.join(parts)} while rank {ref} called {ref_call}"
         + ("" if same_conf else f" with {ref_conf}")

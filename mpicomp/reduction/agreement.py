@@ -1,9 +1,10 @@
 """What every reduction shares: the call's context and the agreement it begins with.
 
 Every path starts with an *agreement*: one small message in which each rank says
-how many elements it brings and whether its local encode failed. Ranks that
-disagree or fail make every rank raise the same error before any bulk data moves,
-so a bad tensor on one rank never leaves the others waiting.
+how many elements it brings and whether its local encode failed (its ballot,
+``_CALL``: ``mpicomp.collectives.agreement``). Ranks that disagree or fail make every
+rank raise the same error before any bulk data moves, so a bad tensor on one rank
+never leaves the others waiting.
 
 A ``Call`` carries what every message of one call shares: the communicator, the step,
 the recorder, the NaN/Inf policy, the timeout, the residuals, and a phase clock
@@ -25,13 +26,23 @@ from __future__ import annotations
 import hashlib
 import json
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import numpy as np
 
-from mpicomp.call.config import Config, disagreement, ranks_text, world_ranks
 from mpicomp.codecs.arrays import all_finite, all_finite_later, is_device_array, zero_nonfinite
 from mpicomp.collectives import plain
 from mpicomp.collectives._wait import resolve_timeout
+from mpicomp.collectives.agreement import (
+    RANK,
+    SAME,
+    TOP,
+    Form,
+    disagreement,
+    ranks_text,
+    settle,
+    world_ranks,
+)
 from mpicomp.collectives.maxallreduce import max_allreduce
 from mpicomp.errors import PeerClosed, RankError
 from mpicomp.kernels import backend_of
@@ -41,6 +52,17 @@ from mpicomp.reduction.residuals import NO_RESIDUALS, CallState
 from mpicomp.reduction.transport import Transport
 
 POLICIES = ("raise", "skip_step", "zero")
+
+
+class Configured(Protocol):
+    """What every rank's configuration must match (``mpicomp.call.config.Config``): its
+    ``digest`` joins each call's agreement, its ``fields`` name what differs."""
+
+    @property
+    def digest(self) -> int: ...
+
+    @property
+    def fields(self) -> dict: ...
 
 
 class Skipped(Exception):  # noqa: N818 - a control-flow signal, caught by CompressedComm
@@ -92,7 +114,7 @@ class Call:
     the shapes of the tensors the flat input holds end to end; ``stream`` is added to the rank to number this rank's
     random draws (a hierarchical call's local ranks draw apart on their shards);
     ``config`` what every rank's configuration must match (its digest joins the
-    agreement); ``label`` names the tensor or bucket where ranks disagree.
+    agreement; None: nothing to compare); ``label`` names the tensor or bucket where ranks disagree.
     """
 
     comm: object
@@ -108,7 +130,7 @@ class Call:
     residuals: CallState = NO_RESIDUALS
     shapes: tuple = ()
     stream: int = 0
-    config: Config = Config()
+    config: Configured | None = None
     label: str = ""
 
     @property
@@ -150,6 +172,22 @@ def describe(description: dict) -> int:
     return int.from_bytes(hashlib.blake2b(text, digest_size=8).digest(), "little")
 
 
+# Every call's ballot: 13 float64 (exact for n, each 32-bit half of the call's digest
+# and the 52-bit configuration digest), the payload of one MaxAllReduce that its head
+# carries whole (docs/trace-format.md counts that message).
+_CALL = Form(
+    value=TOP,
+    numel=SAME,
+    call_high=SAME,
+    call_low=SAME,
+    config=SAME,
+    failed=RANK,
+    nonfinite=RANK,
+    closing=RANK,
+    calling=RANK,
+)
+
+
 def agree(
     call: Call,
     n: int,
@@ -161,63 +199,74 @@ def agree(
     """Check that all ranks bring n elements in the same call and configuration, and
     that none failed or is closing the CompressedComm.
 
-    One MaxAllReduce of [value, n, -n, digest_high, -digest_high, digest_low,
-    -digest_low, config, -config, failed_rank + 1, nonfinite_rank + 1, closing_rank + 1,
-    calling_rank + 1] (float64 holds n, each 32-bit half of the call's digest and the
-    configuration digest exactly; 13 values fit the MaxAllReduce's one-message head).
-    Returns the max of ``value`` over ranks. A rank closing (``agree_close``) makes every
+    One MaxAllReduce of the ballot ``_CALL``: [value, n, -n, digest_high, -digest_high,
+    digest_low, -digest_low, config, -config, failed_rank + 1, nonfinite_rank + 1,
+    closing_rank + 1, calling_rank + 1] (13 values fit the MaxAllReduce's one-message
+    head). Returns the max of ``value`` over ranks; for a rank closing, 1.0 if some rank
+    called and 0.0 if every rank closes. A rank closing (``agree_close``) makes every
     rank that called raise PeerClosed. Raises the local error on the rank that failed
     and RankError elsewhere; a failure other than NaN/Inf wins. Ranks that disagree all
     raise RankError naming what differs and on which ranks (only then do descriptions
     travel). When only NaN/Inf failed, one more small Allgather names every such rank
     and under ``skip_step`` every rank raises ``Skipped``.
     """
-    comm = call.comm
-    rank, digest = comm.rank, call.config.digest
+    comm, config = call.comm, call.config
     high, low = divmod(call.digest, 1 << 32)
-    failed = rank + 1 if error is not None and not nonfinite else 0
-    bad = rank + 1 if nonfinite else 0
-    close, calls = (rank + 1, 0) if closing else (0, rank + 1)
-    vec = np.array(
-        [value, n, -n, high, -high, low, -low, digest, -digest, failed, bad, close, calls],
+    ballot = _CALL.reduced(
+        comm.rank,
+        comm.size,
         np.float64,
+        value=value,
+        numel=n,
+        call_high=high,
+        call_low=low,
+        config=0 if config is None else config.digest,
+        failed=error is not None and not nonfinite,
+        nonfinite=nonfinite,
+        closing=closing,
+        calling=not closing,
     )
-    top = max_allreduce(comm, vec, **call.io)
-    if top[11]:  # a rank is closing: no call runs
+    tally = _CALL.tally(max_allreduce(comm, ballot, **call.io), comm.size)
+    if closer := tally.ranks("closing"):  # a rank is closing: no call runs
         if closing:
-            return float(top[12])  # a rank that called, + 1; 0 when every rank closes
+            return float(bool(tally.ranks("calling")))
         raise PeerClosed(
-            f"{ranks_text([int(top[11]) - 1])} closed this CompressedComm while this "
+            f"{ranks_text(closer)} closed this CompressedComm while this "
             f"rank called it; it is closed on this rank too{world_ranks(comm)}"
         ) from error
-    if top[9]:
-        if error is not None:
-            raise error
-        who = ranks_text([int(top[9]) - 1])
-        raise RankError(f"{who} failed in the same call (see its error){world_ranks(comm)}")
+    settle(
+        tally.ranks("failed"),
+        error,
+        lambda r: RankError(
+            f"{ranks_text(r)} failed in the same call (see its error){world_ranks(comm)}"
+        ),
+    )
     # Sizes first: the schedule in the configuration can follow from the size.
-    if top[1] != -top[2] or top[3] != -top[4] or top[5] != -top[6]:
+    sized = tally.agrees("numel")
+    if not (sized and tally.agrees("call_high") and tally.agrees("call_low")):
         mine = {"numel": n, **call.description}
         differs = disagreement(comm, mine, resolve_timeout(call.timeout))
         what = (
-            "the tensor size"
-            if top[1] != -top[2]
-            else "the tensor (names, sizes, shapes, buckets or step)"
+            "the tensor size" if not sized else "the tensor (names, sizes, shapes, buckets or step)"
         )
         raise RankError(f"ranks disagree on {what} in the same call: {differs}")
-    if top[7] != -top[8]:
-        differs = disagreement(comm, call.config.fields, resolve_timeout(call.timeout))
+    if not tally.agrees("config"):
+        differs = disagreement(comm, config.fields, resolve_timeout(call.timeout))
         raise RankError(f"ranks configured this CompressedComm differently: {differs}")
-    if top[10]:
+    if tally.ranks("nonfinite"):
         raise_nonfinite(flagged(call, nonfinite), nonfinite, call.guard, error, call.comm)
-    return float(top[0])
+    return tally.top("value")
+
+
+# One byte per rank, gathered: every rank whose flag is raised is named.
+_FLAG = Form(raised=RANK)
 
 
 def flagged(call: Call, flag: bool) -> list[int]:
     """Return the ranks whose ``flag`` is set (one byte per rank, Allgather; untraced)."""
     flags = np.empty(call.comm.size, dtype=np.uint8)
-    plain.allgather(call.comm, np.array([flag], dtype=np.uint8), flags, timeout=call.timeout)
-    return np.flatnonzero(flags).tolist()
+    plain.allgather(call.comm, _FLAG.gathered(np.uint8, raised=flag), flags, timeout=call.timeout)
+    return _FLAG.tally_rows(flags).ranks("raised")
 
 
 def raise_nonfinite(
@@ -253,7 +302,7 @@ def agree_close(call: Call) -> bool:
     """Take part, as a rank closing its CompressedComm, in the agreement that every call
     begins with; return True if every rank is closing, False if some rank called (it
     raises PeerClosed instead of waiting for this rank forever)."""
-    return agree(call, 0, None, closing=True) == 0
+    return not agree(call, 0, None, closing=True)
 
 
 def fail(call: Call, error: Exception) -> None:

@@ -14,7 +14,8 @@ from collections.abc import Mapping
 
 import torch
 
-from mpicomp.call.config import Config, allgather_json, disagreement, ranks_text
+from mpicomp.call.config import Config
+from mpicomp.collectives.agreement import allgather_json, disagreement, ranks_text
 from mpicomp.torch.shared import kind
 
 __all__ = ["LAYOUT", "layout_differences", "named"]

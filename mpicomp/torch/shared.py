@@ -18,9 +18,9 @@ from collections.abc import Iterator, Mapping
 
 import torch
 
-from mpicomp.collectives import plain
+from mpicomp.call.config import check_same
 from mpicomp.comm import CompressedComm
-from mpicomp.errors import PeerClosed, RankError
+from mpicomp.errors import PeerClosed
 
 __all__ = [
     "Failed",
@@ -124,15 +124,14 @@ def timeout_of(comm) -> float | None:
 def agree(mpi, error, what: str, timeout: float | None = None) -> None:
     """Raise on every rank if any rank has an ``error`` (a message or an exception).
 
-    One ``allgather`` of each rank's message (None where nothing failed) over ``mpi``,
-    under ``timeout``; this rank's own error is raised as it is, RankError on the
-    others, naming the ranks that failed and the first one's message."""
-    errors = plain.allgather_object(mpi, None if error is None else str(error), timeout=timeout)
-    if error is not None:
-        raise error if isinstance(error, Exception) else ValueError(error)
-    bad = [r for r, e in enumerate(errors) if e is not None]
-    if bad:
-        raise RankError(f"{what} failed on rank(s) {bad}: {errors[bad[0]]}")
+    ``check_same`` with nothing to compare, over ``mpi`` under ``timeout``: one
+    Allgather of two int64 per rank, and the first failed rank's error only then. This
+    rank's own error is raised as it is (a message as ValueError), RankError on the
+    others, naming the ranks that failed and the first one's error ("{what} failed on
+    rank(s) [1]: ValueError: ...")."""
+    if error is not None and not isinstance(error, BaseException):
+        error = ValueError(error)
+    check_same(mpi, None, error, what, timeout, failure=lambda r: f"{what} failed on rank(s) {r}")
 
 
 # -- CUDA tensors without CuPy --------------------------------------------------------
