@@ -5,9 +5,9 @@ of an int64; -1 means "my input is not a 1-D uint8 array", so a bad input raises
 same ValueError on every rank instead of leaving the others waiting: the sizes are the
 check's gathered rows, read by ``agreement.settle``), then the bytes
 move into one receive buffer, rank after rank, and every rank gets one view per rank.
-Each public function makes its MPI calls itself, through ``_wait.issue`` (the ring
-through ``_by_ring`` and ``_wait.send_receive``); the helpers around them only prepare
-and check.
+Both are one body, ``_allgather``, with the variant bound; it makes the MPI calls
+itself, through ``_wait.issue`` (the ring's steps through ``_by_ring`` and
+``_wait.send_receive``), and the helpers around it only prepare and check.
 
 - ``allgather_bytes``: the bytes move in one ``Allgatherv``; the MPI library picks the
   algorithm. Traces record the logical bytes (what this rank contributes and what it
@@ -119,8 +119,40 @@ def _by_ring(comm, payload, buf, sizes, displs, recorder, op: str, timeout) -> N
             recorder.record(f"{op}.data", step, int(send.size), int(recv.size), 8)
 
 
-def allgather_bytes(comm, payload, *, recorder=None, timeout=None) -> list[np.ndarray]:
-    """Gather every rank's byte payload on every rank: sizes, then one Allgatherv.
+def _allgather(
+    op: str, by_ring: bool, comm, payload, *, recorder=None, timeout=None
+) -> list[np.ndarray]:
+    """The one body of ``allgather_bytes`` and ``allgather_bytes_ring``: each is it with
+    its name and data movement bound (a ``partial``, no frame of its own)."""
+    timeout = resolve_timeout(timeout)
+    call = partial(issue, comm, timeout=timeout, name=op)  # every message of this call
+    mine, sizes, problem = _announced(comm, payload)
+    call(MPI.Comm.Allgather, MPI.Comm.Iallgather, mine, sizes, detail=_sizes_detail(comm))
+    payload, buf, displs = _received(comm, payload, sizes, problem, recorder, op)
+    if by_ring:
+        _by_ring(comm, payload, buf, sizes, displs, recorder, op, timeout)
+        return _views(buf, sizes, displs)
+    total = buf.size
+    if total > _COUNT_LIMIT:
+        raise ValueError(
+            f"{op}: the payloads total {total} bytes, more than MPI %d.%d can count "
+            f"({_COUNT_LIMIT}); use allgather_bytes_ring, which splits messages" % MPI.Get_version()
+        )
+    detail = (
+        f"data (an Iallgatherv sending {payload.nbytes} bytes, receiving {buf.nbytes} "
+        f"bytes from {comm.size} ranks)"
+    )
+    recvspec = [buf, sizes, displs, MPI.BYTE]
+    call(MPI.Comm.Allgatherv, MPI.Comm.Iallgatherv, payload, recvspec, detail=detail)
+    if recorder is not None:
+        own = int(sizes[comm.rank])
+        recorder.record(f"{op}.data", 1, own if comm.size > 1 else 0, total - own, 8)
+    return _views(buf, sizes, displs)
+
+
+#: ``allgather_bytes(comm, payload, *, recorder=None, timeout=None) -> list[np.ndarray]``
+allgather_bytes = partial(_allgather, "allgather", False)
+allgather_bytes.__doc__ = """Gather every rank's byte payload on every rank: sizes, then one Allgatherv.
 
     Args:
         comm: an ``mpi4py.MPI.Intracomm``.
@@ -140,49 +172,10 @@ def allgather_bytes(comm, payload, *, recorder=None, timeout=None) -> list[np.nd
             (those ranks are named; on them the local TypeError is the cause), or the
             total exceeds what this MPI can count (2**31-1 bytes before MPI 4).
     """
-    op = "allgather"
-    timeout = resolve_timeout(timeout)
-    mine, sizes, problem = _announced(comm, payload)
-    issue(
-        comm,
-        MPI.Comm.Allgather,
-        MPI.Comm.Iallgather,
-        mine,
-        sizes,
-        timeout=timeout,
-        name=op,
-        detail=_sizes_detail(comm),
-    )
-    payload, buf, displs = _received(comm, payload, sizes, problem, recorder, op)
-    total = buf.size
-    if total > _COUNT_LIMIT:
-        raise ValueError(
-            f"{op}: the payloads total {total} bytes, more than MPI %d.%d can count "
-            f"({_COUNT_LIMIT}); use allgather_bytes_ring, which splits messages" % MPI.Get_version()
-        )
-    detail = (
-        f"data (an Iallgatherv sending {payload.nbytes} bytes, receiving {buf.nbytes} "
-        f"bytes from {comm.size} ranks)"
-    )
-    recvspec = [buf, sizes, displs, MPI.BYTE]
-    issue(
-        comm,
-        MPI.Comm.Allgatherv,
-        MPI.Comm.Iallgatherv,
-        payload,
-        recvspec,
-        timeout=timeout,
-        name=op,
-        detail=detail,
-    )
-    if recorder is not None:
-        own = int(sizes[comm.rank])
-        recorder.record(f"{op}.data", 1, own if comm.size > 1 else 0, total - own, 8)
-    return _views(buf, sizes, displs)
 
-
-def allgather_bytes_ring(comm, payload, *, recorder=None, timeout=None) -> list[np.ndarray]:
-    """Gather every rank's byte payload on every rank by a hand-written ring.
+#: ``allgather_bytes_ring(comm, payload, *, recorder=None, timeout=None) -> list[np.ndarray]``
+allgather_bytes_ring = partial(_allgather, "allgather_ring", True)
+allgather_bytes_ring.__doc__ = """Gather every rank's byte payload on every rank by a hand-written ring.
 
     The same arguments, result and checks as ``allgather_bytes``, without the count
     limit (ring messages are split at ``_RING_CHUNK`` bytes). The recorder gets
@@ -190,19 +183,3 @@ def allgather_bytes_ring(comm, payload, *, recorder=None, timeout=None) -> list[
     i = 1..N-1, ``record("allgather_ring.data", i, sent, received, 8)`` with the exact
     bytes: rank r sends the payload of rank (r-i+1) mod N and receives that of (r-i) mod N.
     """
-    op = "allgather_ring"
-    timeout = resolve_timeout(timeout)
-    mine, sizes, problem = _announced(comm, payload)
-    issue(
-        comm,
-        MPI.Comm.Allgather,
-        MPI.Comm.Iallgather,
-        mine,
-        sizes,
-        timeout=timeout,
-        name=op,
-        detail=_sizes_detail(comm),
-    )
-    payload, buf, displs = _received(comm, payload, sizes, problem, recorder, op)
-    _by_ring(comm, payload, buf, sizes, displs, recorder, op, timeout)
-    return _views(buf, sizes, displs)

@@ -10,9 +10,11 @@ every rank takes the same steps.
 
 The core, ``reduce_scatter_allgather``, calls the exchange of every step itself: a
 schedule gives it its reduce-scatter as an iterator of steps (``ring.reduce_scatter``,
-``direct``'s alltoall), which packs and combines between them, so the public function,
-the core and the ``_wait`` frame are the three frames from a schedule to MPI. The float
-rings (``float_ring.py``) run the same core with the ring's steps.
+``direct``'s alltoall), which packs and combines between them. ``allreduce_bounded`` is
+the one body of ``ring_allreduce_bounded`` and ``direct_allreduce_bounded``: each is it
+with the schedule's ``ReduceScatter`` bound (a ``partial``, no frame of its own), so the
+body, the core and the ``_wait`` frame are the three frames from a schedule to MPI. The
+float rings (``float_ring.py``) run the same core with the ring's steps.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ from typing import Any, NamedTuple
 import numpy as np
 from mpi4py import MPI
 
-from mpicomp.collectives._wait import issue
+from mpicomp.collectives._wait import Exchange, issue, resolve_timeout
 from mpicomp.collectives.agreement import RANK, SAME, SPAN, Form, settle
 from mpicomp.kernels import backend_of
 from mpicomp.kernels.bits import MAX_WIDTH
@@ -203,6 +205,48 @@ def prepared(comm, codes, bound, majority, signed, packed, timeout, checked, ker
         codes, bound = agree(comm, fname, claim, timeout)
     be = backend_of(codes, kernels)
     return codes, plan(size, bound, majority, signed, be.xp), be
+
+
+class ReduceScatter(NamedTuple):
+    """What a bounded schedule brings to ``allreduce_bounded``: its public name (in errors
+    and timeout reports), the prefix of its trace records, its messages' tag, and
+    ``steps(codes, plan, backend, chunks, out, fname)``, which returns the iterator of its
+    reduce-scatter steps (``reduce_scatter_allgather``'s ``reduce_scatter``)."""
+
+    fname: str
+    trace: str
+    tag: int
+    steps: Callable
+
+
+def allreduce_bounded(
+    schedule: ReduceScatter,
+    comm,
+    codes,
+    bound,
+    majority=False,
+    *,
+    signed=True,
+    packed=False,
+    recorder=None,
+    timeout=None,
+    checked=True,
+    kernels=None,
+):
+    """Sum bounded integer codes over ranks, or take their majority, by ``schedule``'s
+    reduce-scatter and the ring allgather: ``ring_allreduce_bounded`` (its docstring
+    holds the arguments, result and errors) and ``direct_allreduce_bounded``."""
+    fname = schedule.fname
+    timeout = resolve_timeout(timeout)
+    codes, p, be = prepared(
+        comm, codes, bound, majority, signed, packed, timeout, checked, kernels, fname
+    )
+    chunks = Chunks.of(comm, codes.size)
+    out = be.xp.empty(_packed(chunks.n, p.final_width), dtype=np.uint8)
+    exchange = Exchange(comm, timeout, fname, schedule.tag)
+    steps = schedule.steps(codes, p, be, chunks, out, fname)
+    reduce_scatter_allgather(exchange, chunks, steps, out, p.final_width, recorder, schedule.trace)
+    return unpacked(out, chunks.n, p, chunks.size, packed, be)
 
 
 # --- argument checks, agreed across ranks -------------------------------------------------

@@ -33,18 +33,17 @@ ring shares.
 from __future__ import annotations
 
 from collections.abc import Iterator
+from functools import partial
 
 import numpy as np
 
-from mpicomp.collectives._wait import Exchange, resolve_timeout
 from mpicomp.collectives.bounded import (
     Chunks,
     Plan,
+    ReduceScatter,
+    allreduce_bounded,
     bits_for,
     decided,
-    prepared,
-    reduce_scatter_allgather,
-    unpacked,
 )
 from mpicomp.kernels.bits import packed_size
 
@@ -53,43 +52,9 @@ _TAG = 0x3C4  # the direct schedule's messages, apart from the ring's
 _A2A = "alltoall"
 
 
-def direct_allreduce_bounded(
-    comm,
-    codes,
-    bound,
-    majority=False,
-    *,
-    signed=True,
-    packed=False,
-    recorder=None,
-    timeout=None,
-    checked=True,
-    kernels=None,
-):
-    """Sum bounded integer codes over ranks, or take their majority, by a direct
-    reduce-scatter (alltoall of codes, owners sum) and a ring allgather.
-
-    The arguments (``checked=False`` too), result, checks and errors of
-    ``ring.ring_allreduce_bounded``; the same result, bit for bit. The recorder gets
-    ``record("direct.alltoall", k, sent, recv, w_1)`` for k = 1..N-1, then
-    ``record("direct.allgather", j, sent, recv, w_f)`` for j = 1..N-1.
-    """
-    fname = "direct_allreduce_bounded"
-    timeout = resolve_timeout(timeout)
-    codes, p, be = prepared(
-        comm, codes, bound, majority, signed, packed, timeout, checked, kernels, fname
-    )
-    chunks = Chunks.of(comm, codes.size)
-    out = be.xp.empty(packed_size(chunks.n, p.final_width), dtype=np.uint8)
-    exchange = Exchange(comm, timeout, fname, _TAG)
-    steps = _alltoall(codes, p, be, chunks, out, fname)
-    reduce_scatter_allgather(exchange, chunks, steps, out, p.final_width, recorder, "direct")
-    return unpacked(out, chunks.n, p, chunks.size, packed, be)
-
-
 def _alltoall(x, p: Plan, be, chunks: Chunks, out, fname: str) -> Iterator:
     """Yield the direct reduce-scatter's steps of the plan ``p`` over agreed codes ``x``
-    (for ``bounded.reduce_scatter_allgather``); at the end this rank's chunk of ``out``
+    (``bounded.ReduceScatter``'s ``steps``); at the end this rank's chunk of ``out``
     holds its sums (or decisions) at ``p.final_width`` bits."""
     xp, bits = be.xp, be.bits
     size, rank = chunks.size, chunks.rank
@@ -112,3 +77,18 @@ def _alltoall(x, p: Plan, be, chunks: Chunks, out, fname: str) -> Iterator:
         decided(p, counts, lo, out[start:stop], fname)
     else:
         bits.pack_shifted(counts, 0, p.final_width, out[start:stop])
+
+
+#: ``direct_allreduce_bounded(comm, codes, bound, majority=False, *, signed=True,
+#: packed=False, recorder=None, timeout=None, checked=True, kernels=None)``
+direct_allreduce_bounded = partial(
+    allreduce_bounded, ReduceScatter("direct_allreduce_bounded", "direct", _TAG, _alltoall)
+)
+direct_allreduce_bounded.__doc__ = """Sum bounded integer codes over ranks, or take their majority, by a direct
+    reduce-scatter (alltoall of codes, owners sum) and a ring allgather.
+
+    The arguments (``checked=False`` too), result, checks and errors of
+    ``ring.ring_allreduce_bounded``; the same result, bit for bit. The recorder gets
+    ``record("direct.alltoall", k, sent, recv, w_1)`` for k = 1..N-1, then
+    ``record("direct.allgather", j, sent, recv, w_f)`` for j = 1..N-1.
+    """

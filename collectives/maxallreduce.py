@@ -176,6 +176,10 @@ def _extreme_allreduce(comm, x, *, name: str, recorder=None, timeout=None):
     name bound, a ``partial``: no frame of its own) or three (``min_allreduce``).
     """
     timeout = resolve_timeout(timeout)
+    # Both messages of a call: an Allreduce on comm, under the timeout, named ``name``.
+    allreduce = partial(
+        issue, comm, MPI.Comm.Allreduce, MPI.Comm.Iallreduce, timeout=timeout, name=name
+    )
     op_code, mpi_op = _OPS[name]
     v, scalar, problem = _as_vector(x)
     xp = np if v is None else backend_of(v).xp
@@ -189,16 +193,8 @@ def _extreme_allreduce(comm, x, *, name: str, recorder=None, timeout=None):
         head[_HEADER : _HEADER + k] = _head_keys(v[:k], op_code)
     else:  # no length or dtype to compare: the report below names this rank
         head[:_HEADER] = _HEAD.reduced(comm.rank, comm.size, op=op_code, bad=True)
-    issue(
-        comm,
-        MPI.Comm.Allreduce,
-        MPI.Comm.Iallreduce,
-        MPI.IN_PLACE,
-        head,
-        op=MPI.MAX,
-        timeout=timeout,
-        name=name,
-        detail=lambda: _waiting(comm, "the head message", head),
+    allreduce(
+        MPI.IN_PLACE, head, op=MPI.MAX, detail=lambda: _waiting(comm, "the head message", head)
     )
     if recorder is not None:
         wire = head.nbytes if comm.size > 1 else 0  # one rank sends nothing
@@ -218,17 +214,7 @@ def _extreme_allreduce(comm, x, *, name: str, recorder=None, timeout=None):
             send, recv = MPI.IN_PLACE, keys
         else:  # MPI's integer MAX/MIN are exact
             send, recv = rest, tail
-        issue(
-            comm,
-            MPI.Comm.Allreduce,
-            MPI.Comm.Iallreduce,
-            send,
-            recv,
-            op=mpi_op,
-            timeout=timeout,
-            name=name,
-            detail=lambda: _waiting(comm, "the tail message", recv),
-        )
+        allreduce(send, recv, op=mpi_op, detail=lambda: _waiting(comm, "the tail message", recv))
         if floats:
             _float_from_keys(keys, v.dtype)
         if recorder is not None:

@@ -34,15 +34,17 @@ runs; with ``checked=False`` they run the same ring for a caller that has agreed
 
 The ring's reduce-scatter, ``reduce_scatter``, runs every ring (the float16 and float32
 sums of ``float_ring.py`` too); what moves is the caller's, through a *values* object
-(``_Sums``, ``_Votes``, ``_Minima``). A public function calls the core
-(``bounded.reduce_scatter_allgather``) with these steps, and the core calls
-``exchange``, the ``_wait.Exchange`` that calls MPI: three frames from the public
-function to the library.
+(``_Sums``, ``_Votes``, ``_Minima``). ``ring_allreduce_bounded`` is
+``bounded.allreduce_bounded`` with these steps bound (the direct schedule binds its
+own); it and ``ring_allreduce_min`` call the core (``bounded.reduce_scatter_allgather``),
+and the core calls ``exchange``, the ``_wait.Exchange`` that calls MPI: three frames
+from the public function to the library.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator
+from functools import partial
 
 import numpy as np
 
@@ -51,13 +53,13 @@ from mpicomp.collectives.bounded import (
     Chunks,
     PackedSums,
     Plan,
+    ReduceScatter,
     agree,
+    allreduce_bounded,
     bits_for,
     decided,
     min_claim,
-    prepared,
     reduce_scatter_allgather,
-    unpacked,
 )
 from mpicomp.kernels import backend_of
 from mpicomp.kernels.bits import packed_size as _packed
@@ -196,20 +198,18 @@ class _Minima(_Packed):
 # --- public wrappers ----------------------------------------------------------------------
 
 
-def ring_allreduce_bounded(
-    comm,
-    codes,
-    bound,
-    majority=False,
-    *,
-    signed=True,
-    packed=False,
-    recorder=None,
-    timeout=None,
-    checked=True,
-    kernels=None,
-):
-    """Sum bounded integer codes over ranks, or take their majority, on a width-growing ring.
+def _bounded_steps(codes, p: Plan, be, chunks: Chunks, out, fname: str) -> Iterator:
+    """The ring's reduce-scatter of a bounded sum or majority (``bounded.ReduceScatter``)."""
+    values = _Votes(codes, p, be, fname) if p.majority else _Sums(codes, p, be)
+    return reduce_scatter(values, chunks, out)
+
+
+#: ``ring_allreduce_bounded(comm, codes, bound, majority=False, *, signed=True,
+#: packed=False, recorder=None, timeout=None, checked=True, kernels=None)``
+ring_allreduce_bounded = partial(
+    allreduce_bounded, ReduceScatter("ring_allreduce_bounded", "ring", _TAG, _bounded_steps)
+)
+ring_allreduce_bounded.__doc__ = """Sum bounded integer codes over ranks, or take their majority, on a width-growing ring.
 
     Args:
         comm: an ``mpi4py.MPI.Comm`` (intracommunicator), best a private ``Dup()``.
@@ -248,18 +248,6 @@ def ring_allreduce_bounded(
             signed codes or bound != 1; and on every rank: n, bound or mode differing
             between ranks, or a code outside the bound on any rank.
     """
-    fname = "ring_allreduce_bounded"
-    timeout = resolve_timeout(timeout)
-    codes, p, be = prepared(
-        comm, codes, bound, majority, signed, packed, timeout, checked, kernels, fname
-    )
-    chunks = Chunks.of(comm, codes.size)
-    out = be.xp.empty(_packed(chunks.n, p.final_width), dtype=np.uint8)
-    values = _Votes(codes, p, be, fname) if p.majority else _Sums(codes, p, be)
-    exchange = Exchange(comm, timeout, fname, _TAG)
-    steps = reduce_scatter(values, chunks, out)
-    reduce_scatter_allgather(exchange, chunks, steps, out, p.final_width, recorder, "ring")
-    return unpacked(out, chunks.n, p, chunks.size, packed, be)
 
 
 def ring_allreduce_min(

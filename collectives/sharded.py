@@ -15,6 +15,8 @@ Ialltoall, Iallreduce and Ialltoallv calls waited on by ``_wait.wait_all``.
 
 from __future__ import annotations
 
+from functools import partial
+
 import numpy as np
 from mpi4py import MPI
 
@@ -65,7 +67,8 @@ def alltoall_bytes(comm, payloads, *, recorder=None, timeout=None) -> list[np.nd
     Raises:
         ValueError: a rank's payloads are malformed (named), or a size overflows MPI's counts.
     """
-    timeout = resolve_timeout(timeout)
+    # Every message of a call: on comm, under the timeout, named ``alltoall_bytes``.
+    call = partial(issue, comm, timeout=resolve_timeout(timeout), name=_OP)
     size = comm.size
     ok = (
         isinstance(payloads, (list, tuple))
@@ -76,16 +79,7 @@ def alltoall_bytes(comm, payloads, *, recorder=None, timeout=None) -> list[np.nd
     send_sizes = np.array([p.size for p in payloads] if ok else [-1] * size, dtype=np.int64)
     recv_sizes = np.empty(size, dtype=np.int64)
     detail = f"sizes (an Ialltoall of int64 over all {size} ranks)"
-    issue(
-        comm,
-        MPI.Comm.Alltoall,
-        MPI.Comm.Ialltoall,
-        send_sizes,
-        recv_sizes,
-        timeout=timeout,
-        name=_OP,
-        detail=detail,
-    )
+    call(MPI.Comm.Alltoall, MPI.Comm.Ialltoall, send_sizes, recv_sizes, detail=detail)
     # The sizes are every rank's row of the check: -1 marks a rank at fault. The same
     # message on every rank, the bad rank included.
     settle(
@@ -100,17 +94,7 @@ def alltoall_bytes(comm, payloads, *, recorder=None, timeout=None) -> list[np.nd
     local = _COUNTS.reduced(comm.rank, size, moved=moved)
     largest = np.empty_like(local)
     detail = f"the count check (an Iallreduce of 8 bytes over all {size} ranks)"
-    issue(
-        comm,
-        MPI.Comm.Allreduce,
-        MPI.Comm.Iallreduce,
-        local,
-        largest,
-        op=MPI.MAX,
-        timeout=timeout,
-        name=_OP,
-        detail=detail,
-    )
+    call(MPI.Comm.Allreduce, MPI.Comm.Iallreduce, local, largest, op=MPI.MAX, detail=detail)
     most = _COUNTS.tally(largest, size).top("moved")
     if most > _COUNT_LIMIT:
         raise ValueError(
@@ -128,16 +112,7 @@ def alltoall_bytes(comm, payloads, *, recorder=None, timeout=None) -> list[np.nd
         f"push (an Ialltoallv sending {send.nbytes} bytes, receiving {recv.nbytes}, "
         f"over all {size} ranks)"
     )
-    issue(
-        comm,
-        MPI.Comm.Alltoallv,
-        MPI.Comm.Ialltoallv,
-        sendspec,
-        recvspec,
-        timeout=timeout,
-        name=_OP,
-        detail=detail,
-    )
+    call(MPI.Comm.Alltoallv, MPI.Comm.Ialltoallv, sendspec, recvspec, detail=detail)
     if recorder is not None:
         me = comm.rank
         recorder.record("sharded.sizes", 1, 8 * (size - 1), 8 * (size - 1), 64)

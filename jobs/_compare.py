@@ -12,7 +12,9 @@ import inspect
 import json
 import math
 import os
+import platform
 import re
+import sys
 from dataclasses import asdict, dataclass, field
 
 import numpy as np
@@ -254,12 +256,45 @@ def table(results: list[Result], baseline: str = "none") -> str:
     return "\n".join(lines)
 
 
+def run_meta(job: str, args, argv, ranks: int, **more) -> dict:
+    """Return results.json's ``meta``: the job, its ranks and command line (``argv``;
+    None: ``sys.argv[1:]``), the options both jobs take, ``more``, the host and the MPI
+    library."""
+    from mpi4py import MPI
+
+    return {
+        "job": job,
+        "ranks": ranks,
+        "argv": list(sys.argv[1:] if argv is None else argv),
+        "steps": args.steps,
+        "batch": args.batch,
+        "lr": args.lr,
+        "momentum": args.momentum,
+        "seed": args.seed,
+        **more,
+        "host": platform.node(),
+        "mpi": MPI.Get_library_version().splitlines()[0],
+    }
+
+
 def write_results(out: str, results: list[Result], meta: dict) -> str:
     """Write ``results.json`` (every loss curve and measure) into ``out``; return its path."""
     path = os.path.join(out, "results.json")
     with open(path, "w") as f:
         json.dump({"meta": meta, "runs": [asdict(r) for r in results]}, f, indent=1)
     return path
+
+
+def write_outputs(args, results: list[Result], meta: dict, title: str, trace: bool) -> None:
+    """Write results.json and, unless --no-plot, loss.png titled ``title`` into --out;
+    say what was written, the traces too (rank 0)."""
+    print(f"\nwrote {write_results(args.out, results, meta)}")
+    if not args.no_plot:
+        png = os.path.join(args.out, "loss.png")
+        plot(png, results, title)
+        print(f"wrote {png}")
+    if trace:
+        print(f"wrote {len(results)} traces: {os.path.join(args.out, '<label>.h5')}")
 
 
 def plot(path: str, results: list[Result], title: str) -> None:

@@ -64,6 +64,13 @@ def local_batch_size(batch: int, rank: int, size: int) -> int:
     return batch // size + (1 if rank < batch % size else 0)
 
 
+def batch_split(batch: int, size: int) -> str:
+    """Return the ranks' parts of a global batch of ``batch`` over ``size`` ranks: ``16``,
+    or ``10-11`` where they differ by one."""
+    lo, hi = local_batch_size(batch, size - 1, size), local_batch_size(batch, 0, size)
+    return str(lo) if lo == hi else f"{lo}-{hi}"
+
+
 class ShardSampler:
     """Draw this rank's mini-batches from its own shard of the training set.
 

@@ -12,18 +12,16 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
-import platform
-import sys
 import textwrap
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
 import numpy as np
 
 import mpicomp
 from jobs import _compare as cmp
 from jobs import _mlp
-from jobs._data import ShardSampler, load_digits, local_batch_size
+from jobs._data import Digits, ShardSampler, batch_split, load_digits
 
 
 class _Trainer:
@@ -48,6 +46,9 @@ class _Trainer:
     @property
     def active(self) -> bool:
         return not self.result.diverged
+
+    def close_on(self, stack: contextlib.ExitStack) -> None:
+        stack.enter_context(self.cc)
 
     def step(self, step: int) -> None:
         """Take SGD step ``step`` (0-based); on NaN/Inf, mark the run diverged."""
@@ -90,43 +91,64 @@ class _Trainer:
 
 
 def train_all(comm, runs: list[cmp.Run], make_model, data, args, trace: bool, say):
-    """Train one fresh model per run, all runs in turn at every step; return the results.
+    """Train one fresh model per run, all runs in turn at every step (:func:`interleave`);
+    return the results.
+
+    The weights are kept every ``steps // 100`` steps and scored on the whole training
+    set afterwards, outside the timed loop. A run stops early (``Result.diverged``) when a
+    gradient or a weight becomes NaN/Inf.
+    """
+    trainers = (
+        _Trainer(
+            comm,
+            run,
+            make_model(args.sizes, args.seed, args.momentum),
+            data,
+            args,
+            os.path.join(args.out, f"{run.label}.h5") if trace else None,
+        )
+        for run in runs
+    )
+    return interleave(trainers, args.steps, say)
+
+
+def interleave(trainers: Iterable, steps: int, say) -> list:
+    """Build the trainers, take ``steps`` steps of every one still active, all in turn at
+    every step, and return each one's ``finish()``; say on the way which diverge and,
+    every quarter of the steps, the batch losses.
 
     Interleaving the runs step by step puts every codec under the same machine load,
-    so their step times compare even on a shared machine. The weights are kept every
-    ``steps // 100`` steps and scored on the whole training set afterwards, outside
-    the timed loop. A run stops early (``Result.diverged``) when a gradient or a weight
-    becomes NaN/Inf.
+    so their step times compare even on a shared machine. A trainer has ``active``,
+    ``step(step)``, ``loss`` (its last batch loss), ``result`` (its ``label`` and
+    ``diverged``), ``finish()`` and ``close_on(stack)``, which puts on an ExitStack what
+    must close before ``finish()``: leaving by an exception, nothing waits for a trace
+    gather that could hang.
     """
-    report_every = max(1, args.steps // 4)
+    report_every = max(1, steps // 4)
     t_start = time.perf_counter()
-    with contextlib.ExitStack() as stack:  # an error leaves without a trace gather that could hang
-        trainers = []
-        for run in runs:
-            path = os.path.join(args.out, f"{run.label}.h5") if trace else None
-            t = _Trainer(
-                comm, run, make_model(args.sizes, args.seed, args.momentum), data, args, path
-            )
-            stack.enter_context(t.cc)
-            trainers.append(t)
-        for step in range(args.steps):
-            for t in trainers:
+    with contextlib.ExitStack() as stack:
+        running = []
+        for t in trainers:  # built one by one: an error closes those built before
+            t.close_on(stack)
+            running.append(t)
+        for step in range(steps):
+            for t in running:
                 if t.active:
                     t.step(step)
                     if not t.active:
-                        say(f"  {t.run.label}: diverged at step {t.result.diverged} (NaN/Inf)")
+                        say(f"  {t.result.label}: diverged at step {t.result.diverged} (NaN/Inf)")
             done = step + 1
-            if done % report_every == 0 or done == args.steps:
-                losses = ", ".join(f"{t.run.label} {t.loss:.3g}" for t in trainers if t.active)
+            if done % report_every == 0 or done == steps:
+                losses = ", ".join(f"{t.result.label} {t.loss:.3g}" for t in running if t.active)
                 say(
                     textwrap.fill(
-                        f"step {done}/{args.steps} ({time.perf_counter() - t_start:.0f} s), "
+                        f"step {done}/{steps} ({time.perf_counter() - t_start:.0f} s), "
                         f"batch loss on rank 0: {losses}",
                         width=100,
                         subsequent_indent="    ",
                     )
                 )
-    return [t.finish() for t in trainers]
+    return [t.finish() for t in running]
 
 
 def _finite(arrays) -> bool:
@@ -188,33 +210,19 @@ def run_main(
     )
     args = ap.parse_args(argv)
     cmp.check_args(args)
-    runs = cmp.parse_runs(args.codecs)
-    for run in runs:  # a bad name or parameter fails here, before any rank trains
-        mpicomp.codec(run.codec, **run.params)
     comm = MPI.COMM_WORLD
-    rank, size = comm.rank, comm.size
-
-    def say(msg: str) -> None:
-        if rank == 0:
-            print(msg, flush=True)
-
-    if not args.no_plot:
-        cmp.require_matplotlib()
+    size = comm.size
+    runs, say, data = prepare(comm, args)
     trace = not args.no_trace
     if trace and not cmp.supports_trace():
         say("note: this mpicomp's CompressedComm takes no trace=; running without traces")
         trace = False
-    data = load_digits()
-    if rank == 0:
-        os.makedirs(args.out, exist_ok=True)
-    comm.Barrier()  # the directory exists before any rank writes into it
 
     args.sizes = [data.n_features, *args.hidden, data.n_classes]
-    lo, hi = local_batch_size(args.batch, size - 1, size), local_batch_size(args.batch, 0, size)
     say(
         f"{prog}: digits {len(data.y_train)} train / {len(data.y_test)} test, MLP "
         f"{'-'.join(map(str, args.sizes))}, {size} ranks, global batch {args.batch} "
-        f"({lo if lo == hi else f'{lo}-{hi}'} per rank), {args.steps} steps, "
+        f"({batch_split(args.batch, size)} per rank), {args.steps} steps, "
         f"lr {args.lr} cosine, momentum {args.momentum}, seed {args.seed}"
     )
     # One BLAS thread per rank, as NUMBA_NUM_THREADS=1: ranks already share the cores,
@@ -225,10 +233,32 @@ def run_main(
         if args.warmup != "off":
             _compile(comm if args.warmup == "all" else MPI.COMM_SELF, comm, runs, say)
         results = train_all(comm, runs, make_model, data, args, trace, say)
-    if rank == 0:
+    if comm.rank == 0:
         _report(results, args, argv, prog, size, trace)
     comm.Barrier()  # rank 0's files are complete when main returns on any rank
     return 0
+
+
+def prepare(comm, args) -> tuple[list[cmp.Run], Callable[[str], None], Digits]:
+    """Return what a training job needs before it trains, every rank: the runs of
+    --codecs, each codec made once (a bad name or parameter fails here, before any rank
+    trains); ``say``, which prints on rank 0; the digits. Unless --no-plot, fail now
+    when the plot cannot be drawn; make --out before any rank writes into it."""
+    runs = cmp.parse_runs(args.codecs)
+    for run in runs:
+        mpicomp.codec(run.codec, **run.params)
+
+    def say(msg: str) -> None:
+        if comm.rank == 0:
+            print(msg, flush=True)
+
+    if not args.no_plot:
+        cmp.require_matplotlib()
+    data = load_digits()
+    if comm.rank == 0:
+        os.makedirs(args.out, exist_ok=True)
+    comm.Barrier()  # the directory exists before any rank writes into it
+    return runs, say, data
 
 
 def _compile(on, comm, runs: list[cmp.Run], say) -> None:
@@ -253,28 +283,8 @@ def _compile(on, comm, runs: list[cmp.Run], say) -> None:
 
 def _report(results, args, argv, prog: str, size: int, trace: bool) -> None:
     """Print the table and write results.json, loss.png (rank 0)."""
-    from mpi4py import MPI
-
     print()
     print(cmp.table(results))
-    meta = {
-        "job": prog,
-        "ranks": size,
-        "argv": list(sys.argv[1:] if argv is None else argv),
-        "steps": args.steps,
-        "batch": args.batch,
-        "lr": args.lr,
-        "momentum": args.momentum,
-        "sizes": args.sizes,
-        "seed": args.seed,
-        "host": platform.node(),
-        "mpi": MPI.Get_library_version().splitlines()[0],
-    }
-    print(f"\nwrote {cmp.write_results(args.out, results, meta)}")
-    if not args.no_plot:
-        png = os.path.join(args.out, "loss.png")
-        title = f"{prog}: digits MLP {'-'.join(map(str, args.sizes))}, {size} ranks"
-        cmp.plot(png, results, f"{title}, global batch {args.batch}")
-        print(f"wrote {png}")
-    if trace:
-        print(f"wrote {len(results)} traces: {os.path.join(args.out, '<label>.h5')}")
+    meta = cmp.run_meta(prog, args, argv, size, sizes=args.sizes)
+    title = f"{prog}: digits MLP {'-'.join(map(str, args.sizes))}, {size} ranks"
+    cmp.write_outputs(args, results, meta, f"{title}, global batch {args.batch}", trace)

@@ -17,9 +17,11 @@ import sys
 
 from mpi4py import MPI
 
-from mpicomp.tools.bench import codec_set, parse_count
+from jobs._report import heading, parse, show, usage_errors
+from mpicomp.tools.bench import codec_set
 from mpicomp.tools.bench.allreduce import measure
-from mpicomp.tools.bench.report import format_allreduce_table, mpi_library, print_json, title
+from mpicomp.tools.bench.report import format_allreduce_table
+from mpicomp.tools.bench.workload import parse_counts
 
 
 def main(argv=None) -> int:
@@ -31,38 +33,26 @@ def main(argv=None) -> int:
         help="comma-separated element counts (default 1M and ResNet-50's 25.6M)",
     )
     ap.add_argument("--codecs", default=None, help="comma-separated codec names (all)")
-    ap.add_argument("--reps", type=int, default=3, help="timed repetitions (3)")
-    ap.add_argument("--json", action="store_true", help="print a JSON list of rows on stdout")
-    args = ap.parse_args(argv)
-    try:
-        sizes = [parse_count(s) for s in args.sizes.split(",") if s.strip()]
+    args = parse(ap, argv, 3, "timed repetitions")
+    with usage_errors(ap):
+        sizes = parse_counts(args.sizes)
         names = [c.strip() for c in args.codecs.split(",") if c.strip()] if args.codecs else None
         codecs = codec_set(names)
-    except ValueError as e:
-        ap.error(str(e))
     if not sizes or min(sizes) < 1:
         ap.error(f"--sizes must be counts >= 1, got {args.sizes!r}")
-    if args.reps < 1:
-        ap.error(f"--reps must be >= 1, got {args.reps!r}")
 
     comm = MPI.COMM_WORLD
     rows = []
     for n in sizes:
         rows += measure(comm, n, codecs, args.reps, progress=sys.stderr)
-    if comm.rank != 0:
-        return 0
-    if args.json:
-        print_json(rows)
-        return 0
-    print(
-        f"{title('all-reduce bench')}: {comm.size} ranks, {mpi_library()}, "
-        f"{rows[0]['backend'] if rows else 'no'} kernels\n"
-        f"time: the slowest rank's, median of {args.reps} calls after a warm-up; "
+    kernels = f"{rows[0]['backend'] if rows else 'no'} kernels"
+    header = heading("all-reduce bench", comm, kernels) + (
+        f"\ntime: the slowest rank's, median of {args.reps} calls after a warm-up; "
         "bytes: per rank per call (Traffic), the largest over ranks;\n"
         "'x ring' divides by the 2(N-1)/N*4n bytes a float32 ring all-reduce sends "
         "(and receives) per rank"
     )
-    format_allreduce_table(rows)
+    show(comm, rows, args.json, header, format_allreduce_table)
     return 0
 
 

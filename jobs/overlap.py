@@ -28,9 +28,9 @@ import numpy as np
 from mpi4py import MPI
 
 import mpicomp
+from jobs._report import heading, parse, print_table, show, usage_errors
 from mpicomp.tools.bench import codec_set, gradient, label, parse_count
 from mpicomp.tools.bench.allreduce import slowest_median
-from mpicomp.tools.bench.report import mpi_library, print_json, title
 
 _MIN_SIDE, _MAX_SIDE = 16, 8192  # the matmul's side: from a few us to about a second
 
@@ -126,23 +126,22 @@ def measure(comm, numel: int, codec: str, buckets: int, reps: int, params=None) 
 
 def format_table(rows: list[dict], out=None) -> None:
     """Print ``rows`` of :func:`measure` as a table (to stdout by default)."""
-    out = sys.stdout if out is None else out
     head = (
         f"{'codec':<26}{'params':<12}{'numel':>10}{'bkts':>5}{'compute':>9}{'reduce':>9}"
         f"{'sequential':>11}{'overlapped':>11}{'bound':>9}{'saving':>8}{'bound':>7}"
     )
-    print(head, file=out)
-    print("-" * len(head), file=out)
-    for r in rows:
-        ms = {k: 1e3 * r[k] for k in ("t_compute", "t_reduce", "t_sequential", "t_overlapped")}
-        print(
-            f"{r['codec']:<26}{r['params']:<12}{r['numel']:>10}{r['buckets']:>5}"
-            f"{ms['t_compute']:>9.2f}{ms['t_reduce']:>9.2f}{ms['t_sequential']:>11.2f}"
-            f"{ms['t_overlapped']:>11.2f}{1e3 * r['t_bound']:>9.2f}"
-            f"{100 * r['saving']:>7.1f}%{100 * r['bound_saving']:>6.1f}%"
-            + ("" if r["background"] else "  (no MPI_THREAD_MULTIPLE: ran eagerly)"),
-            file=out,
-        )
+    print_table(head, map(_line, rows), out)
+
+
+def _line(r: dict) -> str:
+    ms = {k: 1e3 * r[k] for k in ("t_compute", "t_reduce", "t_sequential", "t_overlapped")}
+    return (
+        f"{r['codec']:<26}{r['params']:<12}{r['numel']:>10}{r['buckets']:>5}"
+        f"{ms['t_compute']:>9.2f}{ms['t_reduce']:>9.2f}{ms['t_sequential']:>11.2f}"
+        f"{ms['t_overlapped']:>11.2f}{1e3 * r['t_bound']:>9.2f}"
+        f"{100 * r['saving']:>7.1f}%{100 * r['bound_saving']:>6.1f}%"
+        + ("" if r["background"] else "  (no MPI_THREAD_MULTIPLE: ran eagerly)")
+    )
 
 
 def main(argv=None) -> int:
@@ -153,18 +152,14 @@ def main(argv=None) -> int:
     ap.add_argument(
         "--codecs", default="none,qsgd_maxnorm,threelc", help="comma-separated codec names"
     )
-    ap.add_argument("--reps", type=int, default=3, help="timed passes per schedule (3)")
-    ap.add_argument("--json", action="store_true", help="print a JSON list of rows on stdout")
-    args = ap.parse_args(argv)
-    try:
+    args = parse(ap, argv, 3, "timed passes per schedule")
+    with usage_errors(ap):
         numel = parse_count(args.numel)
         codecs = codec_set([c.strip() for c in args.codecs.split(",") if c.strip()])
-    except ValueError as e:
-        ap.error(str(e))
     if numel < 1:
         ap.error(f"--numel must be >= 1, got {args.numel!r}")
-    if args.buckets < 1 or args.reps < 1:
-        ap.error("--buckets and --reps must be >= 1")
+    if args.buckets < 1:
+        ap.error(f"--buckets must be >= 1, got {args.buckets!r}")
 
     comm = MPI.COMM_WORLD
     rows = []
@@ -172,19 +167,12 @@ def main(argv=None) -> int:
         rows.append(measure(comm, numel, name, args.buckets, args.reps, params))
         if comm.rank == 0:
             print(f"overlap: {name} {label(params)} done", file=sys.stderr, flush=True)
-    if comm.rank != 0:
-        return 0
-    if args.json:
-        print_json(rows)
-        return 0
-    print(
-        f"{title('overlap bench')}: {comm.size} ranks, {mpi_library()}, "
-        f"thread level {MPI.Query_thread()}\n"
-        f"ms per backward pass of {args.buckets} buckets (compute: one matmul sized to one "
+    header = heading("overlap bench", comm, f"thread level {MPI.Query_thread()}") + (
+        f"\nms per backward pass of {args.buckets} buckets (compute: one matmul sized to one "
         "bucket's all-reduce); the slowest rank's, median of "
         f"{args.reps} passes after a warm-up; 'bound': max(compute, reduce) + one bucket"
     )
-    format_table(rows)
+    show(comm, rows, args.json, header, format_table)
     return 0
 
 

@@ -51,8 +51,8 @@ from mpi4py import MPI
 import mpicomp
 import mpicomp.torch as mt
 from jobs._compare import parse_runs
+from jobs._report import heading, parse, print_table, show, usage_errors
 from mpicomp.tools.bench import label, parse_count
-from mpicomp.tools.bench.report import mpi_library, print_json, title
 
 CLASSES = 10
 DEFAULT_CODECS = "none,qsgd_maxnorm_bits4,threelc_sparsity1.0"
@@ -235,24 +235,23 @@ def measure(
 
 def format_table(rows: list[dict], out=None) -> None:
     """Print ``rows`` of :func:`measure` as a table (to stdout by default)."""
-    out = sys.stdout if out is None else out
     head = (
         f"{'codec':<14}{'params':<12}{'fwd':>7}{'backward':>9}{'allreduce':>10}"
         f"{'sequential':>11}{'overlapped':>11}{'max(b,a)':>9}{'overhead':>9}{'':>7}"
         f"{'seq/ovl':>8}"
     )
-    print(head, file=out)
-    print("-" * len(head), file=out)
-    for r in rows:
-        ms = {k: 1e3 * r[k] for k in r if k.startswith("t_") or k == "overhead_s"}
-        print(
-            f"{r['codec']:<14}{r['params']:<12}{ms['t_forward']:>7.1f}{ms['t_backward']:>9.1f}"
-            f"{ms['t_allreduce']:>10.1f}{ms['t_sequential']:>11.1f}{ms['t_overlapped']:>11.1f}"
-            f"{ms['t_max']:>9.1f}{ms['overhead_s']:>9.1f}{100 * r['overhead']:>+6.0f}%"
-            f"{r['speedup']:>8.2f}"
-            + ("" if r["background"] else "  (no MPI_THREAD_MULTIPLE: nothing overlapped)"),
-            file=out,
-        )
+    print_table(head, map(_line, rows), out)
+
+
+def _line(r: dict) -> str:
+    ms = {k: 1e3 * r[k] for k in r if k.startswith("t_") or k == "overhead_s"}
+    return (
+        f"{r['codec']:<14}{r['params']:<12}{ms['t_forward']:>7.1f}{ms['t_backward']:>9.1f}"
+        f"{ms['t_allreduce']:>10.1f}{ms['t_sequential']:>11.1f}{ms['t_overlapped']:>11.1f}"
+        f"{ms['t_max']:>9.1f}{ms['overhead_s']:>9.1f}{100 * r['overhead']:>+6.0f}%"
+        f"{r['speedup']:>8.2f}"
+        + ("" if r["background"] else "  (no MPI_THREAD_MULTIPLE: nothing overlapped)")
+    )
 
 
 def main(argv=None) -> int:
@@ -272,25 +271,21 @@ def main(argv=None) -> int:
         help="comma list of labels (qsgd_maxnorm_bits4), codec names or "
         f"name:key=value entries, as jobs.train ({DEFAULT_CODECS})",
     )
-    ap.add_argument("--reps", type=int, default=5, help="timed steps per measurement (5)")
     ap.add_argument(
         "--torch-threads",
         type=int,
         default=1,
         help="torch's intra-op threads per rank; 0: torch's default, one per core (1)",
     )
-    ap.add_argument("--json", action="store_true", help="print a JSON list of rows on stdout")
-    args = ap.parse_args(argv)
-    try:
+    args = parse(ap, argv, 5, "timed steps per measurement")
+    with usage_errors(ap, TypeError):
         n_params = parse_count(args.params)
         bucket_numel = None if args.bucket_numel is None else parse_count(args.bucket_numel)
         runs = parse_runs(args.codecs)
         for r in runs:
             mpicomp.codec(r.codec, **r.params)  # unknown names and parameters fail here
-    except (ValueError, TypeError) as e:
-        ap.error(str(e))
-    if n_params < 1 or args.layers < 1 or args.batch < 1 or args.reps < 1:
-        ap.error("--params, --layers, --batch and --reps must be >= 1")
+    if n_params < 1 or args.layers < 1 or args.batch < 1:
+        ap.error("--params, --layers and --batch must be >= 1")
     if args.torch_threads < 0:
         ap.error("--torch-threads must be >= 0 (0: torch's default)")
     if bucket_numel is not None and bucket_numel < 1:
@@ -305,23 +300,20 @@ def main(argv=None) -> int:
         rows.append(measure(comm, model, r.codec, r.params, args.batch, args.reps, bucket_numel))
         if comm.rank == 0:
             print(f"overlap_torch: {r.label} done", file=sys.stderr, flush=True)
-    if comm.rank != 0:
-        return 0
-    if args.json:
-        print_json(rows)
-        return 0
     r0 = rows[0]
-    print(
-        f"{title('overlap_torch bench')}: {comm.size} ranks, {mpi_library()}, "
-        f"thread level {MPI.Query_thread()}, torch threads {torch.get_num_threads()}, "
-        f"numba threads {numba.get_num_threads()}\n"
-        f"MLP of {r0['model_params']:,} parameters ({args.layers} Linear layers), batch "
+    threads = [
+        f"thread level {MPI.Query_thread()}",
+        f"torch threads {torch.get_num_threads()}",
+        f"numba threads {numba.get_num_threads()}",
+    ]
+    header = heading("overlap_torch bench", comm, *threads) + (
+        f"\nMLP of {r0['model_params']:,} parameters ({args.layers} Linear layers), batch "
         f"{args.batch} per rank, {r0['buckets']} buckets; ms per step, the slowest rank's, "
         f"median of {args.reps} rounds after a warm-up\n"
         "backward: fwd+bwd+plain step, no communication; allreduce: synchronize() alone; "
         "overhead: overlapped - max(backward, allreduce)"
     )
-    format_table(rows)
+    show(comm, rows, args.json, header, format_table)
     return 0
 
 

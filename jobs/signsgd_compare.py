@@ -38,6 +38,7 @@ import numba as nb
 import numpy as np
 from mpi4py import MPI
 
+from jobs._report import parse, print_table, show, usage_errors
 from mpicomp.collectives.allgather import allgather_bytes, allgather_bytes_ring
 from mpicomp.collectives.ring import ring_allreduce_bounded
 from mpicomp.collectives.sharded import alltoall_bytes
@@ -45,9 +46,10 @@ from mpicomp.collectives.traffic import Traffic
 from mpicomp.kernels import backend
 from mpicomp.kernels.numba_cache import guard
 from mpicomp.kernels.signsgd import TIE_NEGATIVE
-from mpicomp.tools.bench import gradient, parse_count
+from mpicomp.tools.bench import gradient
 from mpicomp.tools.bench.allreduce import slowest_median
-from mpicomp.tools.bench.report import mpi_library, print_json
+from mpicomp.tools.bench.report import mpi_library
+from mpicomp.tools.bench.workload import parse_counts
 
 #: The schemes, in the order the table prints them.
 SCHEMES = ("ring", "allgather", "allgatherv", "alltoall_allgather")
@@ -319,19 +321,20 @@ def _table(rows: list[dict]) -> None:
         f"{'scheme':<20}{'N':>3}{'elements':>13}{'sent B/rank':>14}{'recv B/rank':>14}"
         f"{'recv bit/el':>12}{'= formula':>10}{'ms':>10}{'x ring':>8}{'decisions':>10}"
     )
-    print(head)
-    print("-" * len(head))
     ring_s = {(r["ranks"], r["numel"]): r["seconds"] for r in rows if r["scheme"] == "ring"}
-    for r in rows:
+
+    def line(r: dict) -> str:
         bits = r["recv_bits_per_element"]
         base = ring_s.get((r["ranks"], r["numel"]))
-        print(
+        return (
             f"{r['scheme']:<20}{r['ranks']:>3}{r['numel']:>13,}{r['bytes_sent_per_rank']:>14,}"
             f"{r['bytes_recv_per_rank']:>14,}{'-' if bits is None else f'{bits:.3f}':>12}"
             f"{'yes' if r['bytes_match'] else 'NO':>10}{1e3 * r['seconds']:>10.1f}"
             f"{r['seconds'] / base if base else math.nan:>8.2f}"
             f"{'same' if r['decisions_match'] else 'WRONG':>10}"
         )
+
+    print_table(head, map(line, rows))
     print("\nbytes per rank (B = ceil(n/8), chunk c: L_c elements, B_c = ceil(L_c/8) bytes):")
     for scheme in SCHEMES:
         print(f"  {scheme:<20}{FORMULAS[scheme]}")
@@ -353,38 +356,27 @@ def main(argv=None) -> int:
     ap.add_argument(
         "--numel", default="25.6M", help="elements per rank, a comma list (default 25.6M)"
     )
-    ap.add_argument("--reps", type=int, default=5, help="timed calls per scheme (5)")
-    ap.add_argument("--json", action="store_true", help="print only a JSON list of rows")
-    args = ap.parse_args(argv)
-    try:
-        sizes = [parse_count(s) for s in args.numel.split(",") if s.strip()]
-    except ValueError as e:
-        ap.error(str(e))
+    args = parse(ap, argv, 5, "timed calls per scheme")
+    with usage_errors(ap):
+        sizes = parse_counts(args.numel)
     if not sizes:
         ap.error(f"--numel must name a count, got {args.numel!r}")
-    if args.reps < 1:
-        ap.error(f"--reps must be >= 1, got {args.reps!r}")
 
     comm = MPI.COMM_WORLD
     rows = []
     for n in sizes:
         rows += measure(comm, n, args.reps, progress=sys.stderr)
     ok = all(r["bytes_match"] and r["decisions_match"] for r in rows)
-    if comm.rank != 0:
-        return 0 if ok else 1
-    if args.json:
-        print_json(rows)
-        return 0 if ok else 1
     cores = _cores()
-    print(
+    header = (
         f"signSGD majority, ring vs allgather vs alltoall+allgather: {comm.size} ranks on "
         f"{cores} cores, {mpi_library()}, numba threads {nb.get_num_threads()}\n"
         f"time: gradient to decision bits, the slowest rank's, median of {args.reps} calls "
         "after a warm-up; bytes: per rank per call (Traffic), the largest over ranks"
     )
     if comm.size > cores:
-        print(f"{comm.size} ranks oversubscribe {cores} cores: times are contention-bound")
-    _table(rows)
+        header += f"\n{comm.size} ranks oversubscribe {cores} cores: times are contention-bound"
+    show(comm, rows, args.json, header, _table)
     return 0 if ok else 1
 
 

@@ -22,16 +22,14 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
-import platform
 import sys
-import textwrap
 import time
 from dataclasses import dataclass, replace
 
 import numpy as np
 
 from jobs import _compare as cmp
-from jobs._loop import _any_rank
+from jobs._loop import _any_rank, interleave, prepare
 
 # The baseline and one codec of each kind: ring quantizers, 3LC, sign vote, sparsifier.
 DEFAULT_CODECS = (
@@ -98,6 +96,13 @@ class _Trainer:
     @property
     def active(self) -> bool:
         return not self.result.diverged
+
+    def close_on(self, stack: contextlib.ExitStack) -> None:
+        # LIFO: leaving by an exception, the CompressedComm closes first without its
+        # final trace gather (other ranks may be elsewhere: it could hang); leaving
+        # normally it writes the trace; then close() removes the hooks.
+        stack.callback(self.opt.close)
+        stack.enter_context(self.opt.comm)
 
     def _state(self) -> dict[str, np.ndarray]:
         """A NumPy copy of this rank's parameters and BatchNorm buffers."""
@@ -250,15 +255,14 @@ def main(argv=None) -> int:
         return 2
     from mpi4py import MPI
 
-    import mpicomp
-    from jobs._data import load_digits, local_batch_size
+    from jobs._data import batch_split
 
     # One intra-op thread per rank: several ranks share the cores (as NUMBA_NUM_THREADS=1).
     torch.set_num_threads(1)
     args = _parse(argv)
-    runs = cmp.parse_runs(args.codecs)
-    for run in runs:  # a bad name or parameter fails here, before any rank trains
-        mpicomp.codec(run.codec, **run.params)
+    comm = MPI.COMM_WORLD
+    size = comm.size
+    runs, say, data = prepare(comm, args)
     modes = OVERLAP_MODES[args.overlap]
     # (run, overlap, label): each codec's modes side by side
     plan = [
@@ -266,75 +270,42 @@ def main(argv=None) -> int:
         for run in runs
         for ov in modes
     ]
-    comm = MPI.COMM_WORLD
-    rank, size = comm.rank, comm.size
-
-    def say(msg: str) -> None:
-        if rank == 0:
-            print(msg, flush=True)
-
-    if not args.no_plot:
-        cmp.require_matplotlib()
     trace = not args.no_trace
-    data = load_digits()
-    if rank == 0:
-        os.makedirs(args.out, exist_ok=True)
-    comm.Barrier()  # the directory exists before any rank writes into it
-    lo, hi = local_batch_size(args.batch, size - 1, size), local_batch_size(args.batch, 0, size)
     say(
         f"jobs.train_torch: digits {len(data.y_train)} train / {len(data.y_test)} test, "
         f"CNN (jobs/_cnn.py), {size} ranks, global batch {args.batch} "
-        f"({lo if lo == hi else f'{lo}-{hi}'} per rank), {args.steps} steps, lr {args.lr} "
+        f"({batch_split(args.batch, size)} per rank), {args.steps} steps, lr {args.lr} "
         f"cosine, momentum {args.momentum}, seed {args.seed}, bucket_numel "
         f"{args.bucket_numel}, overlap {args.overlap}, torch {torch.__version__}"
     )
     results = _train_all(comm, plan, data, args, trace, say)
-    if rank == 0:
+    if comm.rank == 0:
         _report(results, args, argv, size, trace)
     comm.Barrier()  # rank 0's files are complete when main returns on any rank
     return 0
 
 
 def _train_all(comm, plan, data, args, trace: bool, say) -> list[TorchResult]:
-    """Train one fresh model per (run, overlap), all in turn at every step, as
-    ``jobs._loop.train_all`` does (the same machine load for every run)."""
-    report_every = max(1, args.steps // 4)
-    t_start = time.perf_counter()
-    with contextlib.ExitStack() as stack:
-        trainers = []
-        for run, overlap, label in plan:
-            path = os.path.join(args.out, f"{label}.h5") if trace else None
-            t = _Trainer(comm, run, overlap, label, data, args, path)
-            # LIFO: leaving by an exception, the CompressedComm closes first without its
-            # final trace gather (other ranks may be elsewhere: it could hang); leaving
-            # normally it writes the trace; then close() removes the hooks.
-            stack.callback(t.opt.close)
-            stack.enter_context(t.opt.comm)
-            trainers.append(t)
-        for step in range(args.steps):
-            for t in trainers:
-                if t.active:
-                    t.step(step)
-                    if not t.active:
-                        say(f"  {t.result.label}: diverged at step {t.result.diverged} (NaN/Inf)")
-            done = step + 1
-            if done % report_every == 0 or done == args.steps:
-                losses = ", ".join(f"{t.result.label} {t.loss:.3g}" for t in trainers if t.active)
-                say(
-                    textwrap.fill(
-                        f"step {done}/{args.steps} ({time.perf_counter() - t_start:.0f} s), "
-                        f"batch loss on rank 0: {losses}",
-                        width=100,
-                        subsequent_indent="    ",
-                    )
-                )
-    return [t.finish() for t in trainers]
+    """Train one fresh model per (run, overlap), all in turn at every step
+    (``jobs._loop.interleave``: the same machine load for every run)."""
+    trainers = (
+        _Trainer(
+            comm,
+            run,
+            overlap,
+            label,
+            data,
+            args,
+            os.path.join(args.out, f"{label}.h5") if trace else None,
+        )
+        for run, overlap, label in plan
+    )
+    return interleave(trainers, args.steps, say)
 
 
 def _report(results: list[TorchResult], args, argv, size: int, trace: bool) -> None:
     """Print the table(s) and write results.json, loss.png (rank 0)."""
     import torch
-    from mpi4py import MPI
 
     modes = OVERLAP_MODES[args.overlap]
     for ov in modes:
@@ -347,31 +318,19 @@ def _report(results: list[TorchResult], args, argv, size: int, trace: bool) -> N
         print(cmp.table(mine))
     spread = max(r.weight_spread for r in results)
     print(f"\nlargest difference of the final weights between ranks: {spread:g}")
-    meta = {
-        "job": "jobs.train_torch",
-        "model": "jobs._cnn.make_cnn",
-        "ranks": size,
-        "argv": list(sys.argv[1:] if argv is None else argv),
-        "steps": args.steps,
-        "batch": args.batch,
-        "lr": args.lr,
-        "momentum": args.momentum,
-        "seed": args.seed,
-        "overlap": args.overlap,
-        "bucket_numel": args.bucket_numel,
-        "evaluated": "rank 0's model (its BatchNorm running statistics)",
-        "torch": torch.__version__,
-        "host": platform.node(),
-        "mpi": MPI.Get_library_version().splitlines()[0],
-    }
-    print(f"\nwrote {cmp.write_results(args.out, results, meta)}")
-    if not args.no_plot:
-        png = os.path.join(args.out, "loss.png")
-        title = f"jobs.train_torch: digits CNN, {size} ranks, global batch {args.batch}"
-        cmp.plot(png, results, title)
-        print(f"wrote {png}")
-    if trace:
-        print(f"wrote {len(results)} traces: {os.path.join(args.out, '<label>.h5')}")
+    meta = cmp.run_meta(
+        "jobs.train_torch",
+        args,
+        argv,
+        size,
+        model="jobs._cnn.make_cnn",
+        overlap=args.overlap,
+        bucket_numel=args.bucket_numel,
+        evaluated="rank 0's model (its BatchNorm running statistics)",
+        torch=torch.__version__,
+    )
+    title = f"jobs.train_torch: digits CNN, {size} ranks, global batch {args.batch}"
+    cmp.write_outputs(args, results, meta, title, trace)
 
 
 if __name__ == "__main__":

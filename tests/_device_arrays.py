@@ -224,14 +224,7 @@ class DeviceArray:
     @property
     def __cuda_array_interface__(self) -> dict:
         # How mpi4py reads a device buffer (a CUDA-aware MPI gets this pointer: host memory).
-        host = self._host
-        return {
-            "shape": host.shape,
-            "typestr": host.dtype.str,
-            "data": (host.ctypes.data, False),
-            "strides": None if host.flags.c_contiguous else host.strides,
-            "version": 3,
-        }
+        return cuda_array_interface(self._host)
 
     # ------------------------------------------------------------------ refusals
     def __array__(self, dtype=None, copy=None):
@@ -395,6 +388,17 @@ class DeviceArray:
         if impl is None:
             return NotImplemented
         return impl(*args, **kwargs)
+
+
+def cuda_array_interface(host: np.ndarray) -> dict:
+    """Return the ``__cuda_array_interface__`` (version 3) of the memory of ``host``."""
+    return {
+        "shape": host.shape,
+        "typestr": host.dtype.str,
+        "data": (host.ctypes.data, False),
+        "strides": None if host.flags.c_contiguous else host.strides,
+        "version": 3,
+    }
 
 
 def _forward_method(name: str):

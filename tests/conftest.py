@@ -11,7 +11,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from _devices import REQUIRE_GPU, gpu_present
+from _devices import REQUIRE_GPU, device, gpu_present, params
 from hypothesis import HealthCheck, settings
 
 settings.register_profile(
@@ -42,6 +42,14 @@ def xp(request):
         _device_arrays.install()
         return _device_arrays.xp
     return np
+
+
+@pytest.fixture(scope="module", params=params())
+def dev(request):
+    """The device a kernel-family test (tests/test_cuda_<family>.py) runs the CUDA sources
+    on: the emulation at each launch geometry, and the GPU where one is found
+    (tests/_devices.py)."""
+    return device(request.param)
 
 
 def to_numpy(a):
@@ -104,6 +112,18 @@ def gather_all(comm, x):
     return out
 
 
+def gather_payloads(comm, payload):
+    """Return every rank's uint8 ``payload`` (of any length) in rank order (a plain
+    Allgatherv)."""
+    from mpi4py import MPI
+
+    sizes = gather_all(comm, np.array(payload.size, dtype=np.int64))
+    displs = np.concatenate([[0], np.cumsum(sizes)[:-1]])
+    buf = np.empty(int(sizes.sum()), dtype=np.uint8)
+    comm.Allgatherv(payload, [buf, sizes, displs, MPI.BYTE])
+    return [buf[d : d + s] for d, s in zip(displs, sizes, strict=True)]
+
+
 @pytest.fixture
 def shared_dir():
     """Yield one new directory, the same on every rank; removed afterwards.
@@ -125,6 +145,31 @@ def ring_chunks(n, size, align):
     """The documented layout: C = align*ceil(ceil(n/N)/align), chunk c = [c*C, (c+1)*C) ∩ [0, n)."""
     C = align * math.ceil(math.ceil(n / size) / align)
     return [(min(n, c * C), min(n, (c + 1) * C)) for c in range(size)]
+
+
+def bounded_length(n, size):
+    """A length of the bounded schedules' tests: a number, or one of the world size N:
+    "N-1" is shorter than the ring, "8N+1" leaves trailing chunks empty."""
+    return {"N-1": size - 1, "8N+1": 8 * size + 1}.get(n, n)
+
+
+def bounded_codes(comm, n, bound, dtype, seed=0):
+    """This rank's ``n`` codes in [-bound, bound] of ``dtype``, the first at one end of the
+    range or the other by rank (random otherwise, by rank and ``seed``)."""
+    codes = np.random.default_rng([comm.rank, n, bound, seed]).integers(-bound, bound + 1, n)
+    if n:
+        codes[0] = bound if comm.rank % 2 else -bound
+    return codes.astype(dtype)
+
+
+@pytest.fixture(params=[8, 24], ids=["align8", "align24"])
+def chunk_align(request, monkeypatch):
+    """Move the bounded schedules' chunk edges (``collectives.bounded.CHUNK_ALIGN``, which
+    the ring and the direct schedule share): on multiples of 8, then of 24 elements."""
+    from mpicomp.collectives import bounded
+
+    monkeypatch.setattr(bounded, "CHUNK_ALIGN", request.param)
+    return request.param
 
 
 def ring_order_sum(every, add=np.add):

@@ -84,15 +84,15 @@ def _private_names() -> set[str]:
     return names
 
 
+def _on_self(node: ast.Attribute) -> bool:
+    return isinstance(node.value, ast.Name) and node.value.id in ("self", "cls")
+
+
 def _reaches_in(tree, private: set[str]) -> list[str]:
     """Return ``line: expr`` of accesses to ``private`` on anything but ``self``/``cls``."""
     out = []
     for node in ast.walk(tree):
-        if (
-            isinstance(node, ast.Attribute)
-            and node.attr in private
-            and not (isinstance(node.value, ast.Name) and node.value.id in ("self", "cls"))
-        ):
+        if isinstance(node, ast.Attribute) and node.attr in private and not _on_self(node):
             out.append(f"{node.lineno}: {ast.unparse(node)}")
     return out
 
@@ -118,26 +118,12 @@ def test_nothing_outside_comm_uses_compressed_comm_privates():
 
 TESTS = ROOT / "tests"
 
-# A private name of the library a test uses where no public seam exists: (test file,
-# name) -> why. A test may also import the private module it is named after
-# (tests/test_wire.py: mpicomp.codecs._wire).
-_FORGES = "forges the payloads a decoder must refuse: the wire format has no public builder"
-_TIMEOUT = "fakes a late request or an abort in the timeout, whose hooks have no public seam"
-_UNREGISTER = "removes the test's own backend: kernels has register_backend, no unregister"
-_SMALLER = "lowers a size threshold so that the larger messages' path runs at test sizes"
-_KEPT = "resets the process-wide kept thread cap, so no later test inherits a one-CPU cap"
-_DEVICE = "the stand-in devices build the CUDA sources as Device.cuda and Device.emulated do"
-_TWINS = "the CUDA twin's constant must equal the CPU kernel's"
-_JOB = "a job's own helper, tested without running the job (minutes, hosts, other libraries)"
-_HELPERS = "jobs/_*.py are the jobs' shared helpers (not jobs to run), tested as such"
-_FRAMES = "counts the frames at _wait.ready, the last one before MPI"
-_EXACT = "forces top-k's exact selection, which a sampled bracket rarely leaves to it"
-_PARSER = "the parser sphinx-argparse reads (docs/api/cli.rst): arguments parsed, not run"
-_BEHIND = "changes one rank's configuration behind its back (made alike, it must agree)"
+# The private names of the library a test uses where no public seam exists, by why:
+# reason -> {name: the test files (in tests/) that use it}. A test may also import the
+# private module it is named after (tests/test_wire.py: mpicomp.codecs._wire).
 PRIVATE_IN_TESTS = {
-    **{
-        (f"tests/{f}", "_wire"): _FORGES
-        for f in (
+    "forges the payloads a decoder must refuse: the wire format has no public builder": {
+        "_wire": (
             "test_baselines.py",
             "test_fastsgd.py",
             "test_fft.py",
@@ -147,40 +133,66 @@ PRIVATE_IN_TESTS = {
             "test_readback.py",
             "test_signsgd.py",
             "test_threelc.py",
-        )
+        ),
+        "_PREFIX": ("test_fuzz.py",),  # FastSGD's body prefix
     },
-    ("tests/test_fuzz.py", "_PREFIX"): _FORGES + " (FastSGD's body prefix)",
-    ("tests/test_logging.py", "_wait"): _TIMEOUT,
-    ("tests/test_mpi_architecture.py", "_wait"): _FRAMES,
-    ("tests/test_mpi_torch_reliability.py", "_wait"): _TIMEOUT,
-    ("tests/test_baselines.py", "_bracket"): _EXACT,
-    ("tests/test_cli.py", "_parser"): _PARSER,
-    ("tests/test_cuda_fft.py", "_CHUNK"): _TWINS,
-    ("tests/test_cuda_fft.py", "_MIN_SIDE"): _TWINS,
-    ("tests/test_cuda_fft.py", "_SUM_SPECTRA_MIN"): _TWINS,
-    ("tests/test_kernels_seam.py", "_REGISTRY"): _UNREGISTER,
-    ("tests/test_kernels_seam.py", "_ARRAY_TYPES"): _UNREGISTER + " (nor unregister_array_type)",
-    ("tests/test_mpi_kernels_seam.py", "_REGISTRY"): _UNREGISTER,
-    ("tests/test_threads.py", "_REGISTRY"): _UNREGISTER,
-    ("tests/test_mpi_allgather.py", "_RING_CHUNK"): _SMALLER,
-    ("tests/test_mpi_allgather.py", "_COUNT_LIMIT"): _SMALLER,
-    ("tests/test_mpi_maxallreduce.py", "_INLINE"): _SMALLER,
-    ("tests/test_threads.py", "_decided"): _KEPT,
-    ("tests/test_threads.py", "_applied"): _KEPT,
-    ("tests/test_mpi_threads.py", "_decided"): _KEPT,
-    ("tests/test_mpi_threads.py", "_applied"): _KEPT,
-    ("tests/_devices.py", "_build"): _DEVICE,
-    ("tests/_device_arrays.py", "_emulated_build"): _DEVICE,
-    ("tests/test_jobs.py", "_compare"): _HELPERS,
-    ("tests/test_jobs.py", "_data"): _HELPERS,
-    ("tests/test_jobs.py", "_mlp"): _HELPERS,
-    ("tests/test_mpi_agreement.py", "_planner"): _BEHIND,
-    ("tests/test_mpi_agreement.py", "_config"): _BEHIND,
-    ("tests/test_mpi_agreement.py", "_plans"): _BEHIND,
-    ("tests/test_netem.py", "_parse"): _JOB,
-    ("tests/test_peers.py", "_parse"): _JOB,
-    ("tests/test_peers.py", "_reach"): _JOB,
-    ("tests/test_peers.py", "_failure"): _JOB,
+    "fakes a late request or an abort in the timeout, whose hooks have no public seam": {
+        "_wait": ("test_logging.py", "test_mpi_torch_reliability.py"),
+    },
+    "counts the frames at _wait.ready, the last one before MPI": {
+        "_wait": ("test_mpi_architecture.py",),
+    },
+    "forces top-k's exact selection, which a sampled bracket rarely leaves to it": {
+        "_bracket": ("test_baselines.py",),
+    },
+    "the parser sphinx-argparse reads (docs/api/cli.rst): arguments parsed, not run": {
+        "_parser": ("test_cli.py",),
+    },
+    "the CUDA twin's constant must equal the CPU kernel's": {
+        "_CHUNK": ("test_cuda_fft.py",),
+        "_MIN_SIDE": ("test_cuda_fft.py",),
+        "_SUM_SPECTRA_MIN": ("test_cuda_fft.py",),
+    },
+    "removes the test's own backend: kernels has register_backend, no unregister": {
+        "_REGISTRY": ("test_kernels_seam.py", "test_mpi_kernels_seam.py", "test_threads.py"),
+        "_ARRAY_TYPES": ("test_kernels_seam.py",),  # nor unregister_array_type
+    },
+    "lowers a size threshold so that the larger messages' path runs at test sizes": {
+        "_RING_CHUNK": ("test_mpi_allgather.py",),
+        "_COUNT_LIMIT": ("test_mpi_allgather.py",),
+        "_INLINE": ("test_mpi_maxallreduce.py",),
+    },
+    "resets the process-wide kept thread cap, so no later test inherits a one-CPU cap": {
+        "_decided": ("test_threads.py", "test_mpi_threads.py"),
+        "_applied": ("test_threads.py", "test_mpi_threads.py"),
+    },
+    "the stand-in devices build the CUDA sources as Device.cuda and Device.emulated do": {
+        "_build": ("_devices.py",),
+        "_emulated_build": ("_device_arrays.py",),
+    },
+    "jobs/_*.py are the jobs' shared helpers (not jobs to run), tested as such": {
+        "_compare": ("test_jobs.py",),
+        "_data": ("test_jobs.py",),
+        "_mlp": ("test_jobs.py",),
+        "_loop": ("test_jobs.py",),
+        "_report": ("test_jobs.py",),
+    },
+    "changes one rank's configuration behind its back (made alike, it must agree)": {
+        "_planner": ("test_mpi_agreement.py",),
+        "_config": ("test_mpi_agreement.py",),
+        "_plans": ("test_mpi_agreement.py",),
+    },
+    "a job's own helper, tested without running the job (minutes, hosts, other libraries)": {
+        "_parse": ("test_netem.py", "test_peers.py"),
+        "_reach": ("test_peers.py",),
+        "_failure": ("test_peers.py",),
+    },
+}
+_ALLOWED = {
+    (f"tests/{test}", name)
+    for uses in PRIVATE_IN_TESTS.values()
+    for name, tests in uses.items()
+    for test in tests
 }
 
 
@@ -188,24 +200,9 @@ def _private(name: str) -> bool:
     return name.startswith("_") and not name.startswith("__")
 
 
-def _library_privates() -> set[str]:
-    """The private names the library and the jobs define: their private modules, and the
-    private functions, classes and attributes (set anywhere) of their modules."""
-    names = set()
-    for rel, tree in _files():
-        names.add(Path(rel).stem)
-        for node in ast.walk(tree):
-            if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef):
-                names.add(node.name)
-            elif isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store):
-                names.add(node.id)
-            elif isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store):
-                names.add(node.attr)
-    return {n for n in names if _private(n)}
-
-
-def _own_names(tree) -> set[str]:
-    """Names a test file defines itself (its helpers, their attributes, its arguments)."""
+def _defined(tree, attribute=lambda node: True) -> set[str]:
+    """The names ``tree`` defines: its functions and classes, the names it assigns, and
+    the attributes it sets where ``attribute(node)`` holds."""
     names = set()
     for node in ast.walk(tree):
         if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef):
@@ -213,11 +210,24 @@ def _own_names(tree) -> set[str]:
         elif isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store):
             names.add(node.id)
         elif isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store):
-            if isinstance(node.value, ast.Name) and node.value.id in ("self", "cls"):
+            if attribute(node):
                 names.add(node.attr)
-        elif isinstance(node, ast.arg):
-            names.add(node.arg)
     return names
+
+
+def _library_privates() -> set[str]:
+    """The private names the library and the jobs define: their private modules, and the
+    private functions, classes and attributes (set anywhere) of their modules."""
+    names = set()
+    for rel, tree in _files():
+        names |= {Path(rel).stem, *_defined(tree)}
+    return {n for n in names if _private(n)}
+
+
+def _own_names(tree) -> set[str]:
+    """Names a test file defines itself (its helpers, their attributes, its arguments)."""
+    arguments = {node.arg for node in ast.walk(tree) if isinstance(node, ast.arg)}
+    return _defined(tree, _on_self) | arguments
 
 
 def _subject(test: str) -> str:
@@ -245,8 +255,7 @@ def _test_reaches(tree, privates: set[str], subject: str = "") -> list[str]:
             names = [p for a in node.names if ours(a.name) for p in a.name.split(".")]
             names = [n for n in names if n.lstrip("_") != subject]
         elif isinstance(node, ast.Attribute):
-            on_self = isinstance(node.value, ast.Name) and node.value.id in ("self", "cls")
-            if node.attr in privates and node.attr not in own and not on_self:
+            if node.attr in privates and node.attr not in own and not _on_self(node):
                 names = [node.attr]
         elif isinstance(node, ast.Call):
             f = node.func
@@ -306,12 +315,12 @@ def test_tests_use_no_private_name_of_the_library_without_a_reason():
         tree = ast.parse(path.read_text(encoding="utf-8"), rel)
         for hit in _test_reaches(tree, privates, _subject(rel)):
             name = hit.split(": ", 1)[1]
-            if (rel, name) in PRIVATE_IN_TESTS:
+            if (rel, name) in _ALLOWED:
                 used.add((rel, name))
             else:
                 found.setdefault(rel, []).append(hit)
     assert not found, f"tests use private names of the library (use a public seam): {found}"
-    assert used == set(PRIVATE_IN_TESTS), f"stale: {set(PRIVATE_IN_TESTS) - used}"
+    assert used == _ALLOWED, f"stale: {_ALLOWED - used}"
 
 
 # --- each module of the call path has a test named after it ------------------------------

@@ -6,7 +6,6 @@ import zlib
 
 import numpy as np
 import pytest
-from _devices import device, params
 
 from mpicomp.kernels.checksum import BASE
 from mpicomp.kernels.cpu import record
@@ -16,11 +15,6 @@ REF = record().checksum
 # Ragged sizes, both sides of the twin's 4096-byte zlib shortcut, several grid strides.
 SIZES = [0, 1, 3, 4, 5, 31, 257, 4096, 4097, 20011]
 VALUES = [1, 0, 0xFFF0FFF0, (BASE - 1) << 16 | (BASE - 1), 0x12345678 % (BASE << 16)]
-
-
-@pytest.fixture(scope="module", params=params())
-def dev(request):
-    return device(request.param)
 
 
 @pytest.fixture(scope="module")

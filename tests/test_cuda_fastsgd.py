@@ -86,9 +86,10 @@ def test_powers(dev, base, tau):
 
 # ---- encode ----------------------------------------------------------------------------------
 
-# (n, bucket, base, tau, flag_bits): ragged tails, buckets of several chunks (2048), one
-# bucket per element, every flag size, bases on both sides of the L table's one-step rule.
-ENCODE = [
+# What both twins encode, scan and decode: (n, bucket, base, tau, flag_bits): ragged tails,
+# buckets of several chunks (2048), one bucket per element, every flag size, bases on both
+# sides of the L table's one-step rule.
+CASES = [
     (0, 16, 1.1, 127, 2),
     (1, 1, 1.1, 127, 2),
     (7, 3, 1.1, 127, 1),
@@ -97,11 +98,13 @@ ENCODE = [
     (4500, 1000, 1.001, 127, 4),
     (3001, 777, 2.0, 6, 5),
     (1500, 1500, 16.0, 127, 1),
+    (1500, 500, 16.0, 127, 4),
+    (2500, 33, 1.3, 20, 1),
     (2500, 33, 1.3, 20, 2),
 ]
 
 
-@pytest.mark.parametrize("n, bucket, base, tau, fb", ENCODE)
+@pytest.mark.parametrize("n, bucket, base, tau, fb", CASES)
 def test_encode_gradient(dev, n, bucket, base, tau, fb):
     ok, *_ = encode_both(dev, gradient(n, n + fb), bucket, base, tau, fb)
     assert ok
@@ -247,16 +250,7 @@ def decode_both(dev, body, n, bucket, base, tau, fb, offsets, sums, init=None):
     return errs, out
 
 
-DECODE = [
-    (1, 1, 1.1, 127, 2),
-    (5001, 4500, 1.1, 127, 3),
-    (2500, 33, 1.3, 20, 1),
-    (3001, 777, 2.0, 6, 5),
-    (1500, 500, 16.0, 127, 4),
-]
-
-
-@pytest.mark.parametrize("n, bucket, base, tau, fb", DECODE)
+@pytest.mark.parametrize("n, bucket, base, tau, fb", CASES)
 def test_scan_and_decode_valid(dev, n, bucket, base, tau, fb):
     x = gradient(n, n)
     body = body_of(x, bucket, base, tau, fb)

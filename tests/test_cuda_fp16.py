@@ -4,7 +4,6 @@ sums of the payload, and one host synchronization per launcher that returns a va
 
 import numpy as np
 import pytest
-from _devices import device, params
 
 from mpicomp.kernels.cpu import record
 from mpicomp.kernels.cuda import fp16 as cuda_fp16
@@ -13,11 +12,6 @@ from mpicomp.kernels.cuda.device import Device
 REF = record().fp16
 SIZES = [0, 1, 7, 33, 1001, 4099]
 ALL_HALVES = np.arange(1 << 16, dtype=np.uint32).astype(np.uint16)
-
-
-@pytest.fixture(scope="module", params=params())
-def dev(request):
-    return device(request.param)
 
 
 @pytest.fixture(scope="module")

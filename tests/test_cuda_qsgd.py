@@ -6,7 +6,7 @@ import os
 
 import numpy as np
 import pytest
-from _devices import device, params, placed
+from _devices import placed
 
 from mpicomp.kernels import qsgd as kq
 from mpicomp.kernels.bits import packed_size
@@ -21,11 +21,6 @@ NO_INDEX = np.empty(0, np.int64)
 SIZES = [0, 1, 7, 9, 33, 255, 1027, 4099]
 CODES = [np.int8, np.int16, np.int32, np.int64]
 KEY = np.uint64(0x0123456789ABCDEF)
-
-
-@pytest.fixture(scope="module", params=params())
-def dev(request):
-    return device(request.param)
 
 
 @pytest.fixture(scope="module")

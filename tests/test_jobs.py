@@ -3,13 +3,14 @@ pieces they are made of (codec list, shards, backprop) in one process."""
 
 import json
 import sys
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
 
 from conftest import world
 from jobs import _compare, _mlp
-from jobs._data import ShardSampler, load_digits, local_batch_size
+from jobs._data import ShardSampler, batch_split, load_digits, local_batch_size
 
 N_PARAMS = 64 * 128 + 128 + 128 * 10 + 10  # the default MLP 64-128-10
 
@@ -171,6 +172,82 @@ class TestPieces:
             else:
                 assert bits < 32
         assert lines[start + len(codec_tour.TOUR)].startswith("bits/elem:")
+
+    def test_batch_split_names_the_ranks_parts(self):
+        assert batch_split(64, 2) == "32"
+        assert batch_split(64, 3) == "21-22"
+        assert batch_split(5, 5) == "1"
+
+    def test_interleave_steps_every_active_trainer_in_turn(self):
+        from jobs._loop import interleave
+
+        log = []
+
+        class Trainer:
+            def __init__(self, label, diverges_at=None):
+                self.result = SimpleNamespace(label=label, diverged=0)
+                self.loss, self.diverges_at = 1.0, diverges_at
+                log.append(f"build {label}")
+
+            @property
+            def active(self):
+                return not self.result.diverged
+
+            def close_on(self, stack):
+                stack.callback(log.append, f"close {self.result.label}")
+
+            def step(self, step):
+                log.append(f"{self.result.label} {step}")
+                if step == self.diverges_at:
+                    self.result.diverged = step + 1
+
+            def finish(self):
+                log.append(f"finish {self.result.label}")
+                return self.result.label
+
+        said = []
+        done = interleave((Trainer("a"), Trainer("b", diverges_at=1)), 3, said.append)
+        assert done == ["a", "b"]
+        assert log == [
+            "build a", "build b", "a 0", "b 0", "a 1", "b 1", "a 2",
+            "close b", "close a", "finish a", "finish b",
+        ]  # fmt: skip
+        # every quarter of the steps (here every step) the batch losses of those still active
+        assert said[1] == "  b: diverged at step 2 (NaN/Inf)"
+        progress = [line for line in said if line.startswith("step ")]
+        assert [line[:8] for line in progress] == ["step 1/3", "step 2/3", "step 3/3"]
+        losses = [line.split("batch loss on rank 0: ")[1] for line in progress]
+        assert losses == ["a 1, b 1", "a 1", "a 1"]
+
+        # a trainer that cannot be built: those built before close, nothing steps
+        def trainers():
+            yield Trainer("c")
+            raise RuntimeError("no comm")
+
+        log.clear()
+        with pytest.raises(RuntimeError, match="no comm"):
+            interleave(trainers(), 3, said.append)
+        assert log == ["build c", "close c"]
+
+    def test_report_helpers(self, capsys):
+        import argparse
+
+        from jobs._report import parse, print_table, usage_errors
+
+        print_table("ab  c", iter(["1   2", "3   4"]))
+        assert capsys.readouterr().out == "ab  c\n-----\n1   2\n3   4\n"
+        ap = argparse.ArgumentParser(prog="jobs.x")
+        args = parse(ap, ["--json"], 3, "timed calls")
+        assert (args.reps, args.json) == (3, True)
+        with pytest.raises(SystemExit) as e:
+            parse(argparse.ArgumentParser(prog="jobs.x"), ["--reps", "0"], 3, "timed calls")
+        assert e.value.code == 2
+        assert "jobs.x: error: --reps must be >= 1, got 0" in capsys.readouterr().err
+        with pytest.raises(SystemExit), usage_errors(ap):
+            raise ValueError("not a count: 'x'")
+        assert "jobs.x: error: not a count: 'x'" in capsys.readouterr().err
+        with pytest.raises(TypeError), usage_errors(ap):  # only the errors named
+            raise TypeError("a bug")
 
     @pytest.mark.parametrize("size", [1, 2, 3, 5])
     def test_shards_split_the_training_set_and_the_batch(self, size):

@@ -30,7 +30,6 @@ PARAMS = {
     "fastsgd": {"base": 1.5, "tau": 64, "flag_bits": 3, "bucket": 4096},
     "topk": {"ratio": 0.1},
 }
-PARAM_CASES = [(c, p, v) for c, params in PARAMS.items() for p, v in params.items()]
 
 # One value for the odd rank out, per option: (codec, option, value).
 OPTION_CASES = [
@@ -46,6 +45,7 @@ OPTION_CASES = [
     ("qsgd_maxnorm", "timeout", 600),
     ("qsgd_maxnorm", "on_call", print),
 ]
+DIFFERING = [(c, p, v) for c, params in PARAMS.items() for p, v in params.items()] + OPTION_CASES
 CODECS = ["none", "fp16", "qsgd_maxnorm", "signsgd", "threelc", "fft", "topk", "fastsgd"]
 
 
@@ -53,33 +53,23 @@ def _odd_one(comm) -> bool:
     return comm.rank == comm.size - 1
 
 
-def _raises_on_every_rank(make, match):
-    with pytest.raises(RankError, match=match):
-        make()
+def _named(codec, keyword) -> str:
+    """What the error names: a codec parameter as ``codec.NAME``, an option as the field of
+    the configuration that carries it."""
+    if keyword in PARAMS.get(codec, {}):
+        return rf"codec\.{keyword}: .* on rank"
+    field = {"on_call": "traced"}.get(keyword, keyword)
+    return rf"configured this CompressedComm differently: (.*; )?{field}: "
 
 
 @pytest.mark.mpi(min_size=2)
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize(("codec", "param", "value"), PARAM_CASES)
-def test_a_codec_parameter_differing_on_one_rank_raises_everywhere(codec, param, value):
+@pytest.mark.parametrize(("codec", "keyword", "value"), DIFFERING)
+def test_a_codec_parameter_or_option_differing_on_one_rank_raises_everywhere(codec, keyword, value):
     comm = world()
-    params = {param: value} if _odd_one(comm) else {}
-    _raises_on_every_rank(
-        lambda: mpicomp.CompressedComm(comm, codec, **params), rf"codec\.{param}: .* on rank"
-    )
-
-
-@pytest.mark.mpi(min_size=2)
-@pytest.mark.timeout(120)
-@pytest.mark.parametrize(("codec", "option", "value"), OPTION_CASES)
-def test_an_option_differing_on_one_rank_raises_everywhere(codec, option, value):
-    comm = world()
-    options = {option: value} if _odd_one(comm) else {}
-    field = {"on_call": "traced", "timeout": "timeout"}.get(option, option)
-    _raises_on_every_rank(
-        lambda: mpicomp.CompressedComm(comm, codec, **options),
-        rf"configured this CompressedComm differently: (.*; )?{field}: ",
-    )
+    kwargs = {keyword: value} if _odd_one(comm) else {}
+    with pytest.raises(RankError, match=_named(codec, keyword)):
+        mpicomp.CompressedComm(comm, codec, **kwargs)
 
 
 @pytest.mark.mpi(min_size=2)

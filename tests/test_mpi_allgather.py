@@ -119,43 +119,37 @@ def test_a_strided_payload_is_taken(kind):
     _assert_same(got, expected)
 
 
+def _traced(kind, s, rank, n):
+    """The records of docs/collectives.md when rank ``rank`` of ``n`` sends ``s[rank]``
+    bytes: the sizes, then the data."""
+    op = {"allgatherv": "allgather", "ring": "allgather_ring"}[kind]
+    sizes = (f"{op}.sizes", 1, 8 if n > 1 else 0, 8 * (n - 1), 64)  # N = 1: nothing sent
+    if kind == "allgatherv":  # the logical bytes: this rank's payload, the others'
+        return [sizes, (f"{op}.data", 1, s[rank] if n > 1 else 0, sum(s) - s[rank], 8)]
+    # The exact bytes of each step i: the payload of rank r-i+1 out, that of r-i in.
+    steps = range(1, n)
+    return [sizes] + [(f"{op}.data", i, s[(rank - i + 1) % n], s[(rank - i) % n], 8) for i in steps]
+
+
 @pytest.mark.mpi
+@pytest.mark.parametrize("kind", ["allgatherv", "ring"])
 @pytest.mark.parametrize("pattern", ["edges", "one_large", "all_empty"])
-def test_traced_bytes_of_allgatherv_are_the_logical_bytes(pattern):
+def test_traced_bytes_are_the_documented_bytes(kind, pattern):
     from mpicomp.collectives.traffic import Traffic
 
     comm = world()
     n, rank = comm.size, comm.rank
     s = [SIZES[pattern](r, n) for r in range(n)]
     t = Traffic()
-    _module().allgather_bytes(comm, _payload(rank, s[rank]), recorder=t)
-    assert t.steps == [
-        ("allgather.sizes", 1, 8 if n > 1 else 0, 8 * (n - 1), 64),  # N = 1: nothing sent
-        ("allgather.data", 1, s[rank] if n > 1 else 0, sum(s) - s[rank], 8),
-    ]
-
-
-@pytest.mark.mpi
-@pytest.mark.parametrize("pattern", ["edges", "one_large", "all_empty"])
-def test_traced_bytes_of_the_ring_are_the_exact_bytes_of_each_step(pattern):
-    from mpicomp.collectives.traffic import Traffic
-
-    comm = world()
-    n, rank = comm.size, comm.rank
-    s = [SIZES[pattern](r, n) for r in range(n)]
-    t = Traffic()
-    _module().allgather_bytes_ring(comm, _payload(rank, s[rank]), recorder=t)
-    expected = [("allgather_ring.sizes", 1, 8 if n > 1 else 0, 8 * (n - 1), 64)]
-    expected += [
-        ("allgather_ring.data", i, s[(rank - i + 1) % n], s[(rank - i) % n], 8) for i in range(1, n)
-    ]
-    assert t.steps == expected
+    _functions()[kind](comm, _payload(rank, s[rank]), recorder=t)
+    assert t.steps == _traced(kind, s, rank, n)
     # Over the whole ring a rank sends every payload but its right neighbour's, and
     # receives every payload but its own.
-    assert t.by_op().get("allgather_ring.data", (0, 0)) == (
-        sum(s) - s[(rank + 1) % n] if n > 1 else 0,
-        sum(s) - s[rank],
-    )
+    if kind == "ring":
+        assert t.by_op().get("allgather_ring.data", (0, 0)) == (
+            sum(s) - s[(rank + 1) % n] if n > 1 else 0,
+            sum(s) - s[rank],
+        )
 
 
 @pytest.mark.mpi

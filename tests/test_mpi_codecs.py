@@ -17,22 +17,10 @@ from _qsgd_ref import (
 )
 
 import mpicomp
-from conftest import gather_all, gradient_like, ring_order_sum, world
+from conftest import gather_all, gather_payloads, gradient_like, ring_order_sum, world
 
 GATHER = ["none", "fp16", "topk", "signsgd", "threelc", "fft", "fastsgd"]
 N = 10_007  # not divisible by 2, 3, 4, 5 or 8
-
-
-def _allgather_payloads(comm, payload):
-    """Allgatherv of variable-length uint8 payloads; returns one array per rank."""
-    from mpi4py import MPI
-
-    sizes = np.empty(comm.size, dtype=np.int64)
-    comm.Allgather(np.array([payload.size], dtype=np.int64), sizes)
-    displs = np.concatenate([[0], np.cumsum(sizes)[:-1]])
-    buf = np.empty(int(sizes.sum()), dtype=np.uint8)
-    comm.Allgatherv(payload, [buf, sizes, displs, MPI.BYTE])
-    return [buf[d : d + s] for d, s in zip(displs, sizes, strict=True)]
 
 
 @pytest.mark.mpi
@@ -43,7 +31,7 @@ def test_gathered_payloads_decode_to_the_mean_of_every_ranks_decode(name):
     x = gradient_like(N, seed=100 + comm.rank)
     payload = codec.encode(x)
     mine = codec.decode(payload)
-    gathered = _allgather_payloads(comm, payload)
+    gathered = gather_payloads(comm, payload)
     np.testing.assert_array_equal(gathered[comm.rank], payload)
     mean = np.mean([codec.decode(p) for p in gathered], axis=0, dtype=np.float64)
     # Reference: every rank's own decode, moved by a plain float32 Allgather.
@@ -60,7 +48,7 @@ def test_gathered_payloads_decode_to_the_mean_of_every_ranks_decode(name):
 def test_same_input_gives_the_same_bytes_on_every_rank(name):
     comm = world()
     payload = mpicomp.codec(name).encode(gradient_like(N, seed=7))
-    for p in _allgather_payloads(comm, payload):
+    for p in gather_payloads(comm, payload):
         np.testing.assert_array_equal(p, payload)
 
 

@@ -219,14 +219,7 @@ class CaiArray:
 
     @property
     def __cuda_array_interface__(self) -> dict:
-        h = self.host
-        return {
-            "shape": h.shape,
-            "typestr": h.dtype.str,
-            "data": (h.ctypes.data, False),
-            "strides": None,
-            "version": 3,
-        }
+        return D.cuda_array_interface(self.host)
 
 
 class OnOtherDevice:

@@ -8,8 +8,7 @@ import math
 import numpy as np
 import pytest
 
-from conftest import direct_traffic, gather_all, world
-from mpicomp.collectives import bounded
+from conftest import bounded_codes, bounded_length, direct_traffic, gather_all, world
 from mpicomp.collectives.direct import direct_allreduce_bounded
 from mpicomp.collectives.ring import ring_allreduce_bounded
 from mpicomp.collectives.traffic import Traffic
@@ -18,35 +17,16 @@ LENGTHS = [0, 1, 7, 9, 64, 1001, "N-1", "8N+1"]
 BOUNDS = [(1, np.int8), (7, np.int8), (127, np.int8), (32767, np.int16)]
 
 
-def _length(n, size):
-    return {"N-1": size - 1, "8N+1": 8 * size + 1}.get(n, n)
-
-
 # Ranks share the cores: one kernel thread each (tests/conftest.py).
 pytestmark = pytest.mark.usefixtures("one_numba_thread_per_rank")
-
-
-@pytest.fixture(params=[8, 24], ids=["align8", "align24"])
-def align(request, monkeypatch):
-    """Move the chunk edges (the direct schedule takes the ring's layout)."""
-    monkeypatch.setattr(bounded, "CHUNK_ALIGN", request.param)
-    return request.param
-
-
-def _codes(comm, n, bound, dtype, seed):
-    codes = np.random.default_rng([comm.rank, n, bound, seed]).integers(-bound, bound + 1, n)
-    if n:
-        codes[0] = bound if comm.rank % 2 else -bound  # both ends of the range
-    return codes.astype(dtype)
 
 
 @pytest.mark.mpi
 @pytest.mark.parametrize("n", LENGTHS)
 @pytest.mark.parametrize("bound,dtype", BOUNDS)
-def test_direct_sums_are_the_exact_sums_and_the_rings_packed_stream(n, bound, dtype, align):
+def test_direct_sums_are_the_exact_sums_and_the_rings_packed_stream(n, bound, dtype, chunk_align):
     comm = world()
-    n = _length(n, comm.size)
-    codes = _codes(comm, n, bound, dtype, 1)
+    codes = bounded_codes(comm, bounded_length(n, comm.size), bound, dtype, 1)
     before = codes.copy()
     total = direct_allreduce_bounded(comm, codes, bound)
     expected = gather_all(comm, codes).astype(np.int64).sum(axis=0)
@@ -62,9 +42,9 @@ def test_direct_sums_are_the_exact_sums_and_the_rings_packed_stream(n, bound, dt
 @pytest.mark.mpi
 @pytest.mark.parametrize("n", [0, 9, 1001, "N-1"])
 @pytest.mark.parametrize("bound", [1, 3, 255])
-def test_direct_unsigned_sums_are_exact(n, bound, align):
+def test_direct_unsigned_sums_are_exact(n, bound, chunk_align):
     comm = world()
-    n = _length(n, comm.size)
+    n = bounded_length(n, comm.size)
     codes = np.random.default_rng([comm.rank, n, bound]).integers(0, bound + 1, n)
     total = direct_allreduce_bounded(comm, codes.astype(np.int32), bound, signed=False)
     np.testing.assert_array_equal(total, gather_all(comm, codes).sum(axis=0))
@@ -72,9 +52,9 @@ def test_direct_unsigned_sums_are_exact(n, bound, align):
 
 @pytest.mark.mpi
 @pytest.mark.parametrize("n", [0, 1, 9, 1001, "N-1", "8N+1"])
-def test_direct_majority_is_the_papers_vote_and_the_rings_bits(n, align):
+def test_direct_majority_is_the_papers_vote_and_the_rings_bits(n, chunk_align):
     comm = world()
-    n = _length(n, comm.size)
+    n = bounded_length(n, comm.size)
     votes = np.random.default_rng([comm.rank, n, 2]).integers(0, 2, n).astype(np.uint8)
     bits = direct_allreduce_bounded(comm, votes, 1, True, signed=False)
     counts = gather_all(comm, votes).astype(np.int64).sum(axis=0)
@@ -85,11 +65,11 @@ def test_direct_majority_is_the_papers_vote_and_the_rings_bits(n, align):
 
 @pytest.mark.mpi
 @pytest.mark.parametrize("n", [9, 1001, "8N+1"])
-def test_direct_majority_calls_decide_as_the_ring_does(n, align):
+def test_direct_majority_calls_decide_as_the_ring_does(n, chunk_align):
     """A tie rule keyed by the global index (as signSGD's random ties are) gives the same
     bits: the owner sees the same counts at the same offset."""
     comm = world()
-    n = _length(n, comm.size)
+    n = bounded_length(n, comm.size)
     votes = np.random.default_rng([comm.rank, n, 3]).integers(0, 2, n).astype(np.uint8)
     calls = {"ring": [], "direct": []}
 
@@ -114,10 +94,10 @@ def test_direct_majority_calls_decide_as_the_ring_does(n, align):
     [(1, False, True), (1, False, False), (7, True, False), (32767, True, False)],
     ids=["votes", "unsigned", "bound7", "bound32767"],
 )
-def test_direct_traffic_equals_the_formula_exactly(n, bound, signed, majority, align):
+def test_direct_traffic_equals_the_formula_exactly(n, bound, signed, majority, chunk_align):
     comm = world()
     size = comm.size
-    n = _length(n, size)
+    n = bounded_length(n, size)
     lowest = -bound if signed else 0
     codes = np.random.default_rng([comm.rank, n, 4]).integers(lowest, bound + 1, n)
     traffic = Traffic()
@@ -125,7 +105,7 @@ def test_direct_traffic_equals_the_formula_exactly(n, bound, signed, majority, a
     span = 2 * bound if signed else bound
     code_width = math.ceil(math.log2(span + 1))
     sum_width = 1 if majority else math.ceil(math.log2(size * span + 1))
-    sent, recv, total = direct_traffic(n, size, comm.rank, align, code_width, sum_width)
+    sent, recv, total = direct_traffic(n, size, comm.rank, chunk_align, code_width, sum_width)
     totals = np.array([traffic.sent, traffic.recv], dtype=np.int64)
     comm.Allreduce(totals.copy(), totals)  # before any assert: a failing rank must not desync
     assert (traffic.sent, traffic.recv) == (sent, recv)

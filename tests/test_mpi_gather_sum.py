@@ -7,7 +7,7 @@ import pytest
 from test_fft import body_of, ref_decode_body
 
 import mpicomp
-from conftest import gather_all, gradient_like, world
+from conftest import gather_all, gather_payloads, gradient_like, world
 from mpicomp.codecs import _wire
 from mpicomp.kernels.cpu.rfft import BLOCKED_MIN
 
@@ -24,15 +24,7 @@ CASES = [
 
 def _payloads(comm, codec, n):
     """Every rank's payload of its own gradient, in rank order (a plain Allgatherv)."""
-    from mpi4py import MPI
-
-    mine = codec.encode(gradient_like(n, seed=500 + comm.rank))
-    sizes = np.empty(comm.size, dtype=np.int64)
-    comm.Allgather(np.array([mine.size], dtype=np.int64), sizes)
-    displs = np.concatenate([[0], np.cumsum(sizes)[:-1]])
-    buf = np.empty(int(sizes.sum()), dtype=np.uint8)
-    comm.Allgatherv(mine, [buf, sizes, displs, MPI.BYTE])
-    return [buf[d : d + s] for d, s in zip(displs, sizes, strict=True)]
+    return gather_payloads(comm, codec.encode(gradient_like(n, seed=500 + comm.rank)))
 
 
 def _mean(codec, payloads, n):

@@ -7,9 +7,8 @@ import math
 import numpy as np
 import pytest
 
-from conftest import gather_all, ring_chunks, ring_traffic, world
-from mpicomp.collectives import bounded
-from mpicomp.collectives.ring import ring_allreduce_bounded, ring_allreduce_min
+from conftest import bounded_codes, bounded_length, gather_all, ring_chunks, ring_traffic, world
+from mpicomp.collectives.ring import PackedSums, ring_allreduce_bounded, ring_allreduce_min
 from mpicomp.collectives.traffic import Traffic
 
 # Symbolic lengths depend on the world size N: "N-1" is shorter than the ring, "8N+1" leaves
@@ -18,19 +17,8 @@ LENGTHS = [0, 1, 7, 8, 9, 63, 64, 65, 1001, "N-1", "8N+1"]
 BOUNDS = [(1, np.int8), (7, np.int8), (127, np.int8), (32767, np.int16)]
 
 
-def _length(n, size):
-    return {"N-1": size - 1, "8N+1": 8 * size + 1}.get(n, n)
-
-
 # Ranks share the cores: one kernel thread each (tests/conftest.py).
 pytestmark = pytest.mark.usefixtures("one_numba_thread_per_rank")
-
-
-@pytest.fixture(params=[8, 24], ids=["align8", "align24"])
-def align(request, monkeypatch):
-    """Move the chunk edges: boundaries on multiples of 8, then of 24 elements."""
-    monkeypatch.setattr(bounded, "CHUNK_ALIGN", request.param)
-    return request.param
 
 
 def _check_sum(comm, codes, bound):
@@ -46,13 +34,9 @@ def _check_sum(comm, codes, bound):
 @pytest.mark.mpi
 @pytest.mark.parametrize("n", LENGTHS)
 @pytest.mark.parametrize("bound,dtype", BOUNDS)
-def test_bounded_sum_is_the_exact_sum_of_every_ranks_codes(n, bound, dtype, align):
+def test_bounded_sum_is_the_exact_sum_of_every_ranks_codes(n, bound, dtype, chunk_align):
     comm = world()
-    n = _length(n, comm.size)
-    codes = np.random.default_rng([comm.rank, n, bound]).integers(-bound, bound + 1, n)
-    if n:
-        codes[0] = bound if comm.rank % 2 else -bound  # reach both ends of the range
-    _check_sum(comm, codes.astype(dtype), bound)
+    _check_sum(comm, bounded_codes(comm, bounded_length(n, comm.size), bound, dtype), bound)
 
 
 @pytest.mark.mpi
@@ -61,7 +45,7 @@ def test_bounded_sum_is_the_exact_sum_of_every_ranks_codes(n, bound, dtype, alig
 @pytest.mark.parametrize("bound,dtype", BOUNDS)
 def test_bounded_sum_is_exact_with_every_code_at_the_bound(n, sign, bound, dtype):
     comm = world()
-    _check_sum(comm, np.full(_length(n, comm.size), sign * bound, dtype=dtype), bound)
+    _check_sum(comm, np.full(bounded_length(n, comm.size), sign * bound, dtype=dtype), bound)
 
 
 @pytest.mark.mpi
@@ -69,7 +53,7 @@ def test_bounded_sum_is_exact_with_every_code_at_the_bound(n, sign, bound, dtype
 @pytest.mark.parametrize("dtype", [np.int64, np.int32, np.uint16])
 def test_bounded_sum_takes_any_integer_dtype_and_strided_input(n, dtype):
     comm = world()
-    n = _length(n, comm.size)
+    n = bounded_length(n, comm.size)
     bound = 100
     rng = np.random.default_rng([comm.rank, n, 1])
     low = 0 if np.dtype(dtype).kind == "u" else -bound
@@ -82,9 +66,9 @@ def test_bounded_sum_takes_any_integer_dtype_and_strided_input(n, dtype):
 @pytest.mark.mpi
 @pytest.mark.parametrize("n", LENGTHS)
 @pytest.mark.parametrize("bound", [1, 7, 255])
-def test_unsigned_sum_is_the_exact_sum(n, bound, align):
+def test_unsigned_sum_is_the_exact_sum(n, bound, chunk_align):
     comm = world()
-    n = _length(n, comm.size)
+    n = bounded_length(n, comm.size)
     rng = np.random.default_rng([comm.rank, n, bound, 2])
     codes = rng.integers(0, bound + 1, n).astype(np.uint8)
     if n:
@@ -96,7 +80,7 @@ def test_unsigned_sum_is_the_exact_sum(n, bound, align):
         n,
         comm.size,
         comm.rank,
-        align,
+        chunk_align,
         lambda i: math.ceil(math.log2(i * bound + 1)),
         math.ceil(math.log2(comm.size * bound + 1)),
     )
@@ -126,9 +110,9 @@ def test_the_widest_bound_that_fits_32_bits_is_still_exact():
 
 @pytest.mark.mpi
 @pytest.mark.parametrize("n", LENGTHS + [10_007])
-def test_majority_is_the_papers_vote_of_every_rank(n, align):
+def test_majority_is_the_papers_vote_of_every_rank(n, chunk_align):
     comm = world()
-    n = _length(n, comm.size)
+    n = bounded_length(n, comm.size)
     votes = np.random.default_rng([comm.rank, n, 4]).integers(0, 2, n).astype(np.uint8)
     bits = ring_allreduce_bounded(comm, votes, 1, majority=True, signed=False)
     counts = gather_all(comm, votes).astype(np.int64).sum(axis=0)
@@ -140,10 +124,10 @@ def test_majority_is_the_papers_vote_of_every_rank(n, align):
 
 @pytest.mark.mpi
 @pytest.mark.parametrize("n", LENGTHS)
-def test_majority_with_a_callable_lets_the_chunk_owner_break_ties(n, align):
+def test_majority_with_a_callable_lets_the_chunk_owner_break_ties(n, chunk_align):
     comm = world()
     size = comm.size
-    n = _length(n, size)
+    n = bounded_length(n, size)
     votes = np.random.default_rng([comm.rank, n, 5]).integers(0, 2, n).astype(np.int32)
     calls = []
 
@@ -158,22 +142,22 @@ def test_majority_with_a_callable_lets_the_chunk_owner_break_ties(n, align):
     index = np.arange(n)
     expected = (2 * counts > size) | ((2 * counts == size) & (index % 3 == 0))
     np.testing.assert_array_equal(bits, np.packbits(expected, bitorder="little"))
-    lo, hi = ring_chunks(n, size, align)[comm.rank]
+    lo, hi = ring_chunks(n, size, chunk_align)[comm.rank]
     assert calls == [(lo, hi - lo, np.dtype(np.int64))]  # once, by the owner, on its chunk
 
 
 @pytest.mark.mpi
 @pytest.mark.parametrize("n", [0, 5, "N-1", 1001, 10_007])
-def test_signsgd_majority_traffic_equals_the_formula_exactly(n, align):
+def test_signsgd_majority_traffic_equals_the_formula_exactly(n, chunk_align):
     comm = world()
     size = comm.size
-    n = _length(n, size)
+    n = bounded_length(n, size)
     votes = np.random.default_rng([comm.rank, n, 6]).integers(0, 2, n).astype(np.uint8)
     traffic = Traffic()
     ring_allreduce_bounded(comm, votes, 1, majority=True, signed=False, recorder=traffic)
     # sum_{i=1}^{N-1} packed(len(chunk sent at i), ceil(log2(i+1))) + sum_j ceil(len/8)
     sent, recv, total = ring_traffic(
-        n, size, comm.rank, align, lambda i: math.ceil(math.log2(i + 1)), 1
+        n, size, comm.rank, chunk_align, lambda i: math.ceil(math.log2(i + 1)), 1
     )
     totals = np.array([traffic.sent, traffic.recv], dtype=np.int64)
     comm.Allreduce(totals.copy(), totals)  # before any assert: a failing rank must not desync
@@ -189,15 +173,17 @@ def test_signsgd_majority_traffic_equals_the_formula_exactly(n, align):
 @pytest.mark.mpi
 @pytest.mark.parametrize("n", [0, 9, "N-1", 1001])
 @pytest.mark.parametrize("bound", [7, 32767])
-def test_signed_bounded_traffic_equals_the_formula_exactly(n, bound, align):
+def test_signed_bounded_traffic_equals_the_formula_exactly(n, bound, chunk_align):
     comm = world()
     size = comm.size
-    n = _length(n, size)
+    n = bounded_length(n, size)
     codes = np.random.default_rng([comm.rank, n, 7]).integers(-bound, bound + 1, n)
     traffic = Traffic()
     ring_allreduce_bounded(comm, codes, bound, recorder=traffic)
     widths = [math.ceil(math.log2(2 * i * bound + 1)) for i in range(1, size + 1)]
-    sent, recv, total = ring_traffic(n, size, comm.rank, align, lambda i: widths[i - 1], widths[-1])
+    sent, recv, total = ring_traffic(
+        n, size, comm.rank, chunk_align, lambda i: widths[i - 1], widths[-1]
+    )
     totals = np.array([traffic.sent, traffic.recv], dtype=np.int64)
     comm.Allreduce(totals.copy(), totals)  # before any assert: a failing rank must not desync
     assert (traffic.sent, traffic.recv) == (sent, recv)
@@ -210,9 +196,9 @@ def test_signed_bounded_traffic_equals_the_formula_exactly(n, bound, align):
 @pytest.mark.parametrize(
     "width,dtype", [(1, np.uint8), (3, np.int64), (8, np.uint8), (32, np.uint32)]
 )
-def test_min_is_the_elementwise_minimum_of_every_ranks_codes(n, width, dtype, align):
+def test_min_is_the_elementwise_minimum_of_every_ranks_codes(n, width, dtype, chunk_align):
     comm = world()
-    n = _length(n, comm.size)
+    n = bounded_length(n, comm.size)
     rng = np.random.default_rng([comm.rank, n, width])
     codes = rng.integers(0, 2**width, n, dtype=np.uint64).astype(dtype)
     traffic = Traffic()
@@ -220,7 +206,7 @@ def test_min_is_the_elementwise_minimum_of_every_ranks_codes(n, width, dtype, al
     expected = gather_all(comm, codes).astype(np.int64).min(axis=0, initial=2**width)
     assert low.dtype == np.int64
     np.testing.assert_array_equal(low, expected)
-    sent, recv, _ = ring_traffic(n, comm.size, comm.rank, align, lambda i: width, width)
+    sent, recv, _ = ring_traffic(n, comm.size, comm.rank, chunk_align, lambda i: width, width)
     assert (traffic.sent, traffic.recv) == (sent, recv)
     assert {op for op, *_ in traffic.steps} <= {"ring_min.reduce_scatter", "ring_min.allgather"}
 
@@ -241,14 +227,14 @@ def _unpack_reference(data, n, width):
 def test_packed_sums_are_the_exact_sums_as_the_ring_left_them(n, bound, dtype, signed):
     """packed=True: the allgathered stream itself, at the full sum's width, shifted."""
     comm = world()
-    n = _length(n, comm.size)
+    n = bounded_length(n, comm.size)
     rng = np.random.default_rng([comm.rank, n, bound, 5])
     codes = rng.integers(-bound if signed else 0, bound + 1, n).astype(dtype)
     total = ring_allreduce_bounded(comm, codes, bound, signed=signed, packed=True)
     plain = ring_allreduce_bounded(comm, codes, bound, signed=signed)
     expected = gather_all(comm, codes).astype(np.int64).sum(axis=0)
     span = (2 if signed else 1) * bound
-    assert isinstance(total, bounded.PackedSums)
+    assert isinstance(total, PackedSums)
     assert total.n == n and total.width == math.ceil(math.log2(comm.size * span + 1))
     assert total.offset == (comm.size * bound if signed else 0)
     assert total.data.dtype == np.uint8 and total.data.size == (n * total.width + 7) // 8

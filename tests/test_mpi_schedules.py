@@ -35,13 +35,16 @@ def pairs():
     local.Free()
 
 
-def _pairs(comm):
-    """Return an emulated host communicator for a test that frees it (see ``pairs``)."""
-    return comm.Split(comm.rank // 2, comm.rank)
-
-
 def _hierarchical(comm) -> bool:
     return comm.size >= 4 and comm.size % 2 == 0
+
+
+@pytest.fixture
+def host_pairs(pairs):
+    """``pairs`` where the ranks make several hosts of two; the test skips elsewhere."""
+    if not _hierarchical(world()):
+        pytest.skip("needs an even number of ranks >= 4 (hosts of two)")
+    return pairs
 
 
 def _model(speed: Speed, codec, inter_gbit=1.0) -> Model:
@@ -96,15 +99,13 @@ def _host_sums(comm, x):
 
 @pytest.mark.mpi
 @pytest.mark.parametrize("inner", ["ring", "direct"])
-def test_hierarchical_qsgd_quantizes_each_hosts_sum_once(inner):
+def test_hierarchical_qsgd_quantizes_each_hosts_sum_once(inner, host_pairs):
     """Every element of the result is within one quantization step of the true average:
     each host's sum is quantized on the grid of the largest host-sum L2 norm (QSGD)."""
     comm = world()
-    if not _hierarchical(comm):
-        pytest.skip("needs an even number of ranks >= 4 (hosts of two)")
     x = _grad(comm)
     cc = mpicomp.CompressedComm(
-        comm, "qsgd_maxnorm", bits=8, schedule=f"hier:{inner}", local_comm=_pairs(comm)
+        comm, "qsgd_maxnorm", bits=8, schedule=f"hier:{inner}", local_comm=host_pairs
     )
     with cc:
         assert cc.topology == Topology(comm.size // 2, 2, True, comm.size)
@@ -122,17 +123,15 @@ def test_hierarchical_qsgd_quantizes_each_hosts_sum_once(inner):
 
 @pytest.mark.mpi
 @pytest.mark.parametrize("inner", ["ring", "direct"])
-def test_hierarchical_qsgd_keeps_the_norms_of_a_fused_buckets_tensors_apart(inner):
+def test_hierarchical_qsgd_keeps_the_norms_of_a_fused_buckets_tensors_apart(inner, host_pairs):
     """A bucket of a small tensor and a large one: a local rank's shard holds the end of
     the one and the start of the other, and no norm block may span both (per_tensor)."""
     comm = world()
-    if not _hierarchical(comm):
-        pytest.skip("needs an even number of ranks >= 4 (hosts of two)")
     rng = np.random.default_rng(comm.rank)
     small = (rng.standard_normal(1500) * 1e-3).astype(np.float32)  # ends mid-block of shard 0
     large = (rng.standard_normal(2501) * 1e3).astype(np.float32)
     cc = mpicomp.CompressedComm(
-        comm, "qsgd_maxnorm", bits=8, schedule=f"hier:{inner}", local_comm=_pairs(comm)
+        comm, "qsgd_maxnorm", bits=8, schedule=f"hier:{inner}", local_comm=host_pairs
     )
     with cc:
         got_small, got_large = cc.allreduce_many([small, large], ["small", "large"])
@@ -142,16 +141,14 @@ def test_hierarchical_qsgd_keeps_the_norms_of_a_fused_buckets_tensors_apart(inne
 
 
 @pytest.mark.mpi
-def test_hierarchical_ring_and_direct_give_the_same_results():
+def test_hierarchical_ring_and_direct_give_the_same_results(host_pairs):
     comm = world()
-    if not _hierarchical(comm):
-        pytest.skip("needs an even number of ranks >= 4 (hosts of two)")
     x = _grad(comm, seed=3)
     out = {}
     for inner in ("ring", "direct"):
         for codec, params in (("qsgd_maxnorm", {"bits": 4}), ("signsgd", {})):
             with mpicomp.CompressedComm(
-                comm, codec, schedule=f"hier:{inner}", local_comm=_pairs(comm), **params
+                comm, codec, schedule=f"hier:{inner}", local_comm=host_pairs, **params
             ) as cc:
                 out[inner, codec] = cc.allreduce(x, name="w")
     for codec in ("qsgd_maxnorm", "signsgd"):
@@ -159,14 +156,10 @@ def test_hierarchical_ring_and_direct_give_the_same_results():
 
 
 @pytest.mark.mpi
-def test_hierarchical_signsgd_is_the_majority_of_the_hosts_sums():
+def test_hierarchical_signsgd_is_the_majority_of_the_hosts_sums(host_pairs):
     comm = world()
-    if not _hierarchical(comm):
-        pytest.skip("needs an even number of ranks >= 4 (hosts of two)")
     x = _grad(comm, seed=5)
-    with mpicomp.CompressedComm(
-        comm, "signsgd", schedule="hier:ring", local_comm=_pairs(comm)
-    ) as cc:
+    with mpicomp.CompressedComm(comm, "signsgd", schedule="hier:ring", local_comm=host_pairs) as cc:
         y = cc.allreduce(x, name="w")
     sums = _host_sums(comm, x)
     votes = (sums >= 0).sum(axis=0)
@@ -180,16 +173,16 @@ def test_hierarchical_signsgd_is_the_majority_of_the_hosts_sums():
 @pytest.mark.mpi
 @pytest.mark.parametrize("codec,params", [("threelc", {}), ("topk", {"ratio": 0.05})])
 @pytest.mark.parametrize("inner", ["allgather", "sharded"])
-def test_hierarchical_gather_codecs_average_the_hosts_decoded_sums(codec, params, inner):
+def test_hierarchical_gather_codecs_average_the_hosts_decoded_sums(
+    codec, params, inner, host_pairs
+):
     """Without error feedback a host's sum is what its local rank compresses: the result
     is the average of the decoded host sums (the codec applied to each, here by NumPy)."""
     comm = world()
-    if not _hierarchical(comm):
-        pytest.skip("needs an even number of ranks >= 4 (hosts of two)")
     x = _grad(comm, seed=7)
     c = mpicomp.codec(codec, **params)
     with mpicomp.CompressedComm(
-        comm, c, schedule=f"hier:{inner}", local_comm=_pairs(comm), error_feedback=False
+        comm, c, schedule=f"hier:{inner}", local_comm=host_pairs, error_feedback=False
     ) as cc:
         y = cc.allreduce(x, name="w")
     every = gather_all(comm, x).reshape(comm.size // 2, 2, -1)
@@ -213,11 +206,11 @@ def test_hierarchical_gather_codecs_average_the_hosts_decoded_sums(codec, params
 
 
 @pytest.mark.mpi
-def test_hierarchical_bytes_are_the_reduce_scatter_the_ring_between_hosts_and_the_allgather():
+def test_hierarchical_bytes_are_the_reduce_scatter_the_ring_between_hosts_and_the_allgather(
+    host_pairs,
+):
     comm = world()
-    if not _hierarchical(comm):
-        pytest.skip("needs an even number of ranks >= 4 (hosts of two)")
-    cc = mpicomp.CompressedComm(comm, "signsgd", schedule="hier:ring", local_comm=_pairs(comm))
+    cc = mpicomp.CompressedComm(comm, "signsgd", schedule="hier:ring", local_comm=host_pairs)
     cc.recorder = traffic = Traffic()
     with cc:
         cc.allreduce(_grad(comm), name="w")
@@ -236,28 +229,24 @@ def test_hierarchical_bytes_are_the_reduce_scatter_the_ring_between_hosts_and_th
 
 
 @pytest.mark.mpi
-def test_hierarchical_schedules_refuse_a_topology_without_them_on_every_rank():
+def test_hierarchical_schedules_refuse_a_topology_without_them_on_every_rank(pairs):
     comm = world()
     if _hierarchical(comm):
         pytest.skip("these ranks make hosts of two")
     with pytest.raises(ValueError, match=r"schedule='hier:ring' needs several hosts"):
-        mpicomp.CompressedComm(comm, "signsgd", schedule="hier:ring", local_comm=_pairs(comm))
+        mpicomp.CompressedComm(comm, "signsgd", schedule="hier:ring", local_comm=pairs)
     # auto never picks one there.
     codec = mpicomp.codec("signsgd")
     model = _model(Speed(0.0, 0.0), codec, inter_gbit=0.01)
-    with mpicomp.CompressedComm(
-        comm, codec, schedule="auto", local_comm=_pairs(comm), model=model
-    ) as cc:
+    with mpicomp.CompressedComm(comm, codec, schedule="auto", local_comm=pairs, model=model) as cc:
         cc.allreduce(_grad(comm), name="w")
         assert not cc.schedule_for(N_ELEMS)[0].startswith("hier:")
 
 
 @pytest.mark.mpi
 @pytest.mark.parametrize("policy", ["raise", "skip_step", "zero"])
-def test_a_nan_on_one_rank_of_a_hierarchical_call_reaches_every_rank(policy):
+def test_a_nan_on_one_rank_of_a_hierarchical_call_reaches_every_rank(policy, host_pairs):
     comm = world()
-    if not _hierarchical(comm):
-        pytest.skip("needs an even number of ranks >= 4 (hosts of two)")
     x = _grad(comm)
     if comm.rank == comm.size - 1:
         x[17] = np.nan
@@ -266,7 +255,7 @@ def test_a_nan_on_one_rank_of_a_hierarchical_call_reaches_every_rank(policy):
         "qsgd_maxnorm",
         bits=8,
         schedule="hier:ring",
-        local_comm=_pairs(comm),
+        local_comm=host_pairs,
         nonfinite=policy,
     )
     with cc:
@@ -311,15 +300,13 @@ def test_the_trace_records_each_calls_schedule_and_prediction(shared_dir):
 
 @pytest.mark.mpi
 @pytest.mark.parametrize("policy", ["raise", "skip_step"])
-def test_a_hosts_sum_that_overflows_float32_raises_or_skips_on_every_rank(policy, pairs):
+def test_a_hosts_sum_that_overflows_float32_raises_or_skips_on_every_rank(policy, host_pairs):
     comm = world()
-    if not _hierarchical(comm):
-        pytest.skip("needs an even number of ranks >= 4 (hosts of two)")
     x = _grad(comm)
     if comm.rank < 2:  # both ranks of host 0: finite, but their sum is not
         x[-3:] = np.float32(3e38)
     with mpicomp.CompressedComm(
-        comm, "qsgd_maxnorm", schedule="hier:ring", local_comm=pairs, nonfinite=policy
+        comm, "qsgd_maxnorm", schedule="hier:ring", local_comm=host_pairs, nonfinite=policy
     ) as cc:
         if policy == "raise":
             with pytest.raises(RankError, match="sum over a host's ranks overflows float32"):
@@ -332,12 +319,10 @@ def test_a_hosts_sum_that_overflows_float32_raises_or_skips_on_every_rank(policy
 
 @pytest.mark.mpi
 @pytest.mark.parametrize("outcome", ["fails", "skips"])
-def test_one_local_rank_failing_between_hosts_reaches_every_rank(outcome, pairs, monkeypatch):
+def test_one_local_rank_failing_between_hosts_reaches_every_rank(outcome, host_pairs, monkeypatch):
     """Local rank 1's exchange between hosts raises (or skips) on every host; local rank
     0's succeeds: every rank must raise (or skip) alike, none wait in the allgather."""
     comm = world()
-    if not _hierarchical(comm):
-        pytest.skip("needs an even number of ranks >= 4 (hosts of two)")
     from mpicomp.reduction import integer_sum
     from mpicomp.reduction.agreement import Skipped
 
@@ -345,7 +330,7 @@ def test_one_local_rank_failing_between_hosts_reaches_every_rank(outcome, pairs,
     armed = [True]
 
     def flaky(call, codec, flat):
-        if armed[0] and pairs.rank == 1:
+        if armed[0] and host_pairs.rank == 1:
             if outcome == "fails":
                 raise MemoryError("planted: out of device memory")
             raise Skipped([], "planted skip")
@@ -353,11 +338,13 @@ def test_one_local_rank_failing_between_hosts_reaches_every_rank(outcome, pairs,
 
     monkeypatch.setitem(integer_sum.KIND.schedules, "ring", ring._replace(run=flaky))
     with mpicomp.CompressedComm(
-        comm, "qsgd_maxnorm", schedule="hier:ring", local_comm=pairs, nonfinite="skip_step"
+        comm, "qsgd_maxnorm", schedule="hier:ring", local_comm=host_pairs, nonfinite="skip_step"
     ) as cc:
         if outcome == "fails":
-            mine = MemoryError if pairs.rank == 1 else RankError
-            with pytest.raises(mine, match="planted" if pairs.rank == 1 else "this host failed"):
+            mine = MemoryError if host_pairs.rank == 1 else RankError
+            with pytest.raises(
+                mine, match="planted" if host_pairs.rank == 1 else "this host failed"
+            ):
                 cc.allreduce(_grad(comm), name="w")
         else:
             with pytest.warns(mpicomp.NonFiniteWarning):
@@ -368,19 +355,17 @@ def test_one_local_rank_failing_between_hosts_reaches_every_rank(outcome, pairs,
 
 @pytest.mark.mpi
 @pytest.mark.parametrize("inner", ["allgather", "sharded"])
-def test_hierarchical_error_feedback_keeps_a_residual_per_local_shard(inner, pairs):
+def test_hierarchical_error_feedback_keeps_a_residual_per_local_shard(inner, host_pairs):
     comm = world()
-    if not _hierarchical(comm):
-        pytest.skip("needs an even number of ranks >= 4 (hosts of two)")
     x = _grad(comm, seed=9)
     with mpicomp.CompressedComm(
-        comm, "topk", ratio=0.01, schedule=f"hier:{inner}", local_comm=pairs
+        comm, "topk", ratio=0.01, schedule=f"hier:{inner}", local_comm=host_pairs
     ) as cc:
         first = cc.allreduce(x, name="w")
         second = cc.allreduce(x, name="w")
         residuals = cc.state_dict()["residuals"]
-    a, b = shard_bounds(x.size, 2)[pairs.rank]
-    mine = f"w#shard@{pairs.rank}/2"
+    a, b = shard_bounds(x.size, 2)[host_pairs.rank]
+    mine = f"w#shard@{host_pairs.rank}/2"
     if inner == "allgather":
         assert set(residuals) == {mine} and residuals[mine].size == b - a
     else:  # pushed by sub-shard to the hosts, one residual each

@@ -51,6 +51,18 @@ def _weights(model) -> np.ndarray:
     return torch.cat([p.detach().reshape(-1) for p in model.parameters()]).numpy()
 
 
+def _sgd(params):
+    """The optimizer the training here steps with (with momentum: state a step carries)."""
+    return torch.optim.SGD(params, lr=0.1, momentum=0.9)
+
+
+def _distributed(comm, model, codec=None, **options):
+    """A DistributedOptimizer over ``_sgd`` of ``model``'s parameters."""
+    return mt.DistributedOptimizer(
+        _sgd(model.parameters()), comm, model.named_parameters(), codec, **options
+    )
+
+
 def _same_on_every_rank(comm, a: np.ndarray) -> bool:
     everyone = comm.allgather(a.tobytes())
     return all(e == everyone[0] for e in everyone)
@@ -59,14 +71,8 @@ def _same_on_every_rank(comm, a: np.ndarray) -> bool:
 def test_uncompressed_training_matches_one_process_on_the_whole_batch():
     comm = world()
     model, ref = _model(), _model()
-    opt = mt.DistributedOptimizer(
-        torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
-        comm,
-        model.named_parameters(),
-        min_numel=16,
-        bucket_numel=100,
-    )
-    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
+    opt = _distributed(comm, model, min_numel=16, bucket_numel=100)
+    ref_opt = _sgd(ref.parameters())
     for step in range(4):
         batches = _batches(step, comm.size)
         opt.zero_grad()
@@ -93,16 +99,8 @@ def test_compressed_steps_equal_the_same_buckets_through_compressedcomm(codec, p
     bucket order."""
     comm = world()
     model, ref = _model(), _model()
-    opt = mt.DistributedOptimizer(
-        torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
-        comm,
-        model.named_parameters(),
-        codec,
-        min_numel=64,
-        bucket_numel=200,
-        **params,
-    )
-    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
+    opt = _distributed(comm, model, codec, min_numel=64, bucket_numel=200, **params)
+    ref_opt = _sgd(ref.parameters())
     cc = mpicomp.CompressedComm(comm, codec, min_numel=64, **params)
     named = dict(ref.named_parameters())
     for step in range(3):
@@ -168,14 +166,8 @@ def test_parameters_used_on_some_ranks_only_get_the_same_average_everywhere():
 def test_a_nan_on_one_rank_skips_the_step_on_every_rank():
     comm = world()
     model = _model()
-    opt = mt.DistributedOptimizer(
-        torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
-        comm,
-        model.named_parameters(),
-        "qsgd_maxnorm",
-        nonfinite="skip_step",
-        min_numel=16,
-        bucket_numel=100,
+    opt = _distributed(
+        comm, model, "qsgd_maxnorm", nonfinite="skip_step", min_numel=16, bucket_numel=100
     )
     before = _weights(model).copy()
     opt.zero_grad()
@@ -203,15 +195,7 @@ def test_a_nan_on_one_rank_raises_on_every_rank_and_the_next_step_trains():
     comm = world()
     odd = comm.rank == comm.size - 1
     model = _model()
-    opt = mt.DistributedOptimizer(
-        torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
-        comm,
-        model.named_parameters(),
-        "topk",
-        ratio=0.1,
-        min_numel=16,
-        bucket_numel=100,
-    )
+    opt = _distributed(comm, model, "topk", ratio=0.1, min_numel=16, bucket_numel=100)
     for step in range(2):
         opt.zero_grad()
         _loss(model, _batches(step, comm.size)[comm.rank]).backward()
@@ -290,7 +274,7 @@ def test_broadcast_parameters_with_other_shapes_raises_on_every_rank():
 def test_broadcast_optimizer_state_gives_every_rank_roots_momentum():
     comm = world()
     model = _model()
-    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    opt = _sgd(model.parameters())
     if comm.rank == 0:  # only the root has stepped: the others have no state yet
         _loss(model, _batches(0, 1)[0]).backward()
         opt.step()
@@ -327,7 +311,7 @@ def _ddp_train(model, hook_state, steps, hook=mt.comm_hook):
     ddp = DDP(model, bucket_cap_mb=0.001)  # several small buckets
     if hook_state is not None:
         ddp.register_comm_hook(hook_state, hook)
-    opt = torch.optim.SGD(ddp.parameters(), lr=0.1, momentum=0.9)
+    opt = _sgd(ddp.parameters())
     for step in range(steps):
         opt.zero_grad()
         _loss(ddp, _batches(step, comm.size)[comm.rank]).backward()
@@ -399,7 +383,7 @@ def test_a_nan_under_the_ddp_hook_raises_mpicomps_error_on_every_rank(gloo, ddp_
     state = mt.HookState(comm, "topk", ratio=0.1, min_numel=16)
     last = {}
     ddp.register_comm_hook(state, _sizing(last))
-    opt = torch.optim.SGD(ddp.parameters(), lr=0.1, momentum=0.9)
+    opt = _sgd(ddp.parameters())
 
     def backward(step, nan=False):
         opt.zero_grad()

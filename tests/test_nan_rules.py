@@ -13,7 +13,6 @@ from contextlib import contextmanager
 import numba
 import numpy as np
 import pytest
-from _devices import device, params
 
 from mpicomp.kernels import fastsgd as kfastsgd
 from mpicomp.kernels import fft as kfft
@@ -36,11 +35,6 @@ SIGN = np.uint32(0x80000000)
 A5 = [0x7E01, 0x3C00, 0xFE05, 0x7D01, 0xFC00]
 B5 = [0x7E02, 0x7E03, 0x7E04, 0xFE06, 0x7C00]
 SUM5 = [0x7E01, 0x7E03, 0xFE05, 0x7F01, 0xFE00]
-
-
-@pytest.fixture(scope="module", params=params())
-def dev(request):
-    return device(request.param)
 
 
 def thread_counts():

@@ -22,12 +22,11 @@ import json
 import os
 import re
 import shutil
-import signal
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from _session import run_in_session
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPTS = ROOT / "jobs" / "slurm"
@@ -93,26 +92,6 @@ def batch_env(script, submit_dir):
     return env, ntasks
 
 
-def run(cmd, env, cwd, timeout=120):
-    """Run ``cmd`` in a session of its own; return (exit code, stdout, stderr)."""
-    proc = subprocess.Popen(
-        cmd,
-        env=env,
-        cwd=cwd,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        start_new_session=True,
-    )
-    try:
-        out, err = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, err = proc.communicate()
-        pytest.fail(f"{cmd} still running after {timeout} s\n{out[-2000:]}\n{err[-4000:]}")
-    return proc.returncode, out, err
-
-
 @pytest.fixture
 def launcher():
     if shutil.which("bash") is None:
@@ -130,7 +109,7 @@ def test_sbatch_script_runs_as_written(launcher, tmp_path, name):
     script = SCRIPTS / name
     env, ntasks = batch_env(script, tmp_path)
     env.update(EXTRA_ENV.get(name, {}))
-    rc, out, err = run(["bash", str(script), *ARGS[name]], env, cwd=ROOT)
+    rc, out, err = run_in_session(["bash", str(script), *ARGS[name]], env, cwd=ROOT)
     assert rc == 0, f"{name} exited {rc}\n--- stdout\n{out[-3000:]}\n--- stderr\n{err[-5000:]}"
     # `srun --nodes=1 --ntasks=1 python -m mpicomp info`: one task, into the log.
     assert re.search(r"^MPI world size:\s+1$", out, re.M), out[-3000:]
@@ -157,12 +136,12 @@ def test_stub_sets_the_task_variables_per_rank(launcher, tmp_path):
         "v = [os.environ[k] for k in ('SLURM_PROCID', 'SLURM_LOCALID', 'SLURM_NTASKS')]; "
         "os.write(1, ' '.join(map(str, [c.rank, c.size, *v])).encode() + b'\\n')"
     )
-    rc, out, err = run(
+    rc, out, err = run_in_session(
         ["srun", "--cpu-bind=cores", "--mpi", "pmi2", "python", "-c", probe], env, tmp_path
     )
     assert rc == 0, err
     assert sorted(out.split("\n")[:-1]) == [f"{r} 2 {r} {r} 2" for r in range(2)], out
-    rc, out, err = run(["srun", "-n", "1", "python", "-c", probe], env, tmp_path)
+    rc, out, err = run_in_session(["srun", "-n", "1", "python", "-c", probe], env, tmp_path)
     assert (rc, out) == (0, "0 1 0 0 1\n"), err
 
 
@@ -177,12 +156,12 @@ def test_stub_sets_the_task_variables_per_rank(launcher, tmp_path):
 )
 def test_stub_refuses_what_it_does_not_understand(launcher, tmp_path, argv, message):
     env, _ = batch_env(SCRIPTS / "train.sbatch", tmp_path)
-    rc, out, err = run([str(STUB / "srun"), *argv], env, tmp_path, timeout=30)
+    rc, out, err = run_in_session([str(STUB / "srun"), *argv], env, tmp_path, timeout=30)
     assert rc == 2 and message in err, (rc, out, err)
 
 
 def test_stub_needs_a_task_count(launcher, tmp_path):
     env, _ = batch_env(SCRIPTS / "train.sbatch", tmp_path)
     del env["SLURM_NTASKS"]
-    rc, out, err = run([str(STUB / "srun"), "true"], env, tmp_path, timeout=30)
+    rc, out, err = run_in_session([str(STUB / "srun"), "true"], env, tmp_path, timeout=30)
     assert rc == 2 and "no task count" in err, (rc, out, err)

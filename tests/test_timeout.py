@@ -3,13 +3,12 @@ as subprocesses under mpiexec (the wait loop itself: tests/test_wait.py)."""
 
 import os
 import re
-import signal
-import subprocess
 import sys
 import textwrap
 from pathlib import Path
 
 import pytest
+from _session import run_in_session
 
 MPIEXEC = Path(sys.executable).parent / "mpiexec"
 ABORT_CODE = 14  # the exit code of a job a timeout aborted (docs/reliability.md)
@@ -114,24 +113,8 @@ def run_job(tmp_path, mode, timeout_env, *extra):
         # cold cache for seconds would trip the 2 s timeouts under test.
         env["NUMBA_CACHE_DIR"] = numba.config.CACHE_DIR
     cmd = [str(MPIEXEC), "-n", "2", sys.executable, "-m", "mpi4py", str(script), mode, *extra]
-    # A session of its own, so a hung job is killed with every rank it started.
-    proc = subprocess.Popen(
-        cmd,
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        start_new_session=True,
-    )
-    try:
-        out, err = proc.communicate(timeout=60)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.communicate()
-        pytest.fail(
-            f"the {mode!r} job hung: still running after 60 s with MPICOMP_TIMEOUT={timeout_env}"
-        )
-    return proc.returncode, out, err
+    what = f"the {mode!r} job (MPICOMP_TIMEOUT={timeout_env})"
+    return run_in_session(cmd, env, timeout=60, what=what)
 
 
 def test_every_rank_calling_completes_with_correct_results(tmp_path):

@@ -33,6 +33,7 @@ import subprocess
 import sys
 import time
 
+from jobs._report import print_table
 from jobs.netem import namespace
 from jobs.netem.namespace import Hosts, Namespace, NeedsRoot
 from mpicomp.tools.advise import parse_rate
@@ -262,22 +263,23 @@ def report(result: dict, out=sys.stdout) -> None:
     head += (
         f"{'sent MB/rank':>13}{'tc/trace':>9}{'expect':>8}{'overhead s':>11}{'b-even Gbit/s':>14}"
     )
-    print(head, file=out)
-    print("-" * len(head), file=out)
     at_target = result["rate"] != UNSHAPED and result["rate_bps"] == TARGET_RATE
-    for r, c in zip(result["rows"], result["checks"], strict=True):
+
+    def line(r: dict, c: dict) -> str:
         target = TARGETS.get((r["codec"], label(r["params"]))) if at_target else None
         verdict = "" if target is None else ("met" if r["speedup"] >= target else "MISS")
         ratio = "-" if c["device_over_traced"] is None else f"{c['device_over_traced']:.3f}"
         even = "-" if r["break_even_gbit"] is None else f"{r['break_even_gbit']:.2f}"
-        print(
+        return (
             f"{r['codec']:<27}{label(r['params']):<14}{schedule_label(r):<22}"
             f"{r['time_s']:>8.2f}{_seconds(r.get('predicted_s')):>8}{r['speedup']:>9.2f}"
             f"{'' if target is None else f'{target:.0f}x':>8}  {verdict:<5}"
             f"{r['bytes_sent'] / 1e6:>13.2f}{ratio:>9}{c['expected']:>8.3f}"
-            f"{r['overhead_s']:>11.3f}{even:>14}",
-            file=out,
+            f"{r['overhead_s']:>11.3f}{even:>14}"
         )
+
+    lines = (line(r, c) for r, c in zip(result["rows"], result["checks"], strict=True))
+    print_table(head, lines, out)
     format_verdicts(chooser_verdicts(result["rows"]), out)
     unchecked = {c["not_checked"] for c in result["checks"] if c.get("not_checked")}
     for why in unchecked:
@@ -423,16 +425,16 @@ def report_train(result: dict, out=sys.stdout) -> None:
     """Print the training job's figures at one rate."""
     print(f"\n{result['rate']}: jobs.train, {result['meta']['steps']} steps", file=out)
     head = f"{'run':<36}{'test acc':>9}{'ms/step':>9}{'comm ms':>9}{'x float32':>10}"
-    print(head, file=out)
-    print("-" * len(head), file=out)
     base = next((r for r in result["runs"] if r["codec"] == "none"), None)
-    for r in result["runs"]:
+
+    def line(r: dict) -> str:
         speed = base["ms_step"] / r["ms_step"] if base else float("nan")
-        print(
+        return (
             f"{r['label']:<36}{100 * r['test_accuracy']:>8.1f}%{r['ms_step']:>9.1f}"
-            f"{r['ms_comm']:>9.1f}{speed:>10.2f}",
-            file=out,
+            f"{r['ms_comm']:>9.1f}{speed:>10.2f}"
         )
+
+    print_table(head, map(line, result["runs"]), out)
     print(
         f"tc counted {result['device_bytes'] / 1e6:,.1f} MB over the run, the traces say "
         f"{result['expected_bytes'] / 1e6:,.1f} MB"
@@ -458,14 +460,12 @@ def report_schemes(rows: list[dict], rate: str, out=sys.stdout) -> None:
         file=out,
     )
     head = f"{'scheme':<20}{'N':>3}{'recv B/rank':>14}{'bit/elem':>9}{'= formula':>10}{'s':>8}"
-    print(head, file=out)
-    print("-" * len(head), file=out)
-    for r in rows:
-        print(
-            f"{r['scheme']:<20}{r['ranks']:>3}{r['bytes_recv_per_rank']:>14,}"
-            f"{r['recv_bits_per_element']:>9.2f}{str(r['bytes_match']):>10}{r['seconds']:>8.2f}",
-            file=out,
-        )
+    lines = (
+        f"{r['scheme']:<20}{r['ranks']:>3}{r['bytes_recv_per_rank']:>14,}"
+        f"{r['recv_bits_per_element']:>9.2f}{str(r['bytes_match']):>10}{r['seconds']:>8.2f}"
+        for r in rows
+    )
+    print_table(head, lines, out)
 
 
 def overlap(runner: Runner, args) -> list[dict]:
@@ -487,14 +487,12 @@ def report_overlap(rows: list[dict], rate: str, out=sys.stdout) -> None:
     )
     head = f"{'codec':<16}{'params':<10}{'sequential s':>13}{'overlapped s':>13}{'saving':>8}"
     head += f"{'bound':>7}"
-    print(head, file=out)
-    print("-" * len(head), file=out)
-    for r in rows:
-        print(
-            f"{r['codec']:<16}{r['params']:<10}{r['t_sequential']:>13.2f}{r['t_overlapped']:>13.2f}"
-            f"{100 * r['saving']:>7.1f}%{100 * r['bound_saving']:>6.1f}%",
-            file=out,
-        )
+    lines = (
+        f"{r['codec']:<16}{r['params']:<10}{r['t_sequential']:>13.2f}{r['t_overlapped']:>13.2f}"
+        f"{100 * r['saving']:>7.1f}%{100 * r['bound_saving']:>6.1f}%"
+        for r in rows
+    )
+    print_table(head, lines, out)
 
 
 def overlap_torch(runner: Runner, rate: str, args) -> dict:

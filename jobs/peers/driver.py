@@ -47,6 +47,7 @@ import time
 from dataclasses import asdict, dataclass, replace
 
 from jobs._compare import parse_runs
+from jobs._report import print_table
 from jobs.netem import namespace
 from jobs.netem.job import host_launch, mpi_env, mpi_vendor, mpiexec, uncounted
 from jobs.peers import models
@@ -386,19 +387,19 @@ def table(rows: list[dict], args, out=sys.stdout) -> None:
         f"{'configuration':<40}{'ms/step':>9}{'x DDP':>7}{'MB/step':>9}"
         f"{f'acc@{mid}':>9}{f'acc@{args.steps}':>9}  {goal}"
     )
-    print(head, "-" * len(head), sep="\n", file=out)  # the header and its rule
-    for r in rows:
+
+    def line(r: dict) -> str:
         if r["status"] not in ("ok",) and not r["status"].startswith("diverged"):
-            print(f"{r['config']:<40}{r['status']}", file=out)
-            continue
+            return f"{r['config']:<40}{r['status']}"
         ms = r["ms_step"]
         speed = f"{ref['ms_step'] / ms:.2f}" if ref and ms else "-"
         reach = _reach(r, target, args.steps)
-        print(
+        return (
             f"{r['config']:<40}{ms:>9.1f}{speed:>7}{_fmt_bytes(r):>9}"
-            f"{_acc_at(r, mid):>9}{_acc_at(r, args.steps):>9}  {reach}",
-            file=out,
+            f"{_acc_at(r, mid):>9}{_acc_at(r, args.steps):>9}  {reach}"
         )
+
+    print_table(head, map(line, rows), out)
     print(
         "MB/step: "
         + (

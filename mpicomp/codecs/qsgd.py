@@ -308,27 +308,30 @@ class _MaxNorm(Codec):
         _check(err, a.values, norm)
         return out
 
-    def _values(self, codes, norm, nranks, numel, shapes, step=0):
-        """Return the float32 ((codes * norm) / s) / nranks, norm each code's block's."""
+    def _dequantize(self, launcher, sums, n, norm, nranks, numel, shapes, step, scaled=False):
+        """Return the n float32 ((sum * norm) / s) / nranks, norm each sum's block's, s the
+        levels (``scaled``: the level of each sum's scale index), by the qsgd launcher of
+        that name given the arguments ``sums`` before the norms (the first: where they are)."""
         nranks, limit = self._limit(nranks)
-        k = backend_of(codes, self.kernels)
+        k = backend_of(sums[0], self.kernels)
         norms, b = self._against(k, norm, numel, shapes, step)
-        out = k.xp.empty(codes.size, dtype=np.float32)
-        err = k.qsgd.dequantize(codes, norms, b.starts, b.regular, self.levels, nranks, limit, out)
+        out = k.xp.empty(n, dtype=np.float32)
+        levels = self._scales_on(k) if scaled else self.levels
+        args = (norms, b.starts, b.regular, levels, nranks, limit, out)
+        err = getattr(k.qsgd, launcher)(*sums, *args)
         _check(err, lambda: out, norm)
         return out
+
+    def _values(self, codes, norm, nranks, numel, shapes, step=0):
+        """Return the float32 ((codes * norm) / s) / nranks, norm each code's block's."""
+        args = (norm, nranks, numel, shapes, step)
+        return self._dequantize("dequantize", (codes,), codes.size, *args)
 
     def _values_packed(self, data, n, width, offset, norm, nranks, numel, shapes, step=0):
         """As ``_values`` for the n code sums bit-packed in ``data``."""
         data, n, width, offset = _packed_sums(data, n, width, offset)
-        nranks, limit = self._limit(nranks)
-        k = backend_of(data, self.kernels)
-        norms, b = self._against(k, norm, numel, shapes, step)
-        out = k.xp.empty(n, dtype=np.float32)
-        args = (norms, b.starts, b.regular, self.levels, nranks, limit, out)
-        err = k.qsgd.dequantize_packed(data, width, offset, *args)
-        _check(err, lambda: out, norm)
-        return out
+        args = (norm, nranks, numel, shapes, step)
+        return self._dequantize("dequantize_packed", (data, width, offset), n, *args)
 
 
 class _Dense:
@@ -418,28 +421,17 @@ class _Multiscale:
         n = self._coded(numel)
         codes = _int_array(code_sum, "code_sum", n, signed=True)
         sidx = _int_array(scale_index, "scale_index", n, signed=False)
-        nranks, limit = self._limit(nranks)
-        k = backend_of(codes, self.kernels)
-        norms, b = self._against(k, norm, numel, shapes, step)
-        out = k.xp.empty(n, dtype=np.float32)
-        args = (norms, b.starts, b.regular, self._scales_on(k), nranks, limit, out)
-        err = k.qsgd.multiscale_dequantize(codes, sidx, *args)
-        _check(err, lambda: out, norm)
-        return out
+        args = (norm, nranks, numel, shapes, step)
+        return self._dequantize("multiscale_dequantize", (codes, sidx), n, *args, scaled=True)
 
     def _ms_values_packed(
         self, data, n, width, offset, norm, scale_index, nranks, numel, shapes, step=0
     ):
         data, n, width, offset = _packed_sums(data, n, width, offset)
         sidx = _int_array(scale_index, "scale_index", n, signed=False)
-        nranks, limit = self._limit(nranks)
-        k = backend_of(data, self.kernels)
-        norms, b = self._against(k, norm, numel, shapes, step)
-        out = k.xp.empty(n, dtype=np.float32)
-        args = (norms, b.starts, b.regular, self._scales_on(k), nranks, limit, out)
-        err = k.qsgd.multiscale_dequantize_packed(data, width, offset, sidx, *args)
-        _check(err, lambda: out, norm)
-        return out
+        sums = (data, width, offset, sidx)
+        args = (norm, nranks, numel, shapes, step)
+        return self._dequantize("multiscale_dequantize_packed", sums, n, *args, scaled=True)
 
 
 class _GlobalRandK:

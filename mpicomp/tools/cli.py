@@ -13,6 +13,7 @@ from mpicomp._version import __version__
 from mpicomp.codecs import available as available_codecs
 from mpicomp.collectives import plain
 from mpicomp.tools import bench, diagnostics
+from mpicomp.tools.bench.workload import parse_counts
 from mpicomp.tools.diagnostics import info
 from mpicomp.tools.table import WIDTH, plural
 
@@ -346,7 +347,7 @@ def _positive_count(text: str) -> int:
 
 def _count_list(text: str) -> list[int]:
     try:
-        counts = [bench.parse_count(t) for t in text.split(",") if t.strip()]
+        counts = parse_counts(text)
     except ValueError as e:
         raise argparse.ArgumentTypeError(str(e)) from None
     if not counts or min(counts) < 1:
@@ -576,10 +577,26 @@ def _save_model(model, path: str) -> int:
 
 
 def _cmd_advise(args, parser) -> int:
+    table = (
+        _advise_schedules if args.sizes is not None or args.model is not None else _advise_codecs
+    )
+    try:
+        rows, print_table = table(args, parser)
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        print(f"mpicomp advise: error: {'' if args.model else _where(args)}{e}", file=sys.stderr)
+        return 2
+    if args.json:
+        bench.print_json(rows)
+    else:
+        print_table(sys.stdout)
+    return 0
+
+
+def _advise_codecs(args, parser):
+    """``mpicomp advise BANDWIDTH``: which codecs pay on the link; return the rows and
+    what prints them as a table."""
     from mpicomp.tools import advise
 
-    if args.sizes is not None or args.model is not None:
-        return _advise_schedules(args, parser)
     for flag, value in (
         ("--hosts", args.hosts),
         ("--ranks-per-host", args.ranks_per_host),
@@ -592,20 +609,13 @@ def _cmd_advise(args, parser) -> int:
     ranks = 4 if args.ranks is None else args.ranks
     if ranks < 2:
         parser.error("--ranks must be >= 2")
-    try:
-        result = advise.advise(_bench_rows(args), link, ranks)
-    except (OSError, ValueError, KeyError, TypeError) as e:
-        print(f"mpicomp advise: error: {_where(args)}{e}", file=sys.stderr)
-        return 2
-    if args.json:
-        bench.print_json(result)
-    else:
-        advise.format_table(result, link, ranks, sys.stdout)
-    return 0
+    result = advise.advise(_bench_rows(args), link, ranks)
+    return result, lambda out: advise.format_table(result, link, ranks, out)
 
 
-def _advise_schedules(args, parser) -> int:
-    """``mpicomp advise --sizes/--model``: the schedule table."""
+def _advise_schedules(args, parser):
+    """``mpicomp advise --sizes/--model``: the schedule table; return its rows and what
+    prints them."""
     from mpicomp.model.measured import Model
     from mpicomp.tools import advise
 
@@ -623,31 +633,19 @@ def _advise_schedules(args, parser) -> int:
         ]
         if given:
             parser.error(f"--model brings the networks and speeds; leave out {', '.join(given)}")
+        model = Model.load(args.model)  # its errors name the file
     else:
         link = _advise_link(args, parser)
-    try:
-        if args.model is not None:
-            model = Model.load(args.model)  # its errors name the file
-        else:
-            alpha = 50e-6 if args.alpha is None else args.alpha
-            intra = 100 * 10**9 if args.intra is None else args.intra
-            where = args.bench or "kernels measured now"
-            model = advise.rate_model(link, intra, alpha, _bench_rows(args), where)
-        codecs = advise.codecs_of(model.speeds)
-        codecs = [c for c in codecs if args.codecs is None or c.name in args.codecs]
-        if not codecs:
-            raise ValueError(
-                "no codec has kernel figures (encode and decode speeds) to predict with"
-            )
-        rows = advise.schedule_table(model, topology, codecs, args.sizes or advise.DEFAULT_SIZES)
-    except (OSError, ValueError, KeyError, TypeError) as e:
-        print(f"mpicomp advise: error: {'' if args.model else _where(args)}{e}", file=sys.stderr)
-        return 2
-    if args.json:
-        bench.print_json(rows)
-    else:
-        advise.format_schedule_table(rows, model, topology, sys.stdout)
-    return 0
+        alpha = 50e-6 if args.alpha is None else args.alpha
+        intra = 100 * 10**9 if args.intra is None else args.intra
+        where = args.bench or "kernels measured now"
+        model = advise.rate_model(link, intra, alpha, _bench_rows(args), where)
+    codecs = advise.codecs_of(model.speeds)
+    codecs = [c for c in codecs if args.codecs is None or c.name in args.codecs]
+    if not codecs:
+        raise ValueError("no codec has kernel figures (encode and decode speeds) to predict with")
+    rows = advise.schedule_table(model, topology, codecs, args.sizes or advise.DEFAULT_SIZES)
+    return rows, lambda out: advise.format_schedule_table(rows, model, topology, out)
 
 
 def _advise_link(args, parser) -> int:

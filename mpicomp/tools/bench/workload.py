@@ -114,6 +114,15 @@ def parse_count(text: str) -> int:
     return int(value)
 
 
+def parse_counts(text: str) -> list[int]:
+    """Return the counts of a comma list (``1M,25.6M``), empty entries dropped.
+
+    Raises:
+        ValueError: an entry is not a count (:func:`parse_count`).
+    """
+    return [parse_count(t) for t in text.split(",") if t.strip()]
+
+
 def format_count(n: int) -> str:
     """Return ``n`` as the command line spells it: ``4K``, ``25.6M`` (:func:`parse_count`
     reads it back) where three digits say it exactly, else ``2,048``."""
