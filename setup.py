@@ -4,7 +4,7 @@ as mpicomp.kernels and mpicomp.collectives."""
 import re
 from pathlib import Path
 
-from setuptools import setup
+from setuptools import find_packages, setup
 
 version = re.search(
     r'^__version__ = "([^"]+)"', Path("mpicomp/_version.py").read_text(), re.M
@@ -25,11 +25,10 @@ setup(
     license="BSD-3-Clause",
     license_files=["LICENSE"],
     python_requires=">=3.10",
+    # Every package under mpicomp/ (found, so a new folder is never left out of a wheel),
+    # and the two that live beside it.
     packages=[
-        "mpicomp",
-        "mpicomp.tools.bench",
-        "mpicomp.codecs",
-        "mpicomp.reduction",
+        *find_packages(include=["mpicomp", "mpicomp.*"]),
         "mpicomp.kernels",
         "mpicomp.kernels.cpu",
         "mpicomp.kernels.cuda",

@@ -49,8 +49,12 @@ _FIRST_SLEEP = 1e-5  # seconds: a message that is almost there costs one short n
 _LAST_SLEEP = 1e-3  # the backoff ceiling: how late an idle rank notices completion
 
 
-def resolve_timeout(timeout=None) -> float | None:
-    """Return the timeout in seconds from ``timeout`` or ``MPICOMP_TIMEOUT``; None when off.
+def resolve_timeout(timeout=None) -> float:
+    """Return the timeout in seconds from ``timeout`` or ``MPICOMP_TIMEOUT``; 0.0 when off.
+
+    A resolved value resolves to itself (0.0 stays off), so it can be handed on to any
+    function that resolves again without ``MPICOMP_TIMEOUT`` being read a second time:
+    ranks must all wait blocking or all nonblocking, whatever their environments say.
 
     Raises:
         TypeError: ``timeout`` is neither None nor a real number.
@@ -59,7 +63,7 @@ def resolve_timeout(timeout=None) -> float | None:
     if timeout is None:
         raw = os.environ.get(ENV)
         if not raw:
-            return None
+            return 0.0
         try:
             value = float(raw)
         except ValueError:
@@ -74,7 +78,15 @@ def resolve_timeout(timeout=None) -> float | None:
         what = f"timeout={timeout!r}"
     if math.isnan(value) or value < 0:
         raise ValueError(f"{what} must be >= 0 seconds (0: off)")
-    return value or None
+    return value
+
+
+def no_expiry(timeout=None) -> float:
+    """Return the timeout of a wait that also covers another rank's local work (rank 0
+    writing a file, every rank compiling and timing a codec): with a timeout set it is
+    nonblocking like every other call (ranks must all wait alike) but never expires;
+    without, 0.0 (blocking)."""
+    return math.inf if resolve_timeout(timeout) else 0.0
 
 
 def poll(requests, timeout: float, testall: Callable, clock=time.monotonic, sleep=time.sleep):
@@ -137,12 +149,12 @@ def issue(
         blocking, nonblocking: an MPI collective and its nonblocking twin, the functions
             of ``mpi4py.MPI.Comm`` (e.g. ``MPI.Comm.Allreduce, MPI.Comm.Iallreduce``).
         *args, **kwargs: the call's arguments.
-        timeout: seconds (already resolved), or None for the blocking call.
+        timeout: seconds (already resolved), or 0/None for the blocking call.
         name, detail: the collective and what it waits for, reported on timeout
             (``wait_all``'s ``op`` and ``detail``).
     """
     ready(*args)
-    if timeout is None:
+    if not timeout:
         blocking(comm, *args, **kwargs)
         return
     wait_all(comm, [nonblocking(comm, *args, **kwargs)], timeout, name, detail)
@@ -174,7 +186,7 @@ def send_receive(
 def dup(comm, *, timeout: float | None, name: str):
     """Return a duplicate of ``comm`` (collective): ``Dup``, or with a timeout ``Idup``
     waited on by ``wait_all``."""
-    if timeout is None:
+    if not timeout:
         return comm.Dup()
     new, request = comm.Idup()
     wait_all(comm, [request], timeout, name, f"duplicating a communicator of {comm.size} ranks")
@@ -197,7 +209,7 @@ def split_type(comm, kind: int, key: int, *, timeout: float | None, name: str):
 
 def _arrived(comm, timeout: float | None, name: str, before: str) -> None:
     """With a timeout: an Ibarrier waited on under it (every rank has come); else nothing."""
-    if timeout is not None:
+    if timeout:
         detail = f"every rank, before {before} (an Ibarrier of {comm.size} ranks)"
         wait_all(comm, [comm.Ibarrier()], timeout, name, detail)
 
@@ -222,7 +234,7 @@ class Exchange:
     def __call__(self, sendbuf, dest: int, recvbuf, source: int, phase: str, step: int) -> None:
         comm, tag = self.comm, self.tag
         ready(sendbuf)  # a kernel may still be writing a device buffer
-        if self.timeout is None:
+        if not self.timeout:
             comm.Sendrecv(sendbuf, dest, tag, recvbuf, source, tag)
             return
         requests = [comm.Irecv(recvbuf, source, tag), comm.Isend(sendbuf, dest, tag)]
@@ -251,7 +263,7 @@ def wait_all(comm, requests, timeout: float | None, op: str, detail) -> None:
     """
     from mpi4py import MPI
 
-    if timeout is None:
+    if not timeout:
         MPI.Request.Waitall(requests)
         return
     done, elapsed = poll(requests, timeout, MPI.Request.Testall)

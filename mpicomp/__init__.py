@@ -4,11 +4,15 @@
 lists their names.
 """
 
-from mpicomp import _log  # noqa: F401  (the rank filter, on the loggers before any record)
+from mpicomp import (
+    _log,  # noqa: F401  (the rank filter, on the loggers before any record)
+    _moved,
+)
 from mpicomp._version import __version__
 from mpicomp.kernels import numba_cache
 
 numba_cache.configure()  # before the codecs define their numba kernels
+_moved.install()  # the flat layout's module paths, with a DeprecationWarning
 
 from mpicomp import codecs  # noqa: E402
 from mpicomp.codecs import codec  # noqa: E402

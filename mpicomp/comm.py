@@ -727,7 +727,8 @@ class CompressedComm:
             self._closed = True
 
 
-CompressedComm.__doc__ = CompressedComm.__doc__.replace("{options}", options.docstring_args())
+if CompressedComm.__doc__:  # None under python -OO
+    CompressedComm.__doc__ = CompressedComm.__doc__.replace("{options}", options.docstring_args())
 CompressedComm.__init__.__signature__ = options.signature()
 
 

@@ -255,7 +255,7 @@ def test_training_loads_no_tool(tmp_path):
 # those below, never one above, not even inside a function. The package ``mpicomp``
 # itself (its __init__ makes the codecs and CompressedComm reachable) stands apart.
 LAYERS = (
-    ("mpicomp.errors", "mpicomp._version", "mpicomp.env", "mpicomp._log"),
+    ("mpicomp.errors", "mpicomp._version", "mpicomp.env", "mpicomp._log", "mpicomp._moved"),
     ("mpicomp.kernels",),
     ("mpicomp.collectives",),
     ("mpicomp.codecs",),

@@ -74,7 +74,7 @@ def test_poll_tests_once_more_after_the_last_sleep():
 
 @pytest.mark.parametrize(
     "env, arg, want",
-    [(None, None, None), ("", None, None), ("0", None, None), ("2.5", None, 2.5), ("7", 1, 1.0)],
+    [(None, None, 0.0), ("", None, 0.0), ("0", None, 0.0), ("2.5", None, 2.5), ("7", 1, 1.0)],
 )
 def test_resolve_timeout(monkeypatch, env, arg, want):
     if env is None:
@@ -86,7 +86,8 @@ def test_resolve_timeout(monkeypatch, env, arg, want):
 
 def test_resolve_timeout_explicit_zero_turns_the_environment_off(monkeypatch):
     monkeypatch.setenv(_wait.ENV, "5")
-    assert _wait.resolve_timeout(0) is None
+    assert _wait.resolve_timeout(0) == 0.0
+    assert _wait.resolve_timeout(_wait.resolve_timeout(0)) == 0.0  # resolves to itself
     assert _wait.resolve_timeout(np.float32(0.5)) == 0.5
 
 

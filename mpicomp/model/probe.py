@@ -27,7 +27,7 @@ from collections.abc import Callable
 import numpy as np
 
 from mpicomp.collectives import plain
-from mpicomp.collectives._wait import Exchange, resolve_timeout, split, split_type
+from mpicomp.collectives._wait import Exchange, no_expiry, resolve_timeout, split, split_type
 from mpicomp.kernels import backend_of
 from mpicomp.kernels.bits import packed_size
 from mpicomp.model.cost import Network, Topology
@@ -278,7 +278,10 @@ def measured_speeds(comm, codecs, numel: int = SPEED_NUMEL, *, timeout=None) -> 
     for codec in codecs:
         s = measure_speed(codec, numel)
         worst = np.empty(2)
-        plain.allreduce(comm, np.array([s.encode, s.decode]), worst, MPI.MAX, timeout=timeout)
+        # Waits for every rank's compile and timing (seconds on a cold cache): no expiry.
+        plain.allreduce(
+            comm, np.array([s.encode, s.decode]), worst, MPI.MAX, timeout=no_expiry(timeout)
+        )
         out[codec_key(codec)] = Speed(float(worst[0]), float(worst[1]), s.bits)
     return out
 

@@ -56,7 +56,7 @@ class HookState:
             config = Config({"start_step": start_step})
         except Exception as e:  # the other ranks must hear of it
             error = e
-        check_same(quiet(comm), config, error, "this HookState", None)
+        check_same(quiet(comm), config, error, "this HookState", options.get("timeout"))
         self.start_step = start_step
         self.comm = compressed(comm, codec, options)
         #: Iterations seen (counted at each iteration's last bucket).

@@ -165,7 +165,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
             config,
             error,
             "this DistributedOptimizer",
-            None,
+            options.get("timeout"),  # the CompressedComm's timeout= covers this check too
             differences=partial(layout_differences, mpi_of(comm), config, parameters),
         )
         self._building = True

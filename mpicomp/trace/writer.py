@@ -137,6 +137,7 @@ class Writer:
     def _collective_error(self, fn, *args, what: str) -> None:
         """Run ``fn`` on rank 0 and raise on every rank if it failed there."""
         from mpicomp.collectives import plain
+        from mpicomp.collectives._wait import no_expiry
 
         error = None
         if self._rank == 0:
@@ -145,7 +146,8 @@ class Writer:
             except Exception as e:  # reported to every rank below, then re-raised here
                 error = e
         failed = np.array([error is not None], dtype=np.int8)
-        plain.bcast(self._comm, failed, 0, timeout=self._timeout)
+        # Waits for rank 0's write: a slow filesystem is no peer that stopped.
+        plain.bcast(self._comm, failed, 0, timeout=no_expiry(self._timeout))
         if error is not None:
             raise error
         if failed[0]:
