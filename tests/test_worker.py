@@ -3,12 +3,14 @@ order, or at once in the caller's thread), their handles and done-callbacks, and
 warnings that point at the caller's line."""
 
 import logging
+import os
+import sys
 import threading
 import warnings
 
 import pytest
 
-from mpicomp.call.worker import Runner, Worker, overlap_blocker
+from mpicomp.call.worker import Runner, Worker, overlap_blocker, user_stacklevel
 
 
 class _Owner:
@@ -138,3 +140,35 @@ def test_overlap_needs_thread_multiple(monkeypatch):
         assert overlap_blocker(numba) is None
     else:
         assert "workqueue" in overlap_blocker(numba)
+
+
+def _compiled(source: str, filename: str, name: str):
+    """Return function ``name`` of ``source``, its frames reporting ``filename``."""
+    namespace = {"warnings": warnings, "user_stacklevel": user_stacklevel}
+    exec(compile(source, filename, "exec"), namespace)
+    return namespace[name]
+
+
+def test_a_warning_skips_mpicomps_and_a_frameworks_frames_to_the_users_line(tmp_path, monkeypatch):
+    """As through mpicomp.jax: the user's line, then jax's frames, then mpicomp's."""
+    import types
+
+    import mpicomp
+
+    jax = types.ModuleType("jax")
+    jax.__file__ = str(tmp_path / "jax" / "__init__.py")
+    monkeypatch.setitem(sys.modules, "jax", jax)
+    inside = os.path.join(os.path.dirname(mpicomp.__file__), "not_a_module.py")
+    warn = _compiled(
+        "def warn():\n    warnings.warn('w', UserWarning, stacklevel=user_stacklevel())\n",
+        inside,
+        "warn",
+    )
+    through = _compiled("def through(f):\n    return f()\n", jax.__file__, "through")
+    with pytest.warns(UserWarning) as caught:
+        through(warn)  # the user's line
+    assert caught[0].filename == __file__
+    monkeypatch.delitem(sys.modules, "jax")  # without jax imported, its frame is the user's
+    with pytest.warns(UserWarning) as caught:
+        through(warn)
+    assert caught[0].filename == jax.__file__

@@ -27,12 +27,30 @@ _STOP = object()  # the queue item that ends a worker's thread
 _PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep  # mpicomp/
 
 
+# Frameworks whose frames can lie between the user's line and mpicomp's (mpicomp.jax
+# runs calls inside jax's callbacks; DDP calls the torch hook from its reducer).
+_FRAMEWORKS = ("torch", "jax", "jaxlib")
+
+
+def _not_the_users() -> tuple[str, ...]:
+    """Return the folders whose frames are not the user's: mpicomp's, and those of the
+    frameworks already imported."""
+    folders = [_PACKAGE]
+    for name in _FRAMEWORKS:
+        path = getattr(sys.modules.get(name), "__file__", None)
+        if path:
+            folders.append(os.path.dirname(os.path.abspath(path)) + os.sep)
+    return tuple(folders)
+
+
 def user_stacklevel() -> int:
     """Return the ``stacklevel`` at which a ``warnings.warn`` made by this function's
-    caller names the first frame outside mpicomp: the user's line, however many of
-    mpicomp's own frames (methods, thread guards, handles) lie between."""
+    caller names the first frame outside mpicomp (and the frameworks calling it: torch,
+    jax): the user's line, however many frames (methods, thread guards, handles,
+    callbacks) lie between."""
+    theirs = _not_the_users()
     level, frame = 2, sys._getframe(2)  # stacklevel 2: the warning function's caller
-    while frame is not None and frame.f_code.co_filename.startswith(_PACKAGE):
+    while frame is not None and frame.f_code.co_filename.startswith(theirs):
         level, frame = level + 1, frame.f_back
     return level
 

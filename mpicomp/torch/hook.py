@@ -16,6 +16,7 @@ import zlib
 import torch
 
 from mpicomp.call.config import Config, check_same
+from mpicomp.call.worker import user_stacklevel
 from mpicomp.errors import NonFiniteWarning
 from mpicomp.torch.shared import (
     Failed,
@@ -179,7 +180,7 @@ def comm_hook(state: HookState, bucket) -> torch.futures.Future:
                 warnings.warn(
                     "; ".join(skipped) + ": bucket averaged to zeros",
                     NonFiniteWarning,
-                    stacklevel=2,
+                    stacklevel=user_stacklevel(),
                 )
             with torch.no_grad():
                 buffer.copy_(avg.reshape(buffer.shape))

@@ -20,6 +20,7 @@ import torch
 
 from mpicomp._log import log
 from mpicomp.call.config import Config, check_same
+from mpicomp.call.worker import user_stacklevel
 from mpicomp.collectives._wait import dup, issue, resolve_timeout
 from mpicomp.comm import CompressedComm
 from mpicomp.errors import NonFiniteWarning, PeerClosed
@@ -28,7 +29,6 @@ from mpicomp.torch.shared import (
     Failed,
     Staging,
     agree,
-    callers_level,
     check_comm,
     compressed,
     count,
@@ -385,7 +385,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
             warnings.warn(
                 f"{text}: optimizer step {self.steps} skipped on every rank",
                 NonFiniteWarning,
-                stacklevel=callers_level(),
+                stacklevel=user_stacklevel(),
             )
             return
         # Warned after the step (step()) or the writing (synchronize()): under -W error it
@@ -468,7 +468,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
             "averages of the gradients as sent, undoing the change: call "
             "optimizer.synchronize() first, then clip or scale, then step()",
             GradientsOverwrittenWarning,
-            stacklevel=callers_level(),
+            stacklevel=user_stacklevel(),
         )
 
     def _reset_passes(self) -> None:

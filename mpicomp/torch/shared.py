@@ -11,14 +11,13 @@ closed; and where a warning should point (the user's line).
 from __future__ import annotations
 
 import numbers
-import os
-import sys
 import warnings
 from collections.abc import Iterator, Mapping
 
 import torch
 
 from mpicomp.call.config import check_same
+from mpicomp.call.worker import user_stacklevel
 from mpicomp.comm import CompressedComm
 from mpicomp.errors import PeerClosed
 
@@ -26,7 +25,6 @@ __all__ = [
     "Failed",
     "Staging",
     "agree",
-    "callers_level",
     "check_comm",
     "compressed",
     "count",
@@ -166,7 +164,7 @@ class Staging:
                 "compressed on the CPU (install CuPy, cupy-cuda12x or cupy-cuda13x, for the "
                 "GPU kernels)",
                 RuntimeWarning,
-                stacklevel=callers_level(),
+                stacklevel=user_stacklevel(),
             )
         return torch.empty(numel, dtype=torch.float32, pin_memory=True)
 
@@ -204,20 +202,3 @@ def peer_closed_in(handles: list) -> PeerClosed | None:
         except Exception:  # another call's own error: raised where it is waited for
             pass
     return None
-
-
-# -- warnings -------------------------------------------------------------------------
-
-
-def callers_level() -> int:
-    """Return the ``stacklevel`` of the first frame outside ``mpicomp.torch`` and torch
-    (which wraps ``Optimizer.step`` and runs the hooks) for a warning raised by the
-    function calling this one: the user's line."""
-    level, frame = 1, sys._getframe(1)  # stacklevel 1: the function calling warn()
-    while frame is not None and frame.f_code.co_filename.startswith((_HERE, _TORCH)):
-        level, frame = level + 1, frame.f_back
-    return level
-
-
-_HERE = os.path.dirname(__file__) + os.sep
-_TORCH = os.path.dirname(torch.__file__) + os.sep
