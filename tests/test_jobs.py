@@ -152,6 +152,33 @@ class TestPieces:
             mpicomp.codec(r.codec, **r.params)
         assert {name for name, _ in codec_tour.TOUR} == available
 
+    def test_digest_covers_every_codec_and_schedule_on_one_rank(self):
+        from mpi4py import MPI
+
+        import mpicomp
+        from jobs import digest
+        from mpicomp.reduction import schedule_names
+
+        out = digest.digests(MPI.COMM_SELF, numel=256, steps=1)
+        flat = {
+            f"{name}/{s}"
+            for name in mpicomp.codecs.available()
+            for s in schedule_names(mpicomp.codec(name))
+            if s != "auto" and not s.startswith("hier:")  # hosts of two need 4 ranks
+        }
+        assert {k.removesuffix("/no feedback") for k in out} == flat
+        assert {k for k in out if k.endswith("/no feedback")} == {
+            f"{name}/{s}/no feedback"
+            for name in digest.FEEDBACK
+            for s in ("allgather", "sharded", "float32")
+        }
+        assert all(len(v) == 16 and int(v, 16) >= 0 for v in out.values())
+        # On one rank the average is the input: every uncompressed path agrees, top-k does not.
+        assert out["none/allreduce"] == out["fp16/float32"] == out["signsgd/float32"]
+        assert out["topk/allgather"] != out["none/allreduce"]
+        again = digest.digest(MPI.COMM_SELF, "topk", "allgather", 256, 1)
+        assert again == out["topk/allgather"]
+
     def test_tour_prints_a_row_per_entry(self, capsys):
         from jobs import codec_tour
 
