@@ -119,10 +119,7 @@ def reduce_scatter_allgather(
             ``"{name}.{phase}"`` for each step, then ``"{name}.allgather"``.
         name: prefix of the traced op names.
     """
-    for sendbuf, dest, recvbuf, source, phase, step, bits in reduce_scatter:
-        exchange(sendbuf, dest, recvbuf, source, phase, step)
-        if recorder is not None:
-            recorder.record(f"{name}.{phase}", step, sendbuf.nbytes, recvbuf.nbytes, bits)
+    run_steps(exchange, reduce_scatter, recorder, name)
     size, rank = chunks.size, chunks.rank
     right, left = (rank + 1) % size, (rank - 1) % size
     for j in range(1, size):  # forward chunk r-j+1 unchanged, receive r-j in place
@@ -131,6 +128,15 @@ def reduce_scatter_allgather(
         exchange(out[s_start:s_stop], right, out[r_start:r_stop], left, _AG, j)
         if recorder is not None:
             recorder.record(f"{name}.{_AG}", j, s_stop - s_start, r_stop - r_start, width)
+
+
+def run_steps(exchange, steps: Iterator, recorder, name: str) -> None:
+    """Exchange (and record) every step of a reduce-scatter (``reduce_scatter_allgather``'s
+    first phase; alone, it is a reduce-scatter)."""
+    for sendbuf, dest, recvbuf, source, phase, step, bits in steps:
+        exchange(sendbuf, dest, recvbuf, source, phase, step)
+        if recorder is not None:
+            recorder.record(f"{name}.{phase}", step, sendbuf.nbytes, recvbuf.nbytes, bits)
 
 
 # --- bounded sums and majorities, whatever the schedule -----------------------------------
@@ -247,6 +253,49 @@ def allreduce_bounded(
     steps = schedule.steps(codes, p, be, chunks, out, fname)
     reduce_scatter_allgather(exchange, chunks, steps, out, p.final_width, recorder, schedule.trace)
     return unpacked(out, chunks.n, p, chunks.size, packed, be)
+
+
+def reduce_scatter_bounded(
+    schedule: ReduceScatter,
+    comm,
+    codes,
+    bound,
+    majority=False,
+    *,
+    chunk: int,
+    signed=True,
+    recorder=None,
+    timeout=None,
+    kernels=None,
+):
+    """The first phase of ``allreduce_bounded`` alone: rank r gets chunk r of the sum
+    (or majority) over ranks, chunks of ``chunk`` elements (a multiple of 8).
+
+    For callers that have agreed already (``CompressedComm``; ``checked=False``): the
+    codes are a contiguous 1-D integer array of ``size * chunk`` elements on every
+    rank, within ``bound``. Returns this rank's chunk as a ``PackedSums`` (``n`` =
+    ``chunk``), or with ``majority`` its packed decision bits (``chunk / 8`` bytes).
+    Traced as the schedule's reduce-scatter steps, without the allgather's.
+    """
+    if chunk % 8 or codes.size != comm.Get_size() * chunk:
+        raise ValueError(
+            f"{schedule.fname}: a reduce-scatter needs size * chunk codes with chunk a "
+            f"multiple of 8; got {codes.size} codes, chunk {chunk}"
+        )
+    timeout = resolve_timeout(timeout)
+    codes, p, be = prepared(
+        comm, codes, bound, majority, signed, False, timeout, False, kernels, schedule.fname
+    )
+    chunks = Chunks.of(comm, codes.size, chunk)
+    out = be.xp.empty(_packed(chunks.n, p.final_width), dtype=np.uint8)
+    exchange = Exchange(comm, timeout, schedule.fname, schedule.tag)
+    steps = schedule.steps(codes, p, be, chunks, out, schedule.fname)
+    run_steps(exchange, steps, recorder, schedule.trace)
+    start, stop = chunks.region(chunks.rank, p.final_width)
+    mine = out[start:stop]
+    if p.majority:
+        return mine
+    return PackedSums(mine, chunk, p.final_width, comm.Get_size() * p.shift)
 
 
 # --- argument checks, agreed across ranks -------------------------------------------------

@@ -44,6 +44,7 @@ from mpicomp.collectives.bounded import (
     allreduce_bounded,
     bits_for,
     decided,
+    reduce_scatter_bounded,
 )
 from mpicomp.kernels.bits import packed_size
 
@@ -92,3 +93,11 @@ direct_allreduce_bounded.__doc__ = """Sum bounded integer codes over ranks, or t
     ``record("direct.alltoall", k, sent, recv, w_1)`` for k = 1..N-1, then
     ``record("direct.allgather", j, sent, recv, w_f)`` for j = 1..N-1.
     """
+
+
+#: ``direct_reduce_scatter_bounded(comm, codes, bound, majority=False, *, chunk, ...)``:
+#: the direct schedule's alltoall alone, for agreed codes (``bounded.reduce_scatter_bounded``).
+direct_reduce_scatter_bounded = partial(
+    reduce_scatter_bounded,
+    ReduceScatter("direct_reduce_scatter_bounded", "direct", _TAG, _alltoall),
+)

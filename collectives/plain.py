@@ -1,4 +1,4 @@
-"""The library's own MPI collectives (Allreduce, Allgather, Reduce_scatter, Allgatherv,
+"""The library's own MPI collectives (Allreduce, Allgather, Alltoall, Reduce_scatter, Allgatherv,
 Bcast, Barrier, and the broadcast, allgather and gather of Python objects) behind the
 same timeout.
 
@@ -85,6 +85,28 @@ def allgather(comm, sendbuf, recvbuf, *, timeout=None, recorder=None) -> None:
             "mpi.allgather", 1, sent, (comm.size - 1) * nbytes, 8 * _array(sendbuf).itemsize
         )
 
+
+def alltoall(comm, sendbuf, recvbuf, *, timeout=None, recorder=None) -> None:
+    """Send block d of ``sendbuf`` to rank d; block s of ``recvbuf`` gets rank s's block
+    for this rank (``MPI_Alltoall``; N equal blocks each).
+
+    ``recorder`` gets ``record("mpi.alltoall", 1, sent, recv, 8 * itemsize)``: the
+    bytes of the blocks that leave this rank, and of those that arrive.
+    """
+    total = _array(sendbuf).nbytes
+    issue(
+        comm,
+        MPI.Comm.Alltoall,
+        MPI.Comm.Ialltoall,
+        sendbuf,
+        recvbuf,
+        timeout=resolve_timeout(timeout),
+        name="alltoall",
+        detail=lambda: f"an Ialltoall of {total} bytes over {comm.size} ranks",
+    )
+    if recorder is not None:
+        moved = total - total // comm.size
+        recorder.record("mpi.alltoall", 1, moved, moved, 8 * _array(sendbuf).itemsize)
 
 def reduce_scatter(comm, sendbuf, recvbuf, counts, *, timeout=None, recorder=None) -> None:
     """Sum ``sendbuf`` over ranks; rank r receives elements of block r, ``counts[r]``

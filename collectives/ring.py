@@ -60,12 +60,19 @@ from mpicomp.collectives.bounded import (
     decided,
     min_claim,
     reduce_scatter_allgather,
+    reduce_scatter_bounded,
 )
 from mpicomp.kernels import backend_of
 from mpicomp.kernels.bits import packed_size as _packed
 
 # PackedSums: what ``ring_allreduce_bounded(..., packed=True)`` returns, named here too.
-__all__ = ["PackedSums", "reduce_scatter", "ring_allreduce_bounded", "ring_allreduce_min"]
+__all__ = [
+    "PackedSums",
+    "reduce_scatter",
+    "ring_allreduce_bounded",
+    "ring_allreduce_min",
+    "ring_reduce_scatter_bounded",
+]
 
 _TAG = 0x3C3  # one tag for both phases: MPI keeps messages between two ranks in order
 
@@ -248,6 +255,15 @@ ring_allreduce_bounded.__doc__ = """Sum bounded integer codes over ranks, or tak
             signed codes or bound != 1; and on every rank: n, bound or mode differing
             between ranks, or a code outside the bound on any rank.
     """
+
+
+#: ``ring_reduce_scatter_bounded(comm, codes, bound, majority=False, *, chunk, signed=True,
+#: recorder=None, timeout=None, kernels=None)``: the ring's reduce-scatter alone, for
+#: agreed codes (``bounded.reduce_scatter_bounded``); rank r gets chunk r.
+ring_reduce_scatter_bounded = partial(
+    reduce_scatter_bounded,
+    ReduceScatter("ring_reduce_scatter_bounded", "ring", _TAG, _bounded_steps),
+)
 
 
 def ring_allreduce_min(

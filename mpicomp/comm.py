@@ -33,6 +33,7 @@ from mpicomp.call.same_call import CLOSING, check_same_call
 from mpicomp.call.worker import Handle, Runner, user_stacklevel
 from mpicomp.codecs import Codec
 from mpicomp.codecs._base import make as make_codec
+from mpicomp.codecs.arrays import array_module
 from mpicomp.collectives._wait import dup, resolve_timeout
 from mpicomp.errors import NonFiniteWarning, PeerClosed, RankError
 from mpicomp.kernels.readback import batch
@@ -49,8 +50,13 @@ from mpicomp.reduction.agreement import (
     fail,
 )
 from mpicomp.reduction.residuals import NO_RESIDUALS, Encoding, check_state, rollback
+from mpicomp.reduction.rows import PRECISIONS
+from mpicomp.reduction.rows import allgather as allgather_rows
 
 __all__ = ["CompressedComm", "Handle", "NonFiniteWarning", "Options", "Outcome", "RankError"]
+
+#: What ``reduce_scatter`` gives each rank of the rows' sum: their average, or the sum.
+_REDUCE_OPS = ("mean", "sum")
 
 
 class Outcome(NamedTuple):
@@ -168,6 +174,9 @@ class CompressedComm:
             raise
         self._planner = Planner(codec, args.schedule, self._placement, args.config)
         self._agrees_on_shapes = kind_of(codec).shaped  # not only on sizes
+        # Whether the codec's kind has a reduce-scatter (every schedule of a kind has
+        # one, or none has): None where it has not.
+        self._scatters = next(iter(kind_of(codec).schedules.values())).scatter
         self._last_whole = None, None  # the last allreduce_many's tensors and description
         self._calls = 0  # the step of the counter-based RNG: the same on every rank
         #: Gets every exchange step of the collectives, ``record(op, step, sent, recv,
@@ -282,6 +291,76 @@ class CompressedComm:
         self._check_open()
         taken = take_many(arrays, names, self._gpu, self._residuals.named)
         return self._runner.start(partial(self._many, *taken), _deliver)
+
+    @_one_thread
+    def reduce_scatter(self, x, name: str = "", *, op: str = "mean"):
+        """Return this rank's row of the average (or sum) over ranks of ``x``: the flat
+        input as ``size`` equal rows of ceil(numel / size) elements, zero-padded at the
+        end; rank r gets row r, 1-D, with ``x``'s backend and dtype (the layout FSDP2
+        reduce-scatters in; docs/sharded.md).
+
+        It is the first phase of ``allreduce``'s schedule alone, compressed by the same
+        codec, with the same agreement, NaN/Inf policy, timeout and trace; error
+        feedback keeps one residual per ``name`` and row.
+
+        Args:
+            x: the local gradient, as for ``allreduce``; any number of elements.
+            name: the tensor's name, as for ``allreduce``.
+            op: ``"mean"`` (the average) or ``"sum"`` (the average times ``size``).
+
+        Raises:
+            ValueError: the codec has no reduce-scatter (``powersgd``), or ``op`` is
+                neither ``"mean"`` nor ``"sum"`` (every rank raises alike).
+        """
+        self._check_open()
+        self._runner.drain()
+        t = self._take_scattered(x, name, op)
+        return _deliver(self._scatter(t, op))
+
+    @_one_thread
+    def ireduce_scatter(self, x, name: str = "", *, op: str = "mean") -> Handle:
+        """Start ``reduce_scatter(x, name, op=op)``; return a ``Handle`` whose ``wait()``
+        gives its row. The rules of ``iallreduce`` apply."""
+        self._check_open()
+        t = self._take_scattered(x, name, op)
+        return self._runner.start(partial(self._scatter, t, op), _deliver)
+
+    @_one_thread
+    def allgather(
+        self, shard, name: str = "", *, numel: int | None = None, precision: str = "float32"
+    ):
+        """Return every rank's ``shard`` end to end, in rank order: the inverse of
+        ``reduce_scatter`` (parameters back after a sharded optimizer step).
+
+        Every rank brings a shard of the same size; the result is 1-D, with
+        ``shard``'s backend and dtype, and the same bits on every rank.
+
+        Args:
+            shard: this rank's row, as for ``allreduce``'s ``x``.
+            name: names the call in traces and errors.
+            numel: keep the first ``numel`` elements (the tensor without its padding);
+                default all ``size * shard.size``.
+            precision: ``"float32"``, or ``"bfloat16"`` (half the bytes: every rank's
+                row, this rank's too, rounded to nearest even).
+
+        Raises:
+            ValueError: a shard holding NaN or Inf (on its rank; RankError on the
+                others), a ``numel`` beyond ``size * shard.size``, an unknown precision.
+        """
+        self._check_open()
+        self._runner.drain()
+        t = take(shard, name, self._gpu, named=False)
+        return _deliver(self._gather(t, numel, precision))
+
+    @_one_thread
+    def iallgather(
+        self, shard, name: str = "", *, numel: int | None = None, precision: str = "float32"
+    ) -> Handle:
+        """Start ``allgather(shard, name, numel=numel, precision=precision)``; return a
+        ``Handle`` whose ``wait()`` gives its result. The rules of ``iallreduce`` apply."""
+        self._check_open()
+        t = take(shard, name, self._gpu, named=False)
+        return self._runner.start(partial(self._gather, t, numel, precision), _deliver)
 
     def schedule_for(self, numel: int) -> tuple[str, float]:
         """Return the schedule a call of ``numel`` elements runs by, and the seconds the
@@ -451,6 +530,54 @@ class CompressedComm:
         """
         return self._as_result(t, *self._reduce(t, op, layout, snapshots, compress, whole))
 
+    def _take_scattered(self, x, name: str, op: str) -> Tensor:
+        """Take ``x`` for a reduce-scatter: refused (every rank hears of it in the call)
+        for an ``op`` other than mean or sum; a codec without one raises here alike."""
+        if self._scatters is None:
+            kind = kind_of(self.codec)
+            raise ValueError(
+                f"codec {self.codec.name!r} ({kind.name}) has no reduce-scatter: its "
+                "aggregation needs every rank's whole tensor; use allreduce, or a codec "
+                "of another kind (docs/sharded.md)"
+            )
+        t = take(x, name, self._gpu, named=self._residuals.named)
+        if op not in _REDUCE_OPS:
+            error = ValueError(f"op must be 'mean' or 'sum', got {op!r}")
+            t = Tensor.refused(x, name, error)
+        return t
+
+    def _scatter(self, t: Tensor, op: str) -> tuple:
+        """Run one reduce-scatter of ``t``; return (this rank's row in ``t``'s framework
+        and dtype, or zeros when skipped; skip messages)."""
+        row, skipped = self._reduce(t, "reduce_scatter", rows=op)
+        width = -(-t.flat.size // self.size)
+        with self._gpu.current():
+            xp = array_module(t.flat)
+            return t.like(xp.zeros(width, np.float32) if skipped else row), skipped
+
+    def _gather(self, t: Tensor, numel, precision: str) -> tuple:
+        """Run one allgather of ``t``; return (the rows end to end in ``t``'s framework
+        and dtype; no skip messages)."""
+        total = self.size * t.flat.size
+        if t.error is None:
+            error = None
+            if precision not in PRECISIONS:
+                error = ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
+            elif numel is not None and (
+                isinstance(numel, bool)
+                or not isinstance(numel, (int, np.integer))
+                or not 0 <= numel <= total
+            ):
+                error = ValueError(
+                    f"numel must be an integer in [0, {total}] (size * shard size), got {numel!r}"
+                )
+            if error is not None:
+                t = Tensor.refused(t.x, t.name, error)
+        gather = (total if numel is None else int(numel), precision)
+        out, _ = self._reduce(t, "allgather", gather=gather)
+        with self._gpu.current():
+            return t.like(out), []
+
     def _as_result(self, t: Tensor, avg, skipped: list) -> tuple:
         """Return (``_reduce``'s flat average as ``t``'s result, or zeros when skipped;
         the skip messages), made on the gradients' GPU."""
@@ -458,10 +585,19 @@ class CompressedComm:
             return (t.zeros() if skipped else t.result(avg)), skipped
 
     def _reduce(
-        self, t: Tensor, op: str, layout=None, snapshots=None, compress=True, whole=None
+        self,
+        t: Tensor,
+        op: str,
+        layout=None,
+        snapshots=None,
+        compress=True,
+        whole=None,
+        rows: str | None = None,
+        gather: tuple | None = None,
     ) -> tuple:
         """Make the collective call of ``_average``; return (the flat float32 average or
-        None, skip messages). What fails here fails on every rank alike (the agreement,
+        None, skip messages); ``rows``: a reduce-scatter's op (this rank's row instead);
+        ``gather``: an allgather's (numel, precision). What fails here fails on every rank alike (the agreement,
         the schedules' own checks), and only that takes the state back: the step and the
         residuals. What comes after it (converting the result, the trace's bookkeeping)
         runs on each rank alone, and is kept out of the rollback."""
@@ -473,7 +609,9 @@ class CompressedComm:
             snapshots.append(mark)
         with self._gpu.current():
             try:
-                call, codec, run = self._prepare(t, op, layout, snapshots, compress, whole, step)
+                call, codec, run = self._prepare(
+                    t, op, layout, snapshots, compress, whole, step, rows, gather
+                )
                 try:
                     # Overflow is found by the finiteness checks, alike on every rank;
                     # NumPy's warning would come on some ranks only (an error under -W error).
@@ -481,7 +619,8 @@ class CompressedComm:
                     # average's finiteness) come back together, in one read.
                     with np.errstate(over="ignore", invalid="ignore"), batch("end of call"):
                         avg = run(call, codec, t.flat)
-                        check_average(call, codec, avg)
+                        if rows is None and gather is None:  # a row is checked by its kind
+                            check_average(call, codec, avg)
                 except BaseException:
                     call.residuals.restore()
                     raise
@@ -499,14 +638,18 @@ class CompressedComm:
             self.trace.end()
         return avg, []
 
-    def _prepare(self, t: Tensor, op, layout, snapshots, compress, whole, step: int) -> tuple:
-        """Return (``Call``, codec, run) of call ``step`` averaging ``t``: its plan,
-        residual snapshot and trace event begun; a refused input raises here on this
-        rank, RankError on the others."""
+    def _prepare(
+        self, t: Tensor, op, layout, snapshots, compress, whole, step: int, rows=None, gather=None
+    ) -> tuple:
+        """Return (``Call``, codec, run) of call ``step`` averaging ``t`` (``rows``: its
+        reduce-scatter; ``gather``: an allgather): its plan, residual snapshot and trace
+        event begun; a refused input raises here on this rank, RankError on the others."""
         opts = self.options
         self._calls = step + 1  # taken back by _reduce if the call fails or is skipped
-        # Below min_numel every codec, fp16 included, steps aside for the float32 sum of `none`.
+        # Below min_numel every codec, fp16 included, steps aside for the float32 sum of
+        # `none`; an allgather moves the rows as they are.
         small = t.flat.size < opts.min_numel
+        compress = compress and gather is None
         planned = self._planner.plan(t.flat.size, compress and not small)
         plan = planned.plan
         if opts.debug:
@@ -515,7 +658,7 @@ class CompressedComm:
         if t.error is not None:
             fail(self._context(step), t.error)
         codec = self.codec if plan.compressed else self._plain
-        residuals = self._encoding(t.name, plan, snapshots)
+        residuals = self._encoding(t.name, plan, snapshots, rows is not None)
         if snapshots is not None and residuals is not NO_RESIDUALS:
             snapshots.append(residuals)
         # Everything the bytes depend on takes part in the agreement: ranks calling with
@@ -530,6 +673,14 @@ class CompressedComm:
             description["shapes"] = [list(shape) for shape in t.shapes]
         if layout is not None:
             description["layout"] = layout
+        run, guard = planned.run, Guard(opts.nonfinite, t.what, t.overflowed)
+        if rows is not None:  # the schedule's first phase alone
+            description["reduce"] = rows
+            run = partial(plan.schedule.scatter, mean=rows == "mean")
+        if gather is not None:  # NaN/Inf in parameters: no step to skip, nothing to zero
+            description["allgather"] = list(gather)
+            run = partial(allgather_rows, numel=gather[0], precision=gather[1])
+            guard = Guard("raise", f"shard {t.name!r}" if t.name else "shard")
         digested = description
         if whole is not None:
             whole, whole_digest = whole
@@ -538,7 +689,7 @@ class CompressedComm:
         call = self._context(
             step,
             description,
-            Guard(opts.nonfinite, t.what, t.overflowed),
+            guard,
             digest=describe(digested),
             residuals=residuals,
             shapes=t.shapes,
@@ -547,7 +698,7 @@ class CompressedComm:
         )
         trace = self.trace
         if trace is not None:
-            aside = (small or not compress) and self.codec.compresses
+            aside = (small or not compress) and self.codec.compresses and gather is None
             label = op if not aside else f"{op} below min_numel" if small else f"{op} warm-up"
             trace.begin(
                 step,
@@ -560,14 +711,19 @@ class CompressedComm:
                 planned.predicted,
             )
             call = replace(call, recorder=trace, clock=trace)
-        return call, codec, planned.run
+        return call, codec, run
 
-    def _encoding(self, name: str, plan, snapshots: list | None = None) -> Encoding:
-        """Return how a call of ``name`` by ``plan`` encodes, what it may move of this
-        CompressedComm's per-tensor state snapshot (``snapshots``: the list it will join)."""
+    def _encoding(
+        self, name: str, plan, snapshots: list | None = None, rows: bool = False
+    ) -> Encoding:
+        """Return how a call of ``name`` by ``plan`` encodes (``rows``: a reduce-scatter),
+        what it may move of this CompressedComm's per-tensor state snapshot
+        (``snapshots``: the list it will join)."""
         if not plan.compressed:
             return NO_RESIDUALS
         hosts = self._placement.hosts
+        if rows:  # a residual per row, named apart from the all-reduce's and its shards'
+            return self._residuals.encoding(f"{name}#shards", self.size, private=False)
         if plan.hierarchical:
             # A local rank's residual by host covers its shard alone: a name of its own
             # (forget(name) still drops it), so no other schedule ever reads it.

@@ -81,6 +81,11 @@ class Tensor:
         """Return float32 ``avg`` in this input's framework, shape and dtype."""
         return _like(self.x, avg.reshape(_shape(self.x)))
 
+    def like(self, flat):
+        """Return float32 ``flat`` (1-D: a row, or rows end to end) in this input's
+        framework and dtype."""
+        return _like(self.x, flat)
+
     def zeros(self):
         """Return zeros as ``result`` would (a skipped call's result)."""
         return self.result(array_module(self.flat).zeros(self.flat.size, dtype=np.float32))

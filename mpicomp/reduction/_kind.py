@@ -7,8 +7,8 @@ from dataclasses import dataclass, field
 from functools import partial
 from typing import NamedTuple
 
-from mpicomp.collectives.direct import direct_allreduce_bounded
-from mpicomp.collectives.ring import ring_allreduce_bounded
+from mpicomp.collectives.direct import direct_allreduce_bounded, direct_reduce_scatter_bounded
+from mpicomp.collectives.ring import ring_allreduce_bounded, ring_reduce_scatter_bounded
 from mpicomp.reduction.residuals import Kept, Stateless
 
 
@@ -36,7 +36,10 @@ class Schedule(NamedTuple):
     (``Cost``); ``compute(codec, speed, numel, nranks)`` one rank's encode and decode
     seconds at ``speed`` (``mpicomp.model.Speed``); ``alltoall(...)`` the bytes every rank
     sends to every other at once (they share a host's link; 0 for a ring); ``fits(codec)``
-    whether a codec of the kind has it (all, unless the schedule says otherwise).
+    whether a codec of the kind has it (all, unless the schedule says otherwise);
+    ``scatter(call, codec, flat, mean=True)`` its first phase alone, the reduce-scatter:
+    this rank's row (``reduction.rows``) of the average, or the sum (None: the kind has
+    no reduce-scatter).
     """
 
     run: Callable
@@ -44,6 +47,7 @@ class Schedule(NamedTuple):
     compute: Callable = _encode_and_decode
     alltoall: Callable = _none
     fits: Callable = _any
+    scatter: Callable | None = None
 
 
 @dataclass(frozen=True)
@@ -77,14 +81,22 @@ class Kind:
         return {name: s for name, s in self.schedules.items() if s.fits(codec)}
 
 
-def bounded_schedules(run, cost, alltoall) -> dict[str, Schedule]:
+def bounded_schedules(run, cost, alltoall, scatter) -> dict[str, Schedule]:
     """Return the two schedules of bounded codes (QSGD's, signSGD's votes): ``run`` with
     the width-growing ring's sum or the direct reduce-scatter's as its ``collective``,
-    ``cost(schedule, ...)`` of each; ``alltoall`` prices the direct one's all-to-all."""
+    ``cost(schedule, ...)`` of each; ``alltoall`` prices the direct one's all-to-all;
+    ``scatter`` with the same schedule's reduce-scatter alone."""
     ring, direct = ring_allreduce_bounded, direct_allreduce_bounded
     return {
-        "ring": Schedule(partial(run, collective=ring), partial(cost, "ring")),
+        "ring": Schedule(
+            partial(run, collective=ring),
+            partial(cost, "ring"),
+            scatter=partial(scatter, collective=ring_reduce_scatter_bounded),
+        ),
         "direct": Schedule(
-            partial(run, collective=direct), partial(cost, "direct"), alltoall=alltoall
+            partial(run, collective=direct),
+            partial(cost, "direct"),
+            alltoall=alltoall,
+            scatter=partial(scatter, collective=direct_reduce_scatter_bounded),
         ),
     }

@@ -9,6 +9,7 @@ faster than the MPI library's all-reduce."""
 
 from __future__ import annotations
 
+import math
 from functools import partial
 from typing import Any, Protocol, runtime_checkable
 
@@ -31,9 +32,13 @@ from mpicomp.reduction.agreement import (
     encode_here,
     flagged,
     raise_nonfinite,
+    raise_overflow,
     up,
 )
+from mpicomp.reduction.rows import Rows
 from mpicomp.reduction.transport import CHUNK_BYTES, chunk_bounds
+
+_F32_MAX = float(np.finfo(np.float32).max)
 
 
 @runtime_checkable
@@ -104,6 +109,55 @@ def run(call: Call, codec, flat, ring: bool = False):
     out = codec.from_wire(up(dev, total), call.comm.size, reuse=True)
     clock.decoded()
     return out
+
+
+def scatter(call: Call, codec, flat, mean: bool = True):
+    """Return this rank's row (``reduction.rows``) of the average (``mean``) or sum over
+    ranks of ``codec.to_wire``: every rank sends row r of its wire array to rank r (one
+    MPI_Alltoall, each value crossing once at the wire's width), and the owner adds the
+    N rows in float32, in rank order: the same bits whatever the MPI library.
+
+    NaN/Inf are found before any byte moves: ``none`` checks its input in one pass
+    (fp16's ``to_wire`` refuses them itself), and the agreement carries the largest
+    |x| over ranks: where N times it could overflow float32, every rank raises alike.
+    """
+    comm, clock, guard = call.comm, call.clock, call.guard
+    dev = device(flat)
+    wire, flat, err, bad = encode_here(call, codec.to_wire, flat)
+    largest = 0.0
+    if err is None:
+        largest = _largest(call, flat)
+        if not math.isfinite(largest):  # none's input: fp16's to_wire refused it above
+            if guard.policy == "zero":
+                flat = zero_nonfinite(flat)
+                wire, largest = codec.to_wire(flat), _largest(call, flat)
+            else:
+                bad, err = True, guard.error()
+    clock.encoded()
+    largest = agree(call, flat.size, err, largest if not bad else 0.0, nonfinite=bad)
+    if largest * comm.size * (1 + 1e-6) > _F32_MAX:  # each addition rounds
+        raise_overflow(call, codec, "the sum of a row over ranks")
+    rows = Rows.of(comm, flat.size)
+    xp = backend_of(wire, call.kernels).xp
+    send = down(call, dev, rows.padded(xp, wire), "wire")
+    recv = backend_of(send, call.kernels).xp.empty_like(send)
+    plain.alltoall(call.comm, send, recv, **call.io)
+    clock.communicated()
+    parts = up(dev, recv).reshape(rows.size, rows.width)
+    total = parts[0].astype(np.float32)  # a copy: the sum is this call's own buffer
+    for part in parts[1:]:
+        total += part
+    out = codec.from_wire(total, comm.size, reuse=True) if mean else total
+    clock.decoded()
+    return out
+
+
+def _largest(call: Call, flat) -> float:
+    """Return max |flat| on the host (NaN where it holds a NaN; 0 for no elements)."""
+    if not flat.size:
+        return 0.0
+    xp = backend_of(flat, call.kernels).xp
+    return float(xp.max(xp.abs(flat)))
 
 
 def _chunk_bytes(call: Call) -> int:
@@ -179,16 +233,18 @@ def _no_compute(codec, speed, numel: int, nranks: int) -> float:
 
 
 #: The MPI_Allreduce of float32 any codec can fall back to (``run`` with codec ``none``).
-FLOAT32 = Schedule(run, _float32_cost, _no_compute)
+FLOAT32 = Schedule(run, _float32_cost, _no_compute, scatter=scatter)
 
 # fp16's float16 sum is a whole-tensor ring of its own: no hierarchy was built for it.
 KIND = Kind(
     "sum",
     SumCodec,
     {
-        "allreduce": Schedule(run, _cost, _compute),
+        "allreduce": Schedule(run, _cost, _compute, scatter=scatter),
         # float16 goes by the ring under "allreduce" already
-        "ring": Schedule(partial(run, ring=True), _ring_cost, _compute, fits=_float32_wire),
+        "ring": Schedule(
+            partial(run, ring=True), _ring_cost, _compute, fits=_float32_wire, scatter=scatter
+        ),
     },
     hierarchical=False,
 )

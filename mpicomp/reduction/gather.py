@@ -9,8 +9,10 @@ from typing import Any, Protocol, runtime_checkable
 import numpy as np
 
 from mpicomp.codecs.arrays import all_finite, array_module
+from mpicomp.collectives import plain
+from mpicomp.collectives.agreement import RANK, Form, ranks_text, settle
 from mpicomp.collectives.allgather import allgather_bytes
-from mpicomp.collectives.sharded import push_pull, shard_bounds
+from mpicomp.collectives.sharded import alltoall_bytes, push_pull, shard_bounds
 from mpicomp.errors import RankError
 from mpicomp.kernels.readback import batch
 from mpicomp.reduction._cost import Cost, gathered
@@ -27,6 +29,10 @@ from mpicomp.reduction.agreement import (
 )
 from mpicomp.reduction.hierarchy import PREFIX
 from mpicomp.reduction.residuals import Encoding, GatherState, Residuals, Stateless
+from mpicomp.reduction.rows import Rows
+
+# What row owners found (one byte per field and rank, gathered): ``scatter``.
+_OWNERS = Form(failed=RANK, overflowed=RANK)
 
 
 @runtime_checkable
@@ -131,6 +137,50 @@ def sharded(call: Call, codec, flat):
     return out
 
 
+def scatter(call: Call, codec, flat, mean: bool = True):
+    """Return this rank's row (``reduction.rows``) of the average (``mean``) or sum over
+    ranks: ``sharded``'s push alone. Row s of every rank is compressed (worker residual
+    per row, ``call.residuals.push``) and sent to rank s, which decodes the N payloads
+    and adds them in rank order.
+
+    What an owner finds wrong (a corrupt payload, a sum that overflows float32) reaches
+    every rank in one byte per rank: the owner raises its error, the others RankError.
+    """
+    residuals: GatherState = call.residuals
+    comm, clock = call.comm, call.clock
+    dev = device(flat)
+    rows = Rows.of(comm, flat.size)
+
+    def push(f):
+        return [residuals.push(f[a:b], s) for s, (a, b) in enumerate(rows.spans())]
+
+    pushed, flat, err, bad = encode_here(call, push, flat)
+    clock.encoded()
+    agree(call, flat.size, err, nonfinite=bad)
+    pushed = [down(call, dev, p, f"push{s}") for s, p in enumerate(pushed)]
+    try:
+        received = alltoall_bytes(comm, pushed, **call.io)
+    except ValueError as e:  # the sizes were agreed: a rank's payload is malformed
+        raise RankError(str(e)) from e
+    clock.communicated()
+    a, b = rows.own
+    row, error = attempt(_checked_mean, codec, _up_all(dev, received), b - a, mean)
+    overflowed = error is None and not all_finite(row, call.kernels)
+    clock.decoded()
+    outcome = _OWNERS.gathered(np.uint8, failed=error is not None, overflowed=overflowed)
+    table = np.empty((comm.size, outcome.size), dtype=np.uint8)
+    plain.allgather(comm, outcome, table, timeout=call.timeout)
+    failed = _OWNERS.tally_rows(table)
+    settle(
+        failed.ranks("failed"),
+        error,
+        lambda r: RankError(f"{ranks_text(r)} could not decode its row (see its error)"),
+    )
+    if failed.ranks("overflowed"):
+        raise_overflow(call, codec, "the average of a row over ranks")
+    return rows.fill(array_module(row), row)
+
+
 def _up_all(dev, payloads: list) -> list:
     """Return host ``payloads`` on the device of ``dev``: one copy of them end to end,
     then a view per payload (as they are for host input)."""
@@ -142,7 +192,7 @@ def _up_all(dev, payloads: list) -> list:
     return [whole[e - n : e] for n, e in zip(sizes, ends, strict=True)]
 
 
-def _decode_mean(codec, payloads, n: int):
+def _decode_mean(codec, payloads, n: int, mean: bool = True):
     """Decode every payload (each must describe n elements) and average in rank order.
 
     The same on every rank. Sizes were agreed before the payloads moved, so one of
@@ -155,13 +205,14 @@ def _decode_mean(codec, payloads, n: int):
     """
     gathered = getattr(codec, "decode_gathered", codec.decode_sum)
     with np.errstate(over="ignore", invalid="ignore"):
-        return gathered(payloads, n) / np.float32(len(payloads))
+        total = gathered(payloads, n)
+        return total / np.float32(len(payloads)) if mean else total
 
 
-def _checked_mean(codec, payloads, n: int):
+def _checked_mean(codec, payloads, n: int, mean: bool = True):
     """``_decode_mean``, its deferred checks read before it returns (one read)."""
     with batch("shard owner's decode"):
-        return _decode_mean(codec, payloads, n)
+        return _decode_mean(codec, payloads, n, mean)
 
 
 def _decode_sum_seconds(codec, speed, numel: int, count: int) -> float:
@@ -210,8 +261,10 @@ KIND = Kind(
     "gather",
     GatherCodec,
     {
-        "allgather": Schedule(allgather, _allgather_cost, _allgather_compute),
-        "sharded": Schedule(sharded, _sharded_cost, _sharded_compute, _sharded_alltoall),
+        "allgather": Schedule(allgather, _allgather_cost, _allgather_compute, scatter=scatter),
+        "sharded": Schedule(
+            sharded, _sharded_cost, _sharded_compute, _sharded_alltoall, scatter=scatter
+        ),
     },
     payload=True,
     feedback=True,

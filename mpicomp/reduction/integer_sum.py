@@ -26,6 +26,7 @@ from mpicomp.reduction._cost import (
 )
 from mpicomp.reduction._kind import Kind, bounded_schedules
 from mpicomp.reduction.agreement import Call, agree, device, down, encode_here, up
+from mpicomp.reduction.rows import Rows, grouped
 
 
 @runtime_checkable
@@ -115,9 +116,11 @@ def _to_share(norms) -> tuple[float, object]:
     return (float(norms[0]) if count == 1 else math.inf), norms
 
 
-def run(call: Call, codec, flat, *, collective):
-    """Average QSGD-MaxNorm codes, their sum made by ``collective`` (the ring's or the
-    direct schedule's ``*_allreduce_bounded``)."""
+def _encode(call: Call, codec, flat):
+    """Return what a call's codes travel with: (device, shapes, step keywords, flat used,
+    the shared norm, the shared scale index or nothing, this rank's codes): the norms'
+    agreement, the scale index's MIN, the quantization. The first phase of ``run`` and
+    ``scatter``."""
     comm, clock, step = call.comm, call.clock, call.step
     dev = device(flat)
     shapes = _shapes(call, flat.size)
@@ -150,6 +153,14 @@ def run(call: Call, codec, flat, *, collective):
     stream = call.stream + comm.rank
     codes = codec.quantize(flat, norm, *extra, step=step, stream=stream, shapes=shapes)
     clock.encoded()
+    return dev, shapes, at, flat, norm, extra, codes
+
+
+def run(call: Call, codec, flat, *, collective):
+    """Average QSGD-MaxNorm codes, their sum made by ``collective`` (the ring's or the
+    direct schedule's ``*_allreduce_bounded``)."""
+    comm, clock = call.comm, call.clock
+    dev, shapes, at, flat, norm, extra, codes = _encode(call, codec, flat)
     # The sums stay packed as the schedule left them; dequantize_packed unpacks as it goes.
     data, n, width, offset = collective(
         comm,
@@ -161,12 +172,60 @@ def run(call: Call, codec, flat, *, collective):
         **call.io,
     )
     clock.communicated()
-    at = {"shape": flat.shape, "step": step} if codec.sparse else {}
+    if codec.sparse:
+        at = {"shape": flat.shape, **at}
     out = codec.dequantize_packed(
         up(dev, data), n, width, offset, norm, *extra, nranks=comm.size, shapes=shapes, **at
     )
     clock.decoded()
     return out
+
+
+def scatter(call: Call, codec, flat, *, collective, mean: bool = True):
+    """Return this rank's row (``reduction.rows``) of the average (``mean``) or sum of
+    QSGD-MaxNorm codes: ``run``'s first phase, then ``collective``'s reduce-scatter
+    alone (``*_reduce_scatter_bounded``) over the codes grouped by the row they fall in.
+
+    The owner dequantizes its row's sums into the whole tensor's zeros (the blocks'
+    norms are the whole tensor's) and keeps its row: every element of the row has the
+    bits ``run`` gives it in the same call.
+    """
+    comm, clock = call.comm, call.clock
+    dev, shapes, at, flat, norm, extra, codes = _encode(call, codec, flat)
+    rows = Rows.of(comm, flat.size)
+    be = backend_of(codes, call.kernels)
+    if codec.sparse:  # the codes of row r: the sorted coordinates that fall in it
+        where = be.to_host(codec.coordinates(flat.size, call.step), why="coordinates")
+        starts = np.searchsorted(
+            where, [min(flat.size, r * rows.width) for r in range(rows.size + 1)]
+        )
+        starts = starts.tolist()
+    else:
+        starts = [rows.span(r)[0] for r in range(rows.size)] + [flat.size]
+    laid, chunk = grouped(be.xp, codes, starts)
+    data, n, width, offset = collective(
+        comm,
+        down(call, dev, laid, "codes"),
+        codec.bound,
+        chunk=chunk,
+        kernels=call.kernels,
+        **call.io,
+    )
+    clock.communicated()
+    sums = be.xp.zeros(codes.size, dtype=np.int64)
+    mine = be.xp.empty(n, dtype=np.int64)
+    be.bits.unpack_shifted(up(dev, data), width, offset, mine)
+    lo, hi = starts[comm.rank], starts[comm.rank + 1]
+    sums[lo:hi] = mine[: hi - lo]
+    if codec.sparse:
+        at = {"shape": flat.shape, **at}
+    whole = codec.dequantize(sums, norm, *extra, nranks=comm.size, shapes=shapes, **at)
+    a, b = rows.own
+    row = rows.fill(be.xp, whole.reshape(-1)[a:b])
+    if not mean:
+        row = row * np.float32(comm.size)
+    clock.decoded()
+    return row
 
 
 def _coded(codec, numel: int) -> int:
@@ -206,4 +265,6 @@ def _direct_alltoall(codec, numel: int, nranks: int, payload=None) -> int:
     return direct_alltoall(_coded(codec, numel), nranks, 2 * codec.bound)
 
 
-KIND = Kind("integer_sum", IntegerSumCodec, bounded_schedules(run, _cost, _direct_alltoall))
+KIND = Kind(
+    "integer_sum", IntegerSumCodec, bounded_schedules(run, _cost, _direct_alltoall, scatter)
+)

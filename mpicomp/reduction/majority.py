@@ -8,9 +8,11 @@ from typing import Any, Protocol, runtime_checkable
 import numpy as np
 
 from mpicomp.collectives import plain
+from mpicomp.kernels import backend_of
 from mpicomp.reduction._cost import Cost, bounded, direct_alltoall, small
 from mpicomp.reduction._kind import Kind, bounded_schedules
 from mpicomp.reduction.agreement import Call, agree, device, down, encode_here, up
+from mpicomp.reduction.rows import Rows, grouped
 
 
 @runtime_checkable
@@ -29,10 +31,10 @@ class MajorityCodec(Protocol):
     def expand(self, bits, n: int, scale: float = 1.0) -> Any: ...
 
 
-def run(call: Call, codec, flat, *, collective):
-    """Average signs: the votes summed by ``collective`` (the ring's or the direct
-    schedule's ``*_allreduce_bounded``), the majority decided by each chunk's owner."""
-    comm, clock, step = call.comm, call.clock, call.step
+def _votes(call: Call, codec, flat):
+    """Return (device, flat used, this rank's votes, the mean |x| over ranks): the first
+    phase of ``run`` and ``scatter``."""
+    comm, clock = call.comm, call.clock
     dev = device(flat)
     found, flat, err, bad = encode_here(call, codec.votes_and_scale, flat)
     votes, scale = found if err is None else (None, 0.0)
@@ -41,6 +43,14 @@ def run(call: Call, codec, flat, *, collective):
     # Every rank's mean |x|, summed in rank order: the same float on every rank.
     scales = np.empty(comm.size, dtype=np.float64)
     plain.allgather(comm, np.array([scale], dtype=np.float64), scales, **call.io)
+    return dev, flat, votes, float(scales.sum() / comm.size)
+
+
+def run(call: Call, codec, flat, *, collective):
+    """Average signs: the votes summed by ``collective`` (the ring's or the direct
+    schedule's ``*_allreduce_bounded``), the majority decided by each chunk's owner."""
+    comm, clock, step = call.comm, call.clock, call.step
+    dev, flat, votes, scale = _votes(call, codec, flat)
 
     def decide(counts, offset):
         return codec.majority(counts, comm.size, step=step, offset=offset)
@@ -57,7 +67,40 @@ def run(call: Call, codec, flat, *, collective):
         **call.io,
     )
     clock.communicated()
-    out = codec.expand(up(dev, bits), flat.size, float(scales.sum() / comm.size))
+    out = codec.expand(up(dev, bits), flat.size, scale)
+    clock.decoded()
+    return out
+
+
+def scatter(call: Call, codec, flat, *, collective, mean: bool = True):
+    """Return this rank's row (``reduction.rows``) of the majority (times N for the sum):
+    ``run``'s votes, ``collective``'s reduce-scatter alone (``*_reduce_scatter_bounded``)
+    over rows padded to a multiple of 8 votes, the owner deciding its row with the
+    tie-breaks ``run`` draws for the same elements."""
+    comm, clock, step = call.comm, call.clock, call.step
+    dev, flat, votes, scale = _votes(call, codec, flat)
+    rows = Rows.of(comm, flat.size)
+    xp = backend_of(votes, call.kernels).xp
+    laid, chunk = grouped(xp, votes, [rows.span(r)[0] for r in range(rows.size)] + [flat.size])
+
+    def decide(counts, offset):  # offset: the chunk's start among the padded rows
+        return codec.majority(
+            counts, comm.size, step=step, offset=offset // max(chunk, 1) * rows.width
+        )
+
+    bits = collective(
+        comm,
+        down(call, dev, laid, "votes"),
+        1,
+        majority=decide,
+        chunk=chunk,
+        signed=False,
+        kernels=call.kernels,
+        **call.io,
+    )
+    clock.communicated()
+    a, b = rows.own
+    out = rows.fill(xp, codec.expand(up(dev, bits), b - a, scale if mean else scale * comm.size))
     clock.decoded()
     return out
 
@@ -70,4 +113,4 @@ def _direct_alltoall(codec, numel: int, nranks: int, payload=None) -> int:
     return direct_alltoall(numel, nranks, 1)
 
 
-KIND = Kind("majority", MajorityCodec, bounded_schedules(run, _cost, _direct_alltoall))
+KIND = Kind("majority", MajorityCodec, bounded_schedules(run, _cost, _direct_alltoall, scatter))

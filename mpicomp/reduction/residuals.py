@@ -120,10 +120,9 @@ class _Fed(Encoding):
         workers, server = residuals.workers, residuals.owners
         if owners:
             shards = [shard_key(name, s) for s in range(owners)]
-            self._snapshots = [
-                workers.snapshot(shards, private),
-                server.snapshot([name], private),
-            ]
+            self._snapshots = [workers.snapshot(shards, private)]
+            if server is not None:  # a reduce-scatter's rows have no owner residual
+                self._snapshots.append(server.snapshot([name], private))
         else:
             self._snapshots = [workers.snapshot([name], private)]
 
