@@ -108,6 +108,7 @@ def alltoall(comm, sendbuf, recvbuf, *, timeout=None, recorder=None) -> None:
         moved = total - total // comm.size
         recorder.record("mpi.alltoall", 1, moved, moved, 8 * _array(sendbuf).itemsize)
 
+
 def reduce_scatter(comm, sendbuf, recvbuf, counts, *, timeout=None, recorder=None) -> None:
     """Sum ``sendbuf`` over ranks; rank r receives elements of block r, ``counts[r]``
     of them (``MPI_Reduce_scatter``).
