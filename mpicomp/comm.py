@@ -473,6 +473,24 @@ class CompressedComm:
         job = partial(self._average, t, "allreduce", layout, snapshots, compress)
         return self._runner.start(job, Outcome._make)
 
+    @_one_thread
+    def start_scatter(
+        self, x, name: str = "", *, op: str = "mean", snapshots: list | None = None
+    ) -> Handle:
+        """Start one ``reduce_scatter`` as ``start`` starts an allreduce, for an adapter
+        that reduce-scatters a whole optimizer step in several calls and may skip or
+        undo it (``mpicomp.torch.ZeroOptimizer``): ``wait()`` returns an ``Outcome``
+        (this rank's row, skip messages) without warning; ``snapshots`` as for ``start``.
+
+        Raises:
+            ValueError: the codec has no reduce-scatter (as ``reduce_scatter``).
+            RuntimeError: the CompressedComm is closed.
+        """
+        self._check_open()
+        t = self._take_scattered(x, name, op)
+        job = partial(self._scatter, t, op, snapshots)
+        return self._runner.start(job, Outcome._make)
+
     def rollback(self, snapshots: list) -> None:
         """Restore the residuals and the step of ``snapshots`` (filled by ``start``): a
         step that is not taken moves no state. Waits first for every started call (a
@@ -546,10 +564,10 @@ class CompressedComm:
             t = Tensor.refused(x, name, error)
         return t
 
-    def _scatter(self, t: Tensor, op: str) -> tuple:
+    def _scatter(self, t: Tensor, op: str, snapshots: list | None = None) -> tuple:
         """Run one reduce-scatter of ``t``; return (this rank's row in ``t``'s framework
         and dtype, or zeros when skipped; skip messages)."""
-        row, skipped = self._reduce(t, "reduce_scatter", rows=op)
+        row, skipped = self._reduce(t, "reduce_scatter", snapshots=snapshots, rows=op)
         width = -(-t.flat.size // self.size)
         with self._gpu.current():
             xp = array_module(t.flat)
@@ -722,14 +740,14 @@ class CompressedComm:
         if not plan.compressed:
             return NO_RESIDUALS
         hosts = self._placement.hosts
+        owners = 0
         if rows:  # a residual per row, named apart from the all-reduce's and its shards'
-            return self._residuals.encoding(f"{name}#shards", self.size, private=False)
-        if plan.hierarchical:
+            name, owners = f"{name}#shards", self.size
+        elif plan.hierarchical:
             # A local rank's residual by host covers its shard alone: a name of its own
             # (forget(name) still drops it), so no other schedule ever reads it.
             name = f"{name}#shard@{hosts.node.rank}/{hosts.node.size}"
-        owners = 0
-        if plan.sharded:
+        if plan.sharded and not rows:
             owners = hosts.cross.size if plan.hierarchical else self.size
         # A name met twice in one list of snapshots keeps a copy of its own: the shared
         # snapshot buffer would hold the second state, and a rollback would stop there.

@@ -2,8 +2,8 @@
 first, those that fit a codec; what it keeps per tensor) and the two schedules every
 kind of bounded codes shares, the ring's and the direct one's."""
 
-from mpicomp.collectives.direct import direct_allreduce_bounded
-from mpicomp.collectives.ring import ring_allreduce_bounded
+from mpicomp.collectives.direct import direct_allreduce_bounded, direct_reduce_scatter_bounded
+from mpicomp.collectives.ring import ring_allreduce_bounded, ring_reduce_scatter_bounded
 from mpicomp.model.measured import Speed
 from mpicomp.reduction._kind import Kind, Schedule, bounded_schedules
 from mpicomp.reduction.residuals import Stateless
@@ -55,14 +55,19 @@ def test_bounded_codes_go_by_the_ring_or_the_direct_reduce_scatter():
     def cost(schedule, codec, numel, nranks, payload=None):
         return (schedule, numel)
 
-    schedules = bounded_schedules(run, cost, lambda codec, numel, nranks, payload=None: 7)
+    def scatter(call, codec, flat, *, collective, mean=True):
+        ran.append(collective)
+        return flat[:1]
+
+    schedules = bounded_schedules(run, cost, lambda codec, numel, nranks, payload=None: 7, scatter)
     assert list(schedules) == ["ring", "direct"]
-    for name, collective in (
-        ("ring", ring_allreduce_bounded),
-        ("direct", direct_allreduce_bounded),
+    for name, collective, first_phase in (
+        ("ring", ring_allreduce_bounded, ring_reduce_scatter_bounded),
+        ("direct", direct_allreduce_bounded, direct_reduce_scatter_bounded),
     ):
         s = schedules[name]
         assert s.run(None, None, "x") == "x" and ran[-1] is collective
+        assert s.scatter(None, None, "xy") == "x" and ran[-1] is first_phase
         assert s.cost(None, 100, 4) == (name, 100)
     assert schedules["ring"].alltoall(None, 100, 4, None) == 0  # neighbours only
     assert schedules["direct"].alltoall(None, 100, 4, None) == 7
