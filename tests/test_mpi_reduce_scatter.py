@@ -277,3 +277,23 @@ def test_allgather_refuses_other_sizes_and_nan_on_every_rank():
                 c.allgather(shard, name="p")
         with pytest.raises(ValueError, match="numel"):
             c.allgather(shard * 0, numel=4 * comm.size + 1)
+
+
+@pytest.mark.mpi
+def test_calls_are_traced_with_their_op_and_bytes():
+    comm = world()
+    events = []
+    x, _ = _inputs(comm, 1003)
+    with mpicomp.CompressedComm(comm, "signsgd", on_call=events.append, min_numel=0) as c:
+        row = c.reduce_scatter(x, name="w")
+        for precision in ("float32", "bfloat16"):
+            c.allgather(row, name="p", precision=precision)
+    assert [(e["op"], e["name"]) for e in events] == [
+        ("reduce_scatter", "w"),
+        ("allgather", "p"),
+        ("allgather", "p"),
+    ]
+    if comm.size > 1:
+        assert events[0]["bytes_sent"] > 0
+        # bfloat16 sends this rank's row in two bytes an element instead of four
+        assert events[1]["bytes_sent"] - events[2]["bytes_sent"] == 2 * row.size

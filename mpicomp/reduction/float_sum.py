@@ -21,6 +21,7 @@ from mpicomp.collectives import plain
 from mpicomp.collectives.float_ring import allreduce_float16, allreduce_float32
 from mpicomp.errors import RankError
 from mpicomp.kernels import backend_of
+from mpicomp.kernels.readback import batch, read, value_of
 from mpicomp.reduction._cost import Cost, mpi_allreduce
 from mpicomp.reduction._kind import Kind, Schedule
 from mpicomp.reduction.agreement import (
@@ -153,11 +154,15 @@ def scatter(call: Call, codec, flat, mean: bool = True):
 
 
 def _largest(call: Call, flat) -> float:
-    """Return max |flat| on the host (NaN where it holds a NaN; 0 for no elements)."""
+    """Return max |flat| on the host (NaN where it holds a NaN; 0 for no elements): one
+    counted read on a device."""
     if not flat.size:
         return 0.0
-    xp = backend_of(flat, call.kernels).xp
-    return float(xp.max(xp.abs(flat)))
+    be = backend_of(flat, call.kernels)
+    with batch("reduce_scatter: max |x|"):  # needed now, for the agreement
+        largest = be.xp.max(be.xp.abs(flat)).reshape(1)
+        host = read(getattr(be, "device", None), largest, "reduce_scatter: max |x|")
+    return float(value_of(host)[0])
 
 
 def _chunk_bytes(call: Call) -> int:
