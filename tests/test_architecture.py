@@ -403,6 +403,7 @@ NOT_SCHEDULES = {
     ("mpicomp/tools/bench/__init__.py", "allreduce"): "a benchmark row's key",
     ("mpicomp/tools/bench/lane.py", "allreduce"): "a benchmark row's key",
     ("mpicomp/tools/bench/allreduce.py", "direct"): "a device transport (direct or staged)",
+    ("mpicomp/tools/bench/reduce_scatter.py", "allgather"): "a benchmark row's collective",
     ("mpicomp/tools/bench/report.py", "direct"): "a device transport (direct or staged)",
 }
 

@@ -336,3 +336,123 @@ def test_save_model_writes_the_networks_and_the_speeds_of_the_codecs_timed(capsy
     line = f"mpicomp bench: wrote the model to {kernels}: within a host alpha "
     line += f"{intra.alpha * 1e6:.4g} us, beta {intra.beta * 8 / 1e9:.4g} Gbit/s;"
     assert err.startswith(line) and err.rstrip().endswith("; 2 codec speeds")
+
+
+# -- the sharded collectives (mpicomp bench --reduce-scatter) ------------------------------
+
+
+@pytest.mark.mpi
+def test_reduce_scatter_rows_for_every_codec_with_their_exact_bytes():
+    from mpicomp.tools.bench import BENCH_SET, codec_set
+    from mpicomp.tools.bench.reduce_scatter import measure
+
+    comm = world()
+    size = comm.size
+    n = 1024 * size + 3  # above min_numel; rows padded wherever size does not divide n
+    shard = -(-n // size)
+    rows = measure(comm, n, codec_set(None), reps=1)
+    scatters = [r for r in rows if r["collective"] == "reduce_scatter"]
+    # Every codec but powersgd (a low-rank factorization has no reduce-scatter), then the
+    # allgathers.
+    assert [(r["codec"], r["params"]) for r in scatters] == [
+        (name, params) for name, params in BENCH_SET if name != "powersgd"
+    ]
+    assert [(r["collective"], r["precision"]) for r in rows[len(scatters) :]] == [
+        ("allgather", "float32"),
+        ("allgather", "bfloat16"),
+    ]
+    wire = 4 * (size - 1) * shard  # a float32 reduce-scatter's, per rank: (N-1)/N * 4n padded
+    one = 1 if size > 1 else 0  # one rank sends nothing at all
+    for r in rows:
+        assert (r["numel"], r["nranks"], r["shard"], r["mpi_bytes"]) == (n, size, shard, wire)
+        assert r["time_s"] > 0 and r["mpi_s"] > 0
+        assert r["time_ratio"] == pytest.approx(r["time_s"] / r["mpi_s"])
+        assert r["speedup"] == pytest.approx(r["mpi_s"] / r["time_s"])
+        assert all(r[k] >= 0 for k in PHASES)
+        if size == 1:
+            assert r["sent_ratio"] is None and r["recv_ratio"] is None
+        else:
+            assert r["sent_ratio"] == pytest.approx(r["bytes_sent"] / wire)
+            assert r["recv_ratio"] == pytest.approx(r["bytes_recv"] / wire)
+        # The MPI references, counted as the rows are: MPI_Reduce_scatter moves N - 1
+        # rows each way; MPI_Allgather is handed this rank's row once.
+        assert r["mpi_recv"] == wire
+        assert r["mpi_sent"] == (wire if r["precision"] is None else 4 * shard * one)
+    by = {(r["codec"], r["precision"]): r for r in rows}
+    # none: the 192-byte agreement head, then one all-to-all of the float32 rows; fp16 the
+    # same at 2 bytes an element.
+    assert by["none", None]["bytes_sent"] == by["none", None]["bytes_recv"] == (192 + wire) * one
+    assert by["fp16", None]["bytes_sent"] == (192 + wire // 2) * one
+    # The allgathers: the head, this rank's row out, N - 1 rows in; bfloat16 at half.
+    ag32, ag16 = by["none", "float32"], by["none", "bfloat16"]
+    assert (ag32["bytes_sent"], ag32["bytes_recv"]) == ((192 + 4 * shard) * one, (192 + wire) * one)
+    assert (ag16["bytes_sent"], ag16["bytes_recv"]) == (
+        (192 + 2 * shard) * one,
+        (192 + wire // 2) * one,
+    )
+    for r in scatters[2:]:  # every compressing codec sends less than float32
+        assert r["bytes_sent"] < by["none", None]["bytes_sent"] or size == 1, r["codec"]
+
+    # signSGD's direct reduce-scatter: the head, the scales' allgather (8 bytes a rank),
+    # then one bit per element of each other rank's row to its owner.
+    (sign, *_) = measure(comm, n, [("signsgd", {})], reps=1, schedules=["direct"])
+    assert (sign["schedule"], sign["chosen"]) == ("direct", "direct")
+    votes = (size - 1) * math.ceil(shard / 8)
+    assert sign["bytes_sent"] == (192 + 8 + votes) * one
+    assert sign["bytes_recv"] == (192 + 8 * (size - 1) + votes) * one
+
+
+@pytest.mark.mpi
+def test_mpicomp_bench_reduce_scatter_prints_json_and_a_table(capsys):
+    import io
+
+    from mpicomp.tools.bench.report import Report
+    from mpicomp.tools.cli import main
+
+    comm = world()
+    argv = ["bench", "--no-kernels", "--no-allreduce", "--reduce-scatter", "--sizes", "2K"]
+    argv += ["--codecs", "none,powersgd", "--allreduce-reps", "1", "--json", "-q"]
+    if comm.size == 1:  # nothing to reduce-scatter with: a usage error
+        assert main(argv) == 2 and "several ranks" in capsys.readouterr().err
+        return
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    if comm.rank != 0:
+        assert out == ""
+        return
+    # The codec rows, each with its reduce-scatter rows (powersgd: none), then the
+    # allgathers, which belong to no codec.
+    none, powersgd, ag32, ag16 = json.loads(out)
+    assert none["codec"] == "none" and none["allreduce"] == []
+    assert [(r["numel"], r["collective"]) for r in none["reduce_scatter"]] == [
+        (2000, "reduce_scatter")
+    ]
+    assert powersgd["codec"] == "powersgd" and powersgd["reduce_scatter"] == []
+    assert (ag32["precision"], ag16["precision"]) == ("float32", "bfloat16")
+    # The table: each collective under its MPI reference, within 120 columns.
+    text = io.StringIO()
+    Report([], [], comm.size, None, sharded=none["reduce_scatter"] + [ag32, ag16]).print(1, 1, text)
+    lines = text.getvalue().splitlines()
+    assert max(map(len, lines)) <= 120, max(lines, key=len)
+    labels = ["MPI_Reduce_scatter float32", "none ", "MPI_Allgather float32"]
+    labels += ["allgather float32", "allgather bfloat16"]
+    body = [line.lstrip() for line in lines if line.lstrip().startswith("2K ")]
+    assert len(body) == len(labels), body
+    for line, label in zip(body, labels, strict=True):
+        assert line[2:].lstrip().startswith(label), line
+
+
+@pytest.mark.mpi
+def test_reduce_scatter_rows_refuse_a_device_backend_on_every_rank(monkeypatch, capsys):
+    from types import SimpleNamespace
+
+    import mpicomp.tools.bench.allreduce as A
+    from mpicomp.tools.bench.reduce_scatter import measure
+    from mpicomp.tools.cli import main
+
+    comm = world()
+    monkeypatch.setattr(A, "kernel_backend", lambda name: SimpleNamespace(xp=None, name="cuda"))
+    with pytest.raises(RuntimeError, match="time host arrays; backend 'cuda'"):
+        measure(comm, 2000, [("none", {})], 1, backend="cuda")
+    assert main(["bench", "--reduce-scatter", "--backend", "cuda", "--sizes", "2K"]) == 2
+    assert "--reduce-scatter times host arrays" in capsys.readouterr().err

@@ -107,7 +107,9 @@ def _parser() -> argparse.ArgumentParser:
         "one rank sends, then CompressedComm.allreduce against MPI_Allreduce of float32 on "
         "MPI.COMM_WORLD, with its encode/exchange/decode split; both on --backend's arrays. "
         "Medians of --reps after a warm-up; the kernels are timed on rank 0 alone. The "
-        f"all-reduce needs several ranks (`{ALLREDUCE_LAUNCH}`): on one it is skipped.",
+        f"all-reduce needs several ranks (`{ALLREDUCE_LAUNCH}`): on one it is skipped. "
+        "--reduce-scatter adds the sharded collectives: CompressedComm.reduce_scatter and "
+        "allgather against MPI_Reduce_scatter and MPI_Allgather of float32.",
     )
     p.add_argument(
         "--codecs",
@@ -145,6 +147,13 @@ def _parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--no-kernels", action="store_true", help="skip the encode/decode timings")
     p.add_argument("--no-allreduce", action="store_true", help="skip the all-reduce timings")
+    p.add_argument(
+        "--reduce-scatter",
+        action="store_true",
+        help="also time CompressedComm.reduce_scatter of every codec that has one against "
+        "MPI_Reduce_scatter of float32, and CompressedComm.allgather (float32, bfloat16) "
+        "against MPI_Allgather, at --sizes (with --no-allreduce: these alone)",
+    )
     p.add_argument(
         "--trace", metavar="DIR", default=None, help="write an HDF5 trace per codec and size"
     )
@@ -476,8 +485,12 @@ def _cmd_compile(args, parser) -> int:
 
 
 def _cmd_bench(args, parser) -> int:
-    if args.no_kernels and args.no_allreduce:
+    if args.no_kernels and args.no_allreduce and not args.reduce_scatter:
         parser.error("--no-kernels and --no-allreduce leave nothing to measure")
+    if args.reduce_scatter and args.backend == "cuda":
+        parser.error(
+            "--reduce-scatter times host arrays; give a host --backend (numba, cuda-emulated)"
+        )
     if args.model and args.schedules is None:
         parser.error("--model predicts the times of --schedules; give --schedules")
     if args.save_model and args.no_kernels and args.backend is not None:
@@ -492,7 +505,7 @@ def _cmd_bench(args, parser) -> int:
 
     comm = MPI.COMM_WORLD
     # One rank has nothing to all-reduce with: its "speedup" and bytes would be noise and 0.
-    alone = comm.size == 1 and not args.no_allreduce
+    alone = comm.size == 1 and (not args.no_allreduce or args.reduce_scatter)
     unused = [
         flag
         for flag, value in (
@@ -500,6 +513,7 @@ def _cmd_bench(args, parser) -> int:
             ("--schedules", args.schedules),
             ("--trace", args.trace),
             ("--tc-dev", args.tc_dev),
+            ("--reduce-scatter", args.reduce_scatter),
         )
         if value and alone
     ]
@@ -536,6 +550,7 @@ def _cmd_bench(args, parser) -> int:
             model=args.model,
             with_model=bool(args.save_model),
             model_numel=args.numel,
+            sharded_sizes=sizes if args.reduce_scatter else [],
         )
     except (RuntimeError, OSError) as e:  # raised on every rank: each exits, none hangs
         if comm.rank == 0:
@@ -544,14 +559,16 @@ def _cmd_bench(args, parser) -> int:
     if comm.rank != 0:
         return 0
     if args.json:
-        bench.print_json(report.rows)
+        bench.print_json(report.json_rows())
     else:
         report.print(args.reps, args.allreduce_reps)
     if alone and not (args.json and args.quiet):
+        part, mpi = ("all-reduce", "MPI_Allreduce")
+        if args.no_allreduce:  # --reduce-scatter alone
+            part, mpi = ("reduce-scatter", "MPI_Reduce_scatter")
         print(
-            f"\nall-reduce: skipped on one rank; `{ALLREDUCE_LAUNCH}` measures it "
-            "against MPI_Allreduce"
-            + (f" ({', '.join(unused)}: for the all-reduce, unused)" if unused else ""),
+            f"\n{part}: skipped on one rank; `{ALLREDUCE_LAUNCH}` measures it against {mpi}"
+            + (f" ({', '.join(unused)}: for the {part}, unused)" if unused else ""),
             file=sys.stderr if args.json else sys.stdout,
         )
     return _save_model(report.model, args.save_model) if args.save_model else 0

@@ -1,4 +1,5 @@
-"""Benchmarks: codec kernels on one process, and compressed all-reduce against MPI_Allreduce.
+"""Benchmarks: codec kernels on one process, compressed all-reduce against MPI_Allreduce,
+and the compressed reduce-scatter and allgather against MPI's.
 
 ``mpicomp bench`` runs :func:`full_run`, the one entry of a whole bench (kernels,
 all-reduces, and with ``--save-model`` the model, :func:`measure_model`); ``mpicomp
@@ -7,6 +8,8 @@ advise`` runs :func:`run`. The modules, each importing only those before it:
 - ``workload``: the codec set, counts and parameter labels;
 - ``kernels``: codec throughput on one process (:func:`run`);
 - ``allreduce``: the all-reduce measurement across ranks (imports ``mpi4py.MPI``);
+- ``reduce_scatter``: the reduce-scatter and allgather measurement, on ``allreduce``'s
+  helpers;
 - ``report``: headers, tables and JSON.
 
 The gradient, one rank's encode/decode/wire closures and the clock are the runtime's
@@ -83,6 +86,7 @@ def full_run(
     model=None,
     with_model: bool = False,
     model_numel: int | None = None,
+    sharded_sizes: Sequence[int] = (),
 ) -> Report:
     """Run what ``mpicomp bench`` measures on ``comm``: kernels on rank 0, then
     all-reduces, then (``with_model``) the schedule chooser's model.
@@ -92,10 +96,13 @@ def full_run(
         codecs: codec names (``BENCH_SET``'s parameters); None for all.
         numel: kernel gradient size; None skips the kernel timings.
         sizes: all-reduce sizes (may be empty).
+        sharded_sizes: reduce-scatter and allgather sizes (may be empty), measured after
+            the all-reduces (``mpicomp.tools.bench.reduce_scatter.measure``).
         reps, allreduce_reps: timed repetitions of a kernel / of an all-reduce.
         seed: seed of the kernel gradient (each rank's all-reduce gradient is seeded
             by its rank).
-        trace_dir, tc_dev, schedules, model: see ``mpicomp.tools.bench.allreduce.measure``.
+        trace_dir, tc_dev, schedules, model: see ``mpicomp.tools.bench.allreduce.measure``
+            (they apply to the reduce-scatters too).
         progress: a text stream for progress lines on rank 0 (None: silent).
         backend: the kernel backend of the kernel timings (see :func:`run`) and of the
             all-reduces (None: what ``MPICOMP_KERNELS`` selects); on a device backend
@@ -110,7 +117,9 @@ def full_run(
         A :class:`Report` whose ``rows`` hold one dict per codec and backend: the keys
         of :func:`run` (kernel figures None when skipped) and ``allreduce``, the list of
         that codec's all-reduce rows (``mpicomp.tools.bench.allreduce.measure``), one per size
-        and schedule.
+        and schedule; with ``sharded_sizes`` also ``reduce_scatter``, its reduce-scatter
+        rows (``mpicomp.tools.bench.reduce_scatter.measure``; none for ``powersgd``).
+        ``sharded``: every reduce-scatter and allgather row.
         On ranks other than 0 the kernel figures are None. ``model``: the model of
         ``with_model`` (the same on every rank), else None.
     """
@@ -126,6 +135,11 @@ def full_run(
                 f"all-reduces of {', '.join(f'{n:,}' for n in sizes)} elements on "
                 f"{plural(comm.size, 'rank')}"
             )
+        if sharded_sizes:
+            plan.append(
+                f"reduce-scatters and allgathers of {', '.join(f'{n:,}' for n in sharded_sizes)} "
+                f"elements on {plural(comm.size, 'rank')}"
+            )
         print(f"bench: {', then '.join(plan)}; the time left follows", file=quiet, flush=True)
     kernel_rows = error = None
     if numel is not None and comm.rank == 0:
@@ -139,16 +153,30 @@ def full_run(
         raise error
     if failed is not None:
         raise RuntimeError(f"rank 0's kernel timings failed: {failed}")
-    allreduce = []
-    if sizes:
+    allreduce, sharded = [], []
+    if sizes or sharded_sizes:
         # Here, not at the top: importing mpicomp.tools.bench must not initialize MPI.
+        from mpicomp.tools.bench import reduce_scatter
         from mpicomp.tools.bench.allreduce import measure, run_model
 
-        if schedules is not None or model is not None:
-            model = run_model(comm, todo, model, max(sizes))  # once: every size alike
+        if schedules is not None or model is not None:  # once: every size alike
+            model = run_model(comm, todo, model, max([*sizes, *sharded_sizes]))
 
         for n in sizes:
             allreduce += measure(
+                comm,
+                n,
+                todo,
+                allreduce_reps,
+                quiet,
+                trace_dir=trace_dir,
+                tc_dev=tc_dev,
+                backend=backend,
+                schedules=schedules,
+                model=model,
+            )
+        for n in sharded_sizes:
+            sharded += reduce_scatter.measure(
                 comm,
                 n,
                 todo,
@@ -185,12 +213,19 @@ def full_run(
         row["allreduce"] = [
             a for a in allreduce if a["codec"] == name and a["params"] == dict(params)
         ]
+        if sharded_sizes:
+            row["reduce_scatter"] = [
+                a
+                for a in sharded
+                if a["collective"] == reduce_scatter.REDUCE_SCATTER
+                and (a["codec"], a["params"]) == (name, dict(params))
+            ]
         rows.append(row)
     measured = None
     if with_model:  # speeds from the kernel rows; without them, measured on every rank
         kernels = rows if numel is not None else None
         measured = measure_model(comm, kernels, codecs, model_numel or probe.SPEED_NUMEL)
-    return Report(rows, allreduce, comm.size, numel, measured)
+    return Report(rows, allreduce, comm.size, numel, measured, sharded)
 
 
 def measure_model(comm, rows: list[dict] | None, codecs: Sequence[str] | None, numel: int):

@@ -65,6 +65,18 @@ def slowest_median(comm, fn, reps: int, warmup: bool = True) -> float:
     return float(np.median(slowest))
 
 
+def bytes_per_call(comm, traffic: Traffic, calls: int) -> tuple[int, int, float, float]:
+    """Return what ``traffic`` counted over ``calls`` calls, per call: the bytes sent and
+    received, each the largest over ranks, then both summed over ranks (collective)."""
+    mine = np.array([traffic.sent, traffic.recv], dtype=np.float64) / calls
+    most = np.empty_like(mine)
+    plain.allreduce(comm, mine, most, MPI.MAX)
+    totals = np.empty_like(mine)
+    plain.allreduce(comm, mine, totals, MPI.SUM)
+    sent, recv = (int(round(v)) for v in most)
+    return sent, recv, float(totals[0]), float(totals[1])
+
+
 def tc_sent_bytes(dev: str) -> int:
     """Return the bytes ``tc -s qdisc show dev DEV`` says the device's root qdisc sent.
 
@@ -439,13 +451,7 @@ def measure(
                 chosen, predicted = cc.schedule_for(n)
             phases = _on_rank_0(comm, lambda path=path: phase_split(path))
             calls = reps + 1  # the warm-up call is traced too: bytes are a mean per call
-            mine = np.array([traffic.sent, traffic.recv], dtype=np.float64) / calls
-            most = np.empty_like(mine)
-            plain.allreduce(comm, mine, most, MPI.MAX)
-            totals = np.empty_like(mine)
-            plain.allreduce(comm, mine, totals, MPI.SUM)
-            total, total_recv = totals
-            sent, recv = (int(round(v)) for v in most)
+            sent, recv, total, total_recv = bytes_per_call(comm, traffic, calls)
             direct = device and phases["transport"] == "direct" and t_direct is not None
             t_ref = t_direct if direct else t_staged
             row = {

@@ -246,6 +246,57 @@ def format_allreduce_table(rows: list[dict], out=None) -> None:
         print("\n".join(table_lines(extra_head, extra, right=right, squeeze=squeeze)), file=out)
 
 
+def format_sharded_table(rows: list[dict], out=None) -> None:
+    """Print reduce-scatter and allgather rows (``mpicomp.tools.bench.reduce_scatter.measure``)
+    as a table of at most 120 columns (to stdout by default).
+
+    Per size: the ``MPI_Reduce_scatter float32`` line, a row per codec and schedule (with
+    the plan it ran by where that differs: ``auto -> direct``, ``ring -> float32`` below
+    ``min_numel``), then
+    the ``MPI_Allgather float32`` line and a row per precision: time, speedup over the
+    MPI line above, bytes per rank and their ratio to a float32 reduce-scatter's, and the
+    encode/exchange/decode split; with ``--tc-dev`` the bytes the devices counted.
+    """
+    out = sys.stdout if out is None else out
+    tc = any("device_bytes" in r for r in rows)
+    head = ["size", "codec", "schedule", "time ms", "speedup", "sent B", "x f32"]
+    head += ["recv B", "x f32", "enc/xchg/dec ms"] + (["device B", "/recv"] if tc else [])
+    body = []
+    last = None
+    for r in rows:
+        scatter = r["precision"] is None
+        if (r["numel"], scatter) != last:  # each collective's MPI reference first
+            last = r["numel"], scatter
+            mpi = "MPI_Reduce_scatter" if scatter else "MPI_Allgather"
+            wire = r["mpi_bytes"]
+            cells = [format_count(r["numel"]), f"{mpi} float32", "", f"{1e3 * r['mpi_s']:.2f}"]
+            cells += ["1.00", _bytes(r["mpi_sent"]), _ratio(r["mpi_sent"] / wire if wire else None)]
+            cells += [_bytes(r["mpi_recv"]), _ratio(r["mpi_recv"] / wire if wire else None), ""]
+            if tc:
+                cells += [f"{r['mpi_device_bytes']:,}" if "mpi_device_bytes" in r else "", ""]
+            body.append(cells)
+        name = codec_label(r["codec"], r["params"]) if scatter else f"allgather {r['precision']}"
+        ran = (
+            r["schedule"]
+            if r["chosen"] in (None, r["schedule"])
+            else f"{r['schedule']} -> {r['chosen']}"
+        )
+        cells = [format_count(r["numel"]), name, ran if scatter else ""]
+        cells += [f"{1e3 * r['time_s']:.2f}", f"{r['speedup']:.2f}"]
+        cells += [_bytes(r["bytes_sent"]), _ratio(r["sent_ratio"])]
+        cells += [_bytes(r["bytes_recv"]), _ratio(r["recv_ratio"]), _phases(r)]
+        if tc:
+            cells += (
+                [f"{r['device_bytes']:,}", _ratio(r["device_over_recv"])]
+                if "device_bytes" in r
+                else ["", ""]
+            )
+        body.append(cells)
+    right = [i for i in range(len(head)) if i not in (1, 2)]
+    squeeze = ((2, 14), (1, 24), (2, 10), (1, 12))
+    print("\n".join(table_lines(head, body, right=right, squeeze=squeeze)), file=out)
+
+
 def _reference_rows(r: dict, tc: bool, device: bool, pred: bool) -> tuple[list, list]:
     """Return the MPI_Allreduce row(s) of ``r``'s size, of the main table and of the
     second one: one on the host; staged, and direct when measured, on a device."""
@@ -275,15 +326,30 @@ def _reference_rows(r: dict, tc: bool, device: bool, pred: bool) -> tuple[list, 
 
 
 class Report:
-    """What ``mpicomp bench`` measured: kernel rows with their all-reduce entries, and
-    the model of ``--save-model`` (a ``mpicomp.model.Model``, else None)."""
+    """What ``mpicomp bench`` measured: kernel rows with their all-reduce entries, the
+    model of ``--save-model`` (a ``mpicomp.model.Model``, else None), and with
+    ``--reduce-scatter`` the reduce-scatter and allgather rows (``sharded``)."""
 
-    def __init__(self, rows: list[dict], allreduce: list[dict], nranks: int, numel, model=None):
+    def __init__(
+        self,
+        rows: list[dict],
+        allreduce: list[dict],
+        nranks: int,
+        numel,
+        model=None,
+        sharded: list[dict] | None = None,
+    ):
         self.rows = rows
         self.allreduce = allreduce
         self.nranks = nranks
         self.numel = numel
         self.model = model
+        self.sharded = sharded or []
+
+    def json_rows(self) -> list[dict]:
+        """Return what ``--json`` prints: the codec rows (each with its all-reduce and
+        reduce-scatter rows), then the allgather rows, which belong to no codec."""
+        return self.rows + [r for r in self.sharded if r["precision"] is not None]
 
     def print(self, reps: int, allreduce_reps: int, out=None) -> None:
         """Print both tables with their headers (to stdout by default)."""
@@ -336,3 +402,18 @@ class Report:
             print("\n" + note(text), file=out)
             format_allreduce_table(self.allreduce, out)
             format_verdicts(chooser_verdicts(self.allreduce), out)
+        if self.sharded:
+            first = self.sharded[0]
+            text = (
+                f"reduce-scatter and allgather on {plural(self.nranks, 'rank')}, host arrays, "
+                f"{first['backend']} kernels, FSDP's layout (rows of S = ceil(n/N) elements): "
+                "CompressedComm.reduce_scatter against MPI_Reduce_scatter of the float32 "
+                "buffer padded to N*S, CompressedComm.allgather (float32, bfloat16) against "
+                "MPI_Allgather of S float32; the slowest rank's time, median of "
+                f"{allreduce_reps} after a warm-up.\nspeedup = the MPI reference's time / "
+                "the row's; sent B, recv B: bytes per rank per call, 'x f32' over a float32 "
+                "reduce-scatter's 4(N-1)S ((N-1)/N*4n where N divides n); an allgather's "
+                "sent B counts its shard once (the buffer given to MPI)."
+            )
+            print("\n" + note(text), file=out)
+            format_sharded_table(self.sharded, out)

@@ -1,0 +1,775 @@
+"""``ZeroOptimizer``: a ``torch.optim`` optimizer whose state is split over the ranks (ZeRO
+stage 1, as torch's ``ZeroRedundancyOptimizer``), gradients arriving by a compressed
+reduce-scatter and parameters returning by an allgather.
+
+The trainable parameters go, in reverse order, into buckets; each bucket's parameters
+become views of one flat buffer of ``size`` equal rows (``CompressedComm.reduce_scatter``'s
+layout), and rank r's optimizer steps row r of every bucket only. Where the parameters
+are float32 and come back in float32, that row of the model's own buffer is the
+optimizer's parameter; otherwise a float32 master copy of the row is.
+"""
+
+from __future__ import annotations
+
+import difflib
+import inspect
+import threading
+import warnings
+import zlib
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from functools import partial
+
+import torch
+
+from mpicomp._log import log
+from mpicomp.call.config import Config, check_same
+from mpicomp.call.options import OPTIONS
+from mpicomp.call.worker import user_stacklevel
+from mpicomp.codecs._base import codec_parameters
+from mpicomp.comm import CompressedComm
+from mpicomp.errors import NonFiniteWarning, PeerClosed
+from mpicomp.reduction import kind_of
+from mpicomp.reduction.rows import PRECISIONS
+from mpicomp.torch.parameters import LAYOUT, _pairs, layout_differences
+from mpicomp.torch.shared import (
+    Failed,
+    Staging,
+    agree,
+    check_comm,
+    compressed,
+    count,
+    cuda_staging,
+    kind,
+    mpi_of,
+    peer_closed_in,
+    quiet,
+)
+
+__all__ = ["GradientsIgnoredWarning", "ZeroOptimizer"]
+
+#: The dtypes of parameters a ZeroOptimizer trains (its master rows are float32).
+_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+class GradientsIgnoredWarning(UserWarning):
+    """``ZeroOptimizer.step()`` averaged gradients as they were when their bucket was
+    sent (during backward); they changed after that (clipped, scaled, or another
+    backward pass without ``backward_passes_per_step``), and the change is not used."""
+
+
+@dataclass
+class _Bucket:
+    """Parameters reduce-scattered by one call, views of one flat buffer of rows."""
+
+    index: int
+    group: int  # the parameter group (of the named_parameters given) it belongs to
+    names: list[str]
+    params: list[torch.Tensor]
+    offsets: list[int]
+    values: torch.Tensor  # size * width elements, the parameters' dtype: they are views
+    grads: torch.Tensor  # float32, numel elements (pinned host memory: staging)
+    shard: torch.Tensor  # float32 row of this rank: a view of values, or a master copy
+    master: bool  # whether shard is a copy (then values hold what the allgather gave)
+    staged: bool  # CUDA tensors through host memory (no CuPy)
+    versions: list[int] = field(default_factory=list)  # the parameters' after the last write
+    ready: int = 0  # parameters whose gradients are complete this step
+    handle: object = None
+    # Each gradient as copied into grads, with its version counter (None: no gradient).
+    sent: list = field(default_factory=list)
+
+    @property
+    def numel(self) -> int:
+        return self.offsets[-1]
+
+    @property
+    def width(self) -> int:
+        return self.shard.numel()
+
+
+class ZeroOptimizer(torch.optim.Optimizer):
+    """Train with ``optimizer_class``, each rank of ``comm`` keeping 1/N of its state.
+
+    Gradients are averaged by ``CompressedComm.reduce_scatter`` (compressed by
+    ``codec``), each rank steps the rows it owns, and ``allgather`` gives every rank the
+    updated parameters (the same bits on every rank).
+
+    Args:
+        named_parameters: ``model.named_parameters()`` ((name, tensor) pairs, or a dict
+            of name -> tensor), or a list of parameter groups, dicts whose ``"params"``
+            are such pairs and whose other keys are that group's hyperparameters
+            (``[{"params": decay, "weight_decay": 0.1}, {"params": no_decay}]``). The
+            order fixes the buckets (reverse order, as DDP). Parameters that do not
+            require gradients are left alone.
+        optimizer_class: a ``torch.optim.Optimizer`` class whose update is elementwise
+            (SGD, Adam, AdamW, RMSprop, Adagrad...): it steps one flat row per bucket,
+            so an optimizer that looks at whole tensors (LAMB's trust ratio, Adafactor's
+            factored moments) would see other tensors than the parameters.
+        comm: an ``mpi4py`` communicator (a ``CompressedComm`` is made over it from
+            ``codec`` and the keywords it takes) or a ``CompressedComm``.
+        codec: a codec name (``"none"``, ``"qsgd_maxnorm"``, ...) or a made codec, of a
+            kind that has a reduce-scatter (every one but ``powersgd``).
+        gather_precision: ``"float32"``, or ``"bfloat16"`` (half the allgather's bytes:
+            the parameters come back rounded to bfloat16, float32 master rows stay).
+        overlap: start each bucket's reduce-scatter from the gradient hooks, during
+            backward; False starts them all in ``step()``.
+        backward_passes_per_step: gradients accumulate over this many backward passes
+            before they are averaged.
+        **keywords: ``CompressedComm`` options (``bucket_numel``, ``error_feedback``,
+            ``nonfinite``, ...) and codec parameters (``bits=4``) go to the
+            CompressedComm; the rest (``lr=1e-3``) to ``optimizer_class``.
+
+    Each bucket's parameters become views of one buffer (as ``ZeroRedundancyOptimizer``'s
+    ``parameters_as_bucket_view``): make the ZeroOptimizer after moving the model to its
+    device and dtype. ``step()`` waits for the reduce-scatters, steps the inner
+    optimizer (``optimizer``) on this rank's rows, allgathers every bucket and writes
+    the parameters; ``p.grad`` keeps this rank's own gradient (the average exists only
+    as rows), so clipping or scaling ``p.grad`` between backward and ``step()`` changes
+    nothing (``GradientsIgnoredWarning`` says so). A parameter without a gradient
+    counts as zeros (its momentum and weight decay still act, unlike an unsharded
+    optimizer, which skips it). Parameters written between steps
+    (``model.load_state_dict``, ``broadcast_parameters``, new ``.data`` of the same
+    device and dtype) are what the next step starts from.
+
+    ``param_groups`` and ``state`` are the inner optimizer's: one group per group given,
+    whose ``"params"`` are this rank's rows (learning-rate schedulers work on either).
+    ``state_bytes()`` counts this rank's optimizer memory.
+
+    Under ``nonfinite="skip_step"`` a NaN/Inf in any rank's gradient skips the step on
+    every rank (state, parameters and residuals untouched) with a ``NonFiniteWarning``;
+    ``skipped`` tells it. A NaN/Inf in the parameters after a step raises in the
+    allgather, on every rank, before any parameter is written.
+
+    Raises:
+        TypeError, ValueError: an argument is wrong on this rank (RankError on the
+            others, before anything else collective runs).
+        RankError: ranks wrap other parameters (naming each one that differs, with its
+            shape on every rank) or configure it differently.
+    """
+
+    def __init__(
+        self,
+        named_parameters,
+        optimizer_class: type[torch.optim.Optimizer],
+        comm,
+        codec=None,
+        *,
+        gather_precision: str = PRECISIONS[0],
+        overlap: bool = True,
+        backward_passes_per_step: int = 1,
+        **keywords,
+    ):
+        check_comm(comm)
+        error, named, comm_keywords, defaults = None, None, {}, {}
+        try:
+            if not (
+                isinstance(optimizer_class, type)
+                and issubclass(optimizer_class, torch.optim.Optimizer)
+            ):
+                raise TypeError(_not_a_class(optimizer_class))
+            if gather_precision not in PRECISIONS:
+                raise ValueError(
+                    f"gather_precision must be one of {PRECISIONS}, got {gather_precision!r}"
+                )
+            if not isinstance(overlap, bool | int) or overlap not in (0, 1):
+                raise TypeError(f"overlap must be True or False, got {kind(overlap)}")
+            backward_passes_per_step = count(
+                "backward_passes_per_step", backward_passes_per_step, 1
+            )
+            groups = _groups(named_parameters)
+            named = [(n, p) for _, pairs in groups for n, p in pairs]
+            comm_keywords, defaults = _split(keywords, optimizer_class, comm, codec)
+            trained = [(n, p) for n, p in named if p.requires_grad]
+            if not trained:
+                raise ValueError("named_parameters holds no parameter that requires a gradient")
+            for n, p in trained:
+                if p.dtype not in _DTYPES:
+                    raise TypeError(
+                        f"parameter {n!r} is {p.dtype}: a ZeroOptimizer trains float32, "
+                        "bfloat16 and float16 parameters (its master rows are float32)"
+                    )
+            layout = "|".join(
+                f"{g}:{n}:{tuple(p.shape)}:{p.dtype}:{p.requires_grad}"
+                for g, (_, pairs) in enumerate(groups)
+                for n, p in pairs
+            ).encode()
+            config = Config(
+                {
+                    "optimizer_class": optimizer_class.__qualname__,
+                    "optimizer_arguments": repr(sorted(defaults.items())),
+                    "groups": [repr(sorted(o.items())) for o, _ in groups],
+                    "gather_precision": gather_precision,
+                    "overlap": bool(overlap),
+                    "backward_passes_per_step": backward_passes_per_step,
+                    "parameters": len(named),
+                    LAYOUT: f"{zlib.crc32(layout):08x}",
+                }
+            )
+        except Exception as e:  # whatever it is, the other ranks must hear of it
+            error, config = e, None
+        check_same(
+            quiet(comm),
+            config,
+            error,
+            "this ZeroOptimizer",
+            comm_keywords.get("timeout"),  # the CompressedComm's timeout= covers it too
+            differences=partial(layout_differences, mpi_of(comm), config, named),
+        )
+        self._owns_comm = not isinstance(comm, CompressedComm)
+        self.comm = compressed(comm, codec, comm_keywords)  # collective: raises on every rank
+        self.gather_precision = gather_precision
+        self.overlap = bool(overlap)
+        self.backward_passes_per_step = backward_passes_per_step
+        #: Steps taken (skipped ones included): the same on every rank.
+        self.steps = 0
+        #: Whether the last ``step()`` skipped the inner optimizer's step (NaN/Inf).
+        self.skipped = False
+        self._staging = Staging("mpicomp.torch.ZeroOptimizer")
+        self._hooks = []
+        self._buckets: list[_Bucket] = []
+        self._next = 0  # the next bucket to start: buckets start in order on every rank
+        self._snapshots: list = []  # residual snapshots of this step's calls
+        self._closed = False
+        self._ignored: tuple[int, list[str]] = (0, [])  # gradients changed after sending
+        self.optimizer = None
+        error, inner = None, None
+        try:  # allocates, and the optimizer checks its arguments: may fail on one rank
+            _check_scatters(self.comm.codec)
+            self._buckets = self._make_buckets(groups)
+            inner = optimizer_class(
+                [
+                    {**options, "params": [b.shard for b in self._buckets if b.group == g]}
+                    for g, (options, _) in enumerate(groups)
+                ],
+                **defaults,
+            )
+        except Exception as e:
+            error = e
+        try:
+            agree(quiet(self.comm), error, "ZeroOptimizer", self.comm.options.timeout)
+        except BaseException:
+            self.close()
+            raise
+        #: The optimizer stepping this rank's rows (one parameter per bucket).
+        self.optimizer = inner
+        self._building = True
+        # The parent's bookkeeping (hooks, profiling) over the inner groups; the groups
+        # and state are then the inner optimizer's own objects.
+        super().__init__(inner.param_groups, inner.defaults)
+        self.param_groups = inner.param_groups
+        self.state = inner.state
+        self._building = False
+        self._owner = {p: b for b in self._buckets for p in b.params}
+        self._passes = dict.fromkeys(self._owner, 0)
+        self._lock = threading.Lock()  # autograd may run hooks on one thread per device
+        log.info(
+            "ZeroOptimizer: %d buckets of %s values, rows of %s on rank %d, overlap %s",
+            len(self._buckets),
+            [b.numel for b in self._buckets],
+            [b.width for b in self._buckets],
+            self.comm.rank,
+            self.overlap,
+        )
+        if self.overlap:
+            for b in self._buckets:
+                for p in b.params:
+                    self._hooks.append(p.register_post_accumulate_grad_hook(self._start_buckets))
+
+    @property
+    def buckets(self) -> tuple[tuple[str, ...], ...]:
+        """The names of each bucket's parameters, in the order the buckets start: the
+        trainable parameters in reverse order, a new bucket where ``bucket_numel`` would
+        be passed or the group, device or dtype changes. The same on every rank."""
+        return tuple(tuple(b.names) for b in self._buckets)
+
+    def state_bytes(self) -> int:
+        """Return the bytes of this rank's optimizer memory: the inner optimizer's state
+        tensors (Adam's ``exp_avg``, ``exp_avg_sq`` and ``step`` of its rows) and the
+        float32 master rows where the parameters are not float32 or come back in
+        bfloat16 (none otherwise: the rows are views of the parameters)."""
+        state = sum(
+            t.nbytes
+            for s in self.optimizer.state.values()
+            for t in s.values()
+            if torch.is_tensor(t)
+        )
+        return state + sum(b.shard.nbytes for b in self._buckets if b.master)
+
+    # -- the buckets ---------------------------------------------------------------
+
+    def _make_buckets(self, groups: list) -> list[_Bucket]:
+        """Group trainable parameters, in reverse order, into buckets of at most
+        ``bucket_numel`` elements, one group, device and dtype each."""
+        limit = self.comm.options.bucket_numel
+        buckets: list[_Bucket] = []
+        run: list[tuple[str, torch.Tensor]] = []
+        total, where = 0, None
+
+        def close():
+            nonlocal run, total
+            if run:
+                buckets.append(self._bucket(len(buckets), where[0], run))
+            run, total = [], 0
+
+        everything = [(g, n, p) for g, (_, pairs) in enumerate(groups) for n, p in pairs]
+        for g, name, p in reversed(everything):
+            if not p.requires_grad:
+                continue
+            here = (g, p.device, p.dtype)
+            if run and (total + p.numel() > limit or here != where):
+                close()
+            where = here
+            run.append((name, p))
+            total += p.numel()
+        close()
+        return buckets
+
+    def _bucket(self, index: int, group: int, run: list[tuple[str, torch.Tensor]]) -> _Bucket:
+        """Make one bucket: its parameters become views of its rows' buffer."""
+        names = [n for n, _ in run]
+        params = [p for _, p in run]
+        offsets = [0]
+        for p in params:
+            offsets.append(offsets[-1] + p.numel())
+        size, rank = self.comm.size, self.comm.rank
+        width = -(-offsets[-1] // size)
+        first = params[0]
+        values = torch.zeros(size * width, dtype=first.dtype, device=first.device)
+        with torch.no_grad():
+            for p, lo, hi in zip(params, offsets, offsets[1:], strict=False):
+                values[lo:hi].copy_(p.reshape(-1))
+                p.data = values[lo:hi].view_as(p)
+        staged = cuda_staging(first.device)
+        if staged:
+            grads = self._staging.buffer(offsets[-1])
+        else:
+            grads = torch.empty(offsets[-1], dtype=torch.float32, device=first.device)
+        row = values[rank * width : (rank + 1) * width]
+        master = first.dtype != torch.float32 or self.gather_precision != PRECISIONS[0]
+        shard = row.float().clone() if master else row
+        b = _Bucket(index, group, names, params, offsets, values, grads, shard, master, staged)
+        b.versions = [p._version for p in params]
+        return b
+
+    # -- during backward -----------------------------------------------------------
+
+    def _start_buckets(self, p: torch.Tensor | None = None) -> None:
+        """Start the buckets that are due, in order (as ``DistributedOptimizer``'s): the
+        gradient hook (``p``) counts the pass and starts the full buckets; ``step()``
+        (no ``p``) starts every bucket not started yet."""
+        with self._lock:
+            if p is not None:
+                self._passes[p] += 1
+                if self._passes[p] != self.backward_passes_per_step:
+                    return
+                self._owner[p].ready += 1
+            while self._next < len(self._buckets):
+                b = self._buckets[self._next]
+                if p is not None and b.ready < len(b.params):
+                    break
+                self._copy_in(b)
+                try:
+                    b.handle = self.comm.start_scatter(
+                        b.grads, f"bucket{b.index}", snapshots=self._snapshots
+                    )
+                except RuntimeError:  # closed: by a peer whose close an earlier bucket met?
+                    closed = peer_closed_in([x.handle for x in self._buckets[: b.index]])
+                    if closed is None:
+                        raise
+                    b.handle = Failed(closed)  # step() raises it
+                self._next = b.index + 1
+
+    def _copy_in(self, b: _Bucket) -> None:
+        """Copy the bucket's gradients (zeros where none) into its float32 buffer, noting
+        what each was (to see a change made after the copy)."""
+        b.sent = []
+        with torch.no_grad():
+            for p, lo, hi in zip(b.params, b.offsets, b.offsets[1:], strict=False):
+                grad = p.grad
+                if grad is None:
+                    b.grads[lo:hi].zero_()
+                else:
+                    b.grads[lo:hi].copy_(grad.reshape(-1))
+                b.sent.append(None if grad is None else (grad, grad._version))
+
+    # -- the step --------------------------------------------------------------------
+
+    def step(self, closure=None):
+        """Average the gradients by reduce-scatter, step this rank's rows, allgather the
+        parameters; unless a NaN/Inf skipped this step. Returns ``closure()``'s loss.
+
+        Raises:
+            RankError, ValueError, TypeError: a reduce-scatter failed on this rank or
+                another (every rank raises; no state moved), or an allgather did (the
+                rows were stepped; no parameter was written).
+            PeerClosed: another rank closed instead of taking this step; closed here too.
+            RuntimeError: this ZeroOptimizer is closed.
+        """
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        if self._closed:
+            raise RuntimeError("ZeroOptimizer is closed")
+        try:
+            self._start_buckets()
+            rows = self._wait_for_rows()
+        finally:
+            self.steps += 1
+        if rows is not None:
+            self._adopt_changed_parameters()
+            for b, row in zip(self._buckets, rows, strict=True):
+                b.shard.grad = row.to(b.shard.device) if b.staged else row
+            self.optimizer.step()
+            for b in self._buckets:
+                b.shard.grad = None
+            self._gather()
+        # Warned after the step: under -W error it raises on the ranks whose gradients
+        # changed only, which must still step.
+        (step, names), self._ignored = self._ignored, (0, [])
+        if names:
+            _warn_ignored(step, names)
+        return loss
+
+    def _wait_for_rows(self) -> list | None:
+        """Wait for this step's reduce-scatters; return their rows, or None when the step
+        is skipped (NaN/Inf under ``skip_step``, warned)."""
+        outcomes, error = [], None
+        for b in self._buckets:
+            try:
+                outcomes.append(b.handle.wait())
+            except Exception as e:  # wait for every call before raising the first error
+                error = error or e
+        snapshots, self._snapshots = self._snapshots, []
+        self._ignored = (self.steps, self._changed_since_sent())
+        self._reset_passes()
+        skipped = [m for o in outcomes for m in o.skipped]
+        if error is not None or skipped:
+            self.comm.rollback(snapshots)  # no residual moves in a step that does not happen
+        if isinstance(error, PeerClosed):
+            self.close()  # as the CompressedComm is: a later step() raises RuntimeError
+        if error is not None:
+            raise error
+        self.skipped = bool(skipped)
+        if skipped:
+            warnings.warn(
+                f"{'; '.join(skipped)}: optimizer step {self.steps} skipped on every rank",
+                NonFiniteWarning,
+                stacklevel=user_stacklevel(),
+            )
+            return None
+        return [o.average for o in outcomes]
+
+    def _changed_since_sent(self) -> list[str]:
+        """The parameters whose gradients changed after their bucket copied them."""
+        return [
+            n
+            for b in self._buckets
+            for n, p, sent in zip(b.names, b.params, b.sent, strict=True)
+            if _changed_since(p.grad, sent)
+        ]
+
+    def _reset_passes(self) -> None:
+        for p in self._passes:
+            self._passes[p] = 0
+        for b in self._buckets:
+            b.ready, b.handle = 0, None
+            b.sent = []  # holds gradients: let zero_grad() free them
+        self._next = 0
+
+    def _adopt_changed_parameters(self) -> None:
+        """Take in what changed the parameters since the last step: a parameter written
+        in place (its master row is read again), or given new storage of the same
+        device and dtype (copied into its bucket, a view again)."""
+        with torch.no_grad():
+            for b in self._buckets:
+                changed = False
+                for i, (n, p) in enumerate(zip(b.names, b.params, strict=True)):
+                    lo, hi = b.offsets[i], b.offsets[i + 1]
+                    if p.untyped_storage().data_ptr() != b.values.untyped_storage().data_ptr():
+                        if p.device != b.values.device or p.dtype != b.values.dtype:
+                            raise RuntimeError(
+                                f"ZeroOptimizer: parameter {n!r} moved to {p.device}, "
+                                f"{p.dtype} after it was made (on {b.values.device}, "
+                                f"{b.values.dtype}): make the ZeroOptimizer after the model "
+                                "has its device and dtype"
+                            )
+                        b.values[lo:hi].copy_(p.reshape(-1))
+                        p.data = b.values[lo:hi].view_as(p)
+                        changed = True
+                    elif p._version != b.versions[i]:
+                        changed = True
+                if changed and b.master:
+                    rank, width = self.comm.rank, b.width
+                    b.shard.copy_(b.values[rank * width : (rank + 1) * width])
+                if changed:
+                    b.versions = [p._version for p in b.params]
+
+    def _gather(self) -> None:
+        """Allgather every bucket's rows and write them into the parameters, once every
+        allgather succeeded (every rank, the owner too, takes the gathered bits)."""
+        cc = self.comm  # "cc": its allgather is mpicomp's, not an MPI call
+        handles = [
+            cc.iallgather(
+                b.shard.cpu() if b.staged else b.shard,
+                f"bucket{b.index}",
+                numel=b.numel,
+                precision=self.gather_precision,
+            )
+            for b in self._buckets
+        ]
+        gathered, error = [], None
+        for h in handles:
+            try:
+                gathered.append(h.wait())
+            except Exception as e:
+                error = error or e
+        if error is not None:
+            if isinstance(error, PeerClosed):
+                self.close()
+            raise error
+        with torch.no_grad():
+            for b, flat in zip(self._buckets, gathered, strict=True):
+                b.values[: b.numel].copy_(flat)
+                b.versions = [p._version for p in b.params]
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Reset the model parameters' gradients (``None``, or zeros in place)."""
+        for b in self._buckets:
+            for p in b.params:
+                if p.grad is None:
+                    continue
+                if set_to_none:
+                    p.grad = None
+                else:
+                    p.grad.detach_().zero_()
+
+    def add_param_group(self, param_group: dict) -> None:
+        if self._building:
+            return super().add_param_group(param_group)
+        raise RuntimeError(
+            "ZeroOptimizer: pass every parameter group when making it (every rank's "
+            "buckets are fixed then)"
+        )
+
+    # -- checkpoints -------------------------------------------------------------------
+
+    def state_dict(self) -> dict:
+        """This rank's part: the inner optimizer's state of its rows, the master rows,
+        the error-feedback residuals and the step counter (tensors: ``torch.load``
+        reads them with ``weights_only=True``). Save one file per rank."""
+        state = self.optimizer.state_dict()
+        comm = self.comm.state_dict()
+        state["mpicomp"] = {
+            "steps": self.steps,
+            "rank": self.comm.rank,
+            "size": self.comm.size,
+            "comm_step": comm["step"],
+            "residuals": _tensors(comm["residuals"]),
+            "server_residuals": _tensors(comm["server_residuals"]),
+            "masters": {b.index: b.shard.detach().clone() for b in self._buckets if b.master},
+        }
+        return state
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        """Restore this rank's ``state_dict()`` (saved by the same rank of as many ranks).
+        Collective: every rank loads its own; one that cannot raises, the others
+        RankError. Load the model's parameters first: parameters written after this
+        replace the master rows."""
+        error = None
+        try:
+            state = dict(state_dict)
+            ours = state.pop("mpicomp", None)
+            if ours is None:
+                raise ValueError(
+                    "not a ZeroOptimizer's state_dict (no 'mpicomp' entry): each rank "
+                    "loads what its own ZeroOptimizer.state_dict() gave"
+                )
+            where = (int(ours["rank"]), int(ours["size"]))
+            if where != (self.comm.rank, self.comm.size):
+                raise ValueError(
+                    f"this state_dict is rank {where[0]}'s of {where[1]} ranks; this is rank "
+                    f"{self.comm.rank} of {self.comm.size}: each rank loads its own rows"
+                )
+            masters = {int(k): v for k, v in ours["masters"].items()}
+            wanted = {b.index for b in self._buckets if b.master}
+            if set(masters) != wanted:
+                raise ValueError(
+                    f"this state_dict has master rows for buckets {sorted(masters)}, this "
+                    f"ZeroOptimizer for {sorted(wanted)} (another gather_precision or dtype)"
+                )
+            self.optimizer.load_state_dict(state)
+            self.comm.load_state_dict(
+                {
+                    "step": int(ours["comm_step"]),
+                    "residuals": dict(ours["residuals"]),
+                    "server_residuals": dict(ours["server_residuals"]),
+                }
+            )
+            with torch.no_grad():
+                for b in self._buckets:
+                    if b.master:
+                        b.shard.copy_(masters[b.index])
+                    # The parameters as they are now go with these rows (a model loaded
+                    # before is not read into them again).
+                    b.versions = [p._version for p in b.params]
+            self.steps = int(ours["steps"])
+        except Exception as e:
+            error = e
+        agree(quiet(self.comm), error, "ZeroOptimizer.load_state_dict", self.comm.options.timeout)
+
+    def close(self) -> None:
+        """Remove the gradient hooks, drop a step started and not taken (its residuals
+        back), and close the CompressedComm when this optimizer made it. Safe twice."""
+        for h in self._hooks:
+            h.remove()
+        self._hooks = []
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            if self._next:  # buckets started during backward, no step()
+                for b in self._buckets:
+                    if b.handle is not None:
+                        try:
+                            b.handle.wait()
+                        except Exception:
+                            pass  # the step is dropped: its errors with it
+                snapshots, self._snapshots = self._snapshots, []
+                self._reset_passes()
+                if not self.comm.closed:
+                    self.comm.rollback(snapshots)
+        finally:
+            if self._owns_comm:
+                self.comm.close()
+
+    def __repr__(self) -> str:
+        name = self.optimizer.__class__.__name__ if self.optimizer is not None else "?"
+        return (
+            f"ZeroOptimizer({name}, codec={self.comm.codec!r}, buckets={len(self._buckets)}, "
+            f"rank {self.comm.rank} of {self.comm.size})"
+        )
+
+
+# -- arguments -----------------------------------------------------------------------
+
+
+def _not_a_class(value) -> str:
+    hint = ""
+    if isinstance(value, torch.optim.Optimizer):
+        hint = (
+            f" (an optimizer: pass its class, {type(value).__name__}, and its arguments as "
+            "keywords, lr=...)"
+        )
+    return (
+        "optimizer_class must be a torch.optim.Optimizer class such as torch.optim.Adam, "
+        f"got {kind(value)}{hint}"
+    )
+
+
+def _groups(named_parameters) -> list[tuple[dict, list[tuple[str, torch.Tensor]]]]:
+    """Return [(group options, (name, tensor) pairs)] of ``named_parameters``: pairs, a
+    dict, or a list of parameter-group dicts; each name and tensor once."""
+    items = named_parameters
+    if isinstance(items, list | tuple) and items and all(isinstance(g, Mapping) for g in items):
+        groups = []
+        for i, g in enumerate(items):
+            if "params" not in g:
+                raise ValueError(f"parameter group {i} has no 'params'")
+            options = {k: v for k, v in g.items() if k != "params"}
+            groups.append((options, _pairs(g["params"])))
+    else:
+        groups = [({}, _pairs(items))]
+    names: dict[str, int] = {}
+    tensors: dict[int, str] = {}
+    for _, pairs in groups:
+        for n, p in pairs:
+            if n in names:
+                raise ValueError(f"named_parameters names {n!r} more than once")
+            names[n] = id(p)
+            if id(p) in tensors:
+                raise ValueError(
+                    f"named_parameters holds one tensor under two names, {tensors[id(p)]!r} "
+                    f"and {n!r} (tied weights: name each tensor once, as "
+                    "model.named_parameters() does)"
+                )
+            tensors[id(p)] = n
+    return groups
+
+
+def _check_scatters(codec) -> None:
+    """Refuse a codec whose kind has no reduce-scatter (``powersgd``)."""
+    if next(iter(kind_of(codec).schedules.values())).scatter is None:
+        raise ValueError(
+            f"codec {codec.name!r} has no reduce-scatter (its aggregation needs every "
+            "rank's whole tensor): use it with DistributedOptimizer, or give ZeroOptimizer "
+            "a codec of another kind (docs/sharded.md)"
+        )
+
+
+def _split(keywords: dict, optimizer_class, comm, codec) -> tuple[dict, dict]:
+    """Return ``keywords`` as (the CompressedComm's: options and codec parameters, the
+    optimizer's); a TypeError for a keyword both take, or neither."""
+    try:
+        signature = inspect.signature(optimizer_class).parameters
+    except (TypeError, ValueError):  # no signature to read: it gets the rest
+        signature = {"": inspect.Parameter("_", inspect.Parameter.VAR_KEYWORD)}
+    anything = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in signature.values())
+    # Its first argument is the parameters, given by the ZeroOptimizer.
+    takes = [
+        n
+        for i, (n, p) in enumerate(signature.items())
+        if i > 0 and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)
+    ]
+    mine: set[str] = set()
+    if not isinstance(comm, CompressedComm):
+        mine = set(OPTIONS) | set(codec_parameters(codec if isinstance(codec, str) else ""))
+    both = [k for k in keywords if k in mine and k in takes]
+    if both:
+        raise TypeError(
+            f"keyword(s) {', '.join(map(repr, both))} are taken by the CompressedComm and "
+            f"by {optimizer_class.__name__}: they go to the CompressedComm; give the "
+            "optimizer's in a parameter group ([{'params': model.named_parameters(), ...}])"
+        )
+    unknown = [k for k in keywords if k not in mine and k not in takes and not anything]
+    if unknown:
+        known = [*mine, *takes]
+        parts = []
+        for k in unknown:
+            close = difflib.get_close_matches(k, known, n=1)
+            parts.append(f"{k!r}" + (f" (did you mean {close[0]!r}?)" if close else ""))
+        what = f"a parameter of codec {codec!r}, " if isinstance(codec, str) else ""
+        raise TypeError(
+            f"ZeroOptimizer got unknown keyword(s) {', '.join(parts)}: not an option of "
+            f"CompressedComm, {what}nor an argument of {optimizer_class.__name__}"
+        )
+    return (
+        {k: v for k, v in keywords.items() if k in mine},
+        {k: v for k, v in keywords.items() if k not in mine},
+    )
+
+
+def _changed_since(grad, sent) -> bool:
+    """Whether ``grad`` (a parameter's gradient now) is not what a bucket copied:
+    ``sent`` is (that gradient, its version counter), or None where there was none."""
+    if sent is None:
+        return grad is not None
+    return grad is not sent[0] or grad._version != sent[1]
+
+
+def _warn_ignored(step: int, names: list[str]) -> None:
+    shown = ", ".join(map(repr, names[:3]))
+    more = f" and {len(names) - 3} more" if len(names) > 3 else ""
+    warnings.warn(
+        f"ZeroOptimizer step {step}: the gradients of {shown}{more} changed after they were "
+        "sent for averaging during backward (clipped or scaled before step(), or another "
+        "backward pass) and the change is not used: accumulate with "
+        "backward_passes_per_step, or pass overlap=False",
+        GradientsIgnoredWarning,
+        stacklevel=user_stacklevel(),
+    )
+
+
+def _tensors(arrays: dict) -> dict:
+    """Return residual arrays (NumPy or CuPy) as torch tensors (no copy)."""
+    return {k: torch.from_dlpack(v) for k, v in arrays.items()}
