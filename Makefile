@@ -175,7 +175,8 @@ bench-netem: $(VENV)/.installed
 # DistributedOptimizer with every codec: ms/step, bytes, accuracy and time to DDP float32's
 # accuracy (jobs/peers/; unshaped loopback by default, minutes on 2 cores); options:
 # make peers PEERS_ARGS="--networks unshaped,shared,hosts" (root: jobs.netem's networks),
-# PEERS_ARGS="--preset full" (issue 28's models and steps).
+# PEERS_ARGS="--preset full" (issue 28's models and steps), PEERS_ARGS="--sharded all"
+# (FSDP2, HSDP and ZeRO rows: torch's and mpicomp's).
 peers: $(VENV)/.installed
 	$(BIN)/python -m jobs.peers $(PEERS_ARGS)
 

@@ -181,3 +181,117 @@ def test_the_exchanges_alone_average_and_are_timed(tmp_path):
     assert all(result["rel_err"][n] < 1e-6 for n in names if "fp16" not in n)
     assert all(0 < result["rel_err"][n] < 1e-2 for n in names if "fp16" in n)
     assert "gloo f32 / x" in out.stdout
+
+
+def test_sharded_rows_by_family_each_codec_and_gather_precision():
+    labels = [c.label for c in driver.sharded_configs(["zero"], "signsgd", ["float32", "bfloat16"])]
+    assert labels == ["zero_ddp", "mpicomp_zero_signsgd", "mpicomp_zero_signsgd_gather_bf16"]
+    configs = driver.sharded_configs(list(driver.FAMILIES), "none,qsgd_maxnorm_bits4")
+    specs = {c.label: c.spec for c in configs}
+    assert list(specs) == [
+        "fsdp", "fsdp_bf16", "mpicomp_fsdp_none", "mpicomp_fsdp_qsgd_maxnorm_bits4",
+        "mpicomp_hsdp_none", "mpicomp_hsdp_qsgd_maxnorm_bits4", "zero_ddp",
+        "mpicomp_zero_none", "mpicomp_zero_qsgd_maxnorm_bits4",
+    ]  # fmt: skip
+    assert specs["fsdp_bf16"] == {"kind": "fsdp", "reduce_dtype": "bfloat16"}
+    assert specs["mpicomp_hsdp_qsgd_maxnorm_bits4"] == {
+        "kind": "mpicomp_hsdp", "codec": "qsgd_maxnorm", "params": {"bits": 4}
+    }  # fmt: skip
+    assert specs["mpicomp_zero_none"]["gather_precision"] == "float32"
+    assert driver.sharded_configs([], "none") == []
+    with pytest.raises(ValueError, match="powersgd has no reduce-scatter"):
+        driver.sharded_configs(["fsdp"], "none,powersgd")
+    with pytest.raises(ValueError, match="--sharded: unknown ddp"):
+        driver.sharded_configs(["ddp"], "none")
+    with pytest.raises(ValueError, match="--zero-gather: unknown float16"):
+        driver.sharded_configs(["zero"], "none", ["float16"])
+
+
+def test_rows_filter_the_configurations_and_sharded_adds_them(tmp_path):
+    out = ["--out", str(tmp_path)]
+    default = [c.label for c in driver._parse(out).configs]
+    assert not any("fsdp" in label or "zero" in label for label in default)
+    args = driver._parse([*out, "--sharded", "all", "--sharded-codecs", "signsgd",
+                          "--rows", "ddp,fsdp*,*zero*"])  # fmt: skip
+    assert [c.label for c in args.configs] == [
+        "ddp", "fsdp", "fsdp_bf16", "zero_ddp", "mpicomp_zero_signsgd"
+    ]  # fmt: skip
+    with pytest.raises(SystemExit):
+        driver._parse([*out, "--rows", "nothing*"])
+    with pytest.raises(SystemExit):  # 3 ranks do not make hosts of 2
+        driver._parse([*out, "--sharded", "hsdp", "--ranks", "3"])
+
+
+def test_sharded_rows_get_a_time_to_fsdp2_float32s_accuracy_too():
+    rows = [
+        {"config": "ddp", "status": "ok", "ms_step": 10.0, "final_accuracy": 0.9,
+         "accuracy": [(0, 0.1), (10, 0.8), (20, 0.9)]},
+        {"config": "fsdp", "status": "ok", "ms_step": 20.0, "final_accuracy": 0.8,
+         "accuracy": [(0, 0.1), (10, 0.7), (20, 0.8)]},
+        {"config": "mpicomp_fsdp_signsgd", "status": "ok", "ms_step": 5.0,
+         "accuracy": [(0, 0.1), (10, 0.85), (20, 0.88)], "optimizer_bytes": [4000, 6000]},
+    ]  # fmt: skip
+    driver.add_targets(rows)
+    assert [r["steps_to_target"] for r in rows] == [20, None, None]  # DDP's 0.9
+    vs = [r["vs_fsdp"] for r in rows]
+    assert all(v["target_accuracy"] == 0.8 for v in vs)
+    assert [v["steps_to_target"] for v in vs] == [10, 20, 10]  # DDP reached 0.8 at 10
+    assert vs[2]["seconds_to_target"] == pytest.approx(0.05)
+    out = io.StringIO()
+    driver.table(rows, types.SimpleNamespace(eval_every=10, steps=20), out=out)
+    text = out.getvalue()
+    assert "time to FSDP2 f32's 0.800" in text and "FSDP2 float32 was still rising" in text
+    sharded = text[text.index("x FSDP2") :]
+    line = next(x for x in sharded.splitlines() if x.startswith("mpicomp_fsdp_signsgd"))
+    assert line.split()[1:5] == ["5.0", "4.00", "0.006", "0.05"]  # ms, x FSDP2, opt MB, s
+    del rows[1]  # no FSDP2 row: no second target, no second table
+    for r in rows:
+        r.pop("vs_fsdp")
+    driver.add_targets(rows)
+    assert "vs_fsdp" not in rows[0]
+
+
+def test_sharded_rows_train_end_to_end(tmp_path):
+    # 2 ranks, the MLP 64-32-10, 4 steps: FSDP2 float32; FSDP2 through mpicomp's
+    # reduce-scatter with codec none, which must train as FSDP's own; compressed HSDP
+    # (hosts of one rank: the compressed all-reduce carries every byte); torch's ZeRO
+    # with DDP; mpicomp's ZeroOptimizer, its allgather in bfloat16.
+    pytest.importorskip("torch")
+    pytest.importorskip("sklearn")
+    out = subprocess.run(
+        [sys.executable, "-m", "jobs.peers", "--ranks", "2", "--models", "mlp",
+         "--mlp-hidden", "32", "--steps", "4", "--warmup", "1", "--eval-every", "2",
+         "--sharded", "all", "--sharded-codecs", "none,qsgd_maxnorm_bits4",
+         "--zero-gather", "bfloat16", "--hsdp-host-ranks", "1",
+         "--rows", "fsdp,mpicomp_fsdp_none,mpicomp_hsdp_qsgd*,zero_ddp,mpicomp_zero_qsgd*",
+         "--timeout", "240", "--out", str(tmp_path)],
+        capture_output=True, text=True, timeout=900, cwd=_REPO,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr[-3000:]
+    runs = {r["config"]: r for r in json.loads((tmp_path / "peers.json").read_text())["runs"]}
+    assert list(runs) == [
+        "fsdp", "mpicomp_fsdp_none", "mpicomp_hsdp_qsgd_maxnorm_bits4", "zero_ddp",
+        "mpicomp_zero_qsgd_maxnorm_bits4_gather_bf16",
+    ]  # fmt: skip
+    n = 64 * 32 + 32 + 32 * 10 + 10
+    for r in runs.values():
+        assert r["status"] == "ok", (r["config"], r["status"], open(r["log"]).read()[-2000:])
+        assert r["model_params"] == n and r["ranks"] == 2 and len(r["step_ms"]) == 4
+        assert [s for s, _ in r["accuracy"]] == [0, 2, 4]
+        assert r["vs_fsdp"]["target_accuracy"] == runs["fsdp"]["final_accuracy"]
+        assert r["target_accuracy"] is None  # no DDP float32 row
+    fsdp, ours = runs["fsdp"], runs["mpicomp_fsdp_none"]
+    assert ours["accuracy"] == fsdp["accuracy"]  # float32 through mpicomp: FSDP's own bits
+    # SGD's momentum sharded: every layer's rows split in two, half the model each
+    assert fsdp["optimizer_bytes"] == ours["optimizer_bytes"] == [2 * n, 2 * n]
+    assert fsdp["bytes_per_step_traced"] is None and ours["bytes_per_step_traced"] > 0
+    # torch's ZeRO splits by whole tensors, unevenly; ours by rows; with bfloat16 gathers
+    # it keeps float32 master rows beside the momentum
+    assert sum(runs["zero_ddp"]["optimizer_bytes"]) == 4 * n
+    assert 2 * n < max(runs["zero_ddp"]["optimizer_bytes"]) < 4 * n
+    zero = runs["mpicomp_zero_qsgd_maxnorm_bits4_gather_bf16"]
+    assert all(4 * n <= b <= 4 * n + 64 for b in zero["optimizer_bytes"])
+    # 4-bit codes between the hosts: under half of float32's 4 bytes per parameter and rank
+    hsdp = runs["mpicomp_hsdp_qsgd_maxnorm_bits4"]
+    assert 0 < hsdp["bytes_per_step_traced"] < 0.5 * 2 * 4 * n
+    assert "time to FSDP2 f32's" in out.stdout and "x FSDP2" in out.stdout

@@ -1,1 +1,2 @@
-"""Torch DDP and its communication hooks against mpicomp, side by side (jobs/peers/driver.py)."""
+"""Torch DDP and its communication hooks, FSDP2 and ZeRO against mpicomp, side by side
+(jobs/peers/driver.py)."""

@@ -1,4 +1,4 @@
-"""Torch DDP's communication hooks against mpicomp, side by side, in one command.
+"""Torch DDP's communication hooks, FSDP2 and ZeRO against mpicomp, side by side, in one command.
 
 ``python -m jobs.peers`` trains the same model from the same weights on the same batches
 once per configuration:
@@ -10,7 +10,14 @@ once per configuration:
 - ``mpicomp.torch.DistributedOptimizer`` with every codec of
   ``mpicomp.codecs.available()`` (the runs of the training jobs' comparison for the
   codecs it lists, a codec's defaults else), and each of those again with
-  ``schedule="auto"`` (``--auto``).
+  ``schedule="auto"`` (``--auto``);
+- with ``--sharded``, sharded training: torch FSDP2 (``fully_shard``) over gloo in
+  float32 (``fsdp``, the sharded rows' reference) and with
+  ``MixedPrecisionPolicy(reduce_dtype=torch.bfloat16)``, FSDP2 with mpicomp's
+  compressed reduce-scatter (``compress_fsdp``), compressed HSDP (FSDP2 within a host,
+  mpicomp between hosts: ``compress_hsdp``), torch's ``ZeroRedundancyOptimizer`` with
+  DDP, and ``mpicomp.torch.ZeroOptimizer``; mpicomp's with each codec of
+  ``--sharded-codecs``.
 
 Each configuration is one MPI launch (jobs/peers/worker.py) under ``--timeout``: a
 peer that fails or hangs becomes a row saying so, and the next one runs. Networks
@@ -22,11 +29,14 @@ environment), as gloo does.
 
 Per configuration: ms/step (the slowest rank's, median after ``--warmup`` steps), bytes
 per step (tc's counters on the emulated networks; unshaped, what mpicomp's calls report,
-"n/a" for DDP), test accuracy every ``--eval-every`` steps, and the time to reach the
-final accuracy of DDP float32 on the same network and model (steps x ms/step, or
-"never" within ``--steps``; a run that reaches it and then diverges or ends below it
-says so); where DDP float32 had not plateaued the table says so under it, since a time
-to the accuracy of a run still rising is an early-training figure. Output: a table per network and model on stdout,
+"n/a" for torch's), the optimizer's memory per rank (its state tensors, the largest
+rank's), test accuracy every ``--eval-every`` steps, and the time to reach the final
+accuracy of DDP float32 on the same network and model (steps x ms/step, or "never"
+within ``--steps``; a run that reaches it and then diverges or ends below it says so);
+where DDP float32 had not plateaued the table says so under it, since a time to the
+accuracy of a run still rising is an early-training figure. Where FSDP2 float32 ran, a
+second table gives every row's time to its final accuracy. Output: a table per network
+and model on stdout,
 ``OUT/peers.json``, ``OUT/accuracy.png`` (accuracy against steps x ms/step, log) and each
 launch's log under ``OUT/logs/``.
 """
@@ -36,6 +46,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import datetime
+import fnmatch
 import json
 import os
 import platform
@@ -55,6 +66,9 @@ from mpicomp.tools.advise import parse_rate
 
 NETWORKS = ("unshaped", "shared", "hosts")
 REFERENCE = "ddp"  # the float32 baseline: its final accuracy is every row's target
+SHARDED_REFERENCE = "fsdp"  # FSDP2 float32: the second target, where it ran
+FAMILIES = ("fsdp", "hsdp", "zero")  # --sharded
+GATHERS = {"float32": "", "bfloat16": "_gather_bf16"}  # ZeroOptimizer's, label suffixes
 
 
 @dataclass(frozen=True)
@@ -150,6 +164,50 @@ def mpicomp_configs(
         r = labels[label]
         spec = {"kind": "mpicomp", "codec": r.codec, "params": r.params, "schedule": "auto"}
         out.append(Config(f"mpicomp_{label}_auto", spec))
+    return out
+
+
+def sharded_configs(families, codecs: str, gathers=("float32",)) -> list[Config]:
+    """Sharded training, by family of ``families`` (``FAMILIES``): ``fsdp``: FSDP2 float32
+    (the reference), its bfloat16 reduce, and FSDP2 through mpicomp's reduce-scatter;
+    ``hsdp``: compressed HSDP; ``zero``: torch's ZeroRedundancyOptimizer with DDP, and
+    ZeroOptimizer at each allgather precision of ``gathers``. mpicomp's with every run of
+    ``codecs`` (jobs.train's syntax).
+
+    Raises:
+        ValueError: an unknown family or precision, a malformed codec entry, or a codec
+            without a reduce-scatter (powersgd).
+    """
+    unknown = [f for f in families if f not in FAMILIES]
+    if unknown:
+        choices = ", ".join(("all", *FAMILIES))
+        raise ValueError(f"--sharded: unknown {', '.join(unknown)}; choose from {choices}")
+    wrong = [g for g in gathers if g not in GATHERS]
+    if wrong:
+        choices = ", ".join(GATHERS)
+        raise ValueError(f"--zero-gather: unknown {', '.join(wrong)}; choose from {choices}")
+    runs = parse_runs(codecs) if families else []
+    if any(r.codec == "powersgd" for r in runs):
+        raise ValueError(
+            "--sharded-codecs: powersgd has no reduce-scatter (its aggregation needs every "
+            "rank's whole tensor); its rows are DistributedOptimizer's (--codecs)"
+        )
+    out = []
+    if "fsdp" in families:
+        out.append(Config(SHARDED_REFERENCE, {"kind": "fsdp"}))
+        out.append(Config("fsdp_bf16", {"kind": "fsdp", "reduce_dtype": "bfloat16"}))
+    for family in ("fsdp", "hsdp"):
+        if family in families:
+            for r in runs:
+                spec = {"kind": f"mpicomp_{family}", "codec": r.codec, "params": r.params}
+                out.append(Config(f"mpicomp_{family}_{r.label}", spec))
+    if "zero" in families:
+        out.append(Config("zero_ddp", {"kind": "zero_ddp"}))
+        for r in runs:
+            for g in gathers:
+                spec = {"kind": "mpicomp_zero", "codec": r.codec, "params": r.params}
+                spec["gather_precision"] = g
+                out.append(Config(f"mpicomp_zero_{r.label}{GATHERS[g]}", spec))
     return out
 
 
@@ -269,6 +327,7 @@ def run_config(network: Network, model: str, config: Config, args) -> dict:
     argv += ["--eval-every", str(args.eval_every), "--batch", str(args.batch)]
     argv += ["--lr", str(args.lr), "--seed", str(args.seed), "--iface", network.iface]
     argv += ["--tc-dev", ",".join(network.tc_devs)]
+    argv += ["--host-ranks", str(args.hsdp_host_ranks)]
     row = {"network": network.name, "model": model, "config": config.label, **config.spec}
     meta, result = _launch(network, argv, f"{network.name}-{model}-{config.label}", args)
     row.update(meta)
@@ -325,29 +384,42 @@ def plateau(accuracy: list) -> tuple[bool, float]:
 
 
 def add_targets(rows: list[dict]) -> None:
-    """Give every row of one network and model its time to the reference's final accuracy,
-    whether the reference had plateaued (``plateaued``, ``rise``: a time to the accuracy
+    """Give every row of one network and model its time to DDP float32's final accuracy,
+    whether DDP float32 had plateaued (``plateaued``, ``rise``: a time to the accuracy
     of a run still rising is an early-training figure, not a time to accuracy), and, for
     a row that reached the target, its final accuracy when it ended more than
-    ``PLATEAU`` below it (``fell_to``: it reached the target and lost it)."""
-    ref = next((r for r in rows if r["config"] == REFERENCE and r["status"] == "ok"), None)
+    ``PLATEAU`` below it (``fell_to``: it reached the target and lost it). Where FSDP2
+    float32 ran (``SHARDED_REFERENCE``), the same against its final accuracy under
+    ``vs_fsdp``."""
+    for r, fields in zip(rows, _targets(rows, REFERENCE), strict=True):
+        r.update(fields)
+    if any(r["config"] == SHARDED_REFERENCE for r in rows):
+        for r, fields in zip(rows, _targets(rows, SHARDED_REFERENCE), strict=True):
+            r["vs_fsdp"] = fields
+
+
+def _targets(rows: list[dict], reference: str) -> list[dict]:
+    """``add_targets``'s fields of every row against the final accuracy of ``reference``."""
+    ref = next((r for r in rows if r["config"] == reference and r["status"] == "ok"), None)
     target = ref["final_accuracy"] if ref else None
     flat, rise = plateau(ref["accuracy"]) if ref else (False, float("nan"))
+    out = []
     for r in rows:
-        r["target_accuracy"] = target
-        r["plateaued"], r["rise"] = flat, rise
-        r["steps_to_target"] = r["seconds_to_target"] = r["fell_to"] = None
+        f = {"target_accuracy": target, "plateaued": flat, "rise": rise}
+        f["steps_to_target"] = f["seconds_to_target"] = f["fell_to"] = None
+        out.append(f)
         if target is None or not r.get("ms_step") or not r.get("accuracy"):
             continue
         if r["status"] != "ok" and not r["status"].startswith("diverged"):
             continue
         hit = next((step for step, acc in r["accuracy"] if acc >= target), None)
-        r["steps_to_target"] = hit
+        f["steps_to_target"] = hit
         if hit is not None:
-            r["seconds_to_target"] = hit * r["ms_step"] / 1e3
+            f["seconds_to_target"] = hit * r["ms_step"] / 1e3
             last = r["accuracy"][-1][1]
             if r["status"] != "ok" or last < target - PLATEAU:
-                r["fell_to"] = last
+                f["fell_to"] = last
+    return out
 
 
 def _reach(r: dict, target, steps: int) -> str:
@@ -376,26 +448,37 @@ def _acc_at(r: dict, step: int) -> str:
     return "-" if step not in acc else f"{acc[step]:.3f}"
 
 
+def _fmt_optimizer(r: dict) -> str:
+    b = r.get("optimizer_bytes")
+    return "-" if not b else f"{max(b) / 1e6:.3f}"
+
+
+def _ran(r: dict) -> bool:
+    return r["status"] == "ok" or r["status"].startswith("diverged")
+
+
 def table(rows: list[dict], args, out=sys.stdout) -> None:
-    """Print one network and model's rows."""
+    """Print one network and model's rows; and, where FSDP2 float32 ran, every row's time
+    to its final accuracy."""
     ref = next((r for r in rows if r["config"] == REFERENCE and r.get("ms_step")), None)
     mid = args.eval_every * max(1, args.steps // args.eval_every // 2)
     target = rows[0].get("target_accuracy")
     goal = "time to DDP f32's " + ("(no reference)" if target is None else f"{target:.3f}")
     shaped = any(r.get("bytes_per_step_tc") is not None for r in rows)
+    w = _label_width(rows)
     head = (
-        f"{'configuration':<40}{'ms/step':>9}{'x DDP':>7}{'MB/step':>9}"
+        f"{'configuration':<{w}}{'ms/step':>9}{'x DDP':>7}{'MB/step':>9}{'opt MB':>9}"
         f"{f'acc@{mid}':>9}{f'acc@{args.steps}':>9}  {goal}"
     )
 
     def line(r: dict) -> str:
-        if r["status"] not in ("ok",) and not r["status"].startswith("diverged"):
-            return f"{r['config']:<40}{r['status']}"
+        if not _ran(r):
+            return f"{r['config']:<{w}}{r['status']}"
         ms = r["ms_step"]
         speed = f"{ref['ms_step'] / ms:.2f}" if ref and ms else "-"
         reach = _reach(r, target, args.steps)
         return (
-            f"{r['config']:<40}{ms:>9.1f}{speed:>7}{_fmt_bytes(r):>9}"
+            f"{r['config']:<{w}}{ms:>9.1f}{speed:>7}{_fmt_bytes(r):>9}{_fmt_optimizer(r):>9}"
             f"{_acc_at(r, mid):>9}{_acc_at(r, args.steps):>9}  {reach}"
         )
 
@@ -406,22 +489,61 @@ def table(rows: list[dict], args, out=sys.stdout) -> None:
             "tc's counters of the emulated network over the timed steps, all ranks"
             if shaped
             else "what mpicomp's calls received, all ranks (MPI_Allreduce calls count "
-            "their 4n logical bytes); n/a: DDP, whose bytes only tc sees"
+            "their 4n logical bytes; HSDP's between hosts only); n/a: torch's, whose "
+            "bytes only tc sees"
         ),
         file=out,
     )
-    if target is not None and not rows[0].get("plateaued"):
-        rise = rows[0]["rise"]
-        why = (
-            "too few evaluations to tell"
-            if rise != rise  # NaN: fewer than 4
-            else f"its last half's best {rise:+.3f} over its first half's"
-        )
-        print(
-            f"DDP float32 was still rising at step {args.steps} ({why}): times to its "
-            "accuracy are early-training figures; run more --steps for a time to accuracy",
-            file=out,
-        )
+    print(
+        "opt MB: the optimizer's state tensors on the rank that holds the most (SGD's "
+        "momentum; ZeroOptimizer's float32 master rows where it keeps them)",
+        file=out,
+    )
+    _rising(rows[0], "DDP float32", args.steps, out)
+    if "vs_fsdp" in rows[0]:
+        _sharded_table(rows, args, out)
+
+
+def _label_width(rows: list[dict]) -> int:
+    return max([40] + [len(r["config"]) + 2 for r in rows])
+
+
+def _rising(fields: dict, name: str, steps: int, out) -> None:
+    """Say under a table when its reference had not plateaued."""
+    if fields["target_accuracy"] is None or fields["plateaued"]:
+        return
+    rise = fields["rise"]
+    why = (
+        "too few evaluations to tell"
+        if rise != rise  # NaN: fewer than 4
+        else f"its last half's best {rise:+.3f} over its first half's"
+    )
+    print(
+        f"{name} was still rising at step {steps} ({why}): times to its "
+        "accuracy are early-training figures; run more --steps for a time to accuracy",
+        file=out,
+    )
+
+
+def _sharded_table(rows: list[dict], args, out) -> None:
+    """Every row against FSDP2 float32: its speed and its time to FSDP2's final accuracy."""
+    ref = next((r for r in rows if r["config"] == SHARDED_REFERENCE and r.get("ms_step")), None)
+    target = rows[0]["vs_fsdp"]["target_accuracy"]
+    goal = "time to FSDP2 f32's " + ("(no reference)" if target is None else f"{target:.3f}")
+    w = _label_width(rows)
+    head = f"{'configuration':<{w}}{'ms/step':>9}{'x FSDP2':>9}{'opt MB':>9}  {goal}"
+
+    def line(r: dict) -> str:
+        if not _ran(r):
+            return f"{r['config']:<{w}}{r['status']}"
+        ms = r["ms_step"]
+        speed = f"{ref['ms_step'] / ms:.2f}" if ref and ms else "-"
+        reach = _reach({**r, **r["vs_fsdp"]}, target, args.steps)
+        return f"{r['config']:<{w}}{ms:>9.1f}{speed:>9}{_fmt_optimizer(r):>9}  {reach}"
+
+    print(file=out)
+    print_table(head, map(line, rows), out)
+    _rising(rows[0]["vs_fsdp"], "FSDP2 float32", args.steps, out)
 
 
 def plot(path: str, groups: dict, title: str) -> None:
@@ -440,7 +562,7 @@ def plot(path: str, groups: dict, title: str) -> None:
             # log time: one slow configuration would squeeze the others into a corner
             xs = [s * r["ms_step"] / 1e3 for s, _ in r["accuracy"] if s > 0]
             ys = [a for s, a in r["accuracy"] if s > 0]
-            ddp = r["kind"] == "ddp"
+            ddp = r["kind"] in ("ddp", "zero_ddp", "fsdp")  # torch's own: dashed
             style = dict(color="black", lw=2.2, zorder=5) if r["config"] == REFERENCE else {}
             if not style:
                 style = dict(color=cmap(i % 20), lw=1.6 if ddp else 1.1, ls="--" if ddp else "-")
@@ -466,6 +588,10 @@ def _commit() -> str | None:
         ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=False
     )
     return out.stdout.strip() or None if out.returncode == 0 else None
+
+
+def _words(text: str) -> list[str]:
+    return [w.strip() for w in text.split(",") if w.strip()]
 
 
 def _parse(argv):
@@ -511,6 +637,37 @@ def _parse(argv):
         "--skip",
         default="",
         help="configurations to leave out (labels, or codec names), each still a row saying so",
+    )
+    ap.add_argument(
+        "--sharded",
+        default="",
+        help="sharded training's rows too: all, or a comma list of fsdp (FSDP2 float32, "
+        "its bf16 reduce, FSDP2 through mpicomp), hsdp (compressed HSDP), zero (torch's "
+        "ZeroRedundancyOptimizer with DDP, mpicomp's ZeroOptimizer); none by default",
+    )
+    ap.add_argument(
+        "--sharded-codecs",
+        default="none,qsgd_maxnorm_bits4,signsgd,threelc_sparsity1.0",
+        help="mpicomp's sharded rows' codecs, as --codecs (every codec but powersgd) "
+        "(none,qsgd_maxnorm_bits4,signsgd,threelc_sparsity1.0)",
+    )
+    ap.add_argument(
+        "--zero-gather",
+        default="float32",
+        help="ZeroOptimizer's allgather precisions, a row each: float32, bfloat16 (float32)",
+    )
+    ap.add_argument(
+        "--hsdp-host-ranks",
+        type=int,
+        default=2,
+        help="compressed HSDP's ranks per host on unshaped and shared (2); on hosts, "
+        "each emulated host's ranks",
+    )
+    ap.add_argument(
+        "--rows",
+        default="",
+        help="run only the configurations whose labels match one of these comma-separated "
+        "patterns (fnmatch: 'ddp,fsdp*,*zero*'); all by default",
     )
     ap.add_argument("--powersgd-ranks", default="1,4", help="PowerSGD's ranks (1,4)")
     ap.add_argument(
@@ -566,6 +723,18 @@ def _parse(argv):
         args.configs += mpicomp_configs(
             args.codecs, args.auto, strict, tuple(ranks), args.powersgd_start
         )
+        families = _words(args.sharded)
+        families = list(FAMILIES) if families == ["all"] else families
+        args.configs += sharded_configs(
+            families, args.sharded_codecs, _words(args.zero_gather) or ["float32"]
+        )
+        patterns = _words(args.rows)
+        if patterns:
+            args.configs = [
+                c for c in args.configs if any(fnmatch.fnmatchcase(c.label, p) for p in patterns)
+            ]
+            if not args.configs:
+                raise ValueError(f"--rows {args.rows}: no configuration matches")
     except ValueError as e:
         ap.error(str(e))
     args.skip = {s.strip() for s in args.skip.split(",") if s.strip()}
@@ -575,6 +744,15 @@ def _parse(argv):
         ap.error(f"--hosts must be 1..{namespace.MAX_HOSTS}")
     if args.timeout <= 0:
         ap.error("--timeout must be > 0")
+    if args.hsdp_host_ranks < 1:
+        ap.error("--hsdp-host-ranks must be >= 1")
+    hsdp = any(c.spec["kind"] == "mpicomp_hsdp" for c in args.configs)
+    loopback = [n for n in args.networks if n != "hosts"]
+    if hsdp and loopback and args.ranks % args.hsdp_host_ranks:
+        ap.error(
+            f"--hsdp-host-ranks {args.hsdp_host_ranks} does not divide --ranks {args.ranks}: "
+            f"HSDP's hosts on {', '.join(loopback)} must hold as many ranks each"
+        )
     return args
 
 
@@ -600,6 +778,7 @@ def main(argv=None) -> int:
             "lr": args.lr,
             "rate": args.rate,
             "sizes": asdict(args.sizes),
+            "hsdp_host_ranks": args.hsdp_host_ranks,
         },
         "networks": [],
         "runs": [],

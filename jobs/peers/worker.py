@@ -1,11 +1,25 @@
 """One configuration of ``jobs.peers``, on every MPI rank of one launch.
 
 ``python -m mpi4py -m jobs.peers.worker --model M --config JSON --result PATH ...``:
-trains model M (jobs/peers/models.py) for ``--steps`` SGD steps, either through torch
-DDP over gloo (no hook, the fp16 or bf16 hook, PowerSGD) or through
-``mpicomp.torch.DistributedOptimizer`` (a codec, its parameters, a schedule), and rank
-0 writes what it measured to PATH as JSON. The driver (jobs/peers/driver.py) starts one
-launch per configuration, so that one that hangs or fails ends alone.
+trains model M (jobs/peers/models.py) for ``--steps`` SGD steps (momentum, cosine
+learning rate) by the configuration's ``kind``:
+
+- ``ddp``: torch DDP over gloo (no hook, the fp16 or bf16 hook, PowerSGD);
+- ``zero_ddp``: DDP with torch's ``ZeroRedundancyOptimizer``;
+- ``fsdp``: torch FSDP2 over gloo, ``fully_shard`` on every top-level layer that has
+  parameters, then on the model (``reduce_dtype``: its ``MixedPrecisionPolicy``);
+- ``mpicomp``: ``mpicomp.torch.DistributedOptimizer`` (a codec, its parameters, a
+  schedule);
+- ``mpicomp_fsdp``: FSDP2 as ``fsdp``, its reduce-scatter mpicomp's
+  (``mpicomp.torch.compress_fsdp``);
+- ``mpicomp_hsdp``: FSDP2 within each host (``mpicomp.torch.host_mesh``), the shards
+  averaged over the hosts by mpicomp (``compress_hsdp``); a host is the ranks of one
+  address of ``--iface`` (jobs.netem's emulated hosts), or, where every rank has the
+  same address (a loopback), each ``--host-ranks`` consecutive ranks;
+- ``mpicomp_zero``: ``mpicomp.torch.ZeroOptimizer`` (a codec, ``gather_precision``).
+
+Rank 0 writes what it measured to PATH as JSON. The driver (jobs/peers/driver.py) starts
+one launch per configuration, so that one that hangs or fails ends alone.
 
 Measured:
 
@@ -13,11 +27,15 @@ Measured:
   all-reduce included), the slowest rank's; ``ms_step`` is their median after
   ``--warmup`` steps;
 - test accuracy of rank 0's model every ``--eval-every`` steps and at the end (not
-  timed; the other ranks wait for it);
+  timed; the other ranks wait for it, or, sharded by FSDP, run the same forward);
 - bytes per timed step: what tc's counters of ``--tc-dev`` say crossed the emulated
   network between the first timed step and the last (rank 0 reads them, as ``mpicomp
   bench --tc-dev``), and for mpicomp what its calls report (``on_call``: every rank's
-  ``bytes_recv``, summed).
+  ``bytes_recv``, summed);
+- the optimizer's memory on each rank: the bytes of its state tensors (SGD's momentum:
+  the whole model's under DDP and DistributedOptimizer, this rank's shard's under FSDP
+  and the ZeRO optimizers, with ZeroOptimizer's float32 master rows where it keeps
+  them).
 """
 
 from __future__ import annotations
@@ -86,8 +104,32 @@ def init_gloo(comm, iface: str) -> None:
     )
 
 
-class DDPPeer:
-    """torch DDP over gloo, with one of torch's communication hooks or none."""
+class Peer:
+    """What every configuration does per step: zero_grad, forward, backward, step.
+
+    ``sharded``: the parameters are FSDP's shards, so every rank runs the evaluation's
+    forward (it gathers them) and checks its own shard for NaN/Inf."""
+
+    sharded = False
+    counter: _Bytes | None = None
+    loss = None  # the last step's, this rank's
+
+    def step(self, x, y) -> None:
+        import torch
+
+        self.optimizer.zero_grad()
+        self.loss = torch.nn.functional.cross_entropy(self.net(x), y)
+        self.loss.backward()
+        self.optimizer.step()
+
+    def state_bytes(self) -> int:
+        """This rank's optimizer memory: the bytes of its state tensors."""
+        return _state_bytes(self.optimizer.state)
+
+
+class DDPPeer(Peer):
+    """torch DDP over gloo, with one of torch's communication hooks or none, or with
+    torch's ``ZeroRedundancyOptimizer`` (``kind`` ``zero_ddp``)."""
 
     def __init__(self, comm, model, config: dict, iface: str, lr_momentum: float):
         import torch
@@ -127,15 +169,19 @@ class DDPPeer:
         elif hook is not None:
             raise ValueError(f"unknown DDP hook {hook!r}")
         self.module = model
-        self.optimizer = torch.optim.SGD(model.parameters(), lr=0.0, momentum=lr_momentum)
-        self.counter = None
+        if config["kind"] == "zero_ddp":
+            from torch.distributed.optim import ZeroRedundancyOptimizer
 
-    def step(self, x, y) -> None:
-        import torch
+            self.optimizer = ZeroRedundancyOptimizer(
+                model.parameters(), torch.optim.SGD, lr=0.0, momentum=lr_momentum
+            )
+        else:
+            self.optimizer = torch.optim.SGD(model.parameters(), lr=0.0, momentum=lr_momentum)
 
-        self.optimizer.zero_grad()
-        torch.nn.functional.cross_entropy(self.net(x), y).backward()
-        self.optimizer.step()
+    def state_bytes(self) -> int:
+        # ZeroRedundancyOptimizer's state is its inner optimizer's, this rank's part
+        inner = getattr(self.optimizer, "optim", self.optimizer)
+        return _state_bytes(inner.state)
 
     def close(self) -> None:
         import torch.distributed as dist
@@ -143,7 +189,7 @@ class DDPPeer:
         dist.destroy_process_group()
 
 
-class MpicompPeer:
+class MpicompPeer(Peer):
     """``mpicomp.torch.DistributedOptimizer`` with one codec (and schedule)."""
 
     def __init__(self, comm, model, config: dict, momentum: float):
@@ -156,21 +202,126 @@ class MpicompPeer:
         options = dict(config.get("params", {}))
         if config.get("schedule"):
             options["schedule"] = config["schedule"]
-        sgd = torch.optim.SGD(model.parameters(), lr=0.0, momentum=momentum)
+        self.sgd = torch.optim.SGD(model.parameters(), lr=0.0, momentum=momentum)
         self.optimizer = mt.DistributedOptimizer(
-            sgd, comm, model.named_parameters(), config["codec"], on_call=self.counter, **options
+            self.sgd,
+            comm,
+            model.named_parameters(),
+            config["codec"],
+            on_call=self.counter,
+            **options,
         )
         self.net = self.module = model
 
-    def step(self, x, y) -> None:
-        import torch
-
-        self.optimizer.zero_grad()
-        torch.nn.functional.cross_entropy(self.net(x), y).backward()
-        self.optimizer.step()
+    def state_bytes(self) -> int:
+        return _state_bytes(self.sgd.state)
 
     def close(self) -> None:
         self.optimizer.close()
+
+
+class FSDPPeer(Peer):
+    """torch FSDP2 over gloo (``kind`` ``fsdp``), its reduce-scatter mpicomp's
+    (``mpicomp_fsdp``), or sharded within each host and compressed between them
+    (``mpicomp_hsdp``)."""
+
+    sharded = True
+
+    def __init__(self, comm, model, config: dict, iface: str, momentum: float, host_ranks: int):
+        import torch
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+        import mpicomp.torch as mt
+
+        init_gloo(comm, iface)
+        kind = config["kind"]
+        mesh = host_mesh(comm, iface, host_ranks) if kind == "mpicomp_hsdp" else None
+        options = {"mesh": mesh}
+        if config.get("reduce_dtype"):
+            reduce = getattr(torch, config["reduce_dtype"])
+            options["mp_policy"] = MixedPrecisionPolicy(reduce_dtype=reduce)
+        # FSDP's usual wrapping: each top-level layer its own unit, then the root
+        for layer in model.children():
+            if any(True for _ in layer.parameters()):
+                fully_shard(layer, **options)
+        fully_shard(model, **options)
+        self.cc = None
+        if kind != "fsdp":
+            self.counter = _Bytes()
+            install = mt.compress_hsdp if kind == "mpicomp_hsdp" else mt.compress_fsdp
+            params = config.get("params", {})
+            self.cc = install(model, comm, config["codec"], on_call=self.counter, **params)
+        self.net = self.module = model
+        self.optimizer = torch.optim.SGD(model.parameters(), lr=0.0, momentum=momentum)
+
+    def close(self) -> None:
+        import torch.distributed as dist
+
+        if self.cc is not None:
+            self.cc.close()
+        dist.destroy_process_group()
+
+
+class ZeroPeer(Peer):
+    """``mpicomp.torch.ZeroOptimizer`` with one codec and ``gather_precision``."""
+
+    def __init__(self, comm, model, config: dict, momentum: float):
+        import torch
+
+        import mpicomp.torch as mt
+
+        mt.broadcast_parameters(model, comm)
+        self.counter = _Bytes()
+        options = dict(config.get("params", {}))
+        options["gather_precision"] = config.get("gather_precision", "float32")
+        self.optimizer = mt.ZeroOptimizer(
+            model.named_parameters(),
+            torch.optim.SGD,
+            comm,
+            config["codec"],
+            on_call=self.counter,
+            lr=0.0,
+            momentum=momentum,
+            **options,
+        )
+        self.net = self.module = model
+
+    def state_bytes(self) -> int:
+        return self.optimizer.state_bytes()
+
+    def close(self) -> None:
+        self.optimizer.close()
+
+
+def host_mesh(comm, iface: str, host_ranks: int):
+    """FSDP's mesh over this rank's host's ranks: the ranks whose ``iface`` has this
+    rank's address (jobs.netem's emulated hosts), or, where every rank has the same
+    address, ``host_ranks`` consecutive ranks."""
+    import mpicomp.torch as mt
+
+    addresses = comm.allgather(_address(iface))
+    distinct = sorted(set(addresses))
+    if len(distinct) > 1:
+        color = distinct.index(addresses[comm.rank])
+    else:
+        color = comm.rank // host_ranks
+    host = comm.Split(color, comm.rank)
+    try:
+        return mt.host_mesh(comm, host)
+    finally:
+        host.Free()
+
+
+def _local(t):
+    """A tensor's local part: this rank's shard of an FSDP parameter (a DTensor)."""
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+def _state_bytes(state) -> int:
+    """The bytes of the tensors of an optimizer's ``state`` (a shard's, for DTensors)."""
+    import torch
+
+    return sum(_local(t).nbytes for s in state.values() for t in s.values() if torch.is_tensor(t))
 
 
 def _accuracy(model, data: models.Data) -> float:
@@ -186,10 +337,25 @@ def _accuracy(model, data: models.Data) -> float:
     return hits / len(data.y_test)
 
 
-def _finite(model) -> bool:
+def _finite(tensors) -> bool:
+    """Whether every tensor (this rank's shard of a DTensor) is free of NaN/Inf."""
     import torch
 
-    return all(bool(torch.isfinite(p).all()) for p in model.parameters())
+    return all(bool(torch.isfinite(_local(t)).all()) for t in tensors if t is not None)
+
+
+def _evaluate(comm, peer, data: models.Data) -> tuple[float, bool]:
+    """Rank 0's test accuracy and whether every rank's parameters are finite (the
+    same on every rank). A sharded model's forward is collective: every rank runs it."""
+    from mpi4py import MPI
+
+    params = list(peer.module.parameters())
+    if peer.sharded:
+        acc = _accuracy(peer.module, data)
+        finite = comm.allreduce(_finite(params), op=MPI.LAND)
+        return comm.bcast(acc, root=0), finite
+    mine = (_accuracy(peer.module, data), _finite(params)) if comm.rank == 0 else None
+    return comm.bcast(mine, root=0)
 
 
 def _tc(devs: list[str]) -> int | None:
@@ -208,9 +374,7 @@ def train(comm, peer, data: models.Data, args) -> dict:
     )
     evals = set(range(args.eval_every, args.steps + 1, args.eval_every)) | {args.steps}
     times: list[float] = []
-    accuracy: list[tuple[int, float]] = (
-        [(0, _accuracy(peer.module, data))] if comm.rank == 0 else []
-    )
+    accuracy: list[tuple[int, float]] = [(0, _evaluate(comm, peer, data)[0])]
     diverged = 0
     window = {}
     for step in range(args.steps):
@@ -227,9 +391,10 @@ def train(comm, peer, data: models.Data, args) -> dict:
             peer.step(x, y)
         except (ValueError, RuntimeError):
             # mpicomp raises on every rank in the same step (nonfinite="raise"): divergence
-            # when some rank's gradient holds NaN/Inf, a failure else
-            grads = [p.grad for p in peer.module.parameters() if p.grad is not None]
-            bad = not all(bool(torch.isfinite(g).all()) for g in grads)
+            # when some rank's loss, gradient or parameters hold NaN/Inf (FSDP's unsharded
+            # gradients are gone by now: the loss tells), a failure else
+            params = list(peer.module.parameters())
+            bad = not _finite([peer.loss, *params, *(p.grad for p in params)])
             if not comm.allreduce(bad, op=MPI.LOR):
                 raise
             diverged = step + 1
@@ -237,8 +402,7 @@ def train(comm, peer, data: models.Data, args) -> dict:
         times.append(time.perf_counter() - t0)
         done = step + 1
         if done in evals:
-            mine = (_accuracy(peer.module, data), _finite(peer.module)) if comm.rank == 0 else None
-            acc, finite = comm.bcast(mine, root=0)
+            acc, finite = _evaluate(comm, peer, data)
             accuracy.append((done, acc))
             if not finite:  # the same weights on every rank: the same answer
                 diverged = done
@@ -255,6 +419,7 @@ def train(comm, peer, data: models.Data, args) -> dict:
     slowest = np.empty_like(local)
     comm.Allreduce(local, slowest, op=MPI.MAX)
     step_ms = (1e3 * slowest).tolist()
+    state = comm.allgather(peer.state_bytes())  # after the steps: SGD's momentum is lazy
     return {
         "model_params": models.n_params(peer.module),
         "ranks": comm.size,
@@ -269,6 +434,7 @@ def train(comm, peer, data: models.Data, args) -> dict:
         "bytes_per_step_tc": tc_bytes,
         "bytes_per_step_traced": traced,
         "schedules": sorted(peer.counter.schedules) if peer.counter else None,
+        "optimizer_bytes": state,
     }
 
 
@@ -302,6 +468,12 @@ def _parse(argv):
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--iface", default="lo", help="the interface gloo uses")
     ap.add_argument("--tc-dev", default="", help="qdiscs to count (NETNS/DEV, comma list)")
+    ap.add_argument(
+        "--host-ranks",
+        type=int,
+        default=2,
+        help="mpicomp_hsdp: ranks per host where every rank has the same --iface address",
+    )
     args = ap.parse_args(argv)
     args.tc_dev = [d for d in args.tc_dev.split(",") if d]
     args.config = json.loads(args.config)
@@ -320,10 +492,17 @@ def main(argv=None) -> int:
     data = models.load(args.model, args.sizes)
     model = models.build(args.model, args.sizes, args.seed)
     config = args.config
-    if config["kind"] == "ddp":
+    kind = config["kind"]
+    if kind in ("ddp", "zero_ddp"):
         peer = DDPPeer(comm, model, config, args.iface, args.momentum)
-    else:
+    elif kind in ("fsdp", "mpicomp_fsdp", "mpicomp_hsdp"):
+        peer = FSDPPeer(comm, model, config, args.iface, args.momentum, args.host_ranks)
+    elif kind == "mpicomp_zero":
+        peer = ZeroPeer(comm, model, config, args.momentum)
+    elif kind == "mpicomp":
         peer = MpicompPeer(comm, model, config, args.momentum)
+    else:
+        raise ValueError(f"unknown configuration kind {kind!r}")
     # One BLAS thread per rank, as torch's and numba's: the ranks share the cores, and
     # OpenBLAS threads spinning beside them slowed powersgd's matrix products (jobs._loop).
     from threadpoolctl import threadpool_limits
