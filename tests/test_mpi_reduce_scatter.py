@@ -299,3 +299,17 @@ def test_calls_are_traced_with_their_op_and_bytes():
         assert events[0]["bytes_sent"] > 0
         # bfloat16 sends this rank's row in two bytes an element instead of four
         assert events[1]["bytes_sent"] - events[2]["bytes_sent"] == 2 * row.size
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("codec", ["qsgd_maxnorm", "signsgd"])
+def test_a_sum_beyond_float32_raises_on_every_rank_not_only_on_its_owner(codec):
+    comm = world()
+    x = np.zeros(64, np.float32)
+    x[-1] = 3e38  # in the last row: its owner alone would see the Inf
+    if codec == "signsgd":
+        x[:] = 3e38
+    with mpicomp.CompressedComm(comm, codec, min_numel=0) as c:
+        assert np.all(np.isfinite(c.reduce_scatter(x, name="w")))  # the mean fits
+        with pytest.raises(RankError, match="overflows float32"):
+            c.reduce_scatter(x, name="w", op="sum")

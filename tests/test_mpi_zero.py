@@ -250,3 +250,24 @@ def test_a_nan_on_one_rank_under_skip_step_skips_the_step_on_every_rank():
     assert not opt.skipped and _weights(model).tobytes() != before.tobytes()
     assert _same_on_every_rank(_weights(model))
     opt.close()
+
+
+class _FailsOnRankOne(torch.optim.SGD):
+    """SGD whose step raises on rank 1 alone (a local error after the reduce-scatter)."""
+
+    def step(self, closure=None):
+        if world().rank == 1:
+            raise ValueError("this rank's inner step failed")
+        return super().step(closure)
+
+
+@pytest.mark.mpi(min_size=2)
+def test_an_inner_step_failing_on_one_rank_raises_on_every_rank_before_the_allgather():
+    model = _model()
+    opt = _zero(model, optimizer=_FailsOnRankOne)
+    opt.zero_grad()
+    _loss(model, _batch(0, world().rank)).backward()
+    error = ValueError if world().rank == 1 else RankError
+    with pytest.raises(error, match="inner step failed|ZeroOptimizer.step failed"):
+        opt.step()
+    opt.close()

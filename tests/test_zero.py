@@ -123,6 +123,19 @@ def test_learning_rate_schedulers_drive_the_inner_optimizer():
     assert isinstance(opt, torch.optim.Optimizer)
 
 
+def test_a_scheduler_still_drives_the_optimizer_after_a_checkpoint_is_loaded():
+    """torch's load_state_dict makes new groups: the ZeroOptimizer's must be those."""
+    model = _model()
+    opt = _zero(model, lr=1.0, optimizer=torch.optim.SGD)
+    _train(model, opt, 1)
+    opt.load_state_dict(opt.state_dict())
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+    _train(model, opt, 1, 1)
+    sched.step()
+    assert opt.param_groups is opt.optimizer.param_groups and opt.state is opt.optimizer.state
+    assert opt.optimizer.param_groups[0]["lr"] == pytest.approx(0.5)
+
+
 def test_keywords_go_to_the_codec_options_or_the_optimizer_and_bad_ones_are_named():
     model = _model()
     opt = _zero(model, "qsgd_maxnorm", bits=2, betas=(0.8, 0.9), bucket_numel=100)

@@ -140,11 +140,14 @@ def scatter(call: Call, codec, flat, mean: bool = True):
         raise_overflow(call, codec, "the sum of a row over ranks")
     rows = Rows.of(comm, flat.size)
     xp = backend_of(wire, call.kernels).xp
-    send = down(call, dev, rows.padded(xp, wire), "wire")
+    # Bytes, as unsigned integers of the wire's width: not every MPI library has a
+    # float16 datatype, and an alltoall only moves them.
+    raw = np.dtype(f"u{wire.dtype.itemsize}")
+    send = down(call, dev, rows.padded(xp, wire), "wire").view(raw)
     recv = backend_of(send, call.kernels).xp.empty_like(send)
     plain.alltoall(call.comm, send, recv, **call.io)
     clock.communicated()
-    parts = up(dev, recv).reshape(rows.size, rows.width)
+    parts = up(dev, recv).view(wire.dtype).reshape(rows.size, rows.width)
     total = parts[0].astype(np.float32)  # a copy: the sum is this call's own buffer
     for part in parts[1:]:
         total += part

@@ -25,8 +25,10 @@ from mpicomp.reduction._cost import (
     small,
 )
 from mpicomp.reduction._kind import Kind, bounded_schedules
-from mpicomp.reduction.agreement import Call, agree, device, down, encode_here, up
+from mpicomp.reduction.agreement import Call, agree, device, down, encode_here, raise_overflow, up
 from mpicomp.reduction.rows import Rows, grouped
+
+_F32_MAX = float(np.finfo(np.float32).max)
 
 
 @runtime_checkable
@@ -128,9 +130,11 @@ def _encode(call: Call, codec, flat):
     norms, flat, err, bad = encode_here(call, _norms_of(call, codec, shapes, at), flat)
     clock.encoded()
     value, norms = _to_share(norms)
-    norm = agree(call, flat.size, err, value, nonfinite=bad)
+    norm = largest = agree(call, flat.size, err, value, nonfinite=bad)
     if norm == math.inf:  # norms of several blocks: their max over ranks
-        norm = up(dev, max_allreduce(comm, norms, **call.io))
+        norms = max_allreduce(comm, norms, **call.io)
+        largest = float(norms.max(initial=0.0))
+        norm = up(dev, norms)
     clock.communicated()
     # After the agreement every rank's codes (and scale indices) have one length and lie
     # within their bounds by construction: the collectives trust it (no second agreement).
@@ -153,14 +157,14 @@ def _encode(call: Call, codec, flat):
     stream = call.stream + comm.rank
     codes = codec.quantize(flat, norm, *extra, step=step, stream=stream, shapes=shapes)
     clock.encoded()
-    return dev, shapes, at, flat, norm, extra, codes
+    return dev, shapes, at, flat, norm, extra, codes, largest
 
 
 def run(call: Call, codec, flat, *, collective):
     """Average QSGD-MaxNorm codes, their sum made by ``collective`` (the ring's or the
     direct schedule's ``*_allreduce_bounded``)."""
     comm, clock = call.comm, call.clock
-    dev, shapes, at, flat, norm, extra, codes = _encode(call, codec, flat)
+    dev, shapes, at, flat, norm, extra, codes, _ = _encode(call, codec, flat)
     # The sums stay packed as the schedule left them; dequantize_packed unpacks as it goes.
     data, n, width, offset = collective(
         comm,
@@ -191,7 +195,13 @@ def scatter(call: Call, codec, flat, *, collective, mean: bool = True):
     bits ``run`` gives it in the same call.
     """
     comm, clock = call.comm, call.clock
-    dev, shapes, at, flat, norm, extra, codes = _encode(call, codec, flat)
+    dev, shapes, at, flat, norm, extra, codes, largest = _encode(call, codec, flat)
+    # No value of a row exceeds the largest norm (times n / K for GlobalRandK, times N
+    # for a sum): where that overflows float32, every rank raises alike, as the
+    # all-reduce's check of its average does (an owner alone would see its Inf).
+    bound = largest * (flat.size / max(codes.size, 1) if codec.sparse else 1.0)
+    if bound * (1.0 if mean else comm.size) * (1 + 1e-6) > _F32_MAX:
+        raise_overflow(call, codec, "a row of the sum over ranks")
     rows = Rows.of(comm, flat.size)
     be = backend_of(codes, call.kernels)
     if codec.sparse:  # the codes of row r: the sorted coordinates that fall in it

@@ -11,8 +11,10 @@ from mpicomp.collectives import plain
 from mpicomp.kernels import backend_of
 from mpicomp.reduction._cost import Cost, bounded, direct_alltoall, small
 from mpicomp.reduction._kind import Kind, bounded_schedules
-from mpicomp.reduction.agreement import Call, agree, device, down, encode_here, up
+from mpicomp.reduction.agreement import Call, agree, device, down, encode_here, raise_overflow, up
 from mpicomp.reduction.rows import Rows, grouped
+
+_F32_MAX = float(np.finfo(np.float32).max)
 
 
 @runtime_checkable
@@ -79,6 +81,8 @@ def scatter(call: Call, codec, flat, *, collective, mean: bool = True):
     tie-breaks ``run`` draws for the same elements."""
     comm, clock, step = call.comm, call.clock, call.step
     dev, flat, votes, scale = _votes(call, codec, flat)
+    if not mean and scale * comm.size > _F32_MAX:  # the same on every rank
+        raise_overflow(call, codec, "a row of the sum over ranks")
     rows = Rows.of(comm, flat.size)
     xp = backend_of(votes, call.kernels).xp
     laid, chunk = grouped(xp, votes, [rows.span(r)[0] for r in range(rows.size)] + [flat.size])

@@ -138,7 +138,9 @@ class ZeroOptimizer(torch.optim.Optimizer):
     Under ``nonfinite="skip_step"`` a NaN/Inf in any rank's gradient skips the step on
     every rank (state, parameters and residuals untouched) with a ``NonFiniteWarning``;
     ``skipped`` tells it. A NaN/Inf in the parameters after a step raises in the
-    allgather, on every rank, before any parameter is written.
+    allgather, on every rank, before any other rank's row is written; a row that is the
+    parameters' own memory (float32 gathered in float32) already holds it on its rank:
+    reload a checkpoint.
 
     Raises:
         TypeError, ValueError: an argument is wrong on this rank (RankError on the
@@ -401,7 +403,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
         Raises:
             RankError, ValueError, TypeError: a reduce-scatter failed on this rank or
                 another (every rank raises; no state moved), or an allgather did (the
-                rows were stepped; no parameter was written).
+                rows were stepped: where a row is the parameters' own memory, float32
+                gathered in float32, it holds the refused values on its rank alone).
             PeerClosed: another rank closed instead of taking this step; closed here too.
             RuntimeError: this ZeroOptimizer is closed.
         """
@@ -417,12 +420,18 @@ class ZeroOptimizer(torch.optim.Optimizer):
         finally:
             self.steps += 1
         if rows is not None:
-            self._adopt_changed_parameters()
-            for b, row in zip(self._buckets, rows, strict=True):
-                b.shard.grad = row.to(b.shard.device) if b.staged else row
-            self.optimizer.step()
-            for b in self._buckets:
-                b.shard.grad = None
+            error = None
+            try:
+                self._adopt_changed_parameters()
+                for b, row in zip(self._buckets, rows, strict=True):
+                    b.shard.grad = row.to(b.shard.device) if b.staged else row
+                self.optimizer.step()
+            except Exception as e:  # every rank must hear of it before the allgather
+                error = e
+            finally:
+                for b in self._buckets:
+                    b.shard.grad = None
+            agree(quiet(self.comm), error, "ZeroOptimizer.step", self.comm.options.timeout)
             self._gather()
         # Warned after the step: under -W error it raises on the ranks whose gradients
         # changed only, which must still step.
@@ -599,6 +608,9 @@ class ZeroOptimizer(torch.optim.Optimizer):
                     f"ZeroOptimizer for {sorted(wanted)} (another gather_precision or dtype)"
                 )
             self.optimizer.load_state_dict(state)
+            # torch's load_state_dict makes new groups and state: schedulers edit these
+            self.param_groups = self.optimizer.param_groups
+            self.state = self.optimizer.state
             self.comm.load_state_dict(
                 {
                     "step": int(ours["comm_step"]),
