@@ -9,6 +9,7 @@ from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 
+from mpicomp.codecs.arrays import all_finite
 from mpicomp.collectives.maxallreduce import max_allreduce
 from mpicomp.collectives.ring import ring_allreduce_min
 from mpicomp.kernels import backend_of
@@ -25,7 +26,16 @@ from mpicomp.reduction._cost import (
     small,
 )
 from mpicomp.reduction._kind import Kind, bounded_schedules
-from mpicomp.reduction.agreement import Call, agree, device, down, encode_here, raise_overflow, up
+from mpicomp.reduction.agreement import (
+    Call,
+    agree,
+    device,
+    down,
+    encode_here,
+    flagged,
+    raise_overflow,
+    up,
+)
 from mpicomp.reduction.rows import Rows, grouped
 
 _F32_MAX = float(np.finfo(np.float32).max)
@@ -196,12 +206,12 @@ def scatter(call: Call, codec, flat, *, collective, mean: bool = True):
     """
     comm, clock = call.comm, call.clock
     dev, shapes, at, flat, norm, extra, codes, largest = _encode(call, codec, flat)
-    # No value of a row exceeds the largest norm (times n / K for GlobalRandK, times N
-    # for a sum): where that overflows float32, every rank raises alike, as the
-    # all-reduce's check of its average does (an owner alone would see its Inf).
-    bound = largest * (flat.size / max(codes.size, 1) if codec.sparse else 1.0)
-    if bound * (1.0 if mean else comm.size) * (1 + 1e-6) > _F32_MAX:
-        raise_overflow(call, codec, "a row of the sum over ranks")
+    # Dequantizing multiplies a sum (at most N times the bound) by the largest norm
+    # (then n / K for GlobalRandK, N for a sum): only where that could overflow float32
+    # do the owners tell every rank whether their row did (one byte each), as the
+    # all-reduce's check of its average, the same on every rank, does.
+    sparse = flat.size / max(codes.size, 1) if codec.sparse else 1.0
+    risky = largest * comm.size * codec.bound * sparse * (1 if mean else comm.size)
     rows = Rows.of(comm, flat.size)
     be = backend_of(codes, call.kernels)
     if codec.sparse:  # the codes of row r: the sorted coordinates that fall in it
@@ -234,6 +244,8 @@ def scatter(call: Call, codec, flat, *, collective, mean: bool = True):
     row = rows.fill(be.xp, whole.reshape(-1)[a:b])
     if not mean:
         row = row * np.float32(comm.size)
+    if risky * (1 + 1e-6) > _F32_MAX and flagged(call, not all_finite(row, call.kernels)):
+        raise_overflow(call, codec, "a row of the average over ranks")
     clock.decoded()
     return row
 
