@@ -119,7 +119,11 @@ def reduce_scatter_allgather(
             ``"{name}.{phase}"`` for each step, then ``"{name}.allgather"``.
         name: prefix of the traced op names.
     """
-    run_steps(exchange, reduce_scatter, recorder, name)
+    # The steps' loop is run_steps's, written out: one frame fewer from a gradient to MPI.
+    for sendbuf, dest, recvbuf, source, phase, step, bits in reduce_scatter:
+        exchange(sendbuf, dest, recvbuf, source, phase, step)
+        if recorder is not None:
+            recorder.record(f"{name}.{phase}", step, sendbuf.nbytes, recvbuf.nbytes, bits)
     size, rank = chunks.size, chunks.rank
     right, left = (rank + 1) % size, (rank - 1) % size
     for j in range(1, size):  # forward chunk r-j+1 unchanged, receive r-j in place
@@ -131,8 +135,8 @@ def reduce_scatter_allgather(
 
 
 def run_steps(exchange, steps: Iterator, recorder, name: str) -> None:
-    """Exchange (and record) every step of a reduce-scatter (``reduce_scatter_allgather``'s
-    first phase; alone, it is a reduce-scatter)."""
+    """Exchange (and record) every step of a reduce-scatter alone
+    (``reduce_scatter_bounded``; ``reduce_scatter_allgather`` runs the same loop)."""
     for sendbuf, dest, recvbuf, source, phase, step, bits in steps:
         exchange(sendbuf, dest, recvbuf, source, phase, step)
         if recorder is not None:

@@ -128,11 +128,13 @@ def _to_share(norms) -> tuple[float, object]:
     return (float(norms[0]) if count == 1 else math.inf), norms
 
 
-def _encode(call: Call, codec, flat):
-    """Return what a call's codes travel with: (device, shapes, step keywords, flat used,
-    the shared norm, the shared scale index or nothing, this rank's codes): the norms'
-    agreement, the scale index's MIN, the quantization. The first phase of ``run`` and
-    ``scatter``."""
+def run(call: Call, codec, flat, *, collective, rows=None, mean: bool = True):
+    """Average QSGD-MaxNorm codes, their sum made by ``collective`` (the ring's or the
+    direct schedule's ``*_allreduce_bounded``); with ``rows`` (a
+    ``*_reduce_scatter_bounded``), return this rank's row instead (``scatter``).
+
+    The agreement and the collectives are called from here: a gradient reaches MPI in
+    six frames (tests/test_mpi_architecture.py)."""
     comm, clock, step = call.comm, call.clock, call.step
     dev = device(flat)
     shapes = _shapes(call, flat.size)
@@ -167,14 +169,8 @@ def _encode(call: Call, codec, flat):
     stream = call.stream + comm.rank
     codes = codec.quantize(flat, norm, *extra, step=step, stream=stream, shapes=shapes)
     clock.encoded()
-    return dev, shapes, at, flat, norm, extra, codes, largest
-
-
-def run(call: Call, codec, flat, *, collective):
-    """Average QSGD-MaxNorm codes, their sum made by ``collective`` (the ring's or the
-    direct schedule's ``*_allreduce_bounded``)."""
-    comm, clock = call.comm, call.clock
-    dev, shapes, at, flat, norm, extra, codes, _ = _encode(call, codec, flat)
+    if rows is not None:
+        return _row(call, codec, rows, mean, (dev, shapes, at, flat, norm, extra, codes, largest))
     # The sums stay packed as the schedule left them; dequantize_packed unpacks as it goes.
     data, n, width, offset = collective(
         comm,
@@ -204,8 +200,13 @@ def scatter(call: Call, codec, flat, *, collective, mean: bool = True):
     norms are the whole tensor's) and keeps its row: every element of the row has the
     bits ``run`` gives it in the same call.
     """
+    return run(call, codec, flat, collective=None, rows=collective, mean=mean)
+
+
+def _row(call: Call, codec, collective, mean: bool, encoded: tuple):
+    """``scatter``'s second phase, from what ``run`` encoded."""
     comm, clock = call.comm, call.clock
-    dev, shapes, at, flat, norm, extra, codes, largest = _encode(call, codec, flat)
+    dev, shapes, at, flat, norm, extra, codes, largest = encoded
     # Dequantizing multiplies a sum (at most N times the bound) by the largest norm
     # (then n / K for GlobalRandK, N for a sum): only where that could overflow float32
     # do the owners tell every rank whether their row did (one byte each), as the

@@ -33,10 +33,13 @@ class MajorityCodec(Protocol):
     def expand(self, bits, n: int, scale: float = 1.0) -> Any: ...
 
 
-def _votes(call: Call, codec, flat):
-    """Return (device, flat used, this rank's votes, the mean |x| over ranks): the first
-    phase of ``run`` and ``scatter``."""
-    comm, clock = call.comm, call.clock
+def run(call: Call, codec, flat, *, collective, rows=None, mean: bool = True):
+    """Average signs: the votes summed by ``collective`` (the ring's or the direct
+    schedule's ``*_allreduce_bounded``), the majority decided by each chunk's owner;
+    with ``rows`` (a ``*_reduce_scatter_bounded``), this rank's row instead
+    (``scatter``). The agreement and the collectives are called from here: a gradient
+    reaches MPI in six frames (tests/test_mpi_architecture.py)."""
+    comm, clock, step = call.comm, call.clock, call.step
     dev = device(flat)
     found, flat, err, bad = encode_here(call, codec.votes_and_scale, flat)
     votes, scale = found if err is None else (None, 0.0)
@@ -45,14 +48,9 @@ def _votes(call: Call, codec, flat):
     # Every rank's mean |x|, summed in rank order: the same float on every rank.
     scales = np.empty(comm.size, dtype=np.float64)
     plain.allgather(comm, np.array([scale], dtype=np.float64), scales, **call.io)
-    return dev, flat, votes, float(scales.sum() / comm.size)
-
-
-def run(call: Call, codec, flat, *, collective):
-    """Average signs: the votes summed by ``collective`` (the ring's or the direct
-    schedule's ``*_allreduce_bounded``), the majority decided by each chunk's owner."""
-    comm, clock, step = call.comm, call.clock, call.step
-    dev, flat, votes, scale = _votes(call, codec, flat)
+    scale = float(scales.sum() / comm.size)
+    if rows is not None:
+        return _row(call, codec, rows, mean, dev, flat, votes, scale)
 
     def decide(counts, offset):
         return codec.majority(counts, comm.size, step=step, offset=offset)
@@ -79,8 +77,12 @@ def scatter(call: Call, codec, flat, *, collective, mean: bool = True):
     ``run``'s votes, ``collective``'s reduce-scatter alone (``*_reduce_scatter_bounded``)
     over rows padded to a multiple of 8 votes, the owner deciding its row with the
     tie-breaks ``run`` draws for the same elements."""
+    return run(call, codec, flat, collective=None, rows=collective, mean=mean)
+
+
+def _row(call: Call, codec, collective, mean: bool, dev, flat, votes, scale: float):
+    """``scatter``'s second phase, from ``run``'s votes and agreed scale."""
     comm, clock, step = call.comm, call.clock, call.step
-    dev, flat, votes, scale = _votes(call, codec, flat)
     if not mean and scale * comm.size > _F32_MAX:  # the same on every rank
         raise_overflow(call, codec, "a row of the sum over ranks")
     rows = Rows.of(comm, flat.size)
