@@ -68,8 +68,10 @@ def test_the_allreduce_table_fits_120_columns(capsys):
         return
     assert any(ln.split()[1:3] == ["MPI_Allreduce", "float32"] for ln in lines if ln.strip())
     rows = [ln.split() for ln in lines if ln.split()[:1] == ["4K"]]
-    assert [r[1] for r in rows[1:]] == [
-        "signsgd",
-        "grandk_maxnorm_multiscale:bits=2",
-        "threelc:sparsity=1.5",
-    ]
+    labels = ["signsgd", "grandk_maxnorm_multiscale:bits=2", "threelc:sparsity=1.5"]
+    # Where the timings' columns come out wide (a loaded machine), the table squeezes a
+    # long label to its head and tail around "~": still each row, in order.
+    assert len(rows[1:]) == len(labels)
+    for r, label in zip(rows[1:], labels, strict=True):
+        head, _, tail = r[1].partition("~")
+        assert r[1] == label or (label.startswith(head) and label.endswith(tail)), r[1]
