@@ -36,6 +36,15 @@ __all__ = ["AllReduceHook", "ReduceScatter", "compress_fsdp", "compress_hsdp", "
 _CHECKED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
+def _checked(comm, name) -> tuple[CompressedComm, str]:
+    """Return (comm, name) of a module's reduction, refusing what they cannot be."""
+    if not isinstance(comm, CompressedComm):
+        raise TypeError(f"comm must be a mpicomp.CompressedComm, got {kind(comm)}")
+    if not isinstance(name, str) or not name:
+        raise ValueError(f"name must be a non-empty str (it keys residuals), got {name!r}")
+    return comm, name
+
+
 class ReduceScatter(_FSDPReduceScatter):
     """FSDP2's gradient reduce-scatter through ``CompressedComm.reduce_scatter``, for
     ``FSDPModule.set_custom_reduce_scatter`` (``compress_fsdp`` sets one on every
@@ -66,12 +75,7 @@ class ReduceScatter(_FSDPReduceScatter):
     """
 
     def __init__(self, comm: CompressedComm, name: str):
-        if not isinstance(comm, CompressedComm):
-            raise TypeError(f"comm must be a mpicomp.CompressedComm, got {kind(comm)}")
-        if not isinstance(name, str) or not name:
-            raise ValueError(f"name must be a non-empty str (it keys residuals), got {name!r}")
-        self.comm = comm
-        self.name = name
+        self.comm, self.name = _checked(comm, name)
 
     def allocate(self, size, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         """A plain buffer of ``size``: FSDP's input and output tensors."""
@@ -121,12 +125,7 @@ class AllReduceHook:
     """
 
     def __init__(self, comm: CompressedComm, name: str):
-        if not isinstance(comm, CompressedComm):
-            raise TypeError(f"comm must be a mpicomp.CompressedComm, got {kind(comm)}")
-        if not isinstance(name, str) or not name:
-            raise ValueError(f"name must be a non-empty str (it keys residuals), got {name!r}")
-        self.comm = comm
-        self.name = name
+        self.comm, self.name = _checked(comm, name)
 
     def __call__(self, reduce_output: torch.Tensor) -> None:
         source = reduce_output

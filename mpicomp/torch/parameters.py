@@ -35,19 +35,7 @@ def named(optimizer, named_parameters) -> list[tuple[str, torch.Tensor]]:
             for i, p in enumerate(group["params"])
         ]
     pairs = _pairs(named_parameters)
-    names: dict[str, int] = {}
-    tensors: dict[int, str] = {}
-    for n, p in pairs:
-        if n in names:
-            raise ValueError(f"named_parameters names {n!r} more than once")
-        names[n] = id(p)
-        if id(p) in tensors:
-            raise ValueError(
-                f"named_parameters holds one tensor under two names, {tensors[id(p)]!r} "
-                f"and {n!r} (tied weights: name each tensor once, as "
-                "model.named_parameters() does)"
-            )
-        tensors[id(p)] = n
+    tensors = check_unique(pairs)
     missing = [
         f"group{g}.param{i} {tuple(p.shape)}"
         for g, group in enumerate(optimizer.param_groups)
@@ -147,3 +135,22 @@ def _ranks_by(values) -> list[tuple]:
     for rank, v in enumerate(values):
         groups.setdefault(v, []).append(rank)
     return [(v, ranks_text(r)) for v, r in groups.items()]
+
+
+def check_unique(pairs) -> dict[int, str]:
+    """Return {id(tensor): name} of (name, tensor) ``pairs``, refusing pairs that name a
+    tensor twice or one name twice."""
+    names: dict[str, int] = {}
+    tensors: dict[int, str] = {}
+    for n, p in pairs:
+        if n in names:
+            raise ValueError(f"named_parameters names {n!r} more than once")
+        names[n] = id(p)
+        if id(p) in tensors:
+            raise ValueError(
+                f"named_parameters holds one tensor under two names, {tensors[id(p)]!r} "
+                f"and {n!r} (tied weights: name each tensor once, as "
+                "model.named_parameters() does)"
+            )
+        tensors[id(p)] = n
+    return tensors

@@ -31,7 +31,7 @@ from mpicomp.comm import CompressedComm
 from mpicomp.errors import NonFiniteWarning, PeerClosed
 from mpicomp.reduction import kind_of
 from mpicomp.reduction.rows import PRECISIONS
-from mpicomp.torch.parameters import LAYOUT, _pairs, layout_differences
+from mpicomp.torch.parameters import LAYOUT, _pairs, check_unique, layout_differences
 from mpicomp.torch.shared import (
     Failed,
     Staging,
@@ -692,20 +692,7 @@ def _groups(named_parameters) -> list[tuple[dict, list[tuple[str, torch.Tensor]]
             groups.append((options, _pairs(g["params"])))
     else:
         groups = [({}, _pairs(items))]
-    names: dict[str, int] = {}
-    tensors: dict[int, str] = {}
-    for _, pairs in groups:
-        for n, p in pairs:
-            if n in names:
-                raise ValueError(f"named_parameters names {n!r} more than once")
-            names[n] = id(p)
-            if id(p) in tensors:
-                raise ValueError(
-                    f"named_parameters holds one tensor under two names, {tensors[id(p)]!r} "
-                    f"and {n!r} (tied weights: name each tensor once, as "
-                    "model.named_parameters() does)"
-                )
-            tensors[id(p)] = n
+    check_unique([pair for _, pairs in groups for pair in pairs])
     return groups
 
 
