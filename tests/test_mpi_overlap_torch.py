@@ -62,9 +62,6 @@ def test_main_prints_a_row_per_codec_with_sane_times(capsys):
         assert r["overhead_s"] == pytest.approx(r["t_overlapped"] - r["t_max"])
         assert r["overhead"] == pytest.approx(r["overhead_s"] / r["t_max"])
         assert r["speedup"] == pytest.approx(r["t_sequential"] / r["t_overlapped"])
-        # the sequential step does the backward step's work and then some (medians of
-        # one rep: both are single timings of the slowest rank, so allow jitter)
-        assert r["t_sequential"] >= 0.5 * r["t_backward"]
 
 
 def test_main_prints_the_table(capsys):
