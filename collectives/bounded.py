@@ -89,6 +89,12 @@ class Chunks(NamedTuple):
         c %= self.size
         return min(self.n, c * self.chunk), min(self.n, (c + 1) * self.chunk)
 
+    def read_order(self) -> list[tuple[int, int]]:
+        """Return the chunks' spans in the order this rank's reduce-scatter first reads
+        its own codes of them, on either schedule: chunk r-1, r-2, ..., and its own chunk
+        r last (a staged caller copies them down in this order, ``ready=``)."""
+        return [self.span(self.rank - k) for k in range(1, self.size + 1)]
+
     def region(self, c: int, width: int) -> tuple[int, int]:
         """Return [start, stop), the bytes of chunk c in a stream packed at ``width`` bits
         (chunk * width is a multiple of 8: every chunk starts on a byte)."""
@@ -217,11 +223,17 @@ def prepared(comm, codes, bound, majority, signed, packed, timeout, checked, ker
     return codes, plan(size, bound, majority, signed, be.xp), be
 
 
+def all_present(lo: int, hi: int) -> None:
+    """``ready`` of codes that are all in memory already (host codes; a direct transport)."""
+
+
 class ReduceScatter(NamedTuple):
     """What a bounded schedule brings to ``allreduce_bounded``: its public name (in errors
     and timeout reports), the prefix of its trace records, its messages' tag, and
-    ``steps(codes, plan, backend, chunks, out, fname)``, which returns the iterator of its
-    reduce-scatter steps (``reduce_scatter_allgather``'s ``reduce_scatter``)."""
+    ``steps(codes, plan, backend, chunks, out, fname, ready)``, which returns the iterator
+    of its reduce-scatter steps (``reduce_scatter_allgather``'s ``reduce_scatter``) and
+    calls ``ready(lo, hi)`` before it first reads ``codes[lo:hi]`` (codes still coming
+    down from a device: ``mpicomp.reduction.transport.Staged``)."""
 
     fname: str
     trace: str
@@ -242,6 +254,7 @@ def allreduce_bounded(
     timeout=None,
     checked=True,
     kernels=None,
+    ready=None,
 ):
     """Sum bounded integer codes over ranks, or take their majority, by ``schedule``'s
     reduce-scatter and the ring allgather: ``ring_allreduce_bounded`` (its docstring
@@ -254,7 +267,7 @@ def allreduce_bounded(
     chunks = Chunks.of(comm, codes.size)
     out = be.xp.empty(_packed(chunks.n, p.final_width), dtype=np.uint8)
     exchange = Exchange(comm, timeout, fname, schedule.tag)
-    steps = schedule.steps(codes, p, be, chunks, out, fname)
+    steps = schedule.steps(codes, p, be, chunks, out, fname, ready or all_present)
     reduce_scatter_allgather(exchange, chunks, steps, out, p.final_width, recorder, schedule.trace)
     return unpacked(out, chunks.n, p, chunks.size, packed, be)
 
@@ -271,6 +284,7 @@ def reduce_scatter_bounded(
     recorder=None,
     timeout=None,
     kernels=None,
+    ready=None,
 ):
     """The first phase of ``allreduce_bounded`` alone: rank r gets chunk r of the sum
     (or majority) over ranks, chunks of ``chunk`` elements (a multiple of 8).
@@ -293,7 +307,7 @@ def reduce_scatter_bounded(
     chunks = Chunks.of(comm, codes.size, chunk)
     out = be.xp.empty(_packed(chunks.n, p.final_width), dtype=np.uint8)
     exchange = Exchange(comm, timeout, schedule.fname, schedule.tag)
-    steps = schedule.steps(codes, p, be, chunks, out, schedule.fname)
+    steps = schedule.steps(codes, p, be, chunks, out, schedule.fname, ready or all_present)
     run_steps(exchange, steps, recorder, schedule.trace)
     start, stop = chunks.region(chunks.rank, p.final_width)
     mine = out[start:stop]

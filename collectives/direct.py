@@ -23,7 +23,7 @@ The layout is the ring's (``bounded.Chunks``: chunks on multiples of
 ``bounded.CHUNK_ALIGN`` elements, chunk c owned by rank c) and so is the result, byte for
 byte: the same packed stream of sums, the same decisions (``decide`` sees the same
 counts and offset). Exchange, step k = 1..N-1: rank r sends its codes of chunk
-(r + k) mod N to rank (r + k) mod N and receives chunk r from rank (r - k) mod N
+(r - k) mod N to rank (r - k) mod N and receives chunk r from rank (r + k) mod N
 (pairwise, one ``Sendrecv`` per step, as MPI libraries run a large ``Alltoall``); the
 owner adds each arrival to an int64 accumulator. These steps are this module's; the
 arguments, their agreement, the allgather and the result are ``bounded``'s, which the
@@ -53,26 +53,35 @@ _TAG = 0x3C4  # the direct schedule's messages, apart from the ring's
 _A2A = "alltoall"
 
 
-def _alltoall(x, p: Plan, be, chunks: Chunks, out, fname: str) -> Iterator:
+def _alltoall(x, p: Plan, be, chunks: Chunks, out, fname: str, ready) -> Iterator:
     """Yield the direct reduce-scatter's steps of the plan ``p`` over agreed codes ``x``
     (``bounded.ReduceScatter``'s ``steps``); at the end this rank's chunk of ``out``
     holds its sums (or decisions) at ``p.final_width`` bits."""
     xp, bits = be.xp, be.bits
     size, rank = chunks.size, chunks.rank
     w1 = bits_for(p.span)  # one rank's shifted code
-    # This rank's codes, packed once at w_1: chunk c's bytes are a slice of the stream.
+    # This rank's codes at w_1, chunk by chunk as they are sent (in ``read_order``: the
+    # codes of a chunk may still be coming down from a device), its own chunk last.
     mine = xp.empty(packed_size(chunks.n, w1), dtype=np.uint8)
-    bits.pack_shifted(x, p.shift, w1, mine)
     lo, hi = chunks.span(rank)
-    # The owner's sums, in the unsigned domain: its own shifted codes first.
-    counts = x[lo:hi].astype(np.int64)
-    counts += p.shift
     arrived = xp.empty(packed_size(hi - lo, w1), dtype=np.uint8)
+    counts = None
     for k in range(1, size):
-        dest, source = (rank + k) % size, (rank - k) % size
+        dest, source = (rank - k) % size, (rank + k) % size
         start, stop = chunks.region(dest, w1)
+        d_lo, d_hi = chunks.span(dest)
+        ready(d_lo, d_hi)
+        bits.pack_shifted(x[d_lo:d_hi], p.shift, w1, mine[start:stop])
         yield mine[start:stop], dest, arrived, source, _A2A, k, w1
+        if counts is None:
+            # The owner's sums, in the unsigned domain: its own shifted codes first.
+            ready(lo, hi)
+            counts = x[lo:hi].astype(np.int64)
+            counts += p.shift
         bits.add_unpack(arrived, w1, counts, 0, counts)
+    if counts is None:  # a direct sum over one rank
+        ready(lo, hi)
+        counts = x[lo:hi].astype(np.int64) + p.shift
     start, stop = chunks.region(rank, p.final_width)
     if p.majority:
         decided(p, counts, lo, out[start:stop], fname)

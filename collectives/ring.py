@@ -55,6 +55,7 @@ from mpicomp.collectives.bounded import (
     Plan,
     ReduceScatter,
     agree,
+    all_present,
     allreduce_bounded,
     bits_for,
     decided,
@@ -152,18 +153,20 @@ class _Sums(_Packed):
     """Bounded codes: shifted into [0, span] as they are packed, so a partial over i
     ranks lies in [0, i*span] and travels at bits_for(i*span) bits."""
 
-    def __init__(self, codes, p: Plan, be):
-        self.codes, self.p, self.bits = codes, p, be.bits
+    def __init__(self, codes, p: Plan, be, ready):
+        self.codes, self.p, self.bits, self.ready = codes, p, be.bits, ready
         self.final_width = p.final_width
 
     def width(self, i: int) -> int:
         return bits_for(i * self.p.span)
 
     def pack(self, lo, hi, width, scratch):
+        self.ready(lo, hi)
         self.bits.pack_shifted(self.codes[lo:hi], self.p.shift, width, scratch)
         return scratch
 
     def combine(self, stream, width, lo, hi, out_width, scratch):
+        self.ready(lo, hi)
         self.bits.add_repack(stream, width, self.codes[lo:hi], self.p.shift, out_width, scratch)
         return scratch
 
@@ -171,11 +174,12 @@ class _Sums(_Packed):
 class _Votes(_Sums):
     """Votes (0 or 1) counted as sums; the owner turns its chunk's counts into decisions."""
 
-    def __init__(self, codes, p: Plan, be, fname: str):
-        super().__init__(codes, p, be)
+    def __init__(self, codes, p: Plan, be, ready, fname: str):
+        super().__init__(codes, p, be, ready)
         self.xp, self.fname = be.xp, fname
 
     def finish(self, stream, width, lo, hi, out) -> None:
+        self.ready(lo, hi)
         if stream is None:
             counts = self.codes[lo:hi].astype(np.int64)
         else:
@@ -187,17 +191,19 @@ class _Votes(_Sums):
 class _Minima(_Packed):
     """Unsigned codes of ``width`` bits, combined by MIN: every step at that width."""
 
-    def __init__(self, codes, width: int, be):
-        self.codes, self.final_width, self.bits = codes, width, be.bits
+    def __init__(self, codes, width: int, be, ready):
+        self.codes, self.final_width, self.bits, self.ready = codes, width, be.bits, ready
 
     def width(self, i: int) -> int:
         return self.final_width
 
     def pack(self, lo, hi, width, scratch):
+        self.ready(lo, hi)
         self.bits.pack_shifted(self.codes[lo:hi], 0, width, scratch)
         return scratch
 
     def combine(self, stream, width, lo, hi, out_width, scratch):
+        self.ready(lo, hi)
         self.bits.min_repack(stream, width, self.codes[lo:hi], scratch)
         return scratch
 
@@ -205,9 +211,9 @@ class _Minima(_Packed):
 # --- public wrappers ----------------------------------------------------------------------
 
 
-def _bounded_steps(codes, p: Plan, be, chunks: Chunks, out, fname: str) -> Iterator:
+def _bounded_steps(codes, p: Plan, be, chunks: Chunks, out, fname: str, ready) -> Iterator:
     """The ring's reduce-scatter of a bounded sum or majority (``bounded.ReduceScatter``)."""
-    values = _Votes(codes, p, be, fname) if p.majority else _Sums(codes, p, be)
+    values = _Votes(codes, p, be, ready, fname) if p.majority else _Sums(codes, p, be, ready)
     return reduce_scatter(values, chunks, out)
 
 
@@ -241,6 +247,9 @@ ring_allreduce_bounded.__doc__ = """Sum bounded integer codes over ranks, or tak
             ``codes`` must be a contiguous 1-D integer array of one length on every rank.
         kernels: the backend record that computes on NumPy codes (default
             ``mpicomp.kernels.backend()``).
+        ready: None, or ``ready(lo, hi)``, called before the schedule first reads
+            ``codes[lo:hi]``, in ``Chunks.read_order``: host codes still being copied
+            down from a device (``mpicomp.reduction.transport.Staged.ready``).
 
     Returns:
         Without ``majority``: the exact sums, int64, length n, identical on every rank
@@ -267,7 +276,16 @@ ring_reduce_scatter_bounded = partial(
 
 
 def ring_allreduce_min(
-    comm, codes, width, *, dtype=np.int64, recorder=None, timeout=None, checked=True, kernels=None
+    comm,
+    codes,
+    width,
+    *,
+    dtype=np.int64,
+    recorder=None,
+    timeout=None,
+    checked=True,
+    kernels=None,
+    ready=None,
 ):
     """Take the elementwise minimum over ranks of unsigned codes, ``width`` bits on the wire.
 
@@ -278,7 +296,7 @@ def ring_allreduce_min(
         dtype: integer dtype of the result; it must hold every code (default int64).
         recorder: None, or an object with ``record(op, step, sent, recv, bits)``; called
             once per step with ops ``"ring_min.reduce_scatter"`` and ``"ring_min.allgather"``.
-        timeout, checked, kernels: as for ``ring_allreduce_bounded`` (unchecked codes must
+        timeout, checked, kernels, ready: as for ``ring_allreduce_bounded`` (unchecked codes must
             be contiguous, 1-D, of one length, each in [0, 2**width)).
 
     Returns:
@@ -298,7 +316,7 @@ def ring_allreduce_min(
     chunks = Chunks.of(comm, codes.size)
     out = be.xp.empty(_packed(chunks.n, width), dtype=np.uint8)
     exchange = Exchange(comm, timeout, fname, _TAG)
-    steps = reduce_scatter(_Minima(codes, width, be), chunks, out)
+    steps = reduce_scatter(_Minima(codes, width, be, ready or all_present), chunks, out)
     reduce_scatter_allgather(exchange, chunks, steps, out, width, recorder, "ring_min")
     result = be.xp.empty(chunks.n, dtype=dtype)
     be.bits.unpack_shifted(out, width, 0, result)

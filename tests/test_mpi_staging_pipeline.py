@@ -166,3 +166,80 @@ def test_ranks_with_other_staging_chunks_are_refused_at_the_agreement(monkeypatc
     monkeypatch.setenv(CHUNK_ENV, "1M" if world.rank == 1 else "4M")
     with pytest.raises(RankError, match="differently: staging_chunk: .*1048576 on rank 1"):
         mpicomp.CompressedComm(world, "none")
+
+
+BOUNDED = [
+    ("qsgd_maxnorm", {}),
+    ("qsgd_maxnorm", {"schedule": "direct"}),
+    ("qsgd_maxnorm_multiscale", {}),
+    ("signsgd", {}),
+    ("signsgd", {"schedule": "direct"}),
+]
+
+
+def _bounded_result(world, codec, options, x, log=None):
+    """The second of two averages of ``x`` with ``codec``; ``log`` (when given) is
+    cleared before it and gets ``("mpi", phase, step)`` for each exchange of its bounded
+    collectives, among the copies the stand-ins log there."""
+    from mpicomp.collectives import _wait
+
+    with mpicomp.CompressedComm(world, codec, min_numel=1, seed=3, **options) as cc:
+        cc.allreduce(x, name="w")
+        if log is None:
+            return cc.allreduce(x, name="w")
+        log.clear()
+        real = _wait.Exchange.__call__
+
+        def logged(self, sendbuf, dest, recvbuf, source, phase, step):
+            log.append(("mpi", phase, step))
+            real(self, sendbuf, dest, recvbuf, source, phase, step)
+
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(_wait.Exchange, "__call__", logged)
+            return cc.allreduce(x, name="w")
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("codec, options", BOUNDED)
+def test_staged_codes_come_down_chunk_by_chunk_as_the_schedule_reads_them(
+    deferred, monkeypatch, codec, options
+):
+    """The bounded schedules' codes (and votes, and scale indices) come down chunk by
+    chunk in the order the reduce-scatter reads them: all copies are issued before its
+    first message, and only the first chunk it sends is down by then; the bytes are the
+    NumPy path's."""
+    from mpi4py import MPI
+
+    world = MPI.COMM_WORLD
+    x = _gradient(world.rank)
+    want = _bounded_result(world, codec, options, x)
+    _transport_is(monkeypatch, "staged")
+    log = mpicomp.kernels.backend(D.BACKEND).device.streams.log
+    got = _bounded_result(world, codec, options, D.to_device(x), log=log)
+    assert D.to_host(got).tobytes() == want.tobytes()
+    # Every chunk comes down once (the multiscale codecs' scale indices, then codes).
+    downs = [e for e in log if e[:2] == ("ran", "download")]
+    assert len(downs) == world.size * (2 if codec.endswith("multiscale") else 1)
+    if world.size > 1:
+        first = next(i for i, e in enumerate(log) if e[0] == "mpi")
+        issued = [e for e in log[:first] if e[0] == "download"]
+        ran = [e for e in log[:first] if e[:2] == ("ran", "download")]
+        assert len(issued) == world.size and len(ran) == 1, log[: first + 1]
+    transport.cuda_aware.cache_clear()
+
+
+@pytest.mark.mpi(min_size=2)
+def test_a_forgotten_ready_leaves_other_bytes(deferred, monkeypatch):
+    """The stand-ins catch a collective that reads staged codes before they are down."""
+    from mpi4py import MPI
+
+    from mpicomp.reduction.transport import Staged
+
+    world = MPI.COMM_WORLD
+    x = _gradient(world.rank)
+    want = _bounded_result(world, "qsgd_maxnorm", {}, x)
+    _transport_is(monkeypatch, "staged")
+    monkeypatch.setattr(Staged, "ready", lambda self, lo, hi: None)
+    got = _bounded_result(world, "qsgd_maxnorm", {}, D.to_device(x))
+    assert D.to_host(got).tobytes() != want.tobytes()
+    transport.cuda_aware.cache_clear()

@@ -136,3 +136,43 @@ def test_a_slots_buffer_is_made_once_and_grows_by_half_again():
     assert t.allocations == 2 and big.base.nbytes == 98_304  # 64 KiB * 3/2
     t.host(Record(), "codes", np.int64, 1)  # another slot, another buffer
     assert t.allocations == 3
+
+
+def test_down_in_order_copies_span_by_span_and_ready_waits_for_what_it_names():
+    """``down_in_order`` issues one copy per span in the order given; ``ready(lo, hi)``
+    lets exactly the spans that meet [lo, hi) run (the stand-ins' copies run only when
+    waited for), each counted once as a staging wait; bytes not yet waited for are not
+    there."""
+    import _device_arrays as D
+
+    import mpicomp
+
+    D.install()
+    dev = mpicomp.kernels.backend(D.BACKEND).device
+    streams = D.DeferredStreams()
+    old = dev.streams
+    dev.streams = streams
+    try:
+        x = np.arange(1, 41, dtype=np.int8)
+        t = Transport(direct=False, chunk_bytes=0)
+        record = mpicomp.kernels.backend(D.BACKEND)
+        before = dev.sync_reasons["staging: device to host"]
+        spans = [(16, 24), (8, 16), (0, 8), (24, 24), (24, 40)]  # an empty one: no copy
+        staged = t.down_in_order(record, D.to_device(x), "codes", spans)
+        staged.host[:] = 0  # what a buffer held before (copies have not run)
+        issued = [e for e in streams.log if e[0] == "download"]
+        assert len(issued) == 4 and not any(e[0] == "ran" for e in streams.log)
+        assert [p - issued[2][1] for _, p in issued] == [16, 8, 0, 24]  # in spans' order
+        staged.ready(10, 12)  # inside (8, 16): the copy queued before it ran too
+        assert np.array_equal(staged.host[8:24], x[8:24])
+        assert not staged.host[:8].any() and not staged.host[24:].any()
+        staged.ready(5, 5)  # empty: nothing waited
+        staged.ready(20, 22)  # down already: no wait
+        assert dev.sync_reasons["staging: device to host"] - before == 1
+        staged.ready(30, 31)  # the last span: one wait covers (0, 8) too
+        assert np.array_equal(staged.host, x)
+        assert dev.sync_reasons["staging: device to host"] - before == 2
+        staged.ready(0, 40)  # each span is waited for once at most
+        assert dev.sync_reasons["staging: device to host"] - before == 2
+    finally:
+        dev.streams = old

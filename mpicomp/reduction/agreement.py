@@ -43,6 +43,7 @@ from mpicomp.collectives.agreement import (
     settle,
     world_ranks,
 )
+from mpicomp.collectives.bounded import Chunks
 from mpicomp.collectives.maxallreduce import max_allreduce
 from mpicomp.errors import PeerClosed, RankError
 from mpicomp.kernels import backend_of
@@ -155,6 +156,19 @@ def down(call: Call, dev, a, slot: str):
     if call.transport.direct:
         return a
     return call.transport.down(dev, a, slot)
+
+
+def down_by_chunks(call: Call, dev, a, slot: str, chunk: int | None = None):
+    """Return (what MPI is handed of 1-D ``a``, ``ready`` for a bounded collective's
+    ``ready=``): as ``down``, but a staged copy comes down chunk by chunk of the bounded
+    schedules' layout (``Chunks``; ``chunk`` elements each, default theirs) in the order
+    they read it, so the first chunk's MPI overlaps the copies of the others; ``ready``
+    is None where nothing is staged."""
+    if dev is None or a is None or isinstance(a, np.ndarray) or call.transport.direct:
+        return down(call, dev, a, slot), None
+    spans = Chunks.of(call.comm, a.size, chunk).read_order()
+    staged = call.transport.down_in_order(dev, a, slot, spans)
+    return staged.host, staged.ready
 
 
 def up(dev, a):

@@ -11,7 +11,15 @@ from mpicomp.collectives import plain
 from mpicomp.kernels import backend_of
 from mpicomp.reduction._cost import Cost, bounded, direct_alltoall, small
 from mpicomp.reduction._kind import Kind, bounded_schedules
-from mpicomp.reduction.agreement import Call, agree, device, down, encode_here, raise_overflow, up
+from mpicomp.reduction.agreement import (
+    Call,
+    agree,
+    device,
+    down_by_chunks,
+    encode_here,
+    raise_overflow,
+    up,
+)
 from mpicomp.reduction.rows import Rows, grouped
 
 _F32_MAX = float(np.finfo(np.float32).max)
@@ -56,14 +64,16 @@ def run(call: Call, codec, flat, *, collective, rows=None, mean: bool = True):
         return codec.majority(counts, comm.size, step=step, offset=offset)
 
     # The owners' majority decisions run inside the exchange: charged to comm.
+    sent, ready = down_by_chunks(call, dev, votes, "votes")
     bits = collective(
         comm,
-        down(call, dev, votes, "votes"),
+        sent,
         1,
         majority=decide,
         signed=False,
         checked=False,
         kernels=call.kernels,
+        ready=ready,
         **call.io,
     )
     clock.communicated()
@@ -94,14 +104,16 @@ def _row(call: Call, codec, collective, mean: bool, dev, flat, votes, scale: flo
             counts, comm.size, step=step, offset=offset // max(chunk, 1) * rows.width
         )
 
+    sent, ready = down_by_chunks(call, dev, laid, "votes", chunk)
     bits = collective(
         comm,
-        down(call, dev, laid, "votes"),
+        sent,
         1,
         majority=decide,
         chunk=chunk,
         signed=False,
         kernels=call.kernels,
+        ready=ready,
         **call.io,
     )
     clock.communicated()

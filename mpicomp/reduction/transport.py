@@ -172,6 +172,32 @@ class _Lanes:
         self.ready, self.drained, self.done = dev.event(), dev.event(), dev.event()
         self.downloaded = [dev.event() for _ in range(_DEPTH)]
         self.uploaded = [dev.event() for _ in range(_DEPTH)]
+        self._dev, self._spans = dev, []  # one event per span of ``Transport.down_in_order``
+
+    def span_events(self, count: int) -> list:
+        """Return ``count`` events for ``down_in_order``'s spans (made once, reused)."""
+        while len(self._spans) < count:
+            self._spans.append(self._dev.event())
+        return self._spans[:count]
+
+
+class Staged:
+    """A device array coming down into a host buffer span by span (``down_in_order``):
+    ``host`` holds span [lo, hi) once ``ready(lo, hi)`` has returned."""
+
+    def __init__(self, dev, host: np.ndarray, spans: list, events: list):
+        self.host, self._dev = host, dev
+        self._pending = list(zip(spans, events, strict=True))  # in the order issued
+
+    def ready(self, lo: int, hi: int) -> None:
+        """Block the host until every span that meets [lo, hi) is down: one wait (counted
+        as ``"staging: device to host"``) for the last of them issued, which covers the
+        spans issued before it on the same stream."""
+        meets = (i for i, ((a, b), _) in enumerate(self._pending) if a < hi and lo < b)
+        last = max(meets, default=None) if hi > lo else None
+        if last is not None:
+            self._dev.wait(self._pending[last][1], why=_STAGING_WAIT)
+            del self._pending[: last + 1]
 
 
 class Transport:
@@ -224,6 +250,32 @@ class Transport:
         record.to_host(a, out=out, why=_STAGING_WAIT)
         return out
 
+    def down_in_order(self, record, a, slot: str, spans) -> Staged:
+        """Start copying 1-D device array ``a`` into ``slot``'s host buffer span by span,
+        in the order of ``spans`` (the order a collective reads them: ``Chunks.read_order``),
+        on the copy stream; return the ``Staged`` whose ``ready(lo, hi)`` the collective
+        calls before it reads [lo, hi). The first span's MPI then overlaps the next
+        spans' copies, where ``down`` copied the whole array before MPI began."""
+        dev = record.device
+        lanes = self._lanes_of(dev)
+        host = self.host(record, slot, a.dtype, a.size)
+        spans = [(lo, hi) for lo, hi in spans if hi > lo]
+        events = lanes.span_events(len(spans))
+        # The copies start after the kernels that wrote ``a``.
+        lanes.down.wait_event(dev.current_stream().record(lanes.ready))
+        for (lo, hi), event in zip(spans, events, strict=True):
+            dev.download(a[lo:hi], host[lo:hi], lanes.down)
+            lanes.down.record(event)
+        return Staged(dev, host, spans, events)
+
+    def _lanes_of(self, dev) -> _Lanes:
+        """Return the streams and events of ``dev``'s current GPU, made at first use."""
+        where = (dev.name, dev.current())
+        lanes = self._lanes.get(where)
+        if lanes is None:
+            lanes = self._lanes[where] = _Lanes(dev)
+        return lanes
+
     def exchange_in_chunks(self, record, a, bounds, exchange, check) -> tuple[object, bool]:
         """Return (a new device array holding what ``exchange`` made of each chunk of
         contiguous device array ``a``; whether ``check`` held for every chunk).
@@ -238,10 +290,7 @@ class Transport:
         ``"staging: device to host"``). Buffers and streams are reused by every call.
         """
         dev = record.device
-        where = (dev.name, dev.current())
-        lanes = self._lanes.get(where)
-        if lanes is None:
-            lanes = self._lanes[where] = _Lanes(dev)
+        lanes = self._lanes_of(dev)
         step = bounds[0][1] - bounds[0][0]
         sends = self.host(record, "chunks down", a.dtype, _DEPTH * step)
         recvs = self.host(record, "chunks up", a.dtype, _DEPTH * step)
