@@ -65,7 +65,9 @@ def _alltoall(x, p: Plan, be, chunks: Chunks, out, fname: str, ready) -> Iterato
     mine = xp.empty(packed_size(chunks.n, w1), dtype=np.uint8)
     lo, hi = chunks.span(rank)
     arrived = xp.empty(packed_size(hi - lo, w1), dtype=np.uint8)
-    counts = None
+    # The owner's sums, in the unsigned domain: the arrivals, then its own shifted codes
+    # (exact integers: the order of the additions cannot change them).
+    counts = xp.zeros(hi - lo, dtype=np.int64)
     for k in range(1, size):
         dest, source = (rank - k) % size, (rank + k) % size
         start, stop = chunks.region(dest, w1)
@@ -73,15 +75,10 @@ def _alltoall(x, p: Plan, be, chunks: Chunks, out, fname: str, ready) -> Iterato
         ready(d_lo, d_hi)
         bits.pack_shifted(x[d_lo:d_hi], p.shift, w1, mine[start:stop])
         yield mine[start:stop], dest, arrived, source, _A2A, k, w1
-        if counts is None:
-            # The owner's sums, in the unsigned domain: its own shifted codes first.
-            ready(lo, hi)
-            counts = x[lo:hi].astype(np.int64)
-            counts += p.shift
         bits.add_unpack(arrived, w1, counts, 0, counts)
-    if counts is None:  # a direct sum over one rank
-        ready(lo, hi)
-        counts = x[lo:hi].astype(np.int64) + p.shift
+    ready(lo, hi)
+    counts += x[lo:hi]
+    counts += p.shift
     start, stop = chunks.region(rank, p.final_width)
     if p.majority:
         decided(p, counts, lo, out[start:stop], fname)

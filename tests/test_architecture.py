@@ -139,6 +139,9 @@ PRIVATE_IN_TESTS = {
     "fakes a late request or an abort in the timeout, whose hooks have no public seam": {
         "_wait": ("test_logging.py", "test_mpi_torch_reliability.py"),
     },
+    "logs when each step's messages go, among the staged copies the stand-ins log": {
+        "_wait": ("test_mpi_staging_pipeline.py",),
+    },
     "counts the frames at _wait.ready, the last one before MPI": {
         "_wait": ("test_mpi_architecture.py",),
     },

@@ -362,3 +362,36 @@ def test_a_bad_argument_on_one_rank_raises_on_every_rank():
         expected, match="integer dtype" if last else f"rank {comm.size - 1} rejected"
     ):
         ring_allreduce_bounded(comm, codes, 1)
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("schedule", ["ring", "direct"])
+@pytest.mark.parametrize("majority", [False, True])
+def test_ready_is_asked_for_each_chunk_before_it_is_read_in_read_order(schedule, majority):
+    """``ready=`` (staged codes still coming down) is called for every chunk of this
+    rank's codes, first in ``Chunks.read_order`` (what a staged caller copies down in
+    that order), and the sums are the NumPy ones."""
+    from mpicomp.collectives.bounded import Chunks
+    from mpicomp.collectives.direct import direct_allreduce_bounded
+
+    comm = world()
+    n = 8 * comm.size * 3 + 5
+    rng = np.random.default_rng(comm.rank)
+    codes = rng.integers(0 if majority else -3, 2 if majority else 4, n).astype(np.int8)
+    asked = []
+
+    def ready(lo, hi):
+        asked.append((lo, hi))
+
+    run = ring_allreduce_bounded if schedule == "ring" else direct_allreduce_bounded
+    if majority:
+        got = run(comm, codes, 1, majority=True, signed=False, checked=False, ready=ready)
+        counts = np.sum(gather_all(comm, codes).astype(np.int64), axis=0)
+        want = np.packbits(2 * counts > comm.size, bitorder="little")
+    else:
+        got = run(comm, codes, 3, checked=False, ready=ready)
+        want = np.sum(gather_all(comm, codes).astype(np.int64), axis=0)
+    np.testing.assert_array_equal(got, want)
+    order = Chunks.of(comm, n).read_order()
+    first = list(dict.fromkeys(asked))  # each span at its first asking
+    assert first == order, (asked, order)
