@@ -13,7 +13,10 @@ there, as it would have where the value was made.
 Without a batch, or on the host (NumPy arrays of the numba backend), ``read`` returns the
 value at once, so a launcher called on its own (tests, benchmarks, a codec used alone)
 behaves as before. Batches are per thread and nest: a read goes to the innermost one.
-Inside ``with ignored():`` reads are dropped (a flag the caller does not need).
+A batch made with ``shared=True`` lends its values to the transfer of a batch inside it
+(a codec's encode that must read now takes the caller's checks along: one transfer for
+both); their checks still run, in order, when it closes. Inside ``with ignored():``
+reads are dropped (a flag the caller does not need).
 """
 
 from __future__ import annotations
@@ -28,7 +31,7 @@ _local = threading.local()
 class Later:
     """A value of a device array that its batch brings to the host when it closes."""
 
-    __slots__ = ("_array", "_batch", "_convert", "_device", "_done", "_value", "why")
+    __slots__ = ("_array", "_batch", "_convert", "_device", "_done", "_lent", "_value", "why")
 
     def __init__(self, batch, device, array, convert, why: str):
         self._batch = batch
@@ -36,6 +39,7 @@ class Later:
         self._array = array
         self._convert = convert
         self._done = False
+        self._lent = False  # read by a batch inside its own, which is still open
         self._value = None
         self.why = why
 
@@ -76,11 +80,16 @@ class batch:
     Args:
         name: what the combined read is counted as in ``sync_reasons``, with the names
             of the reads it holds, e.g. ``"end of call"``.
+        shared: the first transfer of a batch opened inside this one also brings this
+            one's pending values (of the same device), instead of a transfer of their
+            own when this one closes.
     """
 
-    def __init__(self, name: str):
+    def __init__(self, name: str, shared: bool = False):
         self.name = name
+        self.shared = shared
         self._pending: list[Later] = []
+        self._lent: list[Later] = []
         self._callbacks: list[tuple[Later, object]] = []
 
     def __enter__(self) -> batch:
@@ -98,10 +107,30 @@ class batch:
         registered on them in order (the first that raises stops the rest)."""
         pending, self._pending = self._pending, []
         callbacks, self._callbacks = self._callbacks, []
+        for later in self._lent:
+            later._lent = False
+        self._lent = []
         if pending:
-            _read_together(pending, self.name)
+            _read_together(pending + self._borrowed(pending[0]._device), self.name)
         for later, fn in callbacks:
             fn(later.value)
+
+    def _borrowed(self, device) -> list[Later]:
+        """Take the pending values of ``device`` from the ``shared`` batches around this
+        one: this transfer brings them, their batches keep their checks."""
+        stack = _stack()
+        outer = stack[: stack.index(self)] if self in stack else stack
+        taken = []
+        for b in outer:
+            if not b.shared:
+                continue
+            mine = [p for p in b._pending if p._device is device]
+            b._pending = [p for p in b._pending if p._device is not device]
+            for p in mine:
+                p._lent = True
+            b._lent += mine
+            taken += mine
+        return taken
 
     def _add(self, later: Later) -> None:
         self._pending.append(later)
@@ -160,8 +189,9 @@ def read(device, array, why: str, convert=None):
 
 
 def when(value, fn) -> None:
-    """Run ``fn(value)`` now, or, for a ``Later``, when its batch has read it."""
-    if isinstance(value, Later) and not value._done:
+    """Run ``fn(value)`` now, or, for a ``Later``, when its batch has read it (a value
+    lent to an inner batch's transfer is still checked when its own batch closes)."""
+    if isinstance(value, Later) and (not value._done or value._lent):
         value._batch._when(value, fn)
     else:
         fn(value_of(value))

@@ -307,6 +307,49 @@ def test_scan_corrupted_headers(dev, seed):
     assert len(seen) >= 3
 
 
+@pytest.mark.parametrize(
+    "field, value, want",
+    [
+        (4, 301, K.ERR_COUNT),  # d beyond the bucket
+        (4, 2**32 - 1, K.ERR_COUNT),
+        (8, 2**32 - 1, K.ERR_WIDTH),  # key_bytes past the end
+        (8, 0, K.ERR_WIDTH),  # key_bytes too small for d keys
+        (0, 0x7FC00000, K.ERR_SUM),  # a NaN sum
+        (None, None, K.ERR_TRUNCATED),  # the body cut inside the bucket's codes
+        (None, 0, K.ERR_TRUNCATED),  # cut inside its header
+    ],
+)
+@pytest.mark.parametrize("bad", [0, 3, 6])
+def test_decode_after_a_failed_scan_reads_only_the_checked_buckets(dev, field, value, want, bad):
+    """A scan that fails at bucket ``bad`` leaves it and every bucket after it empty (their
+    offsets equal, sums 0), the same in both twins; the decode run on that (before anyone
+    reads the scan's error) writes the checked buckets' values and reads nothing of the
+    rest, whose slices are zeroed or left as they were."""
+    n, bucket, fb = 2000, 300, 2
+    clean = body_of(gradient(n, 11), bucket, 1.1, 127, fb)
+    _, good, good_sums = scan_both(dev, clean, n, bucket, fb)
+    head = int(good[bad])
+    if field is None:  # truncated: in the bucket's codes, or 5 bytes into its header
+        body = clean[: head + (K.BUCKET_HEAD_BYTES + 3 if value is None else 5)].copy()
+    else:
+        body = clean.copy()
+        body[head + field : head + field + 4] = np.frombuffer(np.uint32(value).tobytes(), np.uint8)
+    err, offsets, sums = scan_both(dev, body, n, bucket, fb)
+    assert err == want
+    np.testing.assert_array_equal(offsets[: bad + 1], good[: bad + 1])
+    assert (offsets[bad:] == head).all() and not sums[bad:].any()
+    np.testing.assert_array_equal(sums[:bad], good_sums[:bad])
+    clean_errs, clean_out = decode_both(dev, clean, n, bucket, 1.1, 127, fb, good, good_sums)
+    assert not clean_errs.any()
+    errs, out = decode_both(dev, body, n, bucket, 1.1, 127, fb, offsets, sums)
+    assert not errs[:bad].any() and (errs[bad:] == K.ERR_TRUNCATED).all()
+    cut = bad * bucket
+    assert out[:cut].tobytes() == clean_out[:cut].tobytes() and not out[cut:].any()
+    init = gradient(n, 12)
+    errs, out = decode_both(dev, body, n, bucket, 1.1, 127, fb, offsets, sums, init)
+    assert out[cut:].tobytes() == init[cut:].tobytes()
+
+
 @pytest.mark.parametrize("fb", [1, 2, 4])
 def test_decode_corrupted_streams(dev, fb):
     """Changed codes, key bits or key widths (the headers still pass the scan): the same

@@ -491,6 +491,58 @@ def test_codes_against_block_norms_match(cuda, m, block, members):
         same(a, b)
 
 
+def pack_sums(sums, width, shift, offset):
+    """Return sums + shift packed LSB-first at ``width`` bits (NumPy's packbits, not the twin's
+    packer), starting at byte ``offset`` of its buffer."""
+    raw = np.asarray(sums, np.int64) + shift
+    bits = (raw[:, None] >> np.arange(width)) & 1
+    body = np.packbits(bits.astype(np.uint8).ravel(), bitorder="little")
+    buf = np.zeros(offset + body.size, np.uint8)
+    buf[offset:] = body
+    return buf[offset:]
+
+
+@pytest.mark.parametrize("m, block, members", CUTS, ids=str)
+def test_a_span_from_an_element_offset_is_the_slice_of_the_whole(cuda, m, block, members):
+    # A reduce-scatter's row: codes and out start at element ``base`` of the coded vector, whose
+    # block norms they take. Both twins give the bytes of the whole vector's decode, sliced.
+    rng = np.random.default_rng([m, block])
+    starts = cut(m, block, members)[0]
+    norms = (rng.random(starts.size - 1) * 10 + 0.5).astype(np.float32)
+    scales = scale_set((4, 8, 12))
+    limit = np.int64(2 * 127)
+    sums = rng.integers(-limit, limit + 1, m)
+    sidx = rng.integers(0, 3, m).astype(np.uint8)
+    spans = sorted({(0, m), (m // 3, m), (m // 3, min(m, 2 * m // 3 + 1)), (max(0, m - 5), m)})
+    for blocks in blocked(m, block, members, norms):
+        whole, whole_ms = np.zeros(m, np.float32), np.zeros(m, np.float32)
+        assert REF.dequantize(sums, *blocks, 127, 2, limit, whole) == 0
+        assert REF.multiscale_dequantize(sums, sidx, *blocks, scales, 2, limit, whole_ms) == 0
+        for a, b in spans:
+            stream = pack_sums(sums[a:b], 9, 255, offset=a % 4)
+            out = np.zeros(b - a, np.float32)
+            for name, args, at, want in [
+                ("dequantize", (sums[a:b], *blocks, 127, 2, limit, out, a), 7, whole),
+                ("dequantize_packed", (stream, 9, 255, *blocks, 127, 2, limit, out, a), 9, whole),
+                (
+                    "multiscale_dequantize",
+                    (sums[a:b], sidx[a:b], *blocks, scales, 2, limit, out, a),
+                    8,
+                    whole_ms,
+                ),
+                (
+                    "multiscale_dequantize_packed",
+                    (stream, 9, 255, sidx[a:b], *blocks, scales, 2, limit, out, a),
+                    10,
+                    whole_ms,
+                ),
+            ]:
+                (e1, v1), (e2, v2) = both(name, cuda, args, at)
+                assert e1 == e2 == 0, (name, a, b)
+                same(v1, v2)
+                same(v2, want[a:b])
+
+
 @pytest.mark.parametrize("bad", [np.nan, np.inf, -1.0])
 def test_a_bad_block_norm_is_err_norm(cuda, bad):
     m = 1000

@@ -614,3 +614,105 @@ def test_decode_sum_refuses_bad_payloads_before_adding():
     body[-1] ^= 0xFF
     with pytest.raises(mpicomp.PayloadError):
         c.decode_sum([good, forge(body, (700,))], numel=700)
+
+
+def _bucket_starts(body, n, bucket):
+    """The byte offsets of each bucket's header in a valid body (the walk the scan makes)."""
+    starts, pos = [], 16
+    for _ in range(-(-n // bucket)):
+        starts.append(pos)
+        d, kb = struct.unpack_from("<II", body, pos + 4)
+        pos += 13 + d + kb
+    return starts
+
+
+# Bucket 2 of five (bucket 1024, n 5000) made corrupt, the payload then sealed again: what
+# the scan refuses (its message), whatever the decode would make of the bytes.
+GATHERED_CORRUPTIONS = {
+    "d beyond the bucket": (lambda b, at: struct.pack_into("<I", b, at + 4, 1025), "more values"),
+    "d of 2**32 - 1": (lambda b, at: struct.pack_into("<I", b, at + 4, 2**32 - 1), "more values"),
+    "key_bytes past the end": (
+        lambda b, at: struct.pack_into("<I", b, at + 8, 2**32 - 1),
+        "key byte count",
+    ),
+    "key_bytes 0": (lambda b, at: struct.pack_into("<I", b, at + 8, 0), "key byte count"),
+    "W too wide": (lambda b, at: struct.pack_into("B", b, at + 12, 30), "key width W"),
+    "a NaN sum": (lambda b, at: struct.pack_into("<f", b, at, float("nan")), "sum is negative"),
+    "key_bytes one too large": (
+        lambda b, at: struct.pack_into("<I", b, at + 8, struct.unpack_from("<I", b, at + 8)[0] + 1),
+        "is inconsistent",
+    ),
+    "d one too small": (
+        lambda b, at: struct.pack_into("<I", b, at + 4, struct.unpack_from("<I", b, at + 4)[0] - 1),
+        "is inconsistent",
+    ),
+}
+
+
+@pytest.mark.parametrize("where", ["numpy", "host-backed"])
+@pytest.mark.parametrize("name", [*GATHERED_CORRUPTIONS, "truncated", "header cut"])
+def test_a_corrupt_gathered_payload_raises_the_scans_error_after_one_read(where, name):
+    """A gathered payload whose bucket headers are corrupt (sealed again: the checksum
+    agrees), beside a good one: the scan's PayloadError, the same on NumPy and on device
+    arrays, where it comes with the checksums' and the decodes' errors in the caller's one
+    read: the decode runs first, on the buckets the scan checked only."""
+    import _device_arrays as D
+    from _devices import place
+
+    from mpicomp.kernels import backend
+    from mpicomp.kernels.readback import batch
+
+    n, bucket = 5000, 1024
+    codec = mpicomp.codec("fastsgd", bucket=bucket)
+    good = codec.encode(gradient_like(n, seed=21))
+    body = body_of(codec.encode(gradient_like(n, seed=22)), 1).copy()
+    at = _bucket_starts(body, n, bucket)[2]
+    if name == "truncated":  # the body ends inside bucket 2's codes
+        body, match = body[: at + 20], "runs past the end"
+    elif name == "header cut":  # ... or inside its header
+        body, match = body[: at + 7], "runs past the end"
+    else:
+        edit, match = GATHERED_CORRUPTIONS[name]
+        edit(body, at)
+    bad = forge(body, (n,))
+    with pytest.raises(mpicomp.PayloadError, match=match) as numpy_error:
+        codec.decode_gathered([good, bad], n)
+    if where == "numpy":
+        return
+    to_device, _, _ = place(where)
+    dev = backend(D.BACKEND).device
+    payloads = [to_device(good), to_device(bad)]
+    D.reset_syncs()
+    before, reached = dev.syncs, False
+    with pytest.raises(mpicomp.PayloadError) as error:
+        with batch("end"):
+            codec.decode_gathered(payloads, n)
+            reached = True  # nothing was read yet: the checks raise when the batch is
+    assert reached and dev.syncs - before == 1
+    assert D.SYNCS["implicit"] == 0
+    assert str(error.value) == str(numpy_error.value)
+    assert str(error.value).startswith("fastsgd payload is inconsistent: ")  # the scan's
+
+
+@pytest.mark.parametrize("where", ["numpy", "host-backed"])
+def test_gathered_payloads_decode_with_one_read_as_decode_sum(where):
+    import _device_arrays as D
+    from _devices import place
+
+    from mpicomp.kernels import backend
+    from mpicomp.kernels.readback import batch
+
+    n = 5000
+    codec = mpicomp.codec("fastsgd", bucket=1024)
+    payloads = [codec.encode(gradient_like(n, seed=s)) for s in range(3)]
+    want = np.zeros(n, np.float32)
+    for p in payloads:
+        want += codec.decode(p)
+    to_device, to_host, _ = place(where)
+    dev = backend(D.BACKEND).device if where == "host-backed" else None
+    before = dev.syncs if dev else 0
+    with batch("end"):
+        total = codec.decode_gathered([to_device(p) for p in payloads], n)
+    if dev:
+        assert dev.syncs - before == 1
+    np.testing.assert_array_equal(to_host(total), want)

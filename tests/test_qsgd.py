@@ -933,3 +933,159 @@ def test_dequantize_packed_rejects_wrong_streams():
     ms = mpicomp.codec("qsgd_maxnorm_multiscale", bits=4)
     with pytest.raises(ValueError, match="scale set"):
         ms.dequantize_packed(data, 3, 4, 7, 7.0, np.array([0, 2, 0], np.uint8))
+
+
+# ---------------------------------------------------------------- a row alone (reduce-scatter)
+
+QSGD_FAMILY = DENSE + SPARSE
+
+# (numel, block, per_tensor, shapes): blocks, one norm per tensor, a bucket's tensors with
+# blocks per tensor or across them, and rows longer than a CHUNK (the parallel drivers).
+SPANS = [
+    (1003, 128, True, None),
+    (1003, 0, True, None),
+    (1003, 7, True, [(3, 5), (0,), (900,), (88,)]),
+    (1003, 7, False, [(3, 5), (0,), (900,), (88,)]),
+    (1003, 0, True, [(3, 5), (0,), (900,), (88,)]),
+    (2 * CHUNK + 4099, 128, True, [(CHUNK + 5,), (CHUNK + 4094,)]),
+]
+
+
+def fsdp_spans(n, nranks):
+    """The rows [a, b) of n elements on ``nranks`` ranks (docs/sharded.md): S = ceil(n / N)."""
+    width = -(-n // nranks)
+    return [(min(n, r * width), min(n, (r + 1) * width)) for r in range(nranks)]
+
+
+def ref_span(c, sums, norms, sidx, nranks, numel, shapes, coords, span):
+    """NumPy: elements [a, b) of the dequantized tensor, from the whole coded vector's sums."""
+    sizes = [math.prod(s) for s in shapes] if shapes else [numel]
+    starts = ref_cut(ref_segments(sizes, c.params["per_tensor"], coords), c.params["block"])
+    levels = np.float32(c.levels) if sidx is None else np.float32(c.scale_levels)[sidx]
+    vals = ((sums.astype(np.float32) * per_element(norms, starts)) / levels) / np.float32(nranks)
+    if coords is None:
+        return vals[span[0] : span[1]]
+    out = np.zeros(numel, np.float32)
+    out[coords] = vals * np.float32(numel / coords.size)
+    return out[span[0] : span[1]]
+
+
+def span_case(name, numel, block, per_tensor, shapes, nranks=3, step=2):
+    """Return (codec, the whole coded vector's sums, block norms, scale indices or None,
+    coordinates or None, the codec's keywords of a step)."""
+    params = {"k": 0.4} if name in SPARSE else {}
+    c = mpicomp.codec(name, bits=4, block=block, per_tensor=per_tensor, seed=1, **params)
+    at = {"step": step} if name in SPARSE else {}
+    coords = ref_coordinates(numel, c.num_coordinates(numel), 1, step) if name in SPARSE else None
+    m = numel if coords is None else coords.size
+    rng = np.random.default_rng(numel + block)
+    norms = c.local_norms(gradient_like(numel, seed=numel), shapes=shapes, **at) * np.float32(3)
+    limit = nranks * c.bound
+    sums = rng.integers(-limit, limit + 1, m)
+    sidx = rng.integers(0, c.n_scales, m).astype(np.uint8) if c.multiscale else None
+    return c, sums, norms, sidx, coords, at
+
+
+def row_data(sums, lo, hi, limit, pad, rng):
+    """Return (the sums lo <= j < hi packed as a ring leaves them, + limit at the full sum's
+    width, then ``pad`` codes more, as a chunk's zero padding; the width)."""
+    width = int(2 * limit).bit_length()
+    tail = rng.integers(0, 2 * limit + 1, pad)
+    return ref_pack(np.concatenate([sums[lo:hi] + limit, tail]), width), width
+
+
+@pytest.mark.parametrize("name", QSGD_FAMILY)
+@pytest.mark.parametrize("numel, block, per_tensor, shapes", SPANS)
+def test_a_row_dequantizes_alone_to_the_whole_tensors_bits(name, numel, block, per_tensor, shapes):
+    # A reduce-scatter's owner decodes its row from its sums alone: every element against its
+    # block (found by its index in the tensor), as the whole tensor's dequantize gives it.
+    nranks = 3
+    c, sums, norms, sidx, coords, at = span_case(name, numel, block, per_tensor, shapes, nranks)
+    extra = () if sidx is None else (sidx,)
+    full = {"shape": (numel,), **at} if name in SPARSE else {}
+    whole = c.dequantize(sums, norms, *extra, nranks=nranks, shapes=shapes, **full)
+    rng = np.random.default_rng(5)
+    limit = nranks * c.bound
+    for size in (1, 2, 3, 7):
+        for a, b in fsdp_spans(numel, size):
+            lo, hi = (a, b) if coords is None else np.searchsorted(coords, [a, b]).tolist()
+            data, width = row_data(sums, lo, hi, limit, pad=(a % 9), rng=rng)
+            kw = {"numel": numel, "span": (a, b), "nranks": nranks, "shapes": shapes, **at}
+            got = c.dequantize_span(data, width, limit, norms, *extra, **kw)
+            want = ref_span(c, sums, norms, sidx, nranks, numel, shapes, coords, (a, b))
+            assert got.dtype == np.float32 and got.shape == (b - a,)
+            assert got.tobytes() == want.tobytes() == whole[a:b].tobytes()
+            if coords is not None:  # the caller's codes in the row: the same bytes
+                kw["codes"] = (lo, hi)
+                assert c.dequantize_span(data, width, limit, norms, *extra, **kw).tobytes() == (
+                    got.tobytes()
+                )
+
+
+def test_dequantize_span_refuses_what_does_not_fit():
+    c = mpicomp.codec("qsgd_maxnorm", bits=4, block=2)
+    norms = np.ones(5, np.float32)
+    data = ref_pack(np.array([7, 14, 0]), 4)
+    got = c.dequantize_span(data, 4, 7, norms, numel=10, span=(4, 7))
+    assert got.tolist() == [0.0, 1.0, -1.0]
+    for span, what in [((4, 11), ValueError), ((5, 4), ValueError), ((-1, 2), ValueError),
+                       (4, TypeError), ((1, 2, 3), TypeError), ("ab", TypeError)]:  # fmt: skip
+        with pytest.raises(what, match="span"):
+            c.dequantize_span(data, 4, 7, norms, numel=10, span=span)
+    with pytest.raises(ValueError, match="bytes"):
+        c.dequantize_span(data, 4, 7, norms, numel=10, span=(4, 9))  # 5 sums, 2 bytes
+    with pytest.raises(ValueError, match="nranks"):
+        c.dequantize_span(ref_pack(np.array([15]), 4), 4, 7, norms, numel=10, span=(0, 1))
+    with pytest.raises(ValueError, match="blocks"):
+        c.dequantize_span(data, 4, 7, norms[:4], numel=10, span=(4, 7))
+    g = mpicomp.codec("grandk_maxnorm", bits=4, k=4, block=0)
+    with pytest.raises(ValueError, match="codes"):
+        g.dequantize_span(data, 4, 7, 1.0, numel=10, span=(0, 10), codes=(0, 5))  # K is 4
+
+
+@pytest.mark.parametrize("where", ["emulated", "host-backed"])
+@pytest.mark.parametrize("name", QSGD_FAMILY)
+def test_a_row_on_a_device_gives_the_numpy_bytes_and_reads_only_its_error_mask(
+    monkeypatch, where, name
+):
+    import _device_arrays as D
+    from _devices import place
+
+    import mpicomp.kernels as K
+
+    numel, shapes, nranks = 1003, [(3, 5), (0,), (900,), (88,)], 2
+    c, sums, norms, sidx, coords, at = span_case(name, numel, 7, True, shapes, nranks)
+    extra = () if sidx is None else (sidx,)
+    limit = nranks * c.bound
+    rng = np.random.default_rng(3)
+    spans = fsdp_spans(numel, 3)
+    want = []
+    for a, b in spans:
+        lo, hi = (a, b) if coords is None else np.searchsorted(coords, [a, b]).tolist()
+        data, width = row_data(sums, lo, hi, limit, pad=5, rng=rng)
+        kw = {"numel": numel, "span": (a, b), "nranks": nranks, "shapes": shapes, **at}
+        ref = c.dequantize_span(data, width, limit, norms, *extra, **kw)
+        want.append((data, width, kw, (lo, hi), ref))
+    to_place, to_host, array_type = place(where)
+    if where == "emulated":
+        monkeypatch.setenv(K.ENV, "cuda-emulated")
+    backend = "cuda-emulated" if where == "emulated" else D.BACKEND
+    dev = K.backend(backend).device
+    codec = mpicomp.codec(c.name, **c.params)
+    on = [to_place(a) for a in (norms, *extra)]
+    for data, width, kw, codes, ref in want:
+        if coords is not None:
+            kw = {**kw, "codes": codes}  # what the reduce-scatter passes: no read to find them
+        D.reset_syncs()
+        before = dev.sync_reasons.copy()
+        got = codec.dequantize_span(to_place(data), width, limit, *on, **kw)
+        reads = dev.sync_reasons - before
+        assert D.SYNCS["implicit"] == 0, D.SYNCS
+        assert isinstance(got, array_type)
+        assert to_host(got).tobytes() == ref.tobytes()
+        # The error mask; GlobalRandK also reads which of its codes fall in each tensor of
+        # the bucket, as every decode of a bucket does.
+        expected = {f"qsgd.{'multiscale_' * c.multiscale}dequantize_packed: error mask": 1}
+        if coords is not None:
+            expected["qsgd: picks per tensor"] = 1
+        assert reads == expected

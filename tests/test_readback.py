@@ -104,6 +104,26 @@ def test_batches_nest_and_a_read_goes_to_the_innermost(dev):
     assert seen == [1] and dev.sync_reasons == {"inner: i": 1, "outer: o": 1}
 
 
+def test_a_shared_batch_lends_its_values_to_an_inner_transfer_and_keeps_its_checks(dev):
+    seen = []
+    with batch("outer", shared=True):
+        outer = read(dev, np.array([1], np.uint32), "o", _first)
+        when(outer, lambda v: seen.append(("outer", v)))
+        with batch("empty"):
+            pass  # nothing of its own to read: no transfer, nothing taken
+        assert dev.syncs == 0
+        with ignored(), batch("inner"):  # lent through an ignored batch too
+            inner = read(dev, np.array([2], np.uint32), "i", _first)
+        assert inner.value == 2 and outer.value == 1 and dev.syncs == 1  # one transfer
+        when(outer, lambda v: seen.append(("late", v)))  # lent, its batch open: waits
+        assert seen == []
+        left = read(dev, np.array([3], np.uint32), "left", _first)
+    assert seen == [("outer", 1), ("late", 1)] and left.value == 3
+    assert dev.sync_reasons == {"inner: i, o": 1, "outer: left": 1}
+    when(outer, lambda v: seen.append(("after", v)))  # its batch closed: at once
+    assert seen[-1] == ("after", 1)
+
+
 def test_reads_inside_ignored_are_never_transferred(dev):
     with batch("end"):
         kept = read(dev, np.array([1], np.uint32), "kept", _first)
@@ -201,9 +221,10 @@ def test_gathered_top_k_payloads_decode_with_one_read(monkeypatch):
     np.testing.assert_array_equal(codec.decode_sum([square], 4096), codec.decode(payloads[0]))
 
 
-def test_gathered_fastsgd_payloads_are_checked_before_they_decode(monkeypatch):
-    """FastSGD's gathered payloads: headers, prefixes, checksums and bucket scans read in
-    one transfer before anything decodes, the decodes' errors with the caller's batch."""
+def test_gathered_fastsgd_payloads_are_checked_in_the_callers_one_read(monkeypatch):
+    """FastSGD's gathered payloads: headers, prefixes, checksums, bucket scans and the
+    decodes' errors all read in the caller's batch, one transfer, each payload's checks in
+    that order (a corrupt payload's own error first)."""
     from mpicomp.codecs import _wire
     from mpicomp.errors import PayloadError
     from mpicomp.kernels.fastsgd import PREFIX_BYTES
@@ -216,7 +237,7 @@ def test_gathered_fastsgd_payloads_are_checked_before_they_decode(monkeypatch):
     before = dev.syncs
     with batch("end"):
         total = codec.decode_gathered(payloads, 5000)
-    assert dev.syncs - before == 2
+    assert dev.syncs - before == 1
     np.testing.assert_array_equal(total, codec.decode_sum(payloads, 5000))
     start = _wire.header_size(1)
     first_bucket = start + PREFIX_BYTES

@@ -470,40 +470,57 @@ def mpicomp_fastsgd_assemble(scratch, cap, sizes, offsets, body):
 
 @nb.njit(cache=True, nogil=True)
 def mpicomp_fastsgd_scan(body, n, bucket, flag_bits, offsets, sums):
-    """Walk the bucket headers, check every length against the body; fill offsets and sums; return an error code."""
+    """Walk the bucket headers, check every length against the body; fill offsets and sums; return an error code.
+
+    On an error every bucket from the failing one on is left empty (its offset and the
+    next equal, its sum 0), so the decode may run before the error is read: it reads
+    only the buckets the walk checked.
+    """
     size = body.size
     pos = PREFIX_BYTES
     nb_ = offsets.size - 1
     for k in range(nb_):
-        offsets[k] = pos
         blen = min(n - k * bucket, bucket)
-        if size - pos < BUCKET_HEAD_BYTES:
-            return ERR_TRUNCATED
-        sbits = _get_u32(body, pos)
-        sums[k] = sbits
-        d = _get_u32(body, pos + 4)
-        kbytes = _get_u32(body, pos + 8)
-        W = np.int64(body[pos + 12])
-        if sbits >= 0x7F800000:  # negative (sign bit), Inf or NaN
-            return ERR_SUM
-        if d > blen:
-            return ERR_COUNT
-        if d > 0 and sbits == 0:
-            return ERR_SUM
-        if W > mpicomp_fastsgd_bit_length(blen - 1):
-            return ERR_WIDTH
-        # Each key takes between l and l + W bits.
-        if d == 0 and (W != 0 or kbytes != 0):
-            return ERR_WIDTH
-        if kbytes * 8 < d * flag_bits or kbytes > (d * (flag_bits + W) + 7) // 8:
-            return ERR_WIDTH
-        pos += BUCKET_HEAD_BYTES
-        if size - pos < d + kbytes:
-            return ERR_TRUNCATED
-        pos += d + kbytes
+        err = _check_bucket(body, pos, blen, flag_bits)
+        if err != OK:
+            offsets[k:] = pos
+            sums[k:] = 0
+            return err
+        offsets[k] = pos
+        sums[k] = _get_u32(body, pos)
+        pos += BUCKET_HEAD_BYTES + _get_u32(body, pos + 4) + _get_u32(body, pos + 8)
     offsets[nb_] = pos
     if pos != size:
         return ERR_TRAILING
+    return OK
+
+
+@nb.njit(inline="always", cache=True)
+def _check_bucket(body, pos, blen, flag_bits):
+    """Return the error code of the bucket header at ``pos`` of a bucket of ``blen`` values
+    (OK when it and its codes and key bytes lie inside the body)."""
+    size = body.size
+    if size - pos < BUCKET_HEAD_BYTES:
+        return ERR_TRUNCATED
+    sbits = _get_u32(body, pos)
+    d = _get_u32(body, pos + 4)
+    kbytes = _get_u32(body, pos + 8)
+    W = np.int64(body[pos + 12])
+    if sbits >= 0x7F800000:  # negative (sign bit), Inf or NaN
+        return ERR_SUM
+    if d > blen:
+        return ERR_COUNT
+    if d > 0 and sbits == 0:
+        return ERR_SUM
+    if W > mpicomp_fastsgd_bit_length(blen - 1):
+        return ERR_WIDTH
+    # Each key takes between l and l + W bits.
+    if d == 0 and (W != 0 or kbytes != 0):
+        return ERR_WIDTH
+    if kbytes * 8 < d * flag_bits or kbytes > (d * (flag_bits + W) + 7) // 8:
+        return ERR_WIDTH
+    if size - pos - BUCKET_HEAD_BYTES < d + kbytes:
+        return ERR_TRUNCATED
     return OK
 
 
@@ -512,9 +529,15 @@ def mpicomp_fastsgd_decode_bucket(
     body, pos, end, sbits, powers, flag_bits, out, q, vals, width, least, accumulate
 ):
     """Scatter one bucket's +-float32(sum / b^L) at its decoded keys into its slice out
-    (zeroed first, or added to when ``accumulate``); return an error code."""
+    (zeroed first, or added to when ``accumulate``); return an error code.
+
+    A bucket shorter than its header is one a failed scan left empty (``scan``): nothing
+    of it is read.
+    """
     if not accumulate:
         out[:] = 0
+    if end - pos < BUCKET_HEAD_BYTES:
+        return ERR_TRUNCATED
     d = _get_u32(body, pos + 4)
     if d == 0:
         return OK

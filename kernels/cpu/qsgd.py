@@ -353,8 +353,9 @@ def _ms_values(cs, shift, ks, norm, scales, nr, limit, o):
 
 @nb.njit(inline="always", cache=True)
 def _values_by_block(cs, shift, ks, norms, starts, regular, s, scales, nr, limit, o, lo):
-    """o[j] = the value of code sum cs[j] - shift for o = out[lo:lo + o.size], each block
-    against its own norm: at scale scales[ks[j]] (multi-scale), or s where ks is empty."""
+    """o[j] = the value of code sum cs[j] - shift for o the elements lo <= i < lo + o.size
+    of the coded vector, each against its block's norm: at scale scales[ks[j]]
+    (multi-scale), or s where ks is empty."""
     err = 0
     hi = lo + o.size
     b = mpicomp_qsgd_block_at(starts, regular, lo)
@@ -373,35 +374,40 @@ def _values_by_block(cs, shift, ks, norms, starts, regular, s, scales, nr, limit
 
 
 @nb.njit(cache=True, nogil=True, error_model="numpy")
-def mpicomp_qsgd_dequantize(codes, norms, starts, regular, levels, nranks, limit, out, lo, hi):
-    """Write out[i] = ((codes[i] * norm) / levels) / nranks in float32, norm its block's; return an error mask."""
+def mpicomp_qsgd_dequantize(
+    codes, norms, starts, regular, levels, nranks, limit, out, base, lo, hi
+):
+    """Write out[i] = ((codes[i] * norm) / levels) / nranks in float32, norm the block of
+    element base + i (codes and out start at element ``base``); return an error mask."""
     s = np.float32(levels)
     nr = np.float32(nranks)
     cs, o = codes[lo:hi], out[lo:hi]
     return _values_by_block(
-        cs, 0, _NO_SCALE, norms, starts, regular, s, _NO_LEVELS, nr, limit, o, lo
+        cs, 0, _NO_SCALE, norms, starts, regular, s, _NO_LEVELS, nr, limit, o, base + lo
     )
 
 
 @nb.njit(inline="always", cache=True)
 def _packed_values(
-    stream, width, shift, ks, norms, starts, regular, s, scales, nr, limit, out, lo, hi
+    stream, width, shift, ks, norms, starts, regular, s, scales, nr, limit, out, base, lo, hi
 ):
     """_values_by_block of the code sums read from ``stream`` (``width`` bits, less
-    ``shift``), a bits BLOCK at a time; ``lo`` is a multiple of 8."""
+    ``shift``), a bits BLOCK at a time, out[i] being element base + i; ``lo`` is a
+    multiple of 8."""
     tmp = np.empty(_bits.BLOCK, np.uint32)
     err = 0
     for b in range(lo, hi, _bits.BLOCK):
         o = out[b : min(hi, b + _bits.BLOCK)]
         _bits.mpicomp_bits_unpack_block(stream, (b * width) >> 3, width, o.size, tmp)
         kb = ks[b : b + o.size]
-        err |= _values_by_block(tmp, shift, kb, norms, starts, regular, s, scales, nr, limit, o, b)
+        at = base + b
+        err |= _values_by_block(tmp, shift, kb, norms, starts, regular, s, scales, nr, limit, o, at)
     return err
 
 
 @nb.njit(cache=True, nogil=True, error_model="numpy")
 def mpicomp_qsgd_dequantize_packed(
-    stream, width, shift, norms, starts, regular, levels, nranks, limit, out, lo, hi
+    stream, width, shift, norms, starts, regular, levels, nranks, limit, out, base, lo, hi
 ):
     """As mpicomp_qsgd_dequantize for codes[i] = (code i of ``stream``, ``width`` bits) - shift.
 
@@ -409,28 +415,30 @@ def mpicomp_qsgd_dequantize_packed(
     """
     s, nr, ks, scales = np.float32(levels), np.float32(nranks), _NO_SCALE, _NO_LEVELS
     return _packed_values(
-        stream, width, shift, ks, norms, starts, regular, s, scales, nr, limit, out, lo, hi
+        stream, width, shift, ks, norms, starts, regular, s, scales, nr, limit, out, base, lo, hi
     )
 
 
 @nb.njit(cache=True, nogil=True, error_model="numpy")
 def mpicomp_qsgd_multiscale_dequantize(
-    codes, sidx, norms, starts, regular, scales, nranks, limit, out, lo, hi
+    codes, sidx, norms, starts, regular, scales, nranks, limit, out, base, lo, hi
 ):
-    """Write out[i] = ((codes[i] * norm) / scales[sidx[i]]) / nranks in float32, norm its block's; return an error mask."""
+    """Write out[i] = ((codes[i] * norm) / scales[sidx[i]]) / nranks in float32, norm the
+    block of element base + i; return an error mask."""
     nr = np.float32(nranks)
     cs, ks, o = codes[lo:hi], sidx[lo:hi], out[lo:hi]
-    return _values_by_block(cs, 0, ks, norms, starts, regular, _ONE, scales, nr, limit, o, lo)
+    at = base + lo
+    return _values_by_block(cs, 0, ks, norms, starts, regular, _ONE, scales, nr, limit, o, at)
 
 
 @nb.njit(cache=True, nogil=True, error_model="numpy")
 def mpicomp_qsgd_multiscale_dequantize_packed(
-    stream, width, shift, sidx, norms, starts, regular, scales, nranks, limit, out, lo, hi
+    stream, width, shift, sidx, norms, starts, regular, scales, nranks, limit, out, base, lo, hi
 ):
     """As mpicomp_qsgd_multiscale_dequantize for codes[i] = (code i of ``stream``) - shift."""
-    nr = np.float32(nranks)
+    nr, s = np.float32(nranks), _ONE
     return _packed_values(
-        stream, width, shift, sidx, norms, starts, regular, _ONE, scales, nr, limit, out, lo, hi
+        stream, width, shift, sidx, norms, starts, regular, s, scales, nr, limit, out, base, lo, hi
     )
 
 
@@ -544,56 +552,57 @@ def mpicomp_qsgd_multiscale_quantize_chunks(
 
 
 @nb.njit(parallel=True, cache=True, nogil=True, error_model="numpy")
-def mpicomp_qsgd_dequantize_chunks(codes, norms, starts, regular, levels, nranks, limit, out, n):
+def mpicomp_qsgd_dequantize_chunks(
+    codes, norms, starts, regular, levels, nranks, limit, out, base, n
+):
     """Run mpicomp_qsgd_dequantize over all n elements in parallel chunks."""
     res = np.empty(_nchunks(n), np.int64)
     for c in nb.prange(res.size):
         lo, hi = _chunk(c, n)
         res[c] = mpicomp_qsgd_dequantize(
-            codes, norms, starts, regular, levels, nranks, limit, out, lo, hi
+            codes, norms, starts, regular, levels, nranks, limit, out, base, lo, hi
         )
     return _or_all(res)
 
 
 @nb.njit(parallel=True, cache=True, nogil=True, error_model="numpy")
 def mpicomp_qsgd_multiscale_dequantize_chunks(
-    codes, sidx, norms, starts, regular, scales, nranks, limit, out, n
+    codes, sidx, norms, starts, regular, scales, nranks, limit, out, base, n
 ):
     """Run mpicomp_qsgd_multiscale_dequantize over all n elements in parallel chunks."""
     res = np.empty(_nchunks(n), np.int64)
     for c in nb.prange(res.size):
         lo, hi = _chunk(c, n)
         res[c] = mpicomp_qsgd_multiscale_dequantize(
-            codes, sidx, norms, starts, regular, scales, nranks, limit, out, lo, hi
+            codes, sidx, norms, starts, regular, scales, nranks, limit, out, base, lo, hi
         )
     return _or_all(res)
 
 
 @nb.njit(parallel=True, cache=True, nogil=True, error_model="numpy")
 def mpicomp_qsgd_dequantize_packed_chunks(
-    stream, width, shift, norms, starts, regular, levels, nranks, limit, out, n
+    stream, width, shift, norms, starts, regular, levels, nranks, limit, out, base, n
 ):
     """Run mpicomp_qsgd_dequantize_packed over all n elements in parallel chunks."""
     res = np.empty(_nchunks(n), np.int64)
     for c in nb.prange(res.size):
         lo, hi = _chunk(c, n)
         res[c] = mpicomp_qsgd_dequantize_packed(
-            stream, width, shift, norms, starts, regular, levels, nranks, limit, out, lo, hi
+            stream, width, shift, norms, starts, regular, levels, nranks, limit, out, base, lo, hi
         )
     return _or_all(res)
 
 
 @nb.njit(parallel=True, cache=True, nogil=True, error_model="numpy")
 def mpicomp_qsgd_multiscale_dequantize_packed_chunks(
-    stream, width, shift, sidx, norms, starts, regular, scales, nranks, limit, out, n
+    stream, width, shift, sidx, norms, starts, regular, scales, nranks, limit, out, base, n
 ):
     """Run mpicomp_qsgd_multiscale_dequantize_packed over all n elements in parallel chunks."""
     res = np.empty(_nchunks(n), np.int64)
     for c in nb.prange(res.size):
         lo, hi = _chunk(c, n)
-        res[c] = mpicomp_qsgd_multiscale_dequantize_packed(
-            stream, width, shift, sidx, norms, starts, regular, scales, nranks, limit, out, lo, hi
-        )
+        args = (stream, width, shift, sidx, norms, starts, regular, scales, nranks, limit, out)
+        res[c] = mpicomp_qsgd_multiscale_dequantize_packed(*args, base, lo, hi)
     return _or_all(res)
 
 
@@ -690,23 +699,33 @@ def multiscale_quantize(x, idx, dense, norms, starts, regular, scales, sidx, key
     )
 
 
-def dequantize(codes, norms, starts, regular, levels, nranks, limit, out) -> int:
-    """Write out = ((codes * norm) / levels) / nranks in float32, norm each block's; return an error mask."""
-    args = (codes, norms, starts, regular, levels, nranks, limit, out)
+def dequantize(codes, norms, starts, regular, levels, nranks, limit, out, base=0) -> int:
+    """Write out = ((codes * norm) / levels) / nranks in float32, norm each block's; return an error mask.
+
+    codes[i] and out[i] are element ``base`` + i of the coded vector: its block's norm
+    (a row of the whole tensor decodes alone).
+    """
+    args = (codes, norms, starts, regular, levels, nranks, limit, out, np.int64(base))
     return _over(mpicomp_qsgd_dequantize, mpicomp_qsgd_dequantize_chunks, out.size, *args)
 
 
-def dequantize_packed(stream, width, shift, norms, starts, regular, levels, nranks, limit, out):
+def dequantize_packed(
+    stream, width, shift, norms, starts, regular, levels, nranks, limit, out, base=0
+) -> int:
     """As ``dequantize`` for codes[i] = (the ``width``-bit code i of ``stream``) - shift."""
     args = (stream, width, shift, norms, starts, regular, levels, nranks, limit, out)
+    args += (np.int64(base),)
     return _over(
         mpicomp_qsgd_dequantize_packed, mpicomp_qsgd_dequantize_packed_chunks, out.size, *args
     )
 
 
-def multiscale_dequantize(codes, sidx, norms, starts, regular, scales, nranks, limit, out) -> int:
-    """Write out = ((codes * norm) / scales[sidx]) / nranks in float32; return an error mask."""
-    args = (codes, sidx, norms, starts, regular, scales, nranks, limit, out)
+def multiscale_dequantize(
+    codes, sidx, norms, starts, regular, scales, nranks, limit, out, base=0
+) -> int:
+    """Write out = ((codes * norm) / scales[sidx]) / nranks in float32, element i of them
+    element ``base`` + i of the coded vector; return an error mask."""
+    args = (codes, sidx, norms, starts, regular, scales, nranks, limit, out, np.int64(base))
     return _over(
         mpicomp_qsgd_multiscale_dequantize,
         mpicomp_qsgd_multiscale_dequantize_chunks,
@@ -716,10 +735,11 @@ def multiscale_dequantize(codes, sidx, norms, starts, regular, scales, nranks, l
 
 
 def multiscale_dequantize_packed(
-    stream, width, shift, sidx, norms, starts, regular, scales, nranks, limit, out
-):
+    stream, width, shift, sidx, norms, starts, regular, scales, nranks, limit, out, base=0
+) -> int:
     """As ``multiscale_dequantize`` for codes read from a packed ``stream`` (less ``shift``)."""
     args = (stream, width, shift, sidx, norms, starts, regular, scales, nranks, limit, out)
+    args += (np.int64(base),)
     return _over(
         mpicomp_qsgd_multiscale_dequantize_packed,
         mpicomp_qsgd_multiscale_dequantize_packed_chunks,

@@ -450,40 +450,44 @@ __device__ __forceinline__ i64 fs_get_u32(const u8* p) {
 }
 
 // One thread walks the bucket headers (each offset follows from the one before); err[0] gets
-// the error code, offsets and sums are filled as far as the walk got, as in the numba twin.
+// the error code. On an error every bucket from the failing one on is left empty (its offset
+// and the next equal, its sum 0), as in the numba twin: the decode may run before the error
+// is read, and reads only the buckets the walk checked.
 extern "C" __global__ void mpicomp_fastsgd_scan(const u8* body, i64 size, i64 n, i64 bucket,
                                                 i64 fb, i64* offsets, u32* sums, i64 nb,
                                                 i64* err) {
     if (blockIdx.x != 0 || threadIdx.x != 0) return;
     i64 pos = MPICOMP_FASTSGD_PREFIX;
     for (i64 k = 0; k < nb; ++k) {
-        offsets[k] = pos;
         const i64 blen = min(n - k * bucket, bucket);
+        i64 e = MPICOMP_FASTSGD_OK, sb = 0, d = 0, kb = 0;
         if (size - pos < MPICOMP_FASTSGD_HEAD) {
-            err[0] = MPICOMP_FASTSGD_ERR_TRUNCATED;
-            return;
+            e = MPICOMP_FASTSGD_ERR_TRUNCATED;
+        } else {
+            sb = fs_get_u32(body + pos);
+            d = fs_get_u32(body + pos + 4);
+            kb = fs_get_u32(body + pos + 8);
+            const i64 W = body[pos + 12];
+            if (sb >= 0x7F800000ll) e = MPICOMP_FASTSGD_ERR_SUM;
+            else if (d > blen) e = MPICOMP_FASTSGD_ERR_COUNT;
+            else if (d > 0 && sb == 0) e = MPICOMP_FASTSGD_ERR_SUM;
+            else if (W > fs_bitlen((u64)(blen - 1))) e = MPICOMP_FASTSGD_ERR_WIDTH;
+            else if (d == 0 && (W != 0 || kb != 0)) e = MPICOMP_FASTSGD_ERR_WIDTH;
+            else if (kb * 8 < d * fb || kb > (d * (fb + W) + 7) / 8) e = MPICOMP_FASTSGD_ERR_WIDTH;
+            else if (size - pos - MPICOMP_FASTSGD_HEAD < d + kb) e = MPICOMP_FASTSGD_ERR_TRUNCATED;
         }
-        const i64 sb = fs_get_u32(body + pos);
-        sums[k] = (u32)sb;
-        const i64 d = fs_get_u32(body + pos + 4), kb = fs_get_u32(body + pos + 8);
-        const i64 W = body[pos + 12];
-        i64 e = MPICOMP_FASTSGD_OK;
-        if (sb >= 0x7F800000ll) e = MPICOMP_FASTSGD_ERR_SUM;
-        else if (d > blen) e = MPICOMP_FASTSGD_ERR_COUNT;
-        else if (d > 0 && sb == 0) e = MPICOMP_FASTSGD_ERR_SUM;
-        else if (W > fs_bitlen((u64)(blen - 1))) e = MPICOMP_FASTSGD_ERR_WIDTH;
-        else if (d == 0 && (W != 0 || kb != 0)) e = MPICOMP_FASTSGD_ERR_WIDTH;
-        else if (kb * 8 < d * fb || kb > (d * (fb + W) + 7) / 8) e = MPICOMP_FASTSGD_ERR_WIDTH;
         if (e != MPICOMP_FASTSGD_OK) {
+            for (i64 r = k; r < nb; ++r) {
+                offsets[r] = pos;
+                sums[r] = 0;
+            }
+            offsets[nb] = pos;
             err[0] = e;
             return;
         }
-        pos += MPICOMP_FASTSGD_HEAD;
-        if (size - pos < d + kb) {
-            err[0] = MPICOMP_FASTSGD_ERR_TRUNCATED;
-            return;
-        }
-        pos += d + kb;
+        offsets[k] = pos;
+        sums[k] = (u32)sb;
+        pos += MPICOMP_FASTSGD_HEAD + d + kb;
     }
     offsets[nb] = pos;
     err[0] = pos != size ? MPICOMP_FASTSGD_ERR_TRAILING : MPICOMP_FASTSGD_OK;
@@ -599,9 +603,11 @@ extern "C" __global__ void mpicomp_fastsgd_decode(const u8* body, i64 n, i64 buc
         const i64 pos0 = offsets[k], start = k * bucket;
         const i64 blen = min(n, start + bucket) - start;
         float* o = out + start;
-        const i64 d = fs_get_u32(body + pos0 + 4);
+        // A bucket shorter than its header is one a failed scan left empty: nothing is read.
+        const bool empty = offsets[k + 1] - pos0 < MPICOMP_FASTSGD_HEAD;
+        const i64 d = empty ? 0 : fs_get_u32(body + pos0 + 4);
         i64 cursor = 0;  // elements of the slice zeroed so far
-        int code = MPICOMP_FASTSGD_OK;
+        int code = empty ? MPICOMP_FASTSGD_ERR_TRUNCATED : MPICOMP_FASTSGD_OK;
         if (d > 0) {
             const int W = body[pos0 + 12], P = fb + W;
             const u8* codes = body + pos0 + MPICOMP_FASTSGD_HEAD;

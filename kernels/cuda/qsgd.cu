@@ -457,10 +457,11 @@ __device__ __forceinline__ float qsgd_value_of(C c, float norm, float s, float n
     return ((qsgd_float_of(c) * norm) / s) / nr;
 }
 
-// out[i] = ((codes[i] * norm) / levels) / nranks for codes of type C.
+// out[i] = ((codes[i] * norm) / levels) / nranks for codes of type C, norm the block of element
+// base + i (codes and out start at element `base` of the coded vector: a row decodes alone).
 template <class C>
 __device__ void qsgd_dequantize(const C* codes, QSGD_BLOCKS, i64 levels, i64 nranks, i64 limit,
-                                float* out, i64 n, u32* err) {
+                                float* out, i64 base, i64 n, u32* err) {
     typedef typename mpicomp_uint_of<sizeof(C)>::type U;
     const float s = (float)levels, nr = (float)nranks;
     const bool vc = mpicomp_aligned(codes, mpicomp_vec_align(sizeof(C)));
@@ -470,13 +471,13 @@ __device__ void qsgd_dequantize(const C* codes, QSGD_BLOCKS, i64 levels, i64 nra
         const i64 i0 = 4 * g;
         U c4[4] = {0, 0, 0, 0};
         mpicomp_load4(reinterpret_cast<const U*>(codes), i0, n, vc, c4);
-        qsgd_cursor cur(i0, QSGD_BLOCKS_ARGS, &bad);
+        qsgd_cursor cur(base + i0, QSGD_BLOCKS_ARGS, &bad);
         u32 o[4] = {0u, 0u, 0u, 0u};
         for (int k = 0; k < 4; ++k) {
             if (i0 + k >= n) break;
             const C c = (C)c4[k];
             o[k] = __float_as_uint(
-                qsgd_value_of(c, cur.at(i0 + k, QSGD_BLOCKS_ARGS, &bad), s, nr));
+                qsgd_value_of(c, cur.at(base + i0 + k, QSGD_BLOCKS_ARGS, &bad), s, nr));
             bad |= qsgd_far((i64)c, limit) ? (u32)MPICOMP_QSGD_ERR_RANGE : 0u;
         }
         mpicomp_store4(reinterpret_cast<u32*>(out), i0, n, vo, o);
@@ -487,32 +488,32 @@ __device__ void qsgd_dequantize(const C* codes, QSGD_BLOCKS, i64 levels, i64 nra
 // Codes of `bytes` bytes each (1, 2, 4 or 8).
 extern "C" __global__ void mpicomp_qsgd_dequantize(const void* codes, int bytes, QSGD_BLOCKS,
                                                     i64 levels, i64 nranks, i64 limit,
-                                                    float* out, i64 n, u32* err) {
+                                                    float* out, i64 base, i64 n, u32* err) {
     switch (bytes) {
         case 1:
             qsgd_dequantize((const signed char*)codes, QSGD_BLOCKS_ARGS, levels, nranks, limit,
-                            out, n, err);
+                            out, base, n, err);
             break;
         case 2:
-            qsgd_dequantize((const short*)codes, QSGD_BLOCKS_ARGS, levels, nranks, limit, out, n,
-                            err);
+            qsgd_dequantize((const short*)codes, QSGD_BLOCKS_ARGS, levels, nranks, limit, out, base,
+                            n, err);
             break;
         case 4:
-            qsgd_dequantize((const int*)codes, QSGD_BLOCKS_ARGS, levels, nranks, limit, out, n,
-                            err);
+            qsgd_dequantize((const int*)codes, QSGD_BLOCKS_ARGS, levels, nranks, limit, out, base,
+                            n, err);
             break;
         default:
-            qsgd_dequantize((const i64*)codes, QSGD_BLOCKS_ARGS, levels, nranks, limit, out, n,
-                            err);
+            qsgd_dequantize((const i64*)codes, QSGD_BLOCKS_ARGS, levels, nranks, limit, out, base,
+                            n, err);
     }
 }
 
-// Code sums straight from the ring's packed result: sum i = (code i of stream) - shift; the
-// stream holds `nbytes` bytes (qsgd_stream reads none past them).
+// Code sums straight from the ring's packed result: sum i = (code i of stream) - shift, element
+// base + i; the stream holds `nbytes` bytes (qsgd_stream reads none past them).
 extern "C" __global__ void mpicomp_qsgd_dequantize_packed(const u8* stream, i64 nbytes, int width,
                                                            i64 shift, QSGD_BLOCKS, i64 levels,
                                                            i64 nranks, i64 limit, float* out,
-                                                           i64 n, u32* err) {
+                                                           i64 base, i64 n, u32* err) {
     const float s = (float)levels, nr = (float)nranks;
     const qsgd_stream codes(stream, nbytes, width);
     const bool vo = mpicomp_aligned(out, 16);
@@ -522,11 +523,12 @@ extern "C" __global__ void mpicomp_qsgd_dequantize_packed(const u8* stream, i64 
         const int cnt = n - i0 < 4 ? (int)(n - i0) : 4;
         u32 c4[4];
         codes.codes4(i0, cnt, c4);
-        qsgd_cursor cur(i0, QSGD_BLOCKS_ARGS, &bad);
+        qsgd_cursor cur(base + i0, QSGD_BLOCKS_ARGS, &bad);
         u32 o[4] = {0u, 0u, 0u, 0u};
         for (int k = 0; k < cnt; ++k) {
             const i64 c = (i64)c4[k] - shift;
-            o[k] = __float_as_uint(qsgd_value(c, cur.at(i0 + k, QSGD_BLOCKS_ARGS, &bad), s, nr));
+            const float norm = cur.at(base + i0 + k, QSGD_BLOCKS_ARGS, &bad);
+            o[k] = __float_as_uint(qsgd_value(c, norm, s, nr));
             bad |= qsgd_far(c, limit) ? (u32)MPICOMP_QSGD_ERR_RANGE : 0u;
         }
         mpicomp_store4(reinterpret_cast<u32*>(out), i0, n, vo, o);
@@ -546,7 +548,7 @@ __device__ __forceinline__ float qsgd_ms_value(i64 c, i64 k, const float* scales
 template <class C, class K>
 __device__ void qsgd_ms_dequantize(const C* codes, const K* sidx, QSGD_BLOCKS,
                                    const float* scales, i64 ns, i64 nranks, i64 limit, float* out,
-                                   i64 n, u32* err) {
+                                   i64 base, i64 n, u32* err) {
     typedef typename mpicomp_uint_of<sizeof(C)>::type CU;
     typedef typename mpicomp_uint_of<sizeof(K)>::type KU;
     const float nr = (float)nranks;
@@ -560,11 +562,11 @@ __device__ void qsgd_ms_dequantize(const C* codes, const K* sidx, QSGD_BLOCKS,
         KU k4[4] = {0, 0, 0, 0};
         mpicomp_load4(reinterpret_cast<const CU*>(codes), i0, n, vc, c4);
         mpicomp_load4(reinterpret_cast<const KU*>(sidx), i0, n, vk, k4);
-        qsgd_cursor cur(i0, QSGD_BLOCKS_ARGS, &bad);
+        qsgd_cursor cur(base + i0, QSGD_BLOCKS_ARGS, &bad);
         u32 o[4] = {0u, 0u, 0u, 0u};
         for (int k = 0; k < 4; ++k) {
             if (i0 + k >= n) break;
-            const float norm = cur.at(i0 + k, QSGD_BLOCKS_ARGS, &bad);
+            const float norm = cur.at(base + i0 + k, QSGD_BLOCKS_ARGS, &bad);
             o[k] = __float_as_uint(qsgd_ms_value((i64)(C)c4[k], (i64)(K)k4[k], scales, ns, norm,
                                                  nr, limit, &bad));
         }
@@ -575,49 +577,58 @@ __device__ void qsgd_ms_dequantize(const C* codes, const K* sidx, QSGD_BLOCKS,
 
 extern "C" __global__ void mpicomp_qsgd_multiscale_dequantize_i8_u8(
     const signed char* codes, const u8* sidx, QSGD_BLOCKS, const float* scales, i64 ns, i64 nranks,
-    i64 limit, float* out, i64 n, u32* err) {
-    qsgd_ms_dequantize(codes, sidx, QSGD_BLOCKS_ARGS, scales, ns, nranks, limit, out, n, err);
+    i64 limit, float* out, i64 base, i64 n, u32* err) {
+    qsgd_ms_dequantize(codes, sidx, QSGD_BLOCKS_ARGS, scales, ns, nranks, limit, out, base, n,
+                       err);
 }
 extern "C" __global__ void mpicomp_qsgd_multiscale_dequantize_i16_u8(
     const short* codes, const u8* sidx, QSGD_BLOCKS, const float* scales, i64 ns, i64 nranks,
-    i64 limit, float* out, i64 n, u32* err) {
-    qsgd_ms_dequantize(codes, sidx, QSGD_BLOCKS_ARGS, scales, ns, nranks, limit, out, n, err);
+    i64 limit, float* out, i64 base, i64 n, u32* err) {
+    qsgd_ms_dequantize(codes, sidx, QSGD_BLOCKS_ARGS, scales, ns, nranks, limit, out, base, n,
+                       err);
 }
 extern "C" __global__ void mpicomp_qsgd_multiscale_dequantize_i32_u8(
     const int* codes, const u8* sidx, QSGD_BLOCKS, const float* scales, i64 ns, i64 nranks,
-    i64 limit, float* out, i64 n, u32* err) {
-    qsgd_ms_dequantize(codes, sidx, QSGD_BLOCKS_ARGS, scales, ns, nranks, limit, out, n, err);
+    i64 limit, float* out, i64 base, i64 n, u32* err) {
+    qsgd_ms_dequantize(codes, sidx, QSGD_BLOCKS_ARGS, scales, ns, nranks, limit, out, base, n,
+                       err);
 }
 extern "C" __global__ void mpicomp_qsgd_multiscale_dequantize_i64_u8(
     const i64* codes, const u8* sidx, QSGD_BLOCKS, const float* scales, i64 ns, i64 nranks,
-    i64 limit, float* out, i64 n, u32* err) {
-    qsgd_ms_dequantize(codes, sidx, QSGD_BLOCKS_ARGS, scales, ns, nranks, limit, out, n, err);
+    i64 limit, float* out, i64 base, i64 n, u32* err) {
+    qsgd_ms_dequantize(codes, sidx, QSGD_BLOCKS_ARGS, scales, ns, nranks, limit, out, base, n,
+                       err);
 }
 extern "C" __global__ void mpicomp_qsgd_multiscale_dequantize_i8_i64(
     const signed char* codes, const i64* sidx, QSGD_BLOCKS, const float* scales, i64 ns, i64 nranks,
-    i64 limit, float* out, i64 n, u32* err) {
-    qsgd_ms_dequantize(codes, sidx, QSGD_BLOCKS_ARGS, scales, ns, nranks, limit, out, n, err);
+    i64 limit, float* out, i64 base, i64 n, u32* err) {
+    qsgd_ms_dequantize(codes, sidx, QSGD_BLOCKS_ARGS, scales, ns, nranks, limit, out, base, n,
+                       err);
 }
 extern "C" __global__ void mpicomp_qsgd_multiscale_dequantize_i16_i64(
     const short* codes, const i64* sidx, QSGD_BLOCKS, const float* scales, i64 ns, i64 nranks,
-    i64 limit, float* out, i64 n, u32* err) {
-    qsgd_ms_dequantize(codes, sidx, QSGD_BLOCKS_ARGS, scales, ns, nranks, limit, out, n, err);
+    i64 limit, float* out, i64 base, i64 n, u32* err) {
+    qsgd_ms_dequantize(codes, sidx, QSGD_BLOCKS_ARGS, scales, ns, nranks, limit, out, base, n,
+                       err);
 }
 extern "C" __global__ void mpicomp_qsgd_multiscale_dequantize_i32_i64(
     const int* codes, const i64* sidx, QSGD_BLOCKS, const float* scales, i64 ns, i64 nranks,
-    i64 limit, float* out, i64 n, u32* err) {
-    qsgd_ms_dequantize(codes, sidx, QSGD_BLOCKS_ARGS, scales, ns, nranks, limit, out, n, err);
+    i64 limit, float* out, i64 base, i64 n, u32* err) {
+    qsgd_ms_dequantize(codes, sidx, QSGD_BLOCKS_ARGS, scales, ns, nranks, limit, out, base, n,
+                       err);
 }
 extern "C" __global__ void mpicomp_qsgd_multiscale_dequantize_i64_i64(
     const i64* codes, const i64* sidx, QSGD_BLOCKS, const float* scales, i64 ns, i64 nranks,
-    i64 limit, float* out, i64 n, u32* err) {
-    qsgd_ms_dequantize(codes, sidx, QSGD_BLOCKS_ARGS, scales, ns, nranks, limit, out, n, err);
+    i64 limit, float* out, i64 base, i64 n, u32* err) {
+    qsgd_ms_dequantize(codes, sidx, QSGD_BLOCKS_ARGS, scales, ns, nranks, limit, out, base, n,
+                       err);
 }
 
 template <class K>
 __device__ void qsgd_ms_dequantize_packed(const u8* stream, i64 nbytes, int width, i64 shift,
                                           const K* sidx, QSGD_BLOCKS, const float* scales, i64 ns,
-                                          i64 nranks, i64 limit, float* out, i64 n, u32* err) {
+                                          i64 nranks, i64 limit, float* out, i64 base, i64 n,
+                                          u32* err) {
     typedef typename mpicomp_uint_of<sizeof(K)>::type KU;
     const float nr = (float)nranks;
     const qsgd_stream codes(stream, nbytes, width);
@@ -631,11 +642,11 @@ __device__ void qsgd_ms_dequantize_packed(const u8* stream, i64 nbytes, int widt
         codes.codes4(i0, cnt, c4);
         KU k4[4] = {0, 0, 0, 0};
         mpicomp_load4(reinterpret_cast<const KU*>(sidx), i0, n, vk, k4);
-        qsgd_cursor cur(i0, QSGD_BLOCKS_ARGS, &bad);
+        qsgd_cursor cur(base + i0, QSGD_BLOCKS_ARGS, &bad);
         u32 o[4] = {0u, 0u, 0u, 0u};
         for (int k = 0; k < cnt; ++k) {
             const i64 c = (i64)c4[k] - shift;
-            const float norm = cur.at(i0 + k, QSGD_BLOCKS_ARGS, &bad);
+            const float norm = cur.at(base + i0 + k, QSGD_BLOCKS_ARGS, &bad);
             o[k] = __float_as_uint(
                 qsgd_ms_value(c, (i64)(K)k4[k], scales, ns, norm, nr, limit, &bad));
         }
@@ -646,15 +657,15 @@ __device__ void qsgd_ms_dequantize_packed(const u8* stream, i64 nbytes, int widt
 
 extern "C" __global__ void mpicomp_qsgd_multiscale_dequantize_packed_u8(
     const u8* stream, i64 nbytes, int width, i64 shift, const u8* sidx, QSGD_BLOCKS,
-    const float* scales, i64 ns, i64 nranks, i64 limit, float* out, i64 n, u32* err) {
+    const float* scales, i64 ns, i64 nranks, i64 limit, float* out, i64 base, i64 n, u32* err) {
     qsgd_ms_dequantize_packed(stream, nbytes, width, shift, sidx, QSGD_BLOCKS_ARGS, scales, ns,
-                              nranks, limit, out, n, err);
+                              nranks, limit, out, base, n, err);
 }
 extern "C" __global__ void mpicomp_qsgd_multiscale_dequantize_packed_i64(
     const u8* stream, i64 nbytes, int width, i64 shift, const i64* sidx, QSGD_BLOCKS,
-    const float* scales, i64 ns, i64 nranks, i64 limit, float* out, i64 n, u32* err) {
+    const float* scales, i64 ns, i64 nranks, i64 limit, float* out, i64 base, i64 n, u32* err) {
     qsgd_ms_dequantize_packed(stream, nbytes, width, shift, sidx, QSGD_BLOCKS_ARGS, scales, ns,
-                              nranks, limit, out, n, err);
+                              nranks, limit, out, base, n, err);
 }
 
 // ---- GlobalRandK coordinates ---------------------------------------------------------------------

@@ -349,8 +349,11 @@ class Qsgd:
         )
         return self._result(err, "multiscale_quantize")
 
-    def dequantize(self, codes, norms, starts, regular, levels, nranks, limit, out) -> int:
-        """Write out = ((codes * norm) / levels) / nranks in float32, norm each block's; return an error mask."""
+    def dequantize(self, codes, norms, starts, regular, levels, nranks, limit, out, base=0) -> int:
+        """Write out = ((codes * norm) / levels) / nranks in float32, norm each block's; return an error mask.
+
+        codes[i] and out[i] are element ``base`` + i of the coded vector (its block's norm).
+        """
         n = out.size
         if n == 0:
             return 0
@@ -366,13 +369,14 @@ class Qsgd:
             np.int64(nranks),
             np.int64(limit),
             out,
+            np.int64(base),
             np.int64(n),
             err,
         )
         return self._result(err, "dequantize")
 
     def dequantize_packed(
-        self, stream, width, shift, norms, starts, regular, levels, nranks, limit, out
+        self, stream, width, shift, norms, starts, regular, levels, nranks, limit, out, base=0
     ) -> int:
         """As ``dequantize`` for codes[i] = (the ``width``-bit code i of ``stream``) - shift."""
         n = out.size
@@ -392,15 +396,17 @@ class Qsgd:
             np.int64(nranks),
             np.int64(limit),
             out,
+            np.int64(base),
             np.int64(n),
             err,
         )
         return self._result(err, "dequantize_packed")
 
     def multiscale_dequantize(
-        self, codes, sidx, norms, starts, regular, scales, nranks, limit, out
+        self, codes, sidx, norms, starts, regular, scales, nranks, limit, out, base=0
     ) -> int:
-        """Write out = ((codes * norm) / scales[sidx]) / nranks in float32; return an error mask."""
+        """Write out = ((codes * norm) / scales[sidx]) / nranks in float32, element i of them
+        element ``base`` + i of the coded vector; return an error mask."""
         n = out.size
         if n == 0:
             return 0
@@ -418,13 +424,14 @@ class Qsgd:
             np.int64(nranks),
             np.int64(limit),
             out,
+            np.int64(base),
             np.int64(n),
             err,
         )
         return self._result(err, "multiscale_dequantize")
 
     def multiscale_dequantize_packed(
-        self, stream, width, shift, sidx, norms, starts, regular, scales, nranks, limit, out
+        self, stream, width, shift, sidx, norms, starts, regular, scales, nranks, limit, out, base=0
     ):
         """As ``multiscale_dequantize`` for codes read from a packed ``stream`` (less ``shift``)."""
         n = out.size
@@ -447,6 +454,7 @@ class Qsgd:
             np.int64(nranks),
             np.int64(limit),
             out,
+            np.int64(base),
             np.int64(n),
             err,
         )

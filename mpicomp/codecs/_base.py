@@ -123,6 +123,27 @@ class GatherCodecBase(Codec):
         from their lengths)."""
         return self.decode_sum(payloads, numel)
 
+    def _sum_gathered(self, payloads, numel: int):
+        """Return zeros of ``numel`` float32 on the first payload's device with each
+        payload added in order (``_add_gathered``): the loop of a ``decode_gathered``
+        whose checks are deferred.
+
+        A corrupt payload decodes to garbage until the caller's batch reads its checks,
+        which raise then: NumPy's warnings about that garbage would come first, so they
+        are off while the payloads are added.
+        """
+        xp = backend_of(payloads[0], self.kernels).xp if payloads else self.kernels.xp
+        total = xp.zeros(numel, dtype=np.float32)
+        with np.errstate(over="ignore", invalid="ignore"):
+            for p in payloads:
+                self._add_gathered(p, total)
+        return total
+
+    def _add_gathered(self, payload, total) -> None:
+        """Add the decode of a gathered payload of a flat array into ``total``, its
+        checks registered with the caller's batch (``_decode_flat``'s)."""
+        total += self._decode_flat(payload, total.size)
+
     def decode_local(self, payload, shape):
         """Return ``decode(payload)`` of a payload this process's ``encode`` just made of
         an array of ``shape`` (error feedback's own decode); a codec may trust it."""

@@ -237,13 +237,7 @@ class TopK(GatherCodecBase):
         Raises:
             PayloadError: a payload is corrupt, or of an array of another shape.
         """
-        total = backend_of(payloads[0], self.kernels).xp.zeros(numel, np.float32)
-        # A corrupt payload decodes to garbage until the batch reads its checks, which
-        # raise then: NumPy's warnings about that garbage would come first.
-        with np.errstate(over="ignore", invalid="ignore"):
-            for p in payloads:
-                total += self._decode_flat(p, numel)
-        return total
+        return self._sum_gathered(payloads, numel)
 
     def _decode_flat(self, payload, numel: int) -> np.ndarray:
         idt = self._index_dtype(numel)

@@ -181,23 +181,23 @@ class FastSGD(GatherCodecBase):
     def decode_gathered(self, payloads, numel: int) -> np.ndarray:
         """Return ``decode_sum(payloads, numel)`` of payloads of flat arrays made with this
         codec's parameters (what the collectives gather: the parameters are agreed): each
-        header and prefix is known from its length and compared on its device, and with
-        the checksums and the bucket scans' errors read in one transfer before anything
-        is decoded; the decodes' errors are read with the caller's ``readback.batch``.
+        header and prefix is known from its length and compared on its device. Nothing is
+        read here: the checksums, the bucket scans' errors and the decodes' errors are read
+        with the caller's ``readback.batch`` (at once without one) and raise then, a
+        payload's in that order. A scan that fails leaves the buckets it did not check
+        empty, so the decode that runs before its error is read reads none of them.
 
         Raises:
             PayloadError: a payload is corrupt, or of another shape or parameters.
         """
+        return self._sum_gathered(payloads, numel)
+
+    def _add_gathered(self, payload, total) -> None:
+        """Add the values of a gathered ``payload`` into ``total`` (a scatter-add)."""
         prefix = self._prefix().tobytes()
-        with batch("fastsgd scans"):
-            scans = []
-            for p in payloads:
-                body = _wire.unpack_flat(self.name, p, numel, prefix, kernels=self.kernels)
-                scans.append(self._scan_own(backend_of(body, self.kernels), body, numel))
-        out = (scans[0][0] if scans else self.kernels).xp.zeros(numel, np.float32)
-        for scan in scans:
-            self._scatter(scan, out, accumulate=True)
-        return out
+        body = _wire.unpack_flat(self.name, payload, total.size, prefix, kernels=self.kernels)
+        scan = self._scan_own(backend_of(body, self.kernels), body, total.size)
+        self._scatter(scan, total, accumulate=True)
 
     def _scan_own(self, kernels, body, n: int, checked: bool = True):
         """``_scan`` of a body whose prefix holds this codec's parameters."""

@@ -93,6 +93,14 @@ def _packed_sums(data, n: int, width: int, offset: int) -> tuple[np.ndarray, int
     return array_module(data).ascontiguousarray(data), n, width, offset
 
 
+def _span_of(name: str, span, numel: int) -> tuple[int, int]:
+    """Return ``span`` as (a, b), checking it is a pair with 0 <= a <= b <= numel."""
+    if isinstance(span, (str, bytes)) or not hasattr(span, "__len__") or len(span) != 2:
+        raise TypeError(f"{name} must be a pair (start, stop), got {span!r}")
+    a = check_number(name, span[0], 0, numel, integer=True)
+    return a, check_number(name, span[1], a, numel, integer=True)
+
+
 def _out_shape(shape, n: int | None) -> tuple[int, ...]:
     """Return ``shape`` as a tuple (``(n,)`` when None), checking it holds ``n`` elements."""
     if shape is None:
@@ -308,16 +316,19 @@ class _MaxNorm(Codec):
         _check(err, a.values, norm)
         return out
 
-    def _dequantize(self, launcher, sums, n, norm, nranks, numel, shapes, step, scaled=False):
+    def _dequantize(
+        self, launcher, sums, n, norm, nranks, numel, shapes, step, scaled=False, base=0
+    ):
         """Return the n float32 ((sum * norm) / s) / nranks, norm each sum's block's, s the
         levels (``scaled``: the level of each sum's scale index), by the qsgd launcher of
-        that name given the arguments ``sums`` before the norms (the first: where they are)."""
+        that name given the arguments ``sums`` before the norms (the first: where they are).
+        Sum j is code ``base`` + j of the coded vector of a tensor of ``numel`` elements."""
         nranks, limit = self._limit(nranks)
         k = backend_of(sums[0], self.kernels)
         norms, b = self._against(k, norm, numel, shapes, step)
         out = k.xp.empty(n, dtype=np.float32)
         levels = self._scales_on(k) if scaled else self.levels
-        args = (norms, b.starts, b.regular, levels, nranks, limit, out)
+        args = (norms, b.starts, b.regular, levels, nranks, limit, out, base)
         err = getattr(k.qsgd, launcher)(*sums, *args)
         _check(err, lambda: out, norm)
         return out
@@ -332,6 +343,37 @@ class _MaxNorm(Codec):
         data, n, width, offset = _packed_sums(data, n, width, offset)
         args = (norm, nranks, numel, shapes, step)
         return self._dequantize("dequantize_packed", (data, width, offset), n, *args)
+
+    def _span_codes(self, kernels, numel: int, a: int, b: int, step, codes):
+        """Return (lo, hi, coordinates): the codes of elements a <= i < b are codes lo <= j
+        < hi of the coded vector, at ``coordinates`` (None: x itself, lo = a and hi = b)."""
+        return a, b, None
+
+    def _span(
+        self, data, width, offset, norm, sidx, numel, span, nranks, shapes, step=0, codes=None
+    ):
+        """Return elements a <= i < b (``span``) of the dequantized tensor of ``numel``
+        elements from the packed sums of the codes among them alone; ``sidx``: the whole
+        coded vector's scale indices (None: one scale)."""
+        numel = check_number("numel", numel, 0, None, integer=True)
+        a, b = _span_of("span", span, numel)
+        k = backend_of(data, self.kernels) if is_array(data) else self.kernels
+        lo, hi, where = self._span_codes(k, numel, a, b, step, codes)
+        data, n, width, offset = _packed_sums(data, hi - lo, width, offset)
+        args = (norm, nranks, numel, shapes, step)
+        if sidx is None:
+            vals = self._dequantize("dequantize_packed", (data, width, offset), n, *args, base=lo)
+        else:
+            sidx = _int_array(sidx, "scale_index", self._coded(numel), signed=False)[lo:hi]
+            sums = (data, width, offset, sidx)
+            launcher = "multiscale_dequantize_packed"
+            vals = self._dequantize(launcher, sums, n, *args, scaled=True, base=lo)
+        if where is None:
+            return vals
+        out = k.xp.zeros(b - a, dtype=np.float32)
+        if n:  # scaled as _scatter scales the whole tensor: by numel / K
+            k.qsgd.grandk_scatter(vals, where[lo:hi] - a, np.float32(numel / where.size), out)
+        return out
 
 
 class _Dense:
@@ -502,6 +544,15 @@ class _GlobalRandK:
             self._coords.popitem(last=False)
         return picks
 
+    def _span_codes(self, kernels, numel: int, a: int, b: int, step, codes):
+        picks = self._picks(kernels, numel, step)
+        if codes is not None:
+            return (*_span_of("codes", codes, picks.size), picks)
+        # The codes of the coordinates in [a, b): one read of two numbers on a device.
+        at = kernels.xp.searchsorted(picks, kernels.xp.asarray(np.array([a, b], np.int64)))
+        lo, hi = (int(v) for v in kernels.to_host(at, why="qsgd: codes of a span"))
+        return lo, hi, picks
+
     def local_norm(self, x, step: int = 0) -> float:
         """Return the float32 ‖x[coordinates]‖₂ of this rank (float64 accumulation): the
         paper's one norm.
@@ -614,6 +665,22 @@ class QSGDMaxNorm(_Dense, _MaxNorm):
         out = self._values_packed(data, n, width, offset, norm, nranks, n, shapes)
         return out.reshape(shape)
 
+    def dequantize_span(
+        self, data, width: int, offset: int, norm, numel: int, span, nranks: int = 1, shapes=None
+    ) -> np.ndarray:
+        """Return elements a <= i < b (``span``) of ``dequantize_packed`` of a tensor of
+        ``numel`` elements, from the packed sums of those elements alone (a reduce-scatter's
+        row): sum j of ``data`` is element a + j's.
+
+        ``norm`` and ``shapes`` are the whole tensor's: each element is found in its block by
+        its index in the tensor, so the b - a float32 values have the whole tensor's bits.
+
+        Raises:
+            TypeError, ValueError: as ``dequantize_packed``; ``span`` not a pair with
+                0 <= a <= b <= numel.
+        """
+        return self._span(data, width, offset, norm, None, numel, span, nranks, shapes)
+
 
 @register
 class QSGDMaxNormMultiscale(_Dense, _Multiscale, _MaxNorm):
@@ -679,6 +746,14 @@ class QSGDMaxNormMultiscale(_Dense, _Multiscale, _MaxNorm):
         args = (norm, scale_index, nranks, n, shapes)
         return self._ms_values_packed(data, n, width, offset, *args).reshape(shape)
 
+    def dequantize_span(
+        self, data, width, offset, norm, scale_index, numel, span, nranks=1, shapes=None
+    ) -> np.ndarray:
+        """Return elements a <= i < b (``span``) of ``dequantize_packed``, from the packed
+        sums of those elements alone (see QSGDMaxNorm); ``scale_index`` is the whole tensor's."""
+        args = (norm, scale_index, numel, span, nranks, shapes)
+        return self._span(data, width, offset, *args)
+
 
 @register
 class GRandKMaxNorm(_GlobalRandK, _MaxNorm):
@@ -736,6 +811,33 @@ class GRandKMaxNorm(_GlobalRandK, _MaxNorm):
         vals = self._values_packed(data, n, width, offset, norm, nranks, numel, shapes, step)
         return _scatter(k, vals, shape, idx)
 
+    def dequantize_span(
+        self,
+        data,
+        width,
+        offset,
+        norm,
+        numel,
+        span,
+        nranks=1,
+        step=0,
+        shapes=None,
+        codes=None,
+    ) -> np.ndarray:
+        """Return elements a <= i < b (``span``) of ``dequantize_packed`` of a tensor of
+        ``numel`` elements: zeros, and the rescaled average at the coordinates in the span.
+
+        ``data`` holds the packed sums of those coordinates' codes alone, in order: codes
+        lo <= j < hi of the K, given as ``codes=(lo, hi)`` where the caller knows them (else
+        found from the coordinates: a read of two numbers where they are on a device).
+
+        Raises:
+            TypeError, ValueError: as ``dequantize_packed``; ``span`` or ``codes`` not a
+                pair within the tensor or the K codes.
+        """
+        args = (norm, None, numel, span, nranks, shapes, step, codes)
+        return self._span(data, width, offset, *args)
+
 
 @register
 class GRandKMaxNormMultiscale(_GlobalRandK, _Multiscale, _MaxNorm):
@@ -786,3 +888,22 @@ class GRandKMaxNormMultiscale(_GlobalRandK, _Multiscale, _MaxNorm):
         k, shape, numel, idx = self._full(data, shape, step, n)
         args = (norm, scale_index, nranks, numel, shapes, step)
         return _scatter(k, self._ms_values_packed(data, n, width, offset, *args), shape, idx)
+
+    def dequantize_span(
+        self,
+        data,
+        width,
+        offset,
+        norm,
+        scale_index,
+        numel,
+        span,
+        nranks=1,
+        step=0,
+        shapes=None,
+        codes=None,
+    ) -> np.ndarray:
+        """Return elements a <= i < b (``span``) of ``dequantize_packed`` (see
+        GRandKMaxNorm); ``scale_index`` holds the K codes' indices."""
+        args = (norm, scale_index, numel, span, nranks, shapes, step, codes)
+        return self._span(data, width, offset, *args)

@@ -128,14 +128,7 @@ class ThreeLC(GatherCodecBase):
         Raises:
             PayloadError: a payload is corrupt, or of an array of another shape.
         """
-        xp = backend_of(payloads[0], self.kernels).xp if payloads else self.kernels.xp
-        total = xp.zeros(numel, dtype=np.float32)
-        # A corrupt payload decodes to garbage until the batch reads its checks, which
-        # raise then: NumPy's warnings about that garbage would come first.
-        with np.errstate(over="ignore", invalid="ignore"):
-            for p in payloads:
-                total += self._decode_flat(p, numel)
-        return total
+        return self._sum_gathered(payloads, numel)
 
     def _decode_flat(self, payload, numel: int) -> np.ndarray:
         flags = FLAG_ZERO_RUN if self.params["zero_run"] else 0
