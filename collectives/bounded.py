@@ -107,7 +107,14 @@ class Chunks(NamedTuple):
 
 
 def reduce_scatter_allgather(
-    exchange, chunks: Chunks, reduce_scatter: Iterator, out, width: int, recorder, name: str
+    exchange,
+    chunks: Chunks,
+    reduce_scatter: Iterator,
+    out,
+    width: int,
+    recorder,
+    name: str,
+    landed=None,
 ) -> None:
     """Run the steps of ``reduce_scatter``, then the ring allgather: ``out`` gets the result.
 
@@ -124,6 +131,9 @@ def reduce_scatter_allgather(
         recorder: None, or an object with ``record(op, step, sent, recv, bits)``: gets
             ``"{name}.{phase}"`` for each step, then ``"{name}.allgather"``.
         name: prefix of the traced op names.
+        landed: None, or ``landed(start, stop)``, called for each byte region of ``out``
+            as it becomes final (this rank's chunk, then each chunk the allgather
+            brings): a staged caller copies it up meanwhile (``Landing``).
     """
     # The steps' loop is run_steps's, written out: one frame fewer from a gradient to MPI.
     for sendbuf, dest, recvbuf, source, phase, step, bits in reduce_scatter:
@@ -132,12 +142,16 @@ def reduce_scatter_allgather(
             recorder.record(f"{name}.{phase}", step, sendbuf.nbytes, recvbuf.nbytes, bits)
     size, rank = chunks.size, chunks.rank
     right, left = (rank + 1) % size, (rank - 1) % size
+    if landed is not None:
+        landed(*chunks.region(rank, width))
     for j in range(1, size):  # forward chunk r-j+1 unchanged, receive r-j in place
         s_start, s_stop = chunks.region(rank - j + 1, width)
         r_start, r_stop = chunks.region(rank - j, width)
         exchange(out[s_start:s_stop], right, out[r_start:r_stop], left, _AG, j)
         if recorder is not None:
             recorder.record(f"{name}.{_AG}", j, s_stop - s_start, r_stop - r_start, width)
+        if landed is not None:
+            landed(r_start, r_stop)
 
 
 def run_steps(exchange, steps: Iterator, recorder, name: str) -> None:
@@ -255,6 +269,7 @@ def allreduce_bounded(
     checked=True,
     kernels=None,
     ready=None,
+    into=None,
 ):
     """Sum bounded integer codes over ranks, or take their majority, by ``schedule``'s
     reduce-scatter and the ring allgather: ``ring_allreduce_bounded`` (its docstring
@@ -265,10 +280,14 @@ def allreduce_bounded(
         comm, codes, bound, majority, signed, packed, timeout, checked, kernels, fname
     )
     chunks = Chunks.of(comm, codes.size)
-    out = be.xp.empty(_packed(chunks.n, p.final_width), dtype=np.uint8)
+    nbytes = _packed(chunks.n, p.final_width)
+    out = be.xp.empty(nbytes, dtype=np.uint8) if into is None else into.buffer(nbytes)
     exchange = Exchange(comm, timeout, fname, schedule.tag)
     steps = schedule.steps(codes, p, be, chunks, out, fname, ready or all_present)
-    reduce_scatter_allgather(exchange, chunks, steps, out, p.final_width, recorder, schedule.trace)
+    landed = None if into is None else into.landed
+    reduce_scatter_allgather(
+        exchange, chunks, steps, out, p.final_width, recorder, schedule.trace, landed
+    )
     return unpacked(out, chunks.n, p, chunks.size, packed, be)
 
 

@@ -87,7 +87,8 @@ def _alltoall(x, p: Plan, be, chunks: Chunks, out, fname: str, ready) -> Iterato
 
 
 #: ``direct_allreduce_bounded(comm, codes, bound, majority=False, *, signed=True,
-#: packed=False, recorder=None, timeout=None, checked=True, kernels=None)``
+#: packed=False, recorder=None, timeout=None, checked=True, kernels=None, ready=None,
+#: into=None)``
 direct_allreduce_bounded = partial(
     allreduce_bounded, ReduceScatter("direct_allreduce_bounded", "direct", _TAG, _alltoall)
 )

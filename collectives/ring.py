@@ -218,7 +218,8 @@ def _bounded_steps(codes, p: Plan, be, chunks: Chunks, out, fname: str, ready) -
 
 
 #: ``ring_allreduce_bounded(comm, codes, bound, majority=False, *, signed=True,
-#: packed=False, recorder=None, timeout=None, checked=True, kernels=None)``
+#: packed=False, recorder=None, timeout=None, checked=True, kernels=None, ready=None,
+#: into=None)``
 ring_allreduce_bounded = partial(
     allreduce_bounded, ReduceScatter("ring_allreduce_bounded", "ring", _TAG, _bounded_steps)
 )
@@ -250,6 +251,10 @@ ring_allreduce_bounded.__doc__ = """Sum bounded integer codes over ranks, or tak
         ready: None, or ``ready(lo, hi)``, called before the schedule first reads
             ``codes[lo:hi]``, in ``Chunks.read_order``: host codes still being copied
             down from a device (``mpicomp.reduction.transport.Staged.ready``).
+        into: None, or where the packed result lands (with ``packed`` or
+            ``majority``): ``into.buffer(nbytes)`` gives the uint8 buffer the ring
+            writes, and ``into.landed(start, stop)`` is told each byte region as it
+            becomes final (``mpicomp.reduction.transport.Landing``).
 
     Returns:
         Without ``majority``: the exact sums, int64, length n, identical on every rank

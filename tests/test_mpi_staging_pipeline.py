@@ -206,8 +206,9 @@ def test_staged_codes_come_down_chunk_by_chunk_as_the_schedule_reads_them(
 ):
     """The bounded schedules' codes (and votes, and scale indices) come down chunk by
     chunk in the order the reduce-scatter reads them: all copies are issued before its
-    first message, and only the first chunk it sends is down by then; the bytes are the
-    NumPy path's."""
+    first message, and only the first chunk it sends is down by then. The result goes
+    up chunk by chunk as the allgather completes it: this rank's own before the
+    allgather's first message. The bytes are the NumPy path's."""
     from mpi4py import MPI
 
     world = MPI.COMM_WORLD
@@ -225,6 +226,14 @@ def test_staged_codes_come_down_chunk_by_chunk_as_the_schedule_reads_them(
         issued = [e for e in log[:first] if e[0] == "download"]
         ran = [e for e in log[:first] if e[:2] == ("ran", "download")]
         assert len(issued) == world.size and len(ran) == 1, log[: first + 1]
+    # The sums (decisions) go up a chunk at a time, issued as the allgather brings them
+    # (the stand-ins run an upload only when waited for: the bytes above say it was).
+    ups = [i for i, e in enumerate(log) if e[0] == "upload"]
+    assert len(ups) == world.size
+    if world.size > 1:
+        last = max(i for i, e in enumerate(log) if e[0] == "mpi" and e[1] != "allgather")
+        gathers = [i for i, e in enumerate(log) if e[:2] == ("mpi", "allgather") and i > last]
+        assert ups[0] < gathers[0] and all(g < u for g, u in zip(gathers, ups[1:], strict=True))
     transport.cuda_aware.cache_clear()
 
 

@@ -171,6 +171,21 @@ def down_by_chunks(call: Call, dev, a, slot: str, chunk: int | None = None):
     return staged.host, staged.ready
 
 
+def landing(call: Call, dev, slot: str):
+    """Return where a bounded collective's packed result lands (its ``into=``): staged,
+    a ``Landing`` that copies each chunk up as the allgather completes it, read back
+    with ``landed``; None where nothing is staged (``up`` then does)."""
+    if dev is None or call.transport.direct:
+        return None
+    return call.transport.landing(dev, slot)
+
+
+def landed(into, dev, a):
+    """Return the device copy of a bounded collective's result ``a``: ``into``'s, else
+    ``up``'s."""
+    return up(dev, a) if into is None else into.result()
+
+
 def up(dev, a):
     """Return what a collective gave back on the device of ``dev`` (a host result is
     copied there; a device one, or any result for host input, stays as it is)."""

@@ -30,9 +30,11 @@ from mpicomp.reduction.agreement import (
     Call,
     agree,
     device,
-    down,
+    down_by_chunks,
     encode_here,
     flagged,
+    landed,
+    landing,
     raise_overflow,
     up,
 )
@@ -70,11 +72,15 @@ class IntegerSumCodec(Protocol):
         self, data, n: int, width: int, offset: int, norm, nranks: int = 1, shape=None, shapes=None
     ) -> Any: ...
 
+    def dequantize_span(
+        self, data, width: int, offset: int, norm, numel: int, span, nranks: int = 1, shapes=None
+    ) -> Any: ...
+
 
 @runtime_checkable
 class ScaleIndexCodec(IntegerSumCodec, Protocol):
     """Refinement: ranks also share one scale index per coordinate (MinAllReduce of
-    ``scale_index``, ``index_bits`` each); ``quantize`` and ``dequantize_packed`` take it."""
+    ``scale_index``, ``index_bits`` each); ``quantize`` and the dequantizers take it."""
 
     index_bits: int
     index_dtype: np.dtype
@@ -85,8 +91,8 @@ class ScaleIndexCodec(IntegerSumCodec, Protocol):
 @runtime_checkable
 class SparseCoordinatesCodec(IntegerSumCodec, Protocol):
     """Refinement: only ``coordinates(numel, step)`` are quantized, the same on every rank;
-    ``local_norm``, ``scale_index``, ``quantize`` and ``dequantize_packed`` take ``step``
-    (and ``dequantize_packed`` the full ``shape``)."""
+    ``local_norm``, ``scale_index``, ``quantize`` and the dequantizers take ``step``
+    (``dequantize_packed`` the full ``shape``, ``dequantize_span`` the ``codes`` in the span)."""
 
     def coordinates(self, numel: int, step: int = 0) -> Any: ...
 
@@ -155,13 +161,15 @@ def run(call: Call, codec, flat, *, collective, rows=None, mean: bool = True):
         sidx = codec.scale_index(flat, norm, shapes=shapes, **at)
         clock.encoded()
         if codec.index_bits:
+            sent, ready = down_by_chunks(call, dev, sidx, "index")
             sidx = ring_allreduce_min(
                 comm,
-                down(call, dev, sidx, "index"),
+                sent,
                 codec.index_bits,
                 dtype=codec.index_dtype,
                 checked=False,
                 kernels=call.kernels,
+                ready=ready,
                 **call.io,
             )
             clock.communicated()
@@ -172,20 +180,32 @@ def run(call: Call, codec, flat, *, collective, rows=None, mean: bool = True):
     if rows is not None:
         return _row(call, codec, rows, mean, (dev, shapes, at, flat, norm, extra, codes, largest))
     # The sums stay packed as the schedule left them; dequantize_packed unpacks as it goes.
+    sent, ready = down_by_chunks(call, dev, codes, "codes")
+    into = landing(call, dev, "sums")
     data, n, width, offset = collective(
         comm,
-        down(call, dev, codes, "codes"),
+        sent,
         codec.bound,
         packed=True,
         checked=False,
         kernels=call.kernels,
+        ready=ready,
+        into=into,
         **call.io,
     )
     clock.communicated()
     if codec.sparse:
         at = {"shape": flat.shape, **at}
     out = codec.dequantize_packed(
-        up(dev, data), n, width, offset, norm, *extra, nranks=comm.size, shapes=shapes, **at
+        landed(into, dev, data),
+        n,
+        width,
+        offset,
+        norm,
+        *extra,
+        nranks=comm.size,
+        shapes=shapes,
+        **at,
     )
     clock.decoded()
     return out
@@ -196,9 +216,9 @@ def scatter(call: Call, codec, flat, *, collective, mean: bool = True):
     QSGD-MaxNorm codes: ``run``'s first phase, then ``collective``'s reduce-scatter
     alone (``*_reduce_scatter_bounded``) over the codes grouped by the row they fall in.
 
-    The owner dequantizes its row's sums into the whole tensor's zeros (the blocks'
-    norms are the whole tensor's) and keeps its row: every element of the row has the
-    bits ``run`` gives it in the same call.
+    The owner dequantizes its row's sums alone (``dequantize_span``: each element against
+    the whole tensor's block norms, found by its index in the tensor): every element of the
+    row has the bits ``run`` gives it in the same call.
     """
     return run(call, codec, flat, collective=None, rows=collective, mean=mean)
 
@@ -224,25 +244,17 @@ def _row(call: Call, codec, collective, mean: bool, encoded: tuple):
     else:
         starts = [rows.span(r)[0] for r in range(rows.size)] + [flat.size]
     laid, chunk = grouped(be.xp, codes, starts)
-    data, n, width, offset = collective(
-        comm,
-        down(call, dev, laid, "codes"),
-        codec.bound,
-        chunk=chunk,
-        kernels=call.kernels,
-        **call.io,
+    sent, ready = down_by_chunks(call, dev, laid, "codes", chunk)
+    data, _, width, offset = collective(
+        comm, sent, codec.bound, chunk=chunk, kernels=call.kernels, ready=ready, **call.io
     )
     clock.communicated()
-    sums = be.xp.zeros(codes.size, dtype=np.int64)
-    mine = be.xp.empty(n, dtype=np.int64)
-    be.bits.unpack_shifted(up(dev, data), width, offset, mine)
-    lo, hi = starts[comm.rank], starts[comm.rank + 1]
-    sums[lo:hi] = mine[: hi - lo]
-    if codec.sparse:
-        at = {"shape": flat.shape, **at}
-    whole = codec.dequantize(sums, norm, *extra, nranks=comm.size, shapes=shapes, **at)
-    a, b = rows.own
-    row = rows.fill(be.xp, whole.reshape(-1)[a:b])
+    if codec.sparse:  # this row's codes: lo <= j < hi of the K
+        at = {"codes": (starts[comm.rank], starts[comm.rank + 1]), **at}
+    # The packed sums of this row's codes (then the chunk's zero padding), decoded alone.
+    span = {"numel": flat.size, "span": rows.own, "nranks": comm.size, "shapes": shapes}
+    mine = codec.dequantize_span(up(dev, data), width, offset, norm, *extra, **span, **at)
+    row = rows.fill(be.xp, mine)
     if not mean:
         row = row * np.float32(comm.size)
     if risky * (1 + 1e-6) > _F32_MAX and flagged(call, not all_finite(row, call.kernels)):

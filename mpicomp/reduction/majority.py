@@ -17,6 +17,8 @@ from mpicomp.reduction.agreement import (
     device,
     down_by_chunks,
     encode_here,
+    landed,
+    landing,
     raise_overflow,
     up,
 )
@@ -65,6 +67,7 @@ def run(call: Call, codec, flat, *, collective, rows=None, mean: bool = True):
 
     # The owners' majority decisions run inside the exchange: charged to comm.
     sent, ready = down_by_chunks(call, dev, votes, "votes")
+    into = landing(call, dev, "decisions")
     bits = collective(
         comm,
         sent,
@@ -74,10 +77,11 @@ def run(call: Call, codec, flat, *, collective, rows=None, mean: bool = True):
         checked=False,
         kernels=call.kernels,
         ready=ready,
+        into=into,
         **call.io,
     )
     clock.communicated()
-    out = codec.expand(up(dev, bits), flat.size, scale)
+    out = codec.expand(landed(into, dev, bits), flat.size, scale)
     clock.decoded()
     return out
 

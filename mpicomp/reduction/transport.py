@@ -200,6 +200,43 @@ class Staged:
             del self._pending[: last + 1]
 
 
+class Landing:
+    """Where a bounded collective's packed result lands when staged (its ``into=``): a
+    host buffer of ``slot`` (``buffer``) whose byte regions go up to a device array on
+    the copy stream as each is complete (``landed``), so the allgather's later steps
+    overlap the earlier chunks' copies; ``result()`` is that device array, ordered
+    before what the current stream runs next."""
+
+    def __init__(self, transport: Transport, record, slot: str):
+        self._transport, self._record, self._slot = transport, record, slot
+        self._dev = record.device
+        self._lanes = transport._lanes_of(self._dev)
+        self._host = self._device = None
+
+    def buffer(self, nbytes: int) -> np.ndarray:
+        """Return the host buffer of ``nbytes`` the collective writes its result into.
+
+        The previous call's uploads from it are done: its decode waited for them on the
+        current stream, and this call's codes came down after that stream's work."""
+        dev, lanes = self._dev, self._lanes
+        self._host = self._transport.host(self._record, self._slot, np.uint8, nbytes)
+        self._device = dev.xp.empty(nbytes, dtype=np.uint8)
+        # The uploads start after the current stream's last use of that memory.
+        lanes.up.wait_event(dev.current_stream().record(lanes.ready))
+        return self._host
+
+    def landed(self, start: int, stop: int) -> None:
+        """Start copying bytes [start, stop) of the buffer, now final, to the device."""
+        if stop > start:
+            self._dev.upload(self._host[start:stop], self._device[start:stop], self._lanes.up)
+
+    def result(self):
+        """Return the device copy of the whole buffer (every region ``landed``)."""
+        lanes = self._lanes
+        self._dev.current_stream().wait_event(lanes.up.record(lanes.done))
+        return self._device
+
+
 class Transport:
     """How one CompressedComm hands device bytes to MPI: ``direct`` (the device arrays
     themselves, to a CUDA-aware library, after their device work is done) or staged
@@ -267,6 +304,10 @@ class Transport:
             dev.download(a[lo:hi], host[lo:hi], lanes.down)
             lanes.down.record(event)
         return Staged(dev, host, spans, events)
+
+    def landing(self, record, slot: str) -> Landing:
+        """Return a ``Landing`` in ``slot``'s host buffer, for one collective's result."""
+        return Landing(self, record, slot)
 
     def _lanes_of(self, dev) -> _Lanes:
         """Return the streams and events of ``dev``'s current GPU, made at first use."""
