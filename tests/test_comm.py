@@ -151,8 +151,7 @@ def test_a_snapshot_restores_residuals_and_reuses_its_buffers():
 # MPI results it downloaded on the host instead of on the device. A call reads what MPI
 # needs first (norms, a payload's length, with the encode's flags) in one transfer, and
 # everything else it checks (kernels' flags, gathered payloads, the average's finiteness)
-# in one more at its end (kernels/readback.py); FastSGD reads its gathered payloads'
-# scans before it decodes them.
+# in one more at its end (kernels/readback.py), FastSGD's bucket scans among them.
 SYNCS = {
     "none": (1, 1),
     "fp16": (2, 2),
@@ -164,13 +163,14 @@ SYNCS = {
     "grandk_maxnorm_multiscale": (2, 4),
     "threelc": (2, 3),
     "fft": (2, 3),  # its encode's flags and steps' values; the end of call
-    "fastsgd": (3, 4),
+    "fastsgd": (2, 3),
 }
 
 
-def _syncs_of_a_call(name: str, place: str, monkeypatch):
+def _syncs_of_a_call(name: str, place: str, monkeypatch, **options):
     """Return (the reasons of the host reads of a second call of ``name`` at ``place``,
-    its result, the NumPy path's result, the device's implicit transfers)."""
+    its result, the NumPy path's result, the device's implicit transfers); ``options``
+    go to both CompressedComms (e.g. ``schedule=``)."""
     import _device_arrays as D
     from _devices import place as placed
     from mpi4py import MPI
@@ -178,7 +178,7 @@ def _syncs_of_a_call(name: str, place: str, monkeypatch):
     from mpicomp.reduction import transport
 
     host = (np.random.default_rng(0).standard_normal(5000) * 1e-3).astype(np.float32)
-    with mpicomp.CompressedComm(MPI.COMM_SELF, name, min_numel=1) as cc:
+    with mpicomp.CompressedComm(MPI.COMM_SELF, name, min_numel=1, **options) as cc:
         cc.allreduce(host, name="w")
         ref = cc.allreduce(host, name="w")  # the second call: residuals in play
     where, path = place.split("/")
@@ -192,7 +192,7 @@ def _syncs_of_a_call(name: str, place: str, monkeypatch):
         backend = D.BACKEND if where == "host-backed" else "cuda"
     to_place, to_host, _ = placed(where)
     dev = mpicomp.kernels.backend(backend).device
-    with mpicomp.CompressedComm(MPI.COMM_SELF, name, min_numel=1) as cc:
+    with mpicomp.CompressedComm(MPI.COMM_SELF, name, min_numel=1, **options) as cc:
         cc.allreduce(to_place(host), name="w")  # the first call builds tables
         D.reset_syncs()
         before = dev.sync_reasons.copy()
@@ -220,6 +220,31 @@ def test_a_call_makes_its_named_syncs_and_no_hidden_one(name, place, monkeypatch
     assert "unnamed" not in reasons
     if place.startswith("host-backed"):
         assert hidden["implicit"] == 0 and hidden["get"] == want
+    if name != "fft":
+        np.testing.assert_array_equal(out, ref)
+
+
+# Host reads of a sharded call (``schedule="sharded"``, push/pull) on one rank, per gather
+# codec, beside staging's copies down (``"staging: ..."``): each push's encode reads its
+# length (N on N ranks); the owner's pushes' checks travel with its re-encode's read; each
+# pulled payload's ``decode`` reads its header and checksum (top-k its k, FFT its body
+# fields, FastSGD its prefix and its scan); the end of call reads the rest. Top-k's owner
+# reads once more: its error feedback's unchecked decode still reads its flag.
+SHARDED_SYNCS = {"topk": 7, "threelc": 5, "fft": 6, "fastsgd": 7}
+
+
+@pytest.mark.parametrize("place", ["emulated/staged", "host-backed/direct", "host-backed/staged"])
+@pytest.mark.parametrize("name", sorted(SHARDED_SYNCS))
+def test_a_sharded_call_makes_its_named_syncs_and_no_hidden_one(name, place, monkeypatch):
+    reasons, out, ref, hidden = _syncs_of_a_call(name, place, monkeypatch, schedule="sharded")
+    staging = sum(n for why, n in reasons.items() if why.startswith("staging: "))
+    assert staging == (2 if place == "host-backed/staged" else 0), dict(reasons)  # push, pull
+    assert sum(reasons.values()) - staging == SHARDED_SYNCS[name], dict(reasons)
+    assert "unnamed" not in reasons
+    # The owner's one read before the pull: its re-encode's flags and its pushes' checks.
+    assert any("encode: " in why and "payload: checksum field" in why for why in reasons)
+    if place.startswith("host-backed"):
+        assert hidden["implicit"] == 0 and hidden["get"] == sum(reasons.values())
     if name != "fft":
         np.testing.assert_array_equal(out, ref)
 

@@ -175,3 +175,58 @@ def test_sharded_receives_fewer_bytes_than_allgather():
     # owners' re-compressed averages, which 3LC sends less sparsely (~1.75 P measured).
     # Below 4 ranks the two are close; from 4 on push/pull must receive less.
     assert received[True] < received[False]
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("staged", [False, True])
+def test_a_sharded_call_reads_once_per_push_and_pulled_payload_beside_two(staged, monkeypatch):
+    """Host reads of a sharded 3LC call on device arrays, on every rank at any N: each
+    push's encode (its length), the owner's one read before the pull (its re-encode's, its
+    pushes' checks with it), each pulled payload's header and checksum (``decode``), and
+    the end of the call. Staged (MPI not CUDA-aware), two copies down besides: the pushes
+    end to end, and the owner's pull."""
+    import _device_arrays as D
+
+    from mpicomp.reduction import transport
+
+    comm = world()
+    monkeypatch.setenv(transport.ENV, "0" if staged else "1")
+    transport.cuda_aware.cache_clear()
+    D.install()
+    dev = mpicomp.kernels.backend(D.BACKEND).device
+    x = D.to_device(gradient_like(4099, seed=90 + comm.rank))
+    try:
+        with mpicomp.CompressedComm(comm, "threelc", sharded=True, min_numel=0) as cc:
+            cc.allreduce(x, name="w")
+            before = dev.sync_reasons.copy()
+            y = cc.allreduce(x, name="w")  # residuals in play
+            reasons = dev.sync_reasons - before
+    finally:
+        transport.cuda_aware.cache_clear()
+    n = comm.size
+    copies = reasons.pop("staging: device to host", 0)
+    assert copies == (2 if staged else 0), dict(reasons)
+    assert sum(reasons.values()) == n + 1 + 2 * n + 1, dict(reasons)
+    assert reasons["payload header"] == n
+    owner = [why for why in reasons if "encode: " in why and "payload: checksum field" in why]
+    assert len(owner) == 1 and reasons[owner[0]] == 1, dict(reasons)
+    np.testing.assert_array_equal(gather_all(comm, D.to_host(y))[0], D.to_host(y))
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("name", ["threelc", "topk", "fastsgd"])
+def test_a_shard_whose_average_overflows_on_a_device_raises_on_every_rank(name, monkeypatch):
+    """On cuda-emulated the owner learns of an average beyond float32 from its re-encode's
+    refusal, read with its pushes' checks: every rank raises the overflow's RankError, and
+    the next call is right."""
+    comm = world()
+    monkeypatch.setenv(mpicomp.kernels.ENV, "cuda-emulated")
+    x = gradient_like(4099, seed=100 + comm.rank)
+    big = x.copy()
+    big[7] = np.float32(3e38)  # the sum of two is beyond float32
+    with mpicomp.CompressedComm(comm, name, sharded=True, error_feedback=False, min_numel=0) as cc:
+        with pytest.raises(RankError, match="the average of a shard over ranks overflows"):
+            cc.allreduce(big)
+        y = cc.allreduce(x)
+    assert np.isfinite(y).all()
+    np.testing.assert_array_equal(gather_all(comm, y)[0], y)

@@ -8,13 +8,13 @@ from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 
-from mpicomp.codecs.arrays import all_finite, array_module
+from mpicomp.codecs.arrays import all_finite_later, array_module
 from mpicomp.collectives import plain
 from mpicomp.collectives.agreement import RANK, Form, ranks_text, settle
 from mpicomp.collectives.allgather import allgather_bytes
 from mpicomp.collectives.sharded import alltoall_bytes, push_pull, shard_bounds
 from mpicomp.errors import RankError
-from mpicomp.kernels.readback import batch
+from mpicomp.kernels.readback import batch, value_of
 from mpicomp.reduction._cost import Cost, gathered
 from mpicomp.reduction._kind import Kind, Schedule
 from mpicomp.reduction.agreement import (
@@ -97,26 +97,17 @@ def sharded(call: Call, codec, flat):
         # overflowed): it then takes part in the pull with None, and every rank raises.
         # The pushes' checks are read here, not with the call's end: the refusal must
         # reach the pull.
-        mine, err = attempt(_checked_mean, codec, received, b - a)
-        if err is None and not all_finite(mine, call.kernels):
-            overflowed[0] = True
-            err = RankError("this rank's shard's average overflows float32")
-        clock.decoded()
-        if err is None:
-            pull, err = attempt(residuals.pull, mine)
-            # A finite average refused: with the owner's kept error it overflows.
-            overflowed[0] = err is not None
-        else:
-            pull = None
-        clock.encoded()
-        return down(call, dev, pull, "pull"), err
+        made, err = attempt(_reencoded, codec, residuals.pull, received, b - a, clock)
+        pull, refused = made or (None, None)
+        overflowed[0] = refused is not None
+        return down(call, dev, pull, "pull"), err or refused
 
     overflowed = [False]
     pushed, flat, err, bad = encode_here(call, push, flat)
     clock.encoded()
     agree(call, flat.size, err, nonfinite=bad)
     if pushed is not None:
-        pushed = [down(call, dev, p, f"push{s}") for s, p in enumerate(pushed)]
+        pushed = _down_all(call, dev, pushed, "pushes")
     try:
         pulled = push_pull(comm, pushed, average, **call.io)
     except Exception:
@@ -157,15 +148,18 @@ def scatter(call: Call, codec, flat, mean: bool = True):
     pushed, flat, err, bad = encode_here(call, push, flat)
     clock.encoded()
     agree(call, flat.size, err, nonfinite=bad)
-    pushed = [down(call, dev, p, f"push{s}") for s, p in enumerate(pushed)]
+    pushed = _down_all(call, dev, pushed, "pushes")
     try:
         received = alltoall_bytes(comm, pushed, **call.io)
     except ValueError as e:  # the sizes were agreed: a rank's payload is malformed
         raise RankError(str(e)) from e
     clock.communicated()
     a, b = rows.own
-    row, error = attempt(_checked_mean, codec, _up_all(dev, received), b - a, mean)
-    overflowed = error is None and not all_finite(row, call.kernels)
+    checked, error = attempt(
+        _checked_mean, codec, _up_all(dev, received), b - a, mean, call.kernels
+    )
+    row, finite = checked or (None, True)
+    overflowed = not finite
     clock.decoded()
     outcome = _OWNERS.gathered(np.uint8, failed=error is not None, overflowed=overflowed)
     table = np.empty((comm.size, outcome.size), dtype=np.uint8)
@@ -179,6 +173,18 @@ def scatter(call: Call, codec, flat, mean: bool = True):
     if failed.ranks("overflowed"):
         raise_overflow(call, codec, "the average of a row over ranks")
     return rows.fill(array_module(row), row)
+
+
+def _down_all(call: Call, dev, payloads: list, slot: str) -> list:
+    """Return what MPI is handed of device ``payloads`` (``down``): staged, one copy of
+    them end to end into ``slot``'s host buffer, then a view per payload (one transfer,
+    not one each); else the payloads themselves."""
+    if dev is None or not payloads or call.transport is None or call.transport.direct:
+        return [down(call, dev, p, slot) for p in payloads]
+    sizes = [p.size for p in payloads]
+    whole = down(call, dev, dev.xp.concatenate(payloads), slot)
+    ends = np.cumsum(sizes).tolist()
+    return [whole[e - n : e] for n, e in zip(sizes, ends, strict=True)]
 
 
 def _up_all(dev, payloads: list) -> list:
@@ -209,10 +215,28 @@ def _decode_mean(codec, payloads, n: int, mean: bool = True):
         return total / np.float32(len(payloads)) if mean else total
 
 
-def _checked_mean(codec, payloads, n: int, mean: bool = True):
-    """``_decode_mean``, its deferred checks read before it returns (one read)."""
+def _checked_mean(codec, payloads, n: int, mean: bool, kernels):
+    """Return (``_decode_mean``, whether it is finite), its deferred checks and its
+    finiteness read before it returns (one read)."""
     with batch("shard owner's decode"):
-        return _decode_mean(codec, payloads, n, mean)
+        out = _decode_mean(codec, payloads, n, mean)
+        finite = all_finite_later(out, kernels)
+    return out, value_of(finite)
+
+
+def _reencoded(codec, encode, payloads, n: int, clock):
+    """Return (``encode`` of the mean of ``payloads``, None), or (None, its refusal: the
+    mean, or the mean with the owner's kept error, overflows float32).
+
+    The pushes' checks travel with the encode's own read (one transfer) and raise, a
+    corrupt push's PayloadError, before its result or refusal counts.
+    """
+    with batch("shard owner's pushes", shared=True):
+        mine = _decode_mean(codec, payloads, n)
+        clock.decoded()
+        made = attempt(encode, mine)
+    clock.encoded()
+    return made
 
 
 def _decode_sum_seconds(codec, speed, numel: int, count: int) -> float:
