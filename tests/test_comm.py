@@ -226,11 +226,9 @@ def test_a_call_makes_its_named_syncs_and_no_hidden_one(name, place, monkeypatch
 
 # Host reads of a sharded call (``schedule="sharded"``, push/pull) on one rank, per gather
 # codec, beside staging's copies down (``"staging: ..."``): each push's encode reads its
-# length (N on N ranks); the owner's pushes' checks travel with its re-encode's read; each
-# pulled payload's ``decode`` reads its header and checksum (top-k its k, FFT its body
-# fields, FastSGD its prefix and its scan); the end of call reads the rest. Top-k's owner
-# reads once more: its error feedback's unchecked decode still reads its flag.
-SHARDED_SYNCS = {"topk": 7, "threelc": 5, "fft": 6, "fastsgd": 7}
+# length (N on N ranks); the owner's pushes' checks travel with its re-encode's read; the
+# pulled payloads' checks (``decode_flat``) are read with the end of the call.
+SHARDED_SYNCS = {"topk": 3, "threelc": 3, "fft": 3, "fastsgd": 3}
 
 
 @pytest.mark.parametrize("place", ["emulated/staged", "host-backed/direct", "host-backed/staged"])

@@ -88,3 +88,41 @@ def test_random_bodies_behind_a_valid_header_never_crash(codec, body, n, flags):
     except mpicomp.PayloadError:
         return
     assert y.shape == (n,) and y.dtype == np.float32 and np.all(np.isfinite(y))
+
+
+GATHER_CODECS = ["topk", "threelc", "fft", "fastsgd"]
+
+
+@pytest.mark.parametrize("name", GATHER_CODECS)
+@pytest.mark.parametrize("place", ["numpy", "host-backed"])
+def test_decode_flat_gives_decodes_bytes_and_defers_its_checks(name, place):
+    """``decode_flat`` of a flat array's payload: ``decode``'s bytes (-0.0 kept, where
+    ``decode_gathered``'s zeros-plus-add would make it +0.0), its checks read with the
+    caller's batch on a device, and every single-byte change still a PayloadError."""
+    import _device_arrays as D
+
+    from mpicomp.kernels.readback import batch
+
+    D.install()
+    codec = mpicomp.codec(name, **({"ratio": 1.0} if name == "topk" else {}))
+    x = gradient_like(999, seed=8)
+    x[::7] = -0.0
+    p = codec.encode(x)
+    want = codec.decode(p).reshape(-1)
+    if name == "topk":  # every value kept, its -0.0s too
+        assert np.signbit(want[::7]).all()
+    put, get = (D.to_device, D.to_host) if place == "host-backed" else (np.asarray, np.asarray)
+    dev = mpicomp.kernels.backend(D.BACKEND).device
+    before = sum(dev.sync_reasons.values())
+    with batch("test"):
+        got = codec.decode_flat(put(p), x.size)
+    assert get(got).tobytes() == want.tobytes()
+    if place == "host-backed":
+        assert sum(dev.sync_reasons.values()) - before == 1  # the batch's one transfer
+    rng = np.random.default_rng(1)
+    for pos in sorted(set(rng.integers(0, p.size, 12).tolist()) | {0, p.size - 1}):
+        q = p.copy()
+        q[pos] ^= 0x5A
+        with pytest.raises(mpicomp.PayloadError), np.errstate(all="ignore"):
+            with batch("test"):
+                codec.decode_flat(put(q), x.size)

@@ -123,6 +123,17 @@ class GatherCodecBase(Codec):
         from their lengths)."""
         return self.decode_sum(payloads, numel)
 
+    def decode_flat(self, payload, numel: int):
+        """Return ``decode(payload).reshape(-1)`` of a payload a collective brought, of a
+        flat array of ``numel`` elements made with this codec's parameters: the same
+        bytes (-0.0 kept), its checks read with the caller's ``readback.batch`` where the
+        codec can defer them (its header known from its length), at once otherwise.
+
+        Raises:
+            PayloadError: the payload is corrupt, or of another shape or parameters.
+        """
+        return self.decode(payload, numel=numel).reshape(-1)
+
     def _sum_gathered(self, payloads, numel: int):
         """Return zeros of ``numel`` float32 on the first payload's device with each
         payload added in order (``_add_gathered``): the loop of a ``decode_gathered``

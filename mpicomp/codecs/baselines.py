@@ -226,7 +226,8 @@ class TopK(GatherCodecBase):
         an array of ``shape``: trusted, its header is not read."""
         n = math.prod(shape)
         body = payload[_wire.header_size(len(shape)) :]
-        return self._scatter(body, n, self.kept(n), checked=False).reshape(shape)
+        with ignored():  # its flag is not needed: nothing to read
+            return self._scatter(body, n, self.kept(n), checked=False).reshape(shape)
 
     def decode_gathered(self, payloads, numel: int) -> np.ndarray:
         """Return the float32 sum of ``payloads``, each of a flat array of ``numel``
@@ -238,6 +239,11 @@ class TopK(GatherCodecBase):
             PayloadError: a payload is corrupt, or of an array of another shape.
         """
         return self._sum_gathered(payloads, numel)
+
+    def decode_flat(self, payload, numel: int) -> np.ndarray:
+        """``GatherCodecBase.decode_flat``: the header compared on the device, every
+        check read with the caller's batch."""
+        return self._decode_flat(payload, numel)
 
     def _decode_flat(self, payload, numel: int) -> np.ndarray:
         idt = self._index_dtype(numel)

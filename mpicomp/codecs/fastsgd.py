@@ -192,6 +192,17 @@ class FastSGD(GatherCodecBase):
         """
         return self._sum_gathered(payloads, numel)
 
+    def decode_flat(self, payload, numel: int) -> np.ndarray:
+        """``GatherCodecBase.decode_flat``: the header and prefix compared on the device,
+        the scan's and the decode's errors read with the caller's batch (a failed scan
+        leaves the buckets it did not check empty, so the decode reads none of them)."""
+        prefix = self._prefix().tobytes()
+        body = _wire.unpack_flat(self.name, payload, numel, prefix, kernels=self.kernels)
+        kernels = backend_of(body, self.kernels)
+        out = kernels.xp.empty(numel, np.float32)  # every bucket writes its own slice
+        self._scatter(self._scan_own(kernels, body, numel), out, accumulate=False)
+        return out
+
     def _add_gathered(self, payload, total) -> None:
         """Add the values of a gathered ``payload`` into ``total`` (a scatter-add)."""
         prefix = self._prefix().tobytes()

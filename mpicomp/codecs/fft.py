@@ -255,6 +255,17 @@ class FFTCodec(GatherCodecBase):
                     total = out if total is None else total + out
             return self._inverse(kernels, spec, numel) if summed else total
 
+    def decode_flat(self, payload, numel: int) -> np.ndarray:
+        """``GatherCodecBase.decode_flat``: on a device, ``decode_gathered``'s checks of
+        one payload, read with the caller's batch; on the host, ``decode``'s."""
+        kernels = backend_of(payload, self.kernels)
+        if getattr(kernels, "device", None) is None or numel == 0:
+            return self.decode(payload, numel=numel).reshape(-1)
+        spec = kernels.xp.zeros(2 * num_bins(numel), dtype=np.float32)
+        with np.errstate(over="ignore", invalid="ignore"):  # garbage until checks raise
+            self._add_flat(kernels, payload, numel, spec)
+            return self._inverse(kernels, spec, numel)
+
     def _add_flat(self, kernels, payload, n: int, spec) -> None:
         """Add the kept frequencies of ``payload``, of a flat array of ``n`` elements, to
         ``spec`` on its device, its checks registered with the caller's batch."""

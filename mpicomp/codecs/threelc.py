@@ -130,6 +130,11 @@ class ThreeLC(GatherCodecBase):
         """
         return self._sum_gathered(payloads, numel)
 
+    def decode_flat(self, payload, numel: int) -> np.ndarray:
+        """``GatherCodecBase.decode_flat``: the header compared on the device, every
+        check read with the caller's batch."""
+        return self._decode_flat(payload, numel)
+
     def _decode_flat(self, payload, numel: int) -> np.ndarray:
         flags = FLAG_ZERO_RUN if self.params["zero_run"] else 0
         n_bytes = _quartic_length(numel)

@@ -118,10 +118,9 @@ def sharded(call: Call, codec, flat):
         raise
     pulled = _up_all(dev, pulled)
     clock.communicated()
-    # Sizes were agreed: a payload of another size is corrupt (PayloadError everywhere).
-    parts = [
-        codec.decode(p, numel=b - a).reshape(-1) for p, (a, b) in zip(pulled, bounds, strict=True)
-    ]
+    # Sizes were agreed: a payload of another size is corrupt (PayloadError everywhere,
+    # read with the call's end).
+    parts = [codec.decode_flat(p, b - a) for p, (a, b) in zip(pulled, bounds, strict=True)]
     xp = array_module(flat)
     out = xp.concatenate(parts) if parts else xp.zeros(0, np.float32)
     clock.decoded()
