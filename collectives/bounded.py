@@ -279,6 +279,8 @@ def allreduce_bounded(
     codes, p, be = prepared(
         comm, codes, bound, majority, signed, packed, timeout, checked, kernels, fname
     )
+    if into is not None and not (packed or p.majority):
+        raise ValueError(f"{fname}: into= holds the packed result: needs packed or majority")
     chunks = Chunks.of(comm, codes.size)
     nbytes = _packed(chunks.n, p.final_width)
     out = be.xp.empty(nbytes, dtype=np.uint8) if into is None else into.buffer(nbytes)

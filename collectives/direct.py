@@ -77,7 +77,7 @@ def _alltoall(x, p: Plan, be, chunks: Chunks, out, fname: str, ready) -> Iterato
         yield mine[start:stop], dest, arrived, source, _A2A, k, w1
         bits.add_unpack(arrived, w1, counts, 0, counts)
     ready(lo, hi)
-    counts += x[lo:hi]
+    counts += x[lo:hi].astype(np.int64, copy=False)
     counts += p.shift
     start, stop = chunks.region(rank, p.final_width)
     if p.majority:

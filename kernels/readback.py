@@ -101,6 +101,10 @@ class batch:
         stack.remove(self)
         if kind is None:
             self.read()
+        else:  # its values are dropped: none stays lent to it
+            for later in self._lent:
+                later._lent = False
+            self._lent = []
 
     def read(self) -> None:
         """Bring every pending value to the host in one transfer, then run the checks

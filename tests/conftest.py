@@ -213,7 +213,7 @@ def ring_traffic(n, size, rank, align, rs_width, ag_width):
 def direct_traffic(n, size, rank, align, code_width, sum_width):
     """Bytes sent/received by ``rank`` in one direct reduce-scatter + ring allgather call,
     and the world totals (docs/collectives.md): at alltoall step k a rank sends its chunk
-    (r + k) at ``code_width`` bits and receives its own chunk r from rank r - k; the
+    (r - k) at ``code_width`` bits and receives its own chunk r from rank r + k; the
     allgather is the ring's, at ``sum_width`` bits."""
     lens = [hi - lo for lo, hi in ring_chunks(n, size, align)]
 
@@ -221,7 +221,7 @@ def direct_traffic(n, size, rank, align, code_width, sum_width):
         return math.ceil(count * width / 8)
 
     steps = range(1, size)
-    sent = sum(nbytes(lens[(rank + k) % size], code_width) for k in steps)
+    sent = sum(nbytes(lens[(rank - k) % size], code_width) for k in steps)
     sent += sum(nbytes(lens[(rank - j + 1) % size], sum_width) for j in steps)
     recv = (size - 1) * nbytes(lens[rank], code_width)
     recv += sum(nbytes(lens[(rank - j) % size], sum_width) for j in steps)

@@ -137,3 +137,20 @@ def test_direct_code_beyond_the_bound_on_one_rank_raises_on_every_rank():
         codes[3] = 8
     with pytest.raises(ValueError, match=r"outside the allowed \[-7, 7\]"):
         direct_allreduce_bounded(comm, codes, 7)
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("dtype", [np.uint8, np.uint64, np.int64])
+def test_unsigned_and_wide_codes_sum_exactly_as_on_the_ring(dtype):
+    """Any integer dtype: the owner's int64 sums take its own codes too (uint64 cannot
+    be added to int64 in place without a cast)."""
+    comm = world()
+    codes = np.random.default_rng(comm.rank).integers(0, 6, 203).astype(dtype)
+    want = np.sum(gather_all(comm, codes).astype(np.int64), axis=0)
+    for run in (direct_allreduce_bounded, ring_allreduce_bounded):
+        got = run(comm, codes, 5, signed=False)
+        assert got.dtype == np.int64
+        np.testing.assert_array_equal(got, want)
+        # into= receives the packed stream: refused where unpacked sums are asked for
+        with pytest.raises(ValueError, match="into= holds the packed result"):
+            run(comm, codes, 5, signed=False, checked=False, into=object())

@@ -355,6 +355,49 @@ def test_one_local_rank_failing_between_hosts_reaches_every_rank(outcome, host_p
 
 @pytest.mark.mpi
 @pytest.mark.parametrize("inner", ["allgather", "sharded"])
+def test_a_corrupt_payload_between_hosts_on_a_device_fails_the_whole_host(
+    inner, host_pairs, monkeypatch
+):
+    """On cuda-emulated a gathered or pulled payload's checks are read after its decode:
+    still inside the exchange between hosts, so that the failure counts in the host's
+    outcome. Rank 1 finds a payload corrupt: it raises the PayloadError, its host's other
+    rank a RankError (none returns a result while a host-mate failed). The other hosts
+    finished their step, so the next call is refused on every rank, by the agreement,
+    never a hang."""
+    from mpicomp.errors import PayloadError
+
+    comm = world()
+    monkeypatch.setenv(mpicomp.kernels.ENV, "cuda-emulated")
+    with mpicomp.CompressedComm(
+        comm, "threelc", schedule=f"hier:{inner}", local_comm=host_pairs, error_feedback=False
+    ) as cc:
+        method = "decode_gathered" if inner == "allgather" else "decode_flat"
+        real = getattr(cc.codec, method)
+
+        def corrupt(payload, numel):
+            if inner == "allgather":
+                payload = [p.copy() for p in payload]
+                payload[-1][-1] ^= 0x10
+            else:
+                payload = payload.copy()
+                payload[-1] ^= 0x10
+            return real(payload, numel)
+
+        if comm.rank == 1:
+            monkeypatch.setattr(cc.codec, method, corrupt)
+        if comm.rank // 2 == 0:  # rank 1's host
+            caught = PayloadError if comm.rank == 1 else RankError
+            with pytest.raises(caught, match="checksum" if comm.rank == 1 else "this host"):
+                cc.allreduce(_grad(comm), name="w")
+        else:
+            cc.allreduce(_grad(comm), name="w")
+        monkeypatch.undo()
+        with pytest.raises(RankError, match="step"):
+            cc.allreduce(_grad(comm), name="w")
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("inner", ["allgather", "sharded"])
 def test_hierarchical_error_feedback_keeps_a_residual_per_local_shard(inner, host_pairs):
     comm = world()
     x = _grad(comm, seed=9)

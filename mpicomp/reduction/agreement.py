@@ -164,8 +164,10 @@ def down_by_chunks(call: Call, dev, a, slot: str, chunk: int | None = None):
     schedules' layout (``Chunks``; ``chunk`` elements each, default theirs) in the order
     they read it, so the first chunk's MPI overlaps the copies of the others; ``ready``
     is None where nothing is staged."""
-    if dev is None or a is None or isinstance(a, np.ndarray) or call.transport.direct:
-        return down(call, dev, a, slot), None
+    if dev is None or a is None or isinstance(a, np.ndarray) or call.transport is None:
+        return down(call, dev, a, slot), None  # (down says what a transport is missing)
+    if call.transport.direct:
+        return a, None
     spans = Chunks.of(call.comm, a.size, chunk).read_order()
     staged = call.transport.down_in_order(dev, a, slot, spans)
     return staged.host, staged.ready
@@ -175,7 +177,7 @@ def landing(call: Call, dev, slot: str):
     """Return where a bounded collective's packed result lands (its ``into=``): staged,
     a ``Landing`` that copies each chunk up as the allgather completes it, read back
     with ``landed``; None where nothing is staged (``up`` then does)."""
-    if dev is None or call.transport.direct:
+    if dev is None or call.transport is None or call.transport.direct:
         return None
     return call.transport.landing(dev, slot)
 

@@ -233,7 +233,10 @@ def _reencoded(codec, encode, payloads, n: int, clock):
     with batch("shard owner's pushes", shared=True):
         mine = _decode_mean(codec, payloads, n)
         clock.decoded()
-        made = attempt(encode, mine)
+        try:
+            made = attempt(encode, mine)
+        except Exception as e:  # a corrupt push's garbage can fail it any way: a refusal
+            made = None, e
     clock.encoded()
     return made
 

@@ -14,6 +14,7 @@ from mpicomp.codecs.arrays import all_finite, array_module, zero_nonfinite
 from mpicomp.collectives import plain
 from mpicomp.collectives.sharded import shard_bounds
 from mpicomp.errors import RankError
+from mpicomp.kernels.readback import batch
 from mpicomp.reduction.agreement import Call, Skipped, agree, device, down, raise_overflow, up
 
 #: The prefix of a hierarchical schedule: ``"hier:ring"`` reduces within each host, then
@@ -86,7 +87,10 @@ def run(call: Call, codec, flat, *, inner, hosts: Hosts):
     )
     status, error, avg = _DONE, None, None
     try:
-        avg = inner(inner_call, codec, up(dev, mine))
+        # The inner call's deferred checks (gathered and pulled payloads) are read here,
+        # so that a failure counts in this host's outcome, not after the allgather.
+        with batch("hierarchy: between hosts"):
+            avg = inner(inner_call, codec, up(dev, mine))
     except Skipped as e:
         status, error = _SKIPPED, e
     except Exception as e:  # whatever it is, this host's other ranks must hear of it

@@ -216,8 +216,9 @@ class Landing:
     def buffer(self, nbytes: int) -> np.ndarray:
         """Return the host buffer of ``nbytes`` the collective writes its result into.
 
-        The previous call's uploads from it are done: its decode waited for them on the
-        current stream, and this call's codes came down after that stream's work."""
+        The collective writes it only after this call's first chunk is down
+        (``Staged.ready``), and the copies down wait for every earlier upload
+        (``down_in_order``): the previous call's uploads from it are done by then."""
         dev, lanes = self._dev, self._lanes
         self._host = self._transport.host(self._record, self._slot, np.uint8, nbytes)
         self._device = dev.xp.empty(nbytes, dtype=np.uint8)
@@ -298,8 +299,11 @@ class Transport:
         host = self.host(record, slot, a.dtype, a.size)
         spans = [(lo, hi) for lo, hi in spans if hi > lo]
         events = lanes.span_events(len(spans))
-        # The copies start after the kernels that wrote ``a``.
+        # The copies start after the kernels that wrote ``a``, and after every upload
+        # issued so far (a ``Landing``'s of the previous call, even one that failed
+        # before its decode waited): once a chunk is down, no upload reads a host buffer.
         lanes.down.wait_event(dev.current_stream().record(lanes.ready))
+        lanes.down.wait_event(lanes.up.record(lanes.drained))
         for (lo, hi), event in zip(spans, events, strict=True):
             dev.download(a[lo:hi], host[lo:hi], lanes.down)
             lanes.down.record(event)
