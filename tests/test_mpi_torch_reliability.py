@@ -104,12 +104,14 @@ def test_a_rank_stepping_after_another_closed_raises_peer_closed(
         start = time.monotonic()
         with pytest.raises(PeerClosed, match=f"rank {CLOSER} closed this CompressedComm"):
             opt.step()
-        assert time.monotonic() - start < SOON
+        elapsed = time.monotonic() - start
         with pytest.raises(RuntimeError, match=f"DistributedOptimizer is closed: rank {CLOSER}"):
             opt.step()
     opt.close()
     if cc is not None:
         cc.close()
+    # Checked once everything is closed: a slow machine fails this test, not the next.
+    assert comm.rank == CLOSER or elapsed < SOON
 
 
 @pytest.mark.parametrize("who", ["rank-0", "every-rank"])
@@ -129,10 +131,11 @@ def test_closing_after_backward_before_step_tells_the_ranks_that_step(who):
         start = time.monotonic()
         with pytest.raises(PeerClosed, match=f"rank {CLOSER} closed its DistributedOptimizer"):
             opt.step()
-        assert time.monotonic() - start < SOON
+        elapsed = time.monotonic() - start
         with pytest.raises(RuntimeError, match="DistributedOptimizer is closed"):
             opt.synchronize()
     opt.close()
+    assert who == "every-rank" or comm.rank == CLOSER or elapsed < SOON  # once closed
 
 
 def test_the_optimizers_own_exchange_names_itself_when_it_times_out(monkeypatch):
@@ -213,10 +216,11 @@ def test_a_backward_pass_under_the_hook_after_another_rank_closed_raises_peer_cl
         start = time.monotonic()
         with pytest.raises(PeerClosed, match=f"rank {CLOSER} closed this CompressedComm"):
             _backward(ddp, before)
-        assert time.monotonic() - start < SOON
+        elapsed = time.monotonic() - start
+        state.comm.close()
+        assert elapsed < SOON  # once closed: a slow machine fails this test, not the next
         if before == 0:
             assert seen == [0, 1]  # the second bucket started after the first failed
-        state.comm.close()
 
 
 # -- gradients changed before step() -------------------------------------------------------
