@@ -5,7 +5,6 @@ found)."""
 import math
 import os
 import shutil
-import socket
 import tempfile
 from pathlib import Path
 
@@ -87,21 +86,15 @@ def one_numba_thread_per_rank():
 
 @pytest.fixture
 def gloo():
-    """A torch.distributed gloo process group over the MPI ranks (rank and size from COMM_WORLD)."""
+    """A torch.distributed gloo process group over the MPI ranks (rank and size from
+    COMM_WORLD), started and ended on every rank alike."""
     import torch.distributed as dist
 
-    comm = world()
-    port = None
-    if comm.rank == 0:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-    port = comm.bcast(port)
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    dist.init_process_group(
-        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=comm.rank, world_size=comm.size
-    )
+    from mpicomp.torch import init_process_group
+
+    init_process_group(world(), "gloo", timeout=60)
     yield dist
+    world().Barrier()  # rank 0's store serves the others until all are done
     dist.destroy_process_group()
 
 

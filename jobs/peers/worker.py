@@ -41,7 +41,6 @@ Measured:
 from __future__ import annotations
 
 import argparse
-import datetime
 import inspect
 import json
 import os
@@ -85,23 +84,10 @@ class _Bytes:
 
 def init_gloo(comm, iface: str) -> None:
     """Start torch.distributed's gloo group on the ranks of ``comm``, over ``iface``."""
-    import torch.distributed as dist
+    from mpicomp.torch import init_process_group
 
     os.environ["GLOO_SOCKET_IFNAME"] = iface
-    where = None
-    if comm.rank == 0:
-        host = _address(iface)
-        with socket.socket() as s:  # a free port for gloo's rendezvous
-            s.bind((host, 0))
-            where = s.getsockname()
-    host, port = comm.bcast(where, root=0)
-    dist.init_process_group(
-        "gloo",
-        init_method=f"tcp://{host}:{port}",
-        rank=comm.rank,
-        world_size=comm.size,
-        timeout=datetime.timedelta(seconds=GLOO_TIMEOUT_S),
-    )
+    init_process_group(comm, "gloo", address=_address(iface), timeout=GLOO_TIMEOUT_S)
 
 
 class Peer:

@@ -11,12 +11,14 @@ through mpicomp (``ReduceScatter``); ``compress_hsdp`` averages a model sharded 
 each host (``host_mesh``) over the hosts through it (``AllReduceHook``).
 ``ZeroOptimizer`` keeps 1/N of an optimizer's state on each rank, gradients arriving by
 a compressed reduce-scatter and parameters returning by an allgather.
+``init_process_group`` starts torch.distributed's default group on an MPI
+communicator's ranks, for DDP and FSDP2 in jobs started by ``mpirun`` or ``srun``.
 
 Needs PyTorch (``pip install 'mpicomp[torch]'``). See docs/pytorch.md.
 
 Each offer is a module of this package: ``optimizer.py`` (with ``parameters.py``, the
 parameters it wraps and how ranks that wrap others differ), ``hook.py``,
-``broadcast.py``, ``fsdp.py``, ``zero.py``; ``shared.py`` holds what they share.
+``broadcast.py``, ``fsdp.py``, ``zero.py``, ``process_group.py``; ``shared.py`` holds what they share.
 Import them from here.
 """
 
@@ -28,6 +30,7 @@ except ImportError as e:  # pragma: no cover - the test extras install torch
 from mpicomp.torch.broadcast import broadcast_optimizer_state, broadcast_parameters
 from mpicomp.torch.hook import HookState, comm_hook
 from mpicomp.torch.optimizer import DistributedOptimizer, GradientsOverwrittenWarning
+from mpicomp.torch.process_group import init_process_group
 from mpicomp.torch.zero import GradientsIgnoredWarning, ZeroOptimizer
 
 __all__ = [
@@ -44,6 +47,7 @@ __all__ = [
     "compress_fsdp",
     "compress_hsdp",
     "host_mesh",
+    "init_process_group",
 ]
 
 # Where users find them, in reprs, pickles and the API docs, as before the split.
@@ -56,6 +60,7 @@ for _public in (
     broadcast_optimizer_state,
     broadcast_parameters,
     comm_hook,
+    init_process_group,
 ):
     _public.__module__ = __name__
 del _public
