@@ -30,7 +30,7 @@ import time
 import numpy as np
 
 from jobs.peers import models
-from jobs.peers.worker import init_gloo, sizes_from_json, write_result
+from jobs.peers.worker import end_gloo, init_gloo, sizes_from_json, write_result
 
 CODECS = ("none", "fp16")
 
@@ -186,6 +186,7 @@ def main(argv=None) -> int:
             "rel_err": rel_err,
         }
         write_result(args.result, result)
+    end_gloo(comm)
     return 0
 
 

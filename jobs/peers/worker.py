@@ -90,6 +90,15 @@ def init_gloo(comm, iface: str) -> None:
     init_process_group(comm, "gloo", address=_address(iface), timeout=GLOO_TIMEOUT_S)
 
 
+def end_gloo(comm) -> None:
+    """End the gloo group of ``init_gloo`` once every rank is done with it (rank 0's
+    store serves the others until then)."""
+    import torch.distributed as dist
+
+    comm.Barrier()
+    dist.destroy_process_group()
+
+
 class Peer:
     """What every configuration does per step: zero_grad, forward, backward, step.
 
@@ -123,6 +132,7 @@ class DDPPeer(Peer):
         from torch.nn.parallel import DistributedDataParallel as DDP
 
         init_gloo(comm, iface)
+        self._comm = comm
         hook = config.get("hook")
         options = {}
         if hook == "powersgd":
@@ -170,9 +180,7 @@ class DDPPeer(Peer):
         return _state_bytes(inner.state)
 
     def close(self) -> None:
-        import torch.distributed as dist
-
-        dist.destroy_process_group()
+        end_gloo(self._comm)
 
 
 class MpicompPeer(Peer):
@@ -220,6 +228,7 @@ class FSDPPeer(Peer):
         import mpicomp.torch as mt
 
         init_gloo(comm, iface)
+        self._comm = comm
         kind = config["kind"]
         mesh = host_mesh(comm, iface, host_ranks) if kind == "mpicomp_hsdp" else None
         options = {"mesh": mesh}
@@ -241,11 +250,9 @@ class FSDPPeer(Peer):
         self.optimizer = torch.optim.SGD(model.parameters(), lr=0.0, momentum=momentum)
 
     def close(self) -> None:
-        import torch.distributed as dist
-
         if self.cc is not None:
             self.cc.close()
-        dist.destroy_process_group()
+        end_gloo(self._comm)
 
 
 class ZeroPeer(Peer):
