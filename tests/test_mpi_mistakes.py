@@ -11,7 +11,6 @@ inputs.
 """
 
 import os
-import time
 
 import numpy as np
 import pytest
@@ -179,16 +178,13 @@ def check_mistake(spec, mistake, odd_rank: int, seed: int = 0, **options) -> str
         _regular(cc, seed)
         _regular(cc, seed + 1)
         before = cc.state_dict()
-        started = time.monotonic()
         raised = None
         try:
             fn(cc, odd)
         except Exception as e:
             raised = e
-        elapsed = time.monotonic() - started
         classes = comm.allgather(type(raised).__name__ if raised is not None else None)
         assert None not in classes, f"{mistake}: no error on ranks {classes}"
-        assert elapsed < 30, f"{mistake}: {elapsed:.1f} s to raise"
         expected = at_fault if odd and at_fault is not None else RankError
         assert isinstance(raised, expected), repr(raised)
         if at_fault is None:
