@@ -21,6 +21,14 @@ ifeq ($(MPI),openmpi)
 MPIENV += OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 \
           PRTE_MCA_rmaps_default_mapping_policy=:oversubscribe OMPI_MCA_mpi_yield_when_idle=1
 endif
+# The test lanes' MPICH ranks sleep after polls that find nothing, as Open MPI's yield:
+# N ranks share 2 cores there, and spinning ones take them from those that work (4 ranks'
+# torch, FSDP and trace tests: 127 s to 25 s). Not for jobs: it doubled the training
+# steps' latency (docs/performance.md, section 7).
+TESTENV :=
+ifeq ($(MPI),mpich)
+TESTENV := MPIR_CVAR_CH4_PROGRESS_THROTTLE=1 MPIR_CVAR_ENABLE_HEAVY_YIELD=1
+endif
 # mpi4py's wheels load the first libmpi they find at run time; name this environment's
 # own, so a library on LD_LIBRARY_PATH or a loaded module can never slip in.
 LIBMPI_mpich   := libmpi.so.12
@@ -76,7 +84,7 @@ test-unit: $(VENV)/.installed
 test-mpi: mpi-check
 	@set -e; for n in $(NRANKS); do \
 	  echo "== multi-rank tests on $$n ranks ($(MPI))"; \
-	  $(MPIENV) $(MPIRUN) -n $$n $(BIN)/python -m mpi4py -m pytest -q --with-mpi -m mpi -p no:cacheprovider; \
+	  $(MPIENV) $(TESTENV) $(MPIRUN) -n $$n $(BIN)/python -m mpi4py -m pytest -q --with-mpi -m mpi -p no:cacheprovider; \
 	done
 
 # The emulated CUDA kernels under each sanitizer (its runtime preloaded into Python):
