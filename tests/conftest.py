@@ -94,7 +94,15 @@ def gloo():
 
     init_process_group(world(), "gloo", timeout=60)
     yield dist
-    world().Barrier()  # rank 0's store serves the others until all are done
+    end_process_group()
+
+
+def end_process_group():
+    """Destroy torch.distributed's default group once every rank is done with it (rank
+    0's store serves the others until then)."""
+    import torch.distributed as dist
+
+    world().Barrier()
     dist.destroy_process_group()
 
 

@@ -3,7 +3,7 @@ communicator's ranks, in its order, and a failure on one rank raised on every ra
 
 import pytest
 
-from conftest import world
+from conftest import end_process_group, world
 
 torch = pytest.importorskip("torch", reason="mpicomp.torch needs PyTorch")
 
@@ -14,11 +14,6 @@ from mpicomp import RankError  # noqa: E402
 
 pytestmark = pytest.mark.mpi
 torch.set_num_threads(1)  # ranks share the cores
-
-
-def _end():
-    world().Barrier()  # rank 0's store serves the others until all are done
-    dist.destroy_process_group()
 
 
 def test_torch_ranks_are_the_communicators_in_its_order():
@@ -36,7 +31,7 @@ def test_torch_ranks_are_the_communicators_in_its_order():
             dist.all_gather_object(got, comm.rank)
             assert got == [comm.size - 1 - r for r in range(comm.size)]
         finally:
-            _end()
+            end_process_group()
     finally:
         reversed_ranks.Free()
 
@@ -49,7 +44,7 @@ def test_a_second_start_is_refused_on_every_rank():
             mt.init_process_group(comm, "gloo")
         assert dist.get_rank() == comm.rank  # the first group is left as it was
     finally:
-        _end()
+        end_process_group()
 
 
 def test_ranks_that_cannot_reach_rank_0_fail_on_every_rank():
@@ -65,7 +60,16 @@ def test_ranks_that_cannot_reach_rank_0_fail_on_every_rank():
         assert "mpicomp-no-such-host.invalid" in str(raised.value)
     assert not dist.is_initialized()
     mt.init_process_group(comm, "gloo", timeout=60)  # nothing was left behind
-    _end()
+    end_process_group()
+
+
+def test_a_timeout_that_is_not_seconds_is_refused_on_every_rank():
+    comm = world()
+    bad = "soon" if comm.rank == comm.size - 1 else 60  # one rank's mistake
+    want = TypeError if comm.rank == comm.size - 1 else RankError
+    with pytest.raises(want, match="timeout must be a timedelta or seconds, got str"):
+        mt.init_process_group(comm, "gloo", timeout=bad)
+    assert not dist.is_initialized()
 
 
 def test_a_communicator_is_required():

@@ -49,7 +49,8 @@ def init_process_group(
 
     Raises:
         RuntimeError: torch.distributed is already initialized (on every rank).
-        TypeError: ``comm`` is not an mpi4py communicator (on this rank).
+        TypeError: ``comm`` is not an mpi4py communicator (on this rank), or
+            ``timeout`` is neither a timedelta nor seconds (on every rank).
         mpicomp.RankError: starting the group failed on another rank; the rank where
             it failed raises its own error (e.g. the store's ``DistNetworkError``).
     """
@@ -65,7 +66,12 @@ def init_process_group(
             "torch.distributed.destroy_process_group() first"
         )
     elif timeout is not None and not isinstance(timeout, datetime.timedelta):
-        timeout = datetime.timedelta(seconds=float(timeout))
+        try:
+            timeout = datetime.timedelta(seconds=float(timeout))
+        except (TypeError, ValueError, OverflowError):  # every rank hears of it below
+            error = TypeError(
+                f"init_process_group: timeout must be a timedelta or seconds, got {kind(timeout)}"
+            )
     agree(comm, error, "init_process_group")
     store_timeout = timeout or datetime.timedelta(minutes=30)
 
