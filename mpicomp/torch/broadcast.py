@@ -2,19 +2,22 @@
 ``broadcast_parameters`` (a model's parameters and buffers, in one message) and
 ``broadcast_optimizer_state`` (an optimizer's state and hyperparameters).
 
-Each first checks that every rank can take ``root``'s values (``agree``: a rank that
-cannot raises, the others RankError), over the communicator's own timeout.
+Each first checks that every rank names the same ``root`` and its own arguments (a
+rank that cannot raises, the others RankError), then that every rank can take
+``root``'s values, over the communicator's own timeout.
 """
 
 from __future__ import annotations
 
 import io
+import numbers
 
 import torch
 
+from mpicomp.call.config import Config, check_same
 from mpicomp.collectives import plain
 from mpicomp.torch.optimizer import DistributedOptimizer
-from mpicomp.torch.shared import agree, quiet, timeout_of
+from mpicomp.torch.shared import agree, check_comm, kind, quiet, timeout_of
 
 __all__ = ["broadcast_optimizer_state", "broadcast_parameters"]
 
@@ -32,12 +35,20 @@ def broadcast_parameters(params, comm, root: int = 0) -> None:
         ValueError: ranks hold different names, shapes or dtypes (on the ranks that
             differ from ``root``; RankError on the others).
     """
-    mpi = quiet(comm)
-    if isinstance(params, torch.nn.Module):
-        params = params.state_dict()
-    named = list(params.items() if isinstance(params, dict) else params)
-    mine = [(n, tuple(t.shape), str(t.dtype)) for n, t in named]
-    timeout = timeout_of(comm)
+    check_comm(comm)
+    mpi, timeout = quiet(comm), timeout_of(comm)
+    error, named, mine = None, [], []
+    try:
+        _check_root(root, mpi.size)
+        if isinstance(params, torch.nn.Module):
+            params = params.state_dict()
+        named = list(params.items() if isinstance(params, dict) else params)
+        if not all(isinstance(t, torch.Tensor) for _, t in named):
+            raise TypeError("params must be a module, a dict of tensors or (name, tensor) pairs")
+        mine = [(n, tuple(t.shape), str(t.dtype)) for n, t in named]
+    except Exception as e:  # the other ranks hear of it before the broadcasts
+        error = e
+    _agree_on_root(mpi, root, error, "broadcast_parameters", timeout)
     theirs = plain.bcast_object(mpi, mine, root, timeout=timeout)
     differs = None if mine == theirs else _difference(mine, theirs, root)
     agree(mpi, differs, "broadcast_parameters", timeout)
@@ -65,14 +76,21 @@ def broadcast_optimizer_state(optimizer, comm, root: int = 0) -> None:
         ValueError: this rank's optimizer cannot take ``root``'s state (other parameter
             groups or shapes); RankError on the other ranks.
     """
-    mpi = quiet(comm)
+    check_comm(comm)
+    mpi, timeout = quiet(comm), timeout_of(comm)
     inner = optimizer.optimizer if isinstance(optimizer, DistributedOptimizer) else optimizer
-    blob = None
-    if mpi.rank == root:
-        out = io.BytesIO()
-        torch.save(inner.state_dict(), out)
-        blob = out.getvalue()
-    timeout = timeout_of(comm)
+    error, blob = None, None
+    try:
+        _check_root(root, mpi.size)
+        if not isinstance(inner, torch.optim.Optimizer):
+            raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {kind(optimizer)}")
+        if mpi.rank == root:
+            out = io.BytesIO()
+            torch.save(inner.state_dict(), out)
+            blob = out.getvalue()
+    except Exception as e:  # the other ranks hear of it before the broadcast
+        error = e
+    _agree_on_root(mpi, root, error, "broadcast_optimizer_state", timeout)
     blob = plain.bcast_object(mpi, blob, root, timeout=timeout)
     error = None
     if mpi.rank != root:
@@ -82,6 +100,21 @@ def broadcast_optimizer_state(optimizer, comm, root: int = 0) -> None:
         except (ValueError, KeyError, RuntimeError) as e:
             error = ValueError(f"rank {mpi.rank}: cannot load rank {root}'s optimizer state: {e}")
     agree(mpi, error, "broadcast_optimizer_state", timeout)
+
+
+def _check_root(root, size: int) -> None:
+    """Refuse a ``root`` that is not a rank of a communicator of ``size`` ranks."""
+    if isinstance(root, bool) or not isinstance(root, numbers.Integral):
+        raise TypeError(f"root must be a rank (an int), got {kind(root)}")
+    if not 0 <= root < size:
+        raise ValueError(f"root must be a rank in [0, {size}), got {root}")
+
+
+def _agree_on_root(mpi, root, error, what: str, timeout) -> None:
+    """Raise on every rank if one failed (``error``) or the ranks name other roots: one
+    Allgather, before the broadcast that would otherwise hang or mix them."""
+    config = None if error is not None else Config({"root": int(root)})
+    check_same(mpi, config, error, what, timeout)
 
 
 def _difference(mine: list, theirs: list, root: int) -> str:

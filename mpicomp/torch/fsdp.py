@@ -15,26 +15,37 @@ from ``torch.distributed.fsdp._fully_shard._fsdp_api``.
 
 from __future__ import annotations
 
-import weakref
+import warnings
 import zlib
+from functools import partial
 
 import torch
 import torch.distributed as dist
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter as _FSDPReduceScatter
 
+from mpicomp.call.arguments import resolve as resolve_arguments
+from mpicomp.call.arguments import split as split_keywords
 from mpicomp.call.config import Config, check_same
+from mpicomp.call.worker import user_stacklevel
 from mpicomp.collectives import plain
 from mpicomp.collectives._wait import split, split_type
 from mpicomp.comm import CompressedComm
-from mpicomp.torch.shared import agree, check_comm, compressed, kind, quiet, timeout_of
+from mpicomp.errors import NonFiniteWarning
+from mpicomp.torch.parameters import LAYOUT, describe_layout, layout_differences
+from mpicomp.torch.shared import (
+    agree,
+    at_end_of_backward,
+    check_comm,
+    check_given,
+    compressed,
+    kind,
+    mpi_of,
+    quiet,
+    timeout_of,
+)
 
 __all__ = ["AllReduceHook", "ReduceScatter", "compress_fsdp", "compress_hsdp", "host_mesh"]
-
-# Per CompressedComm, the process groups (their torch ranks) found to hold its ranks in
-# its order: each is checked once, collectively, then by a comparison on this rank.
-_CHECKED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-
 
 def _checked(comm, name) -> tuple[CompressedComm, str]:
     """Return (comm, name) of a module's reduction, refusing what they cannot be."""
@@ -43,6 +54,64 @@ def _checked(comm, name) -> tuple[CompressedComm, str]:
     if not isinstance(name, str) or not name:
         raise ValueError(f"name must be a non-empty str (it keys residuals), got {name!r}")
     return comm, name
+
+
+class _Backward:
+    """What the reductions of one model share over a backward pass: FSDP2 breaks when
+    its post-backward hook raises (later backward passes skip every hook), so a failed
+    or skipped call writes zeros and this delivers it once the backward pass is done.
+
+    At the end of a pass in which a call failed or was skipped on every rank, every
+    call's residuals and step go back (``rollback``), the model's gradients become
+    ``None`` (a torch optimizer then skips the step: no momentum, no weight decay),
+    and the error is raised out of ``backward()`` (a skip is warned). Outside a
+    backward pass (a direct call) the error is raised at once."""
+
+    def __init__(self, comm: CompressedComm, params: list | None = None):
+        self.comm = comm
+        self.params = params  # the model's parameters, whose gradients a failure drops
+        self._open = None  # the pass under way: [snapshots, errors, skipped] or None
+
+    def run(self, start):
+        """Run one call, ``start(snapshots)`` a started handle; return its result, or
+        None where it failed or was skipped inside a backward pass (write zeros)."""
+        open_ = self._open
+        if open_ is None:
+            open_ = [[], [], []]
+            if at_end_of_backward(partial(self._finish, open_)):
+                self._open = open_
+            else:
+                open_ = None
+        try:
+            result, skipped = start(None if open_ is None else open_[0]).wait()
+        except Exception as e:
+            if open_ is None:
+                raise
+            open_[1].append(e)
+            return None
+        if skipped:
+            if open_ is None:
+                _warn_skipped(skipped, "this call returned zeros")
+            else:
+                open_[2].extend(skipped)
+            return None
+        return result
+
+    def _finish(self, open_) -> None:
+        snapshots, errors, skipped = open_
+        self._open = None
+        if not errors and not skipped:
+            return
+        self.comm.rollback(snapshots)  # the step is not taken: no residual moves
+        for p in self.params or ():
+            p.grad = None
+        if errors:
+            raise errors[0]
+        _warn_skipped(skipped, "the gradients are None on every rank: the step is skipped")
+
+
+def _warn_skipped(skipped: list, what: str) -> None:
+    warnings.warn(f"{'; '.join(skipped)}: {what}", NonFiniteWarning, stacklevel=user_stacklevel())
 
 
 class ReduceScatter(_FSDPReduceScatter):
@@ -58,24 +127,33 @@ class ReduceScatter(_FSDPReduceScatter):
     - ``ReduceOp.SUM`` (``set_force_sum_reduction_for_comms``, float16 gradients):
       the sum, which FSDP divides afterwards;
     - ``ReduceOp.PREMUL_SUM(1 / f)`` (``set_gradient_divide_factor(f)``): the sum
-      divided by ``f``.
+      divided by ``f`` (every rank must divide by the same ``f``).
 
     Every op is reduced in float32 and rounded once to the ``reduce_dtype``
     (``MixedPrecisionPolicy(reduce_dtype=torch.bfloat16)``: bfloat16 in and out). CUDA
     tensors go through host memory.
+
+    A call that fails, or is skipped under ``nonfinite="skip_step"``, during a
+    backward pass writes zeros and leaves FSDP's pass to finish; then ``backward()``
+    raises its error on every rank (or warns of the skip), every residual of the pass
+    goes back and, under ``compress_fsdp``, the model's gradients are ``None``, so
+    ``optimizer.step()`` moves nothing and training goes on (docs/sharded.md).
 
     Args:
         comm: a ``CompressedComm`` whose ranks are FSDP's process group's, in its order
             (checked once per group, on every rank, before the first reduction).
         name: names this module's calls; keys its error-feedback residuals (one per row).
 
-    A call raises ``ValueError`` (on every rank) for a process group that does not
-    hold the CompressedComm's ranks in its order, an op other than the three above, or
-    ``async_op=True`` (FSDP2 calls it synchronously, from its reduce-scatter stream).
+    A call raises ``ValueError`` on every rank (the rank at fault its own, the others
+    ``RankError``) for a process group that does not hold the CompressedComm's ranks in
+    its order, an op other than the three above, ranks dividing by other factors,
+    sizes that are not ``size`` times the output, or ``async_op=True`` (FSDP2 calls it
+    synchronously, from its reduce-scatter stream).
     """
 
-    def __init__(self, comm: CompressedComm, name: str):
+    def __init__(self, comm: CompressedComm, name: str, _backward: _Backward | None = None):
         self.comm, self.name = _checked(comm, name)
+        self._backward = _Backward(comm) if _backward is None else _backward
 
     def allocate(self, size, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         """A plain buffer of ``size``: FSDP's input and output tensors."""
@@ -89,24 +167,42 @@ class ReduceScatter(_FSDPReduceScatter):
         op,
         async_op: bool = False,
     ) -> None:
-        how, factor = _reduction(op)
-        if async_op:
-            raise ValueError(
-                "mpicomp's ReduceScatter runs synchronously (as FSDP2 calls it): async_op=True"
-            )
-        if input_tensor.numel() != self.comm.size * output_tensor.numel():
-            raise ValueError(
-                f"reduce-scatter of {input_tensor.numel()} elements into {output_tensor.numel()} "
-                f"per rank over {self.comm.size} ranks: the input must be size times the output"
-            )
-        _check_group(self.comm, group)
+        # This rank's refusals ride the call's agreement: every rank raises.
+        error, how, factor = None, "mean", None
+        try:
+            how, factor = _reduction(op)
+            if async_op:
+                raise ValueError(
+                    "mpicomp's ReduceScatter runs synchronously (as FSDP2 calls it): "
+                    "async_op=True"
+                )
+            if input_tensor.numel() != self.comm.size * output_tensor.numel():
+                raise ValueError(
+                    f"reduce-scatter of {input_tensor.numel()} elements into "
+                    f"{output_tensor.numel()} per rank over {self.comm.size} ranks: the "
+                    "input must be size times the output"
+                )
+            members = _group_ranks(self.comm, group)
+        except Exception as e:
+            error, members = e, None
         source = input_tensor.reshape(-1)
         if source.device.type != "cpu" or source.dtype != torch.float32:
             source = source.to("cpu", torch.float32)  # reduced in float32, rounded once below
-        row = self.comm.reduce_scatter(source, self.name, op=how)
+        # The group and the divide factor join the agreement: ranks with others raise.
+        layout = f"group of torch ranks {list(members or ())}"
         if factor is not None:
-            row = row * factor
+            layout += f", the sum divided by {1 / factor!r}"
+        row = self._backward.run(
+            lambda snapshots: self.comm.start_scatter(
+                source, self.name, op=how, snapshots=snapshots, layout=layout, refuse=error
+            )
+        )
         with torch.no_grad():
+            if row is None:
+                output_tensor.zero_()
+                return
+            if factor is not None:
+                row = row * factor
             output_tensor.copy_(row.view(output_tensor.shape))
 
     def __repr__(self) -> str:
@@ -117,24 +213,30 @@ class AllReduceHook:
     """Average a shard over the hosts, in place: FSDP's reduce-scatter output on this
     rank (its host's average) through ``CompressedComm.allreduce`` over the ranks that
     hold the same shard on the other hosts. For ``FSDPModule.set_all_reduce_hook``
-    (``compress_hsdp`` sets one on every FSDPModule of a model).
+    (``compress_hsdp`` sets one on every FSDPModule of a model). Failures and skips
+    are delivered as ``ReduceScatter``'s.
 
     Args:
         comm: a ``CompressedComm`` over the ranks of the same shard, one per host.
         name: names this module's calls; keys its error-feedback residual.
     """
 
-    def __init__(self, comm: CompressedComm, name: str):
+    def __init__(self, comm: CompressedComm, name: str, _backward: _Backward | None = None):
         self.comm, self.name = _checked(comm, name)
+        self._backward = _Backward(comm) if _backward is None else _backward
 
     def __call__(self, reduce_output: torch.Tensor) -> None:
         source = reduce_output
         if source.device.type != "cpu" or source.dtype != torch.float32:
             source = source.to("cpu", torch.float32)
-        cc = self.comm  # a CompressedComm: mpicomp's own allreduce, not MPI's
-        average = cc.allreduce(source, self.name)
+        average = self._backward.run(
+            lambda snapshots: self.comm.start(source, self.name, snapshots=snapshots)
+        )
         with torch.no_grad():
-            reduce_output.copy_(average)
+            if average is None:
+                reduce_output.zero_()
+            else:
+                reduce_output.copy_(average.view(reduce_output.shape))
 
     def __repr__(self) -> str:
         return f"AllReduceHook({self.name!r}, codec={self.comm.codec!r})"
@@ -171,24 +273,25 @@ def compress_fsdp(model, comm, codec=None, **options) -> CompressedComm:
     """
     check_comm(comm)
     timeout = options.get("timeout", timeout_of(comm))
-    error, config, modules, groups = None, None, [], []
+    error, config, modules, named = None, None, [], []
     try:
+        check_given(comm, codec, options)
         modules = _fsdp_modules(model, "compress_fsdp")
         groups = [_one_dimension(mesh, "compress_fsdp").get_group() for mesh in _meshes(model)]
-        config = _layout(model, modules)
+        ranks = [list(_group_ranks(mpi_of(comm), g)) for g in groups]
+        config, named = _layout(model, modules)
+        config = config.with_fields(process_groups=ranks)
     except Exception as e:  # whatever it is, the other ranks must hear of it
         error = e
-    check_same(quiet(comm), config, error, "compress_fsdp", timeout)
+    mpi = quiet(comm)
+    check_same(
+        mpi, config, error, "compress_fsdp", timeout,
+        differences=partial(layout_differences, mpi, config, named),
+    )  # fmt: skip
     cc = compressed(comm, codec, options)  # collective: raises on every rank
-    try:
-        for group in groups:
-            _check_group(cc, group)
-    except BaseException:
-        if cc is not comm:
-            cc.close()
-        raise
+    backward = _Backward(cc, list(model.parameters()))
     for name, module in modules:
-        module.set_custom_reduce_scatter(ReduceScatter(cc, f"fsdp:{name}"))
+        module.set_custom_reduce_scatter(ReduceScatter(cc, f"fsdp:{name}", backward))
     return cc
 
 
@@ -234,8 +337,12 @@ def compress_hsdp(model, comm, codec=None, **options) -> CompressedComm:
             f"the mpi4py communicator of every rank, such as MPI.COMM_WORLD, got {kind(comm)}"
         )
     timeout = options.get("timeout")
-    error, config, modules, members, shard = None, None, [], (), 0
+    error, config, modules, members, shard, named = None, None, [], (), 0, []
     try:
+        # The codec and options are compared over every rank here: the CompressedComm
+        # made below compares them only among a shard's replicas (one rank per host).
+        given, codec_params = split_keywords(options)
+        made = resolve_arguments("none" if codec is None else codec, codec_params, given)
         modules = _fsdp_modules(model, "compress_hsdp")
         meshes = _meshes(model)
         if len(meshes) != 1:
@@ -246,10 +353,14 @@ def compress_hsdp(model, comm, codec=None, **options) -> CompressedComm:
         mesh = _one_dimension(meshes[0], "compress_hsdp")
         members = tuple(dist.get_process_group_ranks(mesh.get_group()))
         shard = mesh.get_local_rank()
-        config = _layout(model, modules)
+        config, named = _layout(model, modules)
+        config = config.with_fields(**made.config.fields)
     except Exception as e:
         error = e
-    check_same(comm, config, error, "compress_hsdp", timeout)
+    check_same(
+        comm, config, error, "compress_hsdp", timeout,
+        differences=partial(layout_differences, comm, config, named),
+    )  # fmt: skip
     # Every rank's torch rank and host (its mesh's torch ranks): the replicas of a
     # shard are the ranks at the same place in their host.
     every = plain.allgather_object(comm, (dist.get_rank(), members), timeout=timeout)
@@ -268,8 +379,9 @@ def compress_hsdp(model, comm, codec=None, **options) -> CompressedComm:
         if cc is not None:
             cc.close()
         raise
+    backward = _Backward(cc, list(model.parameters()))
     for name, module in modules:
-        module.set_all_reduce_hook(AllReduceHook(cc, f"hsdp:{name}"))
+        module.set_all_reduce_hook(AllReduceHook(cc, f"hsdp:{name}", backward))
     return cc
 
 
@@ -314,7 +426,11 @@ def host_mesh(comm=None, host=None, *, device_type: str | None = None):
         )
     elif host is not None and not isinstance(host, MPI.Intracomm):
         error = TypeError(f"host must be an mpi4py communicator, got {kind(host)}")
-    agree(comm, error, "host_mesh")
+    elif device_type is not None and not isinstance(device_type, str):
+        error = TypeError(f"device_type must be a str such as 'cuda', got {kind(device_type)}")
+    # Given on some ranks only, the others would split comm while these gather on host.
+    given = Config({"host": "given" if host is not None else "split by shared memory"})
+    check_same(comm, given, error, "host_mesh", None)
     made = host is None
     if made:
         host = split_type(comm, MPI.COMM_TYPE_SHARED, comm.rank, timeout=None, name="host_mesh")
@@ -353,27 +469,24 @@ def _reduction(op) -> tuple[str, float | None]:
     )
 
 
-def _check_group(comm: CompressedComm, group) -> None:
-    """Raise ValueError on every rank unless ``group`` holds ``comm``'s ranks in its
-    order (collective the first time for a group, then a comparison here)."""
-    members = tuple(dist.get_process_group_ranks(group))
-    checked = _CHECKED.setdefault(comm, set())
-    if members in checked:
-        return
-    every = plain.allgather_object(
-        quiet(comm), (dist.get_rank(), members), timeout=timeout_of(comm)
-    )
-    ours = tuple(r for r, _ in every)  # the torch rank of each of comm's ranks
-    wrong = [(r, m) for r, (_, m) in enumerate(every) if m != ours]
-    if wrong:  # the same message on every rank, made from the same gathered values
-        r, m = wrong[0]
+def _group_ranks(comm, group) -> tuple[int, ...]:
+    """Return the torch ranks of ``group``, refusing (on this rank) a group that does
+    not hold ``comm``'s ranks in its order. Every rank that finds its own rank where it
+    should be, with the same ranks as the others (which the caller's agreement
+    compares), makes the group ``comm``'s ranks in order."""
+    try:
+        members = tuple(dist.get_process_group_ranks(group))
+    except Exception as e:
+        raise ValueError(f"FSDP's process group is not one of torch.distributed's: {e}") from e
+    if len(members) != comm.size or members[comm.rank] != dist.get_rank():
         raise ValueError(
-            f"FSDP's process group is not the CompressedComm's ranks in its order: the "
-            f"CompressedComm's ranks are torch ranks {list(ours)}, the group of its rank {r} "
-            f"is torch ranks {list(m)}; shard over a mesh of the communicator's ranks (the "
+            f"FSDP's process group is not the CompressedComm's ranks in its order: it "
+            f"holds torch ranks {list(members)}, the CompressedComm {comm.size} ranks, of "
+            f"which rank {comm.rank} is torch rank {dist.get_rank()}; shard over a mesh "
+            "of the communicator's ranks (the "
             "default mesh with MPI.COMM_WORLD when torch's ranks are MPI's)"
         )
-    checked.add(members)
+    return members
 
 
 def _fsdp_modules(model, what: str) -> list[tuple[str, FSDPModule]]:
@@ -409,13 +522,20 @@ def _one_dimension(mesh, what: str):
     return mesh
 
 
-def _layout(model, modules) -> Config:
-    """What every rank must share: the FSDPModules' names and their parameters' sizes."""
-    text = ";".join(f"{n}:" + ",".join(str(p.numel()) for p in m.parameters()) for n, m in modules)
-    count = sum(1 for _ in model.parameters())
-    return Config(
-        {"fsdp_modules": len(modules), "parameters": count, "layout": zlib.crc32(text.encode())}
+def _layout(model, modules) -> tuple[Config, list]:
+    """Return what every rank must share (the FSDPModules' names, their parameters'
+    names and shapes) and each parameter as (qualified name, tensor), for
+    ``layout_differences`` to name what differs."""
+    named = list(model.named_parameters())
+    text = ";".join(n for n, _ in modules) + "|" + describe_layout(named)
+    config = Config(
+        {
+            "fsdp_modules": len(modules),
+            "parameters": len(named),
+            LAYOUT: f"{zlib.crc32(text.encode()):08x}",
+        }
     )
+    return config, named
 
 
 def _hosts(every: list, what: str) -> list[tuple[int, ...]]:

@@ -21,7 +21,9 @@ from mpicomp.errors import NonFiniteWarning
 from mpicomp.torch.shared import (
     Failed,
     Staging,
+    at_end_of_backward,
     check_comm,
+    check_given,
     compressed,
     count,
     cuda_staging,
@@ -53,6 +55,7 @@ class HookState:
         check_comm(comm)
         error, config = None, None
         try:
+            check_given(comm, codec, options)
             start_step = count("start_step", start_step, 0)
             config = Config({"start_step": start_step})
         except Exception as e:  # the other ranks must hear of it
@@ -97,19 +100,7 @@ class _Pass:
     def after_ddp(self) -> None:
         """Run by autograd at the end of backward, before DDP's own finalization (queued
         earlier): queue ``raise_first_error`` behind it."""
-        torch.autograd.Variable._execution_engine.queue_callback(self.raise_first_error)
-
-
-def _queue_at_end_of_backward(p: _Pass) -> bool:
-    """Make ``p``'s first error come out of the running ``backward()`` after DDP has
-    finished it; False where no backward pass runs (the hook called directly)."""
-    try:
-        torch.autograd.Variable._execution_engine.queue_callback(p.after_ddp)
-    except RuntimeError:  # "Final callbacks can only be installed during backward pass."
-        return False
-    except AttributeError:  # pragma: no cover - a torch without it: fail the future
-        return False
-    return True
+        at_end_of_backward(self.raise_first_error)
 
 
 def comm_hook(state: HookState, bucket) -> torch.futures.Future:
@@ -145,7 +136,7 @@ def comm_hook(state: HookState, bucket) -> torch.futures.Future:
         # DDP starts its buckets in index order: a bucket index not above the last one
         # begins another backward pass (also after one that ended half-way).
         state._pass = _Pass(state.comm)
-        state._pass.queued = _queue_at_end_of_backward(state._pass)
+        state._pass.queued = at_end_of_backward(state._pass.after_ddp)
     this = state._pass
     this.last = index
     source = buffer

@@ -24,12 +24,14 @@ from mpicomp.call.worker import user_stacklevel
 from mpicomp.collectives._wait import dup, issue, resolve_timeout
 from mpicomp.comm import CompressedComm
 from mpicomp.errors import NonFiniteWarning, PeerClosed
-from mpicomp.torch.parameters import LAYOUT, layout_differences, named
+from mpicomp.torch.parameters import LAYOUT, describe_layout, layout_differences, named
 from mpicomp.torch.shared import (
     Failed,
     Staging,
     agree,
     check_comm,
+    check_given,
+    claim_names,
     compressed,
     count,
     cuda_staging,
@@ -37,6 +39,7 @@ from mpicomp.torch.shared import (
     mpi_of,
     peer_closed_in,
     quiet,
+    release_names,
 )
 
 __all__ = ["DistributedOptimizer", "GradientsOverwrittenWarning"]
@@ -130,6 +133,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         check_comm(comm)
         error, parameters = None, None
         try:
+            check_given(comm, codec, options)
             if isinstance(optimizer, DistributedOptimizer):
                 raise TypeError(
                     "optimizer is already a DistributedOptimizer: wrap the plain optimizer "
@@ -147,7 +151,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
             if not isinstance(overlap, bool | int) or overlap not in (0, 1):
                 raise TypeError(f"overlap must be True or False, got {kind(overlap)}")
             parameters = named(optimizer, named_parameters)
-            layout = "|".join(f"{n}:{tuple(p.shape)}" for n, p in parameters).encode()
+            layout = describe_layout(parameters).encode()
             config = Config(
                 {
                     "backward_passes_per_step": backward_passes_per_step,
@@ -178,6 +182,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self.optimizer = optimizer
         self._owns_comm = not isinstance(comm, CompressedComm)
         self.comm = compressed(comm, codec, options)  # collective: raises on every rank
+        #: What this optimizer's call names begin with: "" for the first optimizer open
+        #: on its CompressedComm, "optimizer1." for a second (residuals are per name).
+        self.names = claim_names(self.comm, self)
         self.backward_passes_per_step = backward_passes_per_step
         self.start_step = start_step
         self.overlap = bool(overlap)
@@ -303,7 +310,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
                 try:
                     b.handle = self.comm.start(
                         b.buffer,
-                        f"bucket{b.index}",
+                        f"{self.names}bucket{b.index}",
                         layout=b.layout,
                         snapshots=self._snapshots,
                         compress=self.steps >= self.start_step,
@@ -523,18 +530,33 @@ class DistributedOptimizer(torch.optim.Optimizer):
         return state
 
     def load_state_dict(self, state_dict: dict) -> None:
+        """Restore ``state_dict()`` (this rank's): all of it, or, where any part is
+        refused (a damaged residual, another optimizer's state), none of it."""
         state = dict(state_dict)
         ours = state.pop("mpicomp", None)
-        self.optimizer.load_state_dict(state)
-        if ours is not None:
-            self.steps = int(ours["steps"])
-            self.comm.load_state_dict(
-                {
-                    "step": int(ours["comm_step"]),
-                    "residuals": dict(ours["residuals"]),
-                    "server_residuals": dict(ours["server_residuals"]),
-                }
-            )
+        if ours is None:
+            self.optimizer.load_state_dict(state)
+            return
+        try:
+            steps = int(ours["steps"])
+            comm = {
+                "step": int(ours["comm_step"]),
+                "residuals": dict(ours["residuals"]),
+                "server_residuals": dict(ours["server_residuals"]),
+            }
+        except KeyError as e:
+            raise ValueError(
+                f"this state_dict's 'mpicomp' entry has no {e.args[0]!r}: load what "
+                "DistributedOptimizer.state_dict() gave, whole"
+            ) from None
+        before = self.comm.state_dict()
+        self.comm.load_state_dict(comm)  # checks all of it first: a refusal changes nothing
+        try:
+            self.optimizer.load_state_dict(state)
+        except BaseException:
+            self.comm.load_state_dict(before)
+            raise
+        self.steps = steps
 
     def close(self) -> None:
         """Remove the gradient hooks and release the communicators (the CompressedComm
@@ -551,6 +573,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         try:
             self._leave_step()
         finally:
+            release_names(self.comm, self)
             try:
                 if self._owns_comm:
                     self.comm.close()

@@ -3,8 +3,9 @@ differs among the ranks' parameters when they do not match.
 
 ``named`` turns ``named_parameters`` (or the optimizer's own parameters, named by
 position) into checked (name, tensor) pairs; ``LAYOUT`` is the configuration field
-whose digest every rank compares; ``layout_differences`` names each parameter that
-differs, with its shape on every rank, once the digests have differed.
+whose digest (of ``describe_layout``) every rank compares; ``layout_differences``
+names each parameter that differs, with its shape, dtype or requires_grad on every
+rank, once the digests have differed.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from mpicomp.call.config import Config
 from mpicomp.collectives.agreement import allgather_json, disagreement, ranks_text
 from mpicomp.torch.shared import kind
 
-__all__ = ["LAYOUT", "layout_differences", "named"]
+__all__ = ["LAYOUT", "describe_layout", "layout_differences", "named"]
 
 #: The configuration field of the parameters' names, shapes and order (a digest).
 LAYOUT = "parameter_names_and_shapes"
@@ -94,31 +95,39 @@ def _pairs(named_parameters) -> list[tuple[str, torch.Tensor]]:
 
 def layout_differences(mpi, config: Config, named: list, timeout) -> str:
     """Return, on every rank, what differs among the ranks' parameters (each one named,
-    with its shape on every rank) and other fields of ``config``. Collective: every
-    rank's names and shapes go to every rank, once the digests have differed."""
+    with its shape, dtype or requires_grad on every rank) and other fields of
+    ``config``. Collective: every rank's names and traits go to every rank, once the
+    digests have differed."""
     fields = {k: v for k, v in config.fields.items() if k not in (LAYOUT, "parameters")}
-    mine = {"fields": fields, "parameters": [[n, list(p.shape)] for n, p in named]}
+    mine = {"fields": fields, "parameters": [[n, *_traits(p)] for n, p in named]}
     every = allgather_json(mpi, mine, timeout)
     parts = []
     for key in fields:
         groups = _ranks_by(json.dumps(e["fields"].get(key)) for e in every)
         if len(groups) > 1:
             parts.append(f"{key}: " + ", ".join(f"{v} on {r}" for v, r in groups))
-    shapes = [{n: tuple(s) for n, s in e["parameters"]} for e in every]
-    names = dict.fromkeys(n for e in every for n, _ in e["parameters"])
+    traits = [{n: (tuple(sh), dt, rg) for n, sh, dt, rg in e["parameters"]} for e in every]
+    names = dict.fromkeys(n for e in every for n, *_ in e["parameters"])
     differ = []
     for name in names:
-        groups = _ranks_by(s.get(name) for s in shapes)
-        if len(groups) > 1:
-            sides, said = [], False  # "shape (4, 3) on rank 0, (5, 3) on rank 1"
-            for shape, ranks in groups:
-                if shape is None:
-                    sides.append(f"absent on {ranks}")
-                else:
-                    sides.append(f"{'' if said else 'shape '}{shape} on {ranks}")
-                    said = True
-            differ.append(f"parameter {name!r}: " + ", ".join(sides))
-    orders = [[n for n, _ in e["parameters"]] for e in every]
+        theirs = [t.get(name) for t in traits]
+        present = [t for t in theirs if t is not None]
+        # The first trait that differs among the ranks holding it (or the shape, where
+        # some ranks lack it): "shape (4, 3) on rank 0, (5, 3) on rank 1".
+        at = next((i for i in range(3) if len({t[i] for t in present}) > 1), None)
+        if at is None and len(present) == len(theirs):
+            continue
+        at = at or 0
+        label = _TRAITS[at]
+        sides, said = [], False
+        for value, ranks in _ranks_by(None if t is None else t[at] for t in theirs):
+            if value is None:
+                sides.append(f"absent on {ranks}")
+            else:
+                sides.append(f"{'' if said else label + ' '}{value} on {ranks}")
+                said = True
+        differ.append(f"parameter {name!r}: " + ", ".join(sides))
+    orders = [[n for n, *_ in e["parameters"]] for e in every]
     rows = enumerate(zip(*orders, strict=False))  # up to the shortest list
     at = next((i for i, row in rows if len(set(row)) > 1), None)
     if not differ and at is not None:  # the same names and shapes, in another order
@@ -127,6 +136,20 @@ def layout_differences(mpi, config: Config, named: list, timeout) -> str:
     more = [f"and {len(differ) - _SHOWN} more parameters"] if len(differ) > _SHOWN else []
     # Digests that differ where nothing shown does: the fields, as check_same names them.
     return "; ".join(parts + differ[:_SHOWN] + more) or disagreement(mpi, config.fields, timeout)
+
+
+_TRAITS = ("shape", "dtype", "requires_grad")
+
+
+def _traits(p: torch.Tensor) -> list:
+    """A parameter's shape, dtype and requires_grad, as JSON (``layout_differences``)."""
+    return [list(p.shape), str(p.dtype).removeprefix("torch."), bool(p.requires_grad)]
+
+
+def describe_layout(named) -> str:
+    """Return the text whose digest ranks compare: each parameter's name, shape, dtype
+    and requires_grad, in order (``layout_differences`` names what differs)."""
+    return "|".join(f"{n}:{tuple(p.shape)}:{p.dtype}:{p.requires_grad}" for n, p in named)
 
 
 def _ranks_by(values) -> list[tuple]:

@@ -11,10 +11,13 @@ port" recipe races with every other process on the host).
 from __future__ import annotations
 
 import datetime
+import math
+import numbers
 import socket
 
 import torch.distributed as dist
 
+from mpicomp.call.config import Config, check_same
 from mpicomp.collectives import plain
 from mpicomp.torch.shared import agree, kind
 
@@ -50,7 +53,10 @@ def init_process_group(
     Raises:
         RuntimeError: torch.distributed is already initialized (on every rank).
         TypeError: ``comm`` is not an mpi4py communicator (on this rank), or
-            ``timeout`` is neither a timedelta nor seconds (on every rank).
+            ``timeout`` is neither a timedelta nor seconds (on that rank; RankError
+            on the others).
+        ValueError: ``timeout`` is not positive and finite (likewise).
+        mpicomp.RankError: ranks gave other timeouts or backends (on every rank).
         mpicomp.RankError: starting the group failed on another rank; the rank where
             it failed raises its own error (e.g. the store's ``DistNetworkError``).
     """
@@ -59,20 +65,25 @@ def init_process_group(
     comm = MPI.COMM_WORLD if comm is None else comm
     if not isinstance(comm, MPI.Intracomm):
         raise TypeError(f"comm must be an mpi4py communicator, got {kind(comm)}")
-    error = None
-    if dist.is_initialized():
-        error = RuntimeError(
-            "init_process_group: torch.distributed is already initialized: call "
-            "torch.distributed.destroy_process_group() first"
-        )
-    elif timeout is not None and not isinstance(timeout, datetime.timedelta):
-        try:
-            timeout = datetime.timedelta(seconds=float(timeout))
-        except (TypeError, ValueError, OverflowError):  # every rank hears of it below
-            error = TypeError(
-                f"init_process_group: timeout must be a timedelta or seconds, got {kind(timeout)}"
+    error, config = None, None
+    try:
+        if dist.is_initialized():
+            raise RuntimeError(
+                "init_process_group: torch.distributed is already initialized: call "
+                "torch.distributed.destroy_process_group() first"
             )
-    agree(comm, error, "init_process_group")
+        timeout = _timedelta(timeout)
+        if backend is not None and not isinstance(backend, str):
+            raise TypeError(
+                f"init_process_group: backend must be a str such as 'gloo', got {kind(backend)}"
+            )
+        # Ranks that wait for each other as long, through the same backend: a rank whose
+        # timeout ended first would leave the others inside torch's group setup.
+        seconds = None if timeout is None else timeout.total_seconds()
+        config = Config({"backend": backend, "timeout": seconds})
+    except Exception as e:  # every rank hears of it below
+        error = e
+    check_same(comm, config, error, "init_process_group", None)
     store_timeout = timeout or datetime.timedelta(minutes=30)
 
     one_host = len(set(plain.allgather_object(comm, MPI.Get_processor_name()))) == 1
@@ -113,3 +124,23 @@ def init_process_group(
         if dist.is_initialized():
             dist.destroy_process_group()
         raise
+
+
+def _timedelta(timeout) -> datetime.timedelta | None:
+    """Return ``timeout`` (a timedelta, seconds or None) as a timedelta; refuse one
+    that is not a positive, finite time."""
+    if timeout is None:
+        return None
+    if not isinstance(timeout, datetime.timedelta):
+        if isinstance(timeout, bool) or not isinstance(timeout, numbers.Real):
+            raise TypeError(
+                f"init_process_group: timeout must be a timedelta or seconds, got {kind(timeout)}"
+            )
+        if not math.isfinite(timeout) or timeout <= 0:
+            raise ValueError(
+                f"init_process_group: timeout must be a positive number of seconds, got {timeout!r}"
+            )
+        return datetime.timedelta(seconds=float(timeout))
+    if timeout <= datetime.timedelta(0):
+        raise ValueError(f"init_process_group: timeout must be positive, got {timeout!r}")
+    return timeout

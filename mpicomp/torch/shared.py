@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import numbers
 import warnings
+import weakref
 from collections.abc import Iterator, Mapping
 
 import torch
@@ -25,7 +26,10 @@ __all__ = [
     "Failed",
     "Staging",
     "agree",
+    "at_end_of_backward",
     "check_comm",
+    "check_given",
+    "claim_names",
     "compressed",
     "count",
     "cuda_staging",
@@ -33,6 +37,7 @@ __all__ = [
     "mpi_of",
     "peer_closed_in",
     "quiet",
+    "release_names",
     "timeout_of",
 ]
 
@@ -87,14 +92,44 @@ def kind(value) -> str:
 # -- the communicators ----------------------------------------------------------------
 
 
+def check_given(comm, codec, options) -> None:
+    """Refuse a codec or options given with a CompressedComm (it comes with its own):
+    call it where the other ranks hear of a refusal, before the first message."""
+    if isinstance(comm, CompressedComm) and (codec is not None or options):
+        given = ["codec"] * (codec is not None) + sorted(options)
+        raise TypeError(
+            "a CompressedComm comes with its codec and options: pass neither "
+            f"(got {', '.join(given)})"
+        )
+
+
 def compressed(comm, codec, options) -> CompressedComm:
-    """Return ``comm`` if it is a CompressedComm (then no codec or options), else a
-    CompressedComm over the mpi4py communicator ``comm``."""
+    """Return ``comm`` if it is a CompressedComm (then no codec or options:
+    ``check_given``), else a CompressedComm over the mpi4py communicator ``comm``."""
     if isinstance(comm, CompressedComm):
-        if codec is not None or options:
-            raise TypeError("a CompressedComm comes with its codec and options: pass neither")
+        check_given(comm, codec, options)
         return comm
     return CompressedComm(comm, "none" if codec is None else codec, **options)
+
+
+# Per CompressedComm, the optimizers open on it: each names its calls apart, so two
+# optimizers on one CompressedComm (a GAN's two models) never share residuals.
+_USERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def claim_names(comm: CompressedComm, owner) -> str:
+    """Return the prefix of ``owner``'s call names on ``comm``: "" for the first open
+    optimizer, ``"optimizer1."`` for a second, ... (the same on every rank where the
+    optimizers are made and closed in the same order); ``release_names`` frees it."""
+    users = _USERS.setdefault(comm, {})
+    k = next(i for i in range(len(users) + 1) if i not in users.values())
+    users[owner] = k
+    return f"optimizer{k}." if k else ""
+
+
+def release_names(comm: CompressedComm, owner) -> None:
+    """Free the prefix ``claim_names`` gave ``owner`` (its optimizer closed)."""
+    _USERS.get(comm, {}).pop(owner, None)
 
 
 def mpi_of(comm):
@@ -130,6 +165,23 @@ def agree(mpi, error, what: str, timeout: float | None = None) -> None:
     if error is not None and not isinstance(error, BaseException):
         error = ValueError(error)
     check_same(mpi, None, error, what, timeout, failure=lambda r: f"{what} failed on rank(s) {r}")
+
+
+# -- errors out of backward() ----------------------------------------------------------
+
+
+def at_end_of_backward(fn) -> bool:
+    """Run ``fn`` when the running ``backward()`` has finished its other work (queued
+    behind what DDP and FSDP queued before): an error it raises comes out of
+    ``backward()`` with the framework's own state complete. False where no backward
+    pass runs (then nothing is queued)."""
+    try:
+        torch.autograd.Variable._execution_engine.queue_callback(fn)
+    except RuntimeError:  # "Final callbacks can only be installed during backward pass."
+        return False
+    except AttributeError:  # pragma: no cover - a torch without it
+        return False
+    return True
 
 
 # -- CUDA tensors without CuPy --------------------------------------------------------

@@ -11,6 +11,7 @@ optimizer's parameter; otherwise a float32 master copy of the row is.
 
 from __future__ import annotations
 
+import copy
 import difflib
 import inspect
 import threading
@@ -31,12 +32,20 @@ from mpicomp.comm import CompressedComm
 from mpicomp.errors import NonFiniteWarning, PeerClosed
 from mpicomp.reduction import kind_of
 from mpicomp.reduction.rows import PRECISIONS
-from mpicomp.torch.parameters import LAYOUT, _pairs, check_unique, layout_differences
+from mpicomp.torch.parameters import (
+    LAYOUT,
+    _pairs,
+    check_unique,
+    describe_layout,
+    layout_differences,
+)
 from mpicomp.torch.shared import (
     Failed,
     Staging,
     agree,
     check_comm,
+    check_given,
+    claim_names,
     compressed,
     count,
     cuda_staging,
@@ -44,6 +53,7 @@ from mpicomp.torch.shared import (
     mpi_of,
     peer_closed_in,
     quiet,
+    release_names,
 )
 
 __all__ = ["GradientsIgnoredWarning", "ZeroOptimizer"]
@@ -137,10 +147,10 @@ class ZeroOptimizer(torch.optim.Optimizer):
 
     Under ``nonfinite="skip_step"`` a NaN/Inf in any rank's gradient skips the step on
     every rank (state, parameters and residuals untouched) with a ``NonFiniteWarning``;
-    ``skipped`` tells it. A NaN/Inf in the parameters after a step raises in the
-    allgather, on every rank, before any other rank's row is written; a row that is the
-    parameters' own memory (float32 gathered in float32) already holds it on its rank:
-    reload a checkpoint.
+    ``skipped`` tells it. A step that fails on any rank (a reduce-scatter, the inner optimizer's step, or
+    the allgather: NaN/Inf in the stepped parameters) raises on every rank and moves
+    nothing: each rank copies its rows and the inner optimizer's state before stepping
+    (1/N of them, for as long as the step) and puts them back, with the residuals.
 
     Raises:
         TypeError, ValueError: an argument is wrong on this rank (RankError on the
@@ -169,6 +179,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
                 and issubclass(optimizer_class, torch.optim.Optimizer)
             ):
                 raise TypeError(_not_a_class(optimizer_class))
+            _check_steps_alone(optimizer_class)
             if gather_precision not in PRECISIONS:
                 raise ValueError(
                     f"gather_precision must be one of {PRECISIONS}, got {gather_precision!r}"
@@ -178,6 +189,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
             backward_passes_per_step = count(
                 "backward_passes_per_step", backward_passes_per_step, 1
             )
+            check_given(comm, codec, {k: v for k, v in keywords.items() if k in OPTIONS})
             groups = _groups(named_parameters)
             named = [(n, p) for _, pairs in groups for n, p in pairs]
             comm_keywords, defaults = _split(keywords, optimizer_class, comm, codec)
@@ -190,11 +202,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
                         f"parameter {n!r} is {p.dtype}: a ZeroOptimizer trains float32, "
                         "bfloat16 and float16 parameters (its master rows are float32)"
                     )
-            layout = "|".join(
-                f"{g}:{n}:{tuple(p.shape)}:{p.dtype}:{p.requires_grad}"
-                for g, (_, pairs) in enumerate(groups)
-                for n, p in pairs
-            ).encode()
+            layout = "||".join(describe_layout(pairs) for _, pairs in groups).encode()
             config = Config(
                 {
                     "optimizer_class": optimizer_class.__qualname__,
@@ -219,6 +227,9 @@ class ZeroOptimizer(torch.optim.Optimizer):
         )
         self._owns_comm = not isinstance(comm, CompressedComm)
         self.comm = compressed(comm, codec, comm_keywords)  # collective: raises on every rank
+        #: What this optimizer's call names begin with: "" for the first optimizer open
+        #: on its CompressedComm, "optimizer1." for a second (residuals are per name).
+        self.names = claim_names(self.comm, self)
         self.gather_precision = gather_precision
         self.overlap = bool(overlap)
         self.backward_passes_per_step = backward_passes_per_step
@@ -372,7 +383,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
                 self._copy_in(b)
                 try:
                     b.handle = self.comm.start_scatter(
-                        b.grads, f"bucket{b.index}", snapshots=self._snapshots
+                        b.grads, f"{self.names}bucket{b.index}", snapshots=self._snapshots
                     )
                 except RuntimeError:  # closed: by a peer whose close an earlier bucket met?
                     closed = peer_closed_in([x.handle for x in self._buckets[: b.index]])
@@ -401,10 +412,11 @@ class ZeroOptimizer(torch.optim.Optimizer):
         parameters; unless a NaN/Inf skipped this step. Returns ``closure()``'s loss.
 
         Raises:
-            RankError, ValueError, TypeError: a reduce-scatter failed on this rank or
-                another (every rank raises; no state moved), or an allgather did (the
-                rows were stepped: where a row is the parameters' own memory, float32
-                gathered in float32, it holds the refused values on its rank alone).
+            RankError, ValueError, TypeError, ...: a reduce-scatter, the inner
+                optimizer's step or an allgather failed on this rank or another. Every
+                rank raises (its own error where it failed, RankError elsewhere) and
+                no state moved on any rank: rows, the inner optimizer's state and the
+                residuals are as before the step.
             PeerClosed: another rank closed instead of taking this step; closed here too.
             RuntimeError: this ZeroOptimizer is closed.
         """
@@ -416,23 +428,32 @@ class ZeroOptimizer(torch.optim.Optimizer):
             raise RuntimeError("ZeroOptimizer is closed")
         try:
             self._start_buckets()
-            rows = self._wait_for_rows()
+            rows, snapshots = self._wait_for_rows()
         finally:
             self.steps += 1
         if rows is not None:
-            error = None
+            error, before = None, None
             try:
                 self._adopt_changed_parameters()
                 for b, row in zip(self._buckets, rows, strict=True):
                     b.shard.grad = row.to(b.shard.device) if b.staged else row
+                before = self._rows_and_state()
                 self.optimizer.step()
             except Exception as e:  # every rank must hear of it before the allgather
                 error = e
             finally:
                 for b in self._buckets:
                     b.shard.grad = None
-            agree(quiet(self.comm), error, "ZeroOptimizer.step", self.comm.options.timeout)
-            self._gather()
+            try:
+                self._agree_on_step(error)
+                self._gather()
+            except BaseException as e:
+                # A step that fails anywhere moves nothing: rows, state, residuals.
+                if before is not None:
+                    self._restore(before)
+                if not isinstance(e, PeerClosed) and not self.comm.closed:
+                    self.comm.rollback(snapshots)
+                raise
         # Warned after the step: under -W error it raises on the ranks whose gradients
         # changed only, which must still step.
         (step, names), self._ignored = self._ignored, (0, [])
@@ -440,9 +461,69 @@ class ZeroOptimizer(torch.optim.Optimizer):
             _warn_ignored(step, names)
         return loss
 
-    def _wait_for_rows(self) -> list | None:
-        """Wait for this step's reduce-scatters; return their rows, or None when the step
-        is skipped (NaN/Inf under ``skip_step``, warned)."""
+    def _rows_and_state(self) -> tuple[list, dict]:
+        """Return copies of this rank's rows and of the inner optimizer's state, for
+        ``_restore`` (a step that fails on some rank is undone on every rank)."""
+        rows = [b.shard.detach().clone() for b in self._buckets]
+        state = {
+            p: {k: v.clone() if torch.is_tensor(v) else copy.deepcopy(v) for k, v in s.items()}
+            for p, s in self.optimizer.state.items()
+        }
+        return rows, state
+
+    def _restore(self, before: tuple[list, dict]) -> None:
+        """Put back what ``_rows_and_state`` copied."""
+        rows, state = before
+        with torch.no_grad():
+            for b, row in zip(self._buckets, rows, strict=True):
+                b.shard.copy_(row)
+        self.optimizer.state.clear()
+        self.optimizer.state.update(state)
+
+    def _agree_on_step(self, error: Exception | None, closing: bool = False) -> None:
+        """Raise on every rank if the step failed on some rank; PeerClosed (and close
+        here too) if some rank closed after sending this step's gradients instead of
+        stepping. ``closing``: this rank's part in it is its close(). One Allreduce of
+        two int32, then the failed ranks' errors only when some rank failed."""
+        import numpy as np
+        from mpi4py import MPI
+
+        from mpicomp.collectives._wait import issue, resolve_timeout
+
+        mpi = quiet(self.comm)
+        step = self.steps if closing else self.steps - 1  # step() counted it already
+        mine = np.array([error is not None, mpi.rank + 1 if closing else 0], np.int32)
+        every = np.empty_like(mine)
+        issue(
+            mpi,
+            MPI.Comm.Allreduce,
+            MPI.Comm.Iallreduce,
+            mine,
+            every,
+            op=MPI.MAX,
+            timeout=resolve_timeout(self.comm.options.timeout),
+            name="ZeroOptimizer.close" if closing else "ZeroOptimizer.step",
+            detail=lambda: (
+                f"whether every rank stepped its rows in step {step} "
+                f"(optimizer.steps, from 0), an Iallreduce of {mine.nbytes} bytes over all "
+                f"{mpi.size} ranks"
+            ),
+        )
+        if closing:
+            return
+        if every[1]:
+            self.close()
+            raise PeerClosed(
+                f"rank {every[1] - 1} closed its ZeroOptimizer after sending the gradients "
+                f"of step {step}, which this rank took; it is closed on this rank too"
+            )
+        if every[0]:
+            agree(mpi, error, "ZeroOptimizer.step", self.comm.options.timeout)
+
+    def _wait_for_rows(self) -> tuple[list | None, list]:
+        """Wait for this step's reduce-scatters; return their rows (None when the step
+        is skipped: NaN/Inf under ``skip_step``, warned) and what rolls their residuals
+        back."""
         outcomes, error = [], None
         for b in self._buckets:
             try:
@@ -466,8 +547,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
                 NonFiniteWarning,
                 stacklevel=user_stacklevel(),
             )
-            return None
-        return [o.average for o in outcomes]
+            return None, snapshots
+        return [o.average for o in outcomes], snapshots
 
     def _changed_since_sent(self) -> list[str]:
         """The parameters whose gradients changed after their bucket copied them."""
@@ -521,7 +602,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         handles = [
             cc.iallgather(
                 b.shard.cpu() if b.staged else b.shard,
-                f"bucket{b.index}",
+                f"{self.names}bucket{b.index}",
                 numel=b.numel,
                 precision=self.gather_precision,
             )
@@ -583,52 +664,74 @@ class ZeroOptimizer(torch.optim.Optimizer):
     def load_state_dict(self, state_dict: dict) -> None:
         """Restore this rank's ``state_dict()`` (saved by the same rank of as many ranks).
         Collective: every rank loads its own; one that cannot raises, the others
-        RankError. Load the model's parameters first: parameters written after this
-        replace the master rows."""
-        error = None
+        RankError, and no rank's state changes. Load the model's parameters first:
+        parameters written after this replace the master rows."""
+        error, before = None, None
         try:
+            if not isinstance(state_dict, Mapping):
+                raise TypeError(f"state_dict must be a dict, got {kind(state_dict)}")
             state = dict(state_dict)
             ours = state.pop("mpicomp", None)
-            if ours is None:
+            if not isinstance(ours, Mapping):
                 raise ValueError(
                     "not a ZeroOptimizer's state_dict (no 'mpicomp' entry): each rank "
                     "loads what its own ZeroOptimizer.state_dict() gave"
                 )
-            where = (int(ours["rank"]), int(ours["size"]))
+            entry = partial(_entry, ours)
+            where = (int(entry("rank")), int(entry("size")))
             if where != (self.comm.rank, self.comm.size):
                 raise ValueError(
                     f"this state_dict is rank {where[0]}'s of {where[1]} ranks; this is rank "
                     f"{self.comm.rank} of {self.comm.size}: each rank loads its own rows"
                 )
-            masters = {int(k): v for k, v in ours["masters"].items()}
+            masters = {int(k): v for k, v in entry("masters").items()}
             wanted = {b.index for b in self._buckets if b.master}
             if set(masters) != wanted:
                 raise ValueError(
                     f"this state_dict has master rows for buckets {sorted(masters)}, this "
                     f"ZeroOptimizer for {sorted(wanted)} (another gather_precision or dtype)"
                 )
+            for b in self._buckets:
+                if b.master and tuple(masters[b.index].shape) != tuple(b.shard.shape):
+                    raise ValueError(
+                        f"master row of bucket {b.index}: shape "
+                        f"{tuple(masters[b.index].shape)}, this ZeroOptimizer's "
+                        f"{tuple(b.shard.shape)}"
+                    )
+            comm = {
+                "step": int(entry("comm_step")),
+                "residuals": dict(entry("residuals")),
+                "server_residuals": dict(entry("server_residuals")),
+            }
+            steps = int(entry("steps"))
+            before = (copy.deepcopy(self.optimizer.state_dict()), self.comm.state_dict())
+            self.comm.load_state_dict(comm)  # checks all of it first: a refusal changes nothing
             self.optimizer.load_state_dict(state)
-            # torch's load_state_dict makes new groups and state: schedulers edit these
-            self.param_groups = self.optimizer.param_groups
-            self.state = self.optimizer.state
-            self.comm.load_state_dict(
-                {
-                    "step": int(ours["comm_step"]),
-                    "residuals": dict(ours["residuals"]),
-                    "server_residuals": dict(ours["server_residuals"]),
-                }
-            )
-            with torch.no_grad():
-                for b in self._buckets:
-                    if b.master:
-                        b.shard.copy_(masters[b.index])
-                    # The parameters as they are now go with these rows (a model loaded
-                    # before is not read into them again).
-                    b.versions = [p._version for p in b.params]
-            self.steps = int(ours["steps"])
         except Exception as e:
             error = e
-        agree(quiet(self.comm), error, "ZeroOptimizer.load_state_dict", self.comm.options.timeout)
+        try:
+            agree(
+                quiet(self.comm), error, "ZeroOptimizer.load_state_dict",
+                self.comm.options.timeout,
+            )  # fmt: skip
+        except BaseException:
+            if before is not None:  # loaded here, refused elsewhere: back as it was
+                self.optimizer.load_state_dict(before[0])
+                self.comm.load_state_dict(before[1])
+                self.param_groups = self.optimizer.param_groups
+                self.state = self.optimizer.state
+            raise
+        # torch's load_state_dict makes new groups and state: schedulers edit these
+        self.param_groups = self.optimizer.param_groups
+        self.state = self.optimizer.state
+        with torch.no_grad():
+            for b in self._buckets:
+                if b.master:
+                    b.shard.copy_(masters[b.index])
+                # The parameters as they are now go with these rows (a model loaded
+                # before is not read into them again).
+                b.versions = [p._version for p in b.params]
+        self.steps = steps
 
     def close(self) -> None:
         """Remove the gradient hooks, drop a step started and not taken (its residuals
@@ -641,19 +744,33 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self._closed = True
         try:
             if self._next:  # buckets started during backward, no step()
-                for b in self._buckets:
-                    if b.handle is not None:
-                        try:
-                            b.handle.wait()
-                        except Exception:
-                            pass  # the step is dropped: its errors with it
-                snapshots, self._snapshots = self._snapshots, []
-                self._reset_passes()
-                if not self.comm.closed:
-                    self.comm.rollback(snapshots)
+                self._leave_step()
         finally:
+            release_names(self.comm, self)
             if self._owns_comm:
                 self.comm.close()
+
+    def _leave_step(self) -> None:
+        """Drop a step whose buckets were started and not stepped (close() after
+        backward). If every bucket went through on every rank, the other ranks' next
+        message is that step's agreement: take part as the closing rank, so that they
+        raise PeerClosed. Otherwise their next bucket call meets the CompressedComm's
+        close, or they failed alike already."""
+        sent_all = self._next == len(self._buckets)
+        failed = False
+        for b in self._buckets:
+            if b.handle is not None:
+                try:
+                    failed |= bool(b.handle.wait().skipped)
+                except Exception:
+                    failed = True  # the step is dropped: its errors with it
+        snapshots, self._snapshots = self._snapshots, []
+        self._reset_passes()
+        if self.comm.closed:
+            return
+        self.comm.rollback(snapshots)
+        if sent_all and not failed:
+            self._agree_on_step(None, closing=True)
 
     def __repr__(self) -> str:
         name = self.optimizer.__class__.__name__ if self.optimizer is not None else "?"
@@ -677,6 +794,18 @@ def _not_a_class(value) -> str:
         "optimizer_class must be a torch.optim.Optimizer class such as torch.optim.Adam, "
         f"got {kind(value)}{hint}"
     )
+
+
+def _check_steps_alone(optimizer_class) -> None:
+    """Refuse an optimizer whose ``step`` needs a closure (LBFGS): it re-evaluates the
+    whole model's loss, which a rank stepping its rows alone cannot."""
+    closure = inspect.signature(optimizer_class.step).parameters.get("closure")
+    if closure is not None and closure.default is inspect.Parameter.empty:
+        raise TypeError(
+            f"{optimizer_class.__name__}.step needs a closure (it evaluates the loss again "
+            "during its step): a ZeroOptimizer steps each rank's rows alone; use an "
+            "elementwise optimizer (SGD, Adam, AdamW, ...)"
+        )
 
 
 def _groups(named_parameters) -> list[tuple[dict, list[tuple[str, torch.Tensor]]]]:
@@ -746,6 +875,17 @@ def _split(keywords: dict, optimizer_class, comm, codec) -> tuple[dict, dict]:
         {k: v for k, v in keywords.items() if k in mine},
         {k: v for k, v in keywords.items() if k not in mine},
     )
+
+
+def _entry(ours: Mapping, key: str):
+    """Return ``ours[key]`` of a state_dict's 'mpicomp' entry; a ValueError naming a
+    missing key."""
+    if key not in ours:
+        raise ValueError(
+            f"this state_dict's 'mpicomp' entry has no {key!r}: load what "
+            "ZeroOptimizer.state_dict() gave, whole"
+        )
+    return ours[key]
 
 
 def _changed_since(grad, sent) -> bool:
