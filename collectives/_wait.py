@@ -17,7 +17,9 @@ The timeout bounds each wait (one message or one step of a ring), not a whole ca
 Every rank must have it on or every rank off (the values may differ): MPI does not
 match a blocking collective with a nonblocking one. ``issue_nonblocking`` is for the
 one check that runs before the ranks have agreed on that (a CompressedComm's
-configuration): nonblocking whatever the timeout.
+configuration): nonblocking whatever the timeout. A ``Timeout`` is a resolved timeout
+that also names the caller's call (a CompressedComm's op and tensor), which each report
+of a wait under it then says.
 
 A frame here that moves buffers calls ``ready`` on them just before the MPI call (a
 device kernel may still be writing them); ``tests/test_mpi_architecture.py`` counts
@@ -49,17 +51,32 @@ _FIRST_SLEEP = 1e-5  # seconds: a message that is almost there costs one short n
 _LAST_SLEEP = 1e-3  # the backoff ceiling: how late an idle rank notices completion
 
 
+class Timeout(float):
+    """A resolved timeout in seconds that also names the caller's call it bounds
+    (``during``, e.g. ``"reduce_scatter of 'fsdp:layer1'"``), for the report of any wait
+    it reaches: it travels wherever a timeout goes, so the collectives pass the caller's
+    words on without knowing the caller."""
+
+    def __new__(cls, seconds: float, during: str):
+        self = super().__new__(cls, seconds)
+        self.during = during
+        return self
+
+
 def resolve_timeout(timeout=None) -> float:
     """Return the timeout in seconds from ``timeout`` or ``MPICOMP_TIMEOUT``; 0.0 when off.
 
-    A resolved value resolves to itself (0.0 stays off), so it can be handed on to any
-    function that resolves again without ``MPICOMP_TIMEOUT`` being read a second time:
-    ranks must all wait blocking or all nonblocking, whatever their environments say.
+    A resolved value resolves to itself (0.0 stays off; a ``Timeout`` keeps its words), so
+    it can be handed on to any function that resolves again without ``MPICOMP_TIMEOUT``
+    being read a second time: ranks must all wait blocking or all nonblocking, whatever
+    their environments say.
 
     Raises:
         TypeError: ``timeout`` is neither None nor a real number.
         ValueError: ``timeout`` or ``MPICOMP_TIMEOUT`` is negative, NaN or not a number.
     """
+    if isinstance(timeout, Timeout):
+        return timeout
     if timeout is None:
         raw = os.environ.get(ENV)
         if not raw:
@@ -108,9 +125,12 @@ def poll(requests, timeout: float, testall: Callable, clock=time.monotonic, slee
 
 
 def timeout_message(comm, op: str, detail: str, timeout: float, elapsed: float) -> str:
-    """Return the report of a timed-out wait: who, in which call, waiting for what."""
+    """Return the report of a timed-out wait: who, in which call (and in which of the
+    caller's calls, a ``Timeout``'s ``during``), waiting for what."""
+    during = getattr(timeout, "during", "")
+    where = f"{op} ({during})" if during else op
     return (
-        f"mpicomp: rank {comm.Get_rank()} of {comm.Get_size()} timed out in {op} after "
+        f"mpicomp: rank {comm.Get_rank()} of {comm.Get_size()} timed out in {where} after "
         f"{elapsed:.3g} s (timeout {timeout:g} s): {detail}. Another rank skipped this call, "
         f"called a different one or is stuck; aborting the job (MPI_Abort, error code "
         f"{ABORT_CODE}). Set {ENV} the same on every rank (unset or 0: no timeout)."

@@ -30,11 +30,11 @@ from mpicomp.call.intake import Gpu, Tensor, buckets, take, take_many
 from mpicomp.call.options import Options
 from mpicomp.call.placement import Planner, place
 from mpicomp.call.same_call import CLOSING, check_same_call
-from mpicomp.call.worker import Handle, Runner, user_stacklevel
+from mpicomp.call.worker import Handle, Runner, Turns, user_stacklevel
 from mpicomp.codecs import Codec
 from mpicomp.codecs._base import make as make_codec
 from mpicomp.codecs.arrays import array_module
-from mpicomp.collectives._wait import dup, resolve_timeout
+from mpicomp.collectives._wait import Timeout, dup, resolve_timeout
 from mpicomp.errors import NonFiniteWarning, PeerClosed, RankError
 from mpicomp.kernels.readback import batch
 from mpicomp.model.cost import Topology
@@ -69,26 +69,35 @@ class Outcome(NamedTuple):
 
 
 def _one_thread(method):
-    """Make ``method`` refuse a second thread while another is inside this CompressedComm:
+    """Make ``method`` wait for the call of this CompressedComm that another thread is in:
     two threads' calls would interleave their messages (wrong sums, then MPI's fatal
-    errors), so the second raises at once instead."""
+    errors), and a refusal on some ranks only would split the ranks' call sequences.
+    Calls run one at a time, in the order their threads entered. Where waiting could
+    never end it raises at once: a thread already inside a call (a callback calling back)
+    or the background worker (which blocking calls and ``close`` wait for)."""
 
     @wraps(method)
     def entered(self, *args, **kwargs):
-        if not self._entry.acquire(blocking=False):
+        if self._turns.holder is threading.current_thread():
             raise RuntimeError(
-                f"CompressedComm.{method.__name__} called from thread "
-                f"{threading.current_thread().name!r} while thread {self._inside!r} is in "
-                "a call of this CompressedComm: one thread drives a CompressedComm (make "
-                "one per thread, each on its own communicator, or take a lock around the calls)"
+                f"CompressedComm.{method.__name__} called from inside a call of this "
+                "CompressedComm in the same thread (a callback: on_call, or a handle's done "
+                "callback run at once), which would wait for itself: call it after that "
+                "call returns"
             )
-        self._inside = threading.current_thread().name
+        if self._runner.runs_here():
+            raise RuntimeError(
+                f"CompressedComm.{method.__name__} called from the background thread that "
+                "runs this CompressedComm's started calls (a handle's done callback, or "
+                "on_call of a started call), which would wait for itself: call it from "
+                "another thread, after handle.wait()"
+            )
+        self._turns.enter()
         try:
             threads.apply()  # numba's thread count is per thread: cap this one's
             return method(self, *args, **kwargs)
         finally:
-            self._inside = None
-            self._entry.release()
+            self._turns.leave()
 
     return entered
 
@@ -112,8 +121,12 @@ class CompressedComm:
     Every rank must make the same calls in the same order with tensors of the same
     sizes (as with any MPI collective); sizes that differ, or a NaN/Inf on one rank,
     raise an error on every rank instead of hanging. ``iallreduce`` calls count in
-    the order they are started; one thread drives a CompressedComm (a second thread
-    entering it while a call runs gets a ``RuntimeError``).
+    the order they are started. Several threads may call it: a call waits for the one
+    in progress, so calls run one at a time in the order their threads entered, and
+    that order must be the same on every rank (where it is not, the call's agreement
+    raises ``RankError`` on every rank if the calls' names or sizes differ). A callback
+    calling the CompressedComm from inside a call, or from the background thread of
+    started calls, gets a ``RuntimeError`` at once (it would wait for itself).
 
     Every rank must configure it alike: the codec, its parameters and the options that
     change the messages are compared once here, collectively, and by digest in every
@@ -133,8 +146,7 @@ class CompressedComm:
         # The keywords are the options' declarations (mpicomp.call.options.OPTIONS; the
         # signature below says them) and the codec's parameters.
         _check_comm(comm)
-        self._entry = threading.Lock()  # held by the one thread inside a call (_one_thread)
-        self._inside = None
+        self._turns = Turns()  # one call at a time, threads in the order they came (_one_thread)
         # Whatever one rank finds wrong here, every rank hears of in the check below (one
         # small Allgather on ``comm``), before anything collective could wait for it.
         error, args = None, None
@@ -262,7 +274,8 @@ class CompressedComm:
         """
         self._check_open()
         t = take(x, name, self._gpu, named=self._residuals.named)
-        return self._runner.start(partial(self._average, t), _deliver)
+        job = partial(self._average, t)
+        return self._runner.start(job, _deliver, _call_name("iallreduce", t.name))
 
     @_one_thread
     def allreduce_many(self, arrays, names=None) -> list:
@@ -290,7 +303,11 @@ class CompressedComm:
         """
         self._check_open()
         taken = take_many(arrays, names, self._gpu, self._residuals.named)
-        return self._runner.start(partial(self._many, *taken), _deliver)
+        tensors, refused = taken  # a refused member's name, where one is refused
+        names = "|".join(t.name for t in tensors) or (refused.name if refused else "")
+        return self._runner.start(
+            partial(self._many, *taken), _deliver, _call_name("iallreduce_many", names)
+        )
 
     @_one_thread
     def reduce_scatter(self, x, name: str = "", *, op: str = "mean"):
@@ -323,7 +340,8 @@ class CompressedComm:
         gives its row. The rules of ``iallreduce`` apply."""
         self._check_open()
         t = self._take_scattered(x, name, op)
-        return self._runner.start(partial(self._scatter, t, op), _deliver)
+        job = partial(self._scatter, t, op)
+        return self._runner.start(job, _deliver, _call_name("ireduce_scatter", t.name))
 
     @_one_thread
     def allgather(
@@ -360,7 +378,8 @@ class CompressedComm:
         ``Handle`` whose ``wait()`` gives its result. The rules of ``iallreduce`` apply."""
         self._check_open()
         t = take(shard, name, self._gpu, named=False)
-        return self._runner.start(partial(self._gather, t, numel, precision), _deliver)
+        job = partial(self._gather, t, numel, precision)
+        return self._runner.start(job, _deliver, _call_name("iallgather", t.name))
 
     def schedule_for(self, numel: int) -> tuple[str, float]:
         """Return the schedule a call of ``numel`` elements runs by, and the seconds the
@@ -434,10 +453,11 @@ class CompressedComm:
         x,
         name: str = "",
         *,
-        layout: int | None = None,
+        layout: int | str | None = None,
         snapshots: list | None = None,
         compress: bool = True,
         shapes=None,
+        refuse: BaseException | None = None,
     ) -> Handle:
         """Start one call as ``iallreduce`` does, for an adapter that averages a whole
         optimizer step in several calls and may skip or undo it.
@@ -445,15 +465,18 @@ class CompressedComm:
         Args:
             x: the local gradient, as for ``allreduce``.
             name: the tensor's name, as for ``allreduce``.
-            layout: a number (JSON-able) every rank must bring to this call besides
-                the name, sizes and step it agrees on anyway (e.g. a hash of a bucket's
-                parameters); ranks calling with different ones raise.
+            layout: an int or a str every rank must bring to this call besides the
+                name, sizes and step it agrees on anyway (e.g. a hash of a bucket's
+                parameters); ranks calling with different ones raise, naming them.
             snapshots: a list the call appends what restores the residuals and the
                 step it may move to, for ``rollback``.
             compress: False averages uncompressed (the float32 sum; a warm-up step).
             shapes: the shapes of the tensors ``x`` holds end to end (a bucket of
                 parameters; default: ``x``'s shape), for codecs that work on matrices
                 (``powersgd``).
+            refuse: an error this rank found in the adapter's own arguments: the call
+                takes part in the agreement without its bytes, and every rank raises
+                (this one ``refuse``, the others ``RankError``).
 
         Returns:
             A ``Handle`` whose ``wait()`` returns an ``Outcome`` (average, skip messages)
@@ -464,23 +487,26 @@ class CompressedComm:
         """
         self._check_open()
         t = take(x, name, self._gpu, self._residuals.named, shapes)
-        if layout is not None:
-            try:  # an int of any kind (a NumPy one too), as the agreement's digest takes it
-                layout = operator.index(layout)
-            except TypeError:
-                error = TypeError(f"layout must be an integer or None, got {layout!r}")
-                t = Tensor.refused(x, name, error)  # every rank hears of it in the call
+        layout, t = _checked_layout(layout, t, refuse)
         job = partial(self._average, t, "allreduce", layout, snapshots, compress)
-        return self._runner.start(job, Outcome._make)
+        return self._runner.start(job, Outcome._make, _call_name("start", t.name))
 
     @_one_thread
     def start_scatter(
-        self, x, name: str = "", *, op: str = "mean", snapshots: list | None = None
+        self,
+        x,
+        name: str = "",
+        *,
+        op: str = "mean",
+        snapshots: list | None = None,
+        layout: int | str | None = None,
+        refuse: BaseException | None = None,
     ) -> Handle:
         """Start one ``reduce_scatter`` as ``start`` starts an allreduce, for an adapter
         that reduce-scatters a whole optimizer step in several calls and may skip or
-        undo it (``mpicomp.torch.ZeroOptimizer``): ``wait()`` returns an ``Outcome``
-        (this rank's row, skip messages) without warning; ``snapshots`` as for ``start``.
+        undo it (``mpicomp.torch.ZeroOptimizer``, FSDP2's ``ReduceScatter``): ``wait()``
+        returns an ``Outcome`` (this rank's row, skip messages) without warning;
+        ``snapshots``, ``layout`` and ``refuse`` as for ``start``.
 
         Raises:
             ValueError: the codec has no reduce-scatter (as ``reduce_scatter``).
@@ -488,8 +514,9 @@ class CompressedComm:
         """
         self._check_open()
         t = self._take_scattered(x, name, op)
-        job = partial(self._scatter, t, op, snapshots)
-        return self._runner.start(job, Outcome._make)
+        layout, t = _checked_layout(layout, t, refuse)
+        job = partial(self._scatter, t, op, snapshots, layout)
+        return self._runner.start(job, Outcome._make, _call_name("start_scatter", t.name))
 
     def rollback(self, snapshots: list) -> None:
         """Restore the residuals and the step of ``snapshots`` (filled by ``start``): a
@@ -522,7 +549,7 @@ class CompressedComm:
         self,
         t: Tensor,
         op: str = "allreduce",
-        layout: int | None = None,
+        layout: int | str | None = None,
         snapshots: list | None = None,
         compress: bool = True,
         whole: dict | None = None,
@@ -564,10 +591,10 @@ class CompressedComm:
             t = Tensor.refused(x, name, error)
         return t
 
-    def _scatter(self, t: Tensor, op: str, snapshots: list | None = None) -> tuple:
+    def _scatter(self, t: Tensor, op: str, snapshots: list | None = None, layout=None) -> tuple:
         """Run one reduce-scatter of ``t``; return (this rank's row in ``t``'s framework
         and dtype, or zeros when skipped; skip messages)."""
-        row, skipped = self._reduce(t, "reduce_scatter", snapshots=snapshots, rows=op)
+        row, skipped = self._reduce(t, "reduce_scatter", layout, snapshots, rows=op)
         width = -(-t.flat.size // self.size)
         with self._gpu.current():
             xp = array_module(t.flat)
@@ -670,11 +697,12 @@ class CompressedComm:
         compress = compress and gather is None
         planned = self._planner.plan(t.flat.size, compress and not small)
         plan = planned.plan
+        during = _call_name(op, t.name)  # what a timeout's report names
         if opts.debug:
             what = f"{op}({t.name!r}, {t.flat.size} {t.dtype})"
-            self._check_same_call(None if t.error else what, repr(plan.name))
+            self._check_same_call(None if t.error else what, repr(plan.name), during)
         if t.error is not None:
-            fail(self._context(step), t.error)
+            fail(self._context(step, during=during), t.error)
         codec = self.codec if plan.compressed else self._plain
         residuals = self._encoding(t.name, plan, snapshots, rows is not None)
         if snapshots is not None and residuals is not NO_RESIDUALS:
@@ -713,6 +741,8 @@ class CompressedComm:
             shapes=t.shapes,
             config=planned.config,
             label=t.name,
+            dtype=t.dtype,
+            during=during,
         )
         trace = self.trace
         if trace is not None:
@@ -760,10 +790,12 @@ class CompressedComm:
         description: dict | None = None,
         guard: Guard | None = None,
         digest: int | None = None,
+        during: str = "",
         **more,
     ) -> Call:
         """Return the ``Call`` of call ``step``: what its messages share (untraced);
-        ``digest``: the description's (default: computed here)."""
+        ``digest``: the description's (default: computed here); ``during``: the call
+        as a timeout's report names it."""
         description = description or {}
         return Call(
             self._comm,
@@ -772,7 +804,7 @@ class CompressedComm:
             description=description,
             digest=describe(description) if digest is None else digest,
             guard=guard or Guard(),
-            timeout=self.options.timeout,
+            timeout=self._timeout(during),
             kernels=self.kernels,
             transport=self._transport,
             **more,
@@ -834,21 +866,29 @@ class CompressedComm:
             self._last_whole = key, (whole, f"{describe(whole):016x}")
         return self._last_whole[1]
 
-    def _check_same_call(self, what: str | None, schedule: str) -> None:
+    def _timeout(self, during: str = "") -> float:
+        """Return the timeout of every wait of a call, naming the call ``during`` in
+        its reports (``collectives._wait.Timeout``)."""
+        seconds = self.options.timeout
+        return Timeout(seconds, during) if seconds and during else seconds
+
+    def _check_same_call(self, what: str | None, schedule: str, during: str) -> None:
         """The debug check that every rank makes call ``what`` (None: refused here)."""
         opts = self.options
         config = f"{self.codec!r}, nonfinite={opts.nonfinite!r}, schedule={schedule}"
-        check_same_call(self._comm, what, config, opts.timeout)
+        check_same_call(self._comm, what, config, self._timeout(during))
 
     def _agree_empty(self, whole: dict) -> None:
         """Take part, with an empty ``allreduce_many``, in the agreement that the other
         ranks' first bucket begins with (they raise if they brought tensors)."""
         opts = self.options
         description = {"op": "allreduce_many", "tensor": "", "numels": [], "call": whole}
-        call = self._context(self._calls, description, config=self._planner.plan(0, False).config)
+        during = "allreduce_many of no tensors"
+        config = self._planner.plan(0, False).config
+        call = self._context(self._calls, description, config=config, during=during)
         try:
             if opts.debug:
-                self._check_same_call("allreduce_many([])", "None")
+                self._check_same_call("allreduce_many([])", "None", during)
             agree(call, 0, None)
         except PeerClosed as e:  # as _reduce: this rank follows the one that closed
             self._peer_closed = str(e)
@@ -884,8 +924,9 @@ class CompressedComm:
         raises PeerClosed) or the agreement failed (logged)."""
         try:
             if self.options.debug:  # the calls begin with the debug check there
-                check_same_call(self._comm, CLOSING, "", self.options.timeout)
-            return agree_close(replace(self._context(self._calls), recorder=None))
+                check_same_call(self._comm, CLOSING, "", self._timeout("close"))
+            call = self._context(self._calls, during="close")
+            return agree_close(replace(call, recorder=None))
         except Exception as e:
             log.warning("closing CompressedComm without the other ranks: %s", e)
             return False
@@ -913,6 +954,29 @@ def _check_comm(comm) -> None:
         raise TypeError(
             f"comm must be an mpi4py.MPI.Intracomm such as MPI.COMM_WORLD, got {comm!r}"
         )
+
+
+def _checked_layout(layout, t: Tensor, refuse: BaseException | None) -> tuple:
+    """Return (``layout`` as an int, a str or None, ``t``, refused where ``refuse`` is
+    an error or ``layout`` is neither: every rank hears of it in the call's agreement)."""
+    if layout is not None and not isinstance(layout, str):
+        try:  # an int of any kind (a NumPy one too), as the agreement's digest takes it
+            layout = operator.index(layout)
+        except TypeError:
+            error = TypeError(f"layout must be an integer, a str or None, got {layout!r}")
+            refuse, layout = refuse or error, None
+    if refuse is not None and t.error is None:
+        t = Tensor.refused(t.x, t.name, refuse)
+    return layout, t
+
+
+def _call_name(op: str, name: str) -> str:
+    """Return how messages name a call of ``op`` on tensor ``name``, e.g.
+    ``"reduce_scatter of 'fsdp:layer1'"`` (a long name, a bucket's, cut short)."""
+    if not name:
+        return op
+    shown = name if len(name) <= 80 else name[:77] + "..."
+    return f"{op} of {shown!r}"
 
 
 def _deliver(outcome: tuple):

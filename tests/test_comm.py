@@ -2,7 +2,9 @@
 policies, handles and warnings, started calls at exit, checkpoints (how inputs are
 taken and bucketed: tests/test_intake.py)."""
 
+import re
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -379,6 +381,32 @@ def test_an_error_nobody_waited_for_is_reported_when_its_handle_is_dropped():
         gc.collect()
 
 
+@pytest.mark.parametrize(
+    "start, said",
+    [
+        (lambda cc, x: cc.iallreduce(x, name="w"), "iallreduce of 'w'"),
+        (lambda cc, x: cc.iallreduce_many([x], names=["w"]), "iallreduce_many of 'w'"),
+        (lambda cc, x: cc.ireduce_scatter(x, name="w"), "ireduce_scatter of 'w'"),
+        (lambda cc, x: cc.iallgather(x, name="w"), "iallgather of 'w'"),
+        (lambda cc, x: cc.start(x, "w"), "start of 'w'"),
+        (lambda cc, x: cc.start_scatter(x, "w"), "start_scatter of 'w'"),
+    ],
+    ids=["iallreduce", "iallreduce_many", "ireduce_scatter", "iallgather", "start", "scatter"],
+)
+def test_a_dropped_handle_names_the_call_that_made_it(start, said):
+    import gc
+
+    from mpi4py import MPI
+
+    with mpicomp.CompressedComm(MPI.COMM_SELF, "topk") as cc:
+        handle = start(cc, np.arange(4))  # integers: refused
+        cc.wait_all()
+        warned = re.escape(f"the handle of {said} was dropped without wait() and held an error")
+        with pytest.warns(RuntimeWarning, match=warned):
+            del handle
+            gc.collect()
+
+
 def _worker_threads() -> set[threading.Thread]:
     """The background threads CompressedComms run started calls on."""
     return {t for t in threading.enumerate() if t.name.startswith("mpicomp-worker")}
@@ -556,7 +584,7 @@ def test_started_calls_finish_when_the_job_exits_without_waiting(tmp_path):
 def test_a_stalled_rank_aborts_a_background_call_instead_of_hanging(tmp_path, mode):
     code, out, err = run_overlap_job(tmp_path, mode)
     assert code == 14, err  # the timeout's exit code (docs/reliability.md)
-    assert "mpicomp: rank 0 of 2 timed out in max_allreduce after " in err
+    assert "mpicomp: rank 0 of 2 timed out in max_allreduce (allreduce of 'w') after " in err
     assert "aborting the job" in err
 
 
@@ -588,29 +616,68 @@ def test_cuda_array_interface_input_is_read_as_the_emulated_devices_memory(monke
 # --- misuse on one rank: threads, checkpoints, parameter types ---------------------------
 
 
-def test_a_second_thread_entering_a_call_is_refused_at_once():
-    import threading
+def test_a_second_thread_waits_for_the_call_in_progress():
+    from mpi4py import MPI
 
+    got, order = {}, []
+
+    def on_call(event):
+        order.append(event["name"])
+        if event["name"] == "x":  # inside x's call: another thread enters now
+            second.start()
+            entered.wait(30)
+            time.sleep(0.2)  # it reaches the call and waits there
+
+    def call_y():
+        entered.set()
+        got["y"] = cc.allreduce(np.full(4, 2.0, np.float32), name="y")
+
+    entered = threading.Event()
+    second = threading.Thread(target=call_y, name="second")
+    with mpicomp.CompressedComm(MPI.COMM_SELF, "none", on_call=on_call) as cc:
+        np.testing.assert_array_equal(cc.allreduce(np.ones(4, np.float32), name="x"), 1)
+        second.join(timeout=30)
+    np.testing.assert_array_equal(got["y"], 2)  # it waited, then made its call
+    assert order == ["x", "y"]
+
+
+def test_a_callback_calling_the_communicator_from_inside_a_call_is_refused_at_once():
+    """It would wait for itself: on_call inside a blocking call (same thread), on_call of
+    a started call and a handle's done callback (the background thread)."""
     from mpi4py import MPI
 
     seen = []
+    added = threading.Event()
 
-    def enter_from_another_thread(event):
-        # on_call runs inside the call: another thread entering now must be refused.
-        def second():
-            try:
-                cc.allreduce(np.ones(4, np.float32), name="y")
-            except RuntimeError as e:
-                seen.append(str(e))
+    def call_back(where):
+        try:
+            cc.allreduce(np.ones(4, np.float32), name="z")
+        except RuntimeError as e:
+            seen.append((where, str(e)))
 
-        t = threading.Thread(target=second, name="intruder")
-        t.start()
-        t.join(timeout=30)
+    def on_call(event):
+        if event["name"] == "x":
+            call_back("on_call")
+        elif event["name"] == "started":
+            added.wait(30)  # the done callback is added while the call runs
+            call_back("on_call of a started call")
 
-    with mpicomp.CompressedComm(MPI.COMM_SELF, "none", on_call=enter_from_another_thread) as cc:
-        np.testing.assert_array_equal(cc.allreduce(np.ones(4, np.float32), name="x"), 1)
-    assert len(seen) == 1
-    assert "from thread 'intruder' while thread 'MainThread' is in a call" in seen[0]
+    try:
+        cc = mpicomp.CompressedComm(MPI.COMM_SELF, "none", on_call=on_call, background=True)
+    except ValueError as e:  # below MPI_THREAD_MULTIPLE: no background thread
+        pytest.skip(str(e))
+    with cc:
+        cc.allreduce(np.ones(4, np.float32), name="x")
+        handle = cc.iallreduce(np.ones(4, np.float32), name="started")
+        handle.add_done_callback(lambda h: call_back("done callback"))
+        added.set()
+        np.testing.assert_array_equal(handle.wait(), 1)
+    # close() ended the background thread: its callbacks have run.
+    assert [where for where, _ in seen] == ["on_call", "on_call of a started call", "done callback"]
+    inside, *background = [message for _, message in seen]
+    assert inside.startswith("CompressedComm.allreduce called from inside a call of this")
+    for message in background:
+        assert "from the background thread that runs this CompressedComm's started" in message
 
 
 def test_a_checkpoint_refused_changes_nothing():

@@ -51,6 +51,9 @@ def test_float64_beyond_float32_is_marked_overflowed():
         (np.ones(3, np.float32), "", True, ValueError, "pass name="),
         (np.ones(3, np.complex64), "w", False, TypeError, "gradient 'w'"),
         (np.ones(3, np.int32), "w", False, TypeError, "gradient 'w'"),
+        # The residual keys of shards and rows: reserved, with or without error feedback.
+        (np.ones(3, np.float32), "w#shards#shard0", True, ValueError, "holds '#shard'"),
+        (np.ones(3, np.float32), "w#shard@0/2", False, ValueError, "holds '#shard'"),
     ],
 )
 def test_a_refused_input_keeps_its_error_for_the_call_to_raise(x, name, named, error, words):

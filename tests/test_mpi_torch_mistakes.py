@@ -14,11 +14,11 @@ from conftest import world
 
 torch = pytest.importorskip("torch", reason="mpicomp.torch needs PyTorch")
 
-import mpicomp.torch as mt  # noqa: E402
-from mpicomp import CompressedComm, PeerClosed, RankError  # noqa: E402
+from test_mpi_fsdp import _batch, _model, _shard  # noqa: E402
 from torch.distributed.fsdp import FSDPModule  # noqa: E402
 
-from test_mpi_fsdp import _batch, _model, _shard  # noqa: E402
+import mpicomp.torch as mt  # noqa: E402
+from mpicomp import CompressedComm, PeerClosed, RankError  # noqa: E402
 
 pytestmark = [pytest.mark.mpi(min_size=2), pytest.mark.timeout(120)]
 torch.set_num_threads(1)  # ranks share the cores
@@ -235,7 +235,9 @@ def test_two_zero_optimizers_on_one_compressed_comm_keep_their_own_residuals():
 
     def train(shared: bool) -> list:
         comms = [CompressedComm(world(), "topk", ratio=0.5, min_numel=0)]
-        comms.append(comms[0] if shared else CompressedComm(world(), "topk", ratio=0.5, min_numel=0))
+        comms.append(
+            comms[0] if shared else CompressedComm(world(), "topk", ratio=0.5, min_numel=0)
+        )
         models = [_linear(1), _linear(2)]
         opts = [
             mt.ZeroOptimizer(m.named_parameters(), torch.optim.SGD, c, lr=0.1)
@@ -318,6 +320,19 @@ def test_reduce_scatter_with_another_op_size_or_divide_factor_on_one_rank(gloo):
         assert torch.equal(out, torch.ones(2))
 
 
+def test_a_float16_sum_beyond_its_range_raises_on_every_rank(gloo):
+    """FSDP sums float16 gradients (ReduceOp.SUM): a row past 65,504 is no Inf."""
+    comm = world()
+    with CompressedComm(comm, "none") as cc:
+        rs = mt.ReduceScatter(cc, "x")
+        out = torch.empty(2, dtype=torch.float16)
+        big = torch.full((2 * comm.size,), 40000.0, dtype=torch.float16)
+        with pytest.raises(RankError, match="sum over ranks overflows float16"):
+            rs(out, big, gloo.group.WORLD, gloo.ReduceOp.SUM)
+        rs(out, big / 4, gloo.group.WORLD, gloo.ReduceOp.SUM)  # 10,000 a rank: in range
+        assert torch.equal(out, torch.full((2,), 10000.0 * comm.size, dtype=torch.float16))
+
+
 def test_fsdp_divide_factors_that_differ_raise_out_of_backward_on_every_rank(gloo):
     model = _shard(_model())
     cc = mt.compress_fsdp(model, world(), "none")
@@ -397,7 +412,7 @@ def _fsdp_training(nonfinite, steps=12, poison_at=3):
             before = [p.to_local().detach().clone() for p in model.parameters()]
             if step == poison_at:
                 if nonfinite == "raise":
-                    _raises_on_every_rank(lambda odd: loss.backward(), ValueError, "NaN")
+                    _raises_on_every_rank(lambda odd, loss=loss: loss.backward(), ValueError, "NaN")
                 else:
                     from mpicomp import NonFiniteWarning
 

@@ -78,6 +78,11 @@ JOB = textwrap.dedent(
         if rank != 1:
             cc.allreduce(np.ones(3000, np.float32), name="w")
         time.sleep(60)
+    elif mode == "skip_scatter":
+        cc = mpicomp.CompressedComm(comm, "topk", min_numel=1)
+        if rank != 1:
+            cc.reduce_scatter(np.ones(3000, np.float32), name="fsdp:layer1")
+        time.sleep(60)
     elif mode == "skip_explicit":
         # The environment says no timeout; the communicator's own argument says 2 s.
         cc = mpicomp.CompressedComm(comm, "qsgd_maxnorm", min_numel=1, timeout=2)
@@ -129,8 +134,18 @@ def test_every_rank_calling_completes_with_correct_results(tmp_path):
     [
         # Rank 1 skips the call: rank 0 waits in the ring's opening agreement.
         ("skip_ring", "ring_allreduce_bounded", "agreement (an Iallreduce of 80 bytes"),
-        # ... or skips CompressedComm.allreduce: rank 0 waits in its agreement.
-        ("skip_comm", "max_allreduce", "the head message (an Iallreduce of 192 bytes"),
+        # ... or skips CompressedComm.allreduce: rank 0 waits in its agreement, which
+        # names the call and its tensor.
+        (
+            "skip_comm",
+            "max_allreduce (allreduce of 'w')",
+            "the head message (an Iallreduce of 192 bytes",
+        ),
+        (
+            "skip_scatter",
+            "max_allreduce (reduce_scatter of 'fsdp:layer1')",
+            "the head message (an Iallreduce of 192 bytes",
+        ),
         # Rank 1 stalls after the reduce-scatter: rank 0 waits for its allgather block.
         (
             "stall",
@@ -138,7 +153,7 @@ def test_every_rank_calling_completes_with_correct_results(tmp_path):
             "allgather step 1 of 1: receiving 12 bytes from rank 1 and sending 20 bytes to rank 1",
         ),
     ],
-    ids=["skip_ring", "skip_comm", "stall"],
+    ids=["skip_ring", "skip_comm", "skip_scatter", "stall"],
 )
 def test_a_rank_that_skips_or_stalls_aborts_the_job_with_a_clear_message(
     tmp_path, mode, op, waited_for
@@ -172,7 +187,7 @@ def test_an_aborted_traced_job_leaves_each_ranks_unflushed_events(tmp_path):
 def test_compressed_comm_timeout_argument_works_with_the_environment_off(tmp_path):
     code, out, err = run_job(tmp_path, "skip_explicit", "0")
     assert code == ABORT_CODE, err
-    assert "mpicomp: rank 0 of 2 timed out in max_allreduce after " in err
+    assert "mpicomp: rank 0 of 2 timed out in max_allreduce (allreduce of 'w') after " in err
     assert "(timeout 2 s)" in err
 
 

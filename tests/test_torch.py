@@ -249,6 +249,34 @@ def test_a_checkpoint_without_residuals_continues_differently():
     assert not _same(a, b)
 
 
+@pytest.mark.parametrize("damage", ["nan residual", "missing key", "other optimizer"])
+def test_a_refused_checkpoint_loads_nothing(damage):
+    a = _model()
+    opt = _wrap(a, "topk", ratio=0.05, bucket_numel=60)
+    _train(a, opt, 2)
+    saved = opt.state_dict()
+    _train(a, opt, 1)
+    before = opt.state_dict()
+    state = {**saved, "mpicomp": dict(saved["mpicomp"])}
+    if damage == "nan residual":
+        state["mpicomp"]["residuals"] = {
+            k: torch.full_like(v, float("nan")) for k, v in state["mpicomp"]["residuals"].items()
+        }
+    elif damage == "missing key":
+        del state["mpicomp"]["comm_step"]
+    else:
+        state["param_groups"] = state["param_groups"] * 2
+    with pytest.raises(ValueError, match={"missing key": "comm_step"}.get(damage)):
+        opt.load_state_dict(state)
+    after = opt.state_dict()
+    assert after["mpicomp"]["steps"] == before["mpicomp"]["steps"]
+    assert after["mpicomp"]["comm_step"] == before["mpicomp"]["comm_step"]
+    for k, v in before["mpicomp"]["residuals"].items():
+        assert torch.equal(after["mpicomp"]["residuals"][k], v)
+    for s_after, s_before in zip(after["state"].values(), before["state"].values(), strict=True):
+        assert torch.equal(s_after["momentum_buffer"], s_before["momentum_buffer"])
+
+
 def test_learning_rate_schedulers_drive_the_wrapped_optimizer():
     model = _model()
     opt = _wrap(model, lr=1.0)

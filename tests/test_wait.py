@@ -133,6 +133,17 @@ def test_expire_reports_what_was_awaited_and_aborts(caplog, monkeypatch):
     assert "rank 3 of 5 timed out in allgather after 2 s (timeout 2 s): sizes from rank 2" in err
 
 
+def test_a_timeout_that_names_the_callers_call_keeps_it_through_resolution(monkeypatch):
+    monkeypatch.setenv(_wait.ENV, "5")  # read by no one: the timeout is resolved
+    timeout = _wait.Timeout(2.0, "reduce_scatter of 'fsdp:layer1'")
+    assert _wait.resolve_timeout(timeout) is timeout and timeout == 2.0
+    said = _wait.timeout_message(FakeComm(), "max_allreduce", "the head", timeout, timeout)
+    assert said.startswith(
+        "mpicomp: rank 3 of 5 timed out in max_allreduce (reduce_scatter of 'fsdp:layer1') "
+        "after 2 s (timeout 2 s): the head. "
+    )
+
+
 # --- the calls, on one rank -------------------------------------------------------------
 
 

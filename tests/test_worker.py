@@ -6,11 +6,12 @@ import logging
 import os
 import sys
 import threading
+import time
 import warnings
 
 import pytest
 
-from mpicomp.call.worker import Runner, Worker, overlap_blocker, user_stacklevel
+from mpicomp.call.worker import Runner, Turns, Worker, overlap_blocker, user_stacklevel
 
 
 class _Owner:
@@ -123,6 +124,67 @@ def test_a_background_runner_starts_its_thread_at_the_first_call_and_stop_ends_i
     assert h.wait() == name
     runner.stop()
     assert not any(t.name == name for t in threading.enumerate())
+
+
+def _enter_in_turn(turns: Turns, threads: list, order: list, name: str) -> None:
+    """Start a thread named ``name`` that takes a turn of ``turns`` (noting its name in
+    ``order``); return once it waits behind the threads before it."""
+
+    def take():
+        turns.enter()
+        order.append(name)
+        turns.leave()
+
+    waiting = turns.waiting
+    thread = threading.Thread(target=take, name=name)
+    threads.append(thread)
+    thread.start()
+    while turns.waiting == waiting:
+        time.sleep(0.001)
+
+
+def test_turns_go_to_threads_in_the_order_they_asked():
+    turns, threads, order = Turns(), [], []
+    turns.enter()
+    assert turns.holder is threading.current_thread()
+    for name in "abcd":
+        _enter_in_turn(turns, threads, order, name)
+    assert order == []  # all wait for this thread's turn
+    turns.leave()
+    for thread in threads:
+        thread.join(timeout=30)
+    assert order == list("abcd") and turns.holder is None
+
+
+def test_a_thread_interrupted_while_waiting_gives_up_its_turn_alone(monkeypatch):
+    turns, threads, order = Turns(), [], []
+    wait = threading.Condition.wait
+
+    def interrupted_in_b(self, timeout=None):
+        if threading.current_thread().name == "b":
+            raise KeyboardInterrupt  # as Ctrl-C would, in the main thread
+        return wait(self, timeout)
+
+    monkeypatch.setattr(threading.Condition, "wait", interrupted_in_b)
+    turns.enter()
+    _enter_in_turn(turns, threads, order, "a")
+    interrupts = []
+
+    def b_enters():
+        try:
+            turns.enter()
+        except KeyboardInterrupt as e:  # at once: b is gone from the line
+            interrupts.append(e)
+
+    b = threading.Thread(target=b_enters, name="b")
+    b.start()
+    b.join(timeout=30)
+    assert len(interrupts) == 1
+    _enter_in_turn(turns, threads, order, "c")
+    turns.leave()
+    for thread in threads:
+        thread.join(timeout=30)
+    assert order == ["a", "c"] and turns.holder is None and turns.waiting == 0
 
 
 def test_overlap_needs_thread_multiple(monkeypatch):

@@ -17,6 +17,7 @@ from mpi4py import MPI
 from mpicomp.codecs._wire import MAX_NUMEL
 from mpicomp.codecs.arrays import array_module, is_device_array, to_float32
 from mpicomp.kernels import backend_of
+from mpicomp.reduction.residuals import SHARD_MARK
 
 
 def check_numel(x, limit: int, what: str = "x") -> None:
@@ -123,6 +124,12 @@ def take(x, name: str, gpu: Gpu, named: bool, shapes=None) -> Tensor:
         return Tensor.refused(x, "", error)
     what = f"gradient {name!r}" if name else "gradient"
     try:
+        if SHARD_MARK in name:
+            raise ValueError(
+                f"name {name!r} holds {SHARD_MARK!r}, which mpicomp reserves for the "
+                "residuals of a tensor's shards and rows (reduce_scatter('w') keeps "
+                "'w#shards#shard0'): give the tensor a name without it"
+            )
         check_numel(x, _max_numel(), what)
         flat, overflowed = to_float32(x, what=what)
         if is_device_array(flat):

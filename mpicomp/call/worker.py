@@ -1,4 +1,5 @@
-"""A background worker that runs started reductions one after another, and their handles.
+"""A background worker that runs started reductions one after another, their handles, and
+the turns of the threads that call one CompressedComm (``Turns``).
 
 ``CompressedComm.iallreduce`` hands a job (a function making the collective calls) to
 its communicator's ``Worker``; one thread runs the jobs strictly in submission order,
@@ -15,12 +16,13 @@ import sys
 import threading
 import warnings
 import weakref
+from collections import deque
 from collections.abc import Callable
 
 from mpicomp._log import log
 from mpicomp.call import threads
 
-__all__ = ["Handle", "Runner", "Worker", "overlap_blocker", "user_stacklevel"]
+__all__ = ["Handle", "Runner", "Turns", "Worker", "overlap_blocker", "user_stacklevel"]
 
 
 _STOP = object()  # the queue item that ends a worker's thread
@@ -83,9 +85,22 @@ class Handle:
     when it finishes (as ``concurrent.futures.Future`` does).
     """
 
-    __slots__ = ("_callbacks", "_deliver", "_error", "_event", "_lock", "_result", "_seen")
+    __slots__ = (
+        "_callbacks",
+        "_deliver",
+        "_error",
+        "_event",
+        "_lock",
+        "_result",
+        "_seen",
+        "_what",
+    )
 
-    def __init__(self, deliver: Callable | None = None):
+    def __init__(self, deliver: Callable | None = None, what: str = "a started call"):
+        """``deliver``: applied once to the result, in the thread that first waits;
+        ``what``: the call that made the handle, as its warning names it (e.g.
+        ``"ireduce_scatter of 'w'"``)."""
+        self._what = what
         self._event = threading.Event()
         self._lock = threading.Lock()  # orders add_done_callback against completion
         self._callbacks: list[Callable] = []
@@ -154,7 +169,7 @@ class Handle:
         # is reported rather than lost.
         if self._error is not None and not self._seen:
             warnings.warn(
-                f"an iallreduce handle was dropped without wait() and held an error: "
+                f"the handle of {self._what} was dropped without wait() and held an error: "
                 f"{self._error!r}",
                 RuntimeWarning,
                 stacklevel=2,
@@ -191,19 +206,22 @@ class Worker:
         self._thread: threading.Thread | None = None
         self._last: Handle | None = None  # jobs run in order: this one done => all done
 
-    def submit(self, job: Callable, deliver: Callable | None = None) -> Handle:
+    def submit(
+        self, job: Callable, deliver: Callable | None = None, what: str = "a started call"
+    ) -> Handle:
         """Queue ``job()`` behind the jobs submitted before; return its handle.
 
         Args:
             job: a function of no arguments, run on the worker's thread.
             deliver: applied once to the job's result in the thread that first waits
                 (for what must happen there, e.g. warnings).
+            what: the call, as the handle's warnings name it.
         """
         if self._thread is None:
             self._thread = threading.Thread(target=_serve, args=(self._queue,), name=self.name)
             self._thread.daemon = True
             self._thread.start()
-        handle = Handle(deliver)
+        handle = Handle(deliver, what)
         self._last = handle
         self._queue.put((handle, job))
         return handle
@@ -242,9 +260,9 @@ class Runner:
         self._worker: Worker | None = None
         self._stop = None
 
-    def start(self, job: Callable, deliver: Callable) -> Handle:
+    def start(self, job: Callable, deliver: Callable, what: str = "a started call") -> Handle:
         """Run ``job`` behind the calls started before (or now); the handle's ``wait()``
-        returns ``deliver(outcome)``."""
+        returns ``deliver(outcome)``; ``what`` names the call in its warnings."""
         if not self.background:
             if self._eager_why:
                 why, self._eager_why = self._eager_why, None
@@ -253,13 +271,18 @@ class Runner:
                     RuntimeWarning,
                     stacklevel=user_stacklevel(),
                 )
-            handle = Handle(deliver)
+            handle = Handle(deliver, what)
             handle._run(job)
             return handle
         if self._worker is None:
             self._worker = Worker(self._name)
             self._stop = weakref.finalize(self._owner(), self._worker.stop)
-        return self._worker.submit(job, deliver)
+        return self._worker.submit(job, deliver, what)
+
+    def runs_here(self) -> bool:
+        """Return whether this thread is the worker that runs the started calls."""
+        worker = self._worker
+        return worker is not None and worker._thread is threading.current_thread()
 
     def drain(self) -> None:
         """Wait until every started call has finished (errors stay in handles)."""
@@ -271,6 +294,43 @@ class Runner:
         if self._worker is not None:
             self._stop()
             self._worker = None
+
+
+class Turns:
+    """One call at a time, in the order threads ask for it: ``enter`` waits until the
+    threads that asked before have left (``leave``). ``holder`` is the thread whose
+    call runs (None between calls)."""
+
+    def __init__(self):
+        self._changed = threading.Condition()
+        self._line: deque = deque()  # a token per waiting thread, first come first
+        self.holder: threading.Thread | None = None
+
+    @property
+    def waiting(self) -> int:
+        """How many threads wait for their turn."""
+        return len(self._line)
+
+    def enter(self) -> None:
+        """Wait for this thread's turn, then take it."""
+        token = object()
+        with self._changed:
+            self._line.append(token)
+            try:
+                while self.holder is not None or self._line[0] is not token:
+                    self._changed.wait()
+            except BaseException:  # interrupted (Ctrl-C): the threads behind keep their turns
+                self._line.remove(token)
+                self._changed.notify_all()
+                raise
+            self._line.popleft()
+            self.holder = threading.current_thread()
+
+    def leave(self) -> None:
+        """End this thread's turn: the next one waiting takes it."""
+        with self._changed:
+            self.holder = None
+            self._changed.notify_all()
 
 
 def _serve(jobs: queue.SimpleQueue) -> None:

@@ -7,6 +7,7 @@ import ctypes
 import math
 import os
 from contextlib import nullcontext
+from typing import NamedTuple
 
 import numpy as np
 
@@ -15,6 +16,62 @@ from mpicomp.kernels.readback import read
 
 _ACCEPTED = (np.float16, np.float32, np.float64)
 _F32_MAX = float(np.finfo(np.float32).max)
+
+#: Why a rank's input cannot be encoded, in words that follow "holds": the first two are
+#: the NaN/Inf policy's, the others an ``Unencodable``'s. A cause reaches the other
+#: ranks as its number, ``cause_code`` (one byte per rank).
+CAUSES = (
+    "NaN or Inf",
+    "float64 values beyond float32's range",
+    "values beyond float16's range (max 65504)",
+    "values that round to Inf in bfloat16 (beyond its max, 3.3895e38)",
+    "values whose norm overflows float32",
+    "values whose spectrum overflows float32",
+    "values that overflow float32 with the error kept from earlier calls",
+)
+NONFINITE, FLOAT64, FLOAT16, BFLOAT16, NORM, SPECTRUM, KEPT = CAUSES
+
+
+class Range(NamedTuple):
+    """What a dtype holds of float32 values: ``limit``, the largest magnitude that stays
+    finite when rounded to it (to nearest, ties to even; the next float32 up becomes
+    Inf), and ``largest``, its largest finite value as messages say it."""
+
+    dtype: str
+    limit: float
+    largest: str
+
+
+FLOAT32_RANGE = Range("float32", _F32_MAX, "3.4e38")
+# float16 rounds from 65520 up to Inf, bfloat16 from 0x7F7F8000 (3.3962e38): the float32
+# just below is the limit.
+_NARROW = {
+    "float16": Range("float16", float(np.nextafter(np.float32(65520), np.float32(0))), "65504"),
+    "bfloat16": Range("bfloat16", float(np.uint32(0x7F7F7FFF).view(np.float32)), "3.3895e38"),
+}
+
+
+def result_range(dtype: str) -> Range:
+    """Return the ``Range`` a float32 result given back as ``dtype`` (a name, as the
+    caller's dtype prints) must stay in: float16's or bfloat16's, else float32's."""
+    return _NARROW.get(dtype, FLOAT32_RANGE)
+
+
+def cause_code(cause: str) -> int:
+    """Return the number of ``cause`` (one of ``CAUSES``; 0 stands for none)."""
+    return CAUSES.index(cause) + 1
+
+
+class Unencodable(ValueError):
+    """Finite input a codec cannot encode (its wire's range, or its float32 arithmetic:
+    a norm, a spectrum, the kept error added): ``cause`` is one of ``CAUSES``. A
+    ``CompressedComm`` treats it as NaN/Inf's ``nonfinite=`` policy does, but for
+    ``"zero"`` (nothing to zero): every rank raises, or skips under ``"skip_step"``."""
+
+    def __init__(self, message: str, cause: str):
+        super().__init__(message)
+        self.cause = cause
+        self.code = cause_code(cause)
 
 
 def as_gradient(x, what: str = "x"):
@@ -131,10 +188,32 @@ def all_finite_later(x, kernels=None):
     return read(getattr(k, "device", None), _finite(k, x), "non-finite check", _true)
 
 
+def within_later(x, limit: float, kernels=None):
+    """Return whether every |x| is at most ``limit`` (False for NaN) as
+    ``all_finite_later`` does: the same one pass."""
+    if x.size == 0:
+        return True
+    k = backend_of(x, kernels)
+    return read(getattr(k, "device", None), _within(x, limit), "range check", _true)
+
+
+def within(x, limit: float, kernels=None) -> bool:
+    """Return ``within_later`` read now."""
+    if x.size == 0:
+        return True
+    k = backend_of(x, kernels)
+    return bool(k.to_host(_within(x, limit), why="range check"))
+
+
 def _finite(k, x):
     # min and max propagate NaN and reach ±Inf: two SIMD passes, no temporary, about
     # 8x faster than a scalar loop (0.5 ms for 4M float32 on one core).
     return k.xp.isfinite(x.min()) & k.xp.isfinite(x.max())
+
+
+def _within(x, limit: float):
+    # As _finite: a NaN fails both comparisons.
+    return (x.min() >= -limit) & (x.max() <= limit)
 
 
 def _true(host) -> bool:

@@ -8,7 +8,7 @@ import numpy as np
 
 from mpicomp.codecs import _wire
 from mpicomp.codecs._base import Codec, GatherCodecBase, check_number, register
-from mpicomp.codecs.arrays import array_module, as_gradient
+from mpicomp.codecs.arrays import FLOAT16, Unencodable, array_module, as_gradient
 from mpicomp.errors import PayloadError
 from mpicomp.kernels import backend_of
 from mpicomp.kernels.readback import batch, ignored, when
@@ -152,9 +152,10 @@ class Float16(_Dense):
         if not math.isfinite(amax):
             raise ValueError("fp16: input holds NaN or Inf")
         if amax > _FP16_MAX:
-            raise ValueError(
+            raise Unencodable(
                 f"fp16: max |x| = {amax:.6g} overflows float16 (max {_FP16_MAX:g}); "
-                "scale the gradient or use codec 'none'"
+                "scale the gradient or use codec 'none'",
+                FLOAT16,
             )
 
 

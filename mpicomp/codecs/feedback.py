@@ -3,7 +3,7 @@ instead of lost (the 3LC paper §3.1)."""
 
 from __future__ import annotations
 
-from mpicomp.codecs.arrays import as_gradient
+from mpicomp.codecs.arrays import KEPT, Unencodable, all_finite, as_gradient
 from mpicomp.kernels import backend_of
 
 
@@ -53,7 +53,15 @@ class ErrorFeedback:
         if self.codec.fused_feedback:
             return self.codec.encode(x, residual=r)
         corrected = x + r
-        payload = self.codec.encode(corrected)
+        try:
+            payload = self.codec.encode(corrected)
+        except ValueError as e:
+            # Only on a refusal: a finite x that its kept error takes past float32 is
+            # not x's own NaN/Inf.
+            if all_finite(x, self.codec.kernels) and not all_finite(corrected, self.codec.kernels):
+                message = f"error feedback: {name!r} plus its kept error overflows float32"
+                raise Unencodable(message, KEPT) from e
+            raise
         # A payload just made is trusted: GatherCodecBase's decode_local need not check it.
         local = getattr(self.codec, "decode_local", None)
         r[...] = corrected - (

@@ -17,7 +17,14 @@ import numpy as np
 
 from mpicomp.codecs import _wire
 from mpicomp.codecs._base import GatherCodecBase, check_number, register
-from mpicomp.codecs.arrays import as_gradient, residual_view
+from mpicomp.codecs.arrays import (
+    FLOAT16,
+    KEPT,
+    SPECTRUM,
+    Unencodable,
+    as_gradient,
+    residual_view,
+)
 from mpicomp.errors import PayloadError
 from mpicomp.kernels import backend_of
 from mpicomp.kernels import fft as _k
@@ -353,17 +360,20 @@ def _refuse_fp16(err: int) -> None:
     if err == _k.FP16_NONFINITE:
         raise ValueError("fft: input holds NaN or Inf")
     if err == _k.FP16_OVERFLOW:
-        raise ValueError("fft: a value overflows float16 (|x| > 65504); use fp16=False")
+        raise Unencodable("fft: a value overflows float16 (|x| > 65504); use fp16=False", FLOAT16)
 
 
+# NaN/Inf in x fail these too: a caller that must tell them apart checks x (the
+# reduction's encode does).
 def _refuse_spectrum(ok: bool) -> None:
     if not ok:
-        raise ValueError("fft: input holds NaN or Inf (or its spectrum overflows float32)")
+        message = "fft: input holds NaN or Inf (or its spectrum overflows float32)"
+        raise Unencodable(message, SPECTRUM)
 
 
 def _refuse_residual_sum(ok: bool) -> None:
     if not ok:
-        raise ValueError("fft: the spectrum of x + residual holds NaN or Inf")
+        raise Unencodable("fft: the spectrum of x + residual holds NaN or Inf", KEPT)
 
 
 _DECODE_ERRORS = {

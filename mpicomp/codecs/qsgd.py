@@ -22,7 +22,14 @@ import numpy as np
 
 from mpicomp.codecs._base import Codec, check_number, register
 from mpicomp.codecs._qsgd_blocks import Blocks, Cuts, member_sizes
-from mpicomp.codecs.arrays import all_finite, array_module, as_gradient, is_array
+from mpicomp.codecs.arrays import (
+    NORM,
+    Unencodable,
+    all_finite,
+    array_module,
+    as_gradient,
+    is_array,
+)
 from mpicomp.kernels import backend_of, place
 from mpicomp.kernels import qsgd as _k
 from mpicomp.kernels.readback import when
@@ -141,7 +148,7 @@ def _raise(err: int, values: np.ndarray, norm) -> None:
     if err & _k.ERR_NORM:
         raise ValueError("norm must hold finite float32 numbers >= 0, one per block")
     if err & _k.ERR_OVERFLOW:
-        raise ValueError("the norm of a block of x overflows float32")
+        raise Unencodable("the norm of a block of x overflows float32", NORM)
     if err & _k.ERR_VALUE:
         if not all_finite(values):
             raise ValueError("x holds NaN or Inf")
@@ -177,7 +184,7 @@ def _sumsq_norm(kernels, flat: np.ndarray, idx: np.ndarray | None) -> float:
         raise ValueError("x holds NaN or Inf")
     norm = math.sqrt(ss)
     if norm > _F32_MAX:  # no finite float32 norm bounds x
-        raise ValueError(f"the norm of x, {norm:.6g}, overflows float32")
+        raise Unencodable(f"the norm of x, {norm:.6g}, overflows float32", NORM)
     return float(np.float32(norm))
 
 

@@ -30,7 +30,18 @@ from typing import Protocol
 
 import numpy as np
 
-from mpicomp.codecs.arrays import all_finite, all_finite_later, is_device_array, zero_nonfinite
+from mpicomp.codecs.arrays import (
+    CAUSES,
+    FLOAT64,
+    NONFINITE,
+    Unencodable,
+    all_finite,
+    cause_code,
+    is_device_array,
+    result_range,
+    within_later,
+    zero_nonfinite,
+)
 from mpicomp.collectives import plain
 from mpicomp.collectives._wait import resolve_timeout
 from mpicomp.collectives.agreement import (
@@ -88,9 +99,18 @@ class Guard:
     what: str = "gradient"
     overflowed: bool = False
 
+    @property
+    def cause(self) -> int:
+        """The number (``cause_code``) of this rank's NaN/Inf, as the other ranks hear it."""
+        return cause_code(FLOAT64 if self.overflowed else NONFINITE)
+
     def error(self, cause: Exception | None = None) -> ValueError:
-        """Return the ValueError the rank holding NaN/Inf raises under ``"raise"``."""
-        why = "float64 values beyond float32's range" if self.overflowed else "NaN or Inf"
+        """Return the ValueError the rank holding NaN/Inf raises under ``"raise"``, or,
+        for a ``cause`` that is ``Unencodable``, the rank whose finite input its codec
+        cannot encode (naming why)."""
+        if isinstance(cause, Unencodable):
+            return Unencodable(f"{self.what} holds {cause.cause}: {cause}", cause.cause)
+        why = FLOAT64 if self.overflowed else NONFINITE
         extra = f" ({cause})" if cause is not None and not self.overflowed else ""
         return ValueError(f"{self.what} holds {why}{extra}")
 
@@ -115,7 +135,9 @@ class Call:
     the shapes of the tensors the flat input holds end to end; ``stream`` is added to the rank to number this rank's
     random draws (a hierarchical call's local ranks draw apart on their shards);
     ``config`` what every rank's configuration must match (its digest joins the
-    agreement; None: nothing to compare); ``label`` names the tensor or bucket where ranks disagree.
+    agreement; None: nothing to compare); ``label`` names the tensor or bucket where ranks disagree;
+    ``dtype`` the caller's dtype (a name), which the result must not overflow
+    (``arrays.result_range``; a fused bucket of mixed dtypes checks float32's).
     """
 
     comm: object
@@ -133,6 +155,7 @@ class Call:
     stream: int = 0
     config: Configured | None = None
     label: str = ""
+    dtype: str = "float32"
 
     @property
     def io(self) -> dict:
@@ -221,10 +244,10 @@ _CALL = Form(
 
 def agree(
     call: Call,
-    n: int,
+    n: int | None,
     error: Exception | None,
     value: float = 0.0,
-    nonfinite: bool = False,
+    nonfinite: int = 0,
     closing: bool = False,
 ) -> float:
     """Check that all ranks bring n elements in the same call and configuration, and
@@ -233,13 +256,17 @@ def agree(
     One MaxAllReduce of the ballot ``_CALL``: [value, n, -n, digest_high, -digest_high,
     digest_low, -digest_low, config, -config, failed_rank + 1, nonfinite_rank + 1,
     closing_rank + 1, calling_rank + 1] (13 values fit the MaxAllReduce's one-message
-    head). Returns the max of ``value`` over ranks; for a rank closing, 1.0 if some rank
+    head); ``n`` None: this rank's input was refused and has no size to compare.
+    Returns the max of ``value`` over ranks; for a rank closing, 1.0 if some rank
     called and 0.0 if every rank closes. A rank closing (``agree_close``) makes every
-    rank that called raise PeerClosed. Raises the local error on the rank that failed
-    and RankError elsewhere; a failure other than NaN/Inf wins. Ranks that disagree all
-    raise RankError naming what differs and on which ranks (only then do descriptions
-    travel). When only NaN/Inf failed, one more small Allgather names every such rank
-    and under ``skip_step`` every rank raises ``Skipped``.
+    rank that called raise PeerClosed. Ranks that bring different sizes all raise
+    RankError naming them, whatever failed; then a failure raises the local error on
+    the rank that failed and RankError elsewhere (a failure other than NaN/Inf wins).
+    Ranks that disagree all raise RankError naming what differs and on which ranks
+    (only then do descriptions travel). When only NaN/Inf or input a codec cannot
+    encode failed (``nonfinite``: this rank's cause number, ``cause_code``; True for
+    NaN/Inf), one more small Allgather names every such rank and its cause, and under
+    ``skip_step`` every rank raises ``Skipped``.
     """
     comm, config = call.comm, call.config
     high, low = divmod(call.digest, 1 << 32)
@@ -265,6 +292,12 @@ def agree(
             f"{ranks_text(closer)} closed this CompressedComm while this "
             f"rank called it; it is closed on this rank too{world_ranks(comm)}"
         ) from error
+    # Sizes first, among the ranks that brought one (a refused input brings none): a rank
+    # whose size changed is named as such everywhere, also where the change failed its
+    # encode (an error-feedback residual of the old size). The schedule in the
+    # configuration can follow from the size.
+    if not tally.agrees("numel"):
+        _differ(call, n, "the tensor size", error)
     settle(
         tally.ranks("failed"),
         error,
@@ -272,61 +305,77 @@ def agree(
             f"{ranks_text(r)} failed in the same call (see its error){world_ranks(comm)}"
         ),
     )
-    # Sizes first: the schedule in the configuration can follow from the size.
-    sized = tally.agrees("numel")
-    if not (sized and tally.agrees("call_high") and tally.agrees("call_low")):
-        mine = {"numel": n, **call.description}
-        differs = disagreement(comm, mine, resolve_timeout(call.timeout))
-        what = (
-            "the tensor size" if not sized else "the tensor (names, sizes, shapes, buckets or step)"
-        )
-        raise RankError(f"ranks disagree on {what} in the same call: {differs}")
+    if not (tally.agrees("call_high") and tally.agrees("call_low")):
+        _differ(call, n, "the tensor (names, sizes, shapes, buckets or step)", error)
     if not tally.agrees("config"):
         differs = disagreement(comm, config.fields, resolve_timeout(call.timeout))
         raise RankError(f"ranks configured this CompressedComm differently: {differs}")
     if tally.ranks("nonfinite"):
-        raise_nonfinite(flagged(call, nonfinite), nonfinite, call.guard, error, call.comm)
+        raise_nonfinite(causes(call, nonfinite), nonfinite, call.guard, error, call.comm)
     return tally.top("value")
 
 
-# One byte per rank, gathered: every rank whose flag is raised is named.
-_FLAG = Form(raised=RANK)
+def _differ(call: Call, n: int | None, what: str, error: Exception | None) -> None:
+    """Raise, on every rank, the RankError naming how the ranks' calls differ in ``what``
+    (collective: every rank's description travels; none from a rank whose input was
+    refused, which raises it from its own error)."""
+    mine = None if n is None else {"numel": n, **call.description}
+    differs = disagreement(call.comm, mine, resolve_timeout(call.timeout))
+    raise RankError(f"ranks disagree on {what} in the same call: {differs}") from error
+
+
+def causes(call: Call, cause: int) -> list[int]:
+    """Return every rank's ``cause``, a number below 256 (one byte per rank, Allgather;
+    untraced)."""
+    every = np.empty(call.comm.size, dtype=np.uint8)
+    plain.allgather(call.comm, np.array([cause], np.uint8), every, timeout=call.timeout)
+    return every.tolist()
 
 
 def flagged(call: Call, flag: bool) -> list[int]:
-    """Return the ranks whose ``flag`` is set (one byte per rank, Allgather; untraced)."""
-    flags = np.empty(call.comm.size, dtype=np.uint8)
-    plain.allgather(call.comm, _FLAG.gathered(np.uint8, raised=flag), flags, timeout=call.timeout)
-    return _FLAG.tally_rows(flags).ranks("raised")
+    """Return the ranks whose ``flag`` is set (``causes``)."""
+    return [r for r, raised in enumerate(causes(call, int(bool(flag)))) if raised]
 
 
 def raise_nonfinite(
-    ranks: list[int], local: bool, guard: Guard, error: Exception | None, comm=None
+    every: list[int], local: int, guard: Guard, error: Exception | None, comm=None
 ) -> None:
-    """Raise, on every rank, what the policy makes of NaN/Inf on ``ranks`` (of ``comm``)."""
-    who = ", ".join(map(str, ranks)) + (world_ranks(comm) if comm is not None else "")
+    """Raise, on every rank, what the policy makes of the inputs refused for NaN/Inf or
+    as ``Unencodable``: ``every`` holds each rank's cause number (``cause_code``; 0: its
+    input was fine), ``local`` this rank's. Nothing can zero an unencodable input:
+    ``"zero"`` raises it as ``"raise"`` does."""
+    ranks = [r for r, code in enumerate(every) if code]
+    said = "; ".join(
+        f"rank(s) {', '.join(str(r) for r in ranks if every[r] == code)}: "
+        f"{guard.what} holds {CAUSES[code - 1]}"
+        for code in sorted(set(every) - {0})
+    ) + (world_ranks(comm) if comm is not None else "")
     if guard.policy == "skip_step":
-        raise Skipped(ranks, f"rank(s) {who}: {guard.what} holds NaN or Inf; call skipped")
+        raise Skipped(ranks, f"{said}; call skipped")
     if local:
         raise error if error is not None else guard.error()
-    raise RankError(f"rank(s) {who}: {guard.what} holds NaN or Inf in the same call")
+    raise RankError(f"{said} in the same call")
 
 
 def encode_here(call: Call, fn, flat):
-    """Run this rank's encode ``fn(flat)``; return (result, flat used, error, nonfinite).
+    """Run this rank's encode ``fn(flat)``; return (result, flat used, error, cause).
 
-    Only when ``fn`` refuses the input does one extra pass tell NaN/Inf from other
-    errors; under ``"zero"`` the NaN/Inf are then zeroed (a copy) and ``fn`` runs again.
+    ``cause`` is 0, or the number (``cause_code``) of why the input was refused: NaN/Inf,
+    or finite values ``fn`` cannot encode (``Unencodable``), which the agreement treats
+    by the NaN/Inf policy. Only when ``fn`` refuses the input does one extra pass tell
+    NaN/Inf from other errors; under ``"zero"`` the NaN/Inf are then zeroed (a copy) and
+    ``fn`` runs again.
     """
     out, err = attempt(fn, flat)
-    if err is None or all_finite(flat):
-        return out, flat, err, False
-    if call.guard.policy != "zero":
-        return None, flat, call.guard.error(err), True
-    call.residuals.restore()  # a partial encode may have moved residuals
-    flat = zero_nonfinite(flat)
-    out, err = attempt(fn, flat)
-    return out, flat, err, False
+    if err is not None and not all_finite(flat):
+        if call.guard.policy != "zero":
+            return None, flat, call.guard.error(err), call.guard.cause
+        call.residuals.restore()  # a partial encode may have moved residuals
+        flat = zero_nonfinite(flat)
+        out, err = attempt(fn, flat)
+    if isinstance(err, Unencodable):
+        return None, flat, call.guard.error(err), err.code
+    return out, flat, err, 0
 
 
 def agree_close(call: Call) -> bool:
@@ -340,38 +389,58 @@ def fail(call: Call, error: Exception) -> None:
     """Take part in a call's agreement as the rank whose input was refused; raise ``error``.
 
     Every path begins with the same agreement message, so the other ranks, whichever
-    path they took, receive the failure there and raise RankError.
+    path they took, receive the failure there and raise RankError. A refused input has
+    no size: this rank leaves the agreement's size comparison to the others.
     """
-    agree(call, 0, error)
+    agree(call, None, error)
 
 
 def check_average(call: Call, codec, avg) -> None:
-    """Raise on every rank when a codec made a non-finite average of finite inputs
-    (its float32 scale or sum overflowed): the average is the same bits on every rank,
-    so each rank's own pass over it decides alike, with no message. Under
-    ``"skip_step"`` the call is skipped instead. ``none``'s and fp16's sums check
-    themselves (``float_sum``)."""
+    """Raise on every rank when a codec made an average of finite inputs that is not
+    finite (its float32 scale or sum overflowed) or that the caller's dtype
+    (``call.dtype``) cannot hold: the average is the same bits on every rank, so each
+    rank's own pass over it (the same ``min`` and ``max`` either way) decides alike,
+    with no message. Under ``"skip_step"`` the call is skipped instead. ``none``'s and
+    fp16's sums check themselves (``float_sum``), and their average never exceeds the
+    largest |x|, which the caller's dtype holds."""
     if codec.aggregation == "sum":
         return
     when(
-        all_finite_later(avg, call.kernels),
-        lambda finite: finite or raise_overflow(call, codec, "the average over ranks"),
+        within_later(avg, result_range(call.dtype).limit, call.kernels),
+        lambda fits: fits or raise_result_overflow(call, codec, "the average over ranks"),
     )
 
 
-def raise_overflow(call: Call, codec, what: str, msg: str | None = None) -> None:
-    """Raise, on every rank, what finite inputs whose ``what`` overflows float32 get:
-    RankError, or ``Skipped`` under ``"skip_step"``; ``msg`` says it (default: the
+def raise_overflow(
+    call: Call, codec, what: str, msg: str | None = None, dtype: str = "float32"
+) -> None:
+    """Raise, on every rank, what finite inputs whose ``what`` overflows ``dtype`` (in
+    the codec's arithmetic: float32, or fp16's float16 wire) get: RankError, or
+    ``Skipped`` under ``"skip_step"``, naming the tensor; ``msg`` says it (default: the
     codec's name, ``what`` and what to do)."""
     if msg is None:
+        other = " or use codec 'none'" if codec.compresses else ""
         msg = (
-            f"{codec.name}: {what} overflows float32 although every input was finite "
-            "(values near float32's limit, 3.4e38); scale the gradients down (e.g. a loss "
-            "scale) or use codec 'none'"
+            f"{codec.name}: {what} overflows {dtype} although every input was finite "
+            f"(values near {dtype}'s limit, {result_range(dtype).largest}); scale the "
+            f"gradients down (e.g. a loss scale){other}"
         )
     if call.guard.policy == "skip_step":
         raise Skipped([], f"{call.guard.what}: {msg}; call skipped")
-    raise RankError(msg)
+    raise RankError(f"{call.guard.what}: {msg}")
+
+
+def raise_result_overflow(call: Call, codec, what: str) -> None:
+    """``raise_overflow`` for a result ``what`` (of finite inputs) that is Inf, or that the
+    caller's dtype (``call.dtype``) cannot hold."""
+    held, msg = result_range(call.dtype), None
+    if held.dtype != "float32":  # the caller's dtype: codec 'none' would not help
+        msg = (
+            f"{codec.name}: {what} overflows {held.dtype}, the dtype it is returned in "
+            f"(largest {held.largest}), although every input was finite; scale the "
+            "gradients down (e.g. a loss scale) or pass them in float32"
+        )
+    raise_overflow(call, codec, what, msg)
 
 
 def attempt(fn, *args, **kwargs):

@@ -16,27 +16,25 @@ from typing import Any, Protocol, runtime_checkable
 import numpy as np
 from mpi4py import MPI
 
-from mpicomp.codecs.arrays import all_finite, zero_nonfinite
+from mpicomp.codecs.arrays import all_finite, result_range, zero_nonfinite
 from mpicomp.collectives import plain
 from mpicomp.collectives.float_ring import allreduce_float16, allreduce_float32
-from mpicomp.errors import RankError
 from mpicomp.kernels import backend_of
 from mpicomp.kernels.readback import batch, read, value_of
 from mpicomp.reduction._cost import Cost, mpi_allreduce
 from mpicomp.reduction._kind import Kind, Schedule
 from mpicomp.reduction.agreement import (
     Call,
-    Skipped,
     agree,
+    causes,
     device,
     down,
     encode_here,
-    flagged,
     raise_nonfinite,
     raise_overflow,
     up,
 )
-from mpicomp.reduction.rows import Rows
+from mpicomp.reduction.rows import Rows, check_row
 from mpicomp.reduction.transport import CHUNK_BYTES, chunk_bounds
 
 _F32_MAX = float(np.finfo(np.float32).max)
@@ -104,7 +102,7 @@ def run(call: Call, codec, flat, ring: bool = False):
         if finite:
             break
         if again:
-            raise RankError(f"{codec.name}: the sum over ranks overflows float32")
+            raise_overflow(call, codec, "the sum over ranks")
         wire = codec.to_wire(_zeroed(call, codec, flat, wire.dtype))
     # The sum is this call's own buffer (wherever it is, or just copied up): averaged in place.
     out = codec.from_wire(up(dev, total), call.comm.size, reuse=True)
@@ -120,7 +118,9 @@ def scatter(call: Call, codec, flat, mean: bool = True):
 
     NaN/Inf are found before any byte moves: ``none`` checks its input in one pass
     (fp16's ``to_wire`` refuses them itself), and the agreement carries the largest
-    |x| over ranks: where N times it could overflow float32, every rank raises alike.
+    |x| over ranks: only where N times it could overflow float32 (for ``mean=False``,
+    the caller's float16 or bfloat16) do the owners check their rows, and every rank
+    raises alike where one overflowed (``rows.check_row``).
     """
     comm, clock, guard = call.comm, call.clock, call.guard
     dev = device(flat)
@@ -133,11 +133,9 @@ def scatter(call: Call, codec, flat, mean: bool = True):
                 flat = zero_nonfinite(flat)
                 wire, largest = codec.to_wire(flat), _largest(call, flat)
             else:
-                bad, err = True, guard.error()
+                bad, err = guard.cause, guard.error()
     clock.encoded()
     largest = agree(call, flat.size, err, largest if not bad else 0.0, nonfinite=bad)
-    if largest * comm.size * (1 + 1e-6) > _F32_MAX:  # each addition rounds
-        raise_overflow(call, codec, "the sum of a row over ranks")
     rows = Rows.of(comm, flat.size)
     xp = backend_of(wire, call.kernels).xp
     # Bytes, as unsigned integers of the wire's width: not every MPI library has a
@@ -152,6 +150,10 @@ def scatter(call: Call, codec, flat, mean: bool = True):
     for part in parts[1:]:
         total += part
     out = codec.from_wire(total, comm.size, reuse=True) if mean else total
+    # A mean is at most the largest |x|, which the caller's dtype holds: only its float32
+    # sum can overflow. Each addition rounds: the margin.
+    limit = _F32_MAX if mean else result_range(call.dtype).limit
+    check_row(call, codec, out, largest * comm.size * (1 + 1e-6) > limit, mean)
     clock.decoded()
     return out
 
@@ -178,16 +180,12 @@ def _zeroed(call: Call, codec, flat, dtype):
     a sum that was not finite; raise what the policy makes of it otherwise (the same on
     every rank: one byte per rank says whose input held NaN/Inf)."""
     guard = call.guard
-    local = not all_finite(flat)
-    ranks = flagged(call, local)
-    if not ranks:
-        what = "float16" if dtype == np.float16 else "float32"
-        msg = f"{codec.name}: the sum over ranks overflows {what}"
-        if guard.policy == "skip_step":
-            raise Skipped([], f"{guard.what}: {msg}; call skipped")
-        raise RankError(msg + ("; use codec 'none'" if what == "float16" else ""))
+    local = guard.cause if not all_finite(flat) else 0
+    every = causes(call, local)
+    if not any(every):
+        raise_overflow(call, codec, "the sum over ranks", dtype=np.dtype(dtype).name)
     if guard.policy != "zero":
-        raise_nonfinite(ranks, local, guard, None, call.comm)
+        raise_nonfinite(every, local, guard, None, call.comm)
     return zero_nonfinite(flat) if local else flat
 
 

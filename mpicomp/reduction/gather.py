@@ -8,7 +8,7 @@ from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 
-from mpicomp.codecs.arrays import all_finite_later, array_module
+from mpicomp.codecs.arrays import array_module, result_range, within_later
 from mpicomp.collectives import plain
 from mpicomp.collectives.agreement import RANK, Form, ranks_text, settle
 from mpicomp.collectives.allgather import allgather_bytes
@@ -26,10 +26,11 @@ from mpicomp.reduction.agreement import (
     encode_here,
     flagged,
     raise_overflow,
+    raise_result_overflow,
 )
 from mpicomp.reduction.hierarchy import PREFIX
 from mpicomp.reduction.residuals import Encoding, GatherState, Residuals, Stateless
-from mpicomp.reduction.rows import Rows
+from mpicomp.reduction.rows import Rows, summed
 
 # What row owners found (one byte per field and rank, gathered): ``scatter``.
 _OWNERS = Form(failed=RANK, overflowed=RANK)
@@ -133,8 +134,9 @@ def scatter(call: Call, codec, flat, mean: bool = True):
     per row, ``call.residuals.push``) and sent to rank s, which decodes the N payloads
     and adds them in rank order.
 
-    What an owner finds wrong (a corrupt payload, a sum that overflows float32) reaches
-    every rank in one byte per rank: the owner raises its error, the others RankError.
+    What an owner finds wrong (a corrupt payload, a sum that overflows float32 or the
+    caller's dtype) reaches every rank in one byte per rank: the owner raises its error,
+    the others RankError.
     """
     residuals: GatherState = call.residuals
     comm, clock = call.comm, call.clock
@@ -154,11 +156,12 @@ def scatter(call: Call, codec, flat, mean: bool = True):
         raise RankError(str(e)) from e
     clock.communicated()
     a, b = rows.own
+    limit = result_range(call.dtype).limit
     checked, error = attempt(
-        _checked_mean, codec, _up_all(dev, received), b - a, mean, call.kernels
+        _checked_mean, codec, _up_all(dev, received), b - a, mean, call.kernels, limit
     )
-    row, finite = checked or (None, True)
-    overflowed = not finite
+    row, fits = checked or (None, True)
+    overflowed = not fits
     clock.decoded()
     outcome = _OWNERS.gathered(np.uint8, failed=error is not None, overflowed=overflowed)
     table = np.empty((comm.size, outcome.size), dtype=np.uint8)
@@ -170,7 +173,7 @@ def scatter(call: Call, codec, flat, mean: bool = True):
         lambda r: RankError(f"{ranks_text(r)} could not decode its row (see its error)"),
     )
     if failed.ranks("overflowed"):
-        raise_overflow(call, codec, "the average of a row over ranks")
+        raise_result_overflow(call, codec, summed(mean))
     return rows.fill(array_module(row), row)
 
 
@@ -214,13 +217,13 @@ def _decode_mean(codec, payloads, n: int, mean: bool = True):
         return total / np.float32(len(payloads)) if mean else total
 
 
-def _checked_mean(codec, payloads, n: int, mean: bool, kernels):
-    """Return (``_decode_mean``, whether it is finite), its deferred checks and its
-    finiteness read before it returns (one read)."""
+def _checked_mean(codec, payloads, n: int, mean: bool, kernels, limit: float):
+    """Return (``_decode_mean``, whether every |value| is at most ``limit``, hence
+    finite), its deferred checks and that answer read before it returns (one read)."""
     with batch("shard owner's decode"):
         out = _decode_mean(codec, payloads, n, mean)
-        finite = all_finite_later(out, kernels)
-    return out, value_of(finite)
+        fits = within_later(out, limit, kernels)
+    return out, value_of(fits)
 
 
 def _reencoded(codec, encode, payloads, n: int, clock):

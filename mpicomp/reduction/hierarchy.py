@@ -62,7 +62,7 @@ def run(call: Call, codec, flat, *, inner, hosts: Hosts):
     if bad and guard.policy == "zero":
         flat, bad = zero_nonfinite(flat), False
     clock.encoded()
-    agree(call, flat.size, guard.error() if bad else None, nonfinite=bad)
+    agree(call, flat.size, guard.error() if bad else None, nonfinite=guard.cause if bad else 0)
     node = hosts.node
     bounds = shard_bounds(flat.size, node.size)
     counts = [b - a for a, b in bounds]

@@ -9,7 +9,7 @@ from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 
-from mpicomp.codecs.arrays import all_finite
+from mpicomp.codecs.arrays import result_range
 from mpicomp.collectives.maxallreduce import max_allreduce
 from mpicomp.collectives.ring import ring_allreduce_min
 from mpicomp.kernels import backend_of
@@ -32,15 +32,11 @@ from mpicomp.reduction.agreement import (
     device,
     down_by_chunks,
     encode_here,
-    flagged,
     landed,
     landing,
-    raise_overflow,
     up,
 )
-from mpicomp.reduction.rows import Rows, grouped
-
-_F32_MAX = float(np.finfo(np.float32).max)
+from mpicomp.reduction.rows import Rows, check_row, grouped
 
 
 @runtime_checkable
@@ -228,11 +224,13 @@ def _row(call: Call, codec, collective, mean: bool, encoded: tuple):
     comm, clock = call.comm, call.clock
     dev, shapes, at, flat, norm, extra, codes, largest = encoded
     # Dequantizing multiplies a sum (at most N times the bound) by the largest norm
-    # (then n / K for GlobalRandK, N for a sum): only where that could overflow float32
-    # do the owners tell every rank whether their row did (one byte each), as the
-    # all-reduce's check of its average, the same on every rank, does.
+    # (then n / K for GlobalRandK, N for a sum): only where that could overflow float32,
+    # or the caller's dtype (a bound on the row too), do the owners tell every rank
+    # whether their row did (one byte each), as the all-reduce's check of its average,
+    # the same on every rank, does.
     sparse = flat.size / max(codes.size, 1) if codec.sparse else 1.0
     risky = largest * comm.size * codec.bound * sparse * (1 if mean else comm.size)
+    risky = risky * (1 + 1e-6) > result_range(call.dtype).limit
     rows = Rows.of(comm, flat.size)
     be = backend_of(codes, call.kernels)
     if codec.sparse:  # the codes of row r: the sorted coordinates that fall in it
@@ -257,8 +255,7 @@ def _row(call: Call, codec, collective, mean: bool, encoded: tuple):
     row = rows.fill(be.xp, mine)
     if not mean:
         row = row * np.float32(comm.size)
-    if risky * (1 + 1e-6) > _F32_MAX and flagged(call, not all_finite(row, call.kernels)):
-        raise_overflow(call, codec, "a row of the average over ranks")
+    check_row(call, codec, row, risky, mean)
     clock.decoded()
     return row
 

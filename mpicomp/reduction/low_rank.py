@@ -9,7 +9,7 @@ from typing import Any, Protocol, runtime_checkable
 
 from mpi4py import MPI
 
-from mpicomp.codecs.arrays import all_finite
+from mpicomp.codecs.arrays import KEPT, Unencodable, all_finite
 from mpicomp.collectives import plain
 from mpicomp.kernels import backend_of
 from mpicomp.reduction._cost import Cost, mpi_allreduce
@@ -68,7 +68,7 @@ def _compress(call: Call, codec, work):
             if x is flat or not all_finite(flat):
                 raise ValueError("NaN or Inf")
             what = f"{call.label!r} plus its kept error"
-            raise ValueError(_overflow(call, codec, what, kept=True, factors=False))
+            raise Unencodable(_overflow(call, codec, what, kept=True, factors=False), KEPT)
         return codec.compress(work, x)
 
     return compress

@@ -7,6 +7,7 @@ from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 
+from mpicomp.codecs.arrays import result_range
 from mpicomp.collectives import plain
 from mpicomp.kernels import backend_of
 from mpicomp.reduction._cost import Cost, bounded, direct_alltoall, small
@@ -19,12 +20,10 @@ from mpicomp.reduction.agreement import (
     encode_here,
     landed,
     landing,
-    raise_overflow,
+    raise_result_overflow,
     up,
 )
-from mpicomp.reduction.rows import Rows, grouped
-
-_F32_MAX = float(np.finfo(np.float32).max)
+from mpicomp.reduction.rows import Rows, grouped, summed
 
 
 @runtime_checkable
@@ -97,8 +96,9 @@ def scatter(call: Call, codec, flat, *, collective, mean: bool = True):
 def _row(call: Call, codec, collective, mean: bool, dev, flat, votes, scale: float):
     """``scatter``'s second phase, from ``run``'s votes and agreed scale."""
     comm, clock, step = call.comm, call.clock, call.step
-    if not mean and scale * comm.size > _F32_MAX:  # the same on every rank
-        raise_overflow(call, codec, "a row of the sum over ranks")
+    # The row holds ±scale (times N for a sum), the same on every rank.
+    if scale * (1 if mean else comm.size) > result_range(call.dtype).limit:
+        raise_result_overflow(call, codec, summed(mean))
     rows = Rows.of(comm, flat.size)
     xp = backend_of(votes, call.kernels).xp
     laid, chunk = grouped(xp, votes, [rows.span(r)[0] for r in range(rows.size)] + [flat.size])

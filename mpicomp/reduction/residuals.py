@@ -141,9 +141,15 @@ class _Fed(Encoding):
             snapshot.restore()
 
 
+#: What the residual keys of a tensor's shards and rows add to its name (``w#shard0``,
+#: ``w#shard@0/2``, ``w#shards#shard1``): reserved, so that no tensor's own residual is
+#: one of another tensor's (``mpicomp.call.intake.take`` refuses names holding it).
+SHARD_MARK = "#shard"
+
+
 def shard_key(name: str, shard: int) -> str:
     """Return the residual name of shard ``shard`` of tensor ``name`` (a worker's)."""
-    return f"{name}#shard{shard}"
+    return f"{name}{SHARD_MARK}{shard}"
 
 
 class Residuals:

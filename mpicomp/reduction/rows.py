@@ -13,10 +13,24 @@ from typing import NamedTuple
 
 import numpy as np
 
-from mpicomp.codecs.arrays import all_finite
+from mpicomp.codecs.arrays import (
+    BFLOAT16,
+    Unencodable,
+    all_finite,
+    result_range,
+    within,
+)
 from mpicomp.collectives import plain
 from mpicomp.kernels import backend_of
-from mpicomp.reduction.agreement import Call, agree, device, down, up
+from mpicomp.reduction.agreement import (
+    Call,
+    agree,
+    device,
+    down,
+    flagged,
+    raise_result_overflow,
+    up,
+)
 
 #: The allgather's wire precisions: the shard's float32, or bfloat16 (rounded to
 #: nearest, ties to even, on every rank alike).
@@ -69,6 +83,20 @@ class Rows(NamedTuple):
         return out
 
 
+def summed(mean: bool) -> str:
+    """Return how messages name a row of the average (``mean``) or of the sum over ranks."""
+    return f"a row of the {'average' if mean else 'sum'} over ranks"
+
+
+def check_row(call: Call, codec, row, risky: bool, mean: bool) -> None:
+    """Raise on every rank where some owner's float32 ``row`` (of the average, or the sum:
+    ``mean``) is not finite or holds what the caller's dtype (``call.dtype``) cannot:
+    only where ``risky`` (decided alike on every rank, from agreed values) do the owners
+    check their rows and tell every rank, one byte each."""
+    if risky and flagged(call, not within(row, result_range(call.dtype).limit, call.kernels)):
+        raise_result_overflow(call, codec, summed(mean))
+
+
 def grouped(xp, codes, starts: list[int]):
     """Return (codes laid out as ``len(starts) - 1`` chunks of C, C): chunk r holds
     ``codes[starts[r]:starts[r+1]]`` then zeros, C the longest group rounded up to a
@@ -97,12 +125,19 @@ def from_bfloat16(xp, halves):
 def allgather(call: Call, codec, flat, *, numel: int, precision: str):
     """Return every rank's row end to end, the first ``numel`` elements (the inverse of
     a reduce-scatter): one MPI_Allgather at ``precision``, the same bits on every rank
-    (this rank's own row rounded alike under bfloat16). A NaN/Inf in any rank's row
-    raises on every rank before anything moves (there is no step to skip)."""
+    (this rank's own row rounded alike under bfloat16). A NaN/Inf in any rank's row, or
+    under bfloat16 a value that rounds to Inf, raises on every rank before anything
+    moves (there is no step to skip)."""
     dev = device(flat)
-    bad = not all_finite(flat, call.kernels)
+    guard, error, cause = call.guard, None, 0
+    # One pass, as a NaN/Inf check alone; a second only for a row that fails it.
+    if not within(flat, result_range(precision).limit, call.kernels):
+        error, cause = guard.error(), guard.cause
+        if all_finite(flat, call.kernels):
+            error = guard.error(Unencodable("allgather it with precision='float32'", BFLOAT16))
+            cause = error.code
     call.clock.encoded()
-    agree(call, flat.size, call.guard.error() if bad else None, nonfinite=bad)
+    agree(call, flat.size, error, nonfinite=cause)
     xp = backend_of(flat, call.kernels).xp
     wire = flat if precision == "float32" else to_bfloat16(xp, flat)
     send = down(call, dev, wire, "wire")

@@ -47,6 +47,7 @@ from mpicomp.torch.shared import (
 
 __all__ = ["AllReduceHook", "ReduceScatter", "compress_fsdp", "compress_hsdp", "host_mesh"]
 
+
 def _checked(comm, name) -> tuple[CompressedComm, str]:
     """Return (comm, name) of a module's reduction, refusing what they cannot be."""
     if not isinstance(comm, CompressedComm):
@@ -173,8 +174,7 @@ class ReduceScatter(_FSDPReduceScatter):
             how, factor = _reduction(op)
             if async_op:
                 raise ValueError(
-                    "mpicomp's ReduceScatter runs synchronously (as FSDP2 calls it): "
-                    "async_op=True"
+                    "mpicomp's ReduceScatter runs synchronously (as FSDP2 calls it): async_op=True"
                 )
             if input_tensor.numel() != self.comm.size * output_tensor.numel():
                 raise ValueError(
@@ -185,9 +185,12 @@ class ReduceScatter(_FSDPReduceScatter):
             members = _group_ranks(self.comm, group)
         except Exception as e:
             error, members = e, None
+        # Reduced in float32 and rounded once to the input's dtype, whose range the call
+        # checks on every rank (float16 sums); a divide factor applies to the float32 sum.
         source = input_tensor.reshape(-1)
-        if source.device.type != "cpu" or source.dtype != torch.float32:
-            source = source.to("cpu", torch.float32)  # reduced in float32, rounded once below
+        if factor is not None and source.dtype != torch.float32:
+            source = source.float()
+        source = source.cpu()
         # The group and the divide factor join the agreement: ranks with others raise.
         layout = f"group of torch ranks {list(members or ())}"
         if factor is not None:
@@ -203,7 +206,7 @@ class ReduceScatter(_FSDPReduceScatter):
                 return
             if factor is not None:
                 row = row * factor
-            output_tensor.copy_(row.view(output_tensor.shape))
+            output_tensor.copy_(row.view(output_tensor.shape))  # to the device, as is
 
     def __repr__(self) -> str:
         return f"ReduceScatter({self.name!r}, codec={self.comm.codec!r})"
