@@ -458,6 +458,7 @@ class CompressedComm:
         compress: bool = True,
         shapes=None,
         refuse: BaseException | None = None,
+        result_dtype=None,
     ) -> Handle:
         """Start one call as ``iallreduce`` does, for an adapter that averages a whole
         optimizer step in several calls and may skip or undo it.
@@ -477,6 +478,9 @@ class CompressedComm:
             refuse: an error this rank found in the adapter's own arguments: the call
                 takes part in the agreement without its bytes, and every rank raises
                 (this one ``refuse``, the others ``RankError``).
+            result_dtype: the dtype the adapter writes the average into, where it is
+                not ``x``'s (a float32 bucket of float16 gradients): the call checks
+                the average against its range on every rank, as for ``x``'s own.
 
         Returns:
             A ``Handle`` whose ``wait()`` returns an ``Outcome`` (average, skip messages)
@@ -487,7 +491,7 @@ class CompressedComm:
         """
         self._check_open()
         t = take(x, name, self._gpu, self._residuals.named, shapes)
-        layout, t = _checked_layout(layout, t, refuse)
+        layout, t = _checked_layout(layout, t, refuse, result_dtype)
         job = partial(self._average, t, "allreduce", layout, snapshots, compress)
         return self._runner.start(job, Outcome._make, _call_name("start", t.name))
 
@@ -501,12 +505,13 @@ class CompressedComm:
         snapshots: list | None = None,
         layout: int | str | None = None,
         refuse: BaseException | None = None,
+        result_dtype=None,
     ) -> Handle:
         """Start one ``reduce_scatter`` as ``start`` starts an allreduce, for an adapter
         that reduce-scatters a whole optimizer step in several calls and may skip or
         undo it (``mpicomp.torch.ZeroOptimizer``, FSDP2's ``ReduceScatter``): ``wait()``
         returns an ``Outcome`` (this rank's row, skip messages) without warning;
-        ``snapshots``, ``layout`` and ``refuse`` as for ``start``.
+        ``snapshots``, ``layout``, ``refuse`` and ``result_dtype`` as for ``start``.
 
         Raises:
             ValueError: the codec has no reduce-scatter (as ``reduce_scatter``).
@@ -514,7 +519,7 @@ class CompressedComm:
         """
         self._check_open()
         t = self._take_scattered(x, name, op)
-        layout, t = _checked_layout(layout, t, refuse)
+        layout, t = _checked_layout(layout, t, refuse, result_dtype)
         job = partial(self._scatter, t, op, snapshots, layout)
         return self._runner.start(job, Outcome._make, _call_name("start_scatter", t.name))
 
@@ -956,9 +961,12 @@ def _check_comm(comm) -> None:
         )
 
 
-def _checked_layout(layout, t: Tensor, refuse: BaseException | None) -> tuple:
+def _checked_layout(layout, t: Tensor, refuse: BaseException | None, result_dtype=None) -> tuple:
     """Return (``layout`` as an int, a str or None, ``t``, refused where ``refuse`` is
-    an error or ``layout`` is neither: every rank hears of it in the call's agreement)."""
+    an error or ``layout`` is neither: every rank hears of it in the call's agreement;
+    ``t`` returned as ``result_dtype`` where given)."""
+    if result_dtype is not None:
+        t = replace(t, dtype=str(result_dtype).removeprefix("torch."))
     if layout is not None and not isinstance(layout, str):
         try:  # an int of any kind (a NumPy one too), as the agreement's digest takes it
             layout = operator.index(layout)

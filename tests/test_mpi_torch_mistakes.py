@@ -14,7 +14,7 @@ from conftest import world
 
 torch = pytest.importorskip("torch", reason="mpicomp.torch needs PyTorch")
 
-from test_mpi_fsdp import _batch, _model, _shard  # noqa: E402
+from test_mpi_fsdp import _batch, _hosts_of_two, _model, _needs_hosts_of_two, _shard  # noqa: E402
 from torch.distributed.fsdp import FSDPModule  # noqa: E402
 
 import mpicomp.torch as mt  # noqa: E402
@@ -437,3 +437,33 @@ def test_fsdp_trains_on_after_an_error_in_backward(gloo, nonfinite):
     assert moved is False
     # Training went on: mpicomp was called (the loss falls after the error too).
     assert losses[-1] < 0.5 * losses[3], losses
+
+
+def test_hsdp_a_failure_among_one_shards_replicas_drops_the_step_on_every_rank(gloo):
+    """Shard 0's replicas fail their average; shard 1's succeed: every rank raises."""
+    _needs_hosts_of_two()
+    comm = world()
+    host = _hosts_of_two()
+    try:
+        mesh = mt.host_mesh(comm, host)
+    finally:
+        host.Free()
+    model = _shard(_model(), mesh)
+    cc = mt.compress_hsdp(model, comm, "none")
+    first = mesh.get_local_rank() == 0
+
+    def refuse(*args, **kwargs):
+        raise ValueError("shard 0's replicas refuse their average")
+
+    if first:
+        cc.start = refuse  # this instance's calls only
+    try:
+        x, y = _batch(0, comm.rank)
+        loss = torch.nn.functional.mse_loss(model(x), y)
+        with pytest.raises(ValueError if first else RankError, match="shard"):
+            loss.backward()
+        assert all(p.grad is None for p in model.parameters())
+    finally:
+        if first:
+            del cc.start
+        cc.close()

@@ -15,6 +15,7 @@ torch = pytest.importorskip("torch", reason="mpicomp.torch needs PyTorch")
 
 import mpicomp  # noqa: E402
 import mpicomp.torch as mt  # noqa: E402
+from mpicomp import RankError  # noqa: E402
 from mpicomp.torch.shared import Staging  # noqa: E402
 
 
@@ -247,6 +248,17 @@ def test_a_checkpoint_without_residuals_continues_differently():
         _loss(model, 3).backward()
         opt.step()
     assert not _same(a, b)
+
+
+def test_float16_gradients_are_never_averaged_to_inf():
+    """The bucket is float32; the averages go back into float16 gradients: checked."""
+    model = torch.nn.Linear(40, 2).half()
+    opt = _wrap(model, "qsgd_maxnorm", bits=2)
+    for p in model.parameters():
+        p.grad = torch.full_like(p, 40000.0)  # finite in float16; QSGD's 2-bit mean is not
+    with pytest.raises(RankError, match="overflows float16"):
+        opt.step()
+    assert all(torch.equal(p.grad, torch.full_like(p, 40000.0)) for p in model.parameters())
 
 
 @pytest.mark.parametrize("damage", ["nan residual", "missing key", "other optimizer"])

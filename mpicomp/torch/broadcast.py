@@ -18,6 +18,7 @@ from mpicomp.call.config import Config, check_same
 from mpicomp.collectives import plain
 from mpicomp.torch.optimizer import DistributedOptimizer
 from mpicomp.torch.shared import agree, check_comm, kind, quiet, timeout_of
+from mpicomp.torch.zero import ZeroOptimizer
 
 __all__ = ["broadcast_optimizer_state", "broadcast_parameters"]
 
@@ -84,6 +85,11 @@ def broadcast_optimizer_state(optimizer, comm, root: int = 0) -> None:
         _check_root(root, mpi.size)
         if not isinstance(inner, torch.optim.Optimizer):
             raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {kind(optimizer)}")
+        if isinstance(inner, ZeroOptimizer):
+            raise TypeError(
+                "a ZeroOptimizer's state is each rank's own rows: there is nothing to "
+                "broadcast (broadcast_parameters starts every rank from the same parameters)"
+            )
         if mpi.rank == root:
             out = io.BytesIO()
             torch.save(inner.state_dict(), out)

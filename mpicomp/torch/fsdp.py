@@ -19,6 +19,7 @@ import warnings
 import zlib
 from functools import partial
 
+import numpy as np
 import torch
 import torch.distributed as dist
 from torch.distributed.fsdp import FSDPModule
@@ -31,7 +32,7 @@ from mpicomp.call.worker import user_stacklevel
 from mpicomp.collectives import plain
 from mpicomp.collectives._wait import split, split_type
 from mpicomp.comm import CompressedComm
-from mpicomp.errors import NonFiniteWarning
+from mpicomp.errors import NonFiniteWarning, RankError
 from mpicomp.torch.parameters import LAYOUT, describe_layout, layout_differences
 from mpicomp.torch.shared import (
     agree,
@@ -57,6 +58,17 @@ def _checked(comm, name) -> tuple[CompressedComm, str]:
     return comm, name
 
 
+class _Pass:
+    """The calls of one backward pass (autograd's graph task ``task``): the residual
+    snapshots they took, and what failed or was skipped."""
+
+    def __init__(self, task: int):
+        self.task = task
+        self.snapshots: list = []
+        self.errors: list = []
+        self.skipped: list = []
+
+
 class _Backward:
     """What the reductions of one model share over a backward pass: FSDP2 breaks when
     its post-backward hook raises (later backward passes skip every hook), so a failed
@@ -66,49 +78,84 @@ class _Backward:
     call's residuals and step go back (``rollback``), the model's gradients become
     ``None`` (a torch optimizer then skips the step: no momentum, no weight decay),
     and the error is raised out of ``backward()`` (a skip is warned). Outside a
-    backward pass (a direct call) the error is raised at once."""
+    backward pass (a direct call) the error is raised at once.
 
-    def __init__(self, comm: CompressedComm, params: list | None = None):
+    ``everyone``: the communicator of every rank where ``comm`` holds a shard's
+    replicas only (HSDP): each pass ends with one small Allreduce over it, so that a
+    failure or skip among one shard's replicas drops every rank's step."""
+
+    def __init__(self, comm: CompressedComm, params: list | None = None, everyone=None):
         self.comm = comm
         self.params = params  # the model's parameters, whose gradients a failure drops
-        self._open = None  # the pass under way: [snapshots, errors, skipped] or None
+        self.everyone = everyone
+        self._open: _Pass | None = None
 
     def run(self, start):
         """Run one call, ``start(snapshots)`` a started handle; return its result, or
         None where it failed or was skipped inside a backward pass (write zeros)."""
+        task = torch._C._current_graph_task_id()  # -1 outside backward
         open_ = self._open
-        if open_ is None:
-            open_ = [[], [], []]
-            if at_end_of_backward(partial(self._finish, open_)):
-                self._open = open_
-            else:
-                open_ = None
+        # A pass whose end never came (an earlier final callback raised) is dropped.
+        if open_ is None or open_.task != task:
+            open_ = _Pass(task)
+            self._open = (
+                open_ if task >= 0 and at_end_of_backward(partial(self._finish, open_)) else None
+            )
+            open_ = self._open
         try:
-            result, skipped = start(None if open_ is None else open_[0]).wait()
+            result, skipped = start(None if open_ is None else open_.snapshots).wait()
         except Exception as e:
             if open_ is None:
                 raise
-            open_[1].append(e)
+            open_.errors.append(e)
             return None
         if skipped:
             if open_ is None:
                 _warn_skipped(skipped, "this call returned zeros")
             else:
-                open_[2].extend(skipped)
+                open_.skipped.extend(skipped)
             return None
         return result
 
-    def _finish(self, open_) -> None:
-        snapshots, errors, skipped = open_
-        self._open = None
-        if not errors and not skipped:
+    def _finish(self, open_: _Pass) -> None:
+        if self._open is open_:
+            self._open = None
+        error, skipped = (open_.errors or [None])[0], open_.skipped
+        if self.everyone is not None:
+            error, skipped = self._on_every_rank(error, skipped)
+        if error is None and not skipped:
             return
-        self.comm.rollback(snapshots)  # the step is not taken: no residual moves
+        self.comm.rollback(open_.snapshots)  # the step is not taken: no residual moves
         for p in self.params or ():
             p.grad = None
-        if errors:
-            raise errors[0]
+        if error is not None:
+            raise error
         _warn_skipped(skipped, "the gradients are None on every rank: the step is skipped")
+
+    def _on_every_rank(self, error, skipped: list) -> tuple:
+        """Return (the error, the skip messages) of this pass on every rank: this rank's
+        own, or a RankError or message naming the rank where a call failed or skipped."""
+        from mpi4py import MPI
+
+        from mpicomp.collectives._wait import issue, resolve_timeout
+
+        mpi = self.everyone
+        mine = np.array([mpi.rank + 1 if error else 0, mpi.rank + 1 if skipped else 0], np.int32)
+        every = np.empty_like(mine)
+        issue(
+            mpi, MPI.Comm.Allreduce, MPI.Comm.Iallreduce, mine, every, op=MPI.MAX,
+            timeout=resolve_timeout(self.comm.options.timeout), name="compress_hsdp",
+            detail=lambda: "whether a shard's average failed in this backward pass",
+        )  # fmt: skip
+        failed, skipping = int(every[0]) - 1, int(every[1]) - 1
+        if error is None and failed >= 0:
+            error = RankError(
+                f"compress_hsdp: the average of a shard failed on rank {failed} in this "
+                "backward pass (its replicas raise its error): the step is dropped on every rank"
+            )
+        if not skipped and skipping >= 0:
+            skipped = [f"rank {skipping}: a shard's average skipped"]
+        return error, skipped
 
 
 def _warn_skipped(skipped: list, what: str) -> None:
@@ -233,7 +280,9 @@ class AllReduceHook:
         if source.device.type != "cpu" or source.dtype != torch.float32:
             source = source.to("cpu", torch.float32)
         average = self._backward.run(
-            lambda snapshots: self.comm.start(source, self.name, snapshots=snapshots)
+            lambda snapshots: self.comm.start(
+                source, self.name, snapshots=snapshots, result_dtype=reduce_output.dtype
+            )
         )
         with torch.no_grad():
             if average is None:
@@ -382,7 +431,9 @@ def compress_hsdp(model, comm, codec=None, **options) -> CompressedComm:
         if cc is not None:
             cc.close()
         raise
-    backward = _Backward(cc, list(model.parameters()))
+    # Each backward pass ends with one small Allreduce over comm: every rank drops a
+    # step that one shard's replicas could not take.
+    backward = _Backward(cc, list(model.parameters()), everyone=comm)
     for name, module in modules:
         module.set_all_reduce_hook(AllReduceHook(cc, f"hsdp:{name}", backward))
     return cc
@@ -432,7 +483,14 @@ def host_mesh(comm=None, host=None, *, device_type: str | None = None):
     elif device_type is not None and not isinstance(device_type, str):
         error = TypeError(f"device_type must be a str such as 'cuda', got {kind(device_type)}")
     # Given on some ranks only, the others would split comm while these gather on host.
-    given = Config({"host": "given" if host is not None else "split by shared memory"})
+    given = None
+    if error is None:
+        given = Config(
+            {
+                "host": "split by shared memory" if host is None else f"given, {host.size} ranks",
+                "device_type": device_type,
+            }
+        )
     check_same(comm, given, error, "host_mesh", None)
     made = host is None
     if made:

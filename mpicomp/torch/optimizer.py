@@ -315,6 +315,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
                         snapshots=self._snapshots,
                         compress=self.steps >= self.start_step,
                         shapes=[tuple(q.shape) for q in b.params],
+                        result_dtype=b.params[0].dtype,  # float16 gradients: their range
                     )
                 except RuntimeError:  # closed: by a peer whose close an earlier bucket met?
                     closed = peer_closed_in([x.handle for x in self._buckets[: b.index]])

@@ -121,7 +121,7 @@ def claim_names(comm: CompressedComm, owner) -> str:
     """Return the prefix of ``owner``'s call names on ``comm``: "" for the first open
     optimizer, ``"optimizer1."`` for a second, ... (the same on every rank where the
     optimizers are made and closed in the same order); ``release_names`` frees it."""
-    users = _USERS.setdefault(comm, {})
+    users = _USERS.setdefault(comm, weakref.WeakKeyDictionary())  # never keeps one alive
     k = next(i for i in range(len(users) + 1) if i not in users.values())
     users[owner] = k
     return f"optimizer{k}." if k else ""

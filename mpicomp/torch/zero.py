@@ -28,6 +28,8 @@ from mpicomp.call.config import Config, check_same
 from mpicomp.call.options import OPTIONS
 from mpicomp.call.worker import user_stacklevel
 from mpicomp.codecs._base import codec_parameters
+from mpicomp.codecs.arrays import result_range
+from mpicomp.collectives._wait import dup, issue, resolve_timeout
 from mpicomp.comm import CompressedComm
 from mpicomp.errors import NonFiniteWarning, PeerClosed
 from mpicomp.reduction import kind_of
@@ -230,6 +232,13 @@ class ZeroOptimizer(torch.optim.Optimizer):
         #: What this optimizer's call names begin with: "" for the first optimizer open
         #: on its CompressedComm, "optimizer1." for a second (residuals are per name).
         self.names = claim_names(self.comm, self)
+        # The optimizer's own agreements go through a communicator of their own: another
+        # thread may take its turn on the CompressedComm's between them.
+        self._control = dup(
+            mpi_of(self.comm),
+            timeout=resolve_timeout(self.comm.options.timeout),
+            name="ZeroOptimizer",
+        )
         self.gather_precision = gather_precision
         self.overlap = bool(overlap)
         self.backward_passes_per_step = backward_passes_per_step
@@ -259,7 +268,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         except Exception as e:
             error = e
         try:
-            agree(quiet(self.comm), error, "ZeroOptimizer", self.comm.options.timeout)
+            agree(self._control, error, "ZeroOptimizer", self.comm.options.timeout)
         except BaseException:
             self.close()
             raise
@@ -439,6 +448,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
                     b.shard.grad = row.to(b.shard.device) if b.staged else row
                 before = self._rows_and_state()
                 self.optimizer.step()
+                self._check_rows_fit()
             except Exception as e:  # every rank must hear of it before the allgather
                 error = e
             finally:
@@ -460,6 +470,23 @@ class ZeroOptimizer(torch.optim.Optimizer):
         if names:
             _warn_ignored(step, names)
         return loss
+
+    def _check_rows_fit(self) -> None:
+        """Refuse rows stepped past the range of their parameters' dtype (float16,
+        bfloat16): the allgather would write Inf into the model."""
+        for b in self._buckets:
+            dtype = str(b.values.dtype).removeprefix("torch.")
+            held = result_range(dtype)
+            if held.dtype == "float32" or not b.width:
+                continue
+            largest = float(b.shard.abs().max())
+            if largest > held.limit:
+                shown = ", ".join(map(repr, b.names[:3])) + (", ..." if len(b.names) > 3 else "")
+                raise ValueError(
+                    f"ZeroOptimizer: the step took parameters of bucket {b.index} ({shown}) "
+                    f"past {dtype}'s range (|x| up to {largest:.6g}): lower the learning rate "
+                    "or train in float32"
+                )
 
     def _rows_and_state(self) -> tuple[list, dict]:
         """Return copies of this rank's rows and of the inner optimizer's state, for
@@ -488,9 +515,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         import numpy as np
         from mpi4py import MPI
 
-        from mpicomp.collectives._wait import issue, resolve_timeout
-
-        mpi = quiet(self.comm)
+        mpi = self._control
         step = self.steps if closing else self.steps - 1  # step() counted it already
         mine = np.array([error is not None, mpi.rank + 1 if closing else 0], np.int32)
         every = np.empty_like(mine)
@@ -711,7 +736,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
             error = e
         try:
             agree(
-                quiet(self.comm), error, "ZeroOptimizer.load_state_dict",
+                self._control, error, "ZeroOptimizer.load_state_dict",
                 self.comm.options.timeout,
             )  # fmt: skip
         except BaseException:
@@ -747,8 +772,13 @@ class ZeroOptimizer(torch.optim.Optimizer):
                 self._leave_step()
         finally:
             release_names(self.comm, self)
-            if self._owns_comm:
-                self.comm.close()
+            try:
+                if self._owns_comm:
+                    self.comm.close()
+            finally:
+                if self._control is not None:
+                    self._control.Free()
+                    self._control = None
 
     def _leave_step(self) -> None:
         """Drop a step whose buckets were started and not stepped (close() after
