@@ -243,3 +243,25 @@ def pytest_collection_modifyitems(config, items):
         module = Path(str(item.fspath)).stem
         if module.startswith(_EMULATED_TESTS) and module != "test_cuda_build":
             item.add_marker(skip)
+
+
+def report_timeouts(monkeypatch) -> list:
+    """Make every timed wait report a timeout once its messages are in (the job goes
+    on) and return the list its reports (``_wait.timeout_message``) are appended to."""
+    from mpi4py import MPI
+
+    from mpicomp.collectives import _wait
+
+    reports = []
+
+    def done_but_late(requests, timeout, testall):
+        MPI.Request.Waitall(requests)
+        return False, timeout
+
+    def report(comm, op, detail, timeout, elapsed):
+        text = detail() if callable(detail) else detail
+        reports.append(_wait.timeout_message(comm, op, text, timeout, elapsed))
+
+    monkeypatch.setattr(_wait, "poll", done_but_late)
+    monkeypatch.setattr(_wait, "expire", report)
+    return reports

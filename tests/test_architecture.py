@@ -137,7 +137,7 @@ PRIVATE_IN_TESTS = {
         "_PREFIX": ("test_fuzz.py",),  # FastSGD's body prefix
     },
     "fakes a late request or an abort in the timeout, whose hooks have no public seam": {
-        "_wait": ("test_logging.py", "test_mpi_call_promises.py", "test_mpi_torch_reliability.py"),
+        "_wait": ("conftest.py", "test_logging.py", "test_mpi_torch_reliability.py"),
     },
     "logs when each step's messages go, among the staged copies the stand-ins log": {
         "_wait": ("test_mpi_staging_pipeline.py",),

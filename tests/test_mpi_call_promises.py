@@ -13,8 +13,7 @@ import pytest
 from test_mpi_mistakes import _assert_same_state
 
 import mpicomp
-from conftest import gather_all, world
-from mpicomp.collectives import _wait
+from conftest import gather_all, report_timeouts, world
 
 # The codecs that keep error-feedback residuals by name (and 3LC's shard residuals).
 FEEDBACK = {
@@ -182,22 +181,9 @@ def test_a_timeout_report_names_the_call_and_its_tensor(monkeypatch, call, debug
     """Every wait is made to report a timeout once its messages are in (so the job goes
     on, as tests/test_timeout.py's jobs cannot): each report of the call, the agreement's
     and the debug check's included, names the op and the tensor."""
-    from mpi4py import MPI
-
     comm = world()
-    reports = []
-
-    def done_but_late(requests, timeout, testall):
-        MPI.Request.Waitall(requests)
-        return False, timeout
-
-    def report(comm, op, detail, timeout, elapsed):
-        text = detail() if callable(detail) else detail
-        reports.append(_wait.timeout_message(comm, op, text, timeout, elapsed))
-
     with mpicomp.CompressedComm(comm, "topk", min_numel=0, timeout=30, debug=debug) as cc:
-        monkeypatch.setattr(_wait, "poll", done_but_late)
-        monkeypatch.setattr(_wait, "expire", report)
+        reports = report_timeouts(monkeypatch)
         CALLS[call](cc, _grad(600, comm.rank))
         monkeypatch.undo()
     assert reports, "no wait was made under the timeout"

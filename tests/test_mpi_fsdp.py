@@ -267,16 +267,21 @@ def _needs_hosts_of_two():
         pytest.skip("needs an even number of ranks, 4 or more: hosts of two ranks")
 
 
-def test_uncompressed_hsdp_matches_torchs_own_hsdp(gloo):
+def _mesh_of_hosts_of_two():
+    """``host_mesh`` over hosts of two ranks (skipped where the ranks make none)."""
     _needs_hosts_of_two()
+    host = _hosts_of_two()
+    try:
+        return mt.host_mesh(world(), host)
+    finally:
+        host.Free()
+
+
+def test_uncompressed_hsdp_matches_torchs_own_hsdp(gloo):
     from torch.distributed.device_mesh import DeviceMesh
 
     comm = world()
-    host = _hosts_of_two()
-    try:
-        mesh = mt.host_mesh(comm, host)
-    finally:
-        host.Free()
+    mesh = _mesh_of_hosts_of_two()
     assert mesh.ndim == 1 and mesh.size() == 2 and mesh.get_local_rank() == comm.rank % 2
     ours = _shard(_model(), mesh)
     cc = mt.compress_hsdp(ours, comm, "none")
@@ -301,13 +306,8 @@ HSDP_CODECS = [("qsgd_maxnorm", {"bits": 4}), ("topk", {"ratio": 0.25})]
 
 @pytest.mark.parametrize("codec,params", HSDP_CODECS, ids=[c for c, _ in HSDP_CODECS])
 def test_compressed_hsdp_trains_and_keeps_every_replica_identical(gloo, codec, params):
-    _needs_hosts_of_two()
     comm = world()
-    host = _hosts_of_two()
-    try:
-        mesh = mt.host_mesh(comm, host)
-    finally:
-        host.Free()
+    mesh = _mesh_of_hosts_of_two()
     model = _shard(_model(), mesh)
     cc = mt.compress_hsdp(model, comm, codec, min_numel=16, **params)
     try:

@@ -14,7 +14,7 @@ from conftest import world
 
 torch = pytest.importorskip("torch", reason="mpicomp.torch needs PyTorch")
 
-from test_mpi_fsdp import _batch, _hosts_of_two, _model, _needs_hosts_of_two, _shard  # noqa: E402
+from test_mpi_fsdp import _batch, _mesh_of_hosts_of_two, _model, _shard  # noqa: E402
 from torch.distributed.fsdp import FSDPModule  # noqa: E402
 
 import mpicomp.torch as mt  # noqa: E402
@@ -441,13 +441,8 @@ def test_fsdp_trains_on_after_an_error_in_backward(gloo, nonfinite):
 
 def test_hsdp_a_failure_among_one_shards_replicas_drops_the_step_on_every_rank(gloo):
     """Shard 0's replicas fail their average; shard 1's succeed: every rank raises."""
-    _needs_hosts_of_two()
     comm = world()
-    host = _hosts_of_two()
-    try:
-        mesh = mt.host_mesh(comm, host)
-    finally:
-        host.Free()
+    mesh = _mesh_of_hosts_of_two()
     model = _shard(_model(), mesh)
     cc = mt.compress_hsdp(model, comm, "none")
     first = mesh.get_local_rank() == 0

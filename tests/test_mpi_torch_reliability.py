@@ -5,7 +5,7 @@ synchronize() are warned of, and parameters that differ are named with their sha
 
 import pytest
 
-from conftest import world
+from conftest import report_timeouts, world
 
 torch = pytest.importorskip("torch", reason="mpicomp.torch needs PyTorch")
 
@@ -134,21 +134,8 @@ def test_the_optimizers_own_exchange_names_itself_when_it_times_out(monkeypatch)
     """Every wait is made to report a timeout once its messages are in (so the job goes
     on): the flag exchange's report says what it is, not only "an Iallreduce"; the
     control communicator is duplicated under the timeout too."""
-    from mpi4py import MPI
-
     comm = world()
-    reports = []
-
-    def done_but_late(requests, timeout, testall):
-        MPI.Request.Waitall(requests)
-        return False, timeout
-
-    def report(comm, op, detail, timeout, elapsed):
-        text = detail() if callable(detail) else detail
-        reports.append(_wait.timeout_message(comm, op, text, timeout, elapsed))
-
-    monkeypatch.setattr(_wait, "poll", done_but_late)
-    monkeypatch.setattr(_wait, "expire", report)
+    reports = report_timeouts(monkeypatch)
     model = _model()
     opt = _optimizer(model, timeout=30)
     for step in range(2):

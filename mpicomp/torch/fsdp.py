@@ -19,7 +19,6 @@ import warnings
 import zlib
 from functools import partial
 
-import numpy as np
 import torch
 import torch.distributed as dist
 from torch.distributed.fsdp import FSDPModule
@@ -41,6 +40,7 @@ from mpicomp.torch.shared import (
     check_given,
     compressed,
     kind,
+    max_over_ranks,
     mpi_of,
     quiet,
     timeout_of,
@@ -135,19 +135,15 @@ class _Backward:
     def _on_every_rank(self, error, skipped: list) -> tuple:
         """Return (the error, the skip messages) of this pass on every rank: this rank's
         own, or a RankError or message naming the rank where a call failed or skipped."""
-        from mpi4py import MPI
-
-        from mpicomp.collectives._wait import issue, resolve_timeout
-
         mpi = self.everyone
-        mine = np.array([mpi.rank + 1 if error else 0, mpi.rank + 1 if skipped else 0], np.int32)
-        every = np.empty_like(mine)
-        issue(
-            mpi, MPI.Comm.Allreduce, MPI.Comm.Iallreduce, mine, every, op=MPI.MAX,
-            timeout=resolve_timeout(self.comm.options.timeout), name="compress_hsdp",
-            detail=lambda: "whether a shard's average failed in this backward pass",
-        )  # fmt: skip
-        failed, skipping = int(every[0]) - 1, int(every[1]) - 1
+        every = max_over_ranks(
+            mpi,
+            [mpi.rank + 1 if error else 0, mpi.rank + 1 if skipped else 0],
+            self.comm.options.timeout,
+            "compress_hsdp",
+            lambda: "whether a shard's average failed in this backward pass",
+        )
+        failed, skipping = every[0] - 1, every[1] - 1
         if error is None and failed >= 0:
             error = RankError(
                 f"compress_hsdp: the average of a shard failed on rank {failed} in this "

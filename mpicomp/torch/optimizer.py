@@ -21,7 +21,7 @@ import torch
 from mpicomp._log import log
 from mpicomp.call.config import Config, check_same
 from mpicomp.call.worker import user_stacklevel
-from mpicomp.collectives._wait import dup, issue, resolve_timeout
+from mpicomp.collectives._wait import dup, resolve_timeout
 from mpicomp.comm import CompressedComm
 from mpicomp.errors import NonFiniteWarning, PeerClosed
 from mpicomp.torch.parameters import LAYOUT, describe_layout, layout_differences, named
@@ -36,6 +36,7 @@ from mpicomp.torch.shared import (
     count,
     cuda_staging,
     kind,
+    max_over_ranks,
     mpi_of,
     peer_closed_in,
     quiet,
@@ -427,32 +428,20 @@ class DistributedOptimizer(torch.optim.Optimizer):
         instead of stepping (None: none). One small MPI_Allreduce (max) on the control
         communicator, behind the CompressedComm's timeout; ``closing``: this rank's
         part in it is its close()."""
-        import numpy as np
-        from mpi4py import MPI
-
         flags = [h for b in self._buckets for h in b.has_grad]
-        mine = np.array([*flags, self._control.rank + 1 if closing else 0], np.int32)
-        every = np.empty_like(mine)
         if closing:
             where, what = "close", "telling the other ranks that this rank closes"
         else:
             where, what = "synchronize", "which parameters have gradients"
-        issue(
+        every = max_over_ranks(
             self._control,
-            MPI.Comm.Allreduce,
-            MPI.Comm.Iallreduce,
-            mine,
-            every,
-            op=MPI.MAX,
-            timeout=resolve_timeout(self.comm.options.timeout),
-            name=f"DistributedOptimizer.{where}",
-            detail=lambda: (
-                f"{what} in step {self.steps} (optimizer.steps, from 0), an Iallreduce of "
-                f"{mine.nbytes} bytes over all {self._control.size} ranks"
-            ),
+            [*map(int, flags), self._control.rank + 1 if closing else 0],
+            self.comm.options.timeout,
+            f"DistributedOptimizer.{where}",
+            lambda: f"{what} in step {self.steps} (optimizer.steps, from 0)",
         )
-        closer = int(every[-1]) - 1
-        return every[:-1].astype(bool).tolist(), None if closer < 0 else closer
+        closer = every[-1] - 1
+        return [bool(f) for f in every[:-1]], None if closer < 0 else closer
 
     def _changed_since_sent(self, sent: list) -> list[str]:
         """Return the parameters whose gradients changed after their bucket copied them:

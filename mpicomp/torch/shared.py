@@ -34,6 +34,7 @@ __all__ = [
     "count",
     "cuda_staging",
     "kind",
+    "max_over_ranks",
     "mpi_of",
     "peer_closed_in",
     "quiet",
@@ -165,6 +166,25 @@ def agree(mpi, error, what: str, timeout: float | None = None) -> None:
     if error is not None and not isinstance(error, BaseException):
         error = ValueError(error)
     check_same(mpi, None, error, what, timeout, failure=lambda r: f"{what} failed on rank(s) {r}")
+
+
+def max_over_ranks(mpi, flags: list[int], timeout, name: str, detail) -> list[int]:
+    """Return the elementwise max over the ranks of ``mpi`` of this rank's ``flags``
+    (small ints: who failed, who closed): one Allreduce under ``timeout``, named in a
+    timeout's report by ``name`` and ``detail()``."""
+    import numpy as np
+    from mpi4py import MPI
+
+    from mpicomp.collectives._wait import issue, resolve_timeout
+
+    mine = np.array(flags, np.int32)
+    every = np.empty_like(mine)
+    issue(
+        mpi, MPI.Comm.Allreduce, MPI.Comm.Iallreduce, mine, every, op=MPI.MAX,
+        timeout=resolve_timeout(timeout), name=name,
+        detail=lambda: f"{detail()}, an Iallreduce of {mine.nbytes} bytes over all {mpi.size} ranks",
+    )  # fmt: skip
+    return every.tolist()
 
 
 # -- errors out of backward() ----------------------------------------------------------

@@ -28,8 +28,8 @@ from mpicomp.call.config import Config, check_same
 from mpicomp.call.options import OPTIONS
 from mpicomp.call.worker import user_stacklevel
 from mpicomp.codecs._base import codec_parameters
-from mpicomp.codecs.arrays import result_range
-from mpicomp.collectives._wait import dup, issue, resolve_timeout
+from mpicomp.codecs.arrays import FLOAT32_RANGE, result_range
+from mpicomp.collectives._wait import dup, resolve_timeout
 from mpicomp.comm import CompressedComm
 from mpicomp.errors import NonFiniteWarning, PeerClosed
 from mpicomp.reduction import kind_of
@@ -52,6 +52,7 @@ from mpicomp.torch.shared import (
     count,
     cuda_staging,
     kind,
+    max_over_ranks,
     mpi_of,
     peer_closed_in,
     quiet,
@@ -477,7 +478,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         for b in self._buckets:
             dtype = str(b.values.dtype).removeprefix("torch.")
             held = result_range(dtype)
-            if held.dtype == "float32" or not b.width:
+            if held is FLOAT32_RANGE or not b.width:
                 continue
             largest = float(b.shard.abs().max())
             if largest > held.limit:
@@ -512,38 +513,24 @@ class ZeroOptimizer(torch.optim.Optimizer):
         here too) if some rank closed after sending this step's gradients instead of
         stepping. ``closing``: this rank's part in it is its close(). One Allreduce of
         two int32, then the failed ranks' errors only when some rank failed."""
-        import numpy as np
-        from mpi4py import MPI
-
-        mpi = self._control
         step = self.steps if closing else self.steps - 1  # step() counted it already
-        mine = np.array([error is not None, mpi.rank + 1 if closing else 0], np.int32)
-        every = np.empty_like(mine)
-        issue(
-            mpi,
-            MPI.Comm.Allreduce,
-            MPI.Comm.Iallreduce,
-            mine,
-            every,
-            op=MPI.MAX,
-            timeout=resolve_timeout(self.comm.options.timeout),
-            name="ZeroOptimizer.close" if closing else "ZeroOptimizer.step",
-            detail=lambda: (
-                f"whether every rank stepped its rows in step {step} "
-                f"(optimizer.steps, from 0), an Iallreduce of {mine.nbytes} bytes over all "
-                f"{mpi.size} ranks"
-            ),
+        failed, closer = max_over_ranks(
+            self._control,
+            [error is not None, self._control.rank + 1 if closing else 0],
+            self.comm.options.timeout,
+            "ZeroOptimizer.close" if closing else "ZeroOptimizer.step",
+            lambda: f"whether every rank stepped its rows in step {step} (optimizer.steps, from 0)",
         )
         if closing:
             return
-        if every[1]:
+        if closer:
             self.close()
             raise PeerClosed(
-                f"rank {every[1] - 1} closed its ZeroOptimizer after sending the gradients "
+                f"rank {closer - 1} closed its ZeroOptimizer after sending the gradients "
                 f"of step {step}, which this rank took; it is closed on this rank too"
             )
-        if every[0]:
-            agree(mpi, error, "ZeroOptimizer.step", self.comm.options.timeout)
+        if failed:
+            agree(self._control, error, "ZeroOptimizer.step", self.comm.options.timeout)
 
     def _wait_for_rows(self) -> tuple[list | None, list]:
         """Wait for this step's reduce-scatters; return their rows (None when the step
