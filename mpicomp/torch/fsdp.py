@@ -483,7 +483,7 @@ def host_mesh(comm=None, host=None, *, device_type: str | None = None):
     if error is None:
         given = Config(
             {
-                "host": "split by shared memory" if host is None else f"given, {host.size} ranks",
+                "host": "split by shared memory" if host is None else "given",
                 "device_type": device_type,
             }
         )
