@@ -491,7 +491,7 @@ class CompressedComm:
         """
         self._check_open()
         t = take(x, name, self._gpu, self._residuals.named, shapes)
-        layout, t = _checked_layout(layout, t, refuse, result_dtype)
+        layout, t = _adapter_input(layout, t, refuse, result_dtype)
         job = partial(self._average, t, "allreduce", layout, snapshots, compress)
         return self._runner.start(job, Outcome._make, _call_name("start", t.name))
 
@@ -519,7 +519,7 @@ class CompressedComm:
         """
         self._check_open()
         t = self._take_scattered(x, name, op)
-        layout, t = _checked_layout(layout, t, refuse, result_dtype)
+        layout, t = _adapter_input(layout, t, refuse, result_dtype)
         job = partial(self._scatter, t, op, snapshots, layout)
         return self._runner.start(job, Outcome._make, _call_name("start_scatter", t.name))
 
@@ -961,10 +961,11 @@ def _check_comm(comm) -> None:
         )
 
 
-def _checked_layout(layout, t: Tensor, refuse: BaseException | None, result_dtype=None) -> tuple:
-    """Return (``layout`` as an int, a str or None, ``t``, refused where ``refuse`` is
-    an error or ``layout`` is neither: every rank hears of it in the call's agreement;
-    ``t`` returned as ``result_dtype`` where given)."""
+def _adapter_input(layout, t: Tensor, refuse: BaseException | None, result_dtype=None) -> tuple:
+    """Return what an adapter's ``start``/``start_scatter`` brings to its call:
+    (``layout`` as an int, a str or None; ``t``, refused where ``refuse`` is an error or
+    ``layout`` is neither, so that every rank hears of it in the call's agreement, and
+    described as ``result_dtype`` where given)."""
     if result_dtype is not None:
         t = replace(t, dtype=str(result_dtype).removeprefix("torch."))
     if layout is not None and not isinstance(layout, str):
