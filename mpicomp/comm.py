@@ -506,12 +506,14 @@ class CompressedComm:
         layout: int | str | None = None,
         refuse: BaseException | None = None,
         result_dtype=None,
+        compress: bool = True,
     ) -> Handle:
         """Start one ``reduce_scatter`` as ``start`` starts an allreduce, for an adapter
         that reduce-scatters a whole optimizer step in several calls and may skip or
         undo it (``mpicomp.torch.ZeroOptimizer``, FSDP2's ``ReduceScatter``): ``wait()``
         returns an ``Outcome`` (this rank's row, skip messages) without warning;
-        ``snapshots``, ``layout``, ``refuse`` and ``result_dtype`` as for ``start``.
+        ``snapshots``, ``layout``, ``refuse``, ``result_dtype`` and ``compress`` as for
+        ``start``.
 
         Raises:
             ValueError: the codec has no reduce-scatter (as ``reduce_scatter``).
@@ -520,7 +522,7 @@ class CompressedComm:
         self._check_open()
         t = self._take_scattered(x, name, op)
         layout, t = _adapter_input(layout, t, refuse, result_dtype)
-        job = partial(self._scatter, t, op, snapshots, layout)
+        job = partial(self._scatter, t, op, snapshots, layout, compress)
         return self._runner.start(job, Outcome._make, _call_name("start_scatter", t.name))
 
     def rollback(self, snapshots: list) -> None:
@@ -596,10 +598,12 @@ class CompressedComm:
             t = Tensor.refused(x, name, error)
         return t
 
-    def _scatter(self, t: Tensor, op: str, snapshots: list | None = None, layout=None) -> tuple:
+    def _scatter(
+        self, t: Tensor, op: str, snapshots: list | None = None, layout=None, compress=True
+    ) -> tuple:
         """Run one reduce-scatter of ``t``; return (this rank's row in ``t``'s framework
         and dtype, or zeros when skipped; skip messages)."""
-        row, skipped = self._reduce(t, "reduce_scatter", layout, snapshots, rows=op)
+        row, skipped = self._reduce(t, "reduce_scatter", layout, snapshots, compress, rows=op)
         width = -(-t.flat.size // self.size)
         with self._gpu.current():
             xp = array_module(t.flat)

@@ -295,3 +295,158 @@ def test_sharded_rows_train_end_to_end(tmp_path):
     hsdp = runs["mpicomp_hsdp_qsgd_maxnorm_bits4"]
     assert 0 < hsdp["bytes_per_step_traced"] < 0.5 * 2 * 4 * n
     assert "time to FSDP2 f32's" in out.stdout and "x FSDP2" in out.stdout
+
+
+def test_the_lm_language_has_an_exact_entropy_floor_well_below_its_unigram_entropy():
+    import numpy as np
+
+    from jobs.peers import models
+
+    s = models.SMALL
+    data = models.load("lm", s)
+    assert data.x_train.shape[1] == data.y_train.shape[1] == s.lm_seq
+    assert data.x_test.shape == data.y_test.shape and data.x_test.dtype == np.int64
+    assert (data.y_train[:, :-1] == data.x_train[:, 1:]).all()  # the next tokens
+    assert 0.8 < data.floor < 1.5 and data.unigram > 3.5
+    # the floor is the true chain's loss: its mean -log p(next | token) on the test split
+    # is the floor to within sampling error, and the tokens' frequencies have its unigram
+    p, pi = models.chain(s.lm_vocab)
+    nll = -np.log(p[data.x_test, data.y_test]).mean()
+    assert abs(nll - data.floor) < 0.03
+    freq = np.bincount(data.x_train.ravel(), minlength=s.lm_vocab) / data.x_train.size
+    assert abs(-(freq * np.log(freq)).sum() - data.unigram) < 0.03
+    assert models.METRICS["lm"] == models.LOSS and not models.LOSS.higher
+    assert models.OPTIMIZERS["lm"] == "adamw" and models.OPTIMIZERS["mlp"] == "sgd"
+
+
+def test_the_lm_ties_its_head_to_its_embedding_and_sees_no_later_token():
+    torch = pytest.importorskip("torch")
+    from jobs.peers import models, worker
+
+    s = models.SMALL
+    model = models.build("lm", s, seed=0)
+    w, v, seq = s.lm_width, s.lm_vocab, s.lm_seq
+    block = 4 * w * w + 4 * w + 8 * w * w + 5 * w + 4 * w  # attention, feed-forward, norms
+    assert models.n_params(model) == v * w + seq * w + s.lm_layers * block + 2 * w < 300_000
+    assert models.n_params(models.build("lm", models.FULL, 0)) > 10 * models.n_params(model)
+    assert model.head.weight is model.embed.weight
+    assert model.head.weight.data_ptr() == model.embed.weight.data_ptr()
+    assert "head.weight" not in dict(model.named_parameters())  # one tensor, trained once
+    x = torch.randint(0, v, (2, seq), generator=torch.Generator().manual_seed(0))
+    changed = x.clone()
+    changed[:, 20] = (x[:, 20] + 1) % v
+    for mode in ("train", "eval"):  # eval without grad: torch's fast path, mask and all
+        getattr(model, mode)()
+        with torch.set_grad_enabled(mode == "train"):
+            a, b = model(x), model(changed)
+        assert a.shape == (2, seq, v)
+        assert torch.allclose(a[:, :20], b[:, :20], atol=1e-6), mode
+        assert not torch.allclose(a[:, 20:], b[:, 20:], atol=1e-3), mode
+    # untrained (logits near 0): held-out loss ~ log(vocab), between the floor and above
+    data = models.load("lm", s)
+    loss = worker.score(model, data, models.LOSS)
+    assert abs(loss - torch.log(torch.tensor(float(v))).item()) < 0.1
+    # AdamW's learning rate: a linear ramp over the warm-up, then the cosine
+    ramp = types.SimpleNamespace(lr=0.02, steps=300, lr_warmup=30)
+    assert worker.learning_rate(ramp, 0) == pytest.approx(0.02 / 30, rel=1e-3)
+    assert worker.learning_rate(ramp, 14) == pytest.approx(0.01, rel=1e-2)
+    assert worker.learning_rate(ramp, 29) < 0.02 and worker.learning_rate(ramp, 299) < 1e-5
+    assert worker.learning_rate(types.SimpleNamespace(lr=0.1, steps=30, lr_warmup=0), 0) == 0.1
+    cls, keywords = worker.optimizer_of("adamw", 0.9, 0.01)
+    assert cls is torch.optim.AdamW and keywords["weight_decay"] == 0.01
+    assert keywords["betas"] == (0.9, 0.999) and "momentum" not in keywords
+
+
+def test_a_loss_reaches_the_reference_from_below_and_rising_after_is_said():
+    from jobs.peers import models
+
+    ref = [(0, 4.1), (100, 1.31), (200, 1.305), (300, 1.302), (400, 1.30)]
+    rows = [
+        {"config": "ddp", "status": "ok", "ms_step": 10.0, "final_accuracy": 1.30,
+         "accuracy": ref},
+        {"config": "fast", "status": "ok", "ms_step": 5.0,
+         "accuracy": [(0, 4.1), (100, 1.29), (400, 1.285)]},
+        {"config": "slow", "status": "ok", "ms_step": 1.0,
+         "accuracy": [(0, 4.1), (200, 1.5), (400, 1.32)]},
+        {"config": "rose", "status": "ok", "ms_step": 5.0,
+         "accuracy": [(0, 4.1), (200, 1.28), (400, 1.40)]},
+    ]  # fmt: skip
+    driver.add_targets(rows, models.LOSS)
+    assert [r["steps_to_target"] for r in rows] == [400, 100, None, 200]
+    assert rows[1]["seconds_to_target"] == pytest.approx(0.5)
+    assert [r["fell_to"] for r in rows] == [None, None, None, 1.40]
+    assert all(r["plateaued"] for r in rows)  # the last half's best 0.01 below the first's
+    assert driver._reach(rows[3], 1.30, 400, models.LOSS) == "1.00 s (step 200), then rose to 1.400"
+    driver.add_targets(rows)  # read as accuracies, the same numbers say the opposite
+    assert [r["steps_to_target"] for r in rows] == [0, 0, 0, 0]
+    # a reference loss still falling: the table says so, in its metric's words
+    rows[0]["accuracy"] = [(0, 4.1), (100, 2.0), (200, 1.6), (300, 1.4), (400, 1.30)]
+    assert driver.plateau(rows[0]["accuracy"], models.LOSS) == (False, pytest.approx(0.7))
+    assert driver.plateau(rows[0]["accuracy"])[0]  # as accuracies: falling, so "flat"
+    # the loss's tolerance: 0.04 nats better in the last half is flat, 0.06 is not
+    assert driver.plateau([(0, 4.1), (1, 1.34), (2, 1.32), (3, 1.30)], models.LOSS)[0]
+    assert not driver.plateau([(0, 4.1), (1, 1.36), (2, 1.32), (3, 1.30)], models.LOSS)[0]
+    driver.add_targets(rows, models.LOSS)
+    out = io.StringIO()
+    driver.table(rows, types.SimpleNamespace(eval_every=100, steps=400), out, models.LOSS)
+    text = out.getvalue()
+    assert "loss@200" in text and "loss@400" in text and "acc@" not in text
+    assert "time to DDP f32's held-out loss 1.300" in text
+    assert "DDP float32 was still falling at step 400" in text
+
+
+class _Recorder:
+    """A network that records the worker's command line and launches nothing."""
+
+    name, iface, tc_devs = "unshaped", "lo", []
+
+    def command(self, argv):
+        self.argv = argv
+        return [sys.executable, "-c", "pass"]
+
+
+def test_the_optimizer_and_compressed_adam_flags(tmp_path):
+    out = ["--out", str(tmp_path)]
+    args = driver._parse([*out, "--models", "mlp,lm"])
+    mlp, lm = driver.for_model(args, "mlp"), driver.for_model(args, "lm")
+    assert (mlp.optimizer, mlp.lr, mlp.steps, mlp.eval_every, mlp.lr_warmup) == (
+        "sgd", 0.1, 30, 3, 0
+    )  # fmt: skip
+    assert (lm.optimizer, lm.lr, lm.steps, lm.eval_every, lm.lr_warmup) == (
+        "adamw", 0.02, 300, 30, 30
+    )  # fmt: skip
+    args = driver._parse([*out, "--optimizer", "adamw", "--lr", "0.005", "--steps", "50"])
+    mlp = driver.for_model(args, "mlp")
+    assert (mlp.optimizer, mlp.lr, mlp.steps, mlp.eval_every) == ("adamw", 0.005, 50, 5)
+    assert driver.for_model(driver._parse([*out, "--lr-warmup", "7"]), "lm").lr_warmup == 7
+    assert not any("adam_warmup" in c.spec for c in args.configs)  # only where asked
+    # the worker is told the model's optimizer and learning rate
+    os.makedirs(tmp_path / "logs")
+    args = driver._parse([*out, "--models", "lm", "--weight-decay", "0.1"])
+    network = _Recorder()
+    row = driver.run_config(network, "lm", driver.Config("ddp", {"kind": "ddp"}), args)
+    assert row["status"].startswith("failed")  # no result written
+    argv = " ".join(network.argv)
+    assert "--optimizer adamw" in argv and "--lr 0.02 " in argv and "--steps 300 " in argv
+    assert "--weight-decay 0.1" in argv and "--lr-warmup 30" in argv
+    # --adam-warmup: a twin after each DistributedOptimizer and ZeroOptimizer row
+    args = driver._parse([*out, "--models", "lm", "--codecs", "none,topk", "--auto", "none",
+                          "--sharded", "zero", "--sharded-codecs", "signsgd",
+                          "--adam-warmup", "50", "--powersgd-ranks", ""])  # fmt: skip
+    specs = {c.label: c.spec for c in args.configs}
+    assert list(specs) == [
+        "ddp", "ddp_fp16", "ddp_bf16", "mpicomp_none", "mpicomp_none_adam50", "mpicomp_topk",
+        "mpicomp_topk_adam50", "zero_ddp", "mpicomp_zero_signsgd",
+        "mpicomp_zero_signsgd_adam50",
+    ]  # fmt: skip
+    assert specs["mpicomp_topk_adam50"] == {**specs["mpicomp_topk"], "adam_warmup": 50}
+    assert specs["mpicomp_zero_signsgd_adam50"]["adam_warmup"] == 50
+    assert sum("adam_warmup" in s for s in specs.values()) == 3
+    for bad in (
+        ["--models", "mlp", "--adam-warmup", "5"],  # SGD: no Adam to compress
+        ["--models", "lm", "--optimizer", "sgd", "--adam-warmup", "5"],
+        ["--models", "lm", "--adam-warmup", "0"],
+        ["--optimizer", "adam"],
+    ):
+        with pytest.raises(SystemExit):
+            driver._parse([*out, *bad])

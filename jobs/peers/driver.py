@@ -1,7 +1,7 @@
 """Torch DDP's communication hooks, FSDP2 and ZeRO against mpicomp, side by side, in one command.
 
 ``python -m jobs.peers`` trains the same model from the same weights on the same batches
-once per configuration:
+with the same optimizer once per configuration:
 
 - torch ``DistributedDataParallel`` over gloo: no hook (float32), the fp16 and bf16
   compression hooks, PowerSGD at each rank of ``--powersgd-ranks`` (torch's own hook,
@@ -17,7 +17,26 @@ once per configuration:
   compressed reduce-scatter (``compress_fsdp``), compressed HSDP (FSDP2 within a host,
   mpicomp between hosts: ``compress_hsdp``), torch's ``ZeroRedundancyOptimizer`` with
   DDP, and ``mpicomp.torch.ZeroOptimizer``; mpicomp's with each codec of
-  ``--sharded-codecs``.
+  ``--sharded-codecs``;
+- with ``--adam-warmup N`` (AdamW only), each ``DistributedOptimizer`` and
+  ``ZeroOptimizer`` row again in mpicomp's compressed-Adam mode (``adam_warmup=N``: N
+  steps averaged uncompressed under plain AdamW, then AdamW's second moment frozen and
+  the gradients through the codec, with its error feedback, into the momentum),
+  labelled ``..._adamN``.
+
+Models (``--models``, jobs/peers/models.py): the digits MLP, a small ResNet and a
+transformer classifier, scored by test accuracy and trained with SGD (momentum 0.9,
+``--lr`` 0.1); and ``lm``, a causal transformer language model (tied embedding, 2
+pre-LayerNorm blocks of width 64 at the small size) on a synthetic order-1 Markov
+language with a known entropy floor (~1.25 nats per token against a unigram entropy of
+~3.8; both printed), trained with AdamW (betas 0.9, 0.999, ``--weight-decay`` 0.01,
+``--lr`` 0.02) for 300 steps (``Preset.lm_steps``) and scored by held-out loss: the
+mean next-token cross-entropy over its test split, lower better. ``--optimizer`` gives
+every model the one named (every peer kind steps it: torch's ZeroRedundancyOptimizer
+and mpicomp's ZeroOptimizer as their optimizer class); ``--lr`` and ``--steps``, where
+given, hold for every model. The learning rate follows a cosine from ``--lr`` to 0,
+after ``--lr-warmup`` steps of linear ramp (AdamW's first tenth of the steps; none for
+SGD).
 
 Each configuration is one MPI launch (jobs/peers/worker.py) under ``--timeout``: a
 peer that fails or hangs becomes a row saying so, and the next one runs. Networks
@@ -30,15 +49,18 @@ environment), as gloo does.
 Per configuration: ms/step (the slowest rank's, median after ``--warmup`` steps), bytes
 per step (tc's counters on the emulated networks; unshaped, what mpicomp's calls report,
 "n/a" for torch's), the optimizer's memory per rank (its state tensors, the largest
-rank's), test accuracy every ``--eval-every`` steps, and the time to reach the final
-accuracy of DDP float32 on the same network and model (steps x ms/step, or "never"
-within ``--steps``; a run that reaches it and then diverges or ends below it says so);
-where DDP float32 had not plateaued the table says so under it, since a time to the
-accuracy of a run still rising is an early-training figure. Where FSDP2 float32 ran, a
-second table gives every row's time to its final accuracy. Output: a table per network
-and model on stdout,
-``OUT/peers.json``, ``OUT/accuracy.png`` (accuracy against steps x ms/step, log) and each
-launch's log under ``OUT/logs/``.
+rank's), the model's metric (test accuracy; the lm's held-out loss) every
+``--eval-every`` steps, and the time to reach the final value of DDP float32 on the same
+network and model: its first evaluation at least as good, an accuracy as high or a
+loss as low (steps x ms/step, or "never" within ``--steps``; a run that reaches it and
+then diverges or ends worse by more than ``Metric.tolerance`` says so); where DDP
+float32 had not plateaued the table says so under it, since a time to the value of a
+run still improving is an early-training figure. Where FSDP2 float32 ran, a second table
+gives every row's time to its final value. Output: a table per network and model on
+stdout, ``OUT/peers.json`` (its rows' ``accuracy``, ``final_accuracy`` and
+``target_accuracy`` hold the model's metric, which ``metric`` names: the lm's losses),
+``OUT/accuracy.png`` (the metric against steps x ms/step, log; the lm's entropy floor
+drawn) and each launch's log under ``OUT/logs/``.
 """
 
 from __future__ import annotations
@@ -86,14 +108,17 @@ class Preset:
     ranks: int
     auto: str
     sizes: models.Sizes
+    lm_steps: int  # the lm's --steps: AdamW's float32 run plateaus near its floor by then
 
 
 PRESETS = {
     # a few minutes on 2 cores: one small model, few steps
-    "small": Preset("mlp", 30, 2, "qsgd_maxnorm_bits4", models.SMALL),
+    "small": Preset("mlp", 30, 2, "qsgd_maxnorm_bits4", models.SMALL, 300),
     # the full comparison: the 8.55M-parameter MLP, a ResNet, a transformer block
-    "full": Preset("mlp,resnet,transformer", 150, 4, "all", models.FULL),
+    "full": Preset("mlp,resnet,transformer", 150, 4, "all", models.FULL, 1000),
 }
+#: --lr's default by optimizer (peak, cosine)
+LR = {"sgd": 0.1, "adamw": 2e-2}
 
 
 def ddp_configs(powersgd_ranks: list[int], start: int, bucket_mb: float | None) -> list[Config]:
@@ -211,6 +236,38 @@ def sharded_configs(families, codecs: str, gathers=("float32",)) -> list[Config]
     return out
 
 
+def adam_configs(configs: list[Config], warmup: int | None) -> list[Config]:
+    """``configs`` with, after each ``DistributedOptimizer`` and ``ZeroOptimizer`` one, its
+    twin in compressed-Adam mode (``adam_warmup=warmup``: ``warmup`` uncompressed AdamW
+    steps, then the second moment frozen and the first through the codec), labelled
+    ``_adam{warmup}``; ``configs`` as they are where ``warmup`` is None."""
+    if warmup is None:
+        return list(configs)
+    out = []
+    for c in configs:
+        out.append(c)
+        if c.spec["kind"] in ("mpicomp", "mpicomp_zero"):
+            out.append(Config(f"{c.label}_adam{warmup}", {**c.spec, "adam_warmup": warmup}))
+    return out
+
+
+def for_model(args, model: str) -> argparse.Namespace:
+    """``args`` with ``model``'s settings where the flags leave them open: its optimizer
+    (``models.OPTIMIZERS``), that optimizer's learning rate (``LR``), its steps (the
+    preset's; ``lm_steps`` for the lm), an evaluation every tenth of them, and the
+    learning rate's linear warm-up (AdamW's: the first tenth of the steps)."""
+    preset = PRESETS[args.preset]
+    out = argparse.Namespace(**vars(args))
+    out.optimizer = args.optimizer or models.OPTIMIZERS[model]
+    out.lr = LR[out.optimizer] if args.lr is None else args.lr
+    if args.steps is None:
+        out.steps = preset.lm_steps if model == "lm" else preset.steps
+    out.eval_every = args.eval_every or max(1, out.steps // 10)
+    if args.lr_warmup is None:  # AdamW's first tenth; none for SGD, as it always ran
+        out.lr_warmup = out.steps // 10 if out.optimizer == "adamw" else 0
+    return out
+
+
 def _skipped(config: Config, skip: set[str]) -> bool:
     return config.label in skip or config.spec.get("codec") in skip
 
@@ -321,11 +378,14 @@ def _launch(network: Network, argv: list[str], tag: str, args) -> tuple[dict, di
 def run_config(network: Network, model: str, config: Config, args) -> dict:
     """Launch one configuration under ``--timeout``; return its row (never raises for
     what the launch does)."""
+    args = for_model(args, model)
     argv = ["-m", "jobs.peers.worker", "--model", model, "--config", json.dumps(config.spec)]
     argv += ["--sizes", json.dumps(asdict(args.sizes))]
     argv += ["--steps", str(args.steps), "--warmup", str(args.warmup)]
     argv += ["--eval-every", str(args.eval_every), "--batch", str(args.batch)]
     argv += ["--lr", str(args.lr), "--seed", str(args.seed), "--iface", network.iface]
+    argv += ["--optimizer", args.optimizer, "--weight-decay", str(args.weight_decay)]
+    argv += ["--lr-warmup", str(args.lr_warmup)]
     argv += ["--tc-dev", ",".join(network.tc_devs)]
     argv += ["--host-ranks", str(args.hsdp_host_ranks)]
     row = {"network": network.name, "model": model, "config": config.label, **config.spec}
@@ -366,43 +426,40 @@ def _kill(proc: subprocess.Popen) -> None:
     proc.wait()
 
 
-#: DDP float32 has plateaued when the best accuracy of the last half of its evaluations
-#: is at most this much above the best of the first half.
-PLATEAU = 0.01  # about 4 of the digits test set's 360 samples
-
-
-def plateau(accuracy: list) -> tuple[bool, float]:
-    """Return whether a run's evaluations (``[(step, accuracy), ...]``) have plateaued,
-    and how much the last half's best rose over the first half's (``PLATEAU``); fewer
-    than 4 evaluations never have."""
+def plateau(accuracy: list, metric: models.Metric = models.ACCURACY) -> tuple[bool, float]:
+    """Return whether a run's evaluations (``[(step, value), ...]`` of ``metric``) have
+    plateaued, and how much better the last half's best is than the first half's: it has
+    where that is at most ``metric.tolerance``. Fewer than 4 evaluations never have."""
     acc = [a for _, a in accuracy]
     if len(acc) < 4:
         return False, float("nan")
     half = len(acc) // 2
-    rise = max(acc[half:]) - max(acc[:half])
-    return rise <= PLATEAU, rise
+    rise = metric.gain(metric.best(acc[:half]), metric.best(acc[half:]))
+    return rise <= metric.tolerance, rise
 
 
-def add_targets(rows: list[dict]) -> None:
-    """Give every row of one network and model its time to DDP float32's final accuracy,
-    whether DDP float32 had plateaued (``plateaued``, ``rise``: a time to the accuracy
-    of a run still rising is an early-training figure, not a time to accuracy), and, for
-    a row that reached the target, its final accuracy when it ended more than
-    ``PLATEAU`` below it (``fell_to``: it reached the target and lost it). Where FSDP2
-    float32 ran (``SHARDED_REFERENCE``), the same against its final accuracy under
-    ``vs_fsdp``."""
-    for r, fields in zip(rows, _targets(rows, REFERENCE), strict=True):
+def add_targets(rows: list[dict], metric: models.Metric = models.ACCURACY) -> None:
+    """Give every row of one network and model its time to DDP float32's final value of
+    ``metric`` (its first evaluation at least as good: an accuracy as high, a loss as
+    low), whether DDP float32 had plateaued (``plateaued``, ``rise``: a time to the value
+    of a run still improving is an early-training figure, not a time to accuracy), and,
+    for a row that reached the target, its final value when it ended more than
+    ``metric.tolerance`` worse (``fell_to``: it reached the target and lost it). Where
+    FSDP2 float32 ran (``SHARDED_REFERENCE``), the same against its final value under
+    ``vs_fsdp``. The rows' ``accuracy``, ``final_accuracy`` and ``target_accuracy``
+    hold ``metric``'s values, whichever it is."""
+    for r, fields in zip(rows, _targets(rows, REFERENCE, metric), strict=True):
         r.update(fields)
     if any(r["config"] == SHARDED_REFERENCE for r in rows):
-        for r, fields in zip(rows, _targets(rows, SHARDED_REFERENCE), strict=True):
+        for r, fields in zip(rows, _targets(rows, SHARDED_REFERENCE, metric), strict=True):
             r["vs_fsdp"] = fields
 
 
-def _targets(rows: list[dict], reference: str) -> list[dict]:
-    """``add_targets``'s fields of every row against the final accuracy of ``reference``."""
+def _targets(rows: list[dict], reference: str, metric: models.Metric) -> list[dict]:
+    """``add_targets``'s fields of every row against the final value of ``reference``."""
     ref = next((r for r in rows if r["config"] == reference and r["status"] == "ok"), None)
     target = ref["final_accuracy"] if ref else None
-    flat, rise = plateau(ref["accuracy"]) if ref else (False, float("nan"))
+    flat, rise = plateau(ref["accuracy"], metric) if ref else (False, float("nan"))
     out = []
     for r in rows:
         f = {"target_accuracy": target, "plateaued": flat, "rise": rise}
@@ -412,24 +469,24 @@ def _targets(rows: list[dict], reference: str) -> list[dict]:
             continue
         if r["status"] != "ok" and not r["status"].startswith("diverged"):
             continue
-        hit = next((step for step, acc in r["accuracy"] if acc >= target), None)
+        hit = next((step for step, acc in r["accuracy"] if metric.reached(acc, target)), None)
         f["steps_to_target"] = hit
         if hit is not None:
             f["seconds_to_target"] = hit * r["ms_step"] / 1e3
             last = r["accuracy"][-1][1]
-            if r["status"] != "ok" or last < target - PLATEAU:
+            if r["status"] != "ok" or metric.gain(target, last) < -metric.tolerance:
                 f["fell_to"] = last
     return out
 
 
-def _reach(r: dict, target, steps: int) -> str:
+def _reach(r: dict, target, steps: int, metric: models.Metric = models.ACCURACY) -> str:
     """The table's last column: the time to the target, and what came after."""
     if r["seconds_to_target"] is not None:
         reach = f"{r['seconds_to_target']:.2f} s (step {r['steps_to_target']})"
         if r["status"] != "ok":
             return f"{reach}, then {r['status']}"
         if r["fell_to"] is not None:
-            return f"{reach}, then fell to {r['fell_to']:.3f}"
+            return f"{reach}, then {metric.worse} to {r['fell_to']:.3f}"
         return reach
     if r["status"] != "ok":
         return r["status"]
@@ -457,18 +514,19 @@ def _ran(r: dict) -> bool:
     return r["status"] == "ok" or r["status"].startswith("diverged")
 
 
-def table(rows: list[dict], args, out=sys.stdout) -> None:
-    """Print one network and model's rows; and, where FSDP2 float32 ran, every row's time
-    to its final accuracy."""
+def table(rows: list[dict], args, out=sys.stdout, metric: models.Metric = models.ACCURACY) -> None:
+    """Print one network and model's rows, scored by ``metric``; and, where FSDP2 float32
+    ran, every row's time to its final value."""
     ref = next((r for r in rows if r["config"] == REFERENCE and r.get("ms_step")), None)
     mid = args.eval_every * max(1, args.steps // args.eval_every // 2)
     target = rows[0].get("target_accuracy")
-    goal = "time to DDP f32's " + ("(no reference)" if target is None else f"{target:.3f}")
+    goal = "time to DDP f32's " + ("(no reference)" if target is None else metric.target(target))
     shaped = any(r.get("bytes_per_step_tc") is not None for r in rows)
     w = _label_width(rows)
+    short = metric.short
     head = (
         f"{'configuration':<{w}}{'ms/step':>9}{'x DDP':>7}{'MB/step':>9}{'opt MB':>9}"
-        f"{f'acc@{mid}':>9}{f'acc@{args.steps}':>9}  {goal}"
+        f"{f'{short}@{mid}':>10}{f'{short}@{args.steps}':>10}  {goal}"
     )
 
     def line(r: dict) -> str:
@@ -476,10 +534,10 @@ def table(rows: list[dict], args, out=sys.stdout) -> None:
             return f"{r['config']:<{w}}{r['status']}"
         ms = r["ms_step"]
         speed = f"{ref['ms_step'] / ms:.2f}" if ref and ms else "-"
-        reach = _reach(r, target, args.steps)
+        reach = _reach(r, target, args.steps, metric)
         return (
             f"{r['config']:<{w}}{ms:>9.1f}{speed:>7}{_fmt_bytes(r):>9}{_fmt_optimizer(r):>9}"
-            f"{_acc_at(r, mid):>9}{_acc_at(r, args.steps):>9}  {reach}"
+            f"{_acc_at(r, mid):>10}{_acc_at(r, args.steps):>10}  {reach}"
         )
 
     print_table(head, map(line, rows), out)
@@ -496,40 +554,50 @@ def table(rows: list[dict], args, out=sys.stdout) -> None:
     )
     print(
         "opt MB: the optimizer's state tensors on the rank that holds the most (SGD's "
-        "momentum; ZeroOptimizer's float32 master rows where it keeps them)",
+        "momentum, AdamW's two moments; ZeroOptimizer's float32 master rows where it "
+        "keeps them)",
         file=out,
     )
-    _rising(rows[0], "DDP float32", args.steps, out)
+    if not metric.higher:
+        print(
+            f"{short}: {metric.name}, the mean next-token cross-entropy over the test "
+            "split (nats; lower is better)",
+            file=out,
+        )
+    _rising(rows[0], "DDP float32", args.steps, out, metric)
     if "vs_fsdp" in rows[0]:
-        _sharded_table(rows, args, out)
+        _sharded_table(rows, args, out, metric)
 
 
 def _label_width(rows: list[dict]) -> int:
     return max([40] + [len(r["config"]) + 2 for r in rows])
 
 
-def _rising(fields: dict, name: str, steps: int, out) -> None:
+def _rising(fields: dict, name: str, steps: int, out, metric: models.Metric) -> None:
     """Say under a table when its reference had not plateaued."""
     if fields["target_accuracy"] is None or fields["plateaued"]:
         return
     rise = fields["rise"]
+    side = "above" if metric.higher else "below"
     why = (
         "too few evaluations to tell"
         if rise != rise  # NaN: fewer than 4
-        else f"its last half's best {rise:+.3f} over its first half's"
+        else f"its last half's best {rise:.3f} {side} its first half's"
     )
     print(
-        f"{name} was still rising at step {steps} ({why}): times to its "
-        "accuracy are early-training figures; run more --steps for a time to accuracy",
+        f"{name} was still {metric.moving} at step {steps} ({why}): times to its "
+        f"{metric.name} are early-training figures; run more --steps for a time to "
+        f"{metric.name}",
         file=out,
     )
 
 
-def _sharded_table(rows: list[dict], args, out) -> None:
-    """Every row against FSDP2 float32: its speed and its time to FSDP2's final accuracy."""
+def _sharded_table(rows: list[dict], args, out, metric: models.Metric) -> None:
+    """Every row against FSDP2 float32: its speed and its time to FSDP2's final value."""
     ref = next((r for r in rows if r["config"] == SHARDED_REFERENCE and r.get("ms_step")), None)
     target = rows[0]["vs_fsdp"]["target_accuracy"]
-    goal = "time to FSDP2 f32's " + ("(no reference)" if target is None else f"{target:.3f}")
+    no_ref = target is None
+    goal = "time to FSDP2 f32's " + ("(no reference)" if no_ref else metric.target(target))
     w = _label_width(rows)
     head = f"{'configuration':<{w}}{'ms/step':>9}{'x FSDP2':>9}{'opt MB':>9}  {goal}"
 
@@ -538,16 +606,18 @@ def _sharded_table(rows: list[dict], args, out) -> None:
             return f"{r['config']:<{w}}{r['status']}"
         ms = r["ms_step"]
         speed = f"{ref['ms_step'] / ms:.2f}" if ref and ms else "-"
-        reach = _reach({**r, **r["vs_fsdp"]}, target, args.steps)
+        reach = _reach({**r, **r["vs_fsdp"]}, target, args.steps, metric)
         return f"{r['config']:<{w}}{ms:>9.1f}{speed:>9}{_fmt_optimizer(r):>9}  {reach}"
 
     print(file=out)
     print_table(head, map(line, rows), out)
-    _rising(rows[0]["vs_fsdp"], "FSDP2 float32", args.steps, out)
+    _rising(rows[0]["vs_fsdp"], "FSDP2 float32", args.steps, out, metric)
 
 
-def plot(path: str, groups: dict, title: str) -> None:
-    """Accuracy against steps x ms/step, one panel per network and model."""
+def plot(path: str, groups: dict, title: str, floors: dict | None = None) -> None:
+    """Each model's metric (``models.METRICS``) against steps x ms/step, one panel per
+    network and model; ``floors``: a model's least possible value, drawn (the lm's
+    entropy floor)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -570,10 +640,14 @@ def plot(path: str, groups: dict, title: str) -> None:
         target = groups[key][0].get("target_accuracy")
         if target is not None:
             ax.axhline(target, color="grey", ls=":", lw=1)
-        ax.set_title(f"{key[0]}, {key[1]}")
+        floor = (floors or {}).get(key[1])
+        if floor is not None:
+            ax.axhline(floor, color="red", ls=":", lw=1, label="entropy floor")
+        steps = next((r["steps"] for r in rows), None)
+        ax.set_title(f"{key[0]}, {key[1]}" + (f", {steps} steps" if steps else ""))
         ax.set_xscale("log")
         ax.set_xlabel("steps x median ms/step (s, log)")
-        ax.set_ylabel("test accuracy")
+        ax.set_ylabel(models.METRICS[key[1]].name)
         ax.grid(True, alpha=0.3)
         if rows:
             ax.legend(fontsize=6, ncol=2)
@@ -605,7 +679,12 @@ def _parse(argv):
         "MLP 64-2048-2048-2048-10, ResNet width 64 on 32x32, transformer width 256, 150 "
         "steps, 4 ranks)",
     )
-    ap.add_argument("--models", default=None, help=f"comma list of {', '.join(models.MODELS)}")
+    ap.add_argument(
+        "--models",
+        default=None,
+        help=f"comma list of {', '.join(models.MODELS)} (lm: a causal transformer language "
+        "model under AdamW, scored by held-out loss)",
+    )
     ap.add_argument("--mlp-hidden", default=None, help="the MLP's hidden widths (preset's)")
     ap.add_argument("--resnet-width", type=int, default=None, help="the ResNet's first width")
     ap.add_argument("--transformer-width", type=int, default=None, help="d_model (preset's)")
@@ -615,11 +694,48 @@ def _parse(argv):
     ap.add_argument("--hosts", type=int, default=4, help="emulated hosts of `hosts` (4)")
     ap.add_argument("--ranks-per-host", type=int, default=1, help="with `hosts` (1)")
     ap.add_argument("--intra-host", choices=("shm", "tcp"), default="shm", help="as jobs.netem")
-    ap.add_argument("--steps", type=int, default=None, help="SGD steps per configuration")
+    ap.add_argument(
+        "--steps",
+        type=int,
+        default=None,
+        help="optimizer steps per configuration (the preset's: 30 small, 150 full; the "
+        "lm's 300 small, 1000 full)",
+    )
     ap.add_argument("--warmup", type=int, default=3, help="steps left out of ms/step (3)")
     ap.add_argument("--eval-every", type=int, default=None, help="steps (steps / 10)")
     ap.add_argument("--batch", type=int, default=32, help="samples per rank (32)")
-    ap.add_argument("--lr", type=float, default=0.1, help="peak learning rate, cosine (0.1)")
+    ap.add_argument(
+        "--lr",
+        type=float,
+        default=None,
+        help="peak learning rate, cosine (the optimizer's: 0.1 sgd, 0.02 adamw)",
+    )
+    ap.add_argument(
+        "--lr-warmup",
+        type=int,
+        default=None,
+        metavar="STEPS",
+        help="steps of linear learning-rate ramp before the cosine (the optimizer's: none "
+        "for sgd, a tenth of --steps for adamw)",
+    )
+    ap.add_argument(
+        "--optimizer",
+        choices=("sgd", "adamw"),
+        default=None,
+        help="every configuration's optimizer: sgd (momentum 0.9) or adamw (betas 0.9, "
+        "0.999); the model's by default (sgd; adamw for lm)",
+    )
+    ap.add_argument("--weight-decay", type=float, default=0.01, help="AdamW's weight decay (0.01)")
+    ap.add_argument(
+        "--adam-warmup",
+        type=int,
+        default=None,
+        metavar="N",
+        help="AdamW only: each DistributedOptimizer and ZeroOptimizer row again (label "
+        "suffix _adamN) in mpicomp's compressed-Adam mode, adam_warmup=N: N uncompressed "
+        "steps, then the second moment frozen and the gradients through the codec (with "
+        "its error feedback) into the momentum (none by default)",
+    )
     ap.add_argument("--seed", type=int, default=0, help="weights and batches (0)")
     ap.add_argument(
         "--codecs",
@@ -697,9 +813,7 @@ def _parse(argv):
     preset = PRESETS[args.preset]
     args.models = [m.strip() for m in (args.models or preset.models).split(",") if m.strip()]
     args.networks = [n.strip() for n in args.networks.split(",") if n.strip()]
-    args.steps = preset.steps if args.steps is None else args.steps
     args.ranks = preset.ranks if args.ranks is None else args.ranks
-    args.eval_every = args.eval_every or max(1, args.steps // 10)
     strict = args.auto is not None  # the preset's runs only where --codecs has them
     args.auto = preset.auto if args.auto is None else args.auto
     args.sizes = preset.sizes
@@ -728,6 +842,15 @@ def _parse(argv):
         args.configs += sharded_configs(
             families, args.sharded_codecs, _words(args.zero_gather) or ["float32"]
         )
+        if args.adam_warmup is not None:
+            if args.adam_warmup < 1:
+                raise ValueError("--adam-warmup must be >= 1 (AdamW's second moment comes first)")
+            if "adamw" not in {for_model(args, m).optimizer for m in args.models}:
+                raise ValueError(
+                    "--adam-warmup: compressed Adam needs AdamW: --optimizer adamw, or a "
+                    "model that steps it (lm)"
+                )
+        args.configs = adam_configs(args.configs, args.adam_warmup)
         patterns = _words(args.rows)
         if patterns:
             args.configs = [
@@ -738,7 +861,8 @@ def _parse(argv):
     except ValueError as e:
         ap.error(str(e))
     args.skip = {s.strip() for s in args.skip.split(",") if s.strip()}
-    if args.steps <= args.warmup or args.warmup < 0 or args.ranks < 1 or args.batch < 1:
+    steps = [for_model(args, m).steps for m in args.models]
+    if min(steps) <= args.warmup or args.warmup < 0 or args.ranks < 1 or args.batch < 1:
         ap.error("--steps must exceed --warmup (>= 0); --ranks and --batch must be >= 1")
     if "hosts" in args.networks and not 1 <= args.hosts <= namespace.MAX_HOSTS:
         ap.error(f"--hosts must be 1..{namespace.MAX_HOSTS}")
@@ -763,6 +887,7 @@ def main(argv=None) -> int:
     os.makedirs(os.path.join(args.out, "logs"), exist_ok=True)
     vendor = mpi_vendor()
     started = time.time()
+    settings = {m: _settings(args, m) for m in args.models}
     summary = {
         "meta": {
             "job": "jobs.peers",
@@ -772,10 +897,11 @@ def main(argv=None) -> int:
             "host": platform.node(),
             "cpus": os.cpu_count(),
             "mpi": vendor,
-            "steps": args.steps,
+            "steps": _common(s["steps"] for s in settings.values()),
             "warmup": args.warmup,
             "batch_per_rank": args.batch,
-            "lr": args.lr,
+            "lr": _common(s["lr"] for s in settings.values()),
+            "models": settings,  # each model's optimizer, lr, steps (and the lm's entropies)
             "rate": args.rate,
             "sizes": asdict(args.sizes),
             "hsdp_host_ranks": args.hsdp_host_ranks,
@@ -816,32 +942,67 @@ def main(argv=None) -> int:
     print(f"\nwrote {path} ({summary['meta']['seconds']:.0f} s)")
     if groups and not args.no_plot:
         png = os.path.join(args.out, "accuracy.png")
-        title = f"jobs.peers: {args.steps} steps, batch {args.batch} per rank"
-        plot(png, groups, title)
+        title = f"jobs.peers: batch {args.batch} per rank"
+        floors = {m: s.get("floor") for m, s in settings.items()}
+        plot(png, groups, title, floors)
         print(f"wrote {png}")
     return code
+
+
+def _settings(args, model: str) -> dict:
+    """What ``model`` runs with (``for_model``), and its language's entropies (the lm)."""
+    margs = for_model(args, model)
+    keys = ("optimizer", "lr", "lr_warmup", "steps", "eval_every")
+    out = {k: getattr(margs, k) for k in keys}
+    if out["optimizer"] == "adamw":
+        out["weight_decay"] = args.weight_decay
+    data = models.load(model, args.sizes) if model == "lm" else None
+    if data is not None:
+        out.update(floor=data.floor, unigram=data.unigram)
+    return out
+
+
+def _common(values):
+    """The one value every model has, or None."""
+    values = set(values)
+    return values.pop() if len(values) == 1 else None
 
 
 def _run_model(network: Network, model: str, args) -> list[dict]:
     """Every configuration on one network and model, reported as it goes."""
     n = models.n_params(models.build(model, args.sizes, args.seed))
+    margs = for_model(args, model)
     print(
         f"\n{network.name}, {model} ({n:,} parameters), {network.ranks} ranks, batch "
-        f"{args.batch} per rank, {args.steps} steps (ms/step: median after {args.warmup})",
+        f"{args.batch} per rank, {margs.steps} steps of {margs.optimizer} at lr {margs.lr:g} "
+        f"(cosine, {margs.lr_warmup} steps' warm-up; ms/step: median after {args.warmup})",
         flush=True,
     )
+    metric = models.METRICS[model]
+    if model == "lm":
+        data = models.load(model, args.sizes)
+        print(
+            f"its language: entropy floor {data.floor:.4f} nats/token (the true chain's "
+            f"expected {metric.name}), unigram entropy {data.unigram:.4f}",
+            flush=True,
+        )
     rows = []
     for config in args.configs:
         if _skipped(config, args.skip):
             row = {"network": network.name, "model": model, "config": config.label}
             rows.append({**row, **config.spec, "status": "skipped (--skip)"})
             continue
+        if config.spec.get("adam_warmup") and margs.optimizer != "adamw":
+            row = {"network": network.name, "model": model, "config": config.label}
+            why = f"skipped (--adam-warmup: AdamW's; {model} steps {margs.optimizer})"
+            rows.append({**row, **config.spec, "status": why})
+            continue
         row = run_config(network, model, config, args)
         rows.append(row)
         ms = f"{row['ms_step']:.1f} ms/step" if row.get("ms_step") else ""
         print(f"  {config.label}: {row['status']} {ms} ({row['seconds']:.0f} s)", flush=True)
-    add_targets(rows)
-    table(rows, args)
+    add_targets(rows, metric)
+    table(rows, margs, metric=metric)
     if network.uncounted:
         print(f"MB/step: not every byte: {network.uncounted}", flush=True)
     return rows

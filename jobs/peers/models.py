@@ -10,6 +10,17 @@
   ``torch.nn.TransformerEncoderLayer`` (attention and a 4x feed-forward), mean pooling
   and a linear head, on synthetic sequences: random tokens among which a few of each
   class's own signal tokens are planted.
+- ``lm``: a causal transformer language model (GPT's layout, small): token embeddings
+  tied with the output projection, learned positions, ``lm_layers`` pre-LayerNorm
+  ``torch.nn.TransformerEncoderLayer`` blocks under a causal mask, a final LayerNorm;
+  trained on next-token prediction (logits ``[batch, seq, vocab]`` against targets
+  ``[batch, seq]``) and scored by held-out loss (``METRICS``) over a synthetic language:
+  sequences of a random order-1 Markov chain over ``lm_vocab`` tokens whose every token
+  has a few likely successors (each row of the transition matrix a Dirichlet draw of
+  total concentration ``LM_CONCENTRATION``), started from its stationary distribution.
+  Its entropy floor (``Data.floor``: the expected per-token cross-entropy of the true
+  chain, the least any model's held-out loss can be in expectation) is exact, ~1.25
+  nats at 64 tokens, against the unigram entropy (``Data.unigram``) of ~3.8.
 
 The synthetic sets come from a fixed seed, so every rank, configuration and re-run sees
 the same samples; they are learnable but not at once (noise decides how fast).
@@ -23,14 +34,68 @@ import numpy as np
 
 from jobs._data import load_digits
 
-MODELS = ("mlp", "resnet", "transformer")
+MODELS = ("mlp", "resnet", "transformer", "lm")
 N_CLASSES = 10
 DATA_SEED = 1234  # the synthetic sets are fixed: every run is scored on the same test set
+#: The lm's chain: each row of its transition matrix is Dirichlet(LM_CONCENTRATION / vocab)
+#: over the vocabulary: a few likely successors per token (~5 above 1 % at 64 tokens).
+LM_CONCENTRATION = 1.5
+
+
+@dataclass(frozen=True)
+class Metric:
+    """How a model's test split scores it: ``name`` (the tables' and plots' words),
+    ``short`` (column heads), ``higher`` (whether higher is better) and ``tolerance``
+    (in its units: a reference has plateaued when its last half's best evaluation beats
+    its first half's by at most this, and a run that reached the target and then ended
+    worse than it by more than this "fell")."""
+
+    name: str
+    short: str
+    higher: bool
+    tolerance: float
+
+    def reached(self, value: float, target: float) -> bool:
+        """Whether ``value`` is at least as good as ``target``."""
+        return value >= target if self.higher else value <= target
+
+    def best(self, values) -> float:
+        return max(values) if self.higher else min(values)
+
+    def gain(self, before: float, after: float) -> float:
+        """How much better ``after`` is than ``before`` (negative: worse)."""
+        return after - before if self.higher else before - after
+
+    def target(self, value: float) -> str:
+        """A target value as a column head names it: an accuracy bare, as the tables
+        always showed it, another metric by its name."""
+        return f"{value:.3f}" if self == ACCURACY else f"{self.name} {value:.3f}"
+
+    @property
+    def moving(self) -> str:
+        """What a run still improving does."""
+        return "rising" if self.higher else "falling"
+
+    @property
+    def worse(self) -> str:
+        """What a run getting worse does."""
+        return "fell" if self.higher else "rose"
+
+
+ACCURACY = Metric("test accuracy", "acc", True, 0.01)  # ~4 of the digits' 360 test samples
+#: the lm's: mean next-token cross-entropy on the test split, in nats. Its tolerance is
+#: wider than accuracy's: the cosine's decay alone takes 0.02-0.03 nats off the float32
+#: run's loss in its last half, however many steps (0.05 nats: under 2 % of the way from
+#: the untrained log(64) = 4.16 to the floor).
+LOSS = Metric("held-out loss", "loss", False, 0.05)
+METRICS = {"mlp": ACCURACY, "resnet": ACCURACY, "transformer": ACCURACY, "lm": LOSS}
+#: each model's optimizer unless --optimizer says otherwise
+OPTIMIZERS = {"mlp": "sgd", "resnet": "sgd", "transformer": "sgd", "lm": "adamw"}
 
 
 @dataclass(frozen=True)
 class Sizes:
-    """The widths of the three models (``--preset`` gives them, flags override)."""
+    """The widths of the models (``--preset`` gives them, flags override)."""
 
     mlp_hidden: tuple[int, ...] = (256, 256)
     resnet_width: int = 8
@@ -38,6 +103,10 @@ class Sizes:
     transformer_width: int = 64
     transformer_seq: int = 16
     transformer_vocab: int = 256
+    lm_width: int = 64
+    lm_layers: int = 2
+    lm_seq: int = 48
+    lm_vocab: int = 64
 
 
 SMALL = Sizes()
@@ -48,17 +117,28 @@ FULL = Sizes(
     transformer_width=256,
     transformer_seq=64,
     transformer_vocab=2048,
+    lm_width=256,
+    lm_layers=4,
+    lm_seq=64,
+    lm_vocab=256,
 )
 
 
 @dataclass(frozen=True)
 class Data:
-    """Inputs and labels, train and test (float32 images/rows or int64 token ids)."""
+    """Inputs and labels, train and test (float32 images/rows or int64 token ids; the lm's
+    labels are the next tokens, one per input token). The lm's language also gives
+    ``floor``, its entropy per token in nats (the true chain's expected next-token
+    cross-entropy: no model's held-out loss is below it in expectation), and
+    ``unigram``, the entropy of its token frequencies (a model that ignores the
+    context's best); None for the other models."""
 
     x_train: np.ndarray
     y_train: np.ndarray
     x_test: np.ndarray
     y_test: np.ndarray
+    floor: float | None = None
+    unigram: float | None = None
 
 
 def load(name: str, sizes: Sizes) -> Data:
@@ -70,6 +150,8 @@ def load(name: str, sizes: Sizes) -> Data:
         return _images(sizes.resnet_image)
     if name == "transformer":
         return _sequences(sizes.transformer_seq, sizes.transformer_vocab)
+    if name == "lm":
+        return _language(sizes.lm_seq, sizes.lm_vocab)
     raise ValueError(f"unknown model {name!r}; choose from {', '.join(MODELS)}")
 
 
@@ -107,6 +189,39 @@ def _sequences(seq: int, vocab: int, n: int = 4096, n_test: int = 512) -> Data:
     return _split(x.astype(np.int64), y.astype(np.int64), n_test)
 
 
+def _entropy(p: np.ndarray) -> np.ndarray:
+    """Entropy in nats along the last axis (0 log 0 = 0)."""
+    logs = np.log(np.where(p > 0, p, 1.0))
+    return -(p * logs).sum(axis=-1)
+
+
+def chain(vocab: int) -> tuple[np.ndarray, np.ndarray]:
+    """The lm's language: (its transition matrix, ``[vocab, vocab]``, row ``a`` the
+    distribution of the token after ``a``; its stationary distribution)."""
+    rng = np.random.default_rng(DATA_SEED)
+    p = rng.dirichlet(np.full(vocab, LM_CONCENTRATION / vocab), size=vocab)
+    values, vectors = np.linalg.eig(p.T)
+    pi = np.abs(np.real(vectors[:, np.argmin(np.abs(values - 1))]))
+    return p, pi / pi.sum()
+
+
+def _language(seq: int, vocab: int, n: int = 8192, n_test: int = 512) -> Data:
+    """``n`` sequences of ``seq + 1`` tokens of ``chain(vocab)``, each started from the
+    stationary distribution (so every position's token is distributed as it, and the
+    floor is exact at every position); inputs the first ``seq``, labels the last."""
+    p, pi = chain(vocab)
+    rng = np.random.default_rng(DATA_SEED + 1)
+    cum = np.cumsum(p, axis=1)
+    tokens = np.empty((n, seq + 1), dtype=np.int64)
+    tokens[:, 0] = np.minimum(np.searchsorted(np.cumsum(pi), rng.random(n)), vocab - 1)
+    for t in range(seq):
+        u = rng.random((n, 1))
+        tokens[:, t + 1] = np.minimum((cum[tokens[:, t]] < u).sum(axis=1), vocab - 1)
+    floor, unigram = float(pi @ _entropy(p)), float(_entropy(pi))
+    x, y = tokens[:, :-1], tokens[:, 1:]
+    return Data(x[n_test:], y[n_test:], x[:n_test], y[:n_test], floor=floor, unigram=unigram)
+
+
 def build(name: str, sizes: Sizes, seed: int):
     """Return model ``name`` with weights from ``seed`` alone (the same on every rank).
 
@@ -124,6 +239,8 @@ def build(name: str, sizes: Sizes, seed: int):
             return _transformer(
                 sizes.transformer_width, sizes.transformer_seq, sizes.transformer_vocab
             )
+        if name == "lm":
+            return _lm(sizes.lm_width, sizes.lm_layers, sizes.lm_seq, sizes.lm_vocab)
     raise ValueError(f"unknown model {name!r}; choose from {', '.join(MODELS)}")
 
 
@@ -194,6 +311,47 @@ def _transformer(width: int, seq: int, vocab: int):
             return self.head(self.block(self.embed(x) + self.position).mean(dim=1))
 
     return Classifier()
+
+
+def _lm(width: int, layers: int, seq: int, vocab: int):
+    import torch
+    from torch import nn
+
+    class LM(nn.Module):
+        """Logits ``[batch, seq, vocab]`` of the next token at every position, each from
+        the tokens up to it. The blocks are top-level children (``block0``, ...), so that
+        FSDP gives each its own unit; the tied embedding and head share one parameter,
+        which FSDP leaves to the root's unit."""
+
+        def __init__(self):
+            super().__init__()
+            self.embed = nn.Embedding(vocab, width)
+            nn.init.normal_(self.embed.weight, std=0.02)  # GPT-2's: tied logits start small
+            self.position = nn.Parameter(0.02 * torch.randn(seq, width))
+            self.layers = layers
+            for i in range(layers):  # dropout 0 as the transformer's; heads of 32
+                block = nn.TransformerEncoderLayer(
+                    width,
+                    max(1, width // 32),
+                    4 * width,
+                    dropout=0.0,
+                    batch_first=True,
+                    norm_first=True,
+                )
+                self.add_module(f"block{i}", block)
+            self.norm = nn.LayerNorm(width)
+            self.head = nn.Linear(width, vocab, bias=False)
+            self.head.weight = self.embed.weight
+
+        def forward(self, x):
+            n = x.shape[1]
+            mask = torch.triu(torch.full((n, n), float("-inf")), diagonal=1)
+            h = self.embed(x) + self.position[:n]
+            for i in range(self.layers):
+                h = getattr(self, f"block{i}")(h, src_mask=mask, is_causal=True)
+            return self.head(self.norm(h))
+
+    return LM()
 
 
 def n_params(model) -> int:

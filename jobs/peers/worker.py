@@ -1,22 +1,30 @@
 """One configuration of ``jobs.peers``, on every MPI rank of one launch.
 
 ``python -m mpi4py -m jobs.peers.worker --model M --config JSON --result PATH ...``:
-trains model M (jobs/peers/models.py) for ``--steps`` SGD steps (momentum, cosine
-learning rate) by the configuration's ``kind``:
+trains model M (jobs/peers/models.py) for ``--steps`` steps of ``--optimizer`` (SGD with
+momentum, or AdamW; a cosine learning rate after ``--lr-warmup`` steps of linear ramp)
+by the configuration's ``kind``:
 
 - ``ddp``: torch DDP over gloo (no hook, the fp16 or bf16 hook, PowerSGD);
 - ``zero_ddp``: DDP with torch's ``ZeroRedundancyOptimizer``;
 - ``fsdp``: torch FSDP2 over gloo, ``fully_shard`` on every top-level layer that has
   parameters, then on the model (``reduce_dtype``: its ``MixedPrecisionPolicy``);
 - ``mpicomp``: ``mpicomp.torch.DistributedOptimizer`` (a codec, its parameters, a
-  schedule);
+  schedule; ``adam_warmup``: its compressed-Adam mode, given only where the
+  configuration has it);
 - ``mpicomp_fsdp``: FSDP2 as ``fsdp``, its reduce-scatter mpicomp's
   (``mpicomp.torch.compress_fsdp``);
 - ``mpicomp_hsdp``: FSDP2 within each host (``mpicomp.torch.host_mesh``), the shards
   averaged over the hosts by mpicomp (``compress_hsdp``); a host is the ranks of one
   address of ``--iface`` (jobs.netem's emulated hosts), or, where every rank has the
   same address (a loopback), each ``--host-ranks`` consecutive ranks;
-- ``mpicomp_zero``: ``mpicomp.torch.ZeroOptimizer`` (a codec, ``gather_precision``).
+- ``mpicomp_zero``: ``mpicomp.torch.ZeroOptimizer`` (a codec, ``gather_precision``,
+  ``adam_warmup`` as ``mpicomp``'s).
+
+Every kind steps the same optimizer: ``torch.optim.SGD`` (``--momentum``) or
+``torch.optim.AdamW`` (betas (0.9, 0.999), ``--weight-decay``), ZeroRedundancyOptimizer's
+and ZeroOptimizer's as their ``optimizer_class``. The loss is the cross-entropy of the
+logits against the labels, flattened (the lm's: every position's next token).
 
 Rank 0 writes what it measured to PATH as JSON. The driver (jobs/peers/driver.py) starts
 one launch per configuration, so that one that hangs or fails ends alone.
@@ -26,21 +34,25 @@ Measured:
 - every step's time (zero_grad, forward, backward, the optimizer's step: the
   all-reduce included), the slowest rank's; ``ms_step`` is their median after
   ``--warmup`` steps;
-- test accuracy of rank 0's model every ``--eval-every`` steps and at the end (not
-  timed; the other ranks wait for it, or, sharded by FSDP, run the same forward);
+- the model's metric (``models.METRICS``: test accuracy; the lm's held-out loss, the
+  mean next-token cross-entropy over the test split in nats) of rank 0's model every
+  ``--eval-every`` steps and at the end (not timed; the other ranks wait for it, or,
+  sharded by FSDP, run the same forward); the result's ``accuracy`` and
+  ``final_accuracy`` hold it, whichever it is, and ``metric`` names it;
 - bytes per timed step: what tc's counters of ``--tc-dev`` say crossed the emulated
   network between the first timed step and the last (rank 0 reads them, as ``mpicomp
   bench --tc-dev``), and for mpicomp what its calls report (``on_call``: every rank's
   ``bytes_recv``, summed);
-- the optimizer's memory on each rank: the bytes of its state tensors (SGD's momentum:
-  the whole model's under DDP and DistributedOptimizer, this rank's shard's under FSDP
-  and the ZeRO optimizers, with ZeroOptimizer's float32 master rows where it keeps
-  them).
+- the optimizer's memory on each rank: the bytes of its state tensors (SGD's momentum,
+  AdamW's two moments and step counts: the whole model's under DDP and
+  DistributedOptimizer, this rank's shard's under FSDP and the ZeRO optimizers, with
+  ZeroOptimizer's float32 master rows where it keeps them).
 """
 
 from __future__ import annotations
 
 import argparse
+import collections
 import inspect
 import json
 import os
@@ -99,6 +111,24 @@ def end_gloo(comm) -> None:
     dist.destroy_process_group()
 
 
+def optimizer_of(name: str, momentum: float, weight_decay: float) -> tuple[type, dict]:
+    """The optimizer every peer steps: (its ``torch.optim`` class, its keywords; the
+    learning rate 0 until ``train`` sets it)."""
+    import torch
+
+    if name == "sgd":
+        return torch.optim.SGD, {"lr": 0.0, "momentum": momentum}
+    if name == "adamw":
+        return torch.optim.AdamW, {"lr": 0.0, "betas": (0.9, 0.999), "weight_decay": weight_decay}
+    raise ValueError(f"unknown optimizer {name!r}; choose from sgd, adamw")
+
+
+def _adam(config: dict) -> dict:
+    """The compressed-Adam keyword of mpicomp's optimizers, where the configuration asks
+    for the mode."""
+    return {"adam_warmup": config["adam_warmup"]} if config.get("adam_warmup") else {}
+
+
 class Peer:
     """What every configuration does per step: zero_grad, forward, backward, step.
 
@@ -113,7 +143,9 @@ class Peer:
         import torch
 
         self.optimizer.zero_grad()
-        self.loss = torch.nn.functional.cross_entropy(self.net(x), y)
+        # [batch, classes] against [batch]; the lm's [batch, seq, vocab] against [batch, seq]
+        logits = self.net(x)
+        self.loss = torch.nn.functional.cross_entropy(logits.flatten(0, -2), y.flatten())
         self.loss.backward()
         self.optimizer.step()
 
@@ -126,8 +158,7 @@ class DDPPeer(Peer):
     """torch DDP over gloo, with one of torch's communication hooks or none, or with
     torch's ``ZeroRedundancyOptimizer`` (``kind`` ``zero_ddp``)."""
 
-    def __init__(self, comm, model, config: dict, iface: str, lr_momentum: float):
-        import torch
+    def __init__(self, comm, model, config: dict, iface: str, optimizer: tuple[type, dict]):
         from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
         from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -168,11 +199,11 @@ class DDPPeer(Peer):
         if config["kind"] == "zero_ddp":
             from torch.distributed.optim import ZeroRedundancyOptimizer
 
-            self.optimizer = ZeroRedundancyOptimizer(
-                model.parameters(), torch.optim.SGD, lr=0.0, momentum=lr_momentum
-            )
+            cls, keywords = optimizer
+            self.optimizer = ZeroRedundancyOptimizer(model.parameters(), cls, **keywords)
         else:
-            self.optimizer = torch.optim.SGD(model.parameters(), lr=0.0, momentum=lr_momentum)
+            cls, keywords = optimizer
+            self.optimizer = cls(model.parameters(), **keywords)
 
     def state_bytes(self) -> int:
         # ZeroRedundancyOptimizer's state is its inner optimizer's, this rank's part
@@ -186,9 +217,7 @@ class DDPPeer(Peer):
 class MpicompPeer(Peer):
     """``mpicomp.torch.DistributedOptimizer`` with one codec (and schedule)."""
 
-    def __init__(self, comm, model, config: dict, momentum: float):
-        import torch
-
+    def __init__(self, comm, model, config: dict, optimizer: tuple[type, dict]):
         import mpicomp.torch as mt
 
         mt.broadcast_parameters(model, comm)
@@ -196,9 +225,11 @@ class MpicompPeer(Peer):
         options = dict(config.get("params", {}))
         if config.get("schedule"):
             options["schedule"] = config["schedule"]
-        self.sgd = torch.optim.SGD(model.parameters(), lr=0.0, momentum=momentum)
+        options.update(_adam(config))
+        cls, keywords = optimizer
+        self.inner = cls(model.parameters(), **keywords)
         self.optimizer = mt.DistributedOptimizer(
-            self.sgd,
+            self.inner,
             comm,
             model.named_parameters(),
             config["codec"],
@@ -208,7 +239,7 @@ class MpicompPeer(Peer):
         self.net = self.module = model
 
     def state_bytes(self) -> int:
-        return _state_bytes(self.sgd.state)
+        return _state_bytes(self.inner.state)
 
     def close(self) -> None:
         self.optimizer.close()
@@ -221,7 +252,9 @@ class FSDPPeer(Peer):
 
     sharded = True
 
-    def __init__(self, comm, model, config: dict, iface: str, momentum: float, host_ranks: int):
+    def __init__(
+        self, comm, model, config: dict, iface: str, optimizer: tuple[type, dict], host_ranks: int
+    ):
         import torch
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
@@ -235,9 +268,12 @@ class FSDPPeer(Peer):
         if config.get("reduce_dtype"):
             reduce = getattr(torch, config["reduce_dtype"])
             options["mp_policy"] = MixedPrecisionPolicy(reduce_dtype=reduce)
-        # FSDP's usual wrapping: each top-level layer its own unit, then the root
-        for layer in model.children():
-            if any(True for _ in layer.parameters()):
+        # FSDP's usual wrapping: each top-level layer its own unit, then the root; layers
+        # that share a parameter (the lm's tied embedding and head) are left to the root's
+        layers = [m for m in model.children() if any(True for _ in m.parameters())]
+        owners = collections.Counter(id(p) for m in layers for p in m.parameters())
+        for layer in layers:
+            if all(owners[id(p)] == 1 for p in layer.parameters()):
                 fully_shard(layer, **options)
         fully_shard(model, **options)
         self.cc = None
@@ -247,7 +283,8 @@ class FSDPPeer(Peer):
             params = config.get("params", {})
             self.cc = install(model, comm, config["codec"], on_call=self.counter, **params)
         self.net = self.module = model
-        self.optimizer = torch.optim.SGD(model.parameters(), lr=0.0, momentum=momentum)
+        cls, keywords = optimizer
+        self.optimizer = cls(model.parameters(), **keywords)
 
     def close(self) -> None:
         if self.cc is not None:
@@ -258,23 +295,22 @@ class FSDPPeer(Peer):
 class ZeroPeer(Peer):
     """``mpicomp.torch.ZeroOptimizer`` with one codec and ``gather_precision``."""
 
-    def __init__(self, comm, model, config: dict, momentum: float):
-        import torch
-
+    def __init__(self, comm, model, config: dict, optimizer: tuple[type, dict]):
         import mpicomp.torch as mt
 
         mt.broadcast_parameters(model, comm)
         self.counter = _Bytes()
         options = dict(config.get("params", {}))
         options["gather_precision"] = config.get("gather_precision", "float32")
+        options.update(_adam(config))
+        cls, keywords = optimizer
         self.optimizer = mt.ZeroOptimizer(
             model.named_parameters(),
-            torch.optim.SGD,
+            cls,
             comm,
             config["codec"],
             on_call=self.counter,
-            lr=0.0,
-            momentum=momentum,
+            **keywords,
             **options,
         )
         self.net = self.module = model
@@ -317,17 +353,24 @@ def _state_bytes(state) -> int:
     return sum(_local(t).nbytes for s in state.values() for t in s.values() if torch.is_tensor(t))
 
 
-def _accuracy(model, data: models.Data) -> float:
+def score(model, data: models.Data, metric: models.Metric) -> float:
+    """``model``'s ``metric`` on the test split: accuracy, or the mean cross-entropy over
+    every label (the lm's held-out loss, nats)."""
     import torch
 
     model.eval()
     with torch.no_grad():
-        hits = 0
+        total = 0.0
         for lo in range(0, len(data.y_test), 256):
             logits = model(torch.from_numpy(data.x_test[lo : lo + 256]))
-            hits += int((logits.argmax(dim=1).numpy() == data.y_test[lo : lo + 256]).sum())
+            y = torch.from_numpy(data.y_test[lo : lo + 256]).flatten()
+            logits = logits.flatten(0, -2)
+            if metric.higher:  # accuracy
+                total += int((logits.argmax(dim=1) == y).sum())
+            else:
+                total += float(torch.nn.functional.cross_entropy(logits, y, reduction="sum"))
     model.train()
-    return hits / len(data.y_test)
+    return total / data.y_test.size
 
 
 def _finite(tensors) -> bool:
@@ -337,17 +380,17 @@ def _finite(tensors) -> bool:
     return all(bool(torch.isfinite(_local(t)).all()) for t in tensors if t is not None)
 
 
-def _evaluate(comm, peer, data: models.Data) -> tuple[float, bool]:
-    """Rank 0's test accuracy and whether every rank's parameters are finite (the
-    same on every rank). A sharded model's forward is collective: every rank runs it."""
+def _evaluate(comm, peer, data: models.Data, metric: models.Metric) -> tuple[float, bool]:
+    """Rank 0's ``metric`` and whether every rank's parameters are finite (the same on
+    every rank). A sharded model's forward is collective: every rank runs it."""
     from mpi4py import MPI
 
     params = list(peer.module.parameters())
     if peer.sharded:
-        acc = _accuracy(peer.module, data)
+        acc = score(peer.module, data, metric)
         finite = comm.allreduce(_finite(params), op=MPI.LAND)
         return comm.bcast(acc, root=0), finite
-    mine = (_accuracy(peer.module, data), _finite(params)) if comm.rank == 0 else None
+    mine = (score(peer.module, data, metric), _finite(params)) if comm.rank == 0 else None
     return comm.bcast(mine, root=0)
 
 
@@ -355,6 +398,13 @@ def _tc(devs: list[str]) -> int | None:
     from mpicomp.tools.bench.allreduce import tc_sent_bytes
 
     return sum(tc_sent_bytes(d) for d in devs) if devs else None
+
+
+def learning_rate(args, step: int) -> float:
+    """The learning rate of ``step`` (0-based): a cosine from ``--lr`` to 0 over the
+    steps, ramped up linearly over the first ``--lr-warmup``."""
+    lr = cosine_lr(args.lr, step, args.steps)
+    return lr * min(1.0, (step + 1) / args.lr_warmup) if args.lr_warmup else lr
 
 
 def train(comm, peer, data: models.Data, args) -> dict:
@@ -367,7 +417,8 @@ def train(comm, peer, data: models.Data, args) -> dict:
     )
     evals = set(range(args.eval_every, args.steps + 1, args.eval_every)) | {args.steps}
     times: list[float] = []
-    accuracy: list[tuple[int, float]] = [(0, _evaluate(comm, peer, data)[0])]
+    metric = models.METRICS[args.model]
+    accuracy: list[tuple[int, float]] = [(0, _evaluate(comm, peer, data, metric)[0])]
     diverged = 0
     window = {}
     for step in range(args.steps):
@@ -378,7 +429,7 @@ def train(comm, peer, data: models.Data, args) -> dict:
         idx = sampler.next()
         x, y = torch.from_numpy(data.x_train[idx]), torch.from_numpy(data.y_train[idx])
         for group in peer.optimizer.param_groups:
-            group["lr"] = cosine_lr(args.lr, step, args.steps)
+            group["lr"] = learning_rate(args, step)
         t0 = time.perf_counter()
         try:
             peer.step(x, y)
@@ -395,7 +446,7 @@ def train(comm, peer, data: models.Data, args) -> dict:
         times.append(time.perf_counter() - t0)
         done = step + 1
         if done in evals:
-            acc, finite = _evaluate(comm, peer, data)
+            acc, finite = _evaluate(comm, peer, data, metric)
             accuracy.append((done, acc))
             if not finite:  # the same weights on every rank: the same answer
                 diverged = done
@@ -421,6 +472,8 @@ def train(comm, peer, data: models.Data, args) -> dict:
         "batch_per_rank": args.batch,
         "step_ms": step_ms,
         "ms_step": float(np.median(step_ms[args.warmup :])) if timed > 0 else None,
+        "metric": metric.name,
+        "optimizer": args.optimizer,
         "accuracy": accuracy,
         "final_accuracy": accuracy[-1][1] if accuracy and not diverged else None,
         "diverged": diverged,
@@ -457,7 +510,10 @@ def _parse(argv):
     ap.add_argument("--eval-every", type=int, required=True)
     ap.add_argument("--batch", type=int, required=True, help="samples per rank")
     ap.add_argument("--lr", type=float, required=True)
-    ap.add_argument("--momentum", type=float, default=0.9)
+    ap.add_argument("--lr-warmup", type=int, default=0, help="steps of linear ramp (0)")
+    ap.add_argument("--momentum", type=float, default=0.9, help="SGD's (0.9)")
+    ap.add_argument("--optimizer", choices=("sgd", "adamw"), default="sgd")
+    ap.add_argument("--weight-decay", type=float, default=0.01, help="AdamW's (0.01)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--iface", default="lo", help="the interface gloo uses")
     ap.add_argument("--tc-dev", default="", help="qdiscs to count (NETNS/DEV, comma list)")
@@ -486,14 +542,15 @@ def main(argv=None) -> int:
     model = models.build(args.model, args.sizes, args.seed)
     config = args.config
     kind = config["kind"]
+    opt = optimizer_of(args.optimizer, args.momentum, args.weight_decay)
     if kind in ("ddp", "zero_ddp"):
-        peer = DDPPeer(comm, model, config, args.iface, args.momentum)
+        peer = DDPPeer(comm, model, config, args.iface, opt)
     elif kind in ("fsdp", "mpicomp_fsdp", "mpicomp_hsdp"):
-        peer = FSDPPeer(comm, model, config, args.iface, args.momentum, args.host_ranks)
+        peer = FSDPPeer(comm, model, config, args.iface, opt, args.host_ranks)
     elif kind == "mpicomp_zero":
-        peer = ZeroPeer(comm, model, config, args.momentum)
+        peer = ZeroPeer(comm, model, config, opt)
     elif kind == "mpicomp":
-        peer = MpicompPeer(comm, model, config, args.momentum)
+        peer = MpicompPeer(comm, model, config, opt)
     else:
         raise ValueError(f"unknown configuration kind {kind!r}")
     # One BLAS thread per rank, as torch's and numba's: the ranks share the cores, and

@@ -81,6 +81,10 @@ class Codec:
     #: Whether it computes through mpicomp's kernel backends (a numba twin and a CUDA
     #: twin, byte for byte); False for PowerSGD's matrix products (BLAS, cuBLAS).
     on_kernels: ClassVar[bool] = True
+    #: False where training under an adaptive optimizer (Adam, AdamW, Adagrad...)
+    #: through it was measured to fall far behind float32 (docs/choosing.md, "with
+    #: AdamW"): mpicomp.torch's optimizers warn, and point to ``adam_warmup``.
+    trains_adaptive: ClassVar[bool] = True
 
     def __init__(self, **params):
         self.params = params

@@ -53,6 +53,7 @@ class FFTCodec(GatherCodecBase):
     """
 
     name = "fft"
+    trains_adaptive = False  # under AdamW: docs/choosing.md
     fused_feedback = True
     # decode_sum adds the spectra and inverts once: N payloads cost about one decode.
     sums_before_decoding = True

@@ -860,6 +860,7 @@ class GRandKMaxNormMultiscale(_GlobalRandK, _Multiscale, _MaxNorm):
     """
 
     name = "grandk_maxnorm_multiscale"
+    trains_adaptive = False  # under AdamW: docs/choosing.md
 
     def __init__(
         self, bits=8, scales=None, k=DEFAULT_K, block=DEFAULT_BLOCK, per_tensor=True, seed=0

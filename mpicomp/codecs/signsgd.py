@@ -42,6 +42,7 @@ class SignSGD(Codec):
     """
 
     name = "signsgd"
+    trains_adaptive = False  # under AdamW: docs/choosing.md
     aggregation = "majority"
     bound = 1  # one vote per rank and element
 

@@ -44,6 +44,7 @@ class ThreeLC(GatherCodecBase):
     """
 
     name = "threelc"
+    trains_adaptive = False  # under AdamW: docs/choosing.md
     fused_feedback = True
 
     def __init__(self, sparsity: float = 1.0, zero_run: bool = True):

@@ -27,6 +27,7 @@ try:
 except ImportError as e:  # pragma: no cover - the test extras install torch
     raise ImportError("mpicomp.torch needs PyTorch: pip install 'mpicomp[torch]'") from e
 
+from mpicomp.torch.adam import UntrainedWarning
 from mpicomp.torch.broadcast import broadcast_optimizer_state, broadcast_parameters
 from mpicomp.torch.hook import HookState, comm_hook
 from mpicomp.torch.optimizer import DistributedOptimizer, GradientsOverwrittenWarning
@@ -40,6 +41,7 @@ __all__ = [
     "GradientsOverwrittenWarning",
     "HookState",
     "ReduceScatter",
+    "UntrainedWarning",
     "ZeroOptimizer",
     "broadcast_optimizer_state",
     "broadcast_parameters",
@@ -56,6 +58,7 @@ for _public in (
     GradientsIgnoredWarning,
     GradientsOverwrittenWarning,
     HookState,
+    UntrainedWarning,
     ZeroOptimizer,
     broadcast_optimizer_state,
     broadcast_parameters,

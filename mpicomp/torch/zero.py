@@ -14,26 +14,25 @@ from __future__ import annotations
 import copy
 import difflib
 import inspect
-import threading
 import warnings
 import zlib
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from functools import partial
 
 import torch
 
-from mpicomp._log import log
 from mpicomp.call.config import Config, check_same
 from mpicomp.call.options import OPTIONS
 from mpicomp.call.worker import user_stacklevel
 from mpicomp.codecs._base import codec_parameters
 from mpicomp.codecs.arrays import FLOAT32_RANGE, result_range
-from mpicomp.collectives._wait import dup, resolve_timeout
 from mpicomp.comm import CompressedComm
-from mpicomp.errors import NonFiniteWarning, PeerClosed
+from mpicomp.errors import PeerClosed
 from mpicomp.reduction import kind_of
 from mpicomp.reduction.rows import PRECISIONS
+from mpicomp.torch.adam import FrozenAdam, check_adam, warn_untrained
+from mpicomp.torch.buckets import Bucket, BucketedOptimizer, check_schedule
 from mpicomp.torch.parameters import (
     LAYOUT,
     _pairs,
@@ -41,23 +40,7 @@ from mpicomp.torch.parameters import (
     describe_layout,
     layout_differences,
 )
-from mpicomp.torch.shared import (
-    Failed,
-    Staging,
-    agree,
-    check_comm,
-    check_given,
-    claim_names,
-    compressed,
-    count,
-    cuda_staging,
-    kind,
-    max_over_ranks,
-    mpi_of,
-    peer_closed_in,
-    quiet,
-    release_names,
-)
+from mpicomp.torch.shared import agree, check_comm, check_given, cuda_staging, kind, mpi_of, quiet
 
 __all__ = ["GradientsIgnoredWarning", "ZeroOptimizer"]
 
@@ -71,36 +54,22 @@ class GradientsIgnoredWarning(UserWarning):
     backward pass without ``backward_passes_per_step``), and the change is not used."""
 
 
-@dataclass
-class _Bucket:
-    """Parameters reduce-scattered by one call, views of one flat buffer of rows."""
+@dataclass(kw_only=True)
+class _Rows(Bucket):
+    """A bucket whose parameters are views of one flat buffer of ``size`` equal rows."""
 
-    index: int
-    group: int  # the parameter group (of the named_parameters given) it belongs to
-    names: list[str]
-    params: list[torch.Tensor]
-    offsets: list[int]
     values: torch.Tensor  # size * width elements, the parameters' dtype: they are views
-    grads: torch.Tensor  # float32, numel elements (pinned host memory: staging)
     shard: torch.Tensor  # float32 row of this rank: a view of values, or a master copy
     master: bool  # whether shard is a copy (then values hold what the allgather gave)
     staged: bool  # CUDA tensors through host memory (no CuPy)
     versions: list[int] = field(default_factory=list)  # the parameters' after the last write
-    ready: int = 0  # parameters whose gradients are complete this step
-    handle: object = None
-    # Each gradient as copied into grads, with its version counter (None: no gradient).
-    sent: list = field(default_factory=list)
-
-    @property
-    def numel(self) -> int:
-        return self.offsets[-1]
 
     @property
     def width(self) -> int:
         return self.shard.numel()
 
 
-class ZeroOptimizer(torch.optim.Optimizer):
+class ZeroOptimizer(BucketedOptimizer):
     """Train with ``optimizer_class``, each rank of ``comm`` keeping 1/N of its state.
 
     Gradients are averaged by ``CompressedComm.reduce_scatter`` (compressed by
@@ -128,6 +97,11 @@ class ZeroOptimizer(torch.optim.Optimizer):
             backward; False starts them all in ``step()``.
         backward_passes_per_step: gradients accumulate over this many backward passes
             before they are averaged.
+        adam_warmup: the compressed-Adam mode, for ``torch.optim.Adam``/``AdamW``
+            (docs/training.md): the first ``adam_warmup`` steps reduce-scatter float32
+            gradients and step the optimizer as it is; from then on the second moment
+            is frozen and the gradients go through the codec (with its error feedback)
+            into each rank's rows' momentum. None: the codec from the start.
         **keywords: ``CompressedComm`` options (``bucket_numel``, ``error_feedback``,
             ``nonfinite``, ...) and codec parameters (``bits=4``) go to the
             CompressedComm; the rest (``lr=1e-3``) to ``optimizer_class``.
@@ -162,6 +136,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
             shape on every rank) or configure it differently.
     """
 
+    what = "ZeroOptimizer"
+
     def __init__(
         self,
         named_parameters,
@@ -172,6 +148,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         gather_precision: str = PRECISIONS[0],
         overlap: bool = True,
         backward_passes_per_step: int = 1,
+        adam_warmup: int | None = None,
         **keywords,
     ):
         check_comm(comm)
@@ -187,11 +164,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
                 raise ValueError(
                     f"gather_precision must be one of {PRECISIONS}, got {gather_precision!r}"
                 )
-            if not isinstance(overlap, bool | int) or overlap not in (0, 1):
-                raise TypeError(f"overlap must be True or False, got {kind(overlap)}")
-            backward_passes_per_step = count(
-                "backward_passes_per_step", backward_passes_per_step, 1
-            )
+            backward_passes_per_step = check_schedule(overlap, backward_passes_per_step)
+            check_adam(optimizer_class, adam_warmup)
             check_given(comm, codec, {k: v for k, v in keywords.items() if k in OPTIONS})
             groups = _groups(named_parameters)
             named = [(n, p) for _, pairs in groups for n, p in pairs]
@@ -214,6 +188,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
                     "gather_precision": gather_precision,
                     "overlap": bool(overlap),
                     "backward_passes_per_step": backward_passes_per_step,
+                    "adam_warmup": adam_warmup,
                     "parameters": len(named),
                     LAYOUT: f"{zlib.crc32(layout):08x}",
                 }
@@ -228,37 +203,16 @@ class ZeroOptimizer(torch.optim.Optimizer):
             comm_keywords.get("timeout"),  # the CompressedComm's timeout= covers it too
             differences=partial(layout_differences, mpi_of(comm), config, named),
         )
-        self._owns_comm = not isinstance(comm, CompressedComm)
-        self.comm = compressed(comm, codec, comm_keywords)  # collective: raises on every rank
-        #: What this optimizer's call names begin with: "" for the first optimizer open
-        #: on its CompressedComm, "optimizer1." for a second (residuals are per name).
-        self.names = claim_names(self.comm, self)
-        # The optimizer's own agreements go through a communicator of their own: another
-        # thread may take its turn on the CompressedComm's between them.
-        self._control = dup(
-            mpi_of(self.comm),
-            timeout=resolve_timeout(self.comm.options.timeout),
-            name="ZeroOptimizer",
-        )
-        self.gather_precision = gather_precision
-        self.overlap = bool(overlap)
-        self.backward_passes_per_step = backward_passes_per_step
-        #: Steps taken (skipped ones included): the same on every rank.
-        self.steps = 0
-        #: Whether the last ``step()`` skipped the inner optimizer's step (NaN/Inf).
-        self.skipped = False
-        self._staging = Staging("mpicomp.torch.ZeroOptimizer")
-        self._hooks = []
-        self._buckets: list[_Bucket] = []
-        self._next = 0  # the next bucket to start: buckets start in order on every rank
-        self._snapshots: list = []  # residual snapshots of this step's calls
-        self._closed = False
-        self._ignored: tuple[int, list[str]] = (0, [])  # gradients changed after sending
+        #: The optimizer stepping this rank's rows (one parameter per bucket).
         self.optimizer = None
+        self.gather_precision = gather_precision
+        self._open(comm, codec, comm_keywords, overlap, backward_passes_per_step)
+        self._ignored: tuple[int, list[str]] = (0, [])  # gradients changed after sending
+        self._adam = None  # the compressed-Adam mode's update (adam_warmup), or None
         error, inner = None, None
         try:  # allocates, and the optimizer checks its arguments: may fail on one rank
             _check_scatters(self.comm.codec)
-            self._buckets = self._make_buckets(groups)
+            self._buckets = self._make_buckets([pairs for _, pairs in groups])
             inner = optimizer_class(
                 [
                     {**options, "params": [b.shard for b in self._buckets if b.group == g]}
@@ -266,44 +220,14 @@ class ZeroOptimizer(torch.optim.Optimizer):
                 ],
                 **defaults,
             )
+            if adam_warmup is not None:
+                self._adam = FrozenAdam(inner, adam_warmup)
         except Exception as e:
             error = e
-        try:
-            agree(self._control, error, "ZeroOptimizer", self.comm.options.timeout)
-        except BaseException:
-            self.close()
-            raise
-        #: The optimizer stepping this rank's rows (one parameter per bucket).
+        self._agree_built(error)
         self.optimizer = inner
-        self._building = True
-        # The parent's bookkeeping (hooks, profiling) over the inner groups; the groups
-        # and state are then the inner optimizer's own objects.
-        super().__init__(inner.param_groups, inner.defaults)
-        self.param_groups = inner.param_groups
-        self.state = inner.state
-        self._building = False
-        self._owner = {p: b for b in self._buckets for p in b.params}
-        self._passes = dict.fromkeys(self._owner, 0)
-        self._lock = threading.Lock()  # autograd may run hooks on one thread per device
-        log.info(
-            "ZeroOptimizer: %d buckets of %s values, rows of %s on rank %d, overlap %s",
-            len(self._buckets),
-            [b.numel for b in self._buckets],
-            [b.width for b in self._buckets],
-            self.comm.rank,
-            self.overlap,
-        )
-        if self.overlap:
-            for b in self._buckets:
-                for p in b.params:
-                    self._hooks.append(p.register_post_accumulate_grad_hook(self._start_buckets))
-
-    @property
-    def buckets(self) -> tuple[tuple[str, ...], ...]:
-        """The names of each bucket's parameters, in the order the buckets start: the
-        trainable parameters in reverse order, a new bucket where ``bucket_numel`` would
-        be passed or the group, device or dtype changes. The same on every rank."""
-        return tuple(tuple(b.names) for b in self._buckets)
+        self._adopt(inner)
+        warn_untrained(self.comm.codec, inner, self._adam)
 
     def state_bytes(self) -> int:
         """Return the bytes of this rank's optimizer memory: the inner optimizer's state
@@ -320,100 +244,33 @@ class ZeroOptimizer(torch.optim.Optimizer):
 
     # -- the buckets ---------------------------------------------------------------
 
-    def _make_buckets(self, groups: list) -> list[_Bucket]:
-        """Group trainable parameters, in reverse order, into buckets of at most
-        ``bucket_numel`` elements, one group, device and dtype each."""
-        limit = self.comm.options.bucket_numel
-        buckets: list[_Bucket] = []
-        run: list[tuple[str, torch.Tensor]] = []
-        total, where = 0, None
-
-        def close():
-            nonlocal run, total
-            if run:
-                buckets.append(self._bucket(len(buckets), where[0], run))
-            run, total = [], 0
-
-        everything = [(g, n, p) for g, (_, pairs) in enumerate(groups) for n, p in pairs]
-        for g, name, p in reversed(everything):
-            if not p.requires_grad:
-                continue
-            here = (g, p.device, p.dtype)
-            if run and (total + p.numel() > limit or here != where):
-                close()
-            where = here
-            run.append((name, p))
-            total += p.numel()
-        close()
-        return buckets
-
-    def _bucket(self, index: int, group: int, run: list[tuple[str, torch.Tensor]]) -> _Bucket:
+    def _bucket(self, index: int, group: int, run: list[tuple[str, torch.Tensor]]) -> _Rows:
         """Make one bucket: its parameters become views of its rows' buffer."""
-        names = [n for n, _ in run]
-        params = [p for _, p in run]
-        offsets = [0]
-        for p in params:
-            offsets.append(offsets[-1] + p.numel())
+        plain = self._plain_bucket(index, group, run)
         size, rank = self.comm.size, self.comm.rank
-        width = -(-offsets[-1] // size)
-        first = params[0]
+        width = -(-plain.numel // size)
+        first = plain.params[0]
         values = torch.zeros(size * width, dtype=first.dtype, device=first.device)
         with torch.no_grad():
-            for p, lo, hi in zip(params, offsets, offsets[1:], strict=False):
+            for p, lo, hi in zip(plain.params, plain.offsets, plain.offsets[1:], strict=False):
                 values[lo:hi].copy_(p.reshape(-1))
                 p.data = values[lo:hi].view_as(p)
-        staged = cuda_staging(first.device)
-        if staged:
-            grads = self._staging.buffer(offsets[-1])
-        else:
-            grads = torch.empty(offsets[-1], dtype=torch.float32, device=first.device)
         row = values[rank * width : (rank + 1) * width]
         master = first.dtype != torch.float32 or self.gather_precision != PRECISIONS[0]
-        shard = row.float().clone() if master else row
-        b = _Bucket(index, group, names, params, offsets, values, grads, shard, master, staged)
-        b.versions = [p._version for p in params]
-        return b
+        return _Rows(
+            **{f.name: getattr(plain, f.name) for f in fields(Bucket)},
+            values=values,
+            shard=row.float().clone() if master else row,
+            master=master,
+            staged=cuda_staging(first.device),
+            versions=[p._version for p in plain.params],
+        )
 
     # -- during backward -----------------------------------------------------------
 
-    def _start_buckets(self, p: torch.Tensor | None = None) -> None:
-        """Start the buckets that are due, in order (as ``DistributedOptimizer``'s): the
-        gradient hook (``p``) counts the pass and starts the full buckets; ``step()``
-        (no ``p``) starts every bucket not started yet."""
-        with self._lock:
-            if p is not None:
-                self._passes[p] += 1
-                if self._passes[p] != self.backward_passes_per_step:
-                    return
-                self._owner[p].ready += 1
-            while self._next < len(self._buckets):
-                b = self._buckets[self._next]
-                if p is not None and b.ready < len(b.params):
-                    break
-                self._copy_in(b)
-                try:
-                    b.handle = self.comm.start_scatter(
-                        b.grads, f"{self.names}bucket{b.index}", snapshots=self._snapshots
-                    )
-                except RuntimeError:  # closed: by a peer whose close an earlier bucket met?
-                    closed = peer_closed_in([x.handle for x in self._buckets[: b.index]])
-                    if closed is None:
-                        raise
-                    b.handle = Failed(closed)  # step() raises it
-                self._next = b.index + 1
-
-    def _copy_in(self, b: _Bucket) -> None:
-        """Copy the bucket's gradients (zeros where none) into its float32 buffer, noting
-        what each was (to see a change made after the copy)."""
-        b.sent = []
-        with torch.no_grad():
-            for p, lo, hi in zip(b.params, b.offsets, b.offsets[1:], strict=False):
-                grad = p.grad
-                if grad is None:
-                    b.grads[lo:hi].zero_()
-                else:
-                    b.grads[lo:hi].copy_(grad.reshape(-1))
-                b.sent.append(None if grad is None else (grad, grad._version))
+    def _call_of(self, b: _Rows) -> tuple:
+        compress = self._adam is None or self._adam.frozen(self.steps)
+        return self.comm.start_scatter, dict(snapshots=self._snapshots, compress=compress)
 
     # -- the step --------------------------------------------------------------------
 
@@ -434,8 +291,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        if self._closed:
-            raise RuntimeError("ZeroOptimizer is closed")
+        self._check_open()
+        compressing_adam = self._adam is not None and self._adam.frozen(self.steps)
         try:
             self._start_buckets()
             rows, snapshots = self._wait_for_rows()
@@ -448,7 +305,10 @@ class ZeroOptimizer(torch.optim.Optimizer):
                 for b, row in zip(self._buckets, rows, strict=True):
                     b.shard.grad = row.to(b.shard.device) if b.staged else row
                 before = self._rows_and_state()
-                self.optimizer.step()
+                if compressing_adam:
+                    self._adam.step()  # the rows' averages in .grad, the second moment frozen
+                else:
+                    self.optimizer.step()
                 self._check_rows_fit()
             except Exception as e:  # every rank must hear of it before the allgather
                 error = e
@@ -508,27 +368,23 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self.optimizer.state.clear()
         self.optimizer.state.update(state)
 
-    def _agree_on_step(self, error: Exception | None, closing: bool = False) -> None:
+    def _agree_on_step(self, error: Exception | None) -> None:
         """Raise on every rank if the step failed on some rank; PeerClosed (and close
         here too) if some rank closed after sending this step's gradients instead of
-        stepping. ``closing``: this rank's part in it is its close(). One Allreduce of
-        two int32, then the failed ranks' errors only when some rank failed."""
-        step = self.steps if closing else self.steps - 1  # step() counted it already
-        failed, closer = max_over_ranks(
-            self._control,
-            [error is not None, self._control.rank + 1 if closing else 0],
-            self.comm.options.timeout,
-            "ZeroOptimizer.close" if closing else "ZeroOptimizer.step",
-            lambda: f"whether every rank stepped its rows in step {step} (optimizer.steps, from 0)",
+        stepping. One Allreduce of two int32, then the failed ranks' errors only when
+        some rank failed."""
+        step = self.steps - 1  # step() counted it already
+        (failed,), closer = self._max_over_ranks(
+            [error is not None],
+            closing=False,
+            where="step",
+            what=lambda: (
+                f"whether every rank stepped its rows in step {step} (optimizer.steps, from 0)"
+            ),
         )
-        if closing:
-            return
-        if closer:
+        if closer is not None:
             self.close()
-            raise PeerClosed(
-                f"rank {closer - 1} closed its ZeroOptimizer after sending the gradients "
-                f"of step {step}, which this rank took; it is closed on this rank too"
-            )
+            raise self._peer_closed(closer, step)
         if failed:
             agree(self._control, error, "ZeroOptimizer.step", self.comm.options.timeout)
 
@@ -536,12 +392,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         """Wait for this step's reduce-scatters; return their rows (None when the step
         is skipped: NaN/Inf under ``skip_step``, warned) and what rolls their residuals
         back."""
-        outcomes, error = [], None
-        for b in self._buckets:
-            try:
-                outcomes.append(b.handle.wait())
-            except Exception as e:  # wait for every call before raising the first error
-                error = error or e
+        outcomes, error = self._wait_for_buckets()
         snapshots, self._snapshots = self._snapshots, []
         self._ignored = (self.steps, self._changed_since_sent())
         self._reset_passes()
@@ -554,30 +405,9 @@ class ZeroOptimizer(torch.optim.Optimizer):
             raise error
         self.skipped = bool(skipped)
         if skipped:
-            warnings.warn(
-                f"{'; '.join(skipped)}: optimizer step {self.steps} skipped on every rank",
-                NonFiniteWarning,
-                stacklevel=user_stacklevel(),
-            )
+            self._warn_skipped(skipped, self.steps)
             return None, snapshots
         return [o.average for o in outcomes], snapshots
-
-    def _changed_since_sent(self) -> list[str]:
-        """The parameters whose gradients changed after their bucket copied them."""
-        return [
-            n
-            for b in self._buckets
-            for n, p, sent in zip(b.names, b.params, b.sent, strict=True)
-            if _changed_since(p.grad, sent)
-        ]
-
-    def _reset_passes(self) -> None:
-        for p in self._passes:
-            self._passes[p] = 0
-        for b in self._buckets:
-            b.ready, b.handle = 0, None
-            b.sent = []  # holds gradients: let zero_grad() free them
-        self._next = 0
 
     def _adopt_changed_parameters(self) -> None:
         """Take in what changed the parameters since the last step: a parameter written
@@ -646,14 +476,6 @@ class ZeroOptimizer(torch.optim.Optimizer):
                 else:
                     p.grad.detach_().zero_()
 
-    def add_param_group(self, param_group: dict) -> None:
-        if self._building:
-            return super().add_param_group(param_group)
-        raise RuntimeError(
-            "ZeroOptimizer: pass every parameter group when making it (every rank's "
-            "buckets are fixed then)"
-        )
-
     # -- checkpoints -------------------------------------------------------------------
 
     def state_dict(self) -> dict:
@@ -661,14 +483,10 @@ class ZeroOptimizer(torch.optim.Optimizer):
         the error-feedback residuals and the step counter (tensors: ``torch.load``
         reads them with ``weights_only=True``). Save one file per rank."""
         state = self.optimizer.state_dict()
-        comm = self.comm.state_dict()
         state["mpicomp"] = {
-            "steps": self.steps,
+            **self._mpicomp_state(),
             "rank": self.comm.rank,
             "size": self.comm.size,
-            "comm_step": comm["step"],
-            "residuals": _tensors(comm["residuals"]),
-            "server_residuals": _tensors(comm["server_residuals"]),
             "masters": {b.index: b.shard.detach().clone() for b in self._buckets if b.master},
         }
         return state
@@ -689,7 +507,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
                     "not a ZeroOptimizer's state_dict (no 'mpicomp' entry): each rank "
                     "loads what its own ZeroOptimizer.state_dict() gave"
                 )
-            entry = partial(_entry, ours)
+            entry = partial(self._entry, ours)
             where = (int(entry("rank")), int(entry("size")))
             if where != (self.comm.rank, self.comm.size):
                 raise ValueError(
@@ -710,11 +528,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
                         f"{tuple(masters[b.index].shape)}, this ZeroOptimizer's "
                         f"{tuple(b.shard.shape)}"
                     )
-            comm = {
-                "step": int(entry("comm_step")),
-                "residuals": dict(entry("residuals")),
-                "server_residuals": dict(entry("server_residuals")),
-            }
+            comm = self._comm_state(ours)
             steps = int(entry("steps"))
             before = (copy.deepcopy(self.optimizer.state_dict()), self.comm.state_dict())
             self.comm.load_state_dict(comm)  # checks all of it first: a refusal changes nothing
@@ -745,56 +559,11 @@ class ZeroOptimizer(torch.optim.Optimizer):
                 b.versions = [p._version for p in b.params]
         self.steps = steps
 
-    def close(self) -> None:
-        """Remove the gradient hooks, drop a step started and not taken (its residuals
-        back), and close the CompressedComm when this optimizer made it. Safe twice."""
-        for h in self._hooks:
-            h.remove()
-        self._hooks = []
-        if self._closed:
-            return
-        self._closed = True
-        try:
-            if self._next:  # buckets started during backward, no step()
-                self._leave_step()
-        finally:
-            release_names(self.comm, self)
-            try:
-                if self._owns_comm:
-                    self.comm.close()
-            finally:
-                if self._control is not None:
-                    self._control.Free()
-                    self._control = None
-
-    def _leave_step(self) -> None:
-        """Drop a step whose buckets were started and not stepped (close() after
-        backward). If every bucket went through on every rank, the other ranks' next
-        message is that step's agreement: take part as the closing rank, so that they
-        raise PeerClosed. Otherwise their next bucket call meets the CompressedComm's
-        close, or they failed alike already."""
-        sent_all = self._next == len(self._buckets)
-        failed = False
-        for b in self._buckets:
-            if b.handle is not None:
-                try:
-                    failed |= bool(b.handle.wait().skipped)
-                except Exception:
-                    failed = True  # the step is dropped: its errors with it
-        snapshots, self._snapshots = self._snapshots, []
-        self._reset_passes()
-        if self.comm.closed:
-            return
-        self.comm.rollback(snapshots)
-        if sent_all and not failed:
-            self._agree_on_step(None, closing=True)
+    def _closing_flags(self) -> list[int]:
+        return [0]  # _agree_on_step's "this rank failed"
 
     def __repr__(self) -> str:
-        name = self.optimizer.__class__.__name__ if self.optimizer is not None else "?"
-        return (
-            f"ZeroOptimizer({name}, codec={self.comm.codec!r}, buckets={len(self._buckets)}, "
-            f"rank {self.comm.rank} of {self.comm.size})"
-        )
+        return f"{super().__repr__()[:-1]}, rank {self.comm.rank} of {self.comm.size})"
 
 
 # -- arguments -----------------------------------------------------------------------
@@ -894,25 +663,6 @@ def _split(keywords: dict, optimizer_class, comm, codec) -> tuple[dict, dict]:
     )
 
 
-def _entry(ours: Mapping, key: str):
-    """Return ``ours[key]`` of a state_dict's 'mpicomp' entry; a ValueError naming a
-    missing key."""
-    if key not in ours:
-        raise ValueError(
-            f"this state_dict's 'mpicomp' entry has no {key!r}: load what "
-            "ZeroOptimizer.state_dict() gave, whole"
-        )
-    return ours[key]
-
-
-def _changed_since(grad, sent) -> bool:
-    """Whether ``grad`` (a parameter's gradient now) is not what a bucket copied:
-    ``sent`` is (that gradient, its version counter), or None where there was none."""
-    if sent is None:
-        return grad is not None
-    return grad is not sent[0] or grad._version != sent[1]
-
-
 def _warn_ignored(step: int, names: list[str]) -> None:
     shown = ", ".join(map(repr, names[:3]))
     more = f" and {len(names) - 3} more" if len(names) > 3 else ""
@@ -924,8 +674,3 @@ def _warn_ignored(step: int, names: list[str]) -> None:
         GradientsIgnoredWarning,
         stacklevel=user_stacklevel(),
     )
-
-
-def _tensors(arrays: dict) -> dict:
-    """Return residual arrays (NumPy or CuPy) as torch tensors (no copy)."""
-    return {k: torch.from_dlpack(v) for k, v in arrays.items()}

@@ -1,0 +1,198 @@
+"""The compressed-Adam mode (``adam_warmup``) of DistributedOptimizer and ZeroOptimizer
+across ranks: its update against a NumPy reference of every rank's step, checkpoints
+that resume to the same bits, a NaN that skips a step moving nothing, one rank's
+mistake raising on every rank, and the warning for codecs adaptive optimizers do not train
+with. What it trains is measured by ``python -m jobs.peers --models lm`` (docs/training.md)."""
+
+import io
+
+import numpy as np
+import pytest
+
+from conftest import world
+
+torch = pytest.importorskip("torch", reason="mpicomp.torch needs PyTorch")
+
+import mpicomp.torch as mt  # noqa: E402
+from mpicomp import RankError  # noqa: E402
+
+pytestmark = [pytest.mark.mpi, pytest.mark.timeout(120)]
+torch.set_num_threads(1)  # ranks share the cores
+
+SHAPES = [(5, 3), (5,), (2, 5)]
+BETAS, EPS, LR = (0.9, 0.99), 1e-8, 0.01
+
+
+def _params() -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(7)
+    return [torch.nn.Parameter(torch.randn(s, generator=g)) for s in SHAPES]
+
+
+def _grad(step: int, rank: int, i: int) -> np.ndarray:
+    """Rank ``rank``'s gradient of parameter ``i`` in ``step``: its own, and large
+    enough against ``EPS`` that the update's every term counts."""
+    rng = np.random.default_rng([step, rank, i])
+    return (rng.standard_normal(SHAPES[i]) + rank - 1).astype(np.float32)
+
+
+def _reference(steps, warmup, size, weight_decay, decoupled) -> list[np.ndarray]:
+    """Every rank's parameters after ``steps``, in float64: Adam/AdamW on the average of
+    the ranks' gradients, the second moment frozen after ``warmup`` steps (its bias
+    correction too), written as 1-bit Adam's average of the ranks' momenta
+    ``beta1 * m + (1 - beta1) * g``: the same, the average being linear."""
+    b1, b2 = BETAS
+    p = [x.detach().double().numpy() for x in _params()]
+    m = [np.zeros_like(x) for x in p]
+    v = [np.zeros_like(x) for x in p]
+    for step in range(steps):
+        t = step + 1
+        for i in range(len(p)):
+            g = [_grad(step, r, i).astype(np.float64) for r in range(size)]
+            if not decoupled:
+                g = [x + weight_decay * p[i] for x in g]
+            if step < warmup:
+                avg = np.mean(g, axis=0)
+                m[i] = b1 * m[i] + (1 - b1) * avg
+                v[i] = b2 * v[i] + (1 - b2) * avg**2
+                frozen = t
+            else:
+                m[i] = np.mean([b1 * m[i] + (1 - b1) * x for x in g], axis=0)
+                frozen = warmup
+            if decoupled:
+                p[i] = p[i] * (1 - LR * weight_decay)
+            denom = np.sqrt(v[i] / (1 - b2**frozen)) + EPS
+            p[i] = p[i] - LR / (1 - b1**t) * m[i] / denom
+    return p
+
+
+def _make(kind, params, adam_class, weight_decay, codec="none", **kw):
+    named = [(f"p{i}", p) for i, p in enumerate(params)]
+    hyper = dict(lr=LR, eps=EPS, weight_decay=weight_decay)
+    if issubclass(adam_class, torch.optim.Adam):
+        hyper["betas"] = BETAS
+    if kind == "distributed":
+        inner = adam_class(params, **hyper)
+        return mt.DistributedOptimizer(inner, world(), named, codec, **kw)
+    return mt.ZeroOptimizer(named, adam_class, world(), codec, **hyper, **kw)
+
+
+def _step(opt, params, step):
+    for i, p in enumerate(params):
+        p.grad = torch.from_numpy(_grad(step, world().rank, i))
+    opt.step()
+
+
+@pytest.mark.parametrize("kind", ["distributed", "zero"])
+@pytest.mark.parametrize(
+    "adam_class, weight_decay", [(torch.optim.AdamW, 0.1), (torch.optim.Adam, 0.05)]
+)
+def test_the_update_is_the_reference_on_every_rank(kind, adam_class, weight_decay):
+    """Warm-up, the switch, and steps past it, against the NumPy reference."""
+    steps, warmup = 7, 3
+    params = _params()
+    opt = _make(kind, params, adam_class, weight_decay, adam_warmup=warmup, min_numel=1)
+    for step in range(steps):
+        _step(opt, params, step)
+    opt.close()
+    want = _reference(steps, warmup, world().size, weight_decay, adam_class is torch.optim.AdamW)
+    for p, w in zip(params, want, strict=True):
+        np.testing.assert_allclose(p.detach().numpy(), w, rtol=2e-5, atol=2e-6)
+    # and the reference is not plain Adam: freezing changed the parameters
+    plain = _reference(steps, steps, world().size, weight_decay, adam_class is torch.optim.AdamW)
+    assert max(np.abs(a - b).max() for a, b in zip(want, plain, strict=True)) > 1e-4
+
+
+@pytest.mark.parametrize("kind", ["distributed", "zero"])
+def test_a_checkpoint_past_the_warm_up_resumes_to_the_same_bits(kind):
+    def train(stop_at=None):
+        params = _params()
+        opt = _make(kind, params, torch.optim.AdamW, 0.01, "topk", ratio=0.3, adam_warmup=2)
+        for step in range(6):
+            if step == stop_at:
+                saved = io.BytesIO()
+                torch.save(opt.state_dict(), saved)
+                weights = [p.detach().clone() for p in params]
+                opt.close()
+                params = _params()
+                with torch.no_grad():
+                    for p, w in zip(params, weights, strict=True):
+                        p.copy_(w)
+                opt = _make(kind, params, torch.optim.AdamW, 0.01, "topk", ratio=0.3, adam_warmup=2)
+                saved.seek(0)
+                opt.load_state_dict(torch.load(saved, weights_only=True))
+            _step(opt, params, step)
+        opt.close()
+        return torch.cat([p.detach().reshape(-1) for p in params])
+
+    assert torch.equal(train(), train(stop_at=4))
+
+
+@pytest.mark.parametrize("kind", ["distributed", "zero"])
+def test_a_nan_past_the_warm_up_skips_the_step_on_every_rank_moving_nothing(kind):
+    params = _params()
+    opt = _make(kind, params, torch.optim.AdamW, 0.01, "topk", ratio=0.3,
+                adam_warmup=1, nonfinite="skip_step")  # fmt: skip
+    for step in range(3):
+        _step(opt, params, step)
+    before = [p.detach().clone() for p in params]
+    state = [{k: v.clone() for k, v in s.items() if torch.is_tensor(v)} for s in opt.state.values()]
+    for i, p in enumerate(params):
+        p.grad = torch.from_numpy(_grad(3, world().rank, i))
+    if world().rank == world().size - 1:
+        params[0].grad[0, 0] = float("nan")
+    with pytest.warns(mpicomp_nonfinite()):
+        opt.step()
+    assert opt.skipped
+    assert all(torch.equal(p, b) for p, b in zip(params, before, strict=True))
+    after = [{k: v for k, v in s.items() if torch.is_tensor(v)} for s in opt.state.values()]
+    assert all(torch.equal(a[k], b[k]) for a, b in zip(after, state, strict=True) for k in b)
+    _step(opt, params, 4)  # and it trains on
+    assert not opt.skipped and all(torch.isfinite(p).all() for p in params)
+    opt.close()
+
+
+def mpicomp_nonfinite():
+    from mpicomp.errors import NonFiniteWarning
+
+    return NonFiniteWarning
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("kind", ["distributed", "zero"])
+@pytest.mark.parametrize(
+    "mistake", ["other warm-up", "warm-up of 0", "not Adam", "with start_step"]
+)
+def test_one_ranks_mistake_raises_on_every_rank(kind, mistake):
+    if mistake == "with start_step" and kind == "zero":
+        pytest.skip("start_step is DistributedOptimizer's")
+    odd = world().rank == world().size - 1
+    params = _params()
+    kw = {"adam_warmup": 3}
+    adam_class, own = torch.optim.AdamW, None
+    if odd and mistake == "other warm-up":
+        kw["adam_warmup"] = 4
+    elif odd and mistake == "warm-up of 0":
+        kw["adam_warmup"], own = 0, ValueError
+    elif odd and mistake == "not Adam":
+        adam_class, own = torch.optim.RMSprop, TypeError
+    elif odd and mistake == "with start_step":
+        kw["start_step"], own = 2, ValueError
+    want = own if own is not None else RankError
+    with pytest.raises(want, match="adam_warmup|start_step"):
+        _make(kind, params, adam_class, 0.0, **kw)
+
+
+@pytest.mark.parametrize("kind", ["distributed", "zero"])
+def test_codecs_adaptive_optimizers_do_not_train_with_warn_unless_the_mode_is_on(kind):
+    params = _params()
+    with pytest.warns(
+        mt.UntrainedWarning, match="'threelc' barely trains under AdamW.*adam_warmup"
+    ):
+        _make(kind, params, torch.optim.AdamW, 0.0, "threelc").close()
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        _make(kind, params, torch.optim.AdamW, 0.0, "threelc", adam_warmup=2).close()
+        _make(kind, params, torch.optim.AdamW, 0.0, "topk", ratio=0.1).close()
+        _make(kind, params, torch.optim.AdamW, 0.0, "qsgd_maxnorm").close()
