@@ -38,30 +38,30 @@ def _grad(step: int, rank: int, i: int) -> np.ndarray:
 def _reference(steps, warmup, size, weight_decay, decoupled) -> list[np.ndarray]:
     """Every rank's parameters after ``steps``, in float64: Adam/AdamW on the average of
     the ranks' gradients, the second moment frozen after ``warmup`` steps (its bias
-    correction too), written as 1-bit Adam's average of the ranks' momenta
-    ``beta1 * m + (1 - beta1) * g``: the same, the average being linear."""
+    correction too) as a floor under the averages' own running one
+    (mpicomp/torch/adam.py)."""
     b1, b2 = BETAS
     p = [x.detach().double().numpy() for x in _params()]
     m = [np.zeros_like(x) for x in p]
     v = [np.zeros_like(x) for x in p]
+    seen = [None] * len(p)
     for step in range(steps):
         t = step + 1
         for i in range(len(p)):
-            g = [_grad(step, r, i).astype(np.float64) for r in range(size)]
+            g = np.mean([_grad(step, r, i).astype(np.float64) for r in range(size)], axis=0)
             if not decoupled:
-                g = [x + weight_decay * p[i] for x in g]
+                g = g + weight_decay * p[i]
+            m[i] = b1 * m[i] + (1 - b1) * g
             if step < warmup:
-                avg = np.mean(g, axis=0)
-                m[i] = b1 * m[i] + (1 - b1) * avg
-                v[i] = b2 * v[i] + (1 - b2) * avg**2
-                frozen = t
+                v[i] = b2 * v[i] + (1 - b2) * g**2
+                second = v[i] / (1 - b2**t)
             else:
-                m[i] = np.mean([b1 * m[i] + (1 - b1) * x for x in g], axis=0)
-                frozen = warmup
+                frozen = v[i] / (1 - b2**warmup)
+                seen[i] = b2 * (frozen if seen[i] is None else seen[i]) + (1 - b2) * g**2
+                second = np.maximum(frozen, seen[i])
             if decoupled:
                 p[i] = p[i] * (1 - LR * weight_decay)
-            denom = np.sqrt(v[i] / (1 - b2**frozen)) + EPS
-            p[i] = p[i] - LR / (1 - b1**t) * m[i] / denom
+            p[i] = p[i] - LR / (1 - b1**t) * m[i] / (np.sqrt(second) + EPS)
     return p
 
 
@@ -196,3 +196,54 @@ def test_codecs_adaptive_optimizers_do_not_train_with_warn_unless_the_mode_is_on
         _make(kind, params, torch.optim.AdamW, 0.0, "threelc", adam_warmup=2).close()
         _make(kind, params, torch.optim.AdamW, 0.0, "topk", ratio=0.1).close()
         _make(kind, params, torch.optim.AdamW, 0.0, "qsgd_maxnorm").close()
+
+
+def test_past_the_warm_up_the_codec_sees_each_gradient_divided_by_adams_denominator():
+    """signSGD's average is +-scale (the ranks' mean of mean |x|, then the vote): of
+    g / d, with d = sqrt(v / (1 - beta2**frozen_step)) + eps, multiplied back by d."""
+    warmup, size = 2, world().size
+    params = _params()
+    inner = torch.optim.AdamW(params, lr=LR, betas=BETAS, eps=EPS)
+    named = [(f"p{i}", p) for i, p in enumerate(params)]
+    opt = mt.DistributedOptimizer(
+        inner, world(), named, "signsgd", tie="positive", min_numel=1, adam_warmup=warmup
+    )
+    for step in range(warmup):
+        _step(opt, params, step)
+    b2 = BETAS[1]
+    d = [
+        np.sqrt(inner.state[p]["exp_avg_sq"].double().numpy() / (1 - b2**warmup)) + EPS
+        for p in params
+    ]
+    for i, p in enumerate(params):
+        p.grad = torch.from_numpy(_grad(warmup, world().rank, i))
+    opt.synchronize()
+    order = list(reversed(range(len(params))))  # one bucket, in reverse order
+    scaled = [
+        np.concatenate([(_grad(warmup, r, i) / d[i]).ravel() for i in order]) for r in range(size)
+    ]
+    scale = np.mean([np.abs(x).mean() for x in scaled])
+    votes = np.sum([x > 0 for x in scaled], axis=0)
+    vote = np.where(2 * votes >= size, 1.0, -1.0)
+    lo = 0
+    for i in order:
+        n = params[i].numel()
+        want = (vote[lo : lo + n] * scale).reshape(SHAPES[i]) * d[i]
+        np.testing.assert_allclose(params[i].grad.numpy(), want, rtol=1e-4)
+        lo += n
+    opt.step()
+    opt.close()
+
+
+def test_zero_and_distributed_take_the_same_steps_past_the_warm_up():
+    def train(kind):
+        params = _params()
+        opt = _make(kind, params, torch.optim.AdamW, 0.01, "signsgd", tie="positive",
+                    min_numel=1, adam_warmup=2)  # fmt: skip
+        for step in range(5):
+            _step(opt, params, step)
+        opt.close()
+        return [p.detach().numpy().copy() for p in params]
+
+    for a, b in zip(train("distributed"), train("zero"), strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)

@@ -88,7 +88,7 @@ def _codec(codec, params: dict) -> Codec:
     if isinstance(codec, str):
         unknown = [k for k in params if k not in codec_parameters(codec)]
         if unknown and codec in available_codecs():
-            raise TypeError(_unknown_keywords(unknown, codec))
+            raise TypeError(unknown_keywords(unknown, codec))
         return make_codec(codec, **params)
     if params:
         raise TypeError(
@@ -99,18 +99,23 @@ def _codec(codec, params: dict) -> Codec:
     return codec
 
 
-def _unknown_keywords(unknown: list[str], codec: str) -> str:
-    options = ["comm", "codec", *OPTIONS]
-    own = codec_parameters(codec)
+def unknown_keywords(
+    unknown: list[str], codec, who: str = "CompressedComm", also: tuple[str, list[str]] = ("", [])
+) -> str:
+    """The message of keywords ``unknown`` given to ``who``: neither options of
+    CompressedComm nor parameters of ``codec`` (a name) nor, where ``also`` names one,
+    arguments of that (``also``: its name and its arguments), with the closest names."""
+    own = codec_parameters(codec) if isinstance(codec, str) else []
+    known = ["comm", "codec", *OPTIONS, *own, *also[1]]
     parts = []
     for k in unknown:
-        close = difflib.get_close_matches(k, options + list(own), n=1)
+        close = difflib.get_close_matches(k, known, n=1)
         parts.append(f"{k!r}" + (f" (did you mean {close[0]!r}?)" if close else ""))
-    return (
-        f"CompressedComm got unknown keyword(s) {', '.join(parts)}: not an option of "
-        f"CompressedComm nor a parameter of codec {codec!r} "
-        f"({', '.join(own) if own else 'which takes none'})"
-    )
+    codec_said = f"a parameter of codec {codec!r} ({', '.join(own) or 'which takes none'})"
+    if not isinstance(codec, str):
+        codec_said = "a parameter of its codec"
+    nor = f", {codec_said}, nor an argument of {also[0]}" if also[0] else f" nor {codec_said}"
+    return f"{who} got unknown keyword(s) {', '.join(parts)}: not an option of CompressedComm{nor}"
 
 
 def _config(codec: Codec, opts: Options, transport: Transport) -> Config:

@@ -9,20 +9,30 @@ float32 gradients and step Adam as it is; then the second moment is frozen, and 
 update is linear in what went through the codec, so error feedback makes up over the
 next steps what one step's compression left out.
 
-What goes through the codec after the warm-up is the gradient, as before it; each
-rank updates the momentum from the average (the same bits on every rank). 1-bit Adam
-sends the momentum instead; on the transformer of docs/training.md that trained
-top-k alike, 3LC worse, and made the unbiased quantizers' noise (GRandK, signSGD's
-vote) enter the momentum undamped, to NaN; the gradient also keeps ``ZeroOptimizer``'s
-momentum sharded (docs/training.md, "The compressed-Adam mode").
+What goes through the codec after the warm-up is each rank's gradient divided by
+Adam's denominator ``sqrt(v / (1 - beta2**frozen_step)) + eps`` (the same on every
+rank, ``BucketedOptimizer._freeze_scales``), and the average is multiplied back: the
+codec then picks and rounds by the step each value will take, not by the gradient's
+own scale (a sign vote's one magnitude fits every value; top-k keeps the largest
+steps). Each rank updates the momentum from the average (the same bits on every rank).
+1-bit Adam sends the momentum instead; on the transformer of docs/training.md that
+trained top-k alike, 3LC worse, and took signSGD to NaN (its vote's one magnitude
+entering the momentum undamped); the gradient also keeps ``ZeroOptimizer``'s momentum
+sharded (docs/training.md, "Transformers under AdamW").
 
 The update after the warm-up is torch's Adam/AdamW with ``exp_avg_sq`` fixed at its
 value at the end of the warm-up, bias-corrected for the steps it was averaged over
-(``frozen_step``, kept in each parameter's state, so a checkpoint resumes alike):
+(``frozen_step``, kept in each parameter's state, so a checkpoint resumes alike), as
+a floor: the averages' own second moment (``exp_avg_sq_seen``, from the frozen value
+on) may raise the denominator, never lower it. Without that floor's max, GRandK's
+scaled coordinates and 3LC at ``sparsity=1.5`` took steps larger than Adam's and
+diverged (docs/training.md); with it, v never learns the codec's error downward:
 
-    m <- beta1 * m + (1 - beta1) * g          (Adam: g + weight_decay * p)
+    g <- the average (Adam: + weight_decay * p)
+    m <- beta1 * m + (1 - beta1) * g
+    s <- beta2 * s + (1 - beta2) * g**2       (s from v / (1 - beta2**frozen_step))
     p <- p * (1 - lr * weight_decay)          (AdamW)
-    p <- p - lr / (1 - beta1**step) * m / (sqrt(v / (1 - beta2**frozen_step)) + eps)
+    p <- p - lr / (1 - beta1**step) * m / (sqrt(max(v / (1 - beta2**frozen_step), s)) + eps)
 """
 
 from __future__ import annotations
@@ -85,6 +95,22 @@ class FrozenAdam:
         """Whether step ``steps`` (from 0) is past the warm-up."""
         return steps >= self.warmup
 
+    def denominators(self, params) -> list:
+        """Per parameter of ``params``: ``sqrt(v / (1 - beta2**frozen_step)) + eps``
+        (float32, flat, the same on every rank), or None before its first step."""
+        groups = {p: g for g in self.optimizer.param_groups for p in g["params"]}
+        out = []
+        for p in params:
+            state = self.optimizer.state.get(p)
+            if not state or "exp_avg_sq" not in state:
+                out.append(None)
+                continue
+            group = groups[p]
+            frozen = state.get("frozen_step", int(state["step"]))
+            v = state["exp_avg_sq"].float().reshape(-1) / (1 - group["betas"][1] ** frozen)
+            out.append(v.sqrt_().add_(group["eps"]))
+        return out
+
     def step(self) -> None:
         """Step every parameter that has a gradient (``p.grad``: the average over the
         ranks) with the second moment it had at the end of the warm-up. A parameter no
@@ -125,7 +151,12 @@ class FrozenAdam:
             p.mul_(1 - lr * decay)
         correction1 = 1 - beta1 ** float(step)
         correction2 = 1 - beta2 ** state["frozen_step"]
-        denom = (state["exp_avg_sq"] / correction2).sqrt_().add_(eps)
+        v = state["exp_avg_sq"] / correction2
+        # The frozen moment is a floor: the averages' own may still raise it (a
+        # quantizer's variance, a sparsifier's burst), never lower it (an AMSGrad max).
+        seen = state.setdefault("exp_avg_sq_seen", v.clone())
+        seen.mul_(beta2).addcmul_(g, g, value=1 - beta2)
+        denom = torch.maximum(v, seen).sqrt_().add_(eps)
         p.addcdiv_(m.to(p.dtype), denom.to(p.dtype), value=-lr / correction1)
 
 
@@ -147,10 +178,10 @@ def warn_untrained(codec, optimizer, adam) -> None:
         else "use Adam or AdamW with adam_warmup=<steps>, or SGD"
     )
     warnings.warn(
-        f"codec {codec.name!r} barely trains under {name}: an adaptive optimizer divides "
-        "by a second moment that the codec's error feeds, and its steps lose their "
-        f"direction (docs/choosing.md, 'with AdamW'); {instead}, or a codec that trains "
-        "under it (qsgd_maxnorm, fastsgd, topk with ratio >= 0.1)",
+        f"codec {codec.name!r} barely trains under {name}: it fell far behind float32 "
+        "on transformers under AdamW, whose second moment the codec's error feeds "
+        f"(docs/choosing.md, 'With AdamW'); {instead}, or a codec that trains under it "
+        "(qsgd_maxnorm, fastsgd, topk with ratio >= 0.1)",
         UntrainedWarning,
         stacklevel=user_stacklevel(),
     )

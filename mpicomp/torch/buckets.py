@@ -17,14 +17,17 @@ import warnings
 import zlib
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from functools import partial
 
 import torch
 
 from mpicomp._log import log
+from mpicomp.call.config import Config, check_same
 from mpicomp.call.worker import user_stacklevel
 from mpicomp.collectives._wait import dup, resolve_timeout
 from mpicomp.comm import CompressedComm
 from mpicomp.errors import NonFiniteWarning, PeerClosed
+from mpicomp.torch.parameters import LAYOUT, layout_differences
 from mpicomp.torch.shared import (
     Failed,
     Staging,
@@ -37,10 +40,11 @@ from mpicomp.torch.shared import (
     max_over_ranks,
     mpi_of,
     peer_closed_in,
+    quiet,
     release_names,
 )
 
-__all__ = ["Bucket", "BucketedOptimizer", "check_schedule"]
+__all__ = ["Bucket", "BucketedOptimizer", "agree_on_arguments", "check_schedule"]
 
 
 @dataclass
@@ -72,6 +76,25 @@ class Bucket:
             yield p, self.grads[lo:hi]
 
 
+def agree_on_arguments(comm, what: str, settings, layout: str, parameters, error, timeout):
+    """Raise on every rank if one refused its arguments (``error``), or ranks differ in
+    ``settings`` (a dict; None where refused) or in their parameters (``layout``, from
+    ``describe_layout``: each one that differs is named). One small allgather, under
+    the CompressedComm's ``timeout`` (the one it will have), before anything else."""
+    config = None
+    if error is None:
+        digest = f"{zlib.crc32(layout.encode()):08x}"
+        config = Config({**settings, "parameters": len(parameters), LAYOUT: digest})
+    check_same(
+        quiet(comm),
+        config,
+        error,
+        f"this {what}",
+        timeout,
+        differences=partial(layout_differences, mpi_of(comm), config, parameters),
+    )
+
+
 def check_schedule(overlap, backward_passes_per_step) -> int:
     """Check the two arguments every bucketed optimizer takes; return the count."""
     if not isinstance(overlap, bool | int) or overlap not in (0, 1):
@@ -85,6 +108,9 @@ class BucketedOptimizer(torch.optim.Optimizer):
 
     #: The class's name in messages ("DistributedOptimizer").
     what = "BucketedOptimizer"
+    #: What a gradient changed after its bucket was sent comes to: (the warning's
+    #: class, its text after "changed after they were sent for averaging").
+    changed_warning: tuple[type[Warning], str]
 
     # -- construction: _open, then _make_buckets (agreed), then _adopt ----------------
 
@@ -115,8 +141,15 @@ class BucketedOptimizer(torch.optim.Optimizer):
         self._next = 0  # the next bucket to start: buckets start in order on every rank
         self._snapshots: list = []  # residual snapshots of this step's calls
         self._synchronized = False  # this step's outcomes are taken (DistributedOptimizer)
+        # The step and the gradients changed after they were sent, warned after the step.
+        self._changed: tuple[int, list[str]] = (0, [])
         # Autograd may run hooks on one thread per device: buckets start one at a time.
         self._lock = threading.Lock()
+        #: The compressed-Adam mode's update (``adam_warmup``), or None; and, once its
+        #: second moment is frozen, what divides each bucket's gradients before the
+        #: codec and multiplies their averages after it (``_freeze_scales``).
+        self._adam = None
+        self._scales: list[torch.Tensor] | None = None
 
     def _agree_built(self, error: Exception | None) -> None:
         """Raise on every rank if making the buckets (or more) failed on one; closed then."""
@@ -265,6 +298,39 @@ class BucketedOptimizer(torch.optim.Optimizer):
                     part.copy_(grad.reshape(-1))
                 b.has_grad.append(grad is not None)
                 b.sent.append(None if grad is None else (grad, grad._version))
+            if self._scales is not None:
+                b.grads.div_(self._scales[b.index][: b.numel])
+
+    # -- the compressed-Adam mode's scales ----------------------------------------------
+
+    def _freeze_scales(self) -> None:
+        """Once the second moment is frozen, make each bucket's scales: Adam's
+        denominator ``sqrt(v / (1 - beta2**frozen_step)) + eps`` of its values, the same
+        on every rank. Each rank then sends its gradient divided by them, so that the
+        codec sees what the update will be (a sign, a top-k, a 3LC level is of the
+        step each value takes, not of the gradient's own scale), and the average is
+        multiplied back (mpicomp/torch/adam.py)."""
+        if self._adam is None or self._scales is not None or not self._adam.frozen(self.steps):
+            return
+        self._scales = [self._scales_of(b) for b in self._buckets]
+
+    def _scales_of(self, b: Bucket) -> torch.Tensor:
+        """Bucket ``b``'s scales, on its gradients' device (1 where a parameter has no
+        second moment)."""
+        scales = torch.ones(b.numel, dtype=torch.float32, device=b.grads.device)
+        found = self._adam.denominators(b.params)
+        for lo, hi, d in zip(b.offsets, b.offsets[1:], found, strict=False):
+            if d is not None:
+                scales[lo:hi].copy_(d)
+        return scales
+
+    def _unscaled(self, b: Bucket, average: torch.Tensor, lo: int = 0) -> torch.Tensor:
+        """``average`` (of bucket ``b``'s values from ``lo`` on) multiplied back by the
+        scales the gradients were divided by, if any."""
+        if self._scales is None:
+            return average
+        scales = self._scales[b.index][lo : lo + average.numel()]
+        return average * scales.to(average.device)
 
     # -- the step ----------------------------------------------------------------------
 
@@ -293,6 +359,23 @@ class BucketedOptimizer(torch.optim.Optimizer):
             for n, p, sent in zip(b.names, b.params, b.sent, strict=True)
             if _changed_since(p.grad, sent)
         ]
+
+    def _warn_changed(self) -> None:
+        """Warn of the gradients ``_changed`` names (``_changed_since_sent``), once.
+        Warned after the step: under -W error it raises on the ranks whose gradients
+        changed only, which must still step."""
+        (step, changed), self._changed = self._changed, (0, [])
+        if not changed:
+            return
+        shown = ", ".join(map(repr, changed[:3]))
+        more = f" and {len(changed) - 3} more" if len(changed) > 3 else ""
+        category, consequence = self.changed_warning
+        warnings.warn(
+            f"{self.what} step {step}: the gradients of {shown}{more} changed after they "
+            f"were sent for averaging {consequence}",
+            category,
+            stacklevel=user_stacklevel(),
+        )
 
     def _reset_passes(self) -> None:
         for p in self._passes:

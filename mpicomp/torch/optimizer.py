@@ -10,19 +10,13 @@ others are told apart, is ``mpicomp/torch/parameters.py``.
 
 from __future__ import annotations
 
-import warnings
-import zlib
-from functools import partial
-
 import torch
 
-from mpicomp.call.config import Config, check_same
-from mpicomp.call.worker import user_stacklevel
 from mpicomp.errors import PeerClosed
 from mpicomp.torch.adam import FrozenAdam, check_adam, warn_untrained
-from mpicomp.torch.buckets import Bucket, BucketedOptimizer, check_schedule
-from mpicomp.torch.parameters import LAYOUT, describe_layout, layout_differences, named
-from mpicomp.torch.shared import check_comm, check_given, count, kind, mpi_of, quiet
+from mpicomp.torch.buckets import Bucket, BucketedOptimizer, agree_on_arguments, check_schedule
+from mpicomp.torch.parameters import describe_layout, named
+from mpicomp.torch.shared import check_comm, check_given, count, kind
 
 __all__ = ["DistributedOptimizer", "GradientsOverwrittenWarning"]
 
@@ -87,6 +81,13 @@ class DistributedOptimizer(BucketedOptimizer):
     """
 
     what = "DistributedOptimizer"
+    changed_warning = (
+        GradientsOverwrittenWarning,
+        "(clipped or scaled before step() without synchronize(), or another backward "
+        "pass) and are overwritten now with the averages of the gradients as sent, "
+        "undoing the change: call optimizer.synchronize() first, then clip or scale, "
+        "then step()",
+    )
 
     def __init__(
         self,
@@ -128,36 +129,25 @@ class DistributedOptimizer(BucketedOptimizer):
                     )
                 start_step, adam = adam, FrozenAdam(optimizer, adam)
             parameters = named(optimizer, named_parameters)
-            layout = describe_layout(parameters).encode()
-            config = Config(
-                {
-                    "optimizer": type(optimizer).__qualname__,
-                    "backward_passes_per_step": backward_passes_per_step,
-                    "start_step": start_step,
-                    "adam_warmup": adam_warmup,
-                    "overlap": bool(overlap),
-                    "parameters": len(parameters),
-                    LAYOUT: f"{zlib.crc32(layout):08x}",
-                }
-            )
+            settings = {
+                "optimizer": type(optimizer).__qualname__,
+                "backward_passes_per_step": backward_passes_per_step,
+                "start_step": start_step,
+                "adam_warmup": adam_warmup,
+                "overlap": bool(overlap),
+            }
         except Exception as e:  # whatever it is, the other ranks must hear of it
-            error, config = e, None
-        # The CompressedComm made below checks its own options the same way.
-        check_same(
-            quiet(comm),
-            config,
-            error,
-            "this DistributedOptimizer",
-            options.get("timeout"),  # the CompressedComm's timeout= covers this check too
-            differences=partial(layout_differences, mpi_of(comm), config, parameters),
-        )
+            error, settings = e, None
+        # The CompressedComm made below checks its own options the same way; its
+        # timeout= covers this check too.
+        agree_on_arguments(
+            comm, self.what, settings, describe_layout(parameters or []), parameters or [],
+            error, options.get("timeout"),
+        )  # fmt: skip
         self.optimizer = optimizer
         self._open(comm, codec, options, overlap, backward_passes_per_step)
         self.start_step = start_step
-        #: The compressed-Adam mode's update (``adam_warmup``), or None.
         self._adam = adam
-        # The step and the gradients its averages overwrote, for a warning after the step.
-        self._overwritten: tuple[int, list[str]] = (0, [])
         error = None
         try:
             self._buckets = self._make_buckets([parameters])  # allocates: may fail on one rank
@@ -193,7 +183,7 @@ class DistributedOptimizer(BucketedOptimizer):
         """
         self._start_buckets()
         self._synchronize()
-        self._warn_overwritten()
+        self._warn_changed()
 
     def _synchronize(self) -> None:
         """Wait for this step's bucket calls (every one started: ``_start_buckets``),
@@ -233,12 +223,11 @@ class DistributedOptimizer(BucketedOptimizer):
         if skipped:
             self._warn_skipped(skipped, self.steps)
             return
-        # Warned after the step (step()) or the writing (synchronize()): under -W error it
-        # raises on the ranks whose gradients changed only, which must still step.
-        self._overwritten = (self.steps, changed)
+        self._changed = (self.steps, changed)  # warned after the step or the writing
         with torch.no_grad():
             i = 0
             for b, (avg, _) in zip(self._buckets, outcomes, strict=True):
+                avg = self._unscaled(b, avg)
                 for p, lo, hi in zip(b.params, b.offsets, b.offsets[1:], strict=False):
                     if flags[i]:
                         if p.grad is None:
@@ -250,23 +239,6 @@ class DistributedOptimizer(BucketedOptimizer):
         """Per parameter in bucket order, whether it has a gradient here: the max over
         the ranks says which to write (one unused everywhere keeps ``grad = None``)."""
         return [h for b in self._buckets for h in b.has_grad]
-
-    def _warn_overwritten(self) -> None:
-        """Warn of the gradients the last averages overwrote (``_changed_since_sent``)."""
-        (step, changed), self._overwritten = self._overwritten, (0, [])
-        if not changed:
-            return
-        shown = ", ".join(map(repr, changed[:3]))
-        more = f" and {len(changed) - 3} more" if len(changed) > 3 else ""
-        warnings.warn(
-            f"DistributedOptimizer step {step}: the gradients of {shown}{more} changed "
-            "after they were sent for averaging (clipped or scaled before step() without "
-            "synchronize(), or another backward pass) and are overwritten now with the "
-            "averages of the gradients as sent, undoing the change: call "
-            "optimizer.synchronize() first, then clip or scale, then step()",
-            GradientsOverwrittenWarning,
-            stacklevel=user_stacklevel(),
-        )
 
     def step(self, closure=None):
         """Average the gradients (``synchronize``), then step the wrapped optimizer,
@@ -288,7 +260,8 @@ class DistributedOptimizer(BucketedOptimizer):
             self._adam.step()  # the averages in p.grad, the second moment frozen
         else:
             self.optimizer.step()
-        self._warn_overwritten()
+        self._freeze_scales()
+        self._warn_changed()
         return loss
 
     def zero_grad(self, set_to_none: bool = True) -> None:
@@ -320,3 +293,5 @@ class DistributedOptimizer(BucketedOptimizer):
             self.comm.load_state_dict(before)
             raise
         self.steps = steps
+        self._scales = None
+        self._freeze_scales()

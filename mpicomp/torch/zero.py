@@ -12,35 +12,31 @@ optimizer's parameter; otherwise a float32 master copy of the row is.
 from __future__ import annotations
 
 import copy
-import difflib
 import inspect
-import warnings
-import zlib
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from functools import partial
 
+import numpy as np
 import torch
 
-from mpicomp.call.config import Config, check_same
+from mpicomp.call.arguments import unknown_keywords
 from mpicomp.call.options import OPTIONS
-from mpicomp.call.worker import user_stacklevel
 from mpicomp.codecs._base import codec_parameters
 from mpicomp.codecs.arrays import FLOAT32_RANGE, result_range
+from mpicomp.collectives._wait import issue, resolve_timeout
 from mpicomp.comm import CompressedComm
 from mpicomp.errors import PeerClosed
 from mpicomp.reduction import kind_of
 from mpicomp.reduction.rows import PRECISIONS
 from mpicomp.torch.adam import FrozenAdam, check_adam, warn_untrained
-from mpicomp.torch.buckets import Bucket, BucketedOptimizer, check_schedule
+from mpicomp.torch.buckets import Bucket, BucketedOptimizer, agree_on_arguments, check_schedule
 from mpicomp.torch.parameters import (
-    LAYOUT,
     _pairs,
     check_unique,
     describe_layout,
-    layout_differences,
 )
-from mpicomp.torch.shared import agree, check_comm, check_given, cuda_staging, kind, mpi_of, quiet
+from mpicomp.torch.shared import agree, check_comm, check_given, cuda_staging, kind
 
 __all__ = ["GradientsIgnoredWarning", "ZeroOptimizer"]
 
@@ -137,6 +133,12 @@ class ZeroOptimizer(BucketedOptimizer):
     """
 
     what = "ZeroOptimizer"
+    changed_warning = (
+        GradientsIgnoredWarning,
+        "during backward (clipped or scaled before step(), or another backward pass) and "
+        "the change is not used: accumulate with backward_passes_per_step, or pass "
+        "overlap=False",
+    )
 
     def __init__(
         self,
@@ -179,36 +181,26 @@ class ZeroOptimizer(BucketedOptimizer):
                         f"parameter {n!r} is {p.dtype}: a ZeroOptimizer trains float32, "
                         "bfloat16 and float16 parameters (its master rows are float32)"
                     )
-            layout = "||".join(describe_layout(pairs) for _, pairs in groups).encode()
-            config = Config(
-                {
-                    "optimizer_class": optimizer_class.__qualname__,
-                    "optimizer_arguments": repr(sorted(defaults.items())),
-                    "groups": [repr(sorted(o.items())) for o, _ in groups],
-                    "gather_precision": gather_precision,
-                    "overlap": bool(overlap),
-                    "backward_passes_per_step": backward_passes_per_step,
-                    "adam_warmup": adam_warmup,
-                    "parameters": len(named),
-                    LAYOUT: f"{zlib.crc32(layout):08x}",
-                }
-            )
+            layout = "||".join(describe_layout(pairs) for _, pairs in groups)
+            settings = {
+                "optimizer_class": optimizer_class.__qualname__,
+                "optimizer_arguments": repr(sorted(defaults.items())),
+                "groups": [repr(sorted(o.items())) for o, _ in groups],
+                "gather_precision": gather_precision,
+                "overlap": bool(overlap),
+                "backward_passes_per_step": backward_passes_per_step,
+                "adam_warmup": adam_warmup,
+            }
         except Exception as e:  # whatever it is, the other ranks must hear of it
-            error, config = e, None
-        check_same(
-            quiet(comm),
-            config,
-            error,
-            "this ZeroOptimizer",
+            error, settings, layout = e, None, ""
+        agree_on_arguments(
+            comm, self.what, settings, layout, named or [], error,
             comm_keywords.get("timeout"),  # the CompressedComm's timeout= covers it too
-            differences=partial(layout_differences, mpi_of(comm), config, named),
-        )
+        )  # fmt: skip
         #: The optimizer stepping this rank's rows (one parameter per bucket).
         self.optimizer = None
         self.gather_precision = gather_precision
         self._open(comm, codec, comm_keywords, overlap, backward_passes_per_step)
-        self._ignored: tuple[int, list[str]] = (0, [])  # gradients changed after sending
-        self._adam = None  # the compressed-Adam mode's update (adam_warmup), or None
         error, inner = None, None
         try:  # allocates, and the optimizer checks its arguments: may fail on one rank
             _check_scatters(self.comm.codec)
@@ -233,14 +225,17 @@ class ZeroOptimizer(BucketedOptimizer):
         """Return the bytes of this rank's optimizer memory: the inner optimizer's state
         tensors (Adam's ``exp_avg``, ``exp_avg_sq`` and ``step`` of its rows) and the
         float32 master rows where the parameters are not float32 or come back in
-        bfloat16 (none otherwise: the rows are views of the parameters)."""
+        bfloat16 (none otherwise: the rows are views of the parameters); in the
+        compressed-Adam mode past its warm-up, the scales of every bucket too (a
+        float32 value per parameter value: ``adam_warmup``)."""
         state = sum(
             t.nbytes
             for s in self.optimizer.state.values()
             for t in s.values()
             if torch.is_tensor(t)
         )
-        return state + sum(b.shard.nbytes for b in self._buckets if b.master)
+        scales = sum(s.nbytes for s in self._scales or [])
+        return state + scales + sum(b.shard.nbytes for b in self._buckets if b.master)
 
     # -- the buckets ---------------------------------------------------------------
 
@@ -267,6 +262,25 @@ class ZeroOptimizer(BucketedOptimizer):
         )
 
     # -- during backward -----------------------------------------------------------
+
+    def _scales_of(self, b: _Rows) -> torch.Tensor:
+        """The bucket's scales (``BucketedOptimizer._freeze_scales``): each rank holds its
+        rows' second moment only, so they are allgathered once, as the second moment
+        freezes (a float32 copy of the bucket per rank from then on)."""
+        from mpi4py import MPI
+
+        (mine,) = self._adam.denominators([b.shard])
+        if mine is None:
+            mine = torch.ones(b.width)
+        mine = mine.detach().cpu().numpy().astype(np.float32)
+        every = np.empty(self.comm.size * b.width, np.float32)
+        issue(
+            self._control, MPI.Comm.Allgather, MPI.Comm.Iallgather, mine, every,
+            timeout=resolve_timeout(self.comm.options.timeout), name="ZeroOptimizer.step",
+            detail=lambda: f"the second moment frozen in step {self.steps}, an Iallgather "
+            f"of {mine.nbytes} bytes per rank",
+        )  # fmt: skip
+        return torch.from_numpy(every).to(b.grads.device)
 
     def _call_of(self, b: _Rows) -> tuple:
         compress = self._adam is None or self._adam.frozen(self.steps)
@@ -303,6 +317,7 @@ class ZeroOptimizer(BucketedOptimizer):
             try:
                 self._adopt_changed_parameters()
                 for b, row in zip(self._buckets, rows, strict=True):
+                    row = self._unscaled(b, row, self.comm.rank * b.width)
                     b.shard.grad = row.to(b.shard.device) if b.staged else row
                 before = self._rows_and_state()
                 if compressing_adam:
@@ -325,11 +340,8 @@ class ZeroOptimizer(BucketedOptimizer):
                 if not isinstance(e, PeerClosed) and not self.comm.closed:
                     self.comm.rollback(snapshots)
                 raise
-        # Warned after the step: under -W error it raises on the ranks whose gradients
-        # changed only, which must still step.
-        (step, names), self._ignored = self._ignored, (0, [])
-        if names:
-            _warn_ignored(step, names)
+        self._freeze_scales()  # collective once, as the warm-up ends: every rank is here
+        self._warn_changed()
         return loss
 
     def _check_rows_fit(self) -> None:
@@ -394,7 +406,7 @@ class ZeroOptimizer(BucketedOptimizer):
         back."""
         outcomes, error = self._wait_for_buckets()
         snapshots, self._snapshots = self._snapshots, []
-        self._ignored = (self.steps, self._changed_since_sent())
+        self._changed = (self.steps, self._changed_since_sent())
         self._reset_passes()
         skipped = [m for o in outcomes for m in o.skipped]
         if error is not None or skipped:
@@ -558,6 +570,8 @@ class ZeroOptimizer(BucketedOptimizer):
                 # before is not read into them again).
                 b.versions = [p._version for p in b.params]
         self.steps = steps
+        self._scales = None  # of the loaded second moment, if frozen (every rank loaded)
+        self._freeze_scales()
 
     def _closing_flags(self) -> list[int]:
         return [0]  # _agree_on_step's "this rank failed"
@@ -647,30 +661,9 @@ def _split(keywords: dict, optimizer_class, comm, codec) -> tuple[dict, dict]:
         )
     unknown = [k for k in keywords if k not in mine and k not in takes and not anything]
     if unknown:
-        known = [*mine, *takes]
-        parts = []
-        for k in unknown:
-            close = difflib.get_close_matches(k, known, n=1)
-            parts.append(f"{k!r}" + (f" (did you mean {close[0]!r}?)" if close else ""))
-        what = f"a parameter of codec {codec!r}, " if isinstance(codec, str) else ""
-        raise TypeError(
-            f"ZeroOptimizer got unknown keyword(s) {', '.join(parts)}: not an option of "
-            f"CompressedComm, {what}nor an argument of {optimizer_class.__name__}"
-        )
+        name = optimizer_class.__name__
+        raise TypeError(unknown_keywords(unknown, codec, "ZeroOptimizer", (name, takes)))
     return (
         {k: v for k, v in keywords.items() if k in mine},
         {k: v for k, v in keywords.items() if k not in mine},
-    )
-
-
-def _warn_ignored(step: int, names: list[str]) -> None:
-    shown = ", ".join(map(repr, names[:3]))
-    more = f" and {len(names) - 3} more" if len(names) > 3 else ""
-    warnings.warn(
-        f"ZeroOptimizer step {step}: the gradients of {shown}{more} changed after they were "
-        "sent for averaging during backward (clipped or scaled before step(), or another "
-        "backward pass) and the change is not used: accumulate with "
-        "backward_passes_per_step, or pass overlap=False",
-        GradientsIgnoredWarning,
-        stacklevel=user_stacklevel(),
     )
