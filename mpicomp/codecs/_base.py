@@ -82,7 +82,7 @@ class Codec:
     #: twin, byte for byte); False for PowerSGD's matrix products (BLAS, cuBLAS).
     on_kernels: ClassVar[bool] = True
     #: False where training under an adaptive optimizer (Adam, AdamW, Adagrad...)
-    #: through it was measured to fall far behind float32 (docs/choosing.md, "with
+    #: through it was measured to fall far behind float32 (docs/choosing.md, "With
     #: AdamW"): mpicomp.torch's optimizers warn, and point to ``adam_warmup``.
     trains_adaptive: ClassVar[bool] = True
 

@@ -48,7 +48,7 @@ __all__ = ["ADAPTIVE", "FrozenAdam", "UntrainedWarning", "check_adam", "warn_unt
 
 #: Optimizers that divide by a running moment of the gradient: a codec whose error
 #: feedback bursts dwarf the signal gives them steps of constant size in random
-#: directions (choosing.md's "with AdamW" column).
+#: directions (docs/choosing.md, "With AdamW").
 ADAPTIVE = tuple(
     getattr(torch.optim, n)
     for n in ("Adam", "AdamW", "Adamax", "NAdam", "RAdam", "Adagrad", "RMSprop", "Adadelta")
