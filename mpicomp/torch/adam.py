@@ -77,7 +77,7 @@ def check_adam(optimizer_class: type, warmup) -> int | None:
 
 class FrozenAdam:
     """The step of ``optimizer`` (a torch Adam or AdamW) after the warm-up: its momentum
-    from the averaged gradient, its second moment frozen."""
+    from the averaged gradient, its second moment frozen as a floor (module docstring)."""
 
     def __init__(self, optimizer: torch.optim.Optimizer, warmup: int):
         for group in optimizer.param_groups:
@@ -113,8 +113,8 @@ class FrozenAdam:
 
     def step(self) -> None:
         """Step every parameter that has a gradient (``p.grad``: the average over the
-        ranks) with the second moment it had at the end of the warm-up. A parameter no
-        warm-up step reached (no second moment) stays as it is, told once."""
+        ranks), its second moment at least what it was at the end of the warm-up. A
+        parameter no warm-up step reached (no second moment) stays as it is, told once."""
         with torch.no_grad():
             for group in self.optimizer.param_groups:
                 for p in group["params"]:
