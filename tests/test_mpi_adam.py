@@ -247,3 +247,22 @@ def test_zero_and_distributed_take_the_same_steps_past_the_warm_up():
 
     for a, b in zip(train("distributed"), train("zero"), strict=True):
         np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
+
+
+def test_a_value_no_warm_up_gradient_reached_stays_in_the_codecs_range():
+    """An embedding row unused during the warm-up has v = 0; its first gradient after
+    it, divided by Adam's eps alone, would pass fp16's 65,504 and be refused."""
+    emb = torch.nn.Embedding(8, 4)
+    with torch.no_grad():
+        emb.weight.copy_(torch.arange(32.0).reshape(8, 4) / 32)
+    inner = torch.optim.AdamW(emb.parameters(), lr=LR)
+    opt = mt.DistributedOptimizer(
+        inner, world(), emb.named_parameters(), "fp16", min_numel=1, adam_warmup=2
+    )
+    for step, rows in enumerate([[0, 1], [0, 1], [0, 7], [7]]):  # row 7 after the warm-up
+        opt.zero_grad()
+        emb(torch.tensor(rows)).sum().mul(0.01 * (step + 1)).backward()
+        opt.step()
+    assert torch.isfinite(emb.weight).all()
+    assert not torch.equal(emb.weight[7], torch.arange(28.0, 32.0) / 32)  # it moved
+    opt.close()

@@ -44,6 +44,9 @@ from mpicomp.torch.shared import (
     release_names,
 )
 
+#: The least scale, as a fraction of its bucket's mean (``_freeze_scales``).
+SCALE_FLOOR = 1e-2
+
 __all__ = ["Bucket", "BucketedOptimizer", "agree_on_arguments", "check_schedule"]
 
 
@@ -313,6 +316,12 @@ class BucketedOptimizer(torch.optim.Optimizer):
         if self._adam is None or self._scales is not None or not self._adam.frozen(self.steps):
             return
         self._scales = [self._scales_of(b) for b in self._buckets]
+        # A value no warm-up gradient reached has v = 0 and a scale of eps: its first
+        # gradient would come to the codec a hundred million times larger (past fp16's
+        # range). Any positive scale keeps the mode exact; this one keeps it in range.
+        for s in self._scales:
+            if s.numel():
+                s.clamp_(min=SCALE_FLOOR * float(s.mean()))
 
     def _scales_of(self, b: Bucket) -> torch.Tensor:
         """Bucket ``b``'s scales, on its gradients' device (1 where a parameter has no
