@@ -422,8 +422,9 @@ class BucketedOptimizer(torch.optim.Optimizer):
             f"{step}, which this rank took; it is closed on this rank too"
         )
 
-    def _closing_flags(self) -> list[int]:
-        """This rank's flags in the step's agreement it takes part in as it closes."""
+    def _step_flags(self) -> list[int]:
+        """This rank's flags in the step's agreement (``_max_over_ranks``), which it also
+        sends, beside its closing slot, when it closes instead of stepping."""
         raise NotImplementedError
 
     # -- checkpoints -------------------------------------------------------------------
@@ -499,7 +500,7 @@ class BucketedOptimizer(torch.optim.Optimizer):
         self.comm.rollback(snapshots)  # the step is not taken
         if sent_all and error is None and not any(o.skipped for o in outcomes):
             self._max_over_ranks(
-                self._closing_flags(),
+                self._step_flags(),
                 closing=True,
                 where="close",
                 what=lambda: f"telling the other ranks that this rank closes in step {self.steps}",

@@ -120,14 +120,14 @@ class DistributedOptimizer(BucketedOptimizer):
                 )
             backward_passes_per_step = check_schedule(overlap, backward_passes_per_step)
             start_step = count("start_step", start_step, 0)
-            adam = check_adam(type(optimizer), adam_warmup)
-            if adam is not None:
+            adam = None
+            if check_adam(type(optimizer), adam_warmup) is not None:
                 if start_step:
                     raise ValueError(
                         "start_step and adam_warmup both set the uncompressed steps at the "
                         "start: give adam_warmup alone"
                     )
-                start_step, adam = adam, FrozenAdam(optimizer, adam)
+                start_step, adam = adam_warmup, FrozenAdam(optimizer, adam_warmup)
             parameters = named(optimizer, named_parameters)
             settings = {
                 "optimizer": type(optimizer).__qualname__,
@@ -201,7 +201,7 @@ class DistributedOptimizer(BucketedOptimizer):
         skipped = [m for o in outcomes for m in o.skipped]
         if error is None and not skipped and self._buckets:
             flags, closer = self._max_over_ranks(
-                self._closing_flags(),
+                self._step_flags(),
                 closing=False,
                 where="synchronize",
                 what=lambda: (
@@ -235,7 +235,7 @@ class DistributedOptimizer(BucketedOptimizer):
                         p.grad.copy_(avg[lo:hi].view_as(p))
                     i += 1
 
-    def _closing_flags(self) -> list[int]:
+    def _step_flags(self) -> list[int]:
         """Per parameter in bucket order, whether it has a gradient here: the max over
         the ranks says which to write (one unused everywhere keeps ``grad = None``)."""
         return [h for b in self._buckets for h in b.has_grad]

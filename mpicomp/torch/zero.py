@@ -573,7 +573,7 @@ class ZeroOptimizer(BucketedOptimizer):
         self._scales = None  # of the loaded second moment, if frozen (every rank loaded)
         self._freeze_scales()
 
-    def _closing_flags(self) -> list[int]:
+    def _step_flags(self) -> list[int]:
         return [0]  # _agree_on_step's "this rank failed"
 
     def __repr__(self) -> str:
